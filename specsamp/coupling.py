@@ -1,0 +1,375 @@
+"""Exact couplings of drafted children with a Gaussian target kernel ("Verify" in Algorithm 1).
+
+Every rule has one contract::
+
+    verify(children, mean_p, mean_q, sigma, generator=None) -> Verdict(sample, accepted, index)
+
+with ``children [n, K, *event]`` drawn i.i.d. from ``N(mean_p, sigma^2 I)``, ``mean_p, mean_q
+[n, *event]`` and ``sigma [n]`` (or a scalar). It returns ``sample [n, *event]`` distributed exactly
+as ``N(mean_q, sigma^2 I)``; ``accepted [n]`` says the sample *is* ``children[i, index[i]]``;
+``index [n]`` is ``K`` where the residual was drawn. ``generator`` is a ``torch.Generator``, an
+object with ``uniform(m) -> [n, m]`` (see :mod:`specsamp.rng`), or ``None`` (global generator).
+
+All rules work through the rank-1 projection of section 3.1 (eqs. 12--15): only the scalar
+projection of each child on the displacement direction ``e`` differs between draft and target.
+The scalar algebra runs in float64 and in log space whatever the input dtype, so ``delta`` from 0 to
+several hundred gives no NaN, no inf and no bias; the d-dimensional states keep their dtype.
+
+New rules register with :func:`register_coupling` and are found by name in :data:`COUPLINGS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .rng import GeneratorRows
+
+LOG_TINY = -745.0  # log of the smallest positive float64, the floor of every log-probability here
+
+
+@dataclass
+class Verdict:
+    """Output of a coupling.
+
+    Attributes:
+        sample: ``[n, *event]``, an exact draw from ``N(mean_q, sigma^2 I)``.
+        accepted: ``[n]`` bool, True where ``sample`` equals ``children[i, index[i]]``.
+        index: ``[n]`` long, the accepted child, or ``K`` where the residual was sampled.
+    """
+
+    sample: torch.Tensor
+    accepted: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclass
+class Projection:
+    """Rank-1 reduction of one verification problem per row (paper eqs. 12--14).
+
+    Attributes:
+        delta: ``[n]`` float64, ``||mean_q - mean_p|| / sigma``.
+        e: ``[n, D]`` unit displacement direction (zero where ``delta == 0``), input dtype.
+        s_hat: ``[n, K]`` float64, the children's standardised projections on ``e`` (N(0, 1) under P).
+        sigma: ``[n]`` kernel scale in the input dtype.
+    """
+
+    delta: torch.Tensor
+    e: torch.Tensor
+    s_hat: torch.Tensor
+    sigma: torch.Tensor
+
+
+CouplingFn = Callable[..., Verdict]
+COUPLINGS: dict[str, CouplingFn] = {}
+
+
+def register_coupling(name: str, max_children: int | None = None):
+    """Register a coupling under ``name`` (decorator).
+
+    Args:
+        name: registry key used by configs (``sampler=<name>``).
+        max_children: largest ``K`` the rule accepts (``None``: any).
+
+    Returns:
+        The decorator; it stores ``max_children`` on the function and returns it unchanged.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+
+    def deco(fn: CouplingFn) -> CouplingFn:
+        if name in COUPLINGS:
+            raise ValueError(f"coupling {name!r} is already registered")
+        fn.max_children = max_children
+        fn.coupling_name = name
+        COUPLINGS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_coupling(name: str) -> CouplingFn:
+    """Look up a registered coupling.
+
+    Raises:
+        ValueError: unknown name; the message lists the registered ones.
+    """
+    try:
+        return COUPLINGS[name]
+    except KeyError:
+        raise ValueError(f"coupling={name!r} is not registered; valid: {sorted(COUPLINGS)}") from None
+
+
+def _rows(generator, n: int, device):
+    if generator is None or isinstance(generator, torch.Generator):
+        return GeneratorRows(n, device, generator)
+    return generator
+
+
+def check_inputs(children, mean_p, mean_q, sigma) -> torch.Tensor:
+    """Validate shapes and scales; return ``sigma`` as a ``[n]`` tensor.
+
+    Raises:
+        ValueError: mismatched shapes, ``K < 1``, or a ``sigma`` that is not finite and positive.
+    """
+    if children.ndim < 2:
+        raise ValueError(f"children must be [n, K, *event], got shape {tuple(children.shape)}")
+    n, k = children.shape[:2]
+    if k < 1:
+        raise ValueError(f"K={k}: need at least one child per parent (K >= 1)")
+    for name, m in (("mean_p", mean_p), ("mean_q", mean_q)):
+        if m.shape != (n, *children.shape[2:]):
+            raise ValueError(
+                f"{name} has shape {tuple(m.shape)}; expected {(n, *children.shape[2:])} "
+                f"to match children {tuple(children.shape)}"
+            )
+    sigma = torch.as_tensor(sigma, dtype=children.dtype, device=children.device)
+    if sigma.ndim == 0:
+        sigma = sigma.expand(n)
+    if sigma.shape != (n,):
+        raise ValueError(f"sigma has shape {tuple(sigma.shape)}; expected a scalar or [{n}]")
+    if not bool(torch.all(torch.isfinite(sigma) & (sigma > 0))):
+        raise ValueError(f"sigma must be finite and > 0, got min {float(sigma.min())}")
+    return sigma
+
+
+def project(children, mean_p, mean_q, sigma) -> Projection:
+    """Rank-1 projection of section 3.1 (eqs. 12--14), one row per parent node.
+
+    Args:
+        children: ``[n, K, *event]``.
+        mean_p: ``[n, *event]`` draft kernel mean.
+        mean_q: ``[n, *event]`` target kernel mean.
+        sigma: ``[n]`` or scalar, shared kernel scale.
+
+    Returns:
+        :class:`Projection`.
+
+    Raises:
+        ValueError: see :func:`check_inputs`.
+    """
+    sigma = check_inputs(children, mean_p, mean_q, sigma)
+    n, k = children.shape[:2]
+    flat = children.reshape(n, k, -1)
+    mp = mean_p.reshape(n, -1)
+    disp = (mean_q.reshape(n, -1) - mp) / sigma[:, None]
+    delta = torch.linalg.vector_norm(disp, dim=1, dtype=torch.float64)
+    inv = torch.where(delta > 0, 1.0 / delta, torch.zeros_like(delta)).to(disp.dtype)
+    e = disp * inv[:, None]
+    s_hat = torch.einsum("nkd,nd->nk", (flat - mp[:, None, :]).double(), e.double()) / sigma.double()[:, None]
+    return Projection(delta=delta, e=e, s_hat=s_hat, sigma=sigma)
+
+
+def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index) -> torch.Tensor:
+    """Eq. 15: the accepted child where ``accepted``, else child 0 with its projection replaced.
+
+    Args:
+        children: ``[n, K, *event]``.
+        proj: the rows' projection.
+        s_new: ``[n]`` float64, the residual's standardised projection (ignored where accepted).
+        accepted: ``[n]`` bool.
+        index: ``[n]`` long (``K`` where not accepted).
+
+    Returns:
+        ``[n, *event]`` in the children's dtype.
+    """
+    n, k = children.shape[:2]
+    flat = children.reshape(n, k, -1)
+    pick = flat[torch.arange(n, device=flat.device), index.clamp(max=k - 1)]
+    shift = (proj.sigma.double() * (s_new - proj.s_hat[:, 0])).to(flat.dtype)
+    residual = flat[:, 0] + shift[:, None] * proj.e
+    out = torch.where(accepted[:, None], pick, residual)
+    return out.reshape(children.shape[0], *children.shape[2:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Scalar machinery of greedy rejection sampling for N(0,1) proposals and an N(delta,1) target.
+
+
+def log_sf(x: torch.Tensor) -> torch.Tensor:
+    """log of the standard normal survival function, stable in both tails (float64)."""
+    return torch.special.log_ndtr(-x)
+
+
+def grs_threshold(lam: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The super-level set ``{s : rho(s) >= lam}`` is ``{s >= c}``; return ``c`` (proof of Thm. 4).
+
+    ``rho(s) = exp(delta s - delta^2 / 2)``, so ``c = ln(lam) / delta + delta / 2``. For
+    ``delta == 0`` and ``lam == 1`` (the only level reached then) returns 0.
+    """
+    safe = delta.clamp_min(1e-300)
+    return torch.log(lam) / safe + 0.5 * delta
+
+
+def grs_remaining_mass(lam: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``G = Q(H) - lam P(H)`` with ``H = {rho >= lam}`` (eqs. 19 and 25), for ``lam >= 1``.
+
+    Computed as ``Phibar(c - delta) * (1 - lam Phibar(c) / Phibar(c - delta))`` in log space.
+
+    Args:
+        lam: float64 levels (``>= 1``).
+        delta: float64 ``delta >= 0``, broadcastable with ``lam``.
+
+    Returns:
+        float64 masses in ``[0, 1]``.
+    """
+    c = grs_threshold(lam, delta)
+    a = log_sf(c - delta)
+    b = torch.log(lam) + log_sf(c)
+    g = torch.exp(a) * -torch.expm1(torch.clamp(b - a, max=0.0))
+    return torch.where(delta > 0, g, torch.zeros_like(g)).clamp(0.0, 1.0)
+
+
+def grs_levels(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels ``lambda_0..lambda_K`` and remaining masses ``G_1..G_{K+1}`` of Algorithm 3.
+
+    Args:
+        delta: float64 ``[*b]``.
+        k: number of proposals ``K >= 0``.
+
+    Returns:
+        ``(lam [*b, K+1], G [*b, K+1])`` with ``lam[..., j] = lambda_j`` and ``G[..., j] = G_{j+1}``.
+    """
+    lam = [torch.zeros_like(delta)]
+    g = [torch.ones_like(delta)]
+    for _ in range(k):
+        lam.append(lam[-1] + g[-1])
+        g.append(grs_remaining_mass(lam[-1], delta))
+    return torch.stack(lam, -1), torch.stack(g, -1)
+
+
+def sample_grs_residual(delta, lam, mass, u, iterations: int = 64) -> torch.Tensor:
+    """Draw ``S`` from the normalised residual of eq. 17 by inverting its survival function.
+
+    The residual density is ``(phi(s - delta) - lam phi(s))_+ / G`` supported on ``s >= c``; its
+    survival function ``(Phibar(s - delta) - lam Phibar(s)) / G`` is evaluated in log space and
+    inverted by bisection with a fixed number of steps (no unbounded loop). The bracket's upper end
+    uses ``Phibar(x) <= exp(-x^2 / 2)``.
+
+    Args:
+        delta: float64 ``[n]``, > 0 where used.
+        lam: float64 ``[n]``, ``lambda_K >= 1``.
+        mass: float64 ``[n]``, ``G_{K+1}``.
+        u: float64 ``[n]`` uniforms in (0, 1).
+        iterations: bisection steps.
+
+    Returns:
+        float64 ``[n]``.
+    """
+    c = grs_threshold(lam, delta)
+    log_target = torch.log(u) + torch.log(mass.clamp_min(1e-300))
+    lo = c.clone()
+    hi = torch.maximum(c, delta) + torch.sqrt(-2.0 * log_target) + 2.0
+    log_lam = torch.log(lam)
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        a = log_sf(mid - delta)
+        b = log_lam + log_sf(mid)
+        log_surv = a + torch.log(-torch.expm1(torch.clamp(b - a, max=-1e-300)))
+        above = log_surv > log_target  # survival still larger than u: the root is to the right
+        lo = torch.where(above, mid, lo)
+        hi = torch.where(above, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scalar part of Algorithm 3: which child to accept, and the residual projection.
+
+    Args:
+        delta: float64 ``[n]``.
+        s_hat: float64 ``[n, K]`` projections, examined in column order.
+        rows: per-row uniform source (``uniform(m) -> [n, m]``).
+
+    Returns:
+        ``(index [n] long, s_res [n] float64)``; ``index == K`` where every child was rejected,
+        and then ``s_res`` is the residual draw (elsewhere it is unused).
+    """
+    n, k = s_hat.shape
+    u = rows.uniform(k)
+    log_rho = delta[:, None] * s_hat - 0.5 * delta[:, None] ** 2
+    lam, g = grs_levels(delta, k)
+    index = torch.full((n,), k, dtype=torch.long, device=s_hat.device)
+    for j in range(k):
+        # beta_j = min(1, (rho - lambda_{j-1})_+ / G_j): accept at once when rho >= lambda + G.
+        ceiling = torch.log(lam[:, j] + g[:, j])
+        rho = torch.exp(torch.clamp(log_rho[:, j], max=ceiling))
+        beta = torch.where(
+            log_rho[:, j] >= ceiling,
+            torch.ones_like(rho),
+            ((rho - lam[:, j]).clamp_min(0.0) / g[:, j].clamp_min(1e-300)).clamp(0.0, 1.0),
+        )
+        take = (index == k) & (u[:, j] <= beta)
+        index = torch.where(take, torch.full_like(index, j), index)
+    u_res = rows.uniform(1)[:, 0]
+    s_res = torch.zeros_like(delta)
+    rej = (index == k).nonzero(as_tuple=True)[0]
+    if rej.numel():
+        s_res[rej] = sample_grs_residual(delta[rej], lam[rej, k], g[rej, k], u_res[rej])
+    return index, s_res
+
+
+@register_coupling("dgrs")
+def dgrs(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
+    """Diffusion greedy rejection sampling (Algorithm 3), any ``K >= 1``.
+
+    Children are examined in drafting order; child ``k`` is accepted with probability
+    ``min(1, (rho_k - lambda_{k-1})_+ / G_k)``; if all are rejected the output's projection is drawn
+    from the residual of eq. 17 and its orthogonal part is child 0's (eq. 15). Acceptance
+    probability ``1 - G_{K+1}`` (eq. 19). Exact for every ``delta >= 0`` (Theorem 1).
+
+    Args:
+        children: ``[n, K, *event]`` i.i.d. draws from ``N(mean_p, sigma^2 I)``.
+        mean_p: ``[n, *event]``.
+        mean_q: ``[n, *event]``.
+        sigma: ``[n]`` or scalar, > 0.
+        generator: ``torch.Generator``, per-row uniform source, or ``None``.
+
+    Returns:
+        :class:`Verdict`.
+
+    Raises:
+        ValueError: bad shapes or scales.
+    """
+    proj = project(children, mean_p, mean_q, sigma)
+    rows = _rows(generator, children.shape[0], children.device)
+    index, s_res = grs_select(proj.delta, proj.s_hat, rows)
+    accepted = index < children.shape[1]
+    return Verdict(reconstruct(children, proj, s_res, accepted, index), accepted, index)
+
+
+@register_coupling("rmc", max_children=1)
+def rmc(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
+    """Reflection maximal coupling (Algorithm 2; De Bortoli et al., 2025), ``K = 1`` only.
+
+    Accept the child with probability ``min(1, phi(s - delta) / phi(s))``; otherwise reflect its
+    projection about ``delta / 2``. Acceptance probability ``2 Phibar(delta / 2)`` (eq. 20).
+
+    Args:
+        children: ``[n, 1, *event]``.
+        mean_p: ``[n, *event]``.
+        mean_q: ``[n, *event]``.
+        sigma: ``[n]`` or scalar, > 0.
+        generator: ``torch.Generator``, per-row uniform source, or ``None``.
+
+    Returns:
+        :class:`Verdict`.
+
+    Raises:
+        ValueError: ``K != 1`` or bad shapes or scales.
+    """
+    if children.ndim >= 2 and children.shape[1] != 1:
+        raise ValueError(
+            f"rmc couples one child per parent (K=1), got K={children.shape[1]}; "
+            "use dgrs for K > 1 or a chain tree (K=1) for rmc"
+        )
+    proj = project(children, mean_p, mean_q, sigma)
+    rows = _rows(generator, children.shape[0], children.device)
+    u = rows.uniform(1)[:, 0]
+    s = proj.s_hat[:, 0]
+    log_rho = proj.delta * s - 0.5 * proj.delta**2
+    accepted = torch.log(u) <= torch.clamp(log_rho, max=0.0)
+    index = torch.where(accepted, torch.zeros_like(s, dtype=torch.long), torch.ones_like(s, dtype=torch.long))
+    return Verdict(reconstruct(children, proj, proj.delta - s, accepted, index), accepted, index)

@@ -1,0 +1,106 @@
+"""Self-speculative drafts: proposal kernels built from the round root's network output.
+
+A draft freezes something computed at the root of a round (``freeze``) and rebuilds the proposal
+mean at any drafted node and step from it (``mean``). The proposal std is always the target kernel's
+(eq. 37), so every draft fits the rank-1 coupling. Registered drafts (:data:`DRAFTS`):
+
+- ``velocity`` (default, the authors' code): freeze the root velocity ``v_r`` and use the kernel
+  mean of eq. 36 with ``v_r`` at the node's own state and step.
+- ``drift``: freeze the whole increment ``m_n(x_r) - x_r`` of the root step and add it at every depth
+  (appendix C.1 read literally, eq. 7).
+- ``x0``: freeze the root's data prediction ``x0_hat = x_r - sigma_r v_r`` and rebuild the velocity
+  ``(x_u - x0_hat) / sigma_u`` at each node (the exact velocity if the posterior mean did not move).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A draft rule.
+
+    Attributes:
+        name: registry key.
+        freeze: ``(x_root [M, *e], v_root [M, *e], n_root [M] long, schedule) -> frozen [M, *e]``.
+        mean: ``(frozen [M, *e], x [M, m, *e], n [M] long, schedule) -> [M, m, *e]`` proposal means
+            of the children of nodes ``x`` (all of one depth, at step ``n``).
+    """
+
+    name: str
+    freeze: Callable[..., torch.Tensor]
+    mean: Callable[..., torch.Tensor]
+
+
+DRAFTS: dict[str, Draft] = {}
+
+
+def register_draft(draft: Draft) -> Draft:
+    """Add a draft to :data:`DRAFTS`.
+
+    Raises:
+        ValueError: the name is taken.
+    """
+    if draft.name in DRAFTS:
+        raise ValueError(f"draft {draft.name!r} is already registered")
+    DRAFTS[draft.name] = draft
+    return draft
+
+
+def get_draft(name: str) -> Draft:
+    """Look up a draft by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    try:
+        return DRAFTS[name]
+    except KeyError:
+        raise ValueError(f"draft={name!r} is invalid; valid: {sorted(DRAFTS)}") from None
+
+
+def _bcast(n: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Repeat per-trajectory step indices over the node axis of ``x [M, m, *e]``."""
+    return n[:, None].expand(x.shape[0], x.shape[1]).reshape(-1)
+
+
+def _flat_mean(schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape[:2]
+    out = schedule.mean(x.reshape(m * k, *x.shape[2:]), v.reshape(m * k, *x.shape[2:]), _bcast(n, x))
+    return out.reshape(x.shape)
+
+
+register_draft(
+    Draft(
+        "velocity",
+        freeze=lambda x_r, v_r, n_r, sch: v_r,
+        mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
+    )
+)
+
+register_draft(
+    Draft(
+        "drift",
+        freeze=lambda x_r, v_r, n_r, sch: sch.mean(x_r, v_r, n_r) - x_r,
+        mean=lambda fr, x, n, sch: x + fr[:, None],
+    )
+)
+
+
+def _x0_freeze(x_r, v_r, n_r, sch: Schedule):
+    s = sch.sigmas.to(x_r.device)[n_r].to(x_r.dtype).reshape((-1,) + (1,) * (x_r.ndim - 1))
+    return x_r - s * v_r
+
+
+def _x0_mean(fr, x, n, sch: Schedule):
+    s = sch.sigmas.to(x.device)[n].to(x.dtype).reshape((-1, 1) + (1,) * (x.ndim - 2))
+    return _flat_mean(sch, x, (x - fr[:, None]) / s, n)
+
+
+register_draft(Draft("x0", freeze=_x0_freeze, mean=_x0_mean))

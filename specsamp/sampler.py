@@ -1,0 +1,553 @@
+"""Samplers: the standard Euler--Maruyama chain and speculative sampling on draft trees (Algorithm 1).
+
+Both are plain functions of ``(model, schedule, ...)`` in the k-diffusion style. Trajectories are
+batched: one batched target call serves every live trajectory of a round. All randomness is keyed by
+``(seed, trajectory index, step, node)`` (:mod:`specsamp.rng`), so results do not depend on the batch
+a trajectory ran in, and the two executions of the speculative sampler draw identical numbers:
+
+- ``tree``: draft every node of ``T|_{L_n}``, evaluate all of them in one batched target call, then walk
+  (what runs on a GPU);
+- ``path``: draft and evaluate only what the acceptance walk visits (cheap sweeps on analytic targets).
+
+They share the drafting, verification walk, prefetch and accounting code below; they differ only in
+how a node's state and velocity are obtained (:class:`_TreeNodes` and :class:`_PathNodes`).
+
+Accounting (DESIGN.md): ``calls`` counts batched target calls on the speculative steps ``1..T-2``,
+the warm-up call at the first root included; ``speedup = (T - 2) / calls``. ``nfe`` adds the two
+deterministic endpoint steps. ``target_rows`` counts the states the speculative calls evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import rng
+from .coupling import get_coupling
+from .drafts import get_draft
+from .models.base import batched
+from .schedule import Schedule
+from .trees import DraftTree
+
+PREFETCH = ("nearest", "parent", "none")
+EXECUTIONS = ("tree", "path")
+
+
+@dataclass
+class SampleResult:
+    """What a sampler returns, per trajectory.
+
+    Attributes:
+        samples: ``[M, *event]`` final states (sigma = 0).
+        calls: ``[M]`` batched target calls on the speculative steps (warm-up included).
+        nfe: ``[M]`` all batched target calls, endpoints included.
+        target_rows: ``[M]`` states evaluated by the speculative calls.
+        rounds: ``[M]`` speculative rounds.
+        committed: ``[M, R]`` steps committed by each round (0-padded).
+        attempts: ``[M, L]`` verifications attempted at each depth.
+        accepts: ``[M, L]`` verifications that accepted a child at each depth.
+        speculative_steps: ``T - 2``.
+        batch_calls: batched calls the whole batch spent on speculative steps (its slowest member).
+    """
+
+    samples: torch.Tensor
+    calls: torch.Tensor
+    nfe: torch.Tensor
+    target_rows: torch.Tensor
+    rounds: torch.Tensor
+    committed: torch.Tensor
+    attempts: torch.Tensor
+    accepts: torch.Tensor
+    speculative_steps: int
+    batch_calls: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> torch.Tensor:
+        """Per-trajectory NFE speedup ``(T - 2) / calls`` (float64 ``[M]``)."""
+        return self.speculative_steps / self.calls.double()
+
+    @property
+    def batch_speedup(self) -> float:
+        """Speedup of the batch as a whole: ``(T - 2) / batch_calls``."""
+        return self.speculative_steps / max(self.batch_calls, 1)
+
+
+def _check_choice(name: str, value, valid) -> str:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is invalid; valid: {list(valid)}")
+    return value
+
+
+def _trajectory_ids(n_samples: int | None, indices, device) -> torch.Tensor:
+    if indices is None:
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"n_samples={n_samples!r} is invalid: must be an integer >= 1")
+        return torch.arange(n_samples, device=device)
+    ids = torch.as_tensor(indices, dtype=torch.long, device=device)
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError("indices must be a non-empty 1-D sequence of trajectory ids")
+    return ids
+
+
+def _model_device(model) -> torch.device:
+    return torch.device(getattr(model, "device", "cpu"))
+
+
+class _Velocity:
+    """Counts and performs target evaluations: ``v(x, sigma_n)`` for rows of given trajectories."""
+
+    def __init__(self, model, schedule: Schedule, cond: dict | None, max_batch: int | None):
+        self.model, self.schedule, self.cond, self.max_batch = model, schedule, cond or {}, max_batch
+
+    def __call__(self, x: torch.Tensor, n: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+        sigma = self.schedule.sigmas.to(x.device)[n]
+        cond = {k: v[traj] for k, v in self.cond.items()}
+        return batched(self.model, x, sigma, self.max_batch, **cond).to(x.dtype)
+
+
+def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Tensor:
+    """Initial states ``x ~ N(0, I)`` at ``sigma = 1``, keyed by ``(seed, trajectory)``.
+
+    Speculative and standard samplers with the same seed start from the same noise (paired runs).
+    """
+    keys = rng.base_key(seed, ids, "init", device=ids.device)
+    return rng.normal(keys, event_shape).to(dtype)
+
+
+def sample_standard(
+    model,
+    schedule: Schedule,
+    n_samples: int | None = None,
+    *,
+    seed: int = 0,
+    indices=None,
+    cond: dict | None = None,
+    max_batch: int | None = None,
+) -> SampleResult:
+    """The standard Euler--Maruyama sampler: one target call per step (eqs. 4--5, 36--37).
+
+    Args:
+        model: velocity model (:class:`specsamp.models.VelocityModel`).
+        schedule: time grid and kernel.
+        n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
+        seed: run seed.
+        indices: explicit trajectory ids ``[M]`` (their randomness is keyed by these).
+        cond: per-trajectory conditioning tensors ``[M, ...]``.
+        max_batch: rows per forward pass.
+
+    Returns:
+        :class:`SampleResult` with ``calls = T - 2`` for every trajectory.
+
+    Raises:
+        ValueError: ``n_samples < 1`` or bad indices.
+    """
+    dev = _model_device(model)
+    ids = _trajectory_ids(n_samples, indices, dev)
+    m = ids.numel()
+    velocity = _Velocity(model, schedule, cond, max_batch)
+    x = initial_noise(seed, ids, model.event_shape, model.dtype)
+    step_keys = rng.base_key(seed, ids, "step", device=dev)
+    traj = torch.arange(m, device=dev)
+    for n in range(schedule.steps):
+        nn = torch.full((m,), n, dtype=torch.long, device=dev)
+        mean = schedule.mean(x, velocity(x, nn, traj), nn)
+        std = schedule.std(nn).to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
+        noise = rng.normal(rng.fold(step_keys, n), model.event_shape).to(x.dtype)
+        x = mean + std * noise
+    T = schedule.steps
+    z = torch.zeros(m, dtype=torch.long, device=dev)
+    return SampleResult(
+        samples=x,
+        calls=z + (T - 2),
+        nfe=z + T,
+        target_rows=z + (T - 2),
+        rounds=z + (T - 2),
+        committed=torch.ones(m, T - 2, dtype=torch.long, device=dev),
+        attempts=torch.zeros(m, 0, dtype=torch.long, device=dev),
+        accepts=torch.zeros(m, 0, dtype=torch.long, device=dev),
+        speculative_steps=T - 2,
+        batch_calls=T - 2,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# One round of Algorithm 1, shared by both executions.
+
+
+@dataclass
+class _Round:
+    """The live trajectories of one round (``m`` of them) and what both executions need."""
+
+    rows: torch.Tensor  # [m] positions in the full batch
+    x: torch.Tensor  # [m, *e] roots Y_n
+    n: torch.Tensor  # [m] root state index
+    depth_limit: torch.Tensor  # [m] L_n
+    frozen: torch.Tensor  # [m, *e] draft's frozen root quantity
+    v_root: torch.Tensor  # [m, *e] root velocity used by the draft
+    root_exact: torch.Tensor  # [m] bool: v_root is the root's own exact velocity
+    draft_keys: torch.Tensor  # [m]
+    verify_keys: torch.Tensor  # [m]
+
+
+class _Nodes:
+    """How an execution obtains node states and velocities. Subclasses: tree and path."""
+
+    def __init__(self, tree: DraftTree, tensors: dict, rnd: _Round, ctx: _Context):
+        self.tree, self.t, self.r, self.ctx = tree, tensors, rnd, ctx
+
+    def internal_in_round(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        """Whether node ``u`` (one per selected trajectory ``sub``) is internal in ``T|_{L_n}``."""
+        return (self.t["depth"][u] < self.r.depth_limit[sub]) & (self.t["num_children"][u] > 0)
+
+    def evaluated(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        """Whether the round's batched call evaluated node ``u`` (the B=|V| or B=|I| protocol)."""
+        inside = self.t["depth"][u] <= self.r.depth_limit[sub]
+        return inside & (self.internal_in_round(u, sub) | self.ctx.evaluate_leaves)
+
+    def draft_children(self, sub: torch.Tensor, x_u: torch.Tensor, u: torch.Tensor, k: int, step: torch.Tensor):
+        """Draft the ``k`` children of nodes ``u`` at states ``x_u [s, *e]``: (means, states, ids)."""
+        ids = self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
+        mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
+        std = self.ctx.schedule.std(step).to(x_u.dtype).reshape((-1, 1) + (1,) * (x_u.ndim - 1))
+        keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
+        noise = rng.normal(keys, x_u.shape[1:]).to(x_u.dtype)
+        return mean, mean[:, None] + std * noise, ids
+
+    # interface
+    def children(self, sub, x_u, u, k, step):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
+        raise NotImplementedError
+
+    def velocity(self, sub, u, x_u):  # -> exact velocity of node u [s, *e]
+        raise NotImplementedError
+
+
+class _TreeNodes(_Nodes):
+    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them."""
+
+    def __init__(self, tree, tensors, rnd, ctx):
+        super().__init__(tree, tensors, rnd, ctx)
+        m = rnd.x.shape[0]
+        e = rnd.x.shape[1:]
+        dev = rnd.x.device
+        states = rnd.x.new_empty(m, len(tree), *e)
+        states[:, 0] = rnd.x
+        all_rows = torch.arange(m, device=dev)
+        for l in range(1, tree.max_depth + 1):
+            layer = torch.as_tensor(tree.layer(l), device=dev)
+            prev = tree.layer(l - 1)
+            parents = tensors["parent"][layer]
+            step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
+            mean = ctx.draft.mean(rnd.frozen, states[:, prev[0] : prev[-1] + 1], step, ctx.schedule)
+            std = ctx.schedule.std(step).to(rnd.x.dtype).reshape((-1, 1) + (1,) * len(e))
+            keys = rng.fold(rnd.draft_keys[:, None], rnd.n[:, None], layer[None])
+            noise = rng.normal(keys, e).to(rnd.x.dtype)
+            states[:, layer] = mean[:, parents - int(prev[0])] + std * noise
+        self.states = states
+        node = torch.arange(len(tree), device=dev)
+        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, len(tree)))
+        mask[:, 0] &= ~rnd.root_exact
+        vel = torch.zeros_like(states)
+        where = mask.nonzero(as_tuple=True)
+        if where[0].numel():
+            step = (rnd.n[where[0]] + tensors["depth"][where[1]]).clamp(max=ctx.schedule.steps - 1)
+            vel[where] = ctx.velocity(states[where], step, rnd.rows[where[0]])
+        vel[:, 0] = torch.where(_bc(rnd.root_exact, rnd.x), rnd.v_root, vel[:, 0])
+        self.vel = vel
+        self.rows_evaluated = mask.sum(1)
+
+    def children(self, sub, x_u, u, k, step):
+        ids = self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
+        mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
+        return mean, self.states[sub[:, None], ids], ids
+
+    def velocity(self, sub, u, x_u):
+        return self.vel[sub, u]
+
+
+class _PathNodes(_Nodes):
+    """Path execution: only the nodes the walk visits are drafted; velocities computed on demand."""
+
+    def __init__(self, tree, tensors, rnd, ctx):
+        super().__init__(tree, tensors, rnd, ctx)
+        internal_rows, all_rows = tree.rows_by_depth
+        table = torch.as_tensor(all_rows if ctx.evaluate_leaves else internal_rows, device=rnd.x.device)
+        self.rows_evaluated = table[rnd.depth_limit] - rnd.root_exact.long()
+
+    def children(self, sub, x_u, u, k, step):
+        return self.draft_children(sub, x_u, u, k, step)
+
+    def velocity(self, sub, u, x_u):
+        fresh = self.ctx.velocity(x_u, self.r.n[sub] + self.t["depth"][u], self.r.rows[sub])
+        root_known = (u == 0) & self.r.root_exact[sub]
+        return torch.where(_bc(root_known, x_u), self.r.v_root[sub], fresh)
+
+
+def _bc(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+@dataclass
+class _Context:
+    schedule: Schedule
+    coupling: Callable
+    draft: object
+    prefetch: str
+    evaluate_leaves: bool
+    velocity: _Velocity
+
+
+def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
+    """Phase 3 of Algorithm 1 plus root-velocity prefetch for the next round.
+
+    Returns:
+        ``(committed_state [m, *e], steps [m], v_next [m, *e], exact_next [m])``.
+    """
+    m = rnd.x.shape[0]
+    dev = rnd.x.device
+    t = nodes.t
+    cur = torch.zeros(m, dtype=torch.long, device=dev)
+    x_cur = rnd.x.clone()
+    v_cur = nodes.velocity(torch.arange(m, device=dev), cur, x_cur)
+    walking = torch.ones(m, dtype=torch.bool, device=dev)
+    steps = torch.zeros(m, dtype=torch.long, device=dev)
+    out = rnd.x.clone()
+    rejected_parent = torch.full((m,), -1, dtype=torch.long, device=dev)
+    sib_states = {}  # rejected rows -> (ids, states) of the siblings at the committed depth
+    for l in range(1, nodes.tree.max_depth + 1):
+        act = walking & (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
+        walking = walking & act
+        if not bool(act.any()):
+            break
+        width = t["num_children"][cur]  # fixed before any row of this depth moves down
+        for k in torch.unique(width[act]).tolist():
+            sub = (act & (width == k)).nonzero(as_tuple=True)[0]
+            u = cur[sub]
+            step = rnd.n[sub] + l - 1
+            mean_p, kids, ids = nodes.children(sub, x_cur[sub], u, k, step)
+            mean_q = ctx.schedule.mean(x_cur[sub], v_cur[sub], step)
+            sigma = ctx.schedule.std(step).to(kids.dtype)
+            keys = rng.fold(rnd.verify_keys[sub], rnd.n[sub], u)
+            verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))
+            attempts[rnd.rows[sub], l - 1] += 1
+            accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
+            steps[sub] += 1
+            acc, rej = sub[verdict.accepted], sub[~verdict.accepted]
+            if rej.numel():
+                rmask = ~verdict.accepted
+                out[rej] = verdict.sample[rmask]
+                rejected_parent[rej] = u[rmask]
+                walking[rej] = False
+                sib_states[l] = sib_states.get(l, []) + [(rej, ids[rmask], kids[rmask])]
+            if acc.numel():
+                amask = verdict.accepted
+                cur[acc] = ids[amask, verdict.index[amask]]
+                x_cur[acc] = verdict.sample[amask]
+        # velocities of accepted nodes that are internal in T|_{L_n} are needed one level down
+        need = walking & nodes.internal_in_round(cur, torch.arange(m, device=dev))
+        if bool(need.any()):
+            idx = need.nonzero(as_tuple=True)[0]
+            v_cur[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+    finished = rejected_parent < 0  # walked to a leaf of T|_{L_n}
+    out[finished] = x_cur[finished]
+    return out, steps, _prefetch(nodes, rnd, ctx, finished, cur, x_cur, v_cur, sib_states, out)
+
+
+def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
+    """Velocity for the next round's draft (DESIGN.md ``prefetch``) and whether it is exact.
+
+    ``nearest``: the committed leaf's own if it was evaluated; else the evaluated sibling nearest the
+    committed state; else the parent's. ``parent``: the leaf's own if evaluated, else the parent's.
+    ``none``: nothing (the next round pays one call for its root).
+    """
+    m = rnd.x.shape[0]
+    dev = rnd.x.device
+    v_next = v_cur.clone()  # for finished rows: the leaf's parent velocity (v_cur is the last verified node's)
+    exact = torch.zeros(m, dtype=torch.bool, device=dev)
+    if ctx.prefetch == "none":
+        return v_next, exact
+    all_m = torch.arange(m, device=dev)
+    leaf_eval = finished & nodes.evaluated(cur, all_m)
+    if bool(leaf_eval.any()):
+        idx = leaf_eval.nonzero(as_tuple=True)[0]
+        v_next[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+        exact[idx] = True
+    if ctx.prefetch == "nearest":
+        for parts in sib_states.values():
+            for rej, ids, kids in parts:
+                ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
+                dist = torch.linalg.vector_norm((kids - out[rej][:, None]).reshape(*ids.shape, -1), dim=-1)
+                dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+                best = dist.argmin(1)
+                has = ok.any(1)
+                if bool(has.any()):
+                    r2 = rej[has]
+                    node = ids[has, best[has]]
+                    v_next[r2] = nodes.velocity(r2, node, kids[has, best[has]])
+    return v_next, exact
+
+
+def sample_speculative(
+    model,
+    schedule: Schedule,
+    tree: DraftTree,
+    coupling: str | Callable = "dgrs",
+    n_samples: int | None = None,
+    *,
+    draft: str = "velocity",
+    prefetch: str = "nearest",
+    evaluate_leaves: bool = True,
+    execution: str = "path",
+    seed: int = 0,
+    indices=None,
+    cond: dict | None = None,
+    max_batch: int | None = None,
+    callback: Callable[[dict], None] | None = None,
+) -> SampleResult:
+    """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
+
+    Step 0 (from sigma = 1) and step ``T - 1`` (to sigma = 0) are deterministic Euler steps; the
+    speculative rounds cover steps ``1..T-2``. A round rooted at state index ``n`` uses ``T|_{L_n}``
+    with ``L_n = min(L, T - 1 - n)`` (eq. 11), drafts with ``draft`` from the prefetched root velocity,
+    evaluates the tree's nodes in one batched call, and walks down with ``coupling``.
+
+    Args:
+        model: velocity model.
+        schedule: time grid and kernel (:class:`specsamp.schedule.Schedule`).
+        tree: draft tree; the rule's ``max_children`` must admit its widths.
+        coupling: registered name or a function with the coupling contract.
+        n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
+        draft: registered draft name (``velocity``, ``drift``, ``x0``).
+        prefetch: ``nearest``, ``parent`` or ``none``.
+        evaluate_leaves: the B=|V| protocol (True) or internal nodes only (False).
+        execution: ``tree`` or ``path``.
+        seed: run seed.
+        indices: explicit trajectory ids ``[M]``.
+        cond: per-trajectory conditioning tensors ``[M, ...]``.
+        max_batch: rows per forward pass of one batched call.
+        callback: called after each round with ``{"round", "live", "calls"}``.
+
+    Returns:
+        :class:`SampleResult`.
+
+    Raises:
+        ValueError: unknown coupling, draft, prefetch or execution; a tree wider than the coupling
+            allows; bad ``n_samples``.
+    """
+    coupling_fn = get_coupling(coupling) if isinstance(coupling, str) else coupling
+    max_k = getattr(coupling_fn, "max_children", None)
+    widest = int(tree.num_children.max()) if len(tree) > 1 else 0
+    if max_k is not None and widest > max_k:
+        raise ValueError(
+            f"coupling {getattr(coupling_fn, 'coupling_name', coupling_fn)!r} accepts at most K={max_k} "
+            f"children per node, but the tree has a node with {widest}"
+        )
+    if len(tree) < 2:
+        raise ValueError("the draft tree must draft at least one state (L >= 1)")
+    ctx = _Context(
+        schedule=schedule,
+        coupling=coupling_fn,
+        draft=get_draft(draft),
+        prefetch=_check_choice("prefetch", prefetch, PREFETCH),
+        evaluate_leaves=bool(evaluate_leaves),
+        velocity=_Velocity(model, schedule, cond, max_batch),
+    )
+    _check_choice("execution", execution, EXECUTIONS)
+    dev = _model_device(model)
+    ids = _trajectory_ids(n_samples, indices, dev)
+    M = ids.numel()
+    T = schedule.steps
+    end = schedule.end_speculative
+    tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
+    L = tree.max_depth
+    tensors = {
+        k: torch.as_tensor(getattr(tree, k), device=dev)
+        for k in ("parent", "depth", "num_children", "first_child")
+    }
+    Nodes = _TreeNodes if execution == "tree" else _PathNodes
+
+    zeros = torch.zeros(M, dtype=torch.long, device=dev)
+    calls, rows_used, rounds, nfe = zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone()
+    committed = torch.zeros(M, T - 2, dtype=torch.long, device=dev)
+    attempts = torch.zeros(M, L, dtype=torch.long, device=dev)
+    accepts = torch.zeros(M, L, dtype=torch.long, device=dev)
+    draft_keys = rng.base_key(seed, ids, "draft", device=dev)
+    verify_keys = rng.base_key(seed, ids, "verify", device=dev)
+    all_rows = torch.arange(M, device=dev)
+
+    # step 0: deterministic Euler step from sigma = 1
+    x = initial_noise(seed, ids, model.event_shape, model.dtype)
+    n = zeros.clone()
+    x = schedule.mean(x, ctx.velocity(x, n, all_rows), n)
+    nfe += 1
+    n += 1
+    v_root = torch.zeros_like(x)
+    root_exact = torch.zeros(M, dtype=torch.bool, device=dev)
+    have_velocity = torch.zeros(M, dtype=torch.bool, device=dev)
+    batch_calls = 0
+    r = 0
+    while True:
+        live = (n < end).nonzero(as_tuple=True)[0]
+        if live.numel() == 0:
+            break
+        # the root's exact velocity is computed in an extra call at the first round (warm-up) and,
+        # with prefetch=none, at every round
+        need = ~have_velocity[live] if ctx.prefetch != "none" else torch.ones_like(live, dtype=torch.bool)
+        if bool(need.any()):
+            w = live[need]
+            v_root[w] = ctx.velocity(x[w], n[w], w)
+            root_exact[w] = True
+            have_velocity[w] = True
+            calls[w] += 1
+            rows_used[w] += 1
+            batch_calls += 1
+        rnd = _Round(
+            rows=live,
+            x=x[live],
+            n=n[live],
+            depth_limit=(end - n[live]).clamp(max=L),
+            frozen=ctx.draft.freeze(x[live], v_root[live], n[live], schedule),
+            v_root=v_root[live],
+            root_exact=root_exact[live],
+            draft_keys=draft_keys[live],
+            verify_keys=verify_keys[live],
+        )
+        nodes = Nodes(tree, tensors, rnd, ctx)
+        new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, attempts, accepts)
+        calls[live] += 1
+        rows_used[live] += nodes.rows_evaluated
+        batch_calls += 1
+        committed[live, rounds[live]] = steps
+        rounds[live] += 1
+        x[live] = new_x
+        n[live] += steps
+        v_root[live] = v_next
+        root_exact[live] = exact_next
+        r += 1
+        if callback is not None:
+            callback({"round": r, "live": int(live.numel()), "calls": batch_calls})
+
+    # step T-1: deterministic Euler step to sigma = 0; reuse an exact velocity when the last round left one
+    last = torch.full((M,), T - 1, dtype=torch.long, device=dev)
+    need = ~root_exact
+    v_last = v_root.clone()
+    if bool(need.any()):
+        w = need.nonzero(as_tuple=True)[0]
+        v_last[w] = ctx.velocity(x[w], last[w], w)
+        nfe[w] += 1
+    x = schedule.mean(x, v_last, last)
+    nfe += calls
+    return SampleResult(
+        samples=x,
+        calls=calls,
+        nfe=nfe,
+        target_rows=rows_used,
+        rounds=rounds,
+        committed=committed,
+        attempts=attempts,
+        accepts=accepts,
+        speculative_steps=T - 2,
+        batch_calls=batch_calls,
+    )
