@@ -1,0 +1,35 @@
+# specsamp make targets. `make help` lists them.
+PYTHON ?= python
+
+.PHONY: help install test test-all bench bench-gpu gmm gmm-tables figures tables sweep-local clean
+
+help:  ## list targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+install:  ## install the package with every extra (what CI does)
+	$(PYTHON) -m pip install -e ".[all]"
+
+test:  ## default test run (slow tests excluded)
+	$(PYTHON) -m pytest -q
+
+test-all:  ## every test, slow ones included
+	$(PYTHON) -m pytest -q -m ""
+
+bench:  ## CPU benchmarks: sampler executions and coupling throughput
+	$(PYTHON) -m specsamp.bench
+
+bench-gpu:  ## wall-clock per image, standard vs RMC vs D-GRS (tiny on CPU: make bench-gpu ARGS="--device cpu --tiny")
+	$(PYTHON) -m specsamp.bench_gpu $(ARGS)
+
+gmm:  ## section 5.1 grid: Hydra multirun, then the CSV in results/gmm/
+	$(PYTHON) run.py -m +experiment=gmm_grid
+	$(PYTHON) -m experiments.gmm collect
+
+figures:  ## rebuild every figure in results/ from the committed tables (no sampling)
+	$(PYTHON) -m experiments.figures
+
+tables:  ## aggregate a sweep directory into a CSV: make tables SWEEP=multirun/gmm_grid
+	$(PYTHON) -m specsamp.report collect $(SWEEP)
+
+clean:  ## remove run outputs (not results/)
+	rm -rf outputs multirun

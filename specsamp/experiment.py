@@ -1,0 +1,401 @@
+"""Config -> objects -> run -> record. The layer between ``run.py`` (Hydra) and the core.
+
+:func:`run_config` takes a resolved config (an OmegaConf ``DictConfig`` or a plain mapping with the keys
+of ``conf/config.yaml``), validates it, builds the model, schedule, tree and coupling, samples in
+batches of trajectories, and returns a JSON-ready record. :func:`write_record` writes it atomically.
+Bad input raises :class:`ConfigError`, whose message names the key, its value and what is valid;
+``run.py`` turns it into exit status 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import __version__
+from .coupling import COUPLINGS
+from .drafts import DRAFTS
+from .sampler import EXECUTIONS, PREFETCH, SampleResult, sample_speculative, sample_standard
+from .schedule import Schedule
+from .trees import DraftTree, budget as uniform_budget
+
+SAMPLERS_BUILTIN = ("standard",)
+MATCH = ("budget", "verification")
+TREES = ("uniform", "widths", "optimal")
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: names the key, its value and what is valid."""
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _get(cfg, key, default=None):
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _int(cfg, key: str, lo: int) -> int:
+    v = _get(cfg, key)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise ConfigError(f"{key}={v!r} is invalid: must be an integer >= {lo}.")
+    return int(v)
+
+
+def _choice(cfg, key: str, valid) -> Any:
+    v = _get(cfg, key)
+    if v not in valid:
+        raise ConfigError(f"{key}={v!r} is invalid: valid values are {', '.join(map(str, valid))}.")
+    return v
+
+
+def validate(cfg) -> dict:
+    """Check every top-level key and return the typed values the runner uses.
+
+    Raises:
+        ConfigError: the first invalid key, with its value and the valid range.
+    """
+    out = {}
+    sampler = _get(cfg, "sampler") or {}
+    name = _get(sampler, "name")
+    coupling = _get(sampler, "coupling")
+    if name not in SAMPLERS_BUILTIN and coupling not in COUPLINGS:
+        raise ConfigError(
+            f"sampler={name!r} (coupling={coupling!r}) is invalid: valid samplers are "
+            f"{', '.join(SAMPLERS_BUILTIN + tuple(sorted(COUPLINGS)))}."
+        )
+    out["sampler"] = name
+    out["coupling"] = None if name in SAMPLERS_BUILTIN else coupling
+    out["K"] = _int(cfg, "K", 1)
+    out["L"] = _int(cfg, "L", 1)
+    eps = _get(cfg, "eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) <= 1.0):
+        raise ConfigError(f"eps={eps!r} is invalid: the churn must lie in (0, 1] (eps=0 is the deterministic ODE, where speculation is vacuous).")
+    out["eps"] = float(eps)
+    out["steps"] = _int(cfg, "steps", 3)
+    out["n_samples"] = _int(cfg, "n_samples", 1)
+    seed = _get(cfg, "seed")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"seed={seed!r} is invalid: must be an integer.")
+    out["seed"] = int(seed)
+    out["draft"] = _choice(cfg, "draft", sorted(DRAFTS))
+    out["prefetch"] = _choice(cfg, "prefetch", PREFETCH)
+    out["execution"] = _choice(cfg, "execution", EXECUTIONS)
+    out["match"] = _choice(cfg, "match", MATCH)
+    out["tree"] = _choice(cfg, "tree", TREES)
+    el = _get(cfg, "evaluate_leaves")
+    if not isinstance(el, bool):
+        raise ConfigError(f"evaluate_leaves={el!r} is invalid: must be true or false.")
+    out["evaluate_leaves"] = el
+    for key in ("batch_size", "max_batch", "budget"):
+        v = _get(cfg, key)
+        if v is not None:
+            out[key] = _int(cfg, key, 1)
+        else:
+            out[key] = None
+    widths = _get(cfg, "widths")
+    if out["tree"] == "widths":
+        if widths is None or len(widths) == 0 or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ConfigError(f"widths={widths!r} is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
+        out["widths"] = [int(w) for w in widths]
+    device = str(_get(cfg, "device", "cpu"))
+    if not (device == "cpu" or device.startswith("cuda") or device == "mps"):
+        raise ConfigError(f"device={device!r} is invalid: use cpu, cuda or cuda:N.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} is invalid here: torch sees no CUDA device on this machine; use device=cpu.")
+    out["device"] = device
+    progress = _get(cfg, "progress", "auto")
+    if progress not in ("auto", True, False):
+        raise ConfigError(f"progress={progress!r} is invalid: valid values are auto, true, false.")
+    out["progress"] = progress
+    metrics = list(_get(cfg, "metrics") or [])
+    for m in metrics:
+        if m not in ("fid", "clip"):
+            raise ConfigError(f"metrics={metrics!r} is invalid: valid entries are fid, clip.")
+    out["metrics"] = metrics
+    model = _get(cfg, "model")
+    kind = _get(model, "kind") if model is not None else None
+    if kind not in MODEL_BUILDERS:
+        raise ConfigError(f"model.kind={kind!r} is invalid: valid kinds are {', '.join(sorted(MODEL_BUILDERS))}.")
+    coupling_fn = COUPLINGS.get(out["coupling"]) if out["coupling"] else None
+    if coupling_fn is not None and coupling_fn.max_children == 1 and out["tree"] != "uniform":
+        raise ConfigError(f"tree={out['tree']!r} is invalid with sampler={name}: a K=1 rule runs a chain (tree=uniform).")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# builders
+
+
+def _build_gmm(model_cfg, device: str):
+    from .models import GaussianMixture
+
+    dtype = getattr(torch, str(_get(model_cfg, "dtype", "float64")))
+    try:
+        return GaussianMixture(
+            dim=_get(model_cfg, "dim"),
+            components=_get(model_cfg, "components"),
+            layout_seed=_get(model_cfg, "layout_seed", 0),
+            dtype=dtype,
+            device=device,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _build_edm(model_cfg, device: str):
+    from .models import edm
+
+    return edm.build_edm_model(dict(model_cfg), device=device)
+
+
+def _build_sd3(model_cfg, device: str):
+    from .models import sd3
+
+    return sd3.build_sd3_model(dict(model_cfg), device=device)
+
+
+MODEL_BUILDERS: dict[str, Callable] = {"gmm": _build_gmm, "edm": _build_edm, "sd3": _build_sd3}
+
+
+def build_tree(v: dict, horizon: int, cfg=None) -> tuple[DraftTree | None, int]:
+    """The round tree and its nominal drafted-state budget ``B``.
+
+    ``rmc`` (any rule limited to one child) runs a chain: of length ``B = K + ... + K^L`` with
+    ``match=budget``, or with as many target rows as the (K, L) tree with ``match=verification``.
+    Chains longer than the speculative horizon ``T - 2`` are built at that length: no round can use
+    deeper nodes (eq. 11), so the law and every count are unchanged; the record keeps the nominal B.
+
+    Returns:
+        ``(tree, budget)``; ``(None, 0)`` for the standard sampler.
+    """
+    if v["coupling"] is None:
+        return None, 0
+    fn = COUPLINGS[v["coupling"]]
+    K, L = v["K"], v["L"]
+    if fn.max_children == 1:
+        if v["match"] == "budget":
+            length = uniform_budget(K, L)
+        else:
+            # rows of the (K, L) tree: |V| = B + 1 with leaves, |I| = 1 + K + ... + K^(L-1) without;
+            # a chain of length l evaluates l + 1 rows with leaves and l without.
+            length = uniform_budget(K, L) if v["evaluate_leaves"] else 1 + (uniform_budget(K, L - 1) if L > 1 else 0)
+        return DraftTree.chain(min(length, horizon)), length
+    if v["tree"] == "widths":
+        tree = DraftTree.from_widths(v["widths"])
+        return tree, tree.budget
+    if v["tree"] == "optimal":
+        from . import treesearch
+
+        b = v["budget"] or uniform_budget(K, L)
+        tree = treesearch.tree_for_config(b, v, cfg)
+        return tree, b
+    tree = DraftTree.uniform(K, L)
+    return tree, tree.budget
+
+
+def _stats(x: torch.Tensor) -> dict:
+    x = x.double().cpu()
+    n = x.numel()
+    std = float(x.std()) if n > 1 else 0.0
+    return {"mean": float(x.mean()), "std": std, "sem": std / math.sqrt(n) if n > 1 else 0.0}
+
+
+def git_commit() -> str | None:
+    """The current git commit of the source tree, or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def versions() -> dict:
+    """Package, torch and git versions for the record."""
+    return {"specsamp": __version__, "torch": torch.__version__, "python": sys.version.split()[0], "git": git_commit()}
+
+
+def config_hash(cfg_dict: Mapping) -> str:
+    """SHA-256 (first 16 hex) of the resolved config, key order independent; device/progress excluded."""
+    clean = {k: v for k, v in cfg_dict.items() if k not in ("progress", "skip_existing", "logger", "hydra")}
+    blob = json.dumps(clean, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _progress_enabled(flag) -> bool:
+    if flag == "auto":
+        return sys.stderr.isatty()
+    return bool(flag)
+
+
+def _concat(results: list[SampleResult]) -> SampleResult:
+    if len(results) == 1:
+        return results[0]
+    cat = lambda name: torch.cat([getattr(r, name) for r in results])  # noqa: E731
+    return SampleResult(
+        samples=cat("samples"),
+        calls=cat("calls"),
+        nfe=cat("nfe"),
+        target_rows=cat("target_rows"),
+        rounds=cat("rounds"),
+        committed=cat("committed"),
+        attempts=cat("attempts"),
+        accepts=cat("accepts"),
+        speculative_steps=results[0].speculative_steps,
+        batch_calls=max(r.batch_calls for r in results),
+        extra={"batch_speedups": [r.batch_speedup for r in results]},
+    )
+
+
+def run_config(cfg_dict: Mapping, *, model=None, cond: dict | None = None) -> tuple[dict, SampleResult]:
+    """Run one configuration and return ``(record, result)``.
+
+    Args:
+        cfg_dict: resolved config as a plain dict (keys of ``conf/config.yaml``).
+        model: an already-built model to use instead of ``cfg.model`` (tests, notebooks).
+        cond: per-trajectory conditioning for ``model`` (``{name: [n_samples, ...]}``).
+
+    Returns:
+        The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`.
+
+    Raises:
+        ConfigError: invalid configuration.
+    """
+    v = validate(cfg_dict)
+    t0 = time.perf_counter()
+    model_cfg = cfg_dict["model"]
+    if model is None:
+        model = MODEL_BUILDERS[model_cfg["kind"]](model_cfg, v["device"])
+    if cond is None and hasattr(model, "make_cond"):
+        cond = model.make_cond(v["n_samples"], v["seed"])
+    try:
+        schedule = Schedule.make(v["steps"], v["eps"], shift=float(model_cfg.get("shift", 1.0)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    horizon = schedule.steps - 2
+    tree, B = build_tree(v, horizon, cfg_dict)
+    ids = torch.arange(v["n_samples"])
+    bs = v["batch_size"] or v["n_samples"]
+    batches = [ids[i : i + bs] for i in range(0, ids.numel(), bs)]
+    results = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=ids.numel(), unit="traj", disable=not _progress_enabled(v["progress"]), leave=False)
+    dev = torch.device(getattr(model, "device", v["device"]))
+    for chunk in batches:
+        sub_cond = {k: c[chunk].to(dev) for k, c in (cond or {}).items()}
+        if tree is None:
+            r = sample_standard(model, schedule, seed=v["seed"], indices=chunk.to(dev), cond=sub_cond, max_batch=v["max_batch"])
+        else:
+            r = sample_speculative(
+                model,
+                schedule,
+                tree,
+                v["coupling"],
+                seed=v["seed"],
+                indices=chunk.to(dev),
+                draft=v["draft"],
+                prefetch=v["prefetch"],
+                evaluate_leaves=v["evaluate_leaves"],
+                execution=v["execution"],
+                cond=sub_cond,
+                max_batch=v["max_batch"],
+            )
+        results.append(r)
+        bar.update(chunk.numel())
+    bar.close()
+    res = _concat(results)
+    wall = time.perf_counter() - t0
+    attempts = res.attempts.sum(0).double()
+    accepts = res.accepts.sum(0).double()
+    acc_depth = (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else []
+    batch_speedups = res.extra.get("batch_speedups", [res.batch_speedup])
+    committed = res.committed.double()
+    record = {
+        "status": "ok",
+        "config": dict(cfg_dict),
+        "config_hash": config_hash(cfg_dict),
+        "model": model_cfg.get("name", model_cfg["kind"]),
+        "sampler": v["sampler"],
+        "K": v["K"],
+        "L": v["L"],
+        "eps": v["eps"],
+        "steps": v["steps"],
+        "n_samples": v["n_samples"],
+        "tree": tree.describe() if tree is not None else "none",
+        "budget": B,
+        "verification_rows": tree.verification_budget(v["evaluate_leaves"]) if tree is not None else 1,
+        "nfe": _stats(res.calls),
+        "nfe_total": _stats(res.nfe),
+        "speedup": _stats(res.speedup),
+        "nfe_speedup": _stats(schedule.steps / res.nfe.double()),
+        "batch_speedup": float(np.mean(batch_speedups)),
+        "target_rows": _stats(res.target_rows),
+        "rounds": _stats(res.rounds),
+        "committed_per_round": float(committed.sum() / res.rounds.double().sum()),
+        "acceptance_per_depth": acc_depth,
+        "attempts_per_depth": attempts.tolist(),
+        "wall_seconds": wall,
+        "versions": versions(),
+    }
+    return record, res
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write JSON to ``path`` through a temporary file in the same directory and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def existing_record(out_dir: str | os.PathLike, cfg_hash: str) -> dict | None:
+    """The record in ``out_dir/result.json`` if it exists, is complete and has ``cfg_hash``; else None."""
+    p = Path(out_dir) / "result.json"
+    if not p.exists():
+        return None
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if rec.get("config_hash") == cfg_hash and rec.get("status") == "ok":
+        return rec
+    return None
+
+
+def summary_line(rec: dict) -> str:
+    """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``."""
+    if rec["sampler"] == "standard":
+        head = f"model={rec['model']} sampler=standard eps={rec['eps']:g} T={rec['steps']}"
+    else:
+        head = f"model={rec['model']} sampler={rec['sampler']} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
+    sp = rec["speedup"]
+    return (
+        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}  "
+        f"({rec['n_samples']} trajectories, {rec['wall_seconds']:.1f} s)"
+    )

@@ -1,0 +1,109 @@
+"""The main job: Hydra composition of every config group, run.py end to end, bad input -> exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+TINY = ["model.dim=16", "steps=8", "n_samples=8"]
+
+
+def group_options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def run(args, tmp_path, check=True):
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.mark.parametrize("group", ["model", "sampler", "logger"])
+def test_every_config_option_composes(group):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for opt in group_options(group):
+            cfg = compose(config_name="config", overrides=[f"{group}={opt}"])
+            OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+            assert cfg[group] is not None
+
+
+def test_every_experiment_composes():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for opt in group_options("experiment"):
+            cfg = compose(config_name="config", overrides=[f"+experiment={opt}"])
+            OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_defaults_are_the_paper_gmm_cell():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config")
+    assert (cfg.model.kind, cfg.model.dim, cfg.model.components) == ("gmm", 500, 5)
+    assert (cfg.steps, cfg.eps, cfg.n_samples, cfg.sampler.name) == (30, 0.1, 100, "dgrs")
+
+
+@pytest.mark.parametrize("sampler", ["standard", "rmc", "dgrs"])
+def test_run_writes_record_and_prints_one_line(tmp_path, sampler):
+    p = run([*TINY, f"sampler={sampler}"], tmp_path)
+    lines = [l for l in p.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"model=gmm sampler={sampler}")
+    assert "speedup" in lines[0] and "(8 trajectories" in lines[0]
+    rec = json.loads((tmp_path / "result.json").read_text())
+    for key in ("budget", "nfe", "speedup", "target_rows", "acceptance_per_depth", "wall_seconds", "config", "versions"):
+        assert key in rec
+    assert rec["speedup"]["mean"] > 0 and rec["speedup"]["sem"] >= 0
+    assert rec["config"]["sampler"]["name"] == sampler
+    if sampler == "rmc":
+        assert rec["budget"] == 14 and rec["tree"] == "chain(6)"  # B=14 chain capped at T-2=6
+    if sampler == "standard":
+        assert rec["speedup"]["mean"] == 1.0
+
+
+def test_rerun_with_same_config_is_skipped(tmp_path):
+    run(TINY, tmp_path)
+    first = (tmp_path / "result.json").read_text()
+    p = run(TINY, tmp_path)
+    assert p.stdout.startswith("skipped")
+    assert (tmp_path / "result.json").read_text() == first
+
+
+BAD = [
+    (["K=0"], "K=0"),
+    (["L=0"], "L=0"),
+    (["eps=0"], "eps=0"),
+    (["eps=1.5"], "eps=1.5"),
+    (["steps=2"], "steps=2"),
+    (["n_samples=0"], "n_samples=0"),
+    (["model=nope"], "model/nope"),
+    (["sampler=nope"], "sampler/nope"),
+    (["nokey=1"], "nokey"),
+    (["draft=nope"], "draft='nope'"),
+    (["prefetch=nope"], "prefetch='nope'"),
+    (["execution=nope"], "execution='nope'"),
+    (["device=cuda"], "device='cuda'"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exits_2_with_message_and_no_traceback(tmp_path, args, needle):
+    if args == ["device=cuda"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present")
+    (tmp_path / "keep.txt").write_text("precious")
+    p = run([*TINY, *args], tmp_path, check=False)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    assert not (tmp_path / "result.json").exists()
+    assert (tmp_path / "keep.txt").read_text() == "precious"
