@@ -52,7 +52,7 @@ def run_task(cfg: DictConfig) -> float | None:
         import torch
 
         torch.save(result.samples.cpu(), out_dir / "samples.pt")
-    from .logging import log_record
+    from .loggers import log_record
 
     log_record(cfg_dict, record, out_dir)
     write_json_atomic(out_dir / "result.json", record)
