@@ -1,0 +1,136 @@
+"""CLIP score: the scoring path on a tiny randomly initialised open_clip model (built offline) equals a
+direct computation from its embeddings; summaries, paired comparisons and loader errors."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+open_clip = pytest.importorskip("open_clip")
+from PIL import Image  # noqa: E402
+
+from specsamp.metrics.clip import (  # noqa: E402
+    CLIPUnavailableError,
+    average_by_prompt,
+    clip_scores,
+    compare_rules,
+    load_clip,
+    paired_difference,
+    scores_from_embeddings,
+    summarize,
+)
+
+TINY = "specsamp-test-tiny-quickgelu"
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    """A 1-layer ViT/text CLIP registered as an open_clip config, and a saved checkpoint of it."""
+    root = tmp_path_factory.mktemp("clip")
+    cfg = {
+        "embed_dim": 16,
+        "quick_gelu": True,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
+    (root / f"{TINY}.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(root / f"{TINY}.json")
+    torch.manual_seed(1)
+    model = open_clip.create_model(TINY, pretrained=None)
+    with torch.no_grad():  # random towers disagree (negative cosines); flipping the text side gives
+        model.text_projection.mul_(-1)  # positive scores to compare (this seed also has one clamped to 0)
+    ckpt = root / "tiny.pt"
+    torch.save(model.state_dict(), ckpt)
+    return model, ckpt
+
+
+def _images(n=3, h=40, w=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, h, w), generator=g, dtype=torch.uint8)
+
+
+PROMPTS = ["a red bicycle", "two dogs on a beach at sunset", "a bowl of oranges"]
+
+
+def test_clip_scores_equal_direct_computation(tiny_clip):
+    ref_model, ckpt = tiny_clip
+    model, preprocess, tokenizer = load_clip(TINY, pretrained=None, checkpoint=ckpt)
+    for (k, a), b in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k  # the checkpoint was loaded
+    images = _images()
+    scores = clip_scores(images, PROMPTS, model=model, preprocess=preprocess, tokenizer=tokenizer, batch_size=2)
+    assert scores.shape == (3,) and scores.dtype == np.float64
+    with torch.no_grad():
+        x = torch.stack([preprocess(Image.fromarray(im.permute(1, 2, 0).numpy())) for im in images])
+        e_img = model.encode_image(x).double()
+        e_txt = model.encode_text(tokenizer(PROMPTS)).double()
+    cos = (e_img * e_txt).sum(1) / (e_img.norm(dim=1) * e_txt.norm(dim=1))
+    np.testing.assert_allclose(scores, (100 * cos).clamp_min(0).numpy(), rtol=1e-6, atol=1e-9)
+    assert (scores > 1).any()  # not everything clamped
+    # the same images as floats in [0, 1], channels last, or PIL give the same scores
+    kw = dict(model=model, preprocess=preprocess, tokenizer=tokenizer)
+    np.testing.assert_allclose(clip_scores(images.float() / 255, PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(clip_scores(images.permute(0, 2, 3, 1).numpy(), PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9)
+    pil = [Image.fromarray(im.permute(1, 2, 0).numpy()) for im in images]
+    np.testing.assert_allclose(clip_scores(pil, PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="3 images but 2 prompts"):
+        clip_scores(images, PROMPTS[:2], **kw)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        clip_scores(images.float(), PROMPTS, **kw)
+
+
+def test_scores_from_embeddings_cosine_times_100_clamped():
+    img = torch.tensor([[3.0, 4.0], [1.0, 0.0], [2.0, 0.0]])
+    txt = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 5.0]])
+    np.testing.assert_allclose(scores_from_embeddings(img, txt), [60.0, 0.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose(scores_from_embeddings(7 * img[:1], txt[:1] / 3), [60.0], atol=1e-12)
+
+
+def test_summaries_and_paired_comparisons():
+    a = np.array([30.0, 31.0, 29.5, 33.0])
+    b = np.array([29.0, 31.5, 29.0, 32.0])
+    s = summarize(a)
+    assert s["n"] == 4 and math.isclose(s["mean"], a.mean())
+    assert math.isclose(s["std"], a.std(ddof=1)) and math.isclose(s["sem"], a.std(ddof=1) / 2)
+    d = paired_difference(a, b)
+    assert math.isclose(d["mean"], (a - b).mean()) and math.isclose(d["sem"], (a - b).std(ddof=1) / 2)
+    both = compare_rules({"standard": b, "dgrs": a, "rmc": b}, baseline="standard")
+    assert set(both) == {"dgrs", "rmc"} and both["rmc"]["mean"] == 0.0 and both["dgrs"] == d
+    assert math.isnan(summarize([1.0])["sem"])
+    np.testing.assert_allclose(average_by_prompt([1.0, 3.0, 10.0, 20.0], [0, 0, 1, 1]), [2.0, 15.0])
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_difference(a, b[:3])
+    with pytest.raises(ValueError, match="baseline='edm'"):
+        compare_rules({"dgrs": a}, baseline="edm")
+    with pytest.raises(ValueError, match="empty"):
+        summarize([])
+
+
+def test_load_clip_errors_are_immediate(tmp_path):
+    with pytest.raises(ValueError, match="QuickGELU.*ViT-L-14-quickgelu"):
+        load_clip("ViT-L-14", "openai", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="pretrained='nope'"):
+        load_clip(pretrained="nope", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="model_name='ViT-Nope'"):
+        load_clip("ViT-Nope")
+    with pytest.raises(FileNotFoundError, match="checkpoint="):
+        load_clip(checkpoint=tmp_path / "missing.safetensors")
+    with pytest.raises(CLIPUnavailableError, match="offline.*checkpoint="):
+        load_clip(cache_dir=str(tmp_path), local_files_only=True)
+
+
+def test_cached_openai_weights_are_found_without_network(tmp_path):
+    """A hub-cache layout holding the ViT-L/14 OpenAI weights is used directly (no hub request)."""
+    from specsamp.metrics.clip import _cached_weights
+
+    repo = tmp_path / "models--timm--vit_large_patch14_clip_224.openai"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap / "open_clip_model.safetensors").write_bytes(b"not really weights")
+    cfg = open_clip.get_pretrained_cfg("ViT-L-14-quickgelu", "openai")
+    assert _cached_weights(cfg, str(tmp_path)) == str(snap / "open_clip_model.safetensors")
+    assert _cached_weights(cfg, str(tmp_path / "empty")) is None
