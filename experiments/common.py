@@ -1,0 +1,40 @@
+"""Shared plotting and table helpers for the experiment modules (matplotlib, pandas)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+RULE_COLORS = {"rmc": "#d62728", "dgrs": "#1f77b4", "rank": "#2ca02c", "standard": "#7f7f7f"}
+RULE_LABELS = {"rmc": "RMC (chain)", "dgrs": "D-GRS (tree)", "standard": "standard"}
+
+
+def save(fig, path: Path) -> Path:
+    """Save a figure as PNG (150 dpi) and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def read_csv(path: Path) -> pd.DataFrame:
+    """Read a committed results table; a clear error when it is missing."""
+    if not path.exists():
+        raise SystemExit(f"error: {path} does not exist; run the experiment's sweep and collect step first")
+    return pd.read_csv(path)
+
+
+def write_csv(df: pd.DataFrame, path: Path) -> Path:
+    """Write a table atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    df.to_csv(tmp, index=False, float_format="%.6g")
+    tmp.replace(path)
+    return path
