@@ -1,0 +1,453 @@
+"""Frechet Inception Distance over saved samples, with torch-fidelity's feature extractors.
+
+Scoring is a separate step from generation (NVlabs/edm ``fid.py`` style): samples are read from what
+:mod:`specsamp.images` wrote (a shard folder, a merged ``.npz`` or a folder of index-named PNGs),
+features come from a torch-fidelity extractor (default ``inception-v3-compat``, the 2048-d pool3
+features of the TF Inception graph that TTUR and EDM use), and the reference is either precomputed
+statistics (an ``.npz`` with ``mu`` and ``sigma``, e.g. EDM's ``fid-refs``) or a second image set.
+
+    FID = ||mu_1 - mu_2||^2 + tr(S_1 + S_2 - 2 (S_1 S_2)^{1/2})     (Heusel et al. 2017, eq. 6)
+
+Weights and reference statistics come from their usual URLs (torch hub cache for Inception; the
+specsamp cache for ``.npz`` files) or from local paths. Nothing is downloaded when the files are
+cached or passed as paths; offline, a missing file fails with a message naming the URL and the path
+to put the file at. torch-fidelity is imported lazily: this module imports with numpy/scipy/torch.
+
+Note: EDM's reference ``.npz`` files were computed with NVIDIA's own Inception pickle; torch-fidelity's
+``inception-v3-compat`` reimplements the same TF graph, so FIDs agree to roughly 1e-3 but are not bit
+identical. Compare methods with one extractor and one reference file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+INCEPTION = "inception-v3-compat"
+# torch-fidelity's Inception weights (torch_fidelity.feature_extractor_inceptionv3.URL_INCEPTION_V3)
+INCEPTION_URL = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+# NVlabs/edm README, "Calculating FID": reference statistics of the training sets
+REFERENCE_STATS = {
+    "cifar10-32x32": "https://nvlabs-fi-cdn.nvidia.com/edm/fid-refs/cifar10-32x32.npz",
+    "ffhq-64x64": "https://nvlabs-fi-cdn.nvidia.com/edm/fid-refs/ffhq-64x64.npz",
+}
+
+
+@dataclass
+class Statistics:
+    """Gaussian statistics of a feature set.
+
+    Attributes:
+        mu: ``[F]`` float64 mean.
+        sigma: ``[F, F]`` float64 covariance (unbiased, ``np.cov``).
+        n: number of images (0 when loaded from a file that does not say).
+    """
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    n: int = 0
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``mu``, ``sigma`` (and ``n``) to an ``.npz`` atomically (EDM's reference format)."""
+        from ..images import _atomic_write
+
+        path = Path(path)
+        _atomic_write(path, lambda f: np.savez(f, mu=self.mu, sigma=self.sigma, n=np.int64(self.n)))
+        return path
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
+    """Frechet distance between ``N(mu1, sigma1)`` and ``N(mu2, sigma2)``.
+
+    ``||mu1 - mu2||^2 + tr(sigma1) + tr(sigma2) - 2 tr((sigma1 sigma2)^{1/2})``, with the trace of the
+    matrix square root computed as ``sum sqrt(eig(A^{1/2} sigma2 A^{1/2}))``, ``A = sigma1`` (same
+    eigenvalues as ``sigma1 sigma2``, but a symmetric PSD problem: no complex parts, no ``sqrtm``
+    failures on singular covariances).
+
+    Args:
+        mu1, mu2: ``[F]`` means.
+        sigma1, sigma2: ``[F, F]`` symmetric PSD covariances.
+
+    Returns:
+        The distance (float, >= 0 up to rounding).
+
+    Raises:
+        ValueError: shapes that do not match ``[F]`` / ``[F, F]``.
+    """
+    mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
+    s1, s2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
+    f = mu1.shape[0]
+    if mu1.shape != (f,) or mu2.shape != (f,) or s1.shape != (f, f) or s2.shape != (f, f):
+        raise ValueError(
+            f"shapes mu1 {mu1.shape}, sigma1 {s1.shape}, mu2 {mu2.shape}, sigma2 {s2.shape} are invalid: need [F], [F, F]"
+        )
+    s1 = (s1 + s1.T) / 2
+    s2 = (s2 + s2.T) / 2
+    w, v = np.linalg.eigh(s1)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    m = root @ s2 @ root
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    diff = mu1 - mu2
+    return float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_covmean)
+
+
+def feature_statistics(features) -> Statistics:
+    """Mean and unbiased covariance of features ``[N, F]`` (``N >= 2``).
+
+    Raises:
+        ValueError: not 2-D or fewer than 2 rows.
+    """
+    x = np.asarray(features.cpu() if hasattr(features, "cpu") else features, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise ValueError(f"features of shape {x.shape} are invalid: need [N, F] with N >= 2")
+    return Statistics(mu=x.mean(0), sigma=np.cov(x, rowvar=False).reshape(x.shape[1], x.shape[1]), n=x.shape[0])
+
+
+def load_statistics(
+    reference: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    download: bool = True,
+    sha256: str | None = None,
+) -> Statistics:
+    """Load reference statistics from an ``.npz`` with ``mu`` and ``sigma``.
+
+    Args:
+        reference: a name of :data:`REFERENCE_STATS` (``cifar10-32x32``, ``ffhq-64x64``), a URL (cached
+            under ``<cache>/fid-refs``) or a local path.
+        cache_dir: cache root (default ``$SPECSAMP_CACHE`` or ``~/.cache/specsamp``).
+        download: allow downloading a missing URL.
+        sha256: optional expected SHA-256 of the file.
+
+    Raises:
+        FileNotFoundError: missing file (message: URL and path looked in).
+        KeyError: the file lacks ``mu`` or ``sigma``.
+        specsamp.models.edm.CheckpointTrustError: ``sha256`` given and different.
+    """
+    from ..models.edm import resolve_path, verify_sha256
+
+    src = REFERENCE_STATS.get(os.fspath(reference), os.fspath(reference))
+    path = resolve_path(src, cache_dir=cache_dir, download=download, sha256=sha256, subdir="fid-refs")
+    if sha256 is not None:
+        verify_sha256(path, sha256, what="reference statistics")
+    with np.load(path, allow_pickle=False) as z:
+        missing = [k for k in ("mu", "sigma") if k not in z.files]
+        if missing:
+            raise KeyError(f"reference statistics {str(path)!r} lack {missing}; keys: {z.files}")
+        n = int(z["n"]) if "n" in z.files else 0
+        return Statistics(mu=z["mu"].astype(np.float64), sigma=z["sigma"].astype(np.float64), n=n)
+
+
+# ----------------------------------------------------------------------------------------------
+# features through torch-fidelity
+
+
+class _Uint8Images(torch.utils.data.Dataset):
+    """uint8 ``[N, H, W, C]`` array -> items uint8 ``[3, H, W]`` (torch-fidelity's input format)."""
+
+    def __init__(self, images: np.ndarray):
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i):
+        img = torch.from_numpy(np.ascontiguousarray(self.images[i])).permute(2, 0, 1)
+        if img.shape[0] == 1:
+            img = img.expand(3, -1, -1)
+        return img[:3].contiguous()
+
+
+def _as_images(images) -> np.ndarray:
+    from ..images import _pixels, load_images
+
+    if isinstance(images, (str, os.PathLike)):
+        return load_images(images)
+    return _pixels(images)
+
+
+def _callable_extractor_class():
+    from torch_fidelity.feature_extractor_base import FeatureExtractorBase
+
+    class CallableExtractor(FeatureExtractorBase):
+        """Wraps ``fn(uint8 [b, 3, H, W]) -> [b, F]`` as a torch-fidelity extractor with feature ``"out"``."""
+
+        def __init__(self, fn):
+            super().__init__("specsamp-callable", ["out"])
+            self.fn = fn
+
+        @staticmethod
+        def get_provided_features_list():
+            return ("out",)
+
+        @staticmethod
+        def get_default_feature_layer_for_metric(metric):
+            return "out"
+
+        @staticmethod
+        def can_be_compiled():
+            return False
+
+        def forward(self, x):
+            return (self.fn(x).reshape(x.shape[0], -1),)
+
+    return CallableExtractor
+
+
+def _check_inception_weights(weights_path, allow_download: bool) -> None:
+    if weights_path is not None:
+        if not Path(weights_path).is_file():
+            raise FileNotFoundError(f"weights_path={str(weights_path)!r} does not exist (Inception weights .pth)")
+        return
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(INCEPTION_URL).name
+    offline = os.environ.get("SPECSAMP_OFFLINE", "").lower() in ("1", "true", "yes")
+    if not cached.is_file() and (not allow_download or offline):
+        raise FileNotFoundError(
+            f"Inception weights for FID are not available offline: not in the torch hub cache "
+            f"({str(cached)!r}) and downloads are disabled. Download {INCEPTION_URL} on a machine with "
+            f"network access and put it at that path (or set $TORCH_HOME), or pass weights_path=<file>."
+        )
+
+
+def make_extractor(
+    feature_extractor=INCEPTION,
+    feature_layer: str | None = None,
+    *,
+    weights_path: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
+    allow_download: bool = True,
+    verbose: bool = False,
+):
+    """A torch-fidelity feature extractor and the feature name used for FID.
+
+    Args:
+        feature_extractor: a name registered with torch-fidelity (``inception-v3-compat``,
+            ``dinov2-vit-b-14``, ...), a ``FeatureExtractorBase`` subclass (registered under its
+            ``NAME`` attribute or class name), an instance, or any callable ``uint8 [b, 3, H, W] -> [b, F]``.
+        feature_layer: feature name (default: the extractor's default for FID, ``2048`` for Inception).
+        weights_path: local weights (torch-fidelity's ``feature_extractor_weights_path``).
+        device: ``cuda``/``cpu`` (default: CUDA when available).
+        allow_download: let torch-fidelity download missing Inception weights.
+        verbose: torch-fidelity's progress output.
+
+    Returns:
+        ``(extractor, feature_layer, use_cuda)``.
+
+    Raises:
+        FileNotFoundError: Inception weights missing and downloads disabled or ``weights_path`` absent.
+        RuntimeError: the weights download failed (message: URL, cache path, how to supply them).
+        ValueError: an unknown extractor name or feature layer.
+    """
+    from torch_fidelity.feature_extractor_base import FeatureExtractorBase
+    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
+    from torch_fidelity.utils import create_feature_extractor
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = dev.type == "cuda"
+    if isinstance(feature_extractor, FeatureExtractorBase):
+        ext = feature_extractor
+        layer = feature_layer or ext.features_list[0]
+        ext = ext.eval().requires_grad_(False).to(dev)
+        return ext, layer, cuda
+    if isinstance(feature_extractor, type) and issubclass(feature_extractor, FeatureExtractorBase):
+        name = getattr(feature_extractor, "NAME", feature_extractor.__name__)
+        if FEATURE_EXTRACTORS_REGISTRY.get(name) is not feature_extractor:
+            if name in FEATURE_EXTRACTORS_REGISTRY:
+                raise ValueError(f"feature_extractor name {name!r} is already registered to another class")
+            register_feature_extractor(name, feature_extractor)
+        feature_extractor = name
+    elif callable(feature_extractor) and not isinstance(feature_extractor, str):
+        ext = _callable_extractor_class()(feature_extractor).eval().to(dev)
+        return ext, "out", cuda
+    name = str(feature_extractor)
+    if name not in FEATURE_EXTRACTORS_REGISTRY:
+        raise ValueError(f"feature_extractor={name!r} is invalid; registered: {sorted(FEATURE_EXTRACTORS_REGISTRY)}")
+    cls = FEATURE_EXTRACTORS_REGISTRY[name]
+    layer = feature_layer or cls.get_default_feature_layer_for_metric("fid")
+    if layer not in cls.get_provided_features_list():
+        raise ValueError(f"feature_layer={layer!r} is invalid for {name}; valid: {list(cls.get_provided_features_list())}")
+    inception = name.startswith("inception-v3")
+    if inception:
+        _check_inception_weights(weights_path, allow_download)
+    kwargs = {"verbose": verbose}
+    if weights_path is not None:
+        kwargs["feature_extractor_weights_path"] = os.fspath(weights_path)
+    try:
+        ext = create_feature_extractor(name, [layer], cuda=cuda, **kwargs)
+    except OSError as err:  # urllib.error.URLError and friends: offline or unreachable
+        if not inception or weights_path is not None:
+            raise
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(INCEPTION_URL).name
+        raise RuntimeError(
+            f"could not download the Inception weights from {INCEPTION_URL} ({err}). Fetch the file on a "
+            f"machine with network access and put it at {str(cached)!r}, or pass weights_path=<file>."
+        ) from err
+    return ext, layer, cuda
+
+
+def extract_features(
+    images,
+    feature_extractor=INCEPTION,
+    feature_layer: str | None = None,
+    *,
+    weights_path: str | os.PathLike | None = None,
+    batch_size: int = 64,
+    device: str | torch.device | None = None,
+    allow_download: bool = True,
+    verbose: bool = False,
+) -> np.ndarray:
+    """Per-image features, in index order (so scores can be paired image by image).
+
+    Args:
+        images: a path :func:`specsamp.images.load_images` reads, uint8 ``[N, H, W, C]``, or float
+            ``[N, C, H, W]`` in ``[-1, 1]``.
+        feature_extractor, feature_layer, weights_path, device, allow_download, verbose: see
+            :func:`make_extractor`.
+        batch_size: images per forward pass.
+
+    Returns:
+        float64 ``[N, F]``.
+
+    Raises:
+        See :func:`make_extractor`; ``ValueError`` for malformed images or ``batch_size < 1``.
+    """
+    ext, layer, cuda = make_extractor(
+        feature_extractor, feature_layer, weights_path=weights_path, device=device,
+        allow_download=allow_download, verbose=verbose,
+    )
+    return _features(ext, layer, cuda, images, batch_size, verbose)
+
+
+def _features(ext, layer: str, cuda: bool, images, batch_size: int, verbose: bool) -> np.ndarray:
+    from torch_fidelity.utils import get_featuresdict_from_dataset
+
+    if isinstance(batch_size, bool) or int(batch_size) < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: must be an integer >= 1")
+    arr = _as_images(images)
+    feats = get_featuresdict_from_dataset(_Uint8Images(arr), ext, int(batch_size), cuda, True, verbose)
+    return feats[layer].double().numpy()
+
+
+def compute_statistics(images, **kwargs) -> Statistics:
+    """:func:`feature_statistics` of :func:`extract_features` (same keyword arguments)."""
+    return feature_statistics(extract_features(images, **kwargs))
+
+
+def compute_fid(
+    samples,
+    reference,
+    *,
+    feature_extractor=INCEPTION,
+    feature_layer: str | None = None,
+    weights_path: str | os.PathLike | None = None,
+    batch_size: int = 64,
+    device: str | torch.device | None = None,
+    allow_download: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    reference_sha256: str | None = None,
+    save_features: str | os.PathLike | None = None,
+    verbose: bool = False,
+) -> dict:
+    """FID between saved samples and a reference.
+
+    Args:
+        samples: what :func:`extract_features` accepts (typically the run's shard folder).
+        reference: precomputed statistics (a :data:`REFERENCE_STATS` name, URL or ``.npz`` path with
+            ``mu``/``sigma``; a :class:`Statistics`; a ``(mu, sigma)`` pair), or images (a folder /
+            array), whose statistics are computed with the same extractor.
+        feature_extractor, feature_layer, weights_path, batch_size, device, allow_download, verbose:
+            see :func:`extract_features`.
+        cache_dir: cache root for reference ``.npz`` URLs.
+        reference_sha256: optional expected hash of the reference ``.npz``.
+        save_features: optional ``.npz`` path for the samples' per-image features (``features``).
+
+    Returns:
+        ``{"fid", "n_samples", "n_reference", "feature_extractor", "feature_layer", "reference"}``.
+
+    Raises:
+        FileNotFoundError: samples, reference or weights missing (messages say where to put them).
+        ValueError: feature dimensions of samples and reference differ; fewer than 2 samples.
+    """
+    ext, layer, cuda = make_extractor(
+        feature_extractor, feature_layer, weights_path=weights_path, device=device,
+        allow_download=allow_download, verbose=verbose,
+    )
+    feats = _features(ext, layer, cuda, samples, batch_size, verbose)
+    if save_features is not None:
+        from ..images import _atomic_write
+
+        _atomic_write(Path(save_features), lambda f: np.savez(f, features=feats))
+    stats = feature_statistics(feats)
+    if isinstance(reference, Statistics):
+        ref, ref_desc = reference, "Statistics"
+    elif isinstance(reference, tuple) and len(reference) == 2:
+        ref = Statistics(np.asarray(reference[0], np.float64), np.asarray(reference[1], np.float64))
+        ref_desc = "(mu, sigma)"
+    elif isinstance(reference, (str, os.PathLike)) and _is_stats_reference(reference):
+        ref = load_statistics(reference, cache_dir=cache_dir, download=allow_download, sha256=reference_sha256)
+        ref_desc = os.fspath(reference)
+    else:
+        ref = feature_statistics(_features(ext, layer, cuda, reference, batch_size, verbose))
+        ref_desc = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else "images"
+    if ref.mu.shape != stats.mu.shape:
+        raise ValueError(
+            f"feature dimension {stats.mu.shape[0]} of the samples differs from the reference's {ref.mu.shape[0]}: "
+            f"the reference statistics were computed with another extractor or layer"
+        )
+    return {
+        "fid": frechet_distance(stats.mu, stats.sigma, ref.mu, ref.sigma),
+        "n_samples": stats.n,
+        "n_reference": ref.n,
+        "feature_extractor": ext.get_name(),
+        "feature_layer": layer,
+        "reference": str(ref_desc),
+    }
+
+
+def _is_stats_reference(reference) -> bool:
+    """A known name, a URL, or an existing ``.npz`` holding ``mu`` and ``sigma`` (else: images)."""
+    s = os.fspath(reference)
+    if s in REFERENCE_STATS or "://" in s:
+        return True
+    p = Path(s)
+    if p.suffix != ".npz":
+        return False
+    if not p.is_file():
+        return True  # load_statistics reports the missing file
+    with np.load(p, allow_pickle=False) as z:
+        return "mu" in z.files and "sigma" in z.files
+
+
+def main(argv=None) -> int:
+    """``python -m specsamp.metrics.fid SAMPLES --ref REF [--weights W] [--device D] [--out JSON]``."""
+    p = argparse.ArgumentParser(description="FID of saved samples against reference statistics or images.")
+    p.add_argument("samples", help="shard folder, merged .npz, or folder of index-named PNGs")
+    p.add_argument("--ref", required=True, help=f"{sorted(REFERENCE_STATS)}, a URL, an .npz with mu/sigma, or images")
+    p.add_argument("--extractor", default=INCEPTION)
+    p.add_argument("--layer", default=None)
+    p.add_argument("--weights", default=None, help="local Inception weights (.pth)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--no-download", action="store_true")
+    p.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
+    a = p.parse_args(argv)
+    res = compute_fid(a.samples, a.ref, feature_extractor=a.extractor, feature_layer=a.layer, weights_path=a.weights,
+                      batch_size=a.batch, device=a.device, allow_download=not a.no_download)
+    text = json.dumps(res, indent=2)
+    if a.out:
+        from ..images import _atomic_write
+
+        _atomic_write(Path(a.out), lambda f: f.write(text.encode()))
+    print(text, file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""FID through torch-fidelity with a tiny feature extractor, against a direct numpy/scipy computation."""
+
+from __future__ import annotations
+
+import urllib.error
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+
+pytest.importorskip("torch_fidelity")
+from torch_fidelity.feature_extractor_base import FeatureExtractorBase  # noqa: E402
+from torch_fidelity.metric_fid import fid_statistics_to_metric  # noqa: E402
+
+from specsamp.images import save_images, save_shard, to_uint8  # noqa: E402
+from specsamp.metrics import fid as fid_mod  # noqa: E402
+from specsamp.metrics.fid import (  # noqa: E402
+    INCEPTION,
+    INCEPTION_URL,
+    Statistics,
+    compute_fid,
+    extract_features,
+    feature_statistics,
+    frechet_distance,
+    load_statistics,
+    make_extractor,
+)
+
+_PROJ = torch.randn(48, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+def tiny_features(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [b, 3, H, W] -> 4x4 average pool -> fixed projection + tanh -> [b, 8] float64."""
+    pooled = torch.nn.functional.adaptive_avg_pool2d(x.double() / 127.5 - 1, 4).reshape(x.shape[0], -1)
+    return torch.tanh(pooled @ _PROJ.to(x.device) / 48**0.5)
+
+
+class TinyExtractor(FeatureExtractorBase):
+    NAME = "specsamp-test-tiny"
+
+    def __init__(self, name, features_list, **kwargs):
+        super().__init__(name, features_list)
+
+    @staticmethod
+    def get_provided_features_list():
+        return ("tiny",)
+
+    @staticmethod
+    def get_default_feature_layer_for_metric(metric):
+        return "tiny"
+
+    @staticmethod
+    def can_be_compiled():
+        return False
+
+    def forward(self, x):
+        assert x.dtype == torch.uint8 and x.shape[1] == 3
+        return (tiny_features(x),)
+
+
+def direct_fid(a: np.ndarray, b: np.ndarray) -> float:
+    """Textbook FID on features [N, F] with scipy.linalg.sqrtm (TTUR / EDM fid.py formula)."""
+    mu1, mu2 = a.mean(0), b.mean(0)
+    s1, s2 = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+def _images(n, seed, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.linspace(-1, 1, 8)[None, None, :, None] * torch.linspace(-1, 1, 8)[None, None, None, :]
+    x = 0.6 * torch.rand(n, 3, 1, 1, generator=g) * base + 0.4 * torch.randn(n, 3, 8, 8, generator=g) + shift
+    return x.clamp(-1, 1)
+
+
+def test_fid_end_to_end_matches_direct_computation(tmp_path):
+    a, b = _images(40, seed=0), _images(36, seed=1, shift=0.2)
+    ua, ub = to_uint8(a), to_uint8(b)
+    save_shard(tmp_path / "run", 0, ua[:25])
+    save_shard(tmp_path / "run", 25, ua[25:])
+    save_images(b, tmp_path / "ref_png")
+    res = compute_fid(tmp_path / "run", tmp_path / "ref_png", feature_extractor=TinyExtractor, device="cpu", batch_size=16)
+    fa = tiny_features(torch.from_numpy(ua).permute(0, 3, 1, 2)).numpy()
+    fb = tiny_features(torch.from_numpy(ub).permute(0, 3, 1, 2)).numpy()
+    want = direct_fid(fa, fb)
+    assert want > 1e-3
+    assert res["fid"] == pytest.approx(want, rel=1e-8, abs=1e-10)
+    assert res["n_samples"] == 40 and res["n_reference"] == 36
+    assert res["feature_extractor"] == "specsamp-test-tiny" and res["feature_layer"] == "tiny"
+    # per-image features come back in index order
+    np.testing.assert_allclose(extract_features(tmp_path / "run", TinyExtractor, device="cpu"), fa, rtol=1e-12)
+    # precomputed reference statistics (.npz with mu/sigma, EDM's format)
+    ref = feature_statistics(fb).save(tmp_path / "ref.npz")
+    res2 = compute_fid(ua, ref, feature_extractor=TinyExtractor, device="cpu")
+    assert res2["fid"] == pytest.approx(want, rel=1e-8, abs=1e-10)
+    # a plain callable as the extractor; identical sets give 0
+    res3 = compute_fid(a, (fa.mean(0), np.cov(fa, rowvar=False)), feature_extractor=tiny_features, device="cpu")
+    assert res3["fid"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_frechet_distance_against_scipy_and_torch_fidelity():
+    g = np.random.default_rng(0)
+    f = 6
+    a, b = g.normal(size=(f, f)), g.normal(size=(f, f))
+    s1, s2 = a @ a.T + 0.1 * np.eye(f), b @ b.T + 0.1 * np.eye(f)
+    mu1, mu2 = g.normal(size=f), g.normal(size=f)
+    ours = frechet_distance(mu1, s1, mu2, s2)
+    ref = float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * scipy.linalg.sqrtm(s1 @ s2).real))
+    tf = fid_statistics_to_metric({"mu": mu1, "sigma": s1}, {"mu": mu2, "sigma": s2}, False)
+    assert ours == pytest.approx(ref, rel=1e-10)
+    assert ours == pytest.approx(tf["frechet_inception_distance"], rel=1e-10)
+    assert frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0.0, abs=1e-9)
+    # rank-deficient covariances (fewer samples than features) stay finite and real
+    x, y = g.normal(size=(3, f)), g.normal(size=(4, f))
+    st1, st2 = feature_statistics(x), feature_statistics(y)
+    d = frechet_distance(st1.mu, st1.sigma, st2.mu, st2.sigma)
+    assert np.isfinite(d) and d > 0
+    with pytest.raises(ValueError, match="shapes"):
+        frechet_distance(mu1, s1, mu2[:3], s2)
+    with pytest.raises(ValueError, match="N >= 2"):
+        feature_statistics(np.zeros((1, 3)))
+
+
+def test_missing_inception_weights_fail_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    with pytest.raises(FileNotFoundError) as e:
+        make_extractor(INCEPTION, allow_download=False, device="cpu")
+    msg = str(e.value)
+    assert INCEPTION_URL in msg and str(tmp_path / "torch" / "hub" / "checkpoints") in msg and "weights_path" in msg
+
+    def offline(*a, **k):
+        raise urllib.error.URLError("Name or service not known")
+
+    import torch_fidelity.feature_extractor_inceptionv3 as inc
+
+    monkeypatch.setattr(inc, "load_state_dict_from_url", offline)
+    with pytest.raises(RuntimeError, match="could not download the Inception weights"):
+        make_extractor(INCEPTION, allow_download=True, device="cpu")
+    with pytest.raises(FileNotFoundError, match="weights_path"):
+        make_extractor(INCEPTION, weights_path=tmp_path / "missing.pth", device="cpu")
+    with pytest.raises(ValueError, match="feature_extractor='nope'"):
+        make_extractor("nope", device="cpu")
+
+
+def test_reference_statistics_missing_or_malformed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError) as e:
+        load_statistics("cifar10-32x32", download=False)
+    assert fid_mod.REFERENCE_STATS["cifar10-32x32"] in str(e.value)
+    assert str(tmp_path / "cache" / "fid-refs" / "cifar10-32x32.npz") in str(e.value)
+    np.savez(tmp_path / "bad.npz", mu=np.zeros(3))
+    with pytest.raises(KeyError, match="sigma"):
+        load_statistics(tmp_path / "bad.npz")
+    st = Statistics(np.ones(3), np.eye(3), 7)
+    back = load_statistics(st.save(tmp_path / "ok.npz"))
+    assert back.n == 7 and np.array_equal(back.sigma, np.eye(3))
+
+
+@pytest.mark.slow
+def test_inception_path_with_local_weights(tmp_path):
+    """The real inception-v3-compat path (resize to 299, pool3 2048-d) with randomly initialised weights
+    saved locally, so nothing is downloaded (~15 s on 2 CPU cores)."""
+    from unittest import mock
+
+    import torch_fidelity.feature_extractor_inceptionv3 as inc
+
+    with mock.patch.object(inc, "load_state_dict_from_url", lambda *a, **k: None), mock.patch.object(
+        inc.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd: None
+    ):
+        net = inc.FeatureExtractorInceptionV3(INCEPTION, ["2048"])
+    weights = tmp_path / "inception.pth"
+    torch.save(net.state_dict(), weights)
+    imgs = np.random.default_rng(0).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    feats = extract_features(imgs, weights_path=weights, device="cpu", batch_size=2)
+    assert feats.shape == (4, 2048) and np.isfinite(feats).all()
+    direct = net.eval()(torch.from_numpy(imgs).permute(0, 3, 1, 2))[0].double().numpy()
+    np.testing.assert_allclose(feats, direct, rtol=1e-5, atol=1e-6)

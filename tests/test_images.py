@@ -1,0 +1,90 @@
+"""uint8 conversion, grids, index-named files and atomic shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from specsamp.images import (
+    MissingShardsError,
+    list_shards,
+    load_images,
+    make_grid,
+    merge_shards,
+    save_grid,
+    save_images,
+    save_shard,
+    shard_name,
+    to_uint8,
+)
+
+
+def _samples(n, seed=0, hw=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, hw, hw, generator=g) * 2.4 - 1.2  # some values outside [-1, 1]
+
+
+def test_to_uint8_matches_edm_convention():
+    x = torch.tensor([-1.5, -1.0, -0.5, 0.0, 0.5, 0.999, 1.0, 2.0]).reshape(1, 1, 2, 4).expand(1, 3, 2, 4)
+    u = to_uint8(x)
+    assert u.dtype == np.uint8 and u.shape == (1, 2, 4, 3)
+    # NVlabs/edm generate.py: (x * 127.5 + 128).clip(0, 255).to(torch.uint8), channels last
+    ref = (x * 127.5 + 128).clip(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_array_equal(u, ref)
+    assert u[0, 0, :, 0].tolist() == [0, 0, 64, 128] and u[0, 1, :, 0].tolist() == [191, 255, 255, 255]
+    assert to_uint8(x[0]).shape == (2, 4, 3)
+    with pytest.raises(ValueError, match="channel axis"):
+        to_uint8(torch.zeros(2, 5, 4, 4))
+
+
+def test_grid_and_index_named_pngs(tmp_path):
+    x = _samples(5)
+    u = to_uint8(x)
+    grid = make_grid(u, nrow=3, pad=1)
+    assert grid.shape == (2 * 5 - 1, 3 * 5 - 1, 3)
+    np.testing.assert_array_equal(grid[5:9, 5:9], u[4])  # row 1, column 1
+    assert (grid[:, 4] == 0).all()
+    p = save_grid(x, tmp_path / "grid.png", nrow=3)
+    assert np.asarray(Image.open(p)).shape == (8, 12, 3)
+    files = save_images(x, tmp_path / "png", start_index=998)
+    assert [f.name for f in files] == ["000998.png", "000999.png", "001000.png", "001001.png", "001002.png"]
+    np.testing.assert_array_equal(np.asarray(Image.open(files[2])), u[2])
+    np.testing.assert_array_equal(load_images(tmp_path / "png"), u)
+
+
+def test_shards_atomic_merge_and_missing(tmp_path):
+    x = _samples(10, seed=1)
+    u = to_uint8(x)
+    d = tmp_path / "shards"
+    assert save_shard(d, 0, x[:4]).name == shard_name(0, 4) == "shard_0000000_00004.npz"
+    save_shard(d, 8, u[8:])
+    (d / ".shard_0000004_00004.npz.abc.tmp").write_bytes(b"partial")  # a killed writer's leftover
+    assert [(s, c) for s, c, _ in list_shards(d)] == [(0, 4), (8, 2)]
+    with pytest.raises(MissingShardsError) as e:
+        merge_shards(d, 10)
+    assert e.value.missing == [(4, 7)]
+    assert "indices 4-7" in str(e.value) and "shard_0000004_00004.npz" in str(e.value)
+    save_shard(d, 4, x[4:8])
+    save_shard(d, 4, x[4:8])  # a rerun overwrites the same shard atomically
+    merged = merge_shards(d, 10, out=tmp_path / "all.npz")
+    np.testing.assert_array_equal(merged, u)
+    np.testing.assert_array_equal(load_images(tmp_path / "all.npz"), u)
+    np.testing.assert_array_equal(load_images(d), u)
+    with pytest.raises(MissingShardsError, match="10-11"):
+        merge_shards(d, 12)
+    assert not [p for p in d.iterdir() if p.name.endswith(".tmp") and "abc" not in p.name]
+
+
+def test_shard_errors(tmp_path):
+    with pytest.raises(ValueError, match="start_index=-1"):
+        save_shard(tmp_path, -1, _samples(1))
+    with pytest.raises(ValueError, match="empty"):
+        save_shard(tmp_path, 0, np.zeros((0, 4, 4, 3), np.uint8))
+    with pytest.raises(ValueError, match="total=0"):
+        merge_shards(tmp_path, 0)
+    save_shard(tmp_path / "a", 0, _samples(2, seed=2))
+    save_shard(tmp_path / "a", 1, _samples(2, seed=3))  # overlaps index 1 with other pixels
+    with pytest.raises(ValueError, match="overlaps"):
+        merge_shards(tmp_path / "a", 3)
