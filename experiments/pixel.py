@@ -1,0 +1,124 @@
+"""Section 5.2 (EDM CIFAR-10 and FFHQ): Figure 4 and the FID table.
+
+Steps, on GPU hosts with the checkpoints (``model.path=...`` and ``model.sha256=...`` or
+``model.trust_checkpoint=true``)::
+
+    python run.py +experiment=fig4_cifar10          # 24 jobs: eps x (K, L) x {rmc, dgrs}, 100 images each
+    python run.py +experiment=fid_cifar10           # 150 shard jobs: 50k images per rule
+    python -m specsamp.metrics.fid <images dir> --ref cifar10-32x32     # per rule, after the shards merge
+    python -m experiments.pixel collect --dataset cifar10   # -> results/pixel/fig4_cifar10.csv
+    python -m experiments.pixel figures
+
+The committed tables list every cell with the paper's value beside ours; cells not run yet are empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import pandas as pd
+
+from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, plt, read_csv, save, write_csv
+from specsamp.trees import budget
+
+OUT = RESULTS / "pixel"
+DATASETS = ("cifar10", "ffhq")
+EPS = (0.1, 0.3, 0.6)
+SHAPES = ((2, 3), (2, 5), (3, 4), (4, 4))
+# FID on 50k samples at K=2, L=3, eps=0.3 (section 5.2); "standard" is EDM's published baseline.
+PAPER_FID = {("cifar10", "dgrs"): 1.824, ("cifar10", "rmc"): 1.822, ("cifar10", "standard"): 1.79,
+             ("ffhq", "dgrs"): 2.86, ("ffhq", "rmc"): 2.88, ("ffhq", "standard"): 2.39}
+# The paper gives Figure 4 only as a plot; its text states the ranges below.
+PAPER_RANGE = {"cifar10": "2.2–2.6x", "ffhq": "≈2.0–2.2x"}
+
+
+def empty_fig4(dataset: str) -> pd.DataFrame:
+    """Every Figure 4 cell, values empty (to be filled by ``collect``)."""
+    rows = [{"dataset": dataset, "sampler": s, "eps": e, "K": K, "L": L, "budget": budget(K, L),
+             "speedup_mean": np.nan, "speedup_std": np.nan, "speedup_sem": np.nan, "n_samples": np.nan,
+             "paper_range": PAPER_RANGE[dataset]}
+            for s in ("rmc", "dgrs") for e in EPS for K, L in SHAPES]
+    return pd.DataFrame(rows)
+
+
+def empty_fid() -> pd.DataFrame:
+    """The FID table with the paper's values and empty columns for ours."""
+    rows = [{"dataset": d, "sampler": s, "K": 2, "L": 3, "eps": 0.3, "n_images": 50000,
+             "fid_paper": PAPER_FID[(d, s)], "fid": np.nan}
+            for d in DATASETS for s in ("standard", "rmc", "dgrs")]
+    return pd.DataFrame(rows)
+
+
+def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
+    """Fill ``results/pixel/fig4_<dataset>.csv`` from the sweep's records."""
+    from specsamp.report import collect as collect_sweep
+
+    df = collect_sweep(sweep_dir or f"multirun/fig4_{dataset}")
+    df = df[df["status"] == "ok"]
+    table = empty_fig4(dataset).set_index(["sampler", "eps", "K", "L"])
+    for _, r in df.iterrows():
+        key = (r["sampler"], float(r["eps"]), int(r["K"]), int(r["L"]))
+        if key in table.index:
+            for c in ("speedup_mean", "speedup_std", "speedup_sem", "n_samples"):
+                table.loc[key, c] = r[c]
+    out = table.reset_index()[empty_fig4(dataset).columns]
+    write_csv(out, OUT / f"fig4_{dataset}.csv")
+    print(f"wrote {OUT / f'fig4_{dataset}.csv'} ({int(out['speedup_mean'].notna().sum())} of {len(out)} cells filled)")
+    return out
+
+
+def figures() -> list:
+    """Figure 4: speedup vs budget B, mean ± std over images, one panel per eps, one row per dataset."""
+    fig, axes = plt.subplots(len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.4 * len(DATASETS)), squeeze=False)
+    for i, ds in enumerate(DATASETS):
+        df = read_csv(OUT / f"fig4_{ds}.csv")
+        for j, eps in enumerate(EPS):
+            ax = axes[i][j]
+            sub = df[np.isclose(df["eps"], eps)]
+            drawn = False
+            for rule, s in sub.groupby("sampler"):
+                s = s.sort_values("budget").dropna(subset=["speedup_mean"])
+                if s.empty:
+                    continue
+                drawn = True
+                ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_std"], fmt="o-", capsize=3,
+                            color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
+            if not drawn:
+                ax.text(0.5, 0.5, "not run yet\n(needs a GPU and the EDM checkpoint)", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=8, color="0.4")
+            ax.set_xscale("log")
+            ax.set_xticks([budget(K, L) for K, L in SHAPES], [str(budget(K, L)) for K, L in SHAPES])
+            ax.set_title(f"{ds}, eps={eps}")
+            ax.set_xlabel("budget B")
+            ax.set_ylabel("NFE speedup")
+            ax.grid(alpha=0.3)
+            if drawn:
+                ax.legend(fontsize=7)
+    path = save(fig, OUT / "fig4_speedup_vs_budget.png")
+    print(f"wrote {path}")
+    return [path]
+
+
+def main(argv=None) -> int:
+    """CLI: ``init`` (write the empty tables), ``collect --dataset D``, ``figures``."""
+    ap = argparse.ArgumentParser(prog="python -m experiments.pixel", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["init", "collect", "figures"])
+    ap.add_argument("--dataset", choices=DATASETS, default="cifar10")
+    ap.add_argument("--sweep", default=None)
+    a = ap.parse_args(argv)
+    if a.command == "init":
+        for ds in DATASETS:
+            write_csv(empty_fig4(ds), OUT / f"fig4_{ds}.csv")
+        write_csv(empty_fid(), OUT / "fid.csv")
+    elif a.command == "collect":
+        collect(a.dataset, a.sweep)
+    else:
+        figures()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
