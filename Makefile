@@ -33,3 +33,10 @@ tables:  ## aggregate a sweep directory into a CSV: make tables SWEEP=multirun/g
 
 clean:  ## remove run outputs (not results/)
 	rm -rf outputs multirun
+
+SWEEP_NAME ?= local-demo
+SWEEP_ARGS ?= model.dim=8 steps=6 n_samples=4 K=1,2 L=2,3
+JOBS ?= 2
+sweep-local:  ## submitit sweep on this machine, then its table: make sweep-local SWEEP_NAME=demo SWEEP_ARGS="K=2,3 L=2,3" JOBS=2
+	$(PYTHON) run.py -m hydra/launcher=local hydra.sweeper.max_batch_size=$(JOBS) sweep_name=$(SWEEP_NAME) $(SWEEP_ARGS); \
+	status=$$?; $(PYTHON) -m specsamp.report collect multirun/$(SWEEP_NAME); exit $$status

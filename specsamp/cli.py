@@ -1,22 +1,68 @@
-"""The Hydra task behind ``run.py``: config in, ``result.json`` and one printed line out."""
+"""The Hydra task behind ``run.py``: config in, ``result.json`` and one printed line out.
+
+Single run (``python run.py ...``): a bad configuration prints ``error: ...`` and exits with status 2.
+
+Sweep (``python run.py -m ...``, any launcher): a job never stops the sweep. A job that fails (a bad
+per-job value, an exception, a CUDA OOM) writes ``failed.json`` atomically into its directory (error,
+kind ``config`` or ``exception``, traceback, overrides, config) and returns; the next jobs run, and
+:class:`specsamp.report.SweepReport` lists the failures at the end. A job whose ``result.json`` holds
+the same config hash is skipped; a job killed mid-run has no ``result.json`` and runs again.
+
+With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.shards`) and writes
+``shard.pt`` before ``result.json``.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .experiment import ConfigError, config_hash, existing_record, run_config, summary_line, write_json_atomic
+from .experiment import ConfigError, config_hash, existing_record, run_config, summary_line, versions, write_json_atomic
+
+FAILED_FILE = "failed.json"
+
+# Keys of conf/config.yaml that steer the runner, not the run: never part of the config hash or the
+# record's config. `shard`/`num_shards` are dropped only when the run is not sharded, so an unsharded
+# run keeps the hash it had before sharding existed (and a merged run gets that same hash).
+RUNNER_KEYS = ("hydra", "sweep_name")
 
 
-def _output_dir() -> Path:
+def _hydra_cfg():
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return Path(HydraConfig.get().runtime.output_dir)
+        return HydraConfig.get()
     except Exception:
-        return Path.cwd()
+        return None
+
+
+def _output_dir() -> Path:
+    hc = _hydra_cfg()
+    return Path(hc.runtime.output_dir) if hc is not None else Path.cwd()
+
+
+def is_multirun() -> bool:
+    """True inside a job of a Hydra sweep (``-m``), whatever the launcher."""
+    hc = _hydra_cfg()
+    if hc is None:
+        return False
+    from hydra.types import RunMode
+
+    return hc.mode == RunMode.MULTIRUN
+
+
+def _job_overrides() -> list[str]:
+    hc = _hydra_cfg()
+    try:
+        return list(hc.overrides.task) if hc is not None else []
+    except Exception:
+        return []
 
 
 def fail(message: str) -> None:
@@ -25,36 +71,140 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def prepare(cfg: DictConfig | dict) -> tuple[dict, dict]:
+    """Resolve a job's config into the dict that is run, hashed and recorded, plus the runner's settings.
+
+    Drops the runner keys (``hydra``, ``sweep_name``) and, for an unsharded run, ``shard``/``num_shards``.
+
+    Returns:
+        ``(cfg_dict, runner)`` with ``runner = {"sweep_name", "shard", "num_shards"}``.
+
+    Raises:
+        ConfigError: the config does not resolve, or ``shard``/``num_shards`` are invalid.
+    """
+    from .shards import SHARD_KEYS, shard_keys
+
+    if isinstance(cfg, DictConfig):
+        try:
+            cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as e:  # interpolation errors are config errors
+            raise ConfigError(f"the configuration does not resolve: {e}") from None
+    else:
+        cfg_dict = dict(cfg)
+    runner = {"sweep_name": cfg_dict.get("sweep_name")}
+    for k in RUNNER_KEYS:
+        cfg_dict.pop(k, None)
+    shard, num_shards = shard_keys(cfg_dict)
+    runner.update(shard=shard, num_shards=num_shards)
+    if num_shards == 1:
+        for k in SHARD_KEYS:
+            cfg_dict.pop(k, None)
+    return cfg_dict, runner
+
+
+def logger_config(cfg_dict: dict, sweep_name: str | None) -> dict:
+    """The config handed to the logger: in a sweep, ``logger.group`` defaults to the sweep name.
+
+    So ``logger=wandb`` gives one wandb run per job, grouped by sweep (offline unless ``WANDB_MODE`` or
+    ``logger.mode`` says otherwise); an explicit ``logger.group`` wins.
+    """
+    logger = dict(cfg_dict.get("logger") or {})
+    if sweep_name is None or logger.get("group") is not None or logger.get("name") in (None, "none"):
+        return cfg_dict
+    return {**cfg_dict, "logger": {**logger, "group": str(sweep_name)}}
+
+
+def _clear_failure(out_dir: Path) -> None:
+    (out_dir / FAILED_FILE).unlink(missing_ok=True)
+
+
+def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cfg_hash: str | None) -> dict:
+    """Record a failed job atomically in ``out_dir/failed.json`` and return the record."""
+    kind = "config" if isinstance(error, ConfigError) else "exception"
+    rec = {
+        "status": "failed",
+        "kind": kind,
+        "error": str(error) or type(error).__name__,
+        "error_type": type(error).__name__,
+        "traceback": None if kind == "config" else "".join(traceback.format_exception(error)),
+        "overrides": _job_overrides(),
+        "config_hash": cfg_hash,
+        "config": cfg_dict,
+        "output_dir": str(out_dir),
+        "host": socket.gethostname(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": versions(),
+    }
+    write_json_atomic(out_dir / FAILED_FILE, rec)
+    return rec
+
+
+def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict) -> float | None:
+    cfg_dict, runner = prepare(cfg)
+    state["cfg"] = cfg_dict
+    h = config_hash(cfg_dict)
+    state["hash"] = h
+    shard, num_shards = runner["shard"], runner["num_shards"]
+    sharded = num_shards > 1
+    if cfg_dict.get("skip_existing", True):
+        rec = existing_record(out_dir, h)
+        if rec is not None and (not sharded or (out_dir / "shard.pt").exists()):
+            _clear_failure(out_dir)
+            print(f"skipped (done, config {h}): {summary_line(rec)}", flush=True)
+            return rec["speedup"]["mean"]
+    _clear_failure(out_dir)
+    indices = None
+    if sharded:
+        from .shards import shard_indices
+
+        indices = shard_indices(cfg_dict["n_samples"], shard, num_shards, cfg_dict.get("batch_size"))
+    record, result = run_config(cfg_dict, indices=indices)
+    record["output_dir"] = str(out_dir)
+    record["overrides"] = _job_overrides()
+    if multirun and runner["sweep_name"] is not None:
+        record["sweep"] = str(runner["sweep_name"])
+    if sharded:
+        from .shards import save_shard
+
+        record.update(shard=shard, num_shards=num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
+        save_shard(out_dir, result, indices, record)
+    elif cfg_dict.get("save_samples"):
+        from .shards import torch_save_atomic
+
+        torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())
+    from .loggers import log_record
+
+    log_record(logger_config(cfg_dict, runner["sweep_name"] if multirun else None), record, out_dir)
+    write_json_atomic(out_dir / "result.json", record)
+    tag = f"[shard {shard}/{num_shards}] " if sharded else ""
+    print(tag + summary_line(record), flush=True)
+    return record["speedup"]["mean"]
+
+
 def run_task(cfg: DictConfig) -> float | None:
     """Validate and run one job; skip it when its record already exists with the same config hash.
 
+    In a sweep, a failing job writes ``failed.json`` and returns None instead of raising or exiting, so
+    that the launcher (basic or submitit) runs the other jobs.
+
     Returns:
-        The mean per-trajectory speedup.
+        The mean per-trajectory speedup (None for a failed job of a sweep).
     """
-    try:
-        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as e:  # interpolation errors are config errors
-        fail(f"the configuration does not resolve: {e}")
-    cfg_dict.pop("hydra", None)
     out_dir = _output_dir()
-    h = config_hash(cfg_dict)
-    if cfg_dict.get("skip_existing", True):
-        rec = existing_record(out_dir, h)
-        if rec is not None:
-            print(f"skipped (done, config {h}): {summary_line(rec)}")
-            return rec["speedup"]["mean"]
+    multirun = is_multirun()
+    state: dict = {}
     try:
-        record, result = run_config(cfg_dict)
+        return _execute(cfg, out_dir, multirun, state)
     except ConfigError as e:
-        fail(str(e))
-    record["output_dir"] = str(out_dir)
-    if cfg_dict.get("save_samples"):
-        import torch
-
-        torch.save(result.samples.cpu(), out_dir / "samples.pt")
-    from .loggers import log_record
-
-    log_record(cfg_dict, record, out_dir)
-    write_json_atomic(out_dir / "result.json", record)
-    print(summary_line(record), flush=True)
-    return record["speedup"]["mean"]
+        if not multirun:
+            fail(str(e))
+        err = e
+    except Exception as e:
+        if not multirun:
+            raise
+        err = e
+    write_failure(out_dir, err, state.get("cfg"), state.get("hash"))
+    where = ",".join(_job_overrides()) or str(out_dir)
+    print(f"error: job {where} failed: {err} (see {out_dir / FAILED_FILE})", file=sys.stderr, flush=True)
+    return None

@@ -264,13 +264,17 @@ def _concat(results: list[SampleResult]) -> SampleResult:
     )
 
 
-def run_config(cfg_dict: Mapping, *, model=None, cond: dict | None = None) -> tuple[dict, SampleResult]:
+def run_config(
+    cfg_dict: Mapping, *, model=None, cond: dict | None = None, indices=None
+) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``.
 
     Args:
         cfg_dict: resolved config as a plain dict (keys of ``conf/config.yaml``).
         model: an already-built model to use instead of ``cfg.model`` (tests, notebooks).
         cond: per-trajectory conditioning for ``model`` (``{name: [n_samples, ...]}``).
+        indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
+            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run bitwise.
 
     Returns:
         The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`.
@@ -291,7 +295,9 @@ def run_config(cfg_dict: Mapping, *, model=None, cond: dict | None = None) -> tu
         raise ConfigError(str(e)) from None
     horizon = schedule.steps - 2
     tree, B = build_tree(v, horizon, cfg_dict)
-    ids = torch.arange(v["n_samples"])
+    ids = torch.arange(v["n_samples"]) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v["n_samples"]:
+        raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={v['n_samples']}).")
     bs = v["batch_size"] or v["n_samples"]
     batches = [ids[i : i + bs] for i in range(0, ids.numel(), bs)]
     results = []

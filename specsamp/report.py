@@ -1,0 +1,466 @@
+"""Sweep directories -> tidy tables, and the summary printed at the end of a sweep.
+
+A sweep directory (``multirun/<sweep_name>/``) holds one directory per job, named by the job's
+overrides (``K=2,L=3,sampler=rmc``), each with Hydra's ``.hydra/`` and, once finished, ``result.json``
+(or ``failed.json``). :func:`collect` reads them into one pandas row per job; it works while the sweep
+is running::
+
+    python -m specsamp.report collect multirun/gmm_grid            # table on stdout, CSV in the sweep dir
+    python -m specsamp.report collect multirun/gmm_grid --csv gmm.csv
+
+Job status: ``ok`` (``result.json``), ``failed`` (``failed.json``: a bad per-job value or an
+exception), ``running`` (started, no record yet; also a job killed mid-run, which reruns on relaunch)
+and ``missing`` (planned in ``multirun.yaml`` by Hydra's basic sweeper, not started yet).
+
+:class:`SweepReport` is a Hydra callback (``hydra.callbacks.sweep_report`` in ``conf/config.yaml``):
+at the end of a sweep it prints what ran, what was skipped and which jobs failed with their errors,
+merges complete shard groups, and leaves the outcome in :data:`SWEEP_STATE` for ``run.py``'s exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+RESULT, FAILED, SHARD = "result.json", "failed.json", "shard.pt"
+STATUSES = ("ok", "failed", "running", "missing")
+
+# Columns every table has, in this order; swept keys that are not among them follow as their own columns.
+COLUMNS = [
+    "job", "status", "overrides", "model", "sampler", "K", "L", "eps", "steps", "n_samples", "seed",
+    "tree", "budget", "verification_rows",
+    "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean", "nfe_std", "nfe_sem", "nfe_total_mean",
+    "target_rows_mean", "batch_speedup", "committed_per_round", "acceptance_pooled", "acceptance",
+    "wall_seconds", "shard", "num_shards", "config_hash", "error",
+]  # fmt: skip
+_CONFIG_COLUMNS = ("K", "L", "eps", "steps", "n_samples", "seed", "shard", "num_shards")
+
+# Filled by SweepReport.on_multirun_end; read by run.py to set the exit status.
+SWEEP_STATE: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# reading a sweep directory
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_overrides(job: Path) -> list[str] | None:
+    p = job / ".hydra" / "overrides.yaml"
+    if not p.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        return [str(x) for x in OmegaConf.to_container(OmegaConf.load(p))]
+    except Exception:
+        return None
+
+
+def job_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
+    """Every job directory under ``sweep_dir``: one holding ``.hydra/``, ``result.json`` or ``failed.json``.
+
+    Hidden directories (``.submitit``, ``.hydra``) and ``wandb`` run folders are not searched.
+    """
+    root = Path(sweep_dir)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "wandb")
+        here = Path(dirpath)
+        if RESULT in filenames or FAILED in filenames or (here / ".hydra" / "overrides.yaml").exists():
+            out.append(here)
+    return out
+
+
+def _split_override(line: str) -> tuple[str, str]:
+    key, _, value = line.partition("=")
+    return key.lstrip("+~"), value
+
+
+def planned_jobs(sweep_dir: str | os.PathLike) -> list[list[str]] | None:
+    """The jobs (override lists) of the latest launch into ``sweep_dir``, from its ``multirun.yaml``.
+
+    Only Hydra's basic sweeper is expanded; for another sweeper (or when Hydra cannot expand it here,
+    e.g. a ``glob`` over a config group) returns None.
+    """
+    p = Path(sweep_dir) / "multirun.yaml"
+    if not p.exists():
+        return None
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(p)
+        if "basic_sweeper" not in str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")):
+            return None
+        params = OmegaConf.select(cfg, "hydra.sweeper.params")
+        params = OmegaConf.to_container(params, resolve=False) if params is not None else {}
+        args = [f"{k}={v}" for k, v in params.items()]
+        args += [str(x) for x in OmegaConf.to_container(cfg.hydra.overrides.task, resolve=False)]
+        parsed = OverridesParser.create().parse_overrides(args)
+        return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception:
+        return None
+
+
+def _expected_dirname(sweep_dir: Path, overrides: Sequence[str]) -> str:
+    """``hydra.job.override_dirname`` of a planned job (the default ``hydra.sweep.subdir``)."""
+    exclude: list[str] = []
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(sweep_dir / "multirun.yaml")
+        exclude = list(OmegaConf.select(cfg, "hydra.job.config.override_dirname.exclude_keys", default=[]) or [])
+    except Exception:
+        pass
+    lines = sorted(o for o in overrides if _split_override(o)[0] not in exclude and not o.startswith("hydra"))
+    return ",".join(lines)
+
+
+def _config_of(job: Path, rec: dict | None) -> dict:
+    if rec and isinstance(rec.get("config"), dict):
+        return rec["config"]
+    p = job / ".hydra" / "config.yaml"
+    if p.exists():
+        from omegaconf import OmegaConf
+
+        try:
+            cfg = OmegaConf.load(p)
+        except Exception:
+            return {}
+        out = {}
+        for key in ("model.name", "model.kind", "sampler.name", *_CONFIG_COLUMNS):
+            try:
+                out[key] = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+            except Exception:
+                out[key] = None
+        return {
+            **{k: out[k] for k in _CONFIG_COLUMNS},
+            "model": {"name": out["model.name"] or out["model.kind"]},
+            "sampler": {"name": out["sampler.name"]},
+        }
+    return {}
+
+
+def _fill_from_config(row: dict, cfg: dict) -> None:
+    for k in _CONFIG_COLUMNS:
+        if row.get(k) is None and cfg.get(k) is not None:
+            row[k] = cfg[k]
+    model, sampler = cfg.get("model") or {}, cfg.get("sampler") or {}
+    if row.get("model") is None and isinstance(model, dict):
+        row["model"] = model.get("name") or model.get("kind")
+    if row.get("sampler") is None and isinstance(sampler, dict):
+        row["sampler"] = sampler.get("name")
+
+
+def _record_columns(rec: dict) -> dict:
+    row: dict[str, Any] = {k: rec.get(k) for k in ("model", "sampler", "K", "L", "eps", "steps", "n_samples", "tree", "budget", "verification_rows")}
+    for name in ("speedup", "nfe"):
+        for s in ("mean", "std", "sem"):
+            row[f"{name}_{s}"] = (rec.get(name) or {}).get(s)
+    for name in ("nfe_total", "target_rows"):  # calls incl. endpoints; states evaluated (per trajectory)
+        v = rec.get(name)
+        row[f"{name}_mean"] = v.get("mean") if isinstance(v, dict) else v
+    for name in ("batch_speedup", "committed_per_round", "acceptance_pooled"):
+        row[name] = rec.get(name)
+    acc = rec.get("acceptance_per_depth") or []
+    row["acceptance"] = "/".join(f"{a:.4f}" for a in acc)
+    for i, a in enumerate(acc):
+        row[f"acc_d{i + 1}"] = a
+    metrics = dict(rec.get("metrics") or {})
+    for k in ("fid", "clip_score"):
+        if k in rec and k not in metrics:
+            metrics[k] = rec[k]
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) or v is None:
+            row[k] = v
+        elif isinstance(v, dict) and "mean" in v:
+            row[k] = v["mean"]
+    row["wall_seconds"] = rec.get("wall_seconds")
+    row["config_hash"] = rec.get("config_hash")
+    for k in ("shard", "num_shards"):
+        if k in rec:
+            row[k] = rec[k]
+    if rec.get("merged_from"):  # a whole run merged from its shards
+        row["num_shards"] = len(rec["merged_from"])
+    return row
+
+
+def job_row(job: Path, sweep_dir: Path) -> dict:
+    """One table row for one job directory (see :data:`COLUMNS`)."""
+    rel = job.relative_to(sweep_dir).as_posix()
+    overrides = _read_overrides(job)
+    row: dict[str, Any] = {"job": rel, "path": str(job)}
+    result, failed = _read_json(job / RESULT), _read_json(job / FAILED)
+    rec = None
+    if failed is not None:  # a run that succeeds deletes failed.json, so this is the latest outcome
+        row.update(status="failed", error=failed.get("error"), config_hash=failed.get("config_hash"))
+        rec = failed
+    elif result is not None and result.get("status") == "ok":
+        row.update(status="ok", **_record_columns(result))
+        rec = result
+    else:
+        row["status"] = "running"
+    if overrides is None and rec is not None:
+        overrides = rec.get("overrides")
+    _fill_from_config(row, _config_of(job, rec))
+    row["overrides"] = " ".join(overrides or [])
+    row["_key"] = tuple(sorted(overrides or []))
+    for line in overrides or []:
+        key, value = _split_override(line)
+        if key not in row or row[key] is None:
+            row[key] = value
+    return row
+
+
+def _collect(root: Path):
+    """:func:`collect` plus a ``_key`` column (the sorted override tuple) used to match planned jobs."""
+    import pandas as pd
+
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    rows = [job_row(j, root) for j in job_dirs(root)]
+    started = {r["_key"] for r in rows if r.get("path")}
+    for job in planned_jobs(root) or []:
+        key = tuple(sorted(job))
+        if key in started:
+            continue
+        row: dict[str, Any] = {"job": _expected_dirname(root, job), "path": None, "status": "missing", "overrides": " ".join(job), "_key": key}
+        for line in job:
+            k, value = _split_override(line)
+            row.setdefault(k, value)
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=None if rows else ["job", "path", "status", "overrides", "_key"])
+    extra = [c for c in df.columns if c not in COLUMNS and c not in ("path", "_key") and not c.startswith("acc_d")]
+    acc = sorted((c for c in df.columns if c.startswith("acc_d")), key=lambda c: int(c[5:]))
+    for c in COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    df = df[COLUMNS[:-5] + acc + COLUMNS[-5:] + extra + ["path", "_key"]]
+    return df.sort_values("job", kind="stable").reset_index(drop=True)
+
+
+def collect(sweep_dir: str | os.PathLike):
+    """Read a sweep directory into a tidy table, one row per job (finished, failed, running or planned).
+
+    Args:
+        sweep_dir: a Hydra sweep directory (``multirun/<sweep_name>``) or any directory of job dirs.
+
+    Returns:
+        A ``pandas.DataFrame`` with the columns of :data:`COLUMNS` (``speedup_mean``, ``nfe_mean``,
+        ``acceptance`` as ``"a1/a2/..."`` plus ``acc_d1, acc_d2, ...``, metrics such as ``fid``), then
+        one column per swept key not among them (``model.dim``, ``experiment``, ...), sorted by job.
+
+    Raises:
+        FileNotFoundError: ``sweep_dir`` is not a directory.
+    """
+    return _collect(Path(sweep_dir)).drop(columns="_key")
+
+
+def write_csv_atomic(df, path: str | os.PathLike) -> None:
+    """Write ``df`` to CSV through a temporary file and an atomic rename."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            df.to_csv(f, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    try:
+        return format(float(v), spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _short_acceptance(a, depths: int = 4) -> str:
+    if not isinstance(a, str) or not a:
+        return ""
+    parts = a.split("/")
+    return "/".join(f"{float(x):.2f}" for x in parts[:depths]) + ("/..." if len(parts) > depths else "")
+
+
+def format_table(df) -> str:
+    """A compact text table: job, status, B, speedup ± sem, NFE, acceptance, wall time (or the error)."""
+    import pandas as pd
+
+    if df.empty:
+        return "(no jobs)"
+    show = pd.DataFrame(
+        {
+            "job": df["job"].replace("", "."),
+            "status": df["status"],
+            "B": [_fmt(v, ".0f") for v in df["budget"]],
+            "speedup": [f"{_fmt(m, '.3f')} ± {_fmt(s, '.3f')}" if _fmt(m, "") else "" for m, s in zip(df["speedup_mean"], df["speedup_sem"])],
+            "NFE": [_fmt(v, ".1f") for v in df["nfe_mean"]],
+            "acceptance": [_short_acceptance(a) for a in df["acceptance"]],
+            "wall_s": [_fmt(v, ".1f") for v in df["wall_seconds"]],
+            "error": df["error"].fillna("").astype(str).str.slice(0, 80),
+        }
+    )
+    if not show["error"].str.len().any():
+        show = show.drop(columns="error")
+    counts = df["status"].value_counts()
+    foot = f"{len(df)} jobs: " + ", ".join(f"{int(counts.get(s, 0))} {s}" for s in STATUSES)
+    return show.to_string(index=False) + "\n" + foot
+
+
+# ----------------------------------------------------------------------------------------------
+# end-of-sweep summary (Hydra callback)
+
+
+def _mtime(p: Path) -> float | None:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return None
+
+
+def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
+    """What the latest launch into ``sweep_dir`` did, judged from the files on disk.
+
+    A job belongs to the latest launch when it is planned in ``multirun.yaml`` (basic sweeper) or,
+    failing that, when Hydra wrote its ``.hydra/`` after ``multirun.yaml``. An ok job whose
+    ``result.json`` is older than ``multirun.yaml`` was skipped.
+
+    Returns:
+        ``{"sweep_dir", "table" (DataFrame of this launch's jobs), "ran", "skipped", "failed"
+        (list of rows), "running", "missing", "config_errors_only" (bool)}``.
+    """
+    root = Path(sweep_dir)
+    df = _collect(root)
+    launch = _mtime(root / "multirun.yaml")
+    planned = planned_jobs(root)
+    if planned is not None:
+        wanted = {tuple(sorted(j)) for j in planned}
+        mine = df[[k in wanted for k in df["_key"]]]
+    elif launch is not None:
+        mine = df[[(p is not None and (_mtime(Path(p) / ".hydra" / "overrides.yaml") or 0) >= launch) for p in df["path"]]]
+    else:
+        mine = df
+    ok = mine[mine["status"] == "ok"]
+    skipped = [p for p in ok["path"] if launch is not None and (_mtime(Path(p) / RESULT) or 0) < launch]
+    failed = mine[mine["status"] == "failed"]
+    kinds = [(_read_json(Path(p) / FAILED) or {}).get("kind") for p in failed["path"]]
+    return {
+        "sweep_dir": str(root),
+        "table": mine.drop(columns="_key"),
+        "ran": len(ok) - len(skipped),
+        "skipped": len(skipped),
+        "failed": failed.to_dict("records"),
+        "running": int((mine["status"] == "running").sum()),
+        "missing": int((mine["status"] == "missing").sum()),
+        "config_errors_only": bool(kinds) and all(k == "config" for k in kinds),
+    }
+
+
+def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
+    """Print :func:`sweep_summary` (failed jobs with their errors) and return it."""
+    file = file or sys.stdout
+    s = sweep_summary(sweep_dir)
+    n = len(s["table"])
+    parts = [f"{s['ran']} ran", f"{s['skipped']} skipped (done before)", f"{len(s['failed'])} failed"]
+    if s["running"] or s["missing"]:
+        parts.append(f"{s['running'] + s['missing']} not finished")
+    print(f"sweep {s['sweep_dir']}: {n} jobs, " + ", ".join(parts), file=file)
+    for row in s["failed"]:
+        print(f"  failed: {row['job'] or '.'}: {row['error']}  ({Path(row['path']) / FAILED})", file=file)
+    print(f"  table: python -m specsamp.report collect {s['sweep_dir']}", file=file, flush=True)
+    return s
+
+
+class SweepReport(Callback):
+    """Hydra callback: after a sweep, summarise it, merge finished shard groups, set the exit status.
+
+    Args:
+        merge_shards: merge complete shard groups (:func:`specsamp.shards.merge`) at the end.
+    """
+
+    def __init__(self, merge_shards: bool = True) -> None:
+        self.merge_shards = merge_shards
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        """Remember the sweep directory (for ``run.py`` when the launcher itself fails)."""
+        SWEEP_STATE.clear()
+        SWEEP_STATE["sweep_dir"] = str(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        """Print the summary; merge shards; store the failures in :data:`SWEEP_STATE`."""
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            s = print_sweep_summary(sweep_dir)
+        except Exception as e:  # a report must never turn a finished sweep into an error
+            print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
+            return
+        SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"])
+        if self.merge_shards and any(sweep_dir.rglob(SHARD)):
+            from .shards import merge
+
+            try:
+                for line in merge(sweep_dir).lines():
+                    print(f"  shards {line}", flush=True)
+            except Exception as e:
+                print(f"warning: merging shards under {sweep_dir} failed: {e}", file=sys.stderr)
+
+
+def launched(sweep_dir: str | os.PathLike) -> bool:
+    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer)."""
+    root = Path(sweep_dir)
+    launch = _mtime(root / "multirun.yaml")
+    if launch is None:
+        return False
+    return any((_mtime(j / ".hydra" / "overrides.yaml") or 0) >= launch for j in job_dirs(root))
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specsamp.report collect SWEEP_DIR [--csv OUT]``: print the table, write the CSV.
+
+    Exit status 0 (also while jobs are running or have failed: the table says so), 2 on a usage error.
+    """
+    ap = argparse.ArgumentParser(prog="python -m specsamp.report", description="Tables from sweep directories.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect", help="one CSV row per job of a sweep directory")
+    c.add_argument("sweep_dir", help="a sweep directory, e.g. multirun/gmm_grid")
+    c.add_argument("--csv", default=None, help="output CSV (default: SWEEP_DIR/summary.csv)")
+    args = ap.parse_args(argv)
+    root = Path(args.sweep_dir)
+    if not root.is_dir():
+        print(f"error: SWEEP_DIR={args.sweep_dir!r} is invalid: no such directory (sweeps live in multirun/<sweep_name>).", file=sys.stderr)
+        return 2
+    df = collect(root)
+    out = Path(args.csv) if args.csv else root / "summary.csv"
+    write_csv_atomic(df.drop(columns="path"), out)
+    print(format_table(df))
+    print(f"wrote {out} ({len(df)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Split one large sampling job into shards by trajectory index, and merge the shards back.
+
+A job with ``num_shards=S`` and ``shard=k`` runs one contiguous block of the trajectory ids
+``0 .. n_samples-1`` (see :func:`shard_indices`) and writes, atomically, ``shard.pt`` (its samples and
+per-trajectory statistics) and then ``result.json`` (the statistics of its block). Sweep over ``shard``
+to run every block as its own job::
+
+    python run.py -m sweep_name=fid_cifar10 n_samples=50000 batch_size=500 num_shards=8 'shard=range(8)'
+    python -m specsamp.shards merge multirun/fid_cifar10
+
+``merge`` groups the shard files under a directory by their unsharded configuration, checks that every
+shard ``0 .. S-1`` of a group is present (a missing one is named and the group is left unmerged), and
+writes ``samples.pt`` and ``result.json`` of the whole run into the directory an unsharded job of the
+same sweep would use (the shard directory's name without ``num_shards=``/``shard=``). The merged record
+has the configuration hash of the unsharded run, so a later unsharded launch finds it and skips.
+
+Trajectory ``i``'s randomness is keyed by ``(seed, i)``, so the merged samples are those of one
+unsharded run. They are equal *bitwise* when every batch is the same in both runs: with ``batch_size``
+set, shards are cut at batch boundaries, so that holds. With ``batch_size=null`` (one batch per job)
+the shards' batches are smaller than the unsharded run's, and BLAS may round a matrix product of
+another shape differently in the last bit (~1e-16 relative); the law is unaffected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SHARD_FILE = "shard.pt"
+SAMPLES_FILE = "samples.pt"
+RESULT_FILE = "result.json"
+SHARD_KEYS = ("shard", "num_shards")
+_PER_TRAJECTORY = ("samples", "calls", "nfe", "target_rows", "rounds", "committed", "attempts", "accepts")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def shard_keys(cfg: Mapping) -> tuple[int, int]:
+    """Validate ``shard`` and ``num_shards`` of a resolved config.
+
+    Args:
+        cfg: resolved config with ``n_samples`` and optionally ``batch_size``, ``shard`` (default 0) and
+            ``num_shards`` (default 1).
+
+    Returns:
+        ``(shard, num_shards)``.
+
+    Raises:
+        ConfigError: a key's value is not valid; the message names the key, its value and the range.
+    """
+    from .experiment import ConfigError
+
+    num_shards = cfg.get("num_shards", 1)
+    shard = cfg.get("shard", 0)
+    if num_shards is None:
+        num_shards = 1
+    if shard is None:
+        shard = 0
+    if not _is_int(num_shards) or num_shards < 1:
+        raise ConfigError(f"num_shards={num_shards!r} is invalid: must be an integer >= 1 (1 = no sharding).")
+    if not _is_int(shard) or not 0 <= shard < num_shards:
+        raise ConfigError(f"shard={shard!r} is invalid: must be an integer in 0..{num_shards - 1} (num_shards={num_shards}).")
+    n, bs = cfg.get("n_samples"), cfg.get("batch_size")
+    if num_shards > 1 and _is_int(n) and n >= 1:
+        units = math.ceil(n / bs) if _is_int(bs) and bs >= 1 else n
+        what = f"the number of batches ceil(n_samples/batch_size) = {units}" if _is_int(bs) and bs >= 1 else f"n_samples={n}"
+        if num_shards > units:
+            raise ConfigError(f"num_shards={num_shards} is invalid: must be <= {what}, so that no shard is empty.")
+    return shard, num_shards
+
+
+def shard_indices(n_samples: int, shard: int, num_shards: int, batch_size: int | None = None) -> range:
+    """Trajectory ids of one shard: a contiguous block, cut at batch boundaries when batching.
+
+    With ``batch_size`` set, the ``ceil(n_samples / batch_size)`` batches of the unsharded run are dealt
+    out in contiguous runs, so every shard runs exactly the unsharded run's batches (and reproduces its
+    samples bitwise). Otherwise trajectories are split as evenly as possible.
+
+    Args:
+        n_samples: trajectories of the whole run.
+        shard: this shard, in ``0 .. num_shards - 1``.
+        num_shards: number of shards, at most the number of batches (or of trajectories).
+        batch_size: trajectories per batch, or None for one batch per job.
+
+    Returns:
+        ``range(start, stop)`` of trajectory ids; the shards partition ``range(n_samples)`` in order.
+    """
+    if batch_size:
+        units = math.ceil(n_samples / batch_size)
+        lo, hi = shard * units // num_shards, (shard + 1) * units // num_shards
+        return range(lo * batch_size, min(hi * batch_size, n_samples))
+    return range(shard * n_samples // num_shards, (shard + 1) * n_samples // num_shards)
+
+
+def unsharded_config(cfg: Mapping) -> dict:
+    """The config of the whole run a shard belongs to: ``cfg`` without ``shard`` and ``num_shards``."""
+    return {k: v for k, v in cfg.items() if k not in SHARD_KEYS}
+
+
+def torch_save_atomic(path: str | os.PathLike, obj) -> None:
+    """``torch.save`` through a temporary file in the same directory and an atomic rename."""
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_shard(out_dir: str | os.PathLike, result, indices: Sequence[int], record: Mapping) -> Path:
+    """Write one shard's samples and per-trajectory statistics atomically to ``out_dir/shard.pt``.
+
+    Args:
+        out_dir: the shard job's output directory.
+        result: its :class:`specsamp.sampler.SampleResult`.
+        indices: the trajectory ids it ran, in the order of ``result``'s rows.
+        record: its record (``config``, ``config_hash``, ``wall_seconds``, ... are kept).
+
+    Returns:
+        The path written.
+    """
+    import torch
+
+    data = {name: getattr(result, name).detach().cpu() for name in _PER_TRAJECTORY}
+    data["indices"] = torch.as_tensor(list(indices), dtype=torch.long)
+    data["speculative_steps"] = int(result.speculative_steps)
+    data["batch_speedups"] = [float(b) for b in result.extra.get("batch_speedups", [result.batch_speedup])]
+    data["record"] = json.dumps(record, default=str)  # JSON text: loadable with weights_only=True
+    path = Path(out_dir) / SHARD_FILE
+    torch_save_atomic(path, data)
+    return path
+
+
+def load_shard(path: str | os.PathLike) -> dict:
+    """Read a ``shard.pt`` written by :func:`save_shard` (tensors and plain Python values only)."""
+    import torch
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    data["record"] = json.loads(data["record"])
+    return data
+
+
+def merged_dir_for(shard_dir: Path) -> Path | None:
+    """Where an unsharded job of the same sweep writes: the shard directory's name without shard keys.
+
+    ``multirun/x/K=2,num_shards=4,shard=1`` -> ``multirun/x/K=2``; ``.../num_shards=4,shard=1`` -> ``multirun/x``.
+    None when the name carries no ``shard=`` item (not a directory named by its overrides).
+    """
+    name = shard_dir.name
+    if not re.search(r"(^|,)shard=", name):
+        return None
+    rest = re.sub(r"(^|,)(num_shards|shard)=[^,]*", "", name).strip(",")
+    return shard_dir.parent / rest if rest else shard_dir.parent
+
+
+@dataclass
+class ShardGroup:
+    """The shards found for one unsharded configuration."""
+
+    config_hash: str
+    num_shards: int
+    found: dict[int, Path] = field(default_factory=dict)  # shard -> its job directory
+
+    @property
+    def missing(self) -> list[int]:
+        """Shard numbers with no ``shard.pt`` + ``result.json`` yet."""
+        return [k for k in range(self.num_shards) if k not in self.found]
+
+    def target_dir(self, root: Path) -> Path:
+        """The merged run's directory (see :func:`merged_dir_for`; ``root/merged-HASH`` otherwise)."""
+        dirs = {merged_dir_for(d) for d in self.found.values()}
+        if len(dirs) == 1 and None not in dirs:
+            return dirs.pop()
+        return root / f"merged-{self.config_hash}"
+
+    def expected_dir(self, k: int) -> str:
+        """A best guess of shard ``k``'s directory, for messages."""
+        d = next(iter(self.found.values()))
+        name = re.sub(r"(^|,)shard=[^,]*", lambda m: f"{m.group(1)}shard={k}", d.name)
+        return str(d.parent / name) if name != d.name else f"a job with shard={k} num_shards={self.num_shards}"
+
+
+def find_shards(root: str | os.PathLike) -> list[ShardGroup]:
+    """Group every finished shard under ``root`` (``shard.pt`` next to an ok ``result.json``).
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+    """
+    from .experiment import config_hash
+
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    groups: dict[tuple[str, int], ShardGroup] = {}
+    for path in sorted(root.rglob(SHARD_FILE)):
+        job = path.parent
+        try:
+            rec = json.loads((job / RESULT_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # written shard.pt, killed before result.json: not finished
+        if rec.get("status") != "ok" or "config" not in rec:
+            continue
+        cfg = rec["config"]
+        n = int(cfg.get("num_shards", 1))
+        h = config_hash(unsharded_config(cfg))
+        g = groups.setdefault((h, n), ShardGroup(h, n))
+        g.found[int(cfg.get("shard", 0))] = job
+    return list(groups.values())
+
+
+def _pad_cat(tensors: list):
+    """Concatenate ``[M_i, R_i]`` tensors along rows, zero-padding columns to the widest."""
+    import torch
+
+    width = max(t.shape[1] for t in tensors)
+    out = [torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], 1) for t in tensors]
+    return torch.cat(out)
+
+
+def merge_group(group: ShardGroup, out_dir: Path) -> dict:
+    """Merge a complete group into ``out_dir`` (``samples.pt`` then ``result.json``, both atomic).
+
+    The record is the one an unsharded run writes (same keys, same statistics over all trajectories);
+    ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches.
+    Every statistic is recomputed here from the per-trajectory arrays, mirroring
+    :func:`specsamp.experiment.run_config`; ``tests/test_sweeps.py`` checks that both records agree key
+    by key, so a statistic added to one must be added to the other.
+
+    Returns:
+        The merged record.
+
+    Raises:
+        ValueError: the group is incomplete or its shards disagree (ids not a partition of ``0..n-1``).
+    """
+    import numpy as np
+    import torch
+
+    from .experiment import _stats, config_hash, write_json_atomic
+
+    if group.missing:
+        raise ValueError(f"shards {group.missing} of {group.num_shards} are missing")
+    parts = [load_shard(group.found[k] / SHARD_FILE) for k in range(group.num_shards)]
+    ids = torch.cat([p["indices"] for p in parts])
+    base = unsharded_config(parts[0]["record"]["config"])
+    n = int(base["n_samples"])
+    if not torch.equal(ids, torch.arange(n)):
+        raise ValueError(f"the shards' trajectory ids are not 0..{n - 1} in order; were they run with different batch_size?")
+    cat = {name: torch.cat([p[name] for p in parts]) for name in ("samples", "calls", "nfe", "target_rows", "rounds")}
+    committed = _pad_cat([p["committed"] for p in parts])
+    attempts = torch.cat([p["attempts"] for p in parts]).sum(0).double()
+    accepts = torch.cat([p["accepts"] for p in parts]).sum(0).double()
+    steps_spec = parts[0]["speculative_steps"]
+    first = parts[0]["record"]
+    record = {
+        "status": "ok",
+        "config": base,
+        "config_hash": config_hash(base),
+        "model": first["model"],
+        "sampler": first["sampler"],
+        "K": first["K"],
+        "L": first["L"],
+        "eps": first["eps"],
+        "steps": first["steps"],
+        "n_samples": n,
+        "tree": first["tree"],
+        "budget": first["budget"],
+        "verification_rows": first["verification_rows"],
+        "nfe": _stats(cat["calls"]),
+        "nfe_total": _stats(cat["nfe"]),
+        "speedup": _stats(steps_spec / cat["calls"].double()),
+        "nfe_speedup": _stats(first["steps"] / cat["nfe"].double()),
+        "batch_speedup": float(np.mean([b for p in parts for b in p["batch_speedups"]])),
+        "target_rows": _stats(cat["target_rows"]),
+        "rounds": _stats(cat["rounds"]),
+        "committed_per_round": float(committed.double().sum() / cat["rounds"].double().sum()),
+        "acceptance_per_depth": (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else [],
+        "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
+        "attempts_per_depth": attempts.tolist(),
+        "wall_seconds": float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
+        "versions": first.get("versions"),
+        "output_dir": str(out_dir.resolve()),
+        "merged_from": [str(group.found[k].resolve()) for k in range(group.num_shards)],
+        "overrides": [o for o in first.get("overrides") or [] if o.partition("=")[0].lstrip("+~") not in SHARD_KEYS],
+    }
+    if "sweep" in first:
+        record["sweep"] = first["sweep"]
+    torch_save_atomic(out_dir / SAMPLES_FILE, cat["samples"])
+    write_json_atomic(out_dir / RESULT_FILE, record)
+    return record
+
+
+@dataclass
+class MergeReport:
+    """What :func:`merge` did: merged and already-merged directories, and incomplete groups."""
+
+    merged: list[Path] = field(default_factory=list)
+    skipped: list[Path] = field(default_factory=list)
+    incomplete: list[tuple[ShardGroup, list[int]]] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """Human-readable lines, one per group."""
+        out = [f"merged: {d}" for d in self.merged] + [f"skipped (already merged): {d}" for d in self.skipped]
+        for g, missing in self.incomplete:
+            names = "; ".join(f"shard {k} ({g.expected_dir(k)})" for k in missing)
+            out.append(f"incomplete: {len(g.found)} of {g.num_shards} shards of config {g.config_hash}; missing {names}")
+        return out
+
+
+def merge(root: str | os.PathLike, *, force: bool = False) -> MergeReport:
+    """Merge every complete shard group under ``root``; name the missing shards of the others.
+
+    A group whose merged ``result.json`` already exists with the same config hash (and ``samples.pt``)
+    is skipped unless ``force``.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+    """
+    from .experiment import existing_record
+
+    root = Path(root)
+    report = MergeReport()
+    for g in find_shards(root):
+        if g.missing:
+            report.incomplete.append((g, g.missing))
+            continue
+        out = g.target_dir(root)
+        if not force and existing_record(out, g.config_hash) is not None and (out / SAMPLES_FILE).exists():
+            report.skipped.append(out)
+            continue
+        merge_group(g, out)
+        report.merged.append(out)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specsamp.shards merge DIR [--force]``: exit 0 when every group is merged, 1 when a
+    shard is missing (named on stderr), 2 on a usage error (no such directory, no shard files)."""
+    ap = argparse.ArgumentParser(prog="python -m specsamp.shards", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="merge the finished shards under DIR (a sweep directory)")
+    m.add_argument("dir", help="directory holding shard jobs (searched recursively)")
+    m.add_argument("--force", action="store_true", help="merge again even when a merged record exists")
+    args = ap.parse_args(argv)
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"error: DIR={args.dir!r} is invalid: no such directory.", file=sys.stderr)
+        return 2
+    try:
+        report = merge(root, force=args.force)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not (report.merged or report.skipped or report.incomplete):
+        print(f"error: DIR={args.dir!r} holds no finished shard ({SHARD_FILE} next to result.json): run the shard jobs "
+              "first, e.g. python run.py -m num_shards=4 'shard=range(4)'.", file=sys.stderr)
+        return 2
+    for line in report.lines():
+        print(line, file=sys.stderr if line.startswith("incomplete") else sys.stdout)
+    return 1 if report.incomplete else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Sweeps at cluster scale: launchers, deterministic sweep directories, resume, failures, shards, tables.
+
+Every sweep here is a tiny GMM (d=8, T=6, 4 trajectories). Subprocess runs of run.py cost a few
+seconds each, so one basic-launcher sweep is shared (module fixture) and copied, mtimes preserved, into
+each test that relaunches it. The submitit_local sweep (one interpreter per job) is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from specsamp import report, shards
+from specsamp.cli import logger_config, prepare
+from specsamp.experiment import ConfigError, run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+TINY = ["model.dim=8", "steps=6", "n_samples=4"]
+GRID = [*TINY, "K=1,2", "L=2,3"]  # 4 jobs
+
+
+def run(args, cwd, check=True, timeout=300):
+    """``python run.py ARGS`` in ``cwd``; returns the CompletedProcess (stdout + stderr in ``.out``)."""
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+    p.out = p.stdout + p.stderr
+    if check:
+        assert p.returncode == 0, p.out
+    return p
+
+
+def results(sweep: Path) -> dict[str, float]:
+    """``{job dir name: result.json mtime}``."""
+    return {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/result.json")}
+
+
+def compose_cfg(overrides, hydra=False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """A finished 4-job basic-launcher sweep in ``<tmp>/multirun/grid`` (run once per module)."""
+    cwd = tmp_path_factory.mktemp("grid")
+    p = run(["-m", *GRID, "sweep_name=grid"], cwd)
+    return cwd, p
+
+
+def copy_grid(grid, tmp_path) -> Path:
+    cwd, _ = grid
+    shutil.copytree(cwd / "multirun", tmp_path / "multirun", copy_function=shutil.copy2)
+    return tmp_path / "multirun" / "grid"
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers and directories
+
+
+@pytest.mark.parametrize("launcher", ["basic", "local", "slurm"])
+def test_launcher_options_compose(launcher):
+    cfg = compose_cfg([f"hydra/launcher={launcher}", "sweep_name=x"], hydra=True)
+    target = cfg.hydra.launcher._target_
+    assert target.endswith({"basic": "BasicLauncher", "local": "LocalLauncher", "slurm": "SlurmLauncher"}[launcher])
+    assert cfg.hydra.sweep.dir == "multirun/x"
+
+
+def test_slurm_overrides_reach_the_sbatch_script(tmp_path, monkeypatch):
+    """Our `slurm` option's keys are valid submitit parameters and end up in the sbatch header."""
+    submitit = pytest.importorskip("submitit")
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    bindir = tmp_path / "bin"  # submitit's SlurmExecutor insists on finding `srun`
+    bindir.mkdir()
+    (bindir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bindir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    ov = ["partition=gpu", "account=proj", "qos=high", "gpus_per_node=2", "cpus_per_task=4", "mem_gb=32", "timeout_min=90"]
+    cfg = compose_cfg(["hydra/launcher=slurm", "sweep_name=x", *(f"hydra.launcher.{o}" for o in ov)], hydra=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
+    params.pop("_target_")
+    params["name"] = "specsamp"
+    folder = str(tmp_path / "submitit")
+    params.pop("submitit_folder")
+    # what hydra_submitit_launcher's launch() does with these parameters
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    text = ex._executor._make_submission_file_text("python -m submitit.core._submit x", "uid")
+    for line in ("--partition=gpu", "--account=proj", "--qos=high", "--gpus-per-node=2", "--cpus-per-task=4", "--mem=32GB", "--time=90"):
+        assert f"#SBATCH {line}" in text, text
+
+
+def test_sweep_dir_is_named_by_sweep_name_and_jobs_by_overrides(grid):
+    cwd, p = grid
+    sweep = cwd / "multirun" / "grid"
+    names = sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith("."))
+    # sweep_name names the sweep directory, so it is excluded from the job directory names
+    assert names == [f"K={k},L={l},model.dim=8,n_samples=4,steps=6" for k in (1, 2) for l in (2, 3)]
+    assert len(results(sweep)) == 4
+    assert "4 jobs, 4 ran, 0 skipped" in p.stdout
+    rec = json.loads((sweep / names[0] / "result.json").read_text())
+    assert rec["sweep"] == "grid" and "sweep_name" not in rec["config"] and "shard" not in rec["config"]
+
+
+def test_default_sweep_name_is_a_timestamp_and_single_run_hash_ignores_it():
+    name = OmegaConf.to_container(compose_cfg([]), resolve=True)["sweep_name"]
+    assert len(name.split("/")) == 2 and name[:2] == "20"
+    a, _ = prepare(compose_cfg(["sweep_name=a"]))
+    b, _ = prepare(compose_cfg(["sweep_name=b"]))
+    assert a == b and "sweep_name" not in a and "num_shards" not in a
+
+
+def test_wandb_group_is_the_sweep_name_unless_set():
+    cfg = {"logger": {"name": "wandb", "group": None}}
+    assert logger_config(cfg, "grid")["logger"]["group"] == "grid"
+    assert logger_config(cfg, None)["logger"]["group"] is None  # single run: no group
+    assert logger_config({"logger": {"name": "wandb", "group": "mine"}}, "grid")["logger"]["group"] == "mine"
+    assert logger_config({"logger": {"name": "none"}}, "grid") == {"logger": {"name": "none"}}
+
+
+# ------------------------------------------------------------------------------------------------
+# tables
+
+
+def test_collect_gives_one_tidy_row_per_job(grid, tmp_path):
+    cwd, _ = grid
+    sweep = cwd / "multirun" / "grid"
+    df = report.collect(sweep)
+    assert len(df) == 4 and set(df["status"]) == {"ok"}
+    assert sorted(zip(df["K"], df["L"])) == [(1, 2), (1, 3), (2, 2), (2, 3)]
+    assert sorted(df["budget"]) == [2, 3, 6, 14]  # chains for K=1, B = K + ... + K^L otherwise
+    for col in ("speedup_mean", "speedup_sem", "nfe_mean", "nfe_total_mean", "target_rows_mean", "batch_speedup", "wall_seconds", "acc_d1"):
+        assert df[col].notna().all(), col
+    assert (df["model.dim"] == "8").all()  # a swept/overridden key that is not a standard column
+    assert df["acceptance"].str.count("/").tolist() == [l - 1 for l in df["L"]]
+    out = tmp_path / "t.csv"
+    p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "4 jobs: 4 ok, 0 failed, 0 running, 0 missing" in p.stdout
+    csv = pd.read_csv(out)
+    assert len(csv) == 4 and list(csv["speedup_mean"]) == list(df["speedup_mean"])
+
+
+def test_collect_while_running_marks_running_and_missing(grid, tmp_path):
+    sweep = copy_grid(grid, tmp_path)
+    (sweep / "K=1,L=2,model.dim=8,n_samples=4,steps=6" / "result.json").unlink()  # started, not finished
+    shutil.rmtree(sweep / "K=2,L=3,model.dim=8,n_samples=4,steps=6")  # planned, not started
+    df = report.collect(sweep).set_index("job")
+    assert df.loc["K=1,L=2,model.dim=8,n_samples=4,steps=6", "status"] == "running"
+    assert df.loc["K=1,L=2,model.dim=8,n_samples=4,steps=6", "K"] == 1  # from the job's .hydra/config.yaml
+    assert df.loc["K=2,L=3,model.dim=8,n_samples=4,steps=6", "status"] == "missing"
+    assert (df["status"] == "ok").sum() == 2
+
+
+def test_collect_cli_bad_dir_exits_2(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "SWEEP_DIR=" in p.stderr and "Traceback" not in p.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# resume
+
+
+def test_relaunch_skips_every_finished_job(grid, tmp_path):
+    sweep = copy_grid(grid, tmp_path)
+    before = results(sweep)
+    p = run(["-m", *GRID, "sweep_name=grid"], tmp_path)
+    assert p.stdout.count("skipped (done, config") == 4, p.out
+    assert "4 jobs, 0 ran, 4 skipped" in p.stdout
+    assert results(sweep) == before
+
+
+def test_deleted_record_is_recomputed_alone(grid, tmp_path):
+    sweep = copy_grid(grid, tmp_path)
+    before = results(sweep)
+    gone = "K=2,L=2,model.dim=8,n_samples=4,steps=6"
+    old = json.loads((sweep / gone / "result.json").read_text())
+    (sweep / gone / "result.json").unlink()  # what a job killed mid-run leaves behind
+    p = run(["-m", *GRID, "sweep_name=grid"], tmp_path)
+    assert p.stdout.count("skipped (done, config") == 3 and "4 jobs, 1 ran, 3 skipped" in p.stdout, p.out
+    after = results(sweep)
+    assert {k for k in after if after[k] != before.get(k)} == {gone}
+    new = json.loads((sweep / gone / "result.json").read_text())
+    assert new["speedup"] == old["speedup"] and new["config_hash"] == old["config_hash"]  # keyed randomness
+
+
+# ------------------------------------------------------------------------------------------------
+# failures
+
+
+def test_failed_job_is_reported_and_the_others_stand(tmp_path):
+    p = run(["-m", *TINY, "K=1,0", "sweep_name=bad"], tmp_path, check=False)
+    assert p.returncode == 2, p.out  # the only failure is a bad value: a user error
+    sweep = tmp_path / "multirun" / "bad"
+    good, bad = sweep / "K=1,model.dim=8,n_samples=4,steps=6", sweep / "K=0,model.dim=8,n_samples=4,steps=6"
+    assert (good / "result.json").exists() and not (bad / "result.json").exists()
+    failed = json.loads((bad / "failed.json").read_text())
+    assert failed["kind"] == "config" and "K=0 is invalid" in failed["error"] and "K=0" in failed["overrides"]
+    assert "1 ran, 0 skipped (done before), 1 failed" in p.stdout
+    assert "failed: K=0,model.dim=8,n_samples=4,steps=6: K=0 is invalid" in p.stdout
+    assert "Traceback" not in p.out
+    df = report.collect(sweep).set_index("job")
+    assert df.loc[good.name, "status"] == "ok" and df.loc[bad.name, "status"] == "failed"
+    assert "K=0 is invalid" in df.loc[bad.name, "error"] and df.loc[bad.name, "K"] == 0
+
+
+def test_bad_shard_keys_name_key_and_value():
+    for ov, needle in ((["num_shards=0"], "num_shards=0"), (["num_shards=2", "shard=2"], "shard=2"),
+                       (["num_shards=8", "n_samples=4"], "num_shards=8"), (["num_shards=3", "n_samples=4", "batch_size=2"], "batch_size")):  # fmt: skip
+        with pytest.raises(ConfigError, match=needle):
+            prepare(compose_cfg([*TINY, *ov]))
+
+
+# ------------------------------------------------------------------------------------------------
+# shards
+
+
+def test_shard_indices_partition_in_order_and_respect_batches():
+    for n, s, bs in ((10, 3, None), (7, 7, None), (10, 3, 2), (9, 2, 4), (100, 8, 5)):
+        blocks = [shards.shard_indices(n, k, s, bs) for k in range(s)]
+        assert [i for b in blocks for i in b] == list(range(n)) and all(len(b) for b in blocks)
+        if bs:
+            assert all(b.start % bs == 0 for b in blocks)
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    return prepare(compose_cfg([*TINY, "n_samples=6", "batch_size=2"]))[0]  # the dict cli.py runs
+
+
+def test_run_config_indices_reproduce_the_full_run(tiny_cfg):
+    _, full = run_config(tiny_cfg)
+    parts = [run_config(tiny_cfg, indices=shards.shard_indices(6, k, 2, 2))[1] for k in range(2)]
+    assert torch.equal(full.samples, torch.cat([p.samples for p in parts]))  # batch-aligned: bitwise
+    assert torch.equal(full.calls, torch.cat([p.calls for p in parts]))
+    one_batch = {**tiny_cfg, "batch_size": None}
+    _, whole = run_config(one_batch)
+    _, tail = run_config(one_batch, indices=[3, 4, 5])
+    # other batch shapes: BLAS may round differently in the last bit, the trajectories are the same
+    torch.testing.assert_close(whole.samples[3:], tail.samples, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ConfigError, match="indices"):
+        run_config(tiny_cfg, indices=[6])
+
+
+def _fake_shard(tmp_path, cfg, k, n_shards):
+    """A finished shard job directory written the way cli.py writes it."""
+    c = {**cfg, "shard": k, "num_shards": n_shards}
+    idx = shards.shard_indices(c["n_samples"], k, n_shards, c["batch_size"])
+    rec, res = run_config(c, indices=idx)
+    rec.update(shard=k, num_shards=n_shards, n_samples=len(idx), overrides=[f"num_shards={n_shards}", f"shard={k}"])
+    d = tmp_path / f"num_shards={n_shards},seed=0,shard={k}"
+    d.mkdir(parents=True)
+    shards.save_shard(d, res, idx, rec)
+    (d / "result.json").write_text(json.dumps(rec, default=str))
+    return d
+
+
+def test_merge_names_a_missing_shard_then_merges_when_complete(tiny_cfg, tmp_path, capsys):
+    _fake_shard(tmp_path, tiny_cfg, 0, 3)
+    _fake_shard(tmp_path, tiny_cfg, 2, 3)
+    assert shards.main(["merge", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "missing shard 1" in err and "num_shards=3,seed=0,shard=1" in err
+    assert not (tmp_path / "seed=0" / "result.json").exists()  # nothing merged, nothing skipped silently
+    _fake_shard(tmp_path, tiny_cfg, 1, 3)
+    assert shards.main(["merge", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "seed=0" / "result.json").read_text())
+    full_rec, full = run_config(tiny_cfg)
+    assert torch.equal(torch.load(tmp_path / "seed=0" / "samples.pt"), full.samples)
+    # the merged record is the unsharded run's record (same keys, same statistics, same config hash)
+    assert set(full_rec) <= set(merged)
+    for key in set(full_rec) - {"wall_seconds", "batch_speedup", "versions"}:
+        assert merged[key] == full_rec[key], key
+    assert shards.main(["merge", str(tmp_path)]) == 0 and "already merged" in capsys.readouterr().out
+    assert shards.main(["merge", str(tmp_path / "nope")]) == 2
+
+
+def test_two_shard_jobs_plus_merge_equal_one_unsharded_run_bitwise(tmp_path):
+    common = [*TINY, "batch_size=2", "save_samples=true"]
+    run([*common, f"hydra.run.dir={tmp_path / 'single'}"], tmp_path)
+    p = run(["-m", *common, "num_shards=2", "shard=0,1", "sweep_name=sh"], tmp_path)
+    assert "[shard 0/2]" in p.stdout and "[shard 1/2]" in p.stdout
+    sweep = tmp_path / "multirun" / "sh"
+    merged_dir = sweep / "batch_size=2,model.dim=8,n_samples=4,save_samples=True,steps=6"
+    assert f"shards merged: multirun/sh/{merged_dir.name}" in p.stdout  # merged at the end of the sweep
+    one = torch.load(tmp_path / "single" / "samples.pt")
+    merged = torch.load(merged_dir / "samples.pt")
+    assert one.dtype == merged.dtype and torch.equal(one, merged)
+    a = json.loads((tmp_path / "single" / "result.json").read_text())
+    b = json.loads((merged_dir / "result.json").read_text())
+    assert a["config_hash"] == b["config_hash"] and a["speedup"] == b["speedup"] and a["acceptance_per_depth"] == b["acceptance_per_depth"]
+    assert shards.main(["merge", str(sweep)]) == 0  # idempotent
+    df = report.collect(sweep)
+    assert sorted(df["shard"].fillna(-1).astype(int)) == [-1, 0, 1] and (df["status"] == "ok").all()
+
+
+# ------------------------------------------------------------------------------------------------
+# slow: the submitit engine on this machine, and a job that raises
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_completes_relaunch_skips(tmp_path):
+    args = ["-m", "hydra/launcher=local", "hydra.sweeper.max_batch_size=2", *GRID, "sweep_name=loc"]
+    run(args, tmp_path, timeout=600)
+    sweep = tmp_path / "multirun" / "loc"
+    assert len(results(sweep)) == 4 and (sweep / ".submitit").is_dir()
+    out = tmp_path / "loc.csv"
+    assert report.main(["collect", str(sweep), "--csv", str(out)]) == 0
+    assert len(pd.read_csv(out)) == 4
+    before = results(sweep)
+    p = run(args, tmp_path, timeout=600)
+    assert "4 jobs, 0 ran, 4 skipped" in p.stdout and results(sweep) == before
+    logs = "".join(f.read_text() for f in (sweep / ".submitit").rglob("*_log.out"))
+    assert logs.count("skipped (done, config") == 4
+
+
+@pytest.mark.slow
+def test_submitit_local_failure_does_not_stop_the_others(tmp_path):
+    p = run(["-m", "hydra/launcher=local", *TINY, "L=2,0", "sweep_name=locbad"], tmp_path, check=False, timeout=600)
+    assert p.returncode == 2, p.out
+    df = report.collect(tmp_path / "multirun" / "locbad").set_index("L")
+    assert df.loc[2, "status"] == "ok" and df.loc[0, "status"] == "failed" and "L=0 is invalid" in df.loc[0, "error"]
+
+
+@pytest.mark.slow
+def test_job_raising_an_exception_is_recorded_with_its_traceback(tmp_path):
+    p = run(["-m", *TINY, "model.dtype=float64,nope", "sweep_name=exc"], tmp_path, check=False)
+    assert p.returncode == 1, p.out  # not a config error: status 1
+    sweep = tmp_path / "multirun" / "exc"
+    failed = json.loads((sweep / "model.dim=8,model.dtype=nope,n_samples=4,steps=6" / "failed.json").read_text())
+    assert failed["kind"] == "exception" and "Traceback" in failed["traceback"]
+    assert (sweep / "model.dim=8,model.dtype=float64,n_samples=4,steps=6" / "result.json").exists()
