@@ -109,8 +109,8 @@ def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
     """
     j = torch.arange(m, dtype=torch.int64, device=keys.device)
     h = fold(keys.unsqueeze(-1), j)
-    top = _srl(h, 11).to(torch.float64)  # 53 random bits
-    return (top + 0.5) * (2.0**-53)
+    top = _srl(h, 12).to(torch.float64)  # 52 random bits: (top + 0.5) 2^-52 is exact and < 1
+    return (top + 0.5) * (2.0**-52)
 
 
 def normal(keys: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

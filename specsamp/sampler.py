@@ -280,9 +280,12 @@ class _PathNodes(_Nodes):
         return self.draft_children(sub, x_u, u, k, step)
 
     def velocity(self, sub, u, x_u):
-        fresh = self.ctx.velocity(x_u, self.r.n[sub] + self.t["depth"][u], self.r.rows[sub])
         root_known = (u == 0) & self.r.root_exact[sub]
-        return torch.where(_bc(root_known, x_u), self.r.v_root[sub], fresh)
+        out = self.r.v_root[sub].clone()
+        todo = (~root_known).nonzero(as_tuple=True)[0]
+        if todo.numel():  # evaluate only what the round's batched call would have had to compute
+            out[todo] = self.ctx.velocity(x_u[todo], self.r.n[sub[todo]] + self.t["depth"][u[todo]], self.r.rows[sub[todo]])
+        return out
 
 
 def _bc(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -516,9 +519,11 @@ def sample_speculative(
         )
         nodes = Nodes(tree, tensors, rnd, ctx)
         new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, attempts, accepts)
-        calls[live] += 1
+        # a round whose batch is empty (root velocity known, nothing else to evaluate) costs no call
+        charged = nodes.rows_evaluated > 0
+        calls[live] += charged.long()
         rows_used[live] += nodes.rows_evaluated
-        batch_calls += 1
+        batch_calls += int(bool(charged.any()))
         committed[live, rounds[live]] = steps
         rounds[live] += 1
         x[live] = new_x

@@ -92,16 +92,11 @@ def _key_with_hash(h: int) -> torch.Tensor:
 
 
 def test_uniform_smallest_word_is_positive():
-    # the hash word 0 (53 zero bits) maps to 2^-54 > 0
+    # the hash word 0 maps to 2^-53 > 0
     u = rng.uniform(_key_with_hash(0), 1)
     assert 0 < u.item() < 1e-15
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug (specsamp/rng.py:113, uniform): (top + 0.5) * 2^-53 rounds to exactly 1.0 for top = 2^53 - 1, "
-    "because 2^53 - 0.5 is not a float64; the documented open interval (0, 1) is violated with probability 2^-53",
-)
 def test_uniform_largest_word_stays_below_one():
     # the hash word with 53 leading ones is the largest value uniform() can see
     u = rng.uniform(_key_with_hash(((1 << 53) - 1) << 11), 1)
