@@ -357,6 +357,7 @@ def run_config(
         "rounds": _stats(res.rounds),
         "committed_per_round": float(committed.sum() / res.rounds.double().sum()),
         "acceptance_per_depth": acc_depth,
+        "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
         "attempts_per_depth": attempts.tolist(),
         "wall_seconds": wall,
         "versions": versions(),
