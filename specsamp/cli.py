@@ -23,7 +23,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .experiment import ConfigError, config_hash, existing_record, run_config, summary_line, versions, write_json_atomic
+from .experiment import (
+    ConfigError,
+    compute_metrics,
+    config_hash,
+    existing_record,
+    run_config,
+    save_images,
+    summary_line,
+    versions,
+    write_json_atomic,
+)
 
 FAILED_FILE = "failed.json"
 
@@ -173,12 +183,28 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
         from .shards import torch_save_atomic
 
         torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())
+    image_dir = None
+    if cfg_dict.get("save_samples") or cfg_dict.get("metrics"):
+        image_dir = save_images(result, out_dir)  # image models: one PNG per image + grid.png
+    # the record goes to disk before any metric is scored, so a scoring failure loses no samples
+    write_json_atomic(out_dir / "result.json", record)
+    metric_error = None
+    if cfg_dict.get("metrics"):
+        try:
+            record["metrics"] = compute_metrics(cfg_dict["metrics"], result, image_dir, cfg_dict)
+            record.update({k: v for k, v in record["metrics"].items() if k != "clip_scores"})
+        except ConfigError as e:
+            metric_error = e
+            record["metrics_error"] = str(e)
+        write_json_atomic(out_dir / "result.json", record)
     from .loggers import log_record
 
     log_record(logger_config(cfg_dict, runner["sweep_name"] if multirun else None), record, out_dir)
-    write_json_atomic(out_dir / "result.json", record)
     tag = f"[shard {shard}/{num_shards}] " if sharded else ""
     print(tag + summary_line(record), flush=True)
+    if metric_error is not None:
+        raise ConfigError(f"{metric_error} The samples and result.json are saved in {out_dir}; score them later "
+                          "with `python -m specsamp.metrics.fid DIR/images --ref REF` (FID) once the weights are available.")
     return record["speedup"]["mean"]
 
 

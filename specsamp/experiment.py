@@ -19,12 +19,13 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import __version__
+from . import __version__, rng
 from .coupling import COUPLINGS
 from .drafts import DRAFTS
 from .sampler import EXECUTIONS, PREFETCH, SampleResult, sample_speculative, sample_standard
@@ -132,6 +133,8 @@ def validate(cfg) -> dict:
     kind = _get(model, "kind") if model is not None else None
     if kind not in MODEL_BUILDERS:
         raise ConfigError(f"model.kind={kind!r} is invalid: valid kinds are {', '.join(sorted(MODEL_BUILDERS))}.")
+    if metrics and kind == "gmm":
+        raise ConfigError(f"metrics={metrics!r} is invalid for model.kind=gmm: fid and clip score images (model=cifar10, ffhq or sd3).")
     coupling_fn = COUPLINGS.get(out["coupling"]) if out["coupling"] else None
     if coupling_fn is not None and coupling_fn.max_children == 1 and out["tree"] != "uniform":
         raise ConfigError(f"tree={out['tree']!r} is invalid with sampler={name}: a K=1 rule runs a chain (tree=uniform).")
@@ -142,12 +145,39 @@ def validate(cfg) -> dict:
 # builders
 
 
-def _build_gmm(model_cfg, device: str):
+@dataclass
+class Target:
+    """A built target: the velocity model and what a run needs around it.
+
+    Attributes:
+        model: velocity model (:class:`specsamp.models.VelocityModel`).
+        cond_for: ``(ids [m] long, seed) -> {name: [m, ...]}`` per-trajectory conditioning, or None.
+        decode: ``samples [m, *event] -> images [m, 3, H, W]`` float in ``[-1, 1]``, or None (not images).
+        prompts_for: ``ids -> list[str]`` text of each image (for CLIP), or None.
+        fid_ref: reference statistics for FID (name, URL or path), or None.
+    """
+
+    model: Any
+    cond_for: Callable | None = None
+    decode: Callable | None = None
+    prompts_for: Callable | None = None
+    fid_ref: str | None = None
+
+
+# keys of conf/model/*.yaml that the runner reads and the model builders must not see
+RUNNER_MODEL_KEYS = ("kind", "paper", "labels", "fid_ref", "shift")
+
+
+def _model_kwargs(model_cfg) -> dict:
+    return {k: v for k, v in dict(model_cfg).items() if k not in RUNNER_MODEL_KEYS}
+
+
+def _build_gmm(model_cfg, device: str) -> Target:
     from .models import GaussianMixture
 
     dtype = getattr(torch, str(_get(model_cfg, "dtype", "float64")))
     try:
-        return GaussianMixture(
+        model = GaussianMixture(
             dim=_get(model_cfg, "dim"),
             components=_get(model_cfg, "components"),
             layout_seed=_get(model_cfg, "layout_seed", 0),
@@ -156,21 +186,68 @@ def _build_gmm(model_cfg, device: str):
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return Target(model)
 
 
-def _build_edm(model_cfg, device: str):
+def uniform_labels(ids: torch.Tensor, seed: int, classes: int) -> torch.Tensor:
+    """Class label of each image, uniform over ``classes``, keyed by ``(seed, image index)``.
+
+    So an image keeps its label whatever the batch or shard it runs in, and every rule sees the same
+    (label, noise) pairs.
+    """
+    u = rng.uniform(rng.base_key(seed, ids, "label", device=ids.device), 1)[:, 0]
+    return (u * classes).long().clamp(max=classes - 1)
+
+
+def _build_edm(model_cfg, device: str) -> Target:
     from .models import edm
 
-    return edm.build_edm_model(dict(model_cfg), device=device)
+    model = edm.build_edm_model({**_model_kwargs(model_cfg), "device": device})
+    labels = _get(model_cfg, "labels", "none")
+    if labels not in ("uniform", "none", None):
+        raise ConfigError(f"model.labels={labels!r} is invalid: valid values are uniform, none.")
+    cond_for = None
+    if model.label_dim:
+        if labels != "uniform":
+            raise ConfigError(f"model.labels={labels!r} is invalid for a class-conditional net (label_dim={model.label_dim}): use uniform.")
+        cond_for = lambda ids, seed: {"class_labels": uniform_labels(ids, seed, model.label_dim)}  # noqa: E731
+    return Target(model, cond_for=cond_for, decode=lambda x: x.float().clamp(-1, 1), fid_ref=_get(model_cfg, "fid_ref"))
 
 
-def _build_sd3(model_cfg, device: str):
+def _build_sd3(model_cfg, device: str) -> Target:
     from .models import sd3
 
-    return sd3.build_sd3_model(dict(model_cfg), device=device)
+    built = sd3.build_sd3_model({**_model_kwargs(model_cfg), "device": device})
+    prompt_index = built.cond["prompt"]
+
+    def cond_for(ids, seed):
+        if int(ids.max()) >= prompt_index.numel():
+            raise ConfigError(f"n_samples is invalid: the prompt plan has {prompt_index.numel()} images (model.prompts.n x images_per_prompt).")
+        return {"prompt": prompt_index[ids.to(prompt_index.device)]}
+
+    return Target(
+        built.model,
+        cond_for=cond_for,
+        decode=lambda x: built.decode(x, output="signed"),
+        prompts_for=lambda ids: [built.prompts[int(prompt_index[int(i)])] for i in ids],
+    )
 
 
 MODEL_BUILDERS: dict[str, Callable] = {"gmm": _build_gmm, "edm": _build_edm, "sd3": _build_sd3}
+
+
+def build_target(model_cfg, device: str) -> Target:
+    """Build the configured target; loading problems (missing weights, refused checksums) become ConfigErrors.
+
+    Raises:
+        ConfigError: unknown kind, a missing or untrusted checkpoint, unavailable weights.
+    """
+    try:
+        return MODEL_BUILDERS[model_cfg["kind"]](model_cfg, device)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"model={model_cfg.get('name', model_cfg['kind'])!r} could not be loaded: {e}") from None
 
 
 def build_tree(v: dict, horizon: int, cfg=None) -> tuple[DraftTree | None, int]:
@@ -264,8 +341,38 @@ def _concat(results: list[SampleResult]) -> SampleResult:
     )
 
 
+def summarize_result(res: SampleResult, steps: int, batch_speedups: list[float]) -> dict:
+    """The statistics block of a record, from per-trajectory arrays (also used to merge shards).
+
+    Args:
+        res: the run's (or the merged shards') :class:`SampleResult`.
+        steps: ``T``.
+        batch_speedups: speedup of every batch that ran.
+
+    Returns:
+        ``nfe``, ``nfe_total``, ``speedup``, ``nfe_speedup`` (each ``{mean, std, sem}``), ``batch_speedup``,
+        ``target_rows``, ``rounds``, ``committed_per_round``, acceptance per depth and pooled.
+    """
+    attempts = res.attempts.sum(0).double().cpu()
+    accepts = res.accepts.sum(0).double().cpu()
+    rounds = res.rounds.double().sum()
+    return {
+        "nfe": _stats(res.calls),
+        "nfe_total": _stats(res.nfe),
+        "speedup": _stats(res.speedup),
+        "nfe_speedup": _stats(steps / res.nfe.double()),
+        "batch_speedup": float(np.mean(batch_speedups)),
+        "target_rows": _stats(res.target_rows),
+        "rounds": _stats(res.rounds),
+        "committed_per_round": float(res.committed.double().sum().cpu() / rounds.cpu()) if rounds > 0 else 0.0,
+        "acceptance_per_depth": (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else [],
+        "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
+        "attempts_per_depth": attempts.tolist(),
+    }
+
+
 def run_config(
-    cfg_dict: Mapping, *, model=None, cond: dict | None = None, indices=None
+    cfg_dict: Mapping, *, model=None, cond: dict | None = None, indices=None, target: Target | None = None
 ) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``.
 
@@ -275,20 +382,20 @@ def run_config(
         cond: per-trajectory conditioning for ``model`` (``{name: [n_samples, ...]}``).
         indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
             ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run bitwise.
+        target: an already-built :class:`Target` (overrides ``model``).
 
     Returns:
-        The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`.
+        The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`;
+        ``result.extra`` holds ``target`` and ``indices`` for post-processing (images, metrics).
 
     Raises:
-        ConfigError: invalid configuration.
+        ConfigError: invalid configuration, or a model that cannot be loaded.
     """
     v = validate(cfg_dict)
     t0 = time.perf_counter()
     model_cfg = cfg_dict["model"]
-    if model is None:
-        model = MODEL_BUILDERS[model_cfg["kind"]](model_cfg, v["device"])
-    if cond is None and hasattr(model, "make_cond"):
-        cond = model.make_cond(v["n_samples"], v["seed"])
+    if target is None:
+        target = Target(model) if model is not None else build_target(model_cfg, v["device"])
     try:
         schedule = Schedule.make(v["steps"], v["eps"], shift=float(model_cfg.get("shift", 1.0)))
     except ValueError as e:
@@ -298,42 +405,33 @@ def run_config(
     ids = torch.arange(v["n_samples"]) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v["n_samples"]:
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={v['n_samples']}).")
-    bs = v["batch_size"] or v["n_samples"]
-    batches = [ids[i : i + bs] for i in range(0, ids.numel(), bs)]
-    results = []
+    bs = v["batch_size"] or ids.numel()
     from tqdm.auto import tqdm
 
     bar = tqdm(total=ids.numel(), unit="traj", disable=not _progress_enabled(v["progress"]), leave=False)
-    dev = torch.device(getattr(model, "device", v["device"]))
-    for chunk in batches:
-        sub_cond = {k: c[chunk].to(dev) for k, c in (cond or {}).items()}
+    dev = torch.device(getattr(target.model, "device", v["device"]))
+    results = []
+    for start in range(0, ids.numel(), bs):
+        chunk = ids[start : start + bs].to(dev)
+        if cond is not None:
+            sub_cond = {k: c[chunk.cpu()].to(dev) for k, c in cond.items()}
+        elif target.cond_for is not None:
+            sub_cond = target.cond_for(chunk, v["seed"])
+        else:
+            sub_cond = {}
+        common = dict(seed=v["seed"], indices=chunk, cond=sub_cond, max_batch=v["max_batch"])
         if tree is None:
-            r = sample_standard(model, schedule, seed=v["seed"], indices=chunk.to(dev), cond=sub_cond, max_batch=v["max_batch"])
+            r = sample_standard(target.model, schedule, **common)
         else:
             r = sample_speculative(
-                model,
-                schedule,
-                tree,
-                v["coupling"],
-                seed=v["seed"],
-                indices=chunk.to(dev),
-                draft=v["draft"],
-                prefetch=v["prefetch"],
-                evaluate_leaves=v["evaluate_leaves"],
-                execution=v["execution"],
-                cond=sub_cond,
-                max_batch=v["max_batch"],
+                target.model, schedule, tree, v["coupling"], draft=v["draft"], prefetch=v["prefetch"],
+                evaluate_leaves=v["evaluate_leaves"], execution=v["execution"], **common,
             )
         results.append(r)
         bar.update(chunk.numel())
     bar.close()
     res = _concat(results)
-    wall = time.perf_counter() - t0
-    attempts = res.attempts.sum(0).double()
-    accepts = res.accepts.sum(0).double()
-    acc_depth = (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else []
-    batch_speedups = res.extra.get("batch_speedups", [res.batch_speedup])
-    committed = res.committed.double()
+    res.extra.update(target=target, indices=ids)
     record = {
         "status": "ok",
         "config": dict(cfg_dict),
@@ -348,21 +446,65 @@ def run_config(
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "verification_rows": tree.verification_budget(v["evaluate_leaves"]) if tree is not None else 1,
-        "nfe": _stats(res.calls),
-        "nfe_total": _stats(res.nfe),
-        "speedup": _stats(res.speedup),
-        "nfe_speedup": _stats(schedule.steps / res.nfe.double()),
-        "batch_speedup": float(np.mean(batch_speedups)),
-        "target_rows": _stats(res.target_rows),
-        "rounds": _stats(res.rounds),
-        "committed_per_round": float(committed.sum() / res.rounds.double().sum()),
-        "acceptance_per_depth": acc_depth,
-        "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
-        "attempts_per_depth": attempts.tolist(),
-        "wall_seconds": wall,
+        **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
+        "wall_seconds": time.perf_counter() - t0,
         "versions": versions(),
     }
     return record, res
+
+
+def save_images(result: SampleResult, out_dir: Path) -> Path | None:
+    """Decode an image model's samples; write one PNG per image (named by global index) and a grid.
+
+    Returns:
+        The images directory, or None for a target that is not an image model.
+    """
+    target: Target = result.extra["target"]
+    if target.decode is None:
+        return None
+    from . import images as img
+
+    pics = target.decode(result.samples).cpu()
+    ids = result.extra["indices"].cpu()
+    img.save_images(pics, Path(out_dir) / "images", indices=ids.tolist())
+    img.save_grid(pics[:64], Path(out_dir) / "grid.png")
+    return Path(out_dir) / "images"
+
+
+def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dict: Mapping) -> dict:
+    """Score saved samples: ``fid`` (torch-fidelity against ``model.fid_ref``) and ``clip`` (per image).
+
+    Raises:
+        ConfigError: a metric that does not apply to the model, or weights/statistics that are unavailable.
+    """
+    out: dict = {}
+    target: Target = result.extra["target"]
+    for name in names:
+        if image_dir is None:
+            raise ConfigError(f"metrics=[{name}] is invalid for model={cfg_dict['model'].get('name')}: it scores images.")
+        try:
+            if name == "fid":
+                from .metrics.fid import compute_fid
+
+                if not target.fid_ref:
+                    raise ConfigError("metrics=[fid] needs model.fid_ref (reference statistics: name, URL or .npz path).")
+                out["fid"] = float(compute_fid(str(image_dir), target.fid_ref))
+            elif name == "clip":
+                from .metrics import clip
+
+                if target.prompts_for is None:
+                    raise ConfigError("metrics=[clip] is invalid: the model has no prompts.")
+                model, preprocess, tokenizer = clip.load_clip(device=str(cfg_dict.get("device", "cpu")))
+                pics = target.decode(result.samples).cpu()
+                scores = clip.clip_scores(pics, target.prompts_for(result.extra["indices"]), model=model,
+                                          preprocess=preprocess, tokenizer=tokenizer)
+                summ = clip.summarize(scores)
+                out.update(clip_score=summ["mean"], clip_score_sem=summ["sem"], clip_scores=[float(x) for x in scores])
+        except ConfigError:
+            raise
+        except (OSError, ValueError, ImportError) as e:
+            raise ConfigError(f"metrics=[{name}] could not be computed: {e}") from None
+    return out
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

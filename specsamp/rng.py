@@ -35,6 +35,7 @@ STREAMS = {
     "step": 2,  # Euler--Maruyama noise of the standard sampler
     "draft": 3,  # noise of a drafted child
     "verify": 4,  # uniforms of the coupling at a parent node
+    "label": 5,  # class labels of conditional image models
 }
 
 

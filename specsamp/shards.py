@@ -240,9 +240,9 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
 
     The record is the one an unsharded run writes (same keys, same statistics over all trajectories);
     ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches.
-    Every statistic is recomputed here from the per-trajectory arrays, mirroring
-    :func:`specsamp.experiment.run_config`; ``tests/test_sweeps.py`` checks that both records agree key
-    by key, so a statistic added to one must be added to the other.
+    The statistics come from :func:`specsamp.experiment.summarize_result` over the concatenated
+    per-trajectory arrays, the same function an unsharded run uses (``tests/test_sweeps.py`` checks
+    that both records agree key by key).
 
     Returns:
         The merged record.
@@ -250,10 +250,10 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     Raises:
         ValueError: the group is incomplete or its shards disagree (ids not a partition of ``0..n-1``).
     """
-    import numpy as np
     import torch
 
-    from .experiment import _stats, config_hash, write_json_atomic
+    from .experiment import config_hash, summarize_result, write_json_atomic
+    from .sampler import SampleResult
 
     if group.missing:
         raise ValueError(f"shards {group.missing} of {group.num_shards} are missing")
@@ -264,36 +264,22 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     if not torch.equal(ids, torch.arange(n)):
         raise ValueError(f"the shards' trajectory ids are not 0..{n - 1} in order; were they run with different batch_size?")
     cat = {name: torch.cat([p[name] for p in parts]) for name in ("samples", "calls", "nfe", "target_rows", "rounds")}
-    committed = _pad_cat([p["committed"] for p in parts])
-    attempts = torch.cat([p["attempts"] for p in parts]).sum(0).double()
-    accepts = torch.cat([p["accepts"] for p in parts]).sum(0).double()
-    steps_spec = parts[0]["speculative_steps"]
+    merged = SampleResult(
+        **cat,
+        committed=_pad_cat([p["committed"] for p in parts]),
+        attempts=torch.cat([p["attempts"] for p in parts]),
+        accepts=torch.cat([p["accepts"] for p in parts]),
+        speculative_steps=parts[0]["speculative_steps"],
+    )
     first = parts[0]["record"]
     record = {
         "status": "ok",
         "config": base,
         "config_hash": config_hash(base),
-        "model": first["model"],
-        "sampler": first["sampler"],
-        "K": first["K"],
-        "L": first["L"],
-        "eps": first["eps"],
-        "steps": first["steps"],
+        **{k: first[k] for k in ("model", "sampler", "K", "L", "eps", "steps")},
         "n_samples": n,
-        "tree": first["tree"],
-        "budget": first["budget"],
-        "verification_rows": first["verification_rows"],
-        "nfe": _stats(cat["calls"]),
-        "nfe_total": _stats(cat["nfe"]),
-        "speedup": _stats(steps_spec / cat["calls"].double()),
-        "nfe_speedup": _stats(first["steps"] / cat["nfe"].double()),
-        "batch_speedup": float(np.mean([b for p in parts for b in p["batch_speedups"]])),
-        "target_rows": _stats(cat["target_rows"]),
-        "rounds": _stats(cat["rounds"]),
-        "committed_per_round": float(committed.double().sum() / cat["rounds"].double().sum()),
-        "acceptance_per_depth": (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else [],
-        "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
-        "attempts_per_depth": attempts.tolist(),
+        **{k: first[k] for k in ("tree", "budget", "verification_rows")},
+        **summarize_result(merged, first["steps"], [b for p in parts for b in p["batch_speedups"]]),
         "wall_seconds": float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
         "versions": first.get("versions"),
         "output_dir": str(out_dir.resolve()),
