@@ -103,7 +103,7 @@ def validate(cfg) -> dict:
     if not isinstance(el, bool):
         raise ConfigError(f"evaluate_leaves={el!r} is invalid: must be true or false.")
     out["evaluate_leaves"] = el
-    for key in ("batch_size", "max_batch", "budget"):
+    for key in ("batch_size", "max_batch", "budget", "threads"):
         v = _get(cfg, key)
         if v is not None:
             out[key] = _int(cfg, key, 1)
@@ -310,8 +310,11 @@ def versions() -> dict:
 
 
 def config_hash(cfg_dict: Mapping) -> str:
-    """SHA-256 (first 16 hex) of the resolved config, key order independent; device/progress excluded."""
-    clean = {k: v for k, v in cfg_dict.items() if k not in ("progress", "skip_existing", "logger", "hydra")}
+    """SHA-256 (first 16 hex) of the resolved config, key order independent.
+
+    Keys that cannot change a result (``progress``, ``skip_existing``, ``logger``, ``threads``) are left out.
+    """
+    clean = {k: v for k, v in cfg_dict.items() if k not in ("progress", "skip_existing", "logger", "hydra", "threads")}
     blob = json.dumps(clean, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -392,6 +395,8 @@ def run_config(
         ConfigError: invalid configuration, or a model that cannot be loaded.
     """
     v = validate(cfg_dict)
+    if v["threads"] is not None:
+        torch.set_num_threads(v["threads"])
     t0 = time.perf_counter()
     model_cfg = cfg_dict["model"]
     if target is None:

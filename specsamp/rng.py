@@ -41,7 +41,9 @@ STREAMS = {
 
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 bit patterns."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+    out = x >> s
+    out &= (1 << (64 - s)) - 1
+    return out
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
@@ -53,10 +55,13 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     Returns:
         int64 tensor of the same shape.
     """
-    z = x + _GOLDEN
-    z = (z ^ _srl(z, 30)) * _MIX1
-    z = (z ^ _srl(z, 27)) * _MIX2
-    return z ^ _srl(z, 31)
+    z = x + _GOLDEN  # the only allocation besides the shifted temporaries; the rest is in place
+    z ^= _srl(z, 30)
+    z *= _MIX1
+    z ^= _srl(z, 27)
+    z *= _MIX2
+    z ^= _srl(z, 31)
+    return z
 
 
 def fold(key: torch.Tensor, *parts: torch.Tensor | int) -> torch.Tensor:

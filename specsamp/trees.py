@@ -72,14 +72,12 @@ class DraftTree:
             ValueError: a width below 1.
         """
         widths = [_check_positive_int(f"widths[{i}]", w) for i, w in enumerate(widths)]
-        parent = [-1]
-        layer = np.array([0])
+        parts = [np.array([-1], dtype=np.int64)]
+        start, size = 0, 1  # current layer: nodes start .. start + size - 1
         for w in widths:
-            children_parent = np.repeat(layer, w)
-            start = len(parent)
-            parent.extend(children_parent.tolist())
-            layer = np.arange(start, start + children_parent.size)
-        return cls(np.asarray(parent))
+            parts.append(np.repeat(np.arange(start, start + size, dtype=np.int64), w))
+            start, size = start + size, size * w
+        return cls(np.concatenate(parts))
 
     @classmethod
     def uniform(cls, K: int, L: int) -> DraftTree:
