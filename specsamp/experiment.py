@@ -28,7 +28,7 @@ import torch
 from . import __version__, rng
 from .coupling import COUPLINGS
 from .drafts import DRAFTS
-from .sampler import EXECUTIONS, PREFETCH, SampleResult, sample_speculative, sample_standard
+from .sampler import EXECUTIONS, PREFETCH, WARMUPS, SampleResult, sample_speculative, sample_standard
 from .schedule import Schedule
 from .trees import DraftTree, budget as uniform_budget
 
@@ -97,6 +97,7 @@ def validate(cfg) -> dict:
     out["draft"] = _choice(cfg, "draft", sorted(DRAFTS))
     out["prefetch"] = _choice(cfg, "prefetch", PREFETCH)
     out["execution"] = _choice(cfg, "execution", EXECUTIONS)
+    out["warmup"] = _choice(cfg, "warmup", WARMUPS)
     out["match"] = _choice(cfg, "match", MATCH)
     out["tree"] = _choice(cfg, "tree", TREES)
     el = _get(cfg, "evaluate_leaves")
@@ -430,7 +431,7 @@ def run_config(
         else:
             r = sample_speculative(
                 target.model, schedule, tree, v["coupling"], draft=v["draft"], prefetch=v["prefetch"],
-                evaluate_leaves=v["evaluate_leaves"], execution=v["execution"], **common,
+                evaluate_leaves=v["evaluate_leaves"], execution=v["execution"], warmup=v["warmup"], **common,
             )
         results.append(r)
         bar.update(chunk.numel())

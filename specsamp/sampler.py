@@ -33,6 +33,7 @@ from .trees import DraftTree
 
 PREFETCH = ("nearest", "parent", "none")
 EXECUTIONS = ("tree", "path")
+WARMUPS = ("call", "step0")
 
 
 @dataclass
@@ -408,6 +409,7 @@ def sample_speculative(
     cond: dict | None = None,
     max_batch: int | None = None,
     callback: Callable[[dict], None] | None = None,
+    warmup: str = "call",
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
 
@@ -431,6 +433,8 @@ def sample_speculative(
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass of one batched call.
         callback: called after each round with ``{"round", "live", "calls"}``.
+        warmup: ``call`` (DESIGN.md: one exact target call at the first root, charged to ``calls``) or
+            ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
 
     Returns:
         :class:`SampleResult`.
@@ -458,6 +462,7 @@ def sample_speculative(
         velocity=_Velocity(model, schedule, cond, max_batch),
     )
     _check_choice("execution", execution, EXECUTIONS)
+    _check_choice("warmup", warmup, WARMUPS)
     dev = _model_device(model)
     ids = _trajectory_ids(n_samples, indices, dev)
     M = ids.numel()
@@ -483,12 +488,15 @@ def sample_speculative(
     # step 0: deterministic Euler step from sigma = 1
     x = initial_noise(seed, ids, model.event_shape, model.dtype)
     n = zeros.clone()
-    x = schedule.mean(x, ctx.velocity(x, n, all_rows), n)
+    v0 = ctx.velocity(x, n, all_rows)
+    x = schedule.mean(x, v0, n)
     nfe += 1
     n += 1
-    v_root = torch.zeros_like(x)
+    # the first round's draft velocity: an exact warm-up call at its root (DESIGN.md), or the step-0
+    # velocity at sigma = 1 reused as an approximate prefetch (no warm-up call)
+    v_root = v0 if warmup == "step0" else torch.zeros_like(x)
     root_exact = torch.zeros(M, dtype=torch.bool, device=dev)
-    have_velocity = torch.zeros(M, dtype=torch.bool, device=dev)
+    have_velocity = torch.full((M,), warmup == "step0", dtype=torch.bool, device=dev)
     batch_calls = 0
     r = 0
     while True:

@@ -541,3 +541,17 @@ def test_gmm_section_5_1_speedup(tree, coupling, lo, hi):
     s = r.speedup.mean().item()
     assert lo <= s <= hi, s
     assert torch.all(r.committed.sum(1) == 28)
+
+
+@pytest.mark.parametrize("spec,coupling", [(("uniform", (2, 3)), "dgrs"), (("chain", 4), "rmc")])
+def test_warmup_step0_keeps_the_law_and_saves_the_warmup_call(spec, coupling, reference):
+    # seed 300, 2000 trajectories against the standard sampler's 4000 (p > 1e-3 on every statistic);
+    # the first round drafts from the sigma = 1 velocity, so the warm-up call disappears: calls = rounds
+    tree = tree_of(spec)
+    r = sample_speculative(MODEL, SCHED, tree, coupling, N_SPEC, warmup="step0", seed=300)
+    assert min(law_pvalues(r.samples, reference)) > P_MIN
+    assert torch.equal(r.calls, r.rounds)
+    base = sample_speculative(MODEL, SCHED, tree, coupling, 50, seed=300)
+    assert torch.equal(base.calls, base.rounds + 1)
+    with pytest.raises(ValueError, match="warmup"):
+        sample_speculative(MODEL, SCHED, tree, coupling, 2, warmup="nope")
