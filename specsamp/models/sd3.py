@@ -28,6 +28,7 @@ diffusers is imported lazily: importing this module needs only torch.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import socket
@@ -432,6 +433,26 @@ def _gated_message(model_id: str) -> str:
     )
 
 
+def _absent_components(directory: str) -> dict:
+    """``{name: None}`` for the components a diffusers directory's ``model_index.json`` saves as ``[null, null]``.
+
+    ``save_pretrained`` of a pipeline built without T5 writes ``"text_encoder_3": [null, null]``, and
+    ``from_pretrained`` then refuses the directory unless those components are passed explicitly as None.
+    """
+    try:
+        with open(os.path.join(directory, "model_index.json")) as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(index, dict):
+        return {}
+    return {
+        k: None
+        for k, v in index.items()
+        if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is None and v[1] is None
+    }
+
+
 def load_sd3(
     model_id_or_path: str = DEFAULT_MODEL_ID,
     device: str | torch.device = "cuda",
@@ -444,10 +465,11 @@ def load_sd3(
 ):
     """Load ``StableDiffusion3Pipeline`` from the hub cache, the hub, or a local directory, failing fast.
 
-    Order: a local directory is loaded with ``local_files_only=True``. A hub id is first looked up in the
-    cache only; on a miss it is downloaded unless offline -- offline meaning ``local_files_only=True``,
-    or (``None``) ``HF_HUB_OFFLINE=1`` or a hub that does not answer a 3 s TCP probe -- so an offline
-    machine gets an error in seconds rather than minutes of retries.
+    Order: a local directory is loaded with ``local_files_only=True`` (components its ``model_index.json``
+    saves as null, e.g. ``text_encoder_3`` of a pipeline saved without T5, load as None). A hub id is
+    first looked up in the cache only; on a miss it is downloaded unless offline -- offline meaning
+    ``local_files_only=True``, or (``None``) ``HF_HUB_OFFLINE=1`` or a hub that does not answer a 3 s TCP
+    probe -- so an offline machine gets an error in seconds rather than minutes of retries.
 
     Args:
         model_id_or_path: hub id (default ``stabilityai/stable-diffusion-3.5-medium``, gated) or a local
@@ -468,9 +490,15 @@ def load_sd3(
             absent from the cache while offline; a gated/unknown repository or any hub failure (the message
             says how to log in and accept the licence, or to pass a local directory).
     """
+    dtype = parse_dtype(dtype, "dtype")
+    name = os.path.expanduser(str(model_id_or_path))
+    if _looks_like_path(name) and not os.path.isdir(name):  # before importing diffusers (seconds): fail fast
+        raise SD3UnavailableError(
+            f"model_id_or_path={model_id_or_path!r} is not a directory: pass a local diffusers SD3 directory "
+            f"or a hub id such as {DEFAULT_MODEL_ID!r}. " + _gated_message(DEFAULT_MODEL_ID)
+        )
     from diffusers import StableDiffusion3Pipeline
 
-    dtype = parse_dtype(dtype, "dtype")
     kwargs = {"cache_dir": cache_dir}
     try:  # diffusers >= 0.36 renamed torch_dtype to dtype
         from diffusers.utils import deprecation_utils
@@ -482,16 +510,10 @@ def load_sd3(
         kwargs.update(text_encoder_3=None, tokenizer_3=None)
     if token is not None:
         kwargs["token"] = token
-    name = os.path.expanduser(str(model_id_or_path))
 
     if _looks_like_path(name):
-        if not os.path.isdir(name):
-            raise SD3UnavailableError(
-                f"model_id_or_path={model_id_or_path!r} is not a directory: pass a local diffusers SD3 directory "
-                f"or a hub id such as {DEFAULT_MODEL_ID!r}"
-            )
         try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(name, local_files_only=True, **kwargs)
+            pipe = StableDiffusion3Pipeline.from_pretrained(name, local_files_only=True, **{**_absent_components(name), **kwargs})
         except (OSError, ValueError, KeyError) as e:
             raise SD3UnavailableError(
                 f"model_id_or_path={model_id_or_path!r} is not a loadable diffusers SD3 directory "

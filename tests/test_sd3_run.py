@@ -1,0 +1,299 @@
+"""`python run.py model=sd3 ...` end to end, offline, on a tiny real ``StableDiffusion3Pipeline``.
+
+The pipeline (``tests/tiny_sd3.py``: SD3.5's block types and geometry, 16 latent channels, VAE factor 8,
+two CLIP text encoders with hand-written tokenizer files, no T5) is written once per module with
+``save_pretrained`` and passed as ``model.model_id=<dir>``; every run has ``HF_HUB_OFFLINE=1`` and an
+empty ``HF_HOME``. The runner subprocesses the selected tests need start together (each spends most
+of its ~10 s of CPU importing torch, diffusers and transformers) and each test waits for its own. The
+``sampler=rmc`` and ``sampler=standard`` runs are marked slow; by default those two rules run in process
+(same target, same config) and only ``sampler=dgrs`` goes through a subprocess.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from tiny_sd3 import RESOLUTION, tiny_tokenizer, write_tiny_sd3  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 2
+BASE = [
+    "model=sd3",
+    "model.prompts.source=demo",
+    f"n_samples={N}",
+    "steps=4",
+    "K=2",
+    "L=2",
+    f"model.resolution={RESOLUTION}",
+    "device=cpu",
+    "model.net_dtype=float32",
+    "execution=tree",
+    "progress=false",
+]
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    return write_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3") / "pipeline")
+
+
+def _env(root: Path) -> dict:
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(root / "hf-home"),  # an empty cache: no CLIP (or SD3) weights to find
+        WANDB_MODE="offline",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+class Run:
+    """``python run.py BASE + args`` started in the background, output in ``out``."""
+
+    def __init__(self, out: Path, env: dict, args):
+        self.out = out
+        out.mkdir(parents=True)
+        self._stdout = open(out.parent / f"{out.name}.stdout", "w+")
+        self._stderr = open(out.parent / f"{out.name}.stderr", "w+")
+        cmd = [sys.executable, str(ROOT / "run.py"), *BASE, *args, f"hydra.run.dir={out}"]
+        self.proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=self._stdout, stderr=self._stderr, text=True)
+        self._done = None
+
+    def result(self) -> subprocess.CompletedProcess:
+        if self._done is None:
+            try:
+                rc = self.proc.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+            outs = []
+            for f in (self._stdout, self._stderr):
+                f.seek(0)
+                outs.append(f.read())
+                f.close()
+            self._done = subprocess.CompletedProcess(self.proc.args, rc, *outs)
+        return self._done
+
+
+SAMPLERS = ("dgrs", "rmc", "standard")
+
+
+class Runs:
+    """The runner subprocesses of this module, by name, each started once (on first use or up front)."""
+
+    def __init__(self, root: Path, sd3_dir: Path):
+        self.root, self.env, self.model = root, _env(root), f"model.model_id={sd3_dir}"
+        self.runs: dict[str, Run] = {}
+
+    def args(self, name: str) -> list[str]:
+        if name in SAMPLERS:
+            return [self.model, f"sampler={name}", "save_samples=true"]
+        if name == "clip":
+            return [self.model, "sampler=dgrs", "metrics=[clip]"]
+        if name == "missing":
+            return [f"model.model_id={self.root / 'no-such-dir'}"]
+        raise KeyError(name)
+
+    def start(self, name: str) -> Run:
+        if name not in self.runs:
+            self.runs[name] = Run(self.root / name, self.env, self.args(name))
+        return self.runs[name]
+
+    def __getitem__(self, name: str) -> Run:
+        return self.start(name)
+
+    def started(self, name: str) -> bool:
+        return name in self.runs
+
+    def close(self) -> None:
+        for r in self.runs.values():  # a test that failed early must not leave processes behind
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+
+
+def _selected_runs(session) -> set[str]:
+    """The runs the tests selected from this module need, so they can all start at once."""
+    names = set()
+    for item in session.items:
+        if Path(str(item.fspath)) != Path(__file__):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "sampler" in params:
+            names.add(params["sampler"])
+        elif "clip" in item.name:
+            names.add("clip")
+        elif "missing" in item.name:
+            names.add("missing")
+        elif "same_prompt_and_noise" in item.name:
+            names.add("dgrs")
+    return names
+
+
+@pytest.fixture(scope="module")
+def runs(sd3_dir, tmp_path_factory, request):
+    r = Runs(tmp_path_factory.mktemp("sd3-runs"), sd3_dir)
+    for name in sorted(_selected_runs(request.session)):
+        r.start(name)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("sampler", ["dgrs", pytest.param("rmc", marks=pytest.mark.slow), pytest.param("standard", marks=pytest.mark.slow)])
+def test_sd3_run_writes_record_and_images(runs, sampler):
+    r = runs[sampler]
+    p = r.result()
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"model=sd3 sampler={sampler}"), p.stdout
+    assert "Traceback" not in p.stderr
+    rec = json.loads((r.out / "result.json").read_text())
+    assert rec["status"] == "ok" and rec["sampler"] == sampler and rec["n_samples"] == N
+    assert rec["speedup"]["mean"] > 0 and rec["config"]["model"]["model_id"].endswith("pipeline")
+    if sampler != "standard":  # a speculative round ran (T = 4: two speculative steps)
+        assert sum(rec["attempts_per_depth"]) > 0 and rec["rounds"]["mean"] >= 1
+    names = sorted(f.name for f in (r.out / "images").iterdir())
+    assert names == [f"{i:06d}.png" for i in range(N)]
+    assert (r.out / "grid.png").is_file()
+    from PIL import Image
+
+    for name in names:
+        with Image.open(r.out / "images" / name) as im:
+            assert im.size == (RESOLUTION, RESOLUTION) and im.mode == "RGB"
+    samples = torch.load(r.out / "samples.pt")
+    assert samples.shape == (N, 16, RESOLUTION // 8, RESOLUTION // 8) and torch.isfinite(samples).all()
+
+
+def test_missing_local_directory_exits_2_with_how_to_get_weights(runs):
+    p = runs["missing"].result()
+    assert p.returncode == 2, p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    err = p.stderr
+    assert "no-such-dir" in err and "is not a directory" in err
+    assert "huggingface-cli login" in err and "accept its licence" in err and "model.model_id" in err
+    assert not (runs["missing"].out / "result.json").exists()
+
+
+def test_clip_metric_offline_exits_2_but_keeps_record_and_images(runs):
+    if (Path.home() / ".cache" / "clip" / "ViT-L-14.pt").is_file():
+        pytest.skip("the CLIP weights are in open_clip's URL cache on this machine: not offline-unavailable")
+    r = runs["clip"]
+    p = r.result()
+    assert p.returncode == 2, p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    assert "metrics=[clip]" in p.stderr and "CLIP weights" in p.stderr and "offline" in p.stderr
+    assert str(r.out) in p.stderr  # says where the samples are
+    assert len(p.stdout.strip().splitlines()) == 1  # the run's summary line was printed
+    rec = json.loads((r.out / "result.json").read_text())
+    assert rec["status"] == "ok" and "CLIP weights" in rec["metrics_error"] and "clip_score" not in rec
+    assert sorted(f.name for f in (r.out / "images").iterdir()) == [f"{i:06d}.png" for i in range(N)]
+    assert (r.out / "grid.png").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# In process: the same target for every rule
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from specsamp.cli import prepare
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*BASE, *overrides])
+    return prepare(cfg)[0]
+
+
+class Recorder:
+    """The velocity model, recording the inputs of its first call (the initial noise at sigma_0)."""
+
+    def __init__(self, model):
+        self._model = model
+        self.first = None
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, x, sigma, **cond):
+        if self.first is None:
+            self.first = {"x": x.clone(), "sigma": torch.as_tensor(sigma).clone(), **{k: v.clone() for k, v in cond.items()}}
+        return self._model(x, sigma, **cond)
+
+
+def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monkeypatch):
+    """Same seed: image i gets the same prompt and the same initial latent under dgrs, rmc and standard,
+    and the subprocess runs reproduce the in-process samples."""
+    from specsamp.experiment import Target, build_target, run_config
+    from specsamp.prompts import demo_prompts
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = _compose(f"model.model_id={sd3_dir}")
+    built = build_target(cfg["model"], "cpu")
+    ids = torch.arange(N)
+    assert built.prompts_for(ids) == demo_prompts(N)
+    first = {}
+    for sampler in ("dgrs", "rmc", "standard"):
+        rule_cfg = _compose(f"model.model_id={sd3_dir}", f"sampler={sampler}")
+        rec = Recorder(built.model)
+        target = Target(rec, cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for)
+        record, res = run_config(rule_cfg, target=target)
+        first[sampler] = rec.first
+        assert record["sampler"] == sampler and rec.first["x"].shape == (N, 16, RESOLUTION // 8, RESOLUTION // 8)
+        assert rec.first["prompt"].tolist() == list(range(N))  # image i <- prompt i
+        if runs.started(sampler):  # bitwise the run the runner made in its own process (rmc, standard: -m slow)
+            p = runs[sampler].result()
+            assert p.returncode == 0, p.stderr[-4000:]
+            saved = torch.load(runs[sampler].out / "samples.pt")
+            torch.testing.assert_close(res.samples.cpu(), saved, rtol=0, atol=0)
+    assert runs.started("dgrs")
+    for sampler in ("rmc", "standard"):
+        for key in ("x", "sigma", "prompt"):
+            assert torch.equal(first[sampler][key], first["dgrs"][key]), (sampler, key)
+    # and another seed changes the noise, not the prompts
+    rec = Recorder(built.model)
+    run_config(_compose(f"model.model_id={sd3_dir}", "seed=1"),
+               target=Target(rec, cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for))
+    assert torch.equal(rec.first["prompt"], first["dgrs"]["prompt"]) and not torch.equal(rec.first["x"], first["dgrs"]["x"])
+
+
+def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
+    """Hand-written tokenizer files tokenize as the in-memory tokenizer; a directory saved without T5
+    loads with and without drop_t5; the embedding table is what StableDiffusion3Pipeline.__call__ uses."""
+    from specsamp.models.sd3 import build_sd3_model, load_sd3
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pipe = load_sd3(str(sd3_dir), device="cpu", dtype="float32")
+    assert pipe.text_encoder_3 is None and pipe.tokenizer_3 is None
+    assert load_sd3(str(sd3_dir), device="cpu", dtype="float32", drop_t5=True).text_encoder_3 is None
+    for tok, ref in ((pipe.tokenizer, tiny_tokenizer()), (pipe.tokenizer_2, tiny_tokenizer("!"))):
+        for text in ("a red bicycle leaning against the wall", "Two DOGS, running!", "naïve café ☃ 1234"):
+            kw = dict(padding="max_length", max_length=77, truncation=True)
+            assert tok(text, **kw).input_ids == ref(text, **kw).input_ids
+    prompts = ["a red bicycle", "the sea"]
+    target = build_sd3_model(
+        {"device": "cpu", "resolution": RESOLUTION, "net_dtype": "float32", "guidance": 7.0, "free_text_encoders": False,
+         "max_sequence_length": 16},
+        pipeline=pipe,
+        prompts=prompts,
+    )
+    assert target.model.event_shape == (16, RESOLUTION // 8, RESOLUTION // 8)
+    with torch.no_grad():
+        pe, ne, pp, npool = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
+                                               do_classifier_free_guidance=True, negative_prompt="", max_sequence_length=16)
+    m = target.model
+    assert m.prompt_embeds.shape == (2, 77 + 16, 32)
+    torch.testing.assert_close(m.prompt_embeds, pe)
+    torch.testing.assert_close(m.pooled_prompt_embeds, pp)
+    torch.testing.assert_close(m.negative_prompt_embeds.expand_as(ne), ne)
+    torch.testing.assert_close(m.negative_pooled_prompt_embeds.expand_as(npool), npool)
