@@ -203,8 +203,9 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
     tag = f"[shard {shard}/{num_shards}] " if sharded else ""
     print(tag + summary_line(record), flush=True)
     if metric_error is not None:
-        raise ConfigError(f"{metric_error} The samples and result.json are saved in {out_dir}; score them later "
-                          "with `python -m specsamp.metrics.fid DIR/images --ref REF` (FID) once the weights are available.")
+        raise ConfigError(f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
+                          "images there once the weights are available (FID: `python -m specsamp.metrics.fid "
+                          f"{out_dir}/images --ref REF`; CLIP: specsamp.metrics.clip.clip_scores on the same files).")
     return record["speedup"]["mean"]
 
 
