@@ -345,6 +345,30 @@ def _concat(results: list[SampleResult]) -> SampleResult:
     )
 
 
+def calibrate_profile(target: Target, schedule: Schedule, v: dict, n: int = 64, K: int = 2, L: int = 8) -> list[float]:
+    """Displacement ``delta`` per depth for ``tree=optimal``, from a short calibration run.
+
+    Runs D-GRS with the configured draft on a uniform ``(K, L)`` tree for ``min(n, n_samples)``
+    trajectories under its own seed (``seed + 1000003``: the main run's randomness is untouched, so the
+    tree it gets is independent of its samples and exactness is kept), and inverts each depth's
+    measured acceptance into ``delta`` (:func:`specsamp.treesearch.deltas_from_acceptance`).
+
+    Returns:
+        ``delta`` per depth ``1..L``.
+    """
+    from .treesearch import deltas_from_acceptance
+
+    m = min(n, v["n_samples"])
+    tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
+    ids = torch.arange(m, device=torch.device(getattr(target.model, "device", "cpu")))
+    cond = target.cond_for(ids, v["seed"]) if target.cond_for is not None else None
+    r = sample_speculative(target.model, schedule, tree, "dgrs", seed=v["seed"] + 1_000_003, indices=ids, cond=cond,
+                           draft=v["draft"], prefetch=v["prefetch"], evaluate_leaves=v["evaluate_leaves"],
+                           max_batch=v["max_batch"], warmup=v["warmup"])
+    rates = (r.accepts.sum(0).double() / r.attempts.sum(0).double().clamp_min(1)).cpu().numpy()
+    return [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")]
+
+
 def summarize_result(res: SampleResult, steps: int, batch_speedups: list[float]) -> dict:
     """The statistics block of a record, from per-trajectory arrays (also used to merge shards).
 
@@ -407,7 +431,15 @@ def run_config(
     except ValueError as e:
         raise ConfigError(str(e)) from None
     horizon = schedule.steps - 2
-    tree, B = build_tree(v, horizon, cfg_dict)
+    tree_cfg = cfg_dict
+    calibrated = None
+    if v["tree"] == "optimal" and cfg_dict.get("delta_profile") is None:
+        calibrated = calibrate_profile(target, schedule, v)
+        tree_cfg = {**cfg_dict, "delta_profile": calibrated}
+    try:
+        tree, B = build_tree(v, horizon, tree_cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     ids = torch.arange(v["n_samples"]) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v["n_samples"]:
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={v['n_samples']}).")
@@ -452,6 +484,7 @@ def run_config(
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "verification_rows": tree.verification_budget(v["evaluate_leaves"]) if tree is not None else 1,
+        **({"delta_profile": calibrated, "tree_parent": tree.parent.tolist()} if v["tree"] == "optimal" and tree is not None else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
         "wall_seconds": time.perf_counter() - t0,
         "versions": versions(),
@@ -547,6 +580,8 @@ def summary_line(rec: dict) -> str:
     """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``."""
     if rec["sampler"] == "standard":
         head = f"model={rec['model']} sampler=standard eps={rec['eps']:g} T={rec['steps']}"
+    elif (rec.get("config") or {}).get("tree", "uniform") != "uniform":
+        head = f"model={rec['model']} sampler={rec['sampler']} tree={rec['tree']} eps={rec['eps']:g} B={rec['budget']}"
     else:
         head = f"model={rec['model']} sampler={rec['sampler']} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
     sp = rec["speedup"]

@@ -107,3 +107,18 @@ def test_bad_input_exits_2_with_message_and_no_traceback(tmp_path, args, needle)
     assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
     assert not (tmp_path / "result.json").exists()
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_optimal_tree_calibrates_and_records_its_profile(tmp_path):
+    p = run([*TINY, "tree=optimal", "budget=6", "draft=x0"], tmp_path)
+    assert "tree=" in p.stdout
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert rec["budget"] == 6 and len(rec["delta_profile"]) >= 1 and rec["tree_parent"][0] == -1
+    (tmp_path / "bad").mkdir()
+    bad = run([*TINY, "tree=optimal", "budget=6", "delta_profile=[-1.0]"], tmp_path / "bad", check=False)
+    assert bad.returncode == 2 and "delta_profile" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_markmax_sampler_runs(tmp_path):
+    p = run([*TINY, "sampler=markmax", "K=3", "L=2"], tmp_path)
+    assert p.stdout.startswith("model=gmm sampler=markmax K=3 L=2")
