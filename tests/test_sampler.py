@@ -86,6 +86,10 @@ LAW_CASES = [
     (("widths", [3, 1, 2]), "dgrs", "drift", "parent", True, "tree"),
     (("parent", IRREGULAR), "dgrs", "velocity", "nearest", True, "path"),
     (("chain", 4), "rmc_as_callable", "velocity", "nearest", True, "path"),
+    # beyond the paper: the markmax list coupling and a tree of the shape tree=optimal builds
+    (("uniform", (2, 3)), "markmax", "x0", "nearest", True, "path"),
+    (("parent", [-1, 0, 0, 1, 1, 3, 5]), "markmax", "velocity", "nearest", True, "path"),
+    (("parent", [-1, 0, 0, 1, 1, 3, 5]), "dgrs", "x0", "nearest", True, "tree"),
 ]
 
 
