@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench bench-gpu gmm gmm-tables figures tables sweep-local clean
+.PHONY: help install test test-all bench bench-gpu gmm beyond figures tables sweep-local clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -21,9 +21,13 @@ bench:  ## CPU benchmarks: sampler executions and coupling throughput
 bench-gpu:  ## wall-clock per image, standard vs RMC vs D-GRS (tiny on CPU: make bench-gpu ARGS="--device cpu --tiny")
 	$(PYTHON) -m specsamp.bench_gpu $(ARGS)
 
-gmm:  ## section 5.1 grid: Hydra multirun, then the CSV in results/gmm/
-	$(PYTHON) run.py -m +experiment=gmm_grid
+gmm:  ## section 5.1: the 84-cell grid (Hydra multirun), its CSV and the Monte Carlo of Figure 6, in results/gmm/
+	$(PYTHON) run.py +experiment=gmm_grid
 	$(PYTHON) -m experiments.gmm collect
+	$(PYTHON) -m experiments.gmm acceptance
+
+beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees): results/gmm/beyond.csv
+	$(PYTHON) -m experiments.beyond run
 
 figures:  ## rebuild every figure in results/ from the committed tables (no sampling)
 	$(PYTHON) -m experiments.figures
