@@ -16,7 +16,7 @@ import os
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 _STARTED = {"task": False}
 

@@ -180,7 +180,7 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
         record.update(shard=shard, num_shards=num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
         save_shard(out_dir, result, indices, record)
     elif cfg_dict.get("save_samples"):
-        from .shards import torch_save_atomic
+        from .io import torch_save_atomic
 
         torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())
     image_dir = None

@@ -15,7 +15,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from . import __version__, rng
 from .coupling import COUPLINGS
 from .drafts import DRAFTS
+from .io import write_json_atomic  # noqa: F401  (re-exported: cli, shards, report use it from here)
 from .sampler import EXECUTIONS, PREFETCH, WARMUPS, SampleResult, sample_speculative, sample_standard
 from .schedule import Schedule
 from .trees import DraftTree, budget as uniform_budget
@@ -544,22 +544,6 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dic
         except (OSError, ValueError, ImportError) as e:
             raise ConfigError(f"metrics=[{name}] could not be computed: {e}") from None
     return out
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to ``path`` through a temporary file in the same directory and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def existing_record(out_dir: str | os.PathLike, cfg_hash: str) -> dict | None:

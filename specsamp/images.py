@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from .io import atomic_write
 
 SHARD_RE = re.compile(r"^shard_(\d+)_(\d+)\.npz$")
 
@@ -86,21 +87,6 @@ def _pil(img: np.ndarray):
     return Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img)
 
 
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def make_grid(images, nrow: int | None = None, pad: int = 0) -> np.ndarray:
     """Tile uint8 images ``[N, H, W, C]`` into one ``[rows*(H+pad)-pad, cols*(W+pad)-pad, C]`` array.
 
@@ -130,7 +116,7 @@ def save_grid(images, path: str | os.PathLike, nrow: int | None = None, pad: int
     in ``[-1, 1]``). Written atomically. Returns the path."""
     grid = make_grid(_pixels(images), nrow=nrow, pad=pad)
     path = Path(path)
-    _atomic_write(path, lambda f: _pil(grid).save(f, format="PNG"))
+    atomic_write(path, lambda f: _pil(grid).save(f, format="PNG"))
     return path
 
 
@@ -162,7 +148,7 @@ def save_images(images, directory: str | os.PathLike, start_index: int = 0, indi
     out = []
     for i, img in zip(idx.tolist(), arr):
         p = directory / image_name(i)
-        _atomic_write(p, lambda f, img=img: _pil(img).save(f, format="PNG"))
+        atomic_write(p, lambda f, img=img: _pil(img).save(f, format="PNG"))
         out.append(p)
     return out
 
@@ -193,7 +179,7 @@ def save_shard(directory: str | os.PathLike, start_index: int, images) -> Path:
         raise ValueError("images is empty: a shard holds at least one image")
     idx = np.arange(int(start_index), int(start_index) + len(arr), dtype=np.int64)
     path = Path(directory) / shard_name(start_index, len(arr))
-    _atomic_write(path, lambda f: np.savez(f, images=arr, indices=idx))
+    atomic_write(path, lambda f: np.savez(f, images=arr, indices=idx))
     return path
 
 
@@ -282,7 +268,7 @@ def merge_shards(directory: str | os.PathLike, total: int, out: str | os.PathLik
         )
     if out is not None:
         idx = np.arange(total, dtype=np.int64)
-        _atomic_write(Path(out), lambda f: np.savez(f, images=images, indices=idx))
+        atomic_write(Path(out), lambda f: np.savez(f, images=images, indices=idx))
     return images
 
 

@@ -29,10 +29,11 @@ import math
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .io import torch_save_atomic
 
 SHARD_FILE = "shard.pt"
 SAMPLES_FILE = "samples.pt"
@@ -105,24 +106,6 @@ def shard_indices(n_samples: int, shard: int, num_shards: int, batch_size: int |
 def unsharded_config(cfg: Mapping) -> dict:
     """The config of the whole run a shard belongs to: ``cfg`` without ``shard`` and ``num_shards``."""
     return {k: v for k, v in cfg.items() if k not in SHARD_KEYS}
-
-
-def torch_save_atomic(path: str | os.PathLike, obj) -> None:
-    """``torch.save`` through a temporary file in the same directory and an atomic rename."""
-    import torch
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_shard(out_dir: str | os.PathLike, result, indices: Sequence[int], record: Mapping) -> Path:

@@ -14,14 +14,6 @@ import torch
 from specsamp.models import GaussianMixture, VelocityModel, batched
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP oversubscription on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def log_marginal(model: GaussianMixture, x: torch.Tensor, sigma: float) -> torch.Tensor:
     """log p_sigma(x) of the mixture on the linear path, written from scratch (float64)."""

@@ -13,14 +13,6 @@ from scipy import stats
 from specsamp import rng
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP oversubscription on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def keys(n, seed=2024, stream="step"):
     return rng.base_key(seed, torch.arange(n), stream)

@@ -24,14 +24,6 @@ from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP oversubscription on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 P_MIN = 1e-3
 N_SPEC = 2000

@@ -16,14 +16,6 @@ from specsamp.coupling import dgrs, rmc
 from specsamp.trees import DraftTree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP oversubscription on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 DELTAS = np.array([0.0, 1e-6, 0.05, 0.3, 1.0, 2.0, 3.5, 6.0, 12.0, 40.0])
 

@@ -56,7 +56,7 @@ class Statistics:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``mu``, ``sigma`` (and ``n``) to an ``.npz`` atomically (EDM's reference format)."""
-        from ..images import _atomic_write
+        from ..io import atomic_write as _atomic_write
 
         path = Path(path)
         _atomic_write(path, lambda f: np.savez(f, mu=self.mu, sigma=self.sigma, n=np.int64(self.n)))
@@ -381,7 +381,7 @@ def compute_fid(
     )
     feats = _features(ext, layer, cuda, samples, batch_size, verbose)
     if save_features is not None:
-        from ..images import _atomic_write
+        from ..io import atomic_write as _atomic_write
 
         _atomic_write(Path(save_features), lambda f: np.savez(f, features=feats))
     stats = feature_statistics(feats)
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
                       batch_size=a.batch, device=a.device, allow_download=not a.no_download)
     text = json.dumps(res, indent=2)
     if a.out:
-        from ..images import _atomic_write
+        from ..io import atomic_write as _atomic_write
 
         _atomic_write(Path(a.out), lambda f: f.write(text.encode()))
     print(text, file=sys.stdout)

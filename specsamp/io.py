@@ -1,0 +1,52 @@
+"""Atomic file writes: a temporary file in the target's directory, fsync, then ``os.replace``.
+
+A reader (or a relaunched sweep) sees either the old file or the complete new one, never a torn write;
+a crash leaves at most a hidden ``.NAME.*.tmp`` file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], mode: str = "wb") -> Path:
+    """Write ``path`` atomically with ``write(file)``.
+
+    Args:
+        path: destination (its directory is created).
+        write: called with the open temporary file.
+        mode: ``"wb"`` or ``"w"``.
+
+    Returns:
+        The destination path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (non-JSON values via ``str``)."""
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2, default=str), mode="w")
+
+
+def torch_save_atomic(path: str | os.PathLike, obj) -> None:
+    """``torch.save(obj)`` to ``path`` atomically."""
+    import torch
+
+    atomic_write(path, lambda f: torch.save(obj, f))
