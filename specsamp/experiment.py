@@ -9,6 +9,7 @@ Bad input raises :class:`ConfigError`, whose message names the key, its value an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -294,6 +295,7 @@ def _stats(x: torch.Tensor) -> dict:
     return {"mean": float(x.mean()), "std": std, "sem": std / math.sqrt(n) if n > 1 else 0.0}
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
     """The current git commit of the source tree, or None."""
     try:

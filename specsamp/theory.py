@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from scipy import optimize, special, stats
+from scipy import special  # optimize and stats are imported where used: they cost ~1 s at start-up
 
 from .coupling import grs_levels
 from .trees import DraftTree
@@ -93,6 +93,8 @@ def list_coupling_bound(delta, K: int) -> np.ndarray:
     Raises:
         ValueError: bad ``delta`` or ``K``.
     """
+    from scipy import optimize
+
     d = _delta(delta)
     K = _k(K)
     out = np.empty(d.shape, dtype=np.float64)
@@ -159,5 +161,5 @@ def chain_steps(alpha: float, L: int) -> float:
 
 
 def normal_sf(x) -> np.ndarray:
-    """Standard normal survival function (convenience re-export for plots)."""
-    return stats.norm.sf(x)
+    """Standard normal survival function (convenience for plots)."""
+    return special.ndtr(-np.asarray(x, dtype=np.float64))
