@@ -126,6 +126,7 @@ def bench_coupling(n: int, K: int, repeats: int, device: torch.device, event: tu
 
 
 def format_table(rows: list[dict]) -> str:
+    """Fixed-width table of benchmark rows (``section, setting, seconds, throughput, unit`` + extras)."""
     lines = [f"{'section':<9} {'setting':<40} {'best s':>9} {'throughput':>14}  extra"]
     for r in rows:
         sec = "" if math.isnan(r["seconds"]) else f"{r['seconds']:.3f}"
@@ -140,6 +141,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI ``python -m specsamp.bench [--quick] [--device D] [--threads N] [--json]``; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m specsamp.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and one repeat (smoke run)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")

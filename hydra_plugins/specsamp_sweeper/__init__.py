@@ -8,7 +8,7 @@ skips it; a job whose overrides do not compose then fails on its own and is reco
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -37,6 +37,3 @@ class SpecsampSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: List[List[str]]) -> None:  # noqa: D102
         if self.validate:
             super().validate_batch_is_legal(batch)
-
-    def sweep(self, arguments: List[str]) -> Any:  # noqa: D102
-        return super().sweep(arguments)
