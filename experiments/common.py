@@ -32,9 +32,7 @@ def read_csv(path: Path) -> pd.DataFrame:
 
 
 def write_csv(df: pd.DataFrame, path: Path) -> Path:
-    """Write a table atomically (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    df.to_csv(tmp, index=False, float_format="%.6g")
-    tmp.replace(path)
-    return path
+    """Write a table atomically (:func:`specsamp.io.atomic_write`)."""
+    from specsamp.io import atomic_write
+
+    return atomic_write(path, lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")

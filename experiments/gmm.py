@@ -90,7 +90,7 @@ def _heatmaps(df: pd.DataFrame):
         ax.set_yticks(range(len(sub.index)), sub.index)
         ax.set_xlabel("lookahead L")
         ax.set_ylabel("branching K")
-        ax.set_title(RULE_LABELS.get(rule, rule) + (" (chain of length B)" if rule == "rmc" else ""))
+        ax.set_title("RMC (chain of length B)" if rule == "rmc" else RULE_LABELS.get(rule, rule))
     fig.colorbar(im, ax=axes[0].tolist(), label="expected speedup")
     fig.suptitle("Gaussian mixture (d=500, T=30, eps=0.1): speedup over (K, L), 100 trajectories")
     return fig

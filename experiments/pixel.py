@@ -5,8 +5,8 @@ Steps, on GPU hosts with the checkpoints (``model.path=...`` and ``model.sha256=
 
     python run.py +experiment=fig4_cifar10          # 24 jobs: eps x (K, L) x {rmc, dgrs}, 100 images each
     python run.py +experiment=fid_cifar10           # 150 shard jobs: 50k images per rule
-    python -m specsamp.metrics.fid <images dir> --ref cifar10-32x32     # per rule, after the shards merge
-    python -m experiments.pixel collect --dataset cifar10   # -> results/pixel/fig4_cifar10.csv
+    python -m experiments.pixel fid --dataset cifar10 --sampler dgrs --images <merged images dir>  # -> fid.csv
+    python -m experiments.pixel collect --dataset cifar10   # -> results/pixel/fig4_cifar10.csv (same for ffhq)
     python -m experiments.pixel figures
 
 The committed tables list every cell with the paper's value beside ours; cells not run yet are empty.
@@ -55,7 +55,11 @@ def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     """Fill ``results/pixel/fig4_<dataset>.csv`` from the sweep's records."""
     from specsamp.report import collect as collect_sweep
 
-    df = collect_sweep(sweep_dir or f"multirun/fig4_{dataset}")
+    try:
+        df = collect_sweep(sweep_dir or f"multirun/fig4_{dataset}")
+    except FileNotFoundError as e:
+        print(f"error: {e}; run `python run.py +experiment=fig4_{dataset}` first (on GPU hosts)", file=sys.stderr)
+        raise SystemExit(2) from None
     df = df[df["status"] == "ok"]
     table = empty_fig4(dataset).set_index(["sampler", "eps", "K", "L"])
     for _, r in df.iterrows():
@@ -69,9 +73,28 @@ def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     return out
 
 
+def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None) -> pd.DataFrame:
+    """Score a rule's 50k images with torch-fidelity and write the value into ``results/pixel/fid.csv``.
+
+    ``images`` is the merged run's ``images/`` folder (or any folder of PNGs); ``reference`` defaults to
+    the model config's ``fid_ref`` (EDM's published statistics).
+    """
+    from specsamp.metrics.fid import compute_fid
+
+    ref = reference or {"cifar10": "cifar10-32x32", "ffhq": "ffhq-64x64"}[dataset]
+    path = OUT / "fid.csv"
+    table = read_csv(path) if path.exists() else empty_fid()
+    sel = (table["dataset"] == dataset) & (table["sampler"] == sampler)
+    table.loc[sel, "fid"] = float(compute_fid(images, ref))
+    write_csv(table, path)
+    print(table[sel].to_string(index=False))
+    return table
+
+
 def figures() -> list:
     """Figure 4: speedup vs budget B, mean ± std over images, one panel per eps, one row per dataset."""
-    fig, axes = plt.subplots(len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.4 * len(DATASETS)), squeeze=False)
+    fig, axes = plt.subplots(len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.6 * len(DATASETS)), squeeze=False,
+                             constrained_layout=True)
     for i, ds in enumerate(DATASETS):
         df = read_csv(OUT / f"fig4_{ds}.csv")
         for j, eps in enumerate(EPS):
@@ -105,10 +128,18 @@ def main(argv=None) -> int:
     """CLI: ``init`` (write the empty tables), ``collect --dataset D``, ``figures``."""
     ap = argparse.ArgumentParser(prog="python -m experiments.pixel", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["init", "collect", "figures"])
+    ap.add_argument("command", choices=["init", "collect", "fid", "figures"])
     ap.add_argument("--dataset", choices=DATASETS, default="cifar10")
     ap.add_argument("--sweep", default=None)
+    ap.add_argument("--sampler", choices=("standard", "rmc", "dgrs"), help="fid: the rule whose images are scored")
+    ap.add_argument("--images", help="fid: folder of the rule's merged 50k images")
+    ap.add_argument("--ref", default=None, help="fid: reference statistics (default: EDM's for the dataset)")
     a = ap.parse_args(argv)
+    if a.command == "fid":
+        if not (a.sampler and a.images):
+            ap.error("fid needs --sampler and --images")
+        record_fid(a.dataset, a.sampler, a.images, a.ref)
+        return 0
     if a.command == "init":
         for ds in DATASETS:
             write_csv(empty_fig4(ds), OUT / f"fig4_{ds}.csv")

@@ -42,7 +42,11 @@ def collect(sweep_dir: str = "multirun/fig5_sd3") -> pd.DataFrame:
     """Fill ``results/sd3/fig5_table1.csv`` from the sweep's records (speedups and CLIP scores)."""
     from specsamp.report import collect as collect_sweep
 
-    df = collect_sweep(sweep_dir)
+    try:
+        df = collect_sweep(sweep_dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}; run `python run.py +experiment=fig5_sd3` first (on a GPU host)", file=sys.stderr)
+        raise SystemExit(2) from None
     df = df[df["status"] == "ok"]
     table = empty_table()
     for _, r in df.iterrows():

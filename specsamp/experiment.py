@@ -38,6 +38,14 @@ MATCH = ("budget", "verification")
 TREES = ("uniform", "widths", "optimal")
 
 
+# every top-level key of conf/config.yaml (the groups included); `+key=...` additions are rejected
+KNOWN_KEYS = frozenset(
+    "model sampler logger K L eps steps n_samples seed device tree widths budget delta_profile max_depth max_width "
+    "draft prefetch warmup evaluate_leaves match execution batch_size max_batch threads progress save_samples metrics "
+    "skip_existing sweep_name num_shards shard hydra".split()
+)
+
+
 class ConfigError(ValueError):
     """A user error in the configuration: names the key, its value and what is valid."""
 
@@ -73,6 +81,11 @@ def validate(cfg) -> dict:
         ConfigError: the first invalid key, with its value and the valid range.
     """
     out = {}
+    if isinstance(cfg, Mapping):
+        unknown = sorted(set(cfg) - KNOWN_KEYS)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}={cfg[unknown[0]]!r} is not a key of specsamp's config; valid top-level keys: "
+                              f"{', '.join(sorted(KNOWN_KEYS))} (see conf/config.yaml).")
     sampler = _get(cfg, "sampler") or {}
     name = _get(sampler, "name")
     coupling = _get(sampler, "coupling")
@@ -126,7 +139,8 @@ def validate(cfg) -> dict:
     if progress not in ("auto", True, False):
         raise ConfigError(f"progress={progress!r} is invalid: valid values are auto, true, false.")
     out["progress"] = progress
-    metrics = list(_get(cfg, "metrics") or [])
+    metrics = _get(cfg, "metrics") or []
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)  # metrics=fid means metrics=[fid]
     for m in metrics:
         if m not in ("fid", "clip"):
             raise ConfigError(f"metrics={metrics!r} is invalid: valid entries are fid, clip.")
@@ -347,6 +361,38 @@ def _concat(results: list[SampleResult]) -> SampleResult:
     )
 
 
+def _available_bytes(device: str) -> int | None:
+    try:
+        if device.startswith("cuda"):
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def check_tree_memory(tree: DraftTree, batch: int, model, device: str) -> None:
+    """Refuse a ``tree`` execution whose node states cannot fit, before allocating anything.
+
+    The tree execution holds, per trajectory of a batch and per node, the state and the velocity in the
+    model's dtype, plus the float64 noise of one layer; this estimates that and compares it with the
+    free memory of ``device``.
+
+    Raises:
+        ConfigError: the estimate exceeds 80% of the free memory (the message gives a batch size that fits).
+    """
+    numel = int(np.prod(model.event_shape))
+    per_traj = len(tree) * numel * (2 * torch.tensor([], dtype=model.dtype).element_size()) + len(tree) * numel * 8
+    free = _available_bytes(device)
+    if free is None or batch * per_traj <= 0.8 * free:
+        return
+    fits = max(int(0.8 * free // per_traj), 0)
+    raise ConfigError(
+        f"execution=tree with batch_size={batch} needs about {batch * per_traj / 2**30:.1f} GiB for {len(tree)} nodes per "
+        f"trajectory, but {device} has {free / 2**30:.1f} GiB free: use batch_size={fits} or less"
+        + (", or execution=path (same law and counts, only the visited nodes)." if fits else "; use execution=path (same law and counts, only the visited nodes).")
+    )
+
+
 def calibrate_profile(target: Target, schedule: Schedule, v: dict, n: int = 64, K: int = 2, L: int = 8) -> list[float]:
     """Displacement ``delta`` per depth for ``tree=optimal``, from a short calibration run.
 
@@ -446,6 +492,8 @@ def run_config(
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v["n_samples"]:
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={v['n_samples']}).")
     bs = v["batch_size"] or ids.numel()
+    if tree is not None and v["execution"] == "tree":
+        check_tree_memory(tree.restrict(min(tree.max_depth, horizon)), bs, target.model, v["device"])
     from tqdm.auto import tqdm
 
     bar = tqdm(total=ids.numel(), unit="traj", disable=not _progress_enabled(v["progress"]), leave=False)

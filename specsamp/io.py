@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import IO
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], mode: str = "wb") -> Path:
     """Write ``path`` atomically with ``write(file)``.
 
@@ -33,6 +39,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], mode: str
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are for colleagues too
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -272,20 +272,10 @@ def collect(sweep_dir: str | os.PathLike):
 
 
 def write_csv_atomic(df, path: str | os.PathLike) -> None:
-    """Write ``df`` to CSV through a temporary file and an atomic rename."""
-    import tempfile
+    """Write ``df`` to CSV through a temporary file and an atomic rename (:func:`specsamp.io.atomic_write`)."""
+    from .io import atomic_write
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            df.to_csv(f, index=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
+    atomic_write(path, lambda f: df.to_csv(f, index=False), mode="w")
 
 def _fmt(v, spec: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):

@@ -90,6 +90,9 @@ BAD = [
     (["prefetch=nope"], "prefetch='nope'"),
     (["execution=nope"], "execution='nope'"),
     (["device=cuda"], "device='cuda'"),
+    (["+nokey2=1"], "nokey2=1 is not a key"),
+    (["metrics=fid"], "metrics=['fid'] is invalid for model.kind=gmm"),
+    (["execution=tree", "K=60", "L=3", "model.dim=500", "n_samples=100"], "use batch_size="),
 ]
 
 
@@ -122,3 +125,17 @@ def test_optimal_tree_calibrates_and_records_its_profile(tmp_path):
 def test_markmax_sampler_runs(tmp_path):
     p = run([*TINY, "sampler=markmax", "K=3", "L=2"], tmp_path)
     assert p.stdout.startswith("model=gmm sampler=markmax K=3 L=2")
+
+
+def test_atomic_writes_respect_the_umask(tmp_path):
+    import stat
+
+    from specsamp.io import write_json_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "r.json").stat().st_mode)
+    assert mode == 0o644, oct(mode)

@@ -189,7 +189,7 @@ def resolve_path(
             why = f"download failed: {err}"
     raise FileNotFoundError(
         f"{s} is not in the cache (looked for {str(dest)!r}) and {why}. Fetch the file on a machine with "
-        f"network access and copy it to that path, or pass its local path instead of the URL "
+        f"network access and copy it to that path, or pass its local path instead of the URL (model.path=...) "
         f"(cache root: cache_dir= or $SPECSAMP_CACHE)."
     )
 
