@@ -139,3 +139,12 @@ def test_atomic_writes_respect_the_umask(tmp_path):
         os.umask(old)
     mode = stat.S_IMODE((tmp_path / "r.json").stat().st_mode)
     assert mode == 0o644, oct(mode)
+
+
+def test_known_keys_match_config_yaml():
+    # the runner's list of valid top-level keys must not drift from conf/config.yaml
+    from specsamp.experiment import KNOWN_KEYS
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=False)
+    assert set(cfg.keys()) | {"hydra"} == set(KNOWN_KEYS)
