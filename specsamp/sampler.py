@@ -208,14 +208,30 @@ class _Nodes:
         inside = self.t["depth"][u] <= self.r.depth_limit[sub]
         return inside & (self.internal_in_round(u, sub) | self.ctx.evaluate_leaves)
 
-    def draft_children(self, sub: torch.Tensor, x_u: torch.Tensor, u: torch.Tensor, k: int, step: torch.Tensor):
-        """Draft the ``k`` children of nodes ``u`` at states ``x_u [s, *e]``: (means, states, ids)."""
-        ids = self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
-        mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
-        std = self.ctx.schedule.std(step).to(x_u.dtype).reshape((-1, 1) + (1,) * (x_u.ndim - 1))
+    def child_ids(self, u: torch.Tensor, k: int) -> torch.Tensor:
+        """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
+        return self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
+
+    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
+        """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, phase 1).
+
+        Args:
+            sub: ``[s]`` rows of the round.
+            x_parents: ``[s, P, *e]`` parent states, all at step ``step [s]``.
+            step: ``[s]`` the parents' step index.
+            ids: ``[s or 1, C]`` node ids of the children (they key the noise).
+            pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``.
+
+        Returns:
+            ``(means [s, P, *e], children [s, C, *e])``.
+        """
+        mean = self.ctx.draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
+        e = x_parents.shape[2:]
+        std = self.ctx.schedule.std(step).to(x_parents.dtype).reshape((-1, 1) + (1,) * len(e))
         keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
-        noise = rng.normal(keys, x_u.shape[1:]).to(x_u.dtype)
-        return mean, mean[:, None] + std * noise, ids
+        noise = rng.normal(keys, e).to(x_parents.dtype)
+        rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
+        return mean, mean[rows, pos] + std * noise
 
     # interface
     def children(self, sub, x_u, u, k, step):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
@@ -239,13 +255,9 @@ class _TreeNodes(_Nodes):
         for l in range(1, tree.max_depth + 1):
             layer = torch.as_tensor(tree.layer(l), device=dev)
             prev = tree.layer(l - 1)
-            parents = tensors["parent"][layer]
             step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
-            mean = ctx.draft.mean(rnd.frozen, states[:, prev[0] : prev[-1] + 1], step, ctx.schedule)
-            std = ctx.schedule.std(step).to(rnd.x.dtype).reshape((-1, 1) + (1,) * len(e))
-            keys = rng.fold(rnd.draft_keys[:, None], rnd.n[:, None], layer[None])
-            noise = rng.normal(keys, e).to(rnd.x.dtype)
-            states[:, layer] = mean[:, parents - int(prev[0])] + std * noise
+            pos = tensors["parent"][layer] - int(prev[0])
+            _, states[:, layer] = self.draft(all_rows, states[:, prev[0] : prev[-1] + 1], step, layer[None], pos)
         self.states = states
         node = torch.arange(len(tree), device=dev)
         mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, len(tree)))
@@ -260,7 +272,7 @@ class _TreeNodes(_Nodes):
         self.rows_evaluated = mask.sum(1)
 
     def children(self, sub, x_u, u, k, step):
-        ids = self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
+        ids = self.child_ids(u, k)
         mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
         return mean, self.states[sub[:, None], ids], ids
 
@@ -278,7 +290,9 @@ class _PathNodes(_Nodes):
         self.rows_evaluated = table[rnd.depth_limit] - rnd.root_exact.long()
 
     def children(self, sub, x_u, u, k, step):
-        return self.draft_children(sub, x_u, u, k, step)
+        ids = self.child_ids(u, k)
+        mean, kids = self.draft(sub, x_u[:, None], step, ids, torch.zeros(k, dtype=torch.long, device=u.device))
+        return mean[:, 0], kids, ids
 
     def velocity(self, sub, u, x_u):
         root_known = (u == 0) & self.r.root_exact[sub]
