@@ -36,3 +36,20 @@ def write_csv(df: pd.DataFrame, path: Path) -> Path:
     from specsamp.io import atomic_write
 
     return atomic_write(path, lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")
+
+
+def ok_records(sweep_dir: str, experiment: str) -> pd.DataFrame:
+    """The finished jobs of a sweep (:func:`specsamp.report.collect`, status ``ok``).
+
+    A missing sweep directory prints which ``+experiment=`` to run and exits with status 2.
+    """
+    import sys
+
+    from specsamp.report import collect
+
+    try:
+        df = collect(sweep_dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}; run `python run.py +experiment={experiment}` first", file=sys.stderr)
+        raise SystemExit(2) from None
+    return df[df["status"] == "ok"].copy()

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp import theory
 from specsamp.coupling import get_coupling
 
@@ -34,10 +34,7 @@ GRID_COLUMNS = ["sampler", "K", "L", "budget", "speedup_mean", "speedup_std", "s
 
 def collect(sweep_dir: str = SWEEP) -> pd.DataFrame:
     """Turn the grid sweep's records into ``results/gmm/grid.csv`` (one row per (rule, K, L))."""
-    from specsamp.report import collect as collect_sweep
-
-    df = collect_sweep(sweep_dir)
-    df = df[df["status"] == "ok"].copy()
+    df = ok_records(sweep_dir, "gmm_grid")
     missing = 84 - len(df)
     if missing:
         print(f"warning: {missing} of the 84 grid cells have no record yet", file=sys.stderr)

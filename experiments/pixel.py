@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "pixel"
@@ -53,14 +53,7 @@ def empty_fid() -> pd.DataFrame:
 
 def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     """Fill ``results/pixel/fig4_<dataset>.csv`` from the sweep's records."""
-    from specsamp.report import collect as collect_sweep
-
-    try:
-        df = collect_sweep(sweep_dir or f"multirun/fig4_{dataset}")
-    except FileNotFoundError as e:
-        print(f"error: {e}; run `python run.py +experiment=fig4_{dataset}` first (on GPU hosts)", file=sys.stderr)
-        raise SystemExit(2) from None
-    df = df[df["status"] == "ok"]
+    df = ok_records(sweep_dir or f"multirun/fig4_{dataset}", f"fig4_{dataset}")
     table = empty_fig4(dataset).set_index(["sampler", "eps", "K", "L"])
     for _, r in df.iterrows():
         key = (r["sampler"], float(r["eps"]), int(r["K"]), int(r["L"]))

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "sd3"
@@ -40,14 +40,7 @@ def empty_table() -> pd.DataFrame:
 
 def collect(sweep_dir: str = "multirun/fig5_sd3") -> pd.DataFrame:
     """Fill ``results/sd3/fig5_table1.csv`` from the sweep's records (speedups and CLIP scores)."""
-    from specsamp.report import collect as collect_sweep
-
-    try:
-        df = collect_sweep(sweep_dir)
-    except FileNotFoundError as e:
-        print(f"error: {e}; run `python run.py +experiment=fig5_sd3` first (on a GPU host)", file=sys.stderr)
-        raise SystemExit(2) from None
-    df = df[df["status"] == "ok"]
+    df = ok_records(sweep_dir, "fig5_sd3")
     table = empty_table()
     for _, r in df.iterrows():
         sel = (table["sampler"] == r["sampler"]) & ((table["K"] == r["K"]) | (r["sampler"] == "standard"))
