@@ -16,8 +16,11 @@ at depth ``d`` with at most ``b`` drafted descendants:
 
 (``H_j`` spreads ``r`` drafted states over the subtrees of the first ``j`` children). Subtrees below
 different children add independently, so the recursion is exact; ``F_0(B)`` is the optimum over all
-trees with at most ``B`` drafted states, depth at most ``L`` and widths at most ``W``. Cost
-``O(L W^2 B^2)`` (max-plus convolutions in numpy) plus ``L W`` positional evaluations, memoised.
+trees with at most ``B`` drafted states, depth at most ``L`` and widths at most ``W``. Tables at depth
+``d`` stop at ``cap_d = min(B, W (1 + cap_{d+1}))``, the most states such a subtree can hold. Cost
+``O(L W cap^2)`` pair updates when the positional vectors of narrower nodes are prefixes of wider ones
+(D-GRS: one chain of products serves every width), ``O(L W^2 cap^2)`` otherwise (markmax), in blocked
+numpy max-plus products with ``O(L cap)`` memory; :func:`search_cost` estimates it before any work.
 
 Also here: :func:`profile_positional` turns a per-depth displacement profile (``delta`` measured in a
 calibration run, or fitted by :func:`deltas_from_acceptance` to per-depth acceptance rates) into the
@@ -64,24 +67,36 @@ class _Positional:
         return self.cache[key]
 
 
-@lru_cache(maxsize=8)
-def _conv_index(n: int) -> tuple[np.ndarray, np.ndarray]:
-    r = np.arange(n)[:, None]
-    x = np.arange(n)[None, :]
-    return np.clip(r - x, 0, None), x <= r
+_BLOCK = 1 << 21  # elements of one max-plus block (16 MiB of float64): the search's working memory
+# measured: the blocked max-plus below does about this many (r, x) pair updates per second on one core
+PAIRS_PER_SECOND = 4e8
+# refusal threshold of :func:`optimal_tree` (and the runner): about two minutes at the rate above
+MAX_PAIRS = 5e10
 
 
 def _maxplus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``c[r] = max_{x <= r} a[r - x] + b[x]`` and its argmax ``x`` (first on ties)."""
-    idx, mask = _conv_index(a.size)
-    m = np.where(mask, a[idx] + b[None, :], -np.inf)
-    arg = m.argmax(1)
-    return m[np.arange(a.size), arg], arg
+    """``c[r] = max_{0 <= x <= min(r, len(b) - 1)} a[r - x] + b[x]`` and its argmax ``x`` (first on ties).
+
+    Rows are done in blocks of at most ``_BLOCK`` pairs over a strided view, so the memory is
+    ``O(len(a) + _BLOCK)``, never ``len(a) x len(b)``.
+    """
+    na, nb = a.size, b.size
+    pad = np.concatenate([np.full(nb - 1, -np.inf), a])
+    win = np.lib.stride_tricks.sliding_window_view(pad, nb)[:, ::-1]  # win[r, x] = a[r - x] (-inf for x > r)
+    c = np.empty(na)
+    arg = np.empty(na, dtype=np.int64)
+    rows = max(1, _BLOCK // nb)
+    for r0 in range(0, na, rows):
+        m = win[r0 : r0 + rows] + b[None, :]
+        i = m.argmax(1)
+        arg[r0 : r0 + rows] = i
+        c[r0 : r0 + rows] = m[np.arange(i.size), i]
+    return c, arg
 
 
-def _children_knapsack(probs: np.ndarray, f_next: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``H_K`` for one (depth, K) and the argmax tables ``x_j(r)``, ``j = 1..K``."""
-    h = np.zeros_like(f_next)
+def _children_knapsack(probs: np.ndarray, f_next: np.ndarray, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``H_K(r)``, ``r < n``, for one (depth, K) and the argmax tables ``x_j(r)``, ``j = 1..K``."""
+    h = np.zeros(n)
     args = []
     for pj in probs:
         h, arg = _maxplus(h, pj * f_next)
@@ -89,17 +104,111 @@ def _children_knapsack(probs: np.ndarray, f_next: np.ndarray) -> tuple[np.ndarra
     return h, args
 
 
-def _solve(budget: int, pos: _Positional, max_depth: int, max_width: int):
-    n = budget + 1
+def _caps(budget: int, max_depth: int, max_width: int) -> list[int]:
+    """``cap[d]``: most drafted states a subtree rooted at depth ``d`` can hold (depth and width limits)."""
+    cap = [0] * (max_depth + 1)
+    for d in range(max_depth - 1, -1, -1):
+        cap[d] = min(budget, max_width * (1 + cap[d + 1]))
+    return cap
+
+
+def _shared_prefix(pos: "_Positional", d: int, width: int) -> bool:
+    """True when ``positional(d, K) == positional(d, width)[:K]`` for every ``K`` (D-GRS): then one chain of
+    ``width`` max-plus products serves every ``K`` and the cost is linear, not quadratic, in the width."""
+    first = pos(d, 1)  # validated from the narrowest up, so a bad positional is reported at K = 1
+    full = pos(d, width)
+    return np.array_equal(first, full[:1]) and all(np.array_equal(pos(d, K), full[:K]) for K in range(2, width))
+
+
+def search_cost(budget: int, max_depth: int, max_width: int, shared_prefix: bool = True) -> dict:
+    """Up-front cost of :func:`optimal_tree` (no positional evaluated, nothing allocated).
+
+    Args:
+        budget, max_depth, max_width: as in :func:`optimal_tree`.
+        shared_prefix: whether the rule's positional vectors are prefixes of each other (D-GRS: yes;
+            markmax: no, every width is a separate knapsack).
+
+    Returns:
+        ``{"budget": B actually usable (at most sum_{l <= L} W^l), "pairs": max-plus pair updates,
+        "seconds": pairs / PAIRS_PER_SECOND, "bytes": peak memory}``.
+    """
+    cap = _caps(budget, max_depth, max_width)
+    pairs = 0.0
+    for d in range(max_depth):
+        w = min(max_width, cap[d])
+        convs = w if shared_prefix else w * (w + 1) / 2
+        pairs += convs * (cap[d] + 1) * (cap[d + 1] + 1)
+    # the tree's reconstruction reuses subtrees of equal budget: at most one more root knapsack
+    pairs += min(max_width, cap[0]) * (cap[0] + 1) * (cap[min(1, max_depth)] + 1)
+    nbytes = 16 * sum(c + 1 for c in cap) + 8 * 4 * _BLOCK + 8 * max_width * (cap[0] + 1) + 400 * (cap[0] + 1)
+    return {"budget": cap[0], "pairs": pairs, "seconds": pairs / PAIRS_PER_SECOND, "bytes": nbytes}
+
+
+def check_search(budget: int, max_depth: int, max_width: int, shared_prefix: bool = True,
+                 max_pairs: float = MAX_PAIRS, free_bytes: int | None = None) -> dict:
+    """Refuse, before any work, a search that would take too long or not fit in memory.
+
+    Returns:
+        :func:`search_cost`'s estimate.
+
+    Raises:
+        ValueError: ``pairs > max_pairs`` or ``bytes > 0.8 * free_bytes``; the message gives the estimate
+            and the largest budget that fits with the same depth and width.
+    """
+    cost = search_cost(budget, max_depth, max_width, shared_prefix)
+    slow = cost["pairs"] > max_pairs
+    big = free_bytes is not None and cost["bytes"] > 0.8 * free_bytes
+    if not (slow or big):
+        return cost
+    lo, hi = 0, budget  # largest budget within both limits (the cost is monotone in the budget)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        c = search_cost(mid, max_depth, max_width, shared_prefix)
+        if c["pairs"] <= max_pairs and (free_bytes is None or c["bytes"] <= 0.8 * free_bytes):
+            lo = mid
+        else:
+            hi = mid - 1
+    what = (f"about {cost['pairs']:.2g} max-plus updates (~{_duration(cost['seconds'])} at {PAIRS_PER_SECOND:.2g}/s; "
+            f"the limit is {max_pairs:.2g})" if slow else "")
+    if big:
+        what += (" and " if what else "") + (f"about {cost['bytes'] / 2**30:.1f} GiB of memory "
+                                             f"({free_bytes / 2**30:.1f} GiB free)")
+    raise ValueError(
+        f"tree=optimal with budget={budget}, max_depth={max_depth}, max_width={max_width} is too large to search: it "
+        f"needs {what}. "
+        + (f"budget={lo} or less fits with this depth and width; " if lo >= 1 else "")
+        + "or lower max_width or max_depth, or give the tree yourself (tree=widths widths=[...])."
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.2g} days"
+
+
+def _solve(budget: int, pos: _Positional, max_depth: int, max_width: int, callback=None):
+    cap = _caps(budget, max_depth, max_width)
     F = [None] * (max_depth + 1)
     choice = [None] * (max_depth + 1)
-    F[max_depth] = np.zeros(n)
-    choice[max_depth] = np.zeros(n, dtype=np.int64)
+    F[max_depth] = np.zeros(1)
+    choice[max_depth] = np.zeros(1, dtype=np.int64)
     for d in range(max_depth - 1, -1, -1):
+        n = cap[d] + 1
         best = np.zeros(n)
         width = np.zeros(n, dtype=np.int64)
-        for K in range(1, min(budget, max_width) + 1):
-            h, _ = _children_knapsack(pos(d, K), F[d + 1])
+        w = min(max_width, cap[d])
+        shared = _shared_prefix(pos, d, w)
+        probs, h = pos(d, w), np.zeros(n)
+        for K in range(1, w + 1):
+            if shared:  # H_K = H_{K-1} (+) P(K) F_{d+1}: one product per width
+                h, _ = _maxplus(h, probs[K - 1] * F[d + 1])
+            else:
+                h, _ = _children_knapsack(pos(d, K), F[d + 1], n)
             val = np.full(n, -np.inf)
             val[K:] = 1.0 + h[: n - K]
             better = val > best + _TIE
@@ -111,23 +220,43 @@ def _solve(budget: int, pos: _Positional, max_depth: int, max_width: int):
                 best[b], width[b] = best[b - 1], 0
         F[d] = best
         choice[d] = width
+        if callback is not None:
+            callback(max_depth - d, max_depth)
     return F, choice
 
 
-def _build(d: int, b: int, F, choice, pos: _Positional) -> list:
-    """Nested children lists of the optimal subtree at depth ``d`` with budget ``b``."""
-    while b > 0 and choice[d][b] == 0:
-        b -= 1
-    if b == 0:
-        return []
-    K = int(choice[d][b])
-    _, args = _children_knapsack(pos(d, K), F[d + 1])
-    r = b - K
-    alloc = [0] * K
-    for j in range(K - 1, -1, -1):
-        alloc[j] = int(args[j][r])
-        r -= alloc[j]
-    return [_build(d + 1, x, F, choice, pos) for x in alloc]
+def _build_parent(budget: int, F, choice, pos: _Positional) -> np.ndarray:
+    """Breadth-first parent array of the optimal tree (subtrees of equal (depth, budget) solved once)."""
+    memo: dict[tuple[int, int], list[int]] = {}
+
+    def alloc(d: int, b: int) -> list[int]:
+        key = (d, b)
+        if key not in memo:
+            while b > 0 and choice[d][b] == 0:
+                b -= 1
+            if b == 0:
+                memo[key] = []
+            else:
+                K = int(choice[d][b])
+                r = b - K
+                _, args = _children_knapsack(pos(d, K), F[d + 1][: r + 1], r + 1)
+                out = [0] * K
+                for j in range(K - 1, -1, -1):
+                    out[j] = int(args[j][r])
+                    r -= out[j]
+                memo[key] = out
+        return memo[key]
+
+    parent = [-1]
+    queue = [(0, 0, min(budget, F[0].size - 1))]
+    head = 0
+    while head < len(queue):
+        node, d, b = queue[head]
+        head += 1
+        for x in alloc(d, b):
+            parent.append(node)
+            queue.append((len(parent) - 1, d + 1, x))
+    return np.asarray(parent, dtype=np.int64)
 
 
 def tree_from_nested(children: list) -> DraftTree:
@@ -151,41 +280,57 @@ def tree_from_nested(children: list) -> DraftTree:
     return DraftTree(np.asarray(parent))
 
 
-def optimal_tree(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None) -> DraftTree:
+def _prepare(budget, positional, max_depth, max_width, max_pairs):
+    budget = _check_int("budget", budget, 1)
+    max_depth = _check_int("max_depth", max_depth, 1)
+    max_width = budget if max_width is None else _check_int("max_width", max_width, 1)
+    max_width = min(max_width, budget)
+    if max_pairs is not None:
+        check_search(budget, max_depth, max_width, True, max_pairs)  # optimistic: refuses the hopeless at once
+    pos = _Positional(positional)
+    if max_pairs is not None:
+        check_search(budget, max_depth, max_width, _shared_prefix(pos, 0, min(max_width, budget)), max_pairs)
+    return budget, pos, max_depth, max_width
+
+
+def optimal_tree(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None, *,
+                 max_pairs: float | None = MAX_PAIRS, callback: Callable[[int, int], None] | None = None) -> DraftTree:
     """The draft tree with at most ``budget`` drafted states maximising :func:`theory.expected_steps`.
 
     Exact dynamic program (module docstring). Ties go to the smaller tree, so the result may draft
     fewer than ``budget`` states when more would not help (e.g. beyond a depth where ``delta = 0``).
+    Tables are sized by what a tree of depth ``max_depth`` and width ``max_width`` can hold (at most
+    ``W + W^2 + ... + W^L`` states), and the cost (:func:`search_cost`) is checked before any work.
 
     Args:
         budget: drafted states ``B >= 1`` (nodes other than the root).
         positional: ``positional(depth, K) -> [K]`` acceptance probability of each child position of a
             parent at ``depth`` (0 = root) with ``K`` children, e.g. from :func:`profile_positional`.
         max_depth: deepest allowed level ``L >= 1`` (a round never uses more than the steps left).
-        max_width: widest allowed node (default ``budget``); the cost grows as ``max_width^2``.
+        max_width: widest allowed node (default ``budget``); the cost grows as ``max_width`` for
+            prefix-consistent rules (D-GRS) and as ``max_width^2`` otherwise.
+        max_pairs: refuse searches estimated above this many max-plus updates (None: no limit).
+        callback: ``callback(depths_done, max_depth)`` after each depth of the program (progress).
 
     Returns:
         A valid breadth-first :class:`DraftTree`.
 
     Raises:
-        ValueError: a non-integer or out-of-range ``budget``, ``max_depth`` or ``max_width``, or a
-            ``positional`` that does not return ``K`` probabilities summing to at most 1.
+        ValueError: a non-integer or out-of-range ``budget``, ``max_depth`` or ``max_width``, a
+            ``positional`` that does not return ``K`` probabilities summing to at most 1, or a search
+            estimated above ``max_pairs`` (the message gives the estimate and a budget that fits).
     """
-    budget = _check_int("budget", budget, 1)
-    max_depth = _check_int("max_depth", max_depth, 1)
-    max_width = budget if max_width is None else _check_int("max_width", max_width, 1)
-    pos = _Positional(positional)
-    F, choice = _solve(budget, pos, max_depth, max_width)
-    return tree_from_nested(_build(0, budget, F, choice, pos))
+    budget, pos, max_depth, max_width = _prepare(budget, positional, max_depth, max_width, max_pairs)
+    F, choice = _solve(budget, pos, max_depth, max_width, callback)
+    return DraftTree(_build_parent(budget, F, choice, pos))
 
 
-def optimal_value(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None) -> float:
+def optimal_value(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None, *,
+                  max_pairs: float | None = MAX_PAIRS) -> float:
     """``F_0(budget)``: the expected steps of :func:`optimal_tree` (same arguments and errors)."""
-    budget = _check_int("budget", budget, 1)
-    max_depth = _check_int("max_depth", max_depth, 1)
-    max_width = budget if max_width is None else _check_int("max_width", max_width, 1)
-    F, _ = _solve(budget, _Positional(positional), max_depth, max_width)
-    return float(F[0][budget])
+    budget, pos, max_depth, max_width = _prepare(budget, positional, max_depth, max_width, max_pairs)
+    F, _ = _solve(budget, pos, max_depth, max_width)
+    return float(F[0][-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,30 +425,63 @@ def deltas_from_acceptance(acceptance: Sequence[float], K: int, coupling="dgrs",
     return 0.5 * (lo + up)
 
 
-def tree_for_config(budget: int, v: dict, cfg=None) -> DraftTree:
+def _cfg_get(cfg, key):
+    if cfg is None:
+        return None
+    return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+
+
+def search_limits(budget: int, v: dict, cfg=None) -> tuple[int, int]:
+    """``(max_depth, max_width)`` of the runner's ``tree=optimal`` search.
+
+    ``max_depth`` defaults to, and is capped at, the speculative horizon ``steps - 2`` (no round uses a
+    deeper node, eq. 11); ``max_width`` defaults to ``min(budget, 32)`` and is capped at ``budget``.
+
+    Raises:
+        ValueError: ``max_depth`` or ``max_width`` not an integer >= 1.
+    """
+    horizon = max(int(v.get("steps", 3)) - 2, 1)
+    max_depth = _cfg_get(cfg, "max_depth")
+    max_depth = horizon if max_depth is None else min(_check_int("max_depth", max_depth, 1), horizon)
+    max_width = _cfg_get(cfg, "max_width")
+    max_width = 32 if max_width is None else _check_int("max_width", max_width, 1)
+    return min(max_depth, budget), min(max_width, budget)
+
+
+def check_config_search(budget: int, v: dict, cfg=None, free_bytes: int | None = None) -> dict:
+    """:func:`check_search` for the runner's ``tree=optimal``, before its calibration run.
+
+    Raises:
+        ValueError: invalid limits, or a search too slow or too large (message with the numbers).
+    """
+    max_depth, max_width = search_limits(budget, v, cfg)
+    shared = v.get("coupling") == "dgrs"
+    return check_search(budget, max_depth, max_width, shared, MAX_PAIRS, free_bytes)
+
+
+def tree_for_config(budget: int, v: dict, cfg=None, callback: Callable[[int, int], None] | None = None,
+                    free_bytes: int | None = None) -> DraftTree:
     """The runner's ``tree=optimal``: optimal tree for the run's coupling and displacement profile.
 
     Reads from ``cfg``: ``delta_profile`` (required: per-depth ``delta``, e.g. from
-    :func:`deltas_from_acceptance` on a calibration run), ``max_depth`` (default: the speculative
-    horizon ``steps - 2``), ``max_width`` (default ``min(budget, 32)``).
+    :func:`deltas_from_acceptance` on a calibration run), ``max_depth`` and ``max_width``
+    (:func:`search_limits`).
 
     Args:
         budget: drafted-state budget ``B``.
         v: validated config (:func:`specsamp.experiment.validate`): ``coupling`` and ``steps`` are used.
         cfg: the raw config.
+        callback: progress, as in :func:`optimal_tree`.
+        free_bytes: memory available to the search (None: not checked).
 
     Returns:
         :class:`DraftTree`.
 
     Raises:
-        ValueError: no ``delta_profile`` given, or any invalid value (named in the message).
+        ValueError: no ``delta_profile`` given, any invalid value (named in the message), or a search too
+            slow or too large (:func:`check_search`).
     """
-    def get(key):
-        if cfg is None:
-            return None
-        return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
-
-    profile = get("delta_profile")
+    profile = _cfg_get(cfg, "delta_profile")
     if profile is None:
         raise ValueError(
             "tree=optimal needs delta_profile=[d_0, d_1, ...]: the displacement delta per depth, e.g. from "
@@ -313,9 +491,6 @@ def tree_for_config(budget: int, v: dict, cfg=None) -> DraftTree:
         profile = _profile(list(profile))
     except (TypeError, ValueError):
         raise ValueError(f"delta_profile={profile!r} is invalid: need a non-empty list of finite values >= 0") from None
-    horizon = max(int(v.get("steps", 3)) - 2, 1)
-    max_depth = get("max_depth")
-    max_depth = min(budget, horizon) if max_depth is None else max_depth
-    max_width = get("max_width")
-    max_width = min(budget, 32) if max_width is None else max_width
-    return optimal_tree(budget, profile_positional(profile, v["coupling"]), max_depth, max_width)
+    check_config_search(budget, v, cfg, free_bytes)
+    max_depth, max_width = search_limits(budget, v, cfg)
+    return optimal_tree(budget, profile_positional(profile, v["coupling"]), max_depth, max_width, callback=callback)
