@@ -57,4 +57,7 @@ if __name__ == "__main__":
     # submitit jobs unpickle the task in a fresh interpreter: let them import specsamp from this checkout
     _here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join([_here, *filter(None, [os.environ.get("PYTHONPATH")])])
+    from specsamp.experiment import refuse_unknown_overrides  # a typo'd key: one paragraph naming the closest key
+
+    refuse_unknown_overrides(sys.argv[1:], os.path.join(_here, "conf"))
     _entry()

@@ -31,6 +31,7 @@ from .experiment import (
     run_config,
     save_images,
     summary_line,
+    validate,
     versions,
     write_json_atomic,
 )
@@ -153,6 +154,7 @@ def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cf
 def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict) -> float | None:
     cfg_dict, runner = prepare(cfg)
     state["cfg"] = cfg_dict
+    validate(cfg_dict)  # before the skip: a bad value is refused even when a matching record exists
     h = config_hash(cfg_dict)
     state["hash"] = h
     shard, num_shards = runner["shard"], runner["num_shards"]

@@ -60,11 +60,104 @@ def _get(cfg, key, default=None):
     return getattr(cfg, key, default)
 
 
-def _int(cfg, key: str, lo: int) -> int:
+def closest_key(name: str, valid=None) -> str | None:
+    """The valid key nearest to a mistyped ``name`` (:func:`difflib.get_close_matches`), or None.
+
+    Args:
+        name: the key as typed, e.g. ``Kk``, ``+Kk`` or ``model.dtpye``.
+        valid: candidate keys (default: :data:`KNOWN_KEYS` without ``hydra``).
+    """
+    import difflib
+
+    name = str(name).lstrip("+~")
+    pool = sorted(valid if valid is not None else KNOWN_KEYS - {"hydra"})
+    exact = [k for k in pool if k.lower() == name.lower()]
+    if exact:
+        return exact[0]
+    hit = difflib.get_close_matches(name, pool, n=1, cutoff=0.5)
+    return hit[0] if hit else None
+
+
+def unknown_key_message(name: str, value=None, valid=None, shown: str | None = None) -> str:
+    """One paragraph for a key that is not in the config, naming the closest valid key."""
+    valid = sorted(valid if valid is not None else KNOWN_KEYS - {"hydra"})
+    guess = closest_key(name.rsplit(".", 1)[-1], [k.rsplit(".", 1)[-1] for k in valid])
+    if guess is not None:
+        guess = next(k for k in valid if k.rsplit(".", 1)[-1] == guess)
+    shown = shown or (f"{name}={value!r}" if value is not None else f"{name!r}")
+    return (f"{shown} is not a key of specsamp's config" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
+            + f". Valid keys here: {', '.join(valid)} (see conf/config.yaml and the README).")
+
+
+# config groups that a command line may select besides the top-level keys (`shape=k2l3`, `+experiment=...`)
+_GROUPS = ("shape", "experiment")
+
+
+def check_override_keys(argv: list[str], conf_dir: str | os.PathLike) -> str | None:
+    """The message for the first command-line override that names no key of the config, else None.
+
+    Runs before Hydra composes anything, so a typo (``Kk=3``, ``+Kk=3``, ``model.dtpye=float32``) gets
+    one paragraph naming the closest valid key instead of Hydra's advice to append it with ``+``.
+    Top-level keys are :data:`KNOWN_KEYS` and the groups ``shape``/``experiment``; a dotted key under
+    ``model``, ``sampler`` or ``logger`` must be a key of some option of that group (``conf/<group>/*.yaml``).
+    Options (``-m``, ``--cfg job``), ``hydra...`` keys, group paths (``hydra/launcher=...``) and deletions
+    (``~key``) are left to Hydra.
+    """
+    from omegaconf import OmegaConf
+
+    top = sorted((KNOWN_KEYS - {"hydra"}) | set(_GROUPS))
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg or arg.startswith("~"):
+            continue
+        key = arg.split("=", 1)[0].lstrip("+")
+        if "/" in key or "@" in key or key.split(".")[0] == "hydra":
+            continue
+        head, _, rest = key.partition(".")
+        if head not in top:
+            return unknown_key_message(key, valid=top, shown=arg.lstrip("+"))
+        if rest and head in ("model", "sampler", "logger") and not arg.startswith("+"):
+            sub = set()
+            for f in Path(conf_dir, head).glob("*.yaml"):
+                try:
+                    sub |= {f"{head}.{k}" for k in OmegaConf.load(f).keys()}
+                except Exception:
+                    return None  # a config Hydra will report itself
+            if key.split(".")[0] + "." + rest.split(".")[0] not in sub:
+                return unknown_key_message(key, valid=sorted(sub), shown=arg)
+    return None
+
+
+def refuse_unknown_overrides(argv: list[str], conf_dir: str | os.PathLike) -> None:
+    """:func:`check_override_keys`, printed as ``error: ...`` with exit status 2 (``run.py`` calls this)."""
+    msg = check_override_keys(argv, conf_dir)
+    if msg is not None:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _int(cfg, key: str, lo: int, hi: int | None = None, hi_text: str = "") -> int:
     v = _get(cfg, key)
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ConfigError(f"{key}={v!r} is invalid: must be an integer >= {lo}.")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v >= hi):
+        rng_txt = f">= {lo}" if hi is None else f"in [{lo}, {hi_text or hi})"
+        raise ConfigError(f"{key}={v!r} is invalid: must be an integer {rng_txt}.")
     return int(v)
+
+
+def _opt_int(cfg, key: str, lo: int) -> int | None:
+    v = _get(cfg, key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise ConfigError(f"{key}={v!r} is invalid: must be an integer >= {lo}, or null.")
+    return int(v)
+
+
+def _bool(cfg, key: str, default=None) -> bool:
+    v = _get(cfg, key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}={v!r} is invalid: must be true or false (YAML booleans; strings such as 'no' or "
+                          "'yes' are not accepted).")
+    return v
 
 
 def _choice(cfg, key: str, valid) -> Any:
@@ -74,8 +167,68 @@ def _choice(cfg, key: str, valid) -> Any:
     return v
 
 
+# 0 <= seed < 2**63: seeds are hashed as 64-bit integers (specsamp.rng), so a wider range would alias
+SEED_BOUND = 2**63
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_device(device) -> str:
+    """``device`` if torch can use it here, else a :class:`ConfigError` naming what is available.
+
+    Valid: ``cpu``, ``cuda`` and ``cuda:N`` with ``N`` below the number of visible CUDA devices.
+    """
+    d = str(device)
+    if d == "cpu":
+        return d
+    if d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"device={d!r} is invalid here: torch sees no CUDA device on this machine; use device=cpu.")
+        if d != "cuda" and int(d[5:]) >= n:
+            raise ConfigError(f"device={d!r} is invalid: torch sees {n} CUDA device(s), cuda:0..cuda:{n - 1}.")
+        return d
+    raise ConfigError(f"device={d!r} is invalid: specsamp runs on cpu, cuda or cuda:N (N a visible CUDA device; "
+                      "other torch backends such as mps are not supported).")
+
+
+def unused_keys(cfg) -> dict:
+    """Keys that the configured sampler and tree never read, with the value that stands for them in the hash.
+
+    ``sampler=standard`` reads none of the tree keys (``K``, ``L``, ``draft``, ...); a one-child rule
+    (``rmc``) reads ``match`` but no tree-search key; a tree rule does not read ``match``; ``tree=uniform``
+    ignores ``widths`` and the search keys, ``tree=widths`` ignores ``K``, ``L`` and the search keys,
+    ``tree=optimal`` ignores ``widths`` (and ``K``, ``L`` once ``budget`` is given). Such keys stay in the
+    record's config (and are listed under ``unused`` when set away from their default) but are hashed at
+    their default value, so setting them neither changes a result nor its config hash.
+
+    Returns:
+        ``{key: default}`` for every unused key.
+    """
+    paper = _get(_get(cfg, "model") or {}, "paper") or {}
+    default = {"K": _get(paper, "K"), "L": _get(paper, "L"), "draft": "velocity", "prefetch": "nearest",
+               "warmup": "call", "evaluate_leaves": True, "match": "budget", "execution": "path", "tree": "uniform",
+               "widths": None, "budget": None, "delta_profile": None, "max_depth": None, "max_width": None}
+    sampler = _get(cfg, "sampler") or {}
+    coupling = _get(sampler, "coupling")
+    search = ("widths", "budget", "delta_profile", "max_depth", "max_width")
+    if _get(sampler, "name") in SAMPLERS_BUILTIN or coupling is None:
+        keys = list(default)
+    elif coupling in COUPLINGS and COUPLINGS[coupling].max_children == 1:
+        keys = list(search)
+    else:
+        tree = _get(cfg, "tree", "uniform")
+        tree = tree if isinstance(tree, str) else ""
+        keys = ["match"] + {"uniform": list(search), "widths": ["K", "L", *search[1:]],
+                            "optimal": ["widths"] + (["K", "L"] if _get(cfg, "budget") is not None else [])}.get(tree, [])
+    return {k: default[k] for k in keys}
+
+
 def validate(cfg) -> dict:
-    """Check every top-level key and return the typed values the runner uses.
+    """Check every top-level key (and ``model.dtype``) and return the typed values the runner uses.
+
+    Strict: booleans must be YAML booleans, integers integers, every value in its documented range
+    (README, "Config keys"). Nothing is allocated here; sizes that follow from the config are checked
+    against free memory by :func:`check_memory` before they are allocated.
 
     Raises:
         ConfigError: the first invalid key, with its value and the valid range.
@@ -84,8 +237,7 @@ def validate(cfg) -> dict:
     if isinstance(cfg, Mapping):
         unknown = sorted(set(cfg) - KNOWN_KEYS)
         if unknown:
-            raise ConfigError(f"{unknown[0]}={cfg[unknown[0]]!r} is not a key of specsamp's config; valid top-level keys: "
-                              f"{', '.join(sorted(KNOWN_KEYS))} (see conf/config.yaml).")
+            raise ConfigError(unknown_key_message(unknown[0], cfg[unknown[0]]))
     sampler = _get(cfg, "sampler") or {}
     name = _get(sampler, "name")
     coupling = _get(sampler, "coupling")
@@ -99,45 +251,44 @@ def validate(cfg) -> dict:
     out["K"] = _int(cfg, "K", 1)
     out["L"] = _int(cfg, "L", 1)
     eps = _get(cfg, "eps")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) <= 1.0):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(float(eps)):
+        raise ConfigError(f"eps={eps!r} is invalid: the churn must be a finite number in (0, 1].")
+    if not (0.0 < float(eps) <= 1.0):
         raise ConfigError(f"eps={eps!r} is invalid: the churn must lie in (0, 1] (eps=0 is the deterministic ODE, where speculation is vacuous).")
     out["eps"] = float(eps)
     out["steps"] = _int(cfg, "steps", 3)
     out["n_samples"] = _int(cfg, "n_samples", 1)
-    seed = _get(cfg, "seed")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ConfigError(f"seed={seed!r} is invalid: must be an integer.")
-    out["seed"] = int(seed)
+    out["seed"] = _int(cfg, "seed", 0, SEED_BOUND, "2**63")
     out["draft"] = _choice(cfg, "draft", sorted(DRAFTS))
     out["prefetch"] = _choice(cfg, "prefetch", PREFETCH)
     out["execution"] = _choice(cfg, "execution", EXECUTIONS)
     out["warmup"] = _choice(cfg, "warmup", WARMUPS)
     out["match"] = _choice(cfg, "match", MATCH)
     out["tree"] = _choice(cfg, "tree", TREES)
-    el = _get(cfg, "evaluate_leaves")
-    if not isinstance(el, bool):
-        raise ConfigError(f"evaluate_leaves={el!r} is invalid: must be true or false.")
-    out["evaluate_leaves"] = el
-    for key in ("batch_size", "max_batch", "budget", "threads"):
-        v = _get(cfg, key)
-        if v is not None:
-            out[key] = _int(cfg, key, 1)
-        else:
-            out[key] = None
+    out["evaluate_leaves"] = _bool(cfg, "evaluate_leaves")
+    out["save_samples"] = _bool(cfg, "save_samples", False)
+    out["skip_existing"] = _bool(cfg, "skip_existing", True)
+    for key in ("batch_size", "max_batch", "budget", "threads", "max_depth", "max_width"):
+        out[key] = _opt_int(cfg, key, 1)
     widths = _get(cfg, "widths")
+    if widths is not None and (isinstance(widths, (str, bytes)) or not isinstance(widths, (list, tuple))
+                               or len(widths) == 0
+                               or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths)):
+        raise ConfigError(f"widths={widths!r} is invalid: need a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null.")
     if out["tree"] == "widths":
-        if widths is None or len(widths) == 0 or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
-            raise ConfigError(f"widths={widths!r} is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
+        if widths is None:
+            raise ConfigError("widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
         out["widths"] = [int(w) for w in widths]
-    device = str(_get(cfg, "device", "cpu"))
-    if not (device == "cpu" or device.startswith("cuda") or device == "mps"):
-        raise ConfigError(f"device={device!r} is invalid: use cpu, cuda or cuda:N.")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} is invalid here: torch sees no CUDA device on this machine; use device=cpu.")
-    out["device"] = device
+    profile = _get(cfg, "delta_profile")
+    if profile is not None and (isinstance(profile, (str, bytes)) or not isinstance(profile, (list, tuple)) or len(profile) == 0
+                                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
+                                       for x in profile)):
+        raise ConfigError(f"delta_profile={profile!r} is invalid: need a non-empty list of finite values >= 0, or null (calibrate).")
+    out["device"] = check_device(_get(cfg, "device", "cpu"))
     progress = _get(cfg, "progress", "auto")
-    if progress not in ("auto", True, False):
-        raise ConfigError(f"progress={progress!r} is invalid: valid values are auto, true, false.")
+    if progress not in ("auto", True, False) or (progress != "auto" and not isinstance(progress, bool)):
+        raise ConfigError(f"progress={progress!r} is invalid: valid values are auto (a bar on a terminal, a line every "
+                          "30 s in a log), true, false.")
     out["progress"] = progress
     metrics = _get(cfg, "metrics") or []
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)  # metrics=fid means metrics=[fid]
@@ -149,6 +300,11 @@ def validate(cfg) -> dict:
     kind = _get(model, "kind") if model is not None else None
     if kind not in MODEL_BUILDERS:
         raise ConfigError(f"model.kind={kind!r} is invalid: valid kinds are {', '.join(sorted(MODEL_BUILDERS))}.")
+    for key in ("dtype", "net_dtype"):
+        dt = _get(model, key)
+        if dt is not None and str(dt).removeprefix("torch.") not in DTYPES:
+            raise ConfigError(f"model.{key}={dt!r} is invalid: valid values are {', '.join(DTYPES)}"
+                              + (", null." if key == "net_dtype" else "."))
     if metrics and kind == "gmm":
         raise ConfigError(f"metrics={metrics!r} is invalid for model.kind=gmm: fid and clip score images (model=cifar10, ffhq or sd3).")
     coupling_fn = COUPLINGS.get(out["coupling"]) if out["coupling"] else None
@@ -266,21 +422,33 @@ def build_target(model_cfg, device: str) -> Target:
         raise ConfigError(f"model={model_cfg.get('name', model_cfg['kind'])!r} could not be loaded: {e}") from None
 
 
-def build_tree(v: dict, horizon: int, cfg=None) -> tuple[DraftTree | None, int]:
+def build_tree(v: dict, horizon: int, cfg=None, callback=None) -> tuple[DraftTree | None, int]:
     """The round tree and its nominal drafted-state budget ``B``.
 
     ``rmc`` (any rule limited to one child) runs a chain: of length ``B = K + ... + K^L`` with
     ``match=budget``, or with as many target rows as the (K, L) tree with ``match=verification``.
-    Chains longer than the speculative horizon ``T - 2`` are built at that length: no round can use
-    deeper nodes (eq. 11), so the law and every count are unchanged; the record keeps the nominal B.
+    Chains and trees deeper than the speculative horizon ``T - 2`` are built only to that depth: no
+    round can use deeper nodes (eq. 11), so the law and every count are unchanged; the record keeps the
+    nominal B. The tree's size is checked against free memory before it is built.
+
+    Args:
+        callback: progress of ``tree=optimal``'s search, ``callback(depths_done, depths)``.
 
     Returns:
         ``(tree, budget)``; ``(None, 0)`` for the standard sampler.
+
+    Raises:
+        ConfigError: a tree (or its search) that does not fit in memory.
+        ValueError: invalid tree-search settings.
     """
     if v["coupling"] is None:
         return None, 0
     fn = COUPLINGS[v["coupling"]]
     K, L = v["K"], v["L"]
+    nodes = tree_nodes(v, horizon)
+    shape = f"widths={v['widths']}" if v["tree"] == "widths" else f"K={K}, L={L}"
+    check_memory(f"the draft tree ({shape}, {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
+                 nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
     if fn.max_children == 1:
         if v["match"] == "budget":
             length = uniform_budget(K, L)
@@ -290,16 +458,24 @@ def build_tree(v: dict, horizon: int, cfg=None) -> tuple[DraftTree | None, int]:
             length = uniform_budget(K, L) if v["evaluate_leaves"] else 1 + (uniform_budget(K, L - 1) if L > 1 else 0)
         return DraftTree.chain(min(length, horizon)), length
     if v["tree"] == "widths":
-        tree = DraftTree.from_widths(v["widths"])
-        return tree, tree.budget
+        tree = DraftTree.from_widths(v["widths"][:horizon])
+        return tree, _widths_budget(v["widths"])
     if v["tree"] == "optimal":
         from . import treesearch
 
         b = v["budget"] or uniform_budget(K, L)
-        tree = treesearch.tree_for_config(b, v, cfg)
+        tree = treesearch.tree_for_config(b, v, cfg, callback=callback, free_bytes=available_bytes("cpu"))
         return tree, b
-    tree = DraftTree.uniform(K, L)
-    return tree, tree.budget
+    tree = DraftTree.uniform(K, min(L, horizon))
+    return tree, uniform_budget(K, L)
+
+
+def _widths_budget(widths) -> int:
+    total, layer = 0, 1
+    for w in widths:
+        layer *= w
+        total += layer
+    return total
 
 
 def _stats(x: torch.Tensor) -> dict:
@@ -329,17 +505,78 @@ def versions() -> dict:
 def config_hash(cfg_dict: Mapping) -> str:
     """SHA-256 (first 16 hex) of the resolved config, key order independent.
 
-    Keys that cannot change a result (``progress``, ``skip_existing``, ``logger``, ``threads``) are left out.
+    Keys that cannot change a result (``progress``, ``skip_existing``, ``logger``, ``threads``) are left out,
+    and keys the sampler does not read (:func:`unused_keys`) are hashed at their default value.
     """
     clean = {k: v for k, v in cfg_dict.items() if k not in ("progress", "skip_existing", "logger", "hydra", "threads")}
+    try:
+        unused = unused_keys(cfg_dict)
+    except (TypeError, AttributeError):  # an invalid config: validate() reports it
+        unused = {}
+    clean.update({k: d for k, d in unused.items() if k in clean})
     blob = json.dumps(clean, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+LOG_INTERVAL = 30.0  # seconds between plain progress lines when stderr is not a terminal (progress=auto)
 
 
 def _progress_enabled(flag) -> bool:
     if flag == "auto":
         return sys.stderr.isatty()
     return bool(flag)
+
+
+class _Progress:
+    """Progress of long work on stderr, set by absolute position (:meth:`to`).
+
+    ``progress=true``, or ``auto`` on a terminal: a tqdm bar. ``auto`` without a terminal (a cluster
+    job's log): one plain tqdm line every :data:`LOG_INTERVAL` seconds, none for shorter work.
+    ``false``: nothing. ``min_seconds``: show a bar only for work that lasts longer.
+    """
+
+    def __init__(self, flag, desc: str, unit: str, total: float | None = None, min_seconds: float = 0.0):
+        self.bar = None
+        self.desc, self.unit, self.total, self.min_seconds = desc, unit, total, min_seconds
+        self.lines = flag == "auto" and not sys.stderr.isatty()
+        self.enabled = self.lines or _progress_enabled(flag)
+
+    def __enter__(self):
+        return self
+
+    def _open(self, total):
+        from tqdm import tqdm
+
+        if self.lines:
+            class _Lines(tqdm):  # tqdm's meter, written as whole lines (no carriage returns in a log file)
+                def display(self, msg=None, pos=None):
+                    msg = (self.__str__() if msg is None else msg).strip()
+                    if msg:
+                        self.fp.write(msg + "\n")
+                        self.fp.flush()
+                    return True
+
+            self.bar = _Lines(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, mininterval=LOG_INTERVAL,
+                              delay=max(LOG_INTERVAL, self.min_seconds), miniters=1, leave=False,
+                              bar_format="{desc}: {percentage:3.0f}% ({n:.0f}/{total:.0f} {unit}), {elapsed} elapsed, "
+                                         "{remaining} left")
+        else:
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, leave=False,
+                            delay=self.min_seconds)
+
+    def to(self, position: float, total: float | None = None) -> None:
+        """Move to ``position`` (of ``total``, when first known here)."""
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self._open(total if total is not None else self.total)
+        if position > self.bar.n:
+            self.bar.update(position - self.bar.n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        return False
 
 
 def _concat(results: list[SampleResult]) -> SampleResult:
@@ -361,35 +598,152 @@ def _concat(results: list[SampleResult]) -> SampleResult:
     )
 
 
-def _available_bytes(device: str) -> int | None:
+def _meminfo_available() -> int | None:
     try:
-        if device.startswith("cuda"):
-            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError, RuntimeError):
+    except (ValueError, OSError, AttributeError):
         return None
 
 
-def check_tree_memory(tree: DraftTree, batch: int, model, device: str) -> None:
-    """Refuse a ``tree`` execution whose node states cannot fit, before allocating anything.
+def _cgroup_available() -> int | None:
+    try:  # cgroup v2 (a SLURM job's or a container's memory limit)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
 
-    The tree execution holds, per trajectory of a batch and per node, the state and the velocity in the
-    model's dtype, plus the float64 noise of one layer; this estimates that and compares it with the
-    free memory of ``device``.
+
+def _address_space_available() -> int | None:
+    import resource
+
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        return soft - vm
+    except (OSError, ValueError, StopIteration, AttributeError):
+        return None
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory this process can still allocate on ``device``, in bytes; None when unknown.
+
+    CUDA: ``torch.cuda.mem_get_info``'s free bytes. CPU: the smallest of the kernel's ``MemAvailable``,
+    the cgroup's headroom (``memory.max - memory.current``) and the address-space limit
+    (``RLIMIT_AS`` less the current virtual size).
+    """
+    try:
+        if str(device).startswith("cuda"):
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    except (ValueError, RuntimeError, AssertionError):
+        return None
+    known = [b for b in (_meminfo_available(), _cgroup_available(), _address_space_available()) if b is not None]
+    return max(min(known), 0) if known else None
+
+
+_available_bytes = available_bytes  # the old private name
+
+
+def check_memory(what: str, nbytes: float, device: str, hint: str = "") -> None:
+    """Refuse, before allocating, something whose size follows from the config and cannot fit.
+
+    Args:
+        what: the allocation and the keys that size it, e.g. ``"the draft tree of K=7, L=100"``.
+        nbytes: estimated peak bytes.
+        device: where it lives (``cpu``, ``cuda[:N]``).
+        hint: what the user can change, appended to the message.
 
     Raises:
-        ConfigError: the estimate exceeds 80% of the free memory (the message gives a batch size that fits).
+        ConfigError: ``nbytes`` above 80% of :func:`available_bytes` (the message gives both numbers).
+    """
+    free = available_bytes(device)
+    if free is None or nbytes <= 0.8 * free:
+        return
+    raise ConfigError(f"{what} needs about {_gib(nbytes)} of memory, but {device} has {_gib(free)} available"
+                      + (f": {hint}" if hint else "."))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes < 2**60 else f"{nbytes / 2**30:.2e} GiB"
+
+
+TREE_BYTES_PER_NODE = 160  # DraftTree's arrays, their construction and the sampler's tensor copies (int64)
+
+
+def tree_nodes(v: dict, horizon: int) -> int:
+    """Nodes of the tree :func:`build_tree` would build, computed without building it (0: no tree)."""
+    if v["coupling"] is None:
+        return 0
+    K, L = v["K"], v["L"]
+    if COUPLINGS[v["coupling"]].max_children == 1:
+        return min(uniform_budget(K, L), horizon) + 1
+    if v["tree"] == "widths":
+        widths = v["widths"][:horizon]
+    elif v["tree"] == "optimal":
+        return 0  # sized by the search (specsamp.treesearch.check_search)
+    else:
+        widths = [K] * min(L, horizon)
+    nodes, layer = 1, 1
+    for w in widths:
+        layer *= w
+        nodes += layer
+    return nodes
+
+
+def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
+                      n_total: int | None = None, steps: int | None = None) -> None:
+    """Refuse a run whose sampler states cannot fit, before allocating anything.
+
+    ``execution=tree`` holds, per trajectory of a batch and per node, the state and the velocity in
+    the model's dtype plus float64 drafting noise; ``execution=path`` holds about ``2 K + 16`` states
+    per trajectory (the walk's current, children, means, noise); the standard sampler about 8. Every run
+    also keeps all ``n_total`` samples (twice while batches are concatenated) and per-step counters.
+
+    Raises:
+        ConfigError: the estimate exceeds 80% of the available memory; the message gives a batch size
+            that fits, or says that ``n_samples`` itself is too large.
     """
     numel = int(np.prod(model.event_shape))
-    per_traj = len(tree) * numel * (2 * torch.tensor([], dtype=model.dtype).element_size()) + len(tree) * numel * 8
-    free = _available_bytes(device)
-    if free is None or batch * per_traj <= 0.8 * free:
+    elem = torch.tensor([], dtype=model.dtype).element_size()
+    if tree is None:
+        per_traj = 8 * numel * max(elem, 8)
+    elif execution == "tree":
+        per_traj = len(tree) * numel * (2 * elem + 8) + 4 * numel * max(elem, 8)
+    else:
+        widest = int(tree.num_children.max()) if len(tree) > 1 else 1
+        per_traj = (2 * widest + 16) * numel * max(elem, 8)
+    n_total = batch if n_total is None else n_total
+    depth = tree.max_depth if tree is not None else 0
+    fixed = n_total * (2 * numel * elem + 8 * 3 * ((steps or 0) + 2 * depth))
+    free = available_bytes(device)
+    need = fixed + batch * per_traj
+    if free is None or need <= 0.8 * free:
         return
-    fits = max(int(0.8 * free // per_traj), 0)
+    fits = max(int((0.8 * free - fixed) // per_traj), 0)
+    what = (f"execution={execution} with {len(tree)} nodes per round" if tree is not None and execution == "tree"
+            else f"sampler={'standard' if tree is None else 'speculative'} (execution={execution})")
+    if fits == 0:
+        raise ConfigError(
+            f"n_samples={n_total} with batch_size={batch} needs about {_gib(need)}, but {device} has {_gib(free)} "
+            f"available: even one trajectory per batch does not fit with {n_total} samples kept ({_gib(fixed)}); "
+            + ("use execution=path (same law and counts, only the visited nodes), " if tree is not None and execution == "tree" else "")
+            + "lower n_samples, or split the run into shards (num_shards=...)."
+        )
     raise ConfigError(
-        f"execution=tree with batch_size={batch} needs about {batch * per_traj / 2**30:.1f} GiB for {len(tree)} nodes per "
-        f"trajectory, but {device} has {free / 2**30:.1f} GiB free: use batch_size={fits} or less"
-        + (", or execution=path (same law and counts, only the visited nodes)." if fits else "; use execution=path (same law and counts, only the visited nodes).")
+        f"{what} with batch_size={batch} needs about {_gib(need)} ({_gib(per_traj)} per trajectory), but "
+        f"{device} has {_gib(free)} available: use batch_size={fits} or less"
+        + (", or execution=path (same law and counts, only the visited nodes)." if tree is not None and execution == "tree" else ".")
     )
 
 
@@ -481,43 +835,58 @@ def run_config(
     horizon = schedule.steps - 2
     tree_cfg = cfg_dict
     calibrated = None
-    if v["tree"] == "optimal" and cfg_dict.get("delta_profile") is None:
-        calibrated = calibrate_profile(target, schedule, v)
-        tree_cfg = {**cfg_dict, "delta_profile": calibrated}
+    if v["tree"] == "optimal" and v["coupling"] is not None and COUPLINGS[v["coupling"]].max_children != 1:
+        from . import treesearch
+
+        try:  # refuse a hopeless search before the calibration run, not after it
+            treesearch.check_config_search(v["budget"] or uniform_budget(v["K"], v["L"]), v, cfg_dict,
+                                           available_bytes("cpu"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg_dict.get("delta_profile") is None:
+            calibrated = calibrate_profile(target, schedule, v)
+            tree_cfg = {**cfg_dict, "delta_profile": calibrated}
     try:
-        tree, B = build_tree(v, horizon, tree_cfg)
-    except ValueError as e:
+        with _Progress(v["progress"], "tree search", "depth", min_seconds=2.0) as search_bar:
+            tree, B = build_tree(v, horizon, tree_cfg, callback=search_bar.to)
+    except ValueError as e:  # ConfigError included
         raise ConfigError(str(e)) from None
     ids = torch.arange(v["n_samples"]) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v["n_samples"]:
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={v['n_samples']}).")
     bs = v["batch_size"] or ids.numel()
-    if tree is not None and v["execution"] == "tree":
-        check_tree_memory(tree.restrict(min(tree.max_depth, horizon)), bs, target.model, v["device"])
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=ids.numel(), unit="traj", disable=not _progress_enabled(v["progress"]), leave=False)
+    check_tree_memory(tree.restrict(min(tree.max_depth, horizon)) if tree is not None else None, min(bs, ids.numel()),
+                      target.model, v["device"], execution=v["execution"], n_total=ids.numel(), steps=schedule.steps)
+    unused = {k: cfg_dict[k] for k, d in unused_keys(cfg_dict).items() if k in cfg_dict and cfg_dict[k] != d}
+    if unused:
+        print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
+              f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={v['sampler']}"
+              + (f" with tree={v['tree']}" if v["coupling"] is not None else "")
+              + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
     dev = torch.device(getattr(target.model, "device", v["device"]))
     results = []
-    for start in range(0, ids.numel(), bs):
-        chunk = ids[start : start + bs].to(dev)
-        if cond is not None:
-            sub_cond = {k: c[chunk.cpu()].to(dev) for k, c in cond.items()}
-        elif target.cond_for is not None:
-            sub_cond = target.cond_for(chunk, v["seed"])
-        else:
-            sub_cond = {}
-        common = dict(seed=v["seed"], indices=chunk, cond=sub_cond, max_batch=v["max_batch"])
-        if tree is None:
-            r = sample_standard(target.model, schedule, **common)
-        else:
-            r = sample_speculative(
-                target.model, schedule, tree, v["coupling"], draft=v["draft"], prefetch=v["prefetch"],
-                evaluate_leaves=v["evaluate_leaves"], execution=v["execution"], warmup=v["warmup"], **common,
-            )
-        results.append(r)
-        bar.update(chunk.numel())
-    bar.close()
+    per_traj = schedule.steps - 2  # the bar counts trajectory-steps of the speculative range, per round or step
+    with _Progress(v["progress"], "sampling", "traj-step", total=ids.numel() * per_traj) as bar:
+        for start in range(0, ids.numel(), bs):
+            chunk = ids[start : start + bs].to(dev)
+            if cond is not None:
+                sub_cond = {k: c[chunk.cpu()].to(dev) for k, c in cond.items()}
+            elif target.cond_for is not None:
+                sub_cond = target.cond_for(chunk, v["seed"])
+            else:
+                sub_cond = {}
+            base = start * per_traj
+            callback = lambda info, base=base: bar.to(base + info["steps_done"])  # noqa: E731
+            common = dict(seed=v["seed"], indices=chunk, cond=sub_cond, max_batch=v["max_batch"], callback=callback)
+            if tree is None:
+                r = sample_standard(target.model, schedule, **common)
+            else:
+                r = sample_speculative(
+                    target.model, schedule, tree, v["coupling"], draft=v["draft"], prefetch=v["prefetch"],
+                    evaluate_leaves=v["evaluate_leaves"], execution=v["execution"], warmup=v["warmup"], **common,
+                )
+            results.append(r)
+            bar.to(base + chunk.numel() * per_traj)
     res = _concat(results)
     res.extra.update(target=target, indices=ids)
     record = {
@@ -534,6 +903,7 @@ def run_config(
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "verification_rows": tree.verification_budget(v["evaluate_leaves"]) if tree is not None else 1,
+        **({"unused": unused} if unused else {}),
         **({"delta_profile": calibrated, "tree_parent": tree.parent.tolist()} if v["tree"] == "optimal" and tree is not None else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
         "wall_seconds": time.perf_counter() - t0,

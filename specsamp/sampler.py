@@ -127,6 +127,7 @@ def sample_standard(
     indices=None,
     cond: dict | None = None,
     max_batch: int | None = None,
+    callback: Callable[[dict], None] | None = None,
 ) -> SampleResult:
     """The standard Euler--Maruyama sampler: one target call per step (eqs. 4--5, 36--37).
 
@@ -138,6 +139,8 @@ def sample_standard(
         indices: explicit trajectory ids ``[M]`` (their randomness is keyed by these).
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass.
+        callback: called after each step with ``{"step", "steps_done"}`` (``steps_done``: steps of the
+            speculative range ``1..T-2`` done, summed over trajectories; for progress bars).
 
     Returns:
         :class:`SampleResult` with ``calls = T - 2`` for every trajectory.
@@ -158,6 +161,8 @@ def sample_standard(
         std = schedule.std(nn).to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
         noise = rng.normal(rng.fold(step_keys, n), model.event_shape).to(x.dtype)
         x = mean + std * noise
+        if callback is not None:
+            callback({"step": n + 1, "steps_done": m * min(n, schedule.steps - 2)})
     T = schedule.steps
     z = torch.zeros(m, dtype=torch.long, device=dev)
     return SampleResult(
@@ -446,7 +451,8 @@ def sample_speculative(
         indices: explicit trajectory ids ``[M]``.
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass of one batched call.
-        callback: called after each round with ``{"round", "live", "calls"}``.
+        callback: called after each round with ``{"round", "live", "calls", "steps_done"}``
+            (``steps_done``: speculative steps committed so far, summed over trajectories).
         warmup: ``call`` (DESIGN.md: one exact target call at the first root, charged to ``calls``) or
             ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
 
@@ -554,7 +560,8 @@ def sample_speculative(
         root_exact[live] = exact_next
         r += 1
         if callback is not None:
-            callback({"round": r, "live": int(live.numel()), "calls": batch_calls})
+            callback({"round": r, "live": int(live.numel()), "calls": batch_calls,
+                      "steps_done": int((n - schedule.first_speculative).clamp(min=0).sum())})
 
     # step T-1: deterministic Euler step to sigma = 0; reuse an exact velocity when the last round left one
     last = torch.full((M,), T - 1, dtype=torch.long, device=dev)
