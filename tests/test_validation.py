@@ -1,0 +1,121 @@
+"""Strict types and values: every bad input of the list below exits 2 with one paragraph naming the key,
+its value and what is valid, no traceback, and leaves an existing record (same output directory, same
+config otherwise) byte for byte unchanged. Also: keys the sampler does not read are recorded as unused
+and hashed at their default; a typo'd key names the closest valid key."""
+
+import contextlib
+import io
+import runpy
+import shutil
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from test_run import CONF, ROOT, TINY, run
+
+from specsamp import experiment as ex
+
+
+def run_inprocess(args, out_dir, monkeypatch):
+    """``python run.py ARGS`` in this process (runpy, as ``__main__``): ``(exit status, stdout, stderr)``.
+
+    Same code path as the command line at a tenth of a subprocess's cost; two cases below also run
+    as real subprocesses."""
+    monkeypatch.setattr("sys.argv", [str(ROOT / "run.py"), *args, f"hydra.run.dir={out_dir}"])
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """An output directory holding the record of a good TINY run (so a bad value must beat the skip)."""
+    d = tmp_path_factory.mktemp("done")
+    run(TINY, d)
+    return d
+
+
+BAD = [
+    (["save_samples=no"], ["save_samples='no'", "true or false"]),
+    (["skip_existing=maybe"], ["skip_existing='maybe'", "true or false"]),
+    (["threads=0"], ["threads=0", ">= 1"]),
+    (["progress=maybe"], ["progress='maybe'", "auto"]),
+    (["seed=-1"], ["seed=-1", "2**63"]),
+    ([f"seed={2**70}"], [f"seed={2**70}", "2**63"]),
+    (["device=mps"], ["device='mps'", "cpu, cuda"]),
+    (["model.dtype=foo"], ["model.dtype='foo'", "float32"]),
+    (["eps=nan"], ["eps=nan", "finite"]),
+    (["Kk=3"], ["Kk=3", "did you mean K?"]),
+    (["+Kk=3"], ["Kk=3", "did you mean K?"]),
+    (["model.dtpye=float32"], ["model.dtpye", "did you mean model.dtype?"]),
+    (["evaluate_leaves=yes"], ["evaluate_leaves='yes'"]),
+    (["tree=optimal", "max_width=0"], ["max_width=0"]),
+]
+
+
+def _check_refusal(code, stdout, stderr, needles, out, before):
+    assert code == 2, (stdout, stderr)
+    err = stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err, err  # one paragraph
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert "Traceback" not in stderr + stdout
+    assert (out / "result.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("args,needles", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_value_exits_2_and_keeps_the_record(done, tmp_path, monkeypatch, args, needles):
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    before = (out / "result.json").read_bytes()
+    _check_refusal(*run_inprocess([*TINY, *args], out, monkeypatch), needles, out, before)
+
+
+@pytest.mark.parametrize("args,needles", [BAD[3], BAD[9]], ids=["progress=maybe", "Kk=3"])
+def test_bad_value_exits_2_from_the_command_line(done, tmp_path, args, needles):
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    before = (out / "result.json").read_bytes()
+    p = run([*TINY, *args], out, check=False)
+    _check_refusal(p.returncode, p.stdout, p.stderr, needles, out, before)
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY, *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_unused_keys_are_recorded_and_hashed_at_their_default(capsys):
+    plain, odd = _cfg("sampler=standard"), _cfg("sampler=standard", "draft=x0", "K=5")
+    assert ex.config_hash(plain) == ex.config_hash(odd)
+    rec, _ = ex.run_config(odd)
+    assert rec["unused"] == {"draft": "x0", "K": 5} and rec["config"]["draft"] == "x0"
+    assert "unused" in capsys.readouterr().err
+    assert "unused" not in ex.run_config(plain)[0]
+    # keys a tree rule does read still change the hash; `match` (the rmc arm's) does not
+    assert ex.config_hash(_cfg("draft=x0")) != ex.config_hash(_cfg())
+    assert ex.config_hash(_cfg("match=verification")) == ex.config_hash(_cfg())
+    assert ex.config_hash(_cfg("sampler=rmc", "match=verification")) != ex.config_hash(_cfg("sampler=rmc"))
+
+
+def test_seed_range_and_closest_key():
+    ex.validate(_cfg(f"seed={2**63 - 1}"))
+    with pytest.raises(ex.ConfigError, match=r"seed=9223372036854775808 .*\[0, 2\*\*63\)"):
+        ex.validate(_cfg(f"seed={2**63}"))
+    assert ex.closest_key("n_sample") == "n_samples" and ex.closest_key("zzzzzz") is None
+    assert ex.check_override_keys(["-m", "K=1,2", "+experiment=gmm_grid", "shape=k2l3", "hydra.run.dir=x",
+                                   "hydra/launcher=local", "model.dim=3"], CONF) is None
+
+
+def test_threads_default_is_one():
+    assert _cfg()["threads"] == 1
