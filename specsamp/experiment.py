@@ -675,6 +675,8 @@ def check_memory(what: str, nbytes: float, device: str, hint: str = "") -> None:
 
 
 def _gib(nbytes: float) -> str:
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:.3g} MiB"
     return f"{nbytes / 2**30:.3g} GiB" if nbytes < 2**60 else f"{nbytes / 2**30:.2e} GiB"
 
 
@@ -741,7 +743,8 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
             + "lower n_samples, or split the run into shards (num_shards=...)."
         )
     raise ConfigError(
-        f"{what} with batch_size={batch} needs about {_gib(need)} ({_gib(per_traj)} per trajectory), but "
+        f"n_samples={n_total} with batch_size={batch}: {what} needs about {_gib(need)} ({_gib(per_traj)} per "
+        f"trajectory of a batch), but "
         f"{device} has {_gib(free)} available: use batch_size={fits} or less"
         + (", or execution=path (same law and counts, only the visited nodes)." if tree is not None and execution == "tree" else ".")
     )

@@ -1,0 +1,199 @@
+"""Resource limits: sizes that follow from the config are estimated and refused (exit 2, the numbers in
+the message) before anything is allocated; the tree search's tables scale with what a tree of the
+allowed depth and width can hold; progress moves per round or step and reaches log files.
+
+The command-line cases run ``python run.py`` in a subprocess under an address-space cap
+(``resource.setrlimit(RLIMIT_AS)``, :data:`CAP`): without the checks they die there with a
+MemoryError traceback (or the kernel's OOM killer) instead of a message.
+"""
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_run import ROOT, TINY
+
+from specsamp import experiment as ex
+from specsamp import treesearch as ts
+from specsamp.sampler import sample_speculative, sample_standard
+from specsamp.schedule import Schedule
+from specsamp.trees import DraftTree
+
+CAP = 6 * 2**30  # python + torch + hydra map about 3.5 GiB of address space before any work
+
+
+def run_capped(args, tmp_path):
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
+
+    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}"]
+    env = {"PATH": "/usr/bin:/bin", "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120, preexec_fn=cap)
+
+
+RESOURCE = [
+    (["tree=optimal", "budget=1000000000"], ["budget=1000000000", "too large to search", "or less fits"]),
+    (["tree=optimal", "budget=137256", "steps=30"], ["budget=137256", "max_width=32", "max-plus updates"]),
+    (["K=7", "L=100", "steps=30"], ["K=7, L=100", "GiB", "lower K or L"]),
+    (["n_samples=100000", "model.dim=500"], ["n_samples=100000", "GiB", "batch_size="]),
+]
+
+
+@pytest.mark.parametrize("args,needles", RESOURCE, ids=[" ".join(a) for a, _ in RESOURCE])
+def test_oversized_config_is_refused_under_a_memory_cap(tmp_path, args, needles):
+    (tmp_path / "keep.txt").write_text("precious")
+    p = run_capped([*TINY, *args], tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr[-2000:])
+    err = p.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "result.json").exists() and (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_small_width_search_runs_under_the_cap(tmp_path):
+    # a huge nominal budget is fine when depth and width bound the tree: 2 + 4 + 8 = 14 states at most
+    p = run_capped([*TINY, "tree=optimal", "budget=1000000000", "max_width=2", "max_depth=3",
+                    "delta_profile=[0.5,1.0,1.5]"], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "B=1000000000" in p.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# the tree search
+
+
+def test_search_tables_are_capped_by_depth_and_width():
+    pos = ts.profile_positional([0.5, 1.0, 1.5], "dgrs")
+    assert ts.search_cost(10**9, 3, 2)["budget"] == 14
+    big = ts.optimal_tree(10**9, pos, 3, 2)
+    assert big.budget <= 14 and big.num_children.max() <= 2
+    assert ts.optimal_value(10**9, pos, 3, 2) == pytest.approx(ts.optimal_value(14, pos, 3, 2), abs=1e-12)
+
+
+def test_blocked_maxplus_matches_the_full_table(monkeypatch):
+    rng = np.random.default_rng(0)
+    for na, nb in ((1, 1), (7, 3), (40, 40), (33, 50)):
+        a = rng.integers(0, 4, na).astype(float)  # integer values: many ties, first argmax must win
+        b = rng.integers(0, 4, nb).astype(float)
+        full = np.array([[a[r - x] + b[x] if x <= r else -np.inf for x in range(nb)] for r in range(na)])
+        for block in (1, 5, 1 << 21):
+            monkeypatch.setattr(ts, "_BLOCK", block)
+            c, arg = ts._maxplus(a, b)
+            np.testing.assert_array_equal(c, full.max(1))
+            np.testing.assert_array_equal(arg, full.argmax(1))
+
+
+def test_search_memory_is_linear_in_the_budget(monkeypatch):
+    import tracemalloc
+
+    monkeypatch.setattr(ts, "_BLOCK", 1 << 12)
+    pos = ts.profile_positional([0.4, 0.9, 1.4, 2.0], "dgrs")
+    B = 1500
+    tracemalloc.start()
+    tree = ts.optimal_tree(B, pos, 4, 3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert tree.budget <= B
+    assert peak < (B + 1) ** 2 * 8 / 10, peak  # the old (B+1) x (B+1) table alone was 18 MB
+
+
+def test_hopeless_search_is_refused_at_once_with_a_budget_that_fits():
+    pos = ts.profile_positional([1.0], "dgrs")
+    with pytest.raises(ValueError, match=r"budget=137256, max_depth=28, max_width=32 .* budget=(\d+) or less fits") as e:
+        ts.optimal_tree(137256, pos, 28, 32)
+    fits = int(str(e.value).split(" or less fits")[0].rsplit("budget=", 1)[1])
+    assert ts.search_cost(fits, 28, 32)["pairs"] <= ts.MAX_PAIRS < ts.search_cost(fits + 1, 28, 32)["pairs"]
+    # a rule whose positional vectors are not prefixes of each other (markmax) costs W^2, not W
+    assert ts.search_cost(500, 5, 8, False)["pairs"] > 3 * ts.search_cost(500, 5, 8, True)["pairs"]
+
+
+def test_search_reports_progress_per_depth():
+    seen = []
+    ts.optimal_tree(30, ts.profile_positional([0.5, 1.0], "dgrs"), 4, 3, callback=lambda d, n: seen.append((d, n)))
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_max_depth_is_capped_at_the_horizon():
+    assert ts.search_limits(50, {"steps": 10}, {"max_depth": 100, "max_width": 200}) == (8, 50)
+    assert ts.search_limits(50, {"steps": 10}, {}) == (8, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory checks in the runner
+
+
+class _Model:
+    event_shape = (1000,)
+    dtype = torch.float64
+
+
+def test_every_execution_is_checked(monkeypatch):
+    monkeypatch.setattr(ex, "available_bytes", lambda device: 10 * 2**20)  # 10 MiB
+    tree = DraftTree.uniform(2, 3)
+    ex.check_tree_memory(tree, 10, _Model(), "cpu", execution="path", n_total=10, steps=30)  # ~2 MiB: fits
+    for execution, t in (("path", tree), ("tree", tree), ("path", None)):
+        with pytest.raises(ex.ConfigError, match=r"batch_size=\d+ or less"):
+            ex.check_tree_memory(t, 200, _Model(), "cpu", execution=execution, n_total=200, steps=30)
+    with pytest.raises(ex.ConfigError, match="n_samples=100000 .*num_shards"):
+        ex.check_tree_memory(tree, 1, _Model(), "cpu", execution="path", n_total=100000, steps=30)
+
+
+def test_tree_nodes_are_counted_within_the_horizon():
+    v = {"coupling": "dgrs", "K": 7, "L": 100, "tree": "uniform"}
+    assert ex.tree_nodes(v, 3) == 1 + 7 + 49 + 343
+    assert ex.tree_nodes({**v, "coupling": "rmc"}, 28) == 29
+    assert ex.tree_nodes({**v, "tree": "widths", "widths": [3, 2, 2, 5]}, 3) == 1 + 3 + 6 + 12
+    tree, B = ex.build_tree({**v, "K": 2, "L": 9, "evaluate_leaves": True}, 4)
+    assert tree.describe() == "uniform(2,4)" and B == 2**10 - 2
+
+
+def test_available_bytes_sees_the_address_space_limit():
+    code = ("import resource, specsamp.experiment as ex; "
+            "resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); print(ex.available_bytes('cpu'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert 0 < int(out.stdout) < 6 * 2**30, out.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# progress
+
+
+def _gmm():
+    from specsamp.models import GaussianMixture
+
+    return GaussianMixture(dim=8, components=3)
+
+
+def test_samplers_report_progress_per_round_and_step():
+    model, schedule = _gmm(), Schedule.make(12, 0.3)
+    seen = []
+    sample_speculative(model, schedule, DraftTree.uniform(2, 2), "dgrs", 6, callback=seen.append)
+    done = [s["steps_done"] for s in seen]
+    assert len(done) > 3 and done == sorted(done) and done[-1] == 6 * 10
+    seen.clear()
+    sample_standard(model, schedule, 6, callback=seen.append)
+    assert [s["steps_done"] for s in seen] == [6 * min(n, 10) for n in range(12)]
+
+
+def test_log_file_gets_periodic_lines_and_bar_moves_per_round(monkeypatch, capsys):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from test_run import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose(config_name="config", overrides=TINY), resolve=True)
+    monkeypatch.setattr(ex, "LOG_INTERVAL", 0.0)  # a line at every update (30 s in real runs)
+    ex.run_config({**cfg, "progress": "auto"})  # capsys: stderr is not a terminal
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("sampling:")]
+    assert len(lines) >= 3 and "\r" not in "".join(lines)  # one batch of 8, yet the line moves per round
+    assert lines[-1].startswith("sampling: 100% (48/48 traj-step)")
+    ex.run_config({**cfg, "progress": False})
+    assert "sampling" not in capsys.readouterr().err
