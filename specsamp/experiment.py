@@ -445,10 +445,7 @@ def build_tree(v: dict, horizon: int, cfg=None, callback=None) -> tuple[DraftTre
         return None, 0
     fn = COUPLINGS[v["coupling"]]
     K, L = v["K"], v["L"]
-    nodes = tree_nodes(v, horizon)
-    shape = f"widths={v['widths']}" if v["tree"] == "widths" else f"K={K}, L={L}"
-    check_memory(f"the draft tree ({shape}, {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
-                 nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
+    check_tree_nodes(v, horizon)
     if fn.max_children == 1:
         if v["match"] == "budget":
             length = uniform_budget(K, L)
@@ -703,6 +700,18 @@ def tree_nodes(v: dict, horizon: int) -> int:
     return nodes
 
 
+def check_tree_nodes(v: dict, horizon: int) -> None:
+    """Refuse a draft tree (:func:`tree_nodes`) whose arrays cannot fit in host memory, before building it.
+
+    Raises:
+        ConfigError: names the shape, the node count, the bytes needed and available.
+    """
+    nodes = tree_nodes(v, horizon)
+    shape = f"widths={v['widths']}" if v["tree"] == "widths" else f"K={v['K']}, L={v['L']}"
+    check_memory(f"the draft tree ({shape}: {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
+                 nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
+
+
 def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
                       n_total: int | None = None, steps: int | None = None) -> None:
     """Refuse a run whose sampler states cannot fit, before allocating anything.
@@ -829,23 +838,28 @@ def run_config(
         torch.set_num_threads(v["threads"])
     t0 = time.perf_counter()
     model_cfg = cfg_dict["model"]
-    if target is None:
-        target = Target(model) if model is not None else build_target(model_cfg, v["device"])
     try:
         schedule = Schedule.make(v["steps"], v["eps"], shift=float(model_cfg.get("shift", 1.0)))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     horizon = schedule.steps - 2
-    tree_cfg = cfg_dict
-    calibrated = None
-    if v["tree"] == "optimal" and v["coupling"] is not None and COUPLINGS[v["coupling"]].max_children != 1:
+    # sizes that follow from the config alone are refused before the model is loaded or calibrated
+    optimal = v["tree"] == "optimal" and v["coupling"] is not None and COUPLINGS[v["coupling"]].max_children != 1
+    if optimal:
         from . import treesearch
 
-        try:  # refuse a hopeless search before the calibration run, not after it
+        try:
             treesearch.check_config_search(v["budget"] or uniform_budget(v["K"], v["L"]), v, cfg_dict,
                                            available_bytes("cpu"))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    else:
+        check_tree_nodes(v, horizon)
+    if target is None:
+        target = Target(model) if model is not None else build_target(model_cfg, v["device"])
+    tree_cfg = cfg_dict
+    calibrated = None
+    if optimal:
         if cfg_dict.get("delta_profile") is None:
             calibrated = calibrate_profile(target, schedule, v)
             tree_cfg = {**cfg_dict, "delta_profile": calibrated}
