@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, ROOT, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "pixel"
@@ -66,19 +67,41 @@ def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     return out
 
 
-def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None) -> pd.DataFrame:
+def model_fid_settings(dataset: str) -> tuple[str, dict]:
+    """The FID reference and extractor settings of ``conf/model/<dataset>.yaml`` (``fid_ref``, ``fid_*``),
+    so that this command scores exactly as ``run.py ... 'metrics=[fid]'`` does."""
+    from omegaconf import OmegaConf
+
+    from specsamp.experiment import fid_settings
+
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{dataset}.yaml")
+    return str(cfg.fid_ref), fid_settings(cfg)
+
+
+def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None, *, table_path=None,
+               **fid_kwargs) -> pd.DataFrame:
     """Score a rule's 50k images with torch-fidelity and write the value into ``results/pixel/fid.csv``.
 
-    ``images`` is the merged run's ``images/`` folder (or any folder of PNGs); ``reference`` defaults to
-    the model config's ``fid_ref`` (EDM's published statistics).
+    Args:
+        dataset: ``cifar10`` or ``ffhq`` (its model config gives the reference and the extractor).
+        sampler: the row's rule (``standard``, ``rmc``, ``dgrs``).
+        images: the merged run's ``images/`` folder (or any folder of PNGs, a shard folder, an ``.npz``).
+        reference: overrides the model config's ``fid_ref`` (EDM's published statistics).
+        table_path: the table to fill (default ``results/pixel/fid.csv``).
+        **fid_kwargs: override the config's extractor settings (``feature_extractor``,
+            ``weights_path``, ``device``, ...; see :func:`specsamp.metrics.fid.compute_fid`).
+
+    Returns:
+        The table, with ``fid`` (a float) filled in the ``(dataset, sampler)`` row.
     """
     from specsamp.metrics.fid import compute_fid
 
-    ref = reference or {"cifar10": "cifar10-32x32", "ffhq": "ffhq-64x64"}[dataset]
-    path = OUT / "fid.csv"
+    ref, settings = model_fid_settings(dataset)
+    path = Path(table_path) if table_path is not None else OUT / "fid.csv"
     table = read_csv(path) if path.exists() else empty_fid()
     sel = (table["dataset"] == dataset) & (table["sampler"] == sampler)
-    table.loc[sel, "fid"] = float(compute_fid(images, ref))
+    res = compute_fid(images, reference or ref, **{**settings, **fid_kwargs})
+    table.loc[sel, "fid"] = float(res["fid"])
     write_csv(table, path)
     print(table[sel].to_string(index=False))
     return table
@@ -126,12 +149,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default=None)
     ap.add_argument("--sampler", choices=("standard", "rmc", "dgrs"), help="fid: the rule whose images are scored")
     ap.add_argument("--images", help="fid: folder of the rule's merged 50k images")
-    ap.add_argument("--ref", default=None, help="fid: reference statistics (default: EDM's for the dataset)")
+    ap.add_argument("--ref", default=None, help="fid: reference statistics (default: the model config's fid_ref)")
+    ap.add_argument("--weights", default=None, help="fid: local extractor weights (default: the model config's fid_weights)")
+    ap.add_argument("--device", default=None, help="fid: cpu | cuda (default: CUDA when available)")
+    ap.add_argument("--table", default=None, help="fid: the table to fill (default: results/pixel/fid.csv)")
     a = ap.parse_args(argv)
     if a.command == "fid":
         if not (a.sampler and a.images):
             ap.error("fid needs --sampler and --images")
-        record_fid(a.dataset, a.sampler, a.images, a.ref)
+        extra = {k: v for k, v in (("weights_path", a.weights), ("device", a.device)) if v is not None}
+        try:
+            record_fid(a.dataset, a.sampler, a.images, a.ref, table_path=a.table, **extra)
+        except (OSError, ValueError, KeyError, ImportError) as e:
+            print(f"error: fid --dataset {a.dataset} --sampler {a.sampler} --images {a.images}: {e}", file=sys.stderr)
+            return 2
         return 0
     if a.command == "init":
         for ds in DATASETS:
