@@ -299,6 +299,8 @@ def _build_edm(model_cfg, device: str) -> Target:
     if labels not in ("uniform", "none", None):
         raise ConfigError(f"model.labels={labels!r} is invalid: valid values are uniform, none.")
     cond_for = None
+    if labels == "uniform" and not model.label_dim:
+        raise ConfigError("model.labels='uniform' is invalid for an unconditional net (label_dim=0): use none.")
     if model.label_dim:
         if labels != "uniform":
             raise ConfigError(f"model.labels={labels!r} is invalid for a class-conditional net (label_dim={model.label_dim}): use uniform.")
@@ -616,6 +618,7 @@ def run_config(
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "verification_rows": tree.verification_budget(v["evaluate_leaves"]) if tree is not None else 1,
+        "max_batch": v["max_batch"],
         **({"delta_profile": calibrated, "tree_parent": tree.parent.tolist()} if v["tree"] == "optimal" and tree is not None else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
         "wall_seconds": time.perf_counter() - t0,

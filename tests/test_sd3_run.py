@@ -335,3 +335,34 @@ def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
     torch.testing.assert_close(m.pooled_prompt_embeds, pp)
     torch.testing.assert_close(m.negative_prompt_embeds.expand_as(ne), ne)
     torch.testing.assert_close(m.negative_pooled_prompt_embeds.expand_as(npool), npool)
+
+
+def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
+    """conf/model/sd3.yaml's max_batch (states per transformer forward) splits every batched call; the
+    top-level max_batch, when set, wins. Before, the model's value was validated and then dropped."""
+    from specsamp.experiment import Target, build_target, run_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rows = {}
+    for label, overrides in (("model=1", ["model.max_batch=1"]), ("model=null", ["model.max_batch=null"]),
+                             ("top=1", ["model.max_batch=null", "max_batch=1"])):
+        cfg = _compose(f"model.model_id={sd3_dir}", *overrides)
+        built = build_target(cfg["model"], "cpu")
+        seen = []
+        inner = built.model
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def __call__(self, x, sigma, **cond):
+                seen.append(x.shape[0])
+                return inner(x, sigma, **cond)
+
+        target = Target(Spy(), cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for,
+                        max_batch=built.max_batch)
+        record, _ = run_config(cfg, target=target)
+        rows[label] = (max(seen), record["max_batch"])
+    assert rows["model=1"] == (1, 1)
+    assert rows["model=null"][0] > 1 and rows["model=null"][1] is None
+    assert rows["top=1"] == (1, 1)

@@ -280,7 +280,7 @@ def load_edm(
             was unpickled.
         CheckpointFormatError: the file is empty, a zip archive (``torch.save``'s format), truncated,
             or otherwise fails to unpickle (the message names the file and the cause).
-        KeyError: ``key`` missing from the pickled dict (the message lists the keys).
+        CheckpointFormatError: also when ``key`` is missing from the pickled dict (the message lists the keys).
     """
     s = os.fspath(path_or_url)
     known = _lookup(s)
@@ -295,7 +295,7 @@ def load_edm(
     obj = _unpickle(path)
     if key is not None and isinstance(obj, dict):
         if key not in obj:
-            raise KeyError(f"key={key!r} not in checkpoint {str(path)!r}; keys: {sorted(obj)}")
+            raise CheckpointFormatError(f"model.key={key!r} is not in checkpoint {str(path)!r}; its keys: {sorted(obj)}")
         obj = obj[key]
     if isinstance(obj, torch.nn.Module):
         obj = obj.eval().requires_grad_(False)
