@@ -88,3 +88,27 @@ def test_shard_errors(tmp_path):
     save_shard(tmp_path / "a", 1, _samples(2, seed=3))  # overlaps index 1 with other pixels
     with pytest.raises(ValueError, match="overlaps"):
         merge_shards(tmp_path / "a", 3)
+
+
+def test_as_pixels_is_the_one_convention_at_the_metric_boundary():
+    """Floats in [-1, 1] (a target's decode output) or uint8 pixels in either layout; anything else is
+    refused instead of being scored as something it is not."""
+    from specsamp.images import as_pixels
+
+    x = _samples(3, hw=6).clamp(-1, 1)
+    u = to_uint8(x)
+    np.testing.assert_array_equal(as_pixels(x), u)
+    np.testing.assert_array_equal(as_pixels(x.double().numpy()), u)
+    np.testing.assert_array_equal(as_pixels(u), u)  # channels last
+    np.testing.assert_array_equal(as_pixels(torch.from_numpy(u).permute(0, 3, 1, 2)), u)  # channels first
+    np.testing.assert_array_equal(as_pixels(u[0]), u[:1])
+    # the inverse map of the convention reproduces the pixels exactly
+    np.testing.assert_array_equal(as_pixels(torch.from_numpy(u).permute(0, 3, 1, 2).float() / 127.5 - 1), u)
+    with pytest.raises(ValueError, match=r"span \[0, 255\].*\[-1, 1\]"):
+        as_pixels(torch.from_numpy(u).permute(0, 3, 1, 2).float())  # pixels as floats
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        as_pixels(_samples(2))  # raw samples outside [-1, 1], not passed through decode
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        as_pixels(torch.full((1, 3, 2, 2), float("nan")))
+    with pytest.raises(ValueError, match="dtype int64"):
+        as_pixels(np.zeros((1, 2, 2, 3), dtype=np.int64))

@@ -196,3 +196,93 @@ def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_r
     assert {"missing-weights": "Inception weights", "broken-extractor": "AttributeError",
             "bad-reference": "feature dimension"}[case] in rec["metrics_error"]
     assert sorted(f.name for f in (tmp_path / "images").iterdir()) == [f"{i:06d}.png" for i in range(3)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the image convention, per target
+
+
+def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monkeypatch):
+    """EDM's decode gives floats in [-1, 1]; the saved PNGs are exactly their pixels; the metrics take
+    the decoded tensors and the saved files alike (same features)."""
+    import numpy as np
+
+    from specsamp.experiment import run_config, save_images
+    from specsamp.images import as_pixels, load_images
+    from specsamp.metrics.fid import extract_features
+
+    path, sha = checkpoint
+    record, res = run_config(_compose(f"model.path={path}", f"model.sha256={sha}"))
+    decoded = res.extra["target"].decode(res.samples)
+    assert decoded.dtype == torch.float32 and decoded.shape == (3, 3, 4, 4)
+    assert float(decoded.min()) >= -1 and float(decoded.max()) <= 1
+    images = save_images(res, tmp_path)
+    np.testing.assert_array_equal(load_images(images), as_pixels(decoded))
+
+    def feats(x):
+        return x.double().mean(dim=(2, 3))
+
+    np.testing.assert_array_equal(extract_features(decoded, feats, device="cpu"), extract_features(images, feats, device="cpu"))
+
+
+def test_gmm_target_has_no_images_and_refuses_metrics(tmp_path, monkeypatch, capsys):
+    """The GMM target is not an image model: no decode, no images written, and metrics are refused up front."""
+    from hydra import compose, initialize_config_dir
+
+    from specsamp.cli import run_task
+    from specsamp.experiment import run_config, save_images
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "steps=4", "progress=false"])
+        bad = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "metrics=[fid]"])
+    from specsamp.cli import prepare
+
+    _, res = run_config(prepare(cfg)[0])
+    assert res.extra["target"].decode is None and save_images(res, tmp_path) is None
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(bad)
+    assert e.value.code == 2 and "fid and clip score images" in capsys.readouterr().err
+    assert not (tmp_path / "result.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# trusted checkpoints that cannot be unpickled: one paragraph, exit 2
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "zip"])
+def test_broken_trusted_checkpoint_is_one_paragraph(tmp_path, checkpoint, monkeypatch, capsys, kind):
+    from specsamp.cli import run_task
+
+    path, _ = checkpoint
+    bad = tmp_path / f"{kind}.pkl"
+    if kind == "empty":
+        bad.write_bytes(b"")
+    elif kind == "truncated":
+        bad.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        torch.save({"ema": torch.zeros(2)}, bad)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(_compose(f"model.path={bad}", "model.trust_checkpoint=true"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert str(bad) in err and {"empty": "is empty", "truncated": "truncated", "zip": "zip archive"}[kind] in err
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_checkpoint_refusal_names_the_real_overrides(tmp_path, checkpoint, monkeypatch, capsys):
+    from specsamp.cli import run_task
+
+    path, sha = checkpoint
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        run_task(_compose(f"model.path={path}"))
+    err = capsys.readouterr().err
+    assert f"model.sha256={sha}" in err and "model.trust_checkpoint=true" in err
+    with pytest.raises(SystemExit):
+        run_task(_compose(f"model.path={path}", "model.sha256=" + "0" * 64))
+    assert "model.trust_checkpoint=true" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a string is not a yes: trust is a boolean
+        run_task(_compose(f"model.path={path}", "model.trust_checkpoint=no"))
+    assert "model.trust_checkpoint='no' is invalid" in capsys.readouterr().err
