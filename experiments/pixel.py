@@ -107,34 +107,46 @@ def record_fid(dataset: str, sampler: str, images: str, reference: str | None = 
     return table
 
 
-def figures() -> list:
-    """Figure 4: speedup vs budget B, mean ± std over images, one panel per eps, one row per dataset."""
+def fig4(tables: dict[str, pd.DataFrame]):
+    """Figure 4: speedup vs budget B, mean ± std over images, one panel per eps, one row per dataset,
+    with the range the paper's text states for the dataset (``paper_range``) as a hatched band."""
+    from experiments import paper
+
     fig, axes = plt.subplots(len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.6 * len(DATASETS)), squeeze=False,
                              constrained_layout=True)
     for i, ds in enumerate(DATASETS):
-        df = read_csv(OUT / f"fig4_{ds}.csv")
+        df = tables[ds]
         for j, eps in enumerate(EPS):
             ax = axes[i][j]
             sub = df[np.isclose(df["eps"], eps)]
-            drawn = False
+            ours = False
             for rule, s in sub.groupby("sampler"):
                 s = s.sort_values("budget").dropna(subset=["speedup_mean"])
                 if s.empty:
                     continue
-                drawn = True
+                ours = True
                 ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_std"], fmt="o-", capsize=3,
                             color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
-            if not drawn:
-                ax.text(0.5, 0.5, "not run yet\n(needs a GPU and the EDM checkpoint)", ha="center", va="center",
-                        transform=ax.transAxes, fontsize=8, color="0.4")
+            for lo, hi, text in paper.paper_ranges(sub["paper_range"]):
+                paper.band(ax, lo, hi, f"paper's range (section 5.2 text): {text}")
+            if not ours:
+                ax.text(0.5, 0.06, "ours: not run yet (needs a GPU and the EDM checkpoint)", ha="center", va="bottom",
+                        transform=ax.transAxes, fontsize=7, color="0.4")
             ax.set_xscale("log")
             ax.set_xticks([budget(K, L) for K, L in SHAPES], [str(budget(K, L)) for K, L in SHAPES])
+            ax.set_xlim(10, 450)
+            ax.set_ylim(1.0, 3.0)
             ax.set_title(f"{ds}, eps={eps}")
             ax.set_xlabel("budget B")
             ax.set_ylabel("NFE speedup")
             ax.grid(alpha=0.3)
-            if drawn:
-                ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def figures() -> list:
+    """Draw Figure 4 from the committed tables into ``results/pixel/``."""
+    fig = fig4({ds: read_csv(OUT / f"fig4_{ds}.csv") for ds in DATASETS})
     path = save(fig, OUT / "fig4_speedup_vs_budget.png")
     print(f"wrote {path}")
     return [path]
