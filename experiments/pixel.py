@@ -55,13 +55,12 @@ def empty_fid() -> pd.DataFrame:
 def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     """Fill ``results/pixel/fig4_<dataset>.csv`` from the sweep's records."""
     df = ok_records(sweep_dir or f"multirun/fig4_{dataset}", f"fig4_{dataset}")
-    table = empty_fig4(dataset).set_index(["sampler", "eps", "K", "L"])
+    out = empty_fig4(dataset)
     for _, r in df.iterrows():
-        key = (r["sampler"], float(r["eps"]), int(r["K"]), int(r["L"]))
-        if key in table.index:
-            for c in ("speedup_mean", "speedup_std", "speedup_sem", "n_samples"):
-                table.loc[key, c] = r[c]
-    out = table.reset_index()[empty_fig4(dataset).columns]
+        sel = ((out["sampler"] == r["sampler"]) & np.isclose(out["eps"], float(r["eps"])) & (out["K"] == int(r["K"]))
+               & (out["L"] == int(r["L"])))
+        for c in ("speedup_mean", "speedup_std", "speedup_sem", "n_samples"):
+            out.loc[sel, c] = r[c]
     write_csv(out, OUT / f"fig4_{dataset}.csv")
     print(f"wrote {OUT / f'fig4_{dataset}.csv'} ({int(out['speedup_mean'].notna().sum())} of {len(out)} cells filled)")
     return out
