@@ -238,3 +238,52 @@ def test_local_dir_model_loads_config_and_weights(tmp_path):
     assert s.shape == (3,) and np.isfinite(s).all()
     with pytest.raises(FileNotFoundError, match="open_clip_config.json"):
         load_clip(f"local-dir:{tmp_path / 'nothing'}")
+
+
+def test_loader_edges(tiny_clip, tmp_path, monkeypatch):
+    """Random init for tests (no tag, no file); the tag route's download failure and its offline probe;
+    open_clip's URL cache; an unreadable config beside a file; a local-dir that cannot load."""
+    import specsamp.metrics.clip as clip_mod
+
+    model, _, _ = load_clip(TINY, pretrained=None)  # random weights: allowed only without a tag or file
+    assert sum(p.numel() for p in model.parameters()) > 0
+    cfg = open_clip.get_pretrained_cfg("ViT-L-14-quickgelu", "openai")
+    (tmp_path / "url-cache").mkdir()
+    name = cfg["url"].rsplit("/", 1)[1]
+    (tmp_path / "url-cache" / name).write_bytes(b"x")
+    assert clip_mod._cached_weights({"url": cfg["url"]}, str(tmp_path / "url-cache")) == str(tmp_path / "url-cache" / name)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert clip_mod._hub_reachable() is True  # behind a proxy the probe trusts it
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert clip_mod._env_true("HF_HUB_OFFLINE")
+    with pytest.raises(CLIPUnavailableError, match="offline"):
+        load_clip(cache_dir=str(tmp_path / "empty"))
+
+    def fail(*a, **k):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(open_clip, "download_pretrained", fail)
+    with pytest.raises(CLIPUnavailableError, match="could not download.*connection reset"):
+        load_clip(cache_dir=str(tmp_path / "empty"), local_files_only=False)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "open_clip_config.json").write_text("{not json")
+    (broken / "w.bin").write_bytes(b"")
+    assert checkpoint_activation(broken / "w.bin") == (None, "")
+    with pytest.raises(CLIPUnavailableError, match="could not load CLIP"):
+        load_clip(f"local-dir:{broken}")
+
+
+def test_score_input_errors(tiny_clip):
+    _, ckpt = tiny_clip
+    model, pre, tok = load_clip(TINY, pretrained=None, checkpoint=ckpt, quick_gelu=True)
+    kw = dict(model=model, preprocess=pre, tokenizer=tok)
+    with pytest.raises(ValueError, match="expected \\[n, 3, H, W\\]"):
+        clip_scores(_images()[0], PROMPTS, **kw)
+    with pytest.raises(ValueError, match="3 colour channels"):
+        clip_scores(torch.zeros(2, 1, 8, 8, dtype=torch.uint8), PROMPTS[:2], **kw)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        clip_scores(_images(), PROMPTS, batch_size=0, **kw)
+    with pytest.raises(ValueError, match="prompt_index has 1"):
+        average_by_prompt([1.0, 2.0], [0])

@@ -112,3 +112,45 @@ def test_as_pixels_is_the_one_convention_at_the_metric_boundary():
         as_pixels(torch.full((1, 3, 2, 2), float("nan")))
     with pytest.raises(ValueError, match="dtype int64"):
         as_pixels(np.zeros((1, 2, 2, 3), dtype=np.int64))
+
+
+def test_image_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="expected \\[N, C, H, W\\]"):
+        to_uint8(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="convert with to_uint8"):
+        make_grid(np.zeros((1, 2, 2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="expected uint8 \\[N, H, W, C\\]"):
+        make_grid(np.zeros((1, 2, 2, 5), dtype=np.uint8))
+    assert make_grid(np.zeros((2, 2, 3), dtype=np.uint8)).shape == (2, 2, 3)  # one image, no batch axis
+    with pytest.raises(ValueError, match="nrow=0"):
+        make_grid(np.zeros((2, 2, 2, 3), dtype=np.uint8), nrow=0)
+    with pytest.raises(ValueError, match="indices has 1 entries for 2 images"):
+        save_images(_samples(2), tmp_path / "x", indices=[0])
+    assert list_shards(tmp_path / "nothing") == []
+    with pytest.raises(FileNotFoundError, match="no images at"):
+        load_images(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no shards or index-named PNG"):
+        load_images(tmp_path / "empty")
+    save_images(_samples(1, hw=4), tmp_path / "mixed")
+    save_images(_samples(1, hw=6), tmp_path / "mixed", start_index=1)
+    with pytest.raises(ValueError, match="different shapes"):
+        load_images(tmp_path / "mixed")
+    gray = np.zeros((1, 3, 3, 1), dtype=np.uint8)
+    save_images(gray, tmp_path / "gray")
+    assert load_images(tmp_path / "gray").shape == (1, 3, 3, 1)
+
+
+def test_merge_shards_checks_names_and_shapes(tmp_path):
+    d = tmp_path / "s"
+    save_shard(d, 0, _samples(2))
+    save_shard(d, 5, _samples(1))  # beyond total=2: ignored
+    assert merge_shards(d, 2).shape == (2, 4, 4, 3)
+    (d / shard_name(2, 3)).write_bytes((d / shard_name(0, 2)).read_bytes())  # contents disagree with the name
+    with pytest.raises(ValueError, match="its name says 3 from 2"):
+        merge_shards(d, 5)
+    e = tmp_path / "t"
+    save_shard(e, 0, _samples(1, hw=4))
+    save_shard(e, 1, _samples(1, hw=6))
+    with pytest.raises(ValueError, match="has images of shape"):
+        merge_shards(e, 2)
