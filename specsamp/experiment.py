@@ -544,7 +544,8 @@ def run_config(
 
     Returns:
         The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`;
-        ``result.extra`` holds ``target`` and ``indices`` for post-processing (images, metrics).
+        ``result.extra`` holds ``target`` and ``indices`` for post-processing (images, metrics), and the
+        ``max_batch`` the sampler used (the top-level key, else the model's).
 
     Raises:
         ConfigError: invalid configuration, or a model that cannot be loaded.
@@ -603,7 +604,7 @@ def run_config(
         bar.update(chunk.numel())
     bar.close()
     res = _concat(results)
-    res.extra.update(target=target, indices=ids)
+    res.extra.update(target=target, indices=ids, max_batch=v["max_batch"])
     record = {
         "status": "ok",
         "config": dict(cfg_dict),
@@ -618,7 +619,6 @@ def run_config(
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "verification_rows": tree.verification_budget(v["evaluate_leaves"]) if tree is not None else 1,
-        "max_batch": v["max_batch"],
         **({"delta_profile": calibrated, "tree_parent": tree.parent.tolist()} if v["tree"] == "optimal" and tree is not None else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
         "wall_seconds": time.perf_counter() - t0,

@@ -238,7 +238,7 @@ def outcome(model, overrides, spy) -> tuple:
         else:
             pixels = None
         pipe = spy.pipes[-1] if spy.pipes else None
-        out = top, ("ok", rec["model"], rec["max_batch"], _digest(res.samples), pixels, tuple(rows),
+        out = top, ("ok", rec["model"], res.extra["max_batch"], _digest(res.samples), pixels, tuple(rows),
                      target.prompts_for(ids) if target.prompts_for else None, target.fid_ref,
                      json.dumps(target.fid, sort_keys=True), json.dumps(target.clip, sort_keys=True),
                      repr(spy.calls), None if pipe is None else pipe.text_encoder is None)

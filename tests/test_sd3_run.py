@@ -361,8 +361,8 @@ def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
 
         target = Target(Spy(), cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for,
                         max_batch=built.max_batch)
-        record, _ = run_config(cfg, target=target)
-        rows[label] = (max(seen), record["max_batch"])
+        _, res = run_config(cfg, target=target)
+        rows[label] = (max(seen), res.extra["max_batch"])
     assert rows["model=1"] == (1, 1)
     assert rows["model=null"][0] > 1 and rows["model=null"][1] is None
     assert rows["top=1"] == (1, 1)
