@@ -665,8 +665,9 @@ class MetricError(Exception):
 def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dict: Mapping) -> dict:
     """Score the saved images: ``fid`` (torch-fidelity against ``model.fid_ref``) and ``clip`` (per image).
 
-    Both read the PNGs that :func:`save_images` wrote (uint8, named by global index), so a run's scores
-    are those of its files, and the expensive decode runs once. Every metric is attempted, whatever
+    Both read the PNGs that :func:`save_images` wrote for this run's indices (uint8, named by global
+    index; other files in the folder are ignored), so a run's scores are those of its files, and the
+    expensive decode runs once. Every metric is attempted, whatever
     happens to the others.
 
     Args:
@@ -687,6 +688,10 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dic
     user = True
     target: Target = result.extra["target"]
     device = str(cfg_dict.get("device", "cpu"))
+    ids = sorted(int(i) for i in result.extra["indices"])
+    pixels = None
+    from . import images as img
+
     for name in names:
         try:
             if image_dir is None:
@@ -696,11 +701,12 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dic
 
                 if not target.fid_ref:
                     raise ConfigError("metrics=[fid] needs model.fid_ref (reference statistics: name, URL or .npz path).")
-                res = compute_fid(str(image_dir), target.fid_ref, device=device, **(target.fid or {}))
+                pixels = img.load_images(image_dir, indices=ids) if pixels is None else pixels  # this run's, by index
+                res = compute_fid(pixels, target.fid_ref, device=device, **(target.fid or {}))
+                res["samples"] = str(image_dir)
                 out["fid"] = float(res.pop("fid"))
                 out["fid_detail"] = res
             elif name == "clip":
-                from . import images as img
                 from .metrics import clip
 
                 if target.prompts_for is None:
@@ -710,9 +716,8 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dic
                     c["model"], c["pretrained"], checkpoint=c["checkpoint"], quick_gelu=c["quick_gelu"],
                     cache_dir=c["cache_dir"], device=device,
                 )
-                ids = sorted(int(i) for i in result.extra["indices"])
-                pics = img.load_images(image_dir)
-                scores = clip.clip_scores(pics, target.prompts_for(ids), model=model, preprocess=preprocess, tokenizer=tokenizer)
+                pixels = img.load_images(image_dir, indices=ids) if pixels is None else pixels
+                scores = clip.clip_scores(pixels, target.prompts_for(ids), model=model, preprocess=preprocess, tokenizer=tokenizer)
                 summ = clip.summarize(scores)
                 out.update(clip_score=summ["mean"], clip_score_sem=summ["sem"], clip_scores=[float(x) for x in scores])
             else:

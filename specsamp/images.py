@@ -311,19 +311,28 @@ def merge_shards(directory: str | os.PathLike, total: int, out: str | os.PathLik
     return images
 
 
-def load_images(source: str | os.PathLike, total: int | None = None) -> np.ndarray:
+def load_images(source: str | os.PathLike, total: int | None = None, indices=None) -> np.ndarray:
     """Load saved images as uint8 ``[N, H, W, C]`` ordered by global index.
 
     Args:
         source: a ``.npz`` with ``images`` (e.g. from :func:`merge_shards`), a folder of shards, or a
             folder of PNG files named by index (:func:`save_images`).
         total: for a shard folder, the number of images expected (default: up to the last shard).
+        indices: for a PNG folder, exactly these global indices, in this order (other files in the
+            folder are ignored); default every index-named PNG.
 
     Raises:
-        FileNotFoundError: nothing there; :class:`MissingShardsError` for gaps in a shard folder.
+        FileNotFoundError: nothing there, or a PNG of ``indices`` is missing; :class:`MissingShardsError`
+            for gaps in a shard folder.
         ValueError: PNGs of different sizes.
     """
     p = Path(source)
+    if indices is not None:
+        files = [p / image_name(int(i)) for i in indices]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} images are missing in {str(p)!r}: {', '.join(missing[:10])}")
+        return _stack_pngs(files, p)
     if p.is_file():
         with np.load(p) as z:
             return _as_hwc_uint8(z["images"])
@@ -333,14 +342,21 @@ def load_images(source: str | os.PathLike, total: int | None = None) -> np.ndarr
     if shards:
         n = total if total is not None else max(s + c for s, c, _ in shards)
         return merge_shards(p, n)
-    from PIL import Image
-
     files = sorted(f for f in p.iterdir() if f.suffix.lower() == ".png" and f.stem.isdigit())
     if not files:
         raise FileNotFoundError(f"no shards or index-named PNG files in {str(p)!r}")
     files.sort(key=lambda f: int(f.stem))
-    arrs = [np.asarray(Image.open(f)) for f in files]
+    return _stack_pngs(files, p)
+
+
+def _stack_pngs(files: list[Path], folder: Path) -> np.ndarray:
+    from PIL import Image
+
+    arrs = []
+    for f in files:
+        with Image.open(f) as im:
+            arrs.append(np.asarray(im))
     arrs = [a[..., None] if a.ndim == 2 else a for a in arrs]
     if len({a.shape for a in arrs}) > 1:
-        raise ValueError(f"PNG files in {str(p)!r} have different shapes")
+        raise ValueError(f"PNG files in {str(folder)!r} have different shapes")
     return np.stack(arrs)

@@ -154,3 +154,11 @@ def test_merge_shards_checks_names_and_shapes(tmp_path):
     save_shard(e, 1, _samples(1, hw=6))
     with pytest.raises(ValueError, match="has images of shape"):
         merge_shards(e, 2)
+
+
+def test_load_images_by_indices(tmp_path):
+    u = to_uint8(_samples(4))
+    save_images(u, tmp_path / "png", start_index=10)
+    np.testing.assert_array_equal(load_images(tmp_path / "png", indices=[12, 10]), u[[2, 0]])
+    with pytest.raises(FileNotFoundError, match="1 images are missing.*000014.png"):
+        load_images(tmp_path / "png", indices=[13, 14])

@@ -286,3 +286,31 @@ def test_checkpoint_refusal_names_the_real_overrides(tmp_path, checkpoint, monke
     with pytest.raises(SystemExit):  # a string is not a yes: trust is a boolean
         run_task(_compose(f"model.path={path}", "model.trust_checkpoint=no"))
     assert "model.trust_checkpoint='no' is invalid" in capsys.readouterr().err
+
+
+def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
+    """A stale PNG left in the run's folder (another index, another size) is not scored: the metrics
+    read the files of this run's indices."""
+    import numpy as np
+
+    from specsamp.experiment import compute_metrics, run_config, save_images
+    from specsamp.images import as_pixels, save_images as save_pngs
+    from specsamp.metrics.fid import Statistics
+
+    path, sha = checkpoint
+    _, res = run_config(_compose(f"model.path={path}", f"model.sha256={sha}"))
+    images = save_images(res, tmp_path)
+    save_pngs(np.zeros((1, 9, 9, 3), np.uint8), images, start_index=99)
+
+    def feats(x):
+        return x.double().mean(dim=(2, 3))
+
+    target = res.extra["target"]
+    target.fid = {"feature_extractor": feats}
+    target.fid_ref = Statistics(np.zeros(3), np.eye(3))
+    out = compute_metrics(["fid"], res, images, {"device": "cpu", "model": {"name": "tiny"}})
+    f = feats(torch.from_numpy(as_pixels(target.decode(res.samples))).permute(0, 3, 1, 2)).numpy()
+    from specsamp.metrics.fid import frechet_distance_to_features
+
+    assert out["fid"] == pytest.approx(frechet_distance_to_features(f, np.zeros(3), np.eye(3)), rel=1e-12)
+    assert out["fid_detail"]["n_samples"] == 3
