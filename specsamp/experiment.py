@@ -559,6 +559,11 @@ def run_config(
         target = Target(model) if model is not None else build_target(model_cfg, v["device"])
     if v["max_batch"] is None:  # the top-level key wins; else the model config's (e.g. SD3's 64 states)
         v["max_batch"] = target.max_batch
+    for m in v["metrics"]:  # refuse before sampling what no scoring step could serve
+        if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
+            need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
+            raise ConfigError(f"metrics=[{m}] is invalid for model={model_cfg.get('name', model_cfg['kind'])}: it needs {need}, "
+                              "which this model does not have.")
     try:
         schedule = Schedule.make(v["steps"], v["eps"], shift=float(model_cfg.get("shift", 1.0)))
     except ValueError as e:

@@ -314,3 +314,16 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
 
     assert out["fid"] == pytest.approx(frechet_distance_to_features(f, np.zeros(3), np.eye(3)), rel=1e-12)
     assert out["fid_detail"]["n_samples"] == 3
+
+
+@pytest.mark.parametrize("metric,need", [("clip", "prompts"), ("fid", "model.fid_ref")])
+def test_metric_the_model_cannot_serve_is_refused_before_sampling(tmp_path, checkpoint, monkeypatch, capsys, metric, need):
+    from specsamp.cli import run_task
+
+    path, sha = checkpoint
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(_compose(f"model.path={path}", f"model.sha256={sha}", f"metrics=[{metric}]", "model.fid_ref=null"))
+    err = capsys.readouterr()
+    assert e.value.code == 2 and f"metrics=[{metric}] is invalid" in err.err and need in err.err
+    assert err.out == "" and not (tmp_path / "result.json").exists()  # nothing sampled
