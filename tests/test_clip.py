@@ -185,7 +185,7 @@ def test_file_route_refuses_an_activation_mismatch(tiny_clip, tiny_gelu, tmp_pat
     assert checkpoint_activation(ckpt) == (None, "")
     with pytest.raises(ValueError, match="does not say which activation.*quick_gelu=true"):
         load_clip(TINY, pretrained=None, checkpoint=ckpt)
-    with pytest.raises(ValueError, match=f"builds GELU blocks but quick_gelu=True"):
+    with pytest.raises(ValueError, match="builds GELU blocks but quick_gelu=True"):
         load_clip(TINY_GELU, pretrained=None, checkpoint=ckpt, quick_gelu=True)
     load_clip(TINY_GELU, pretrained=None, checkpoint=ckpt, quick_gelu=False)
     # a file beside open_clip's config: the config tells
@@ -193,7 +193,7 @@ def test_file_route_refuses_an_activation_mismatch(tiny_clip, tiny_gelu, tmp_pat
 
     gelu_file = write_tiny_clip(tmp_path / "gelu-dir", quick_gelu=False)
     assert checkpoint_activation(gelu_file)[0] is False
-    with pytest.raises(ValueError, match=f"open_clip_config.json says quick_gelu=False"):
+    with pytest.raises(ValueError, match="open_clip_config.json says quick_gelu=False"):
         load_clip(TINY, pretrained=None, checkpoint=gelu_file)
     # the tag route: a stated activation that contradicts the tag is refused too
     with pytest.raises(ValueError, match="contradicts pretrained='openai'"):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib")
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
+from matplotlib.lines import Line2D
+from matplotlib.patches import Rectangle
 
-from experiments import gmm, paper, pixel, sd3  # noqa: E402
-from experiments.common import plt, read_csv  # noqa: E402
-from specsamp.trees import budget  # noqa: E402
+from experiments import gmm, paper, pixel, sd3
+from experiments.common import plt, read_csv
+from specsamp.trees import budget
 
 
 def _labelled(ax, text):
