@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from experiments import paper
 from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp import theory
 from specsamp.coupling import get_coupling
@@ -172,9 +173,9 @@ def figures() -> list:
     """Draw Figures 1, 3, 6 and 7 from the committed CSVs."""
     out = []
     df = read_csv(GRID_CSV)
-    out.append(save(_heatmaps(df), OUT / "fig3_heatmaps.png"))
-    out.append(save(_frontier_fig(df), OUT / "fig1_frontier.png"))
-    out.append(save(_speedup_vs_k(df), OUT / "fig7_speedup_vs_K.png"))
+    out.append(save(paper.mark_fig3(_heatmaps(df)), OUT / "fig3_heatmaps.png"))
+    out.append(save(paper.mark_fig1(_frontier_fig(df)), OUT / "fig1_frontier.png"))
+    out.append(save(paper.mark_fig7(_speedup_vs_k(df)), OUT / "fig7_speedup_vs_K.png"))
     acc = read_csv(ACC_CSV) if ACC_CSV.exists() else None
     out.append(save(_acceptance_fig(acc), OUT / "fig6_acceptance.png"))
     for p in out:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, ROOT, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "pixel"
@@ -54,64 +55,97 @@ def empty_fid() -> pd.DataFrame:
 def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     """Fill ``results/pixel/fig4_<dataset>.csv`` from the sweep's records."""
     df = ok_records(sweep_dir or f"multirun/fig4_{dataset}", f"fig4_{dataset}")
-    table = empty_fig4(dataset).set_index(["sampler", "eps", "K", "L"])
+    out = empty_fig4(dataset)
     for _, r in df.iterrows():
-        key = (r["sampler"], float(r["eps"]), int(r["K"]), int(r["L"]))
-        if key in table.index:
-            for c in ("speedup_mean", "speedup_std", "speedup_sem", "n_samples"):
-                table.loc[key, c] = r[c]
-    out = table.reset_index()[empty_fig4(dataset).columns]
+        sel = ((out["sampler"] == r["sampler"]) & np.isclose(out["eps"], float(r["eps"])) & (out["K"] == int(r["K"]))
+               & (out["L"] == int(r["L"])))
+        for c in ("speedup_mean", "speedup_std", "speedup_sem", "n_samples"):
+            out.loc[sel, c] = r[c]
     write_csv(out, OUT / f"fig4_{dataset}.csv")
     print(f"wrote {OUT / f'fig4_{dataset}.csv'} ({int(out['speedup_mean'].notna().sum())} of {len(out)} cells filled)")
     return out
 
 
-def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None) -> pd.DataFrame:
+def model_fid_settings(dataset: str) -> tuple[str, dict]:
+    """The FID reference and extractor settings of ``conf/model/<dataset>.yaml`` (``fid_ref``, ``fid_*``),
+    so that this command scores exactly as ``run.py ... 'metrics=[fid]'`` does."""
+    from omegaconf import OmegaConf
+
+    from specsamp.experiment import fid_settings
+
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{dataset}.yaml")
+    return str(cfg.fid_ref), fid_settings(cfg)
+
+
+def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None, *, table_path=None,
+               **fid_kwargs) -> pd.DataFrame:
     """Score a rule's 50k images with torch-fidelity and write the value into ``results/pixel/fid.csv``.
 
-    ``images`` is the merged run's ``images/`` folder (or any folder of PNGs); ``reference`` defaults to
-    the model config's ``fid_ref`` (EDM's published statistics).
+    Args:
+        dataset: ``cifar10`` or ``ffhq`` (its model config gives the reference and the extractor).
+        sampler: the row's rule (``standard``, ``rmc``, ``dgrs``).
+        images: the merged run's ``images/`` folder (or any folder of PNGs, a shard folder, an ``.npz``).
+        reference: overrides the model config's ``fid_ref`` (EDM's published statistics).
+        table_path: the table to fill (default ``results/pixel/fid.csv``).
+        **fid_kwargs: override the config's extractor settings (``feature_extractor``,
+            ``weights_path``, ``device``, ...; see :func:`specsamp.metrics.fid.compute_fid`).
+
+    Returns:
+        The table, with ``fid`` (a float) filled in the ``(dataset, sampler)`` row.
     """
     from specsamp.metrics.fid import compute_fid
 
-    ref = reference or {"cifar10": "cifar10-32x32", "ffhq": "ffhq-64x64"}[dataset]
-    path = OUT / "fid.csv"
+    ref, settings = model_fid_settings(dataset)
+    path = Path(table_path) if table_path is not None else OUT / "fid.csv"
     table = read_csv(path) if path.exists() else empty_fid()
     sel = (table["dataset"] == dataset) & (table["sampler"] == sampler)
-    table.loc[sel, "fid"] = float(compute_fid(images, ref))
+    res = compute_fid(images, reference or ref, **{**settings, **fid_kwargs})
+    table.loc[sel, "fid"] = float(res["fid"])
     write_csv(table, path)
     print(table[sel].to_string(index=False))
     return table
 
 
-def figures() -> list:
-    """Figure 4: speedup vs budget B, mean ± std over images, one panel per eps, one row per dataset."""
+def fig4(tables: dict[str, pd.DataFrame]):
+    """Figure 4: speedup vs budget B, mean ± std over images, one panel per eps, one row per dataset,
+    with the range the paper's text states for the dataset (``paper_range``) as a hatched band."""
+    from experiments import paper
+
     fig, axes = plt.subplots(len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.6 * len(DATASETS)), squeeze=False,
                              constrained_layout=True)
     for i, ds in enumerate(DATASETS):
-        df = read_csv(OUT / f"fig4_{ds}.csv")
+        df = tables[ds]
         for j, eps in enumerate(EPS):
             ax = axes[i][j]
             sub = df[np.isclose(df["eps"], eps)]
-            drawn = False
+            ours = False
             for rule, s in sub.groupby("sampler"):
                 s = s.sort_values("budget").dropna(subset=["speedup_mean"])
                 if s.empty:
                     continue
-                drawn = True
+                ours = True
                 ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_std"], fmt="o-", capsize=3,
                             color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
-            if not drawn:
-                ax.text(0.5, 0.5, "not run yet\n(needs a GPU and the EDM checkpoint)", ha="center", va="center",
-                        transform=ax.transAxes, fontsize=8, color="0.4")
+            for lo, hi, text in paper.paper_ranges(sub["paper_range"]):
+                paper.band(ax, lo, hi, f"paper's range (section 5.2 text): {text}")
+            if not ours:
+                ax.text(0.5, 0.06, "ours: not run yet (needs a GPU and the EDM checkpoint)", ha="center", va="bottom",
+                        transform=ax.transAxes, fontsize=7, color="0.4")
             ax.set_xscale("log")
             ax.set_xticks([budget(K, L) for K, L in SHAPES], [str(budget(K, L)) for K, L in SHAPES])
+            ax.set_xlim(10, 450)
+            ax.set_ylim(1.0, 3.0)
             ax.set_title(f"{ds}, eps={eps}")
             ax.set_xlabel("budget B")
             ax.set_ylabel("NFE speedup")
             ax.grid(alpha=0.3)
-            if drawn:
-                ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def figures() -> list:
+    """Draw Figure 4 from the committed tables into ``results/pixel/``."""
+    fig = fig4({ds: read_csv(OUT / f"fig4_{ds}.csv") for ds in DATASETS})
     path = save(fig, OUT / "fig4_speedup_vs_budget.png")
     print(f"wrote {path}")
     return [path]
@@ -126,12 +160,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default=None)
     ap.add_argument("--sampler", choices=("standard", "rmc", "dgrs"), help="fid: the rule whose images are scored")
     ap.add_argument("--images", help="fid: folder of the rule's merged 50k images")
-    ap.add_argument("--ref", default=None, help="fid: reference statistics (default: EDM's for the dataset)")
+    ap.add_argument("--ref", default=None, help="fid: reference statistics (default: the model config's fid_ref)")
+    ap.add_argument("--weights", default=None, help="fid: local extractor weights (default: the model config's fid_weights)")
+    ap.add_argument("--device", default=None, help="fid: cpu | cuda (default: CUDA when available)")
+    ap.add_argument("--table", default=None, help="fid: the table to fill (default: results/pixel/fid.csv)")
     a = ap.parse_args(argv)
     if a.command == "fid":
         if not (a.sampler and a.images):
             ap.error("fid needs --sampler and --images")
-        record_fid(a.dataset, a.sampler, a.images, a.ref)
+        extra = {k: v for k, v in (("weights_path", a.weights), ("device", a.device)) if v is not None}
+        try:
+            record_fid(a.dataset, a.sampler, a.images, a.ref, table_path=a.table, **extra)
+        except (OSError, ValueError, KeyError, ImportError) as e:
+            print(f"error: fid --dataset {a.dataset} --sampler {a.sampler} --images {a.images}: {e}", file=sys.stderr)
+            return 2
         return 0
     if a.command == "init":
         for ds in DATASETS:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .experiment import (
     ConfigError,
+    MetricError,
     compute_metrics,
     config_hash,
     existing_record,
@@ -194,10 +195,11 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
     if cfg_dict.get("metrics"):
         try:
             record["metrics"] = compute_metrics(cfg_dict["metrics"], result, image_dir, cfg_dict)
-            record.update({k: v for k, v in record["metrics"].items() if k != "clip_scores"})
-        except ConfigError as e:
+        except MetricError as e:  # whatever went wrong, the record keeps the samples' statistics
             metric_error = e
+            record["metrics"] = e.values
             record["metrics_error"] = str(e)
+        record.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
         write_json_atomic(out_dir / "result.json", record)
     from .loggers import log_record
 
@@ -205,9 +207,15 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
     tag = f"[shard {shard}/{num_shards}] " if sharded else ""
     print(tag + summary_line(record), flush=True)
     if metric_error is not None:
-        raise ConfigError(f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
-                          "images there once the weights are available (FID: `python -m specsamp.metrics.fid "
-                          f"{out_dir}/images --ref REF`; CLIP: specsamp.metrics.clip.clip_scores on the same files).")
+        message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
+                   "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
+                   f"{out_dir}/images --ref REF`; CLIP: specsamp.metrics.clip.clip_scores on the same files).")
+        if metric_error.user:
+            raise ConfigError(message)
+        if not multirun:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(1)
+        raise RuntimeError(message)
     return record["speedup"]["mean"]
 
 

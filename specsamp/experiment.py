@@ -324,9 +324,14 @@ class Target:
     Attributes:
         model: velocity model (:class:`specsamp.models.VelocityModel`).
         cond_for: ``(ids [m] long, seed) -> {name: [m, ...]}`` per-trajectory conditioning, or None.
-        decode: ``samples [m, *event] -> images [m, 3, H, W]`` float in ``[-1, 1]``, or None (not images).
+        decode: ``samples [m, *event] -> images [m, C, H, W]`` float in ``[-1, 1]`` (the one image
+            convention of :mod:`specsamp.images`, which every metric takes), or None (not images).
         prompts_for: ``ids -> list[str]`` text of each image (for CLIP), or None.
-        fid_ref: reference statistics for FID (name, URL or path), or None.
+        fid_ref: reference statistics for FID (name, URL or ``.npz`` path), or None.
+        fid: further FID settings for :func:`specsamp.metrics.fid.compute_fid` (``feature_extractor``,
+            ``feature_layer``, ``weights_path``), from the model config's ``fid_*`` keys.
+        clip: :func:`specsamp.metrics.clip.load_clip` settings from the model config's ``clip`` block.
+        max_batch: the model's own rows per forward pass (used when the top-level ``max_batch`` is null).
     """
 
     model: Any
@@ -334,19 +339,90 @@ class Target:
     decode: Callable | None = None
     prompts_for: Callable | None = None
     fid_ref: str | None = None
+    fid: dict | None = None
+    clip: dict | None = None
+    max_batch: int | None = None
 
 
-# keys of conf/model/*.yaml that the runner reads and the model builders must not see
-RUNNER_MODEL_KEYS = ("kind", "paper", "labels", "fid_ref", "shift")
+# the model config's FID keys -> compute_fid's arguments; one reference and one extractor per model
+FID_KEYS = {"fid_extractor": "feature_extractor", "fid_layer": "feature_layer", "fid_weights": "weights_path"}
+# the model config's `clip` block -> load_clip's arguments (paper section 5.3: ViT-L/14, OpenAI weights)
+CLIP_DEFAULTS = {"model": "ViT-L-14-quickgelu", "pretrained": "openai", "checkpoint": None, "quick_gelu": None,
+                 "cache_dir": None}
+
+
+def fid_settings(model_cfg) -> dict:
+    """``compute_fid`` keyword arguments from a model config's ``fid_extractor``/``fid_layer``/``fid_weights``.
+
+    ``fid_extractor`` names a torch-fidelity extractor (default ``inception-v3-compat``) or
+    ``package.module:Class``; ``fid_layer`` its feature (null: the extractor's FID default);
+    ``fid_weights`` a local weights file (null: torch-fidelity's own cache).
+
+    Raises:
+        ConfigError: a value that is not a string (or null).
+    """
+    out = {}
+    for key, arg in FID_KEYS.items():
+        v = _get(model_cfg, key)
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"model.{key}={v!r} is invalid: must be a string or null.")
+        if v is not None:
+            out[arg] = v
+    return out
+
+
+def clip_settings(model_cfg) -> dict:
+    """``load_clip`` settings from a model config's ``clip`` block (keys and defaults: :data:`CLIP_DEFAULTS`).
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type.
+    """
+    block = _get(model_cfg, "clip") or {}
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"model.clip={block!r} is invalid: must be a mapping with keys {', '.join(CLIP_DEFAULTS)}.")
+    unknown = sorted(set(block) - set(CLIP_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"model.clip.{unknown[0]}={block[unknown[0]]!r} is not a key; valid: {', '.join(CLIP_DEFAULTS)}.")
+    out = {**CLIP_DEFAULTS, **dict(block)}
+    for key in ("model", "pretrained", "checkpoint", "cache_dir"):
+        if out[key] is not None and not isinstance(out[key], str):
+            raise ConfigError(f"model.clip.{key}={out[key]!r} is invalid: must be a string{' or null' if key != 'model' else ''}.")
+    if out["model"] is None:
+        raise ConfigError("model.clip.model=None is invalid: name an open_clip model, e.g. ViT-L-14-quickgelu.")
+    if out["quick_gelu"] is not None and not isinstance(out["quick_gelu"], bool):
+        raise ConfigError(f"model.clip.quick_gelu={out['quick_gelu']!r} is invalid: must be true, false or null.")
+    return out
+
+
+# keys of conf/model/*.yaml that the runner reads (schedule, record, metrics) and the model builders
+# must not see, per model kind; every other key goes to the kind's builder, which rejects what it
+# does not know, so that no key of a model config is silently dropped
+RUNNER_MODEL_KEYS = {
+    "gmm": ("kind", "name", "paper", "shift"),
+    "edm": ("kind", "paper", "shift", "labels", "fid_ref", *FID_KEYS, "max_batch"),
+    "sd3": ("kind", "paper", "shift", "clip"),
+}
 
 
 def _model_kwargs(model_cfg) -> dict:
-    return {k: v for k, v in dict(model_cfg).items() if k not in RUNNER_MODEL_KEYS}
+    skip = RUNNER_MODEL_KEYS.get(_get(model_cfg, "kind"), ("kind", "paper", "shift"))
+    return {k: v for k, v in dict(model_cfg).items() if k not in skip}
+
+
+def _max_batch(model_cfg) -> int | None:
+    v = _get(model_cfg, "max_batch")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ConfigError(f"model.max_batch={v!r} is invalid: must be null or an integer >= 1.")
+    return v
 
 
 def _build_gmm(model_cfg, device: str) -> Target:
     from .models import GaussianMixture
 
+    unknown = sorted(set(_model_kwargs(model_cfg)) - {"dim", "components", "layout_seed", "dtype"})
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}={_get(model_cfg, unknown[0])!r} is not a key of model=gmm; valid: "
+                          "dim, components, layout_seed, dtype, shift, name, paper.")
     dtype = getattr(torch, str(_get(model_cfg, "dtype", "float64")))
     try:
         model = GaussianMixture(
@@ -379,16 +455,20 @@ def _build_edm(model_cfg, device: str) -> Target:
     if labels not in ("uniform", "none", None):
         raise ConfigError(f"model.labels={labels!r} is invalid: valid values are uniform, none.")
     cond_for = None
+    if labels == "uniform" and not model.label_dim:
+        raise ConfigError("model.labels='uniform' is invalid for an unconditional net (label_dim=0): use none.")
     if model.label_dim:
         if labels != "uniform":
             raise ConfigError(f"model.labels={labels!r} is invalid for a class-conditional net (label_dim={model.label_dim}): use uniform.")
         cond_for = lambda ids, seed: {"class_labels": uniform_labels(ids, seed, model.label_dim)}  # noqa: E731
-    return Target(model, cond_for=cond_for, decode=lambda x: x.float().clamp(-1, 1), fid_ref=_get(model_cfg, "fid_ref"))
+    return Target(model, cond_for=cond_for, decode=lambda x: x.float().clamp(-1, 1), fid_ref=_get(model_cfg, "fid_ref"),
+                  fid=fid_settings(model_cfg), max_batch=_max_batch(model_cfg))
 
 
 def _build_sd3(model_cfg, device: str) -> Target:
     from .models import sd3
 
+    clip_cfg = clip_settings(model_cfg)
     built = sd3.build_sd3_model({**_model_kwargs(model_cfg), "device": device})
     prompt_index = built.cond["prompt"]
 
@@ -402,6 +482,8 @@ def _build_sd3(model_cfg, device: str) -> Target:
         cond_for=cond_for,
         decode=lambda x: built.decode(x, output="signed"),
         prompts_for=lambda ids: [built.prompts[int(prompt_index[int(i)])] for i in ids],
+        clip=clip_cfg,
+        max_batch=built.max_batch,
     )
 
 
@@ -828,7 +910,8 @@ def run_config(
 
     Returns:
         The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`;
-        ``result.extra`` holds ``target`` and ``indices`` for post-processing (images, metrics).
+        ``result.extra`` holds ``target`` and ``indices`` for post-processing (images, metrics), and the
+        ``max_batch`` the sampler used (the top-level key, else the model's).
 
     Raises:
         ConfigError: invalid configuration, or a model that cannot be loaded.
@@ -857,6 +940,13 @@ def run_config(
         check_tree_nodes(v, horizon)
     if target is None:
         target = Target(model) if model is not None else build_target(model_cfg, v["device"])
+    if v["max_batch"] is None:  # the top-level key wins; else the model config's (e.g. SD3's 64 states)
+        v["max_batch"] = target.max_batch
+    for m in v["metrics"]:  # refuse before sampling what no scoring step could serve
+        if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
+            need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
+            raise ConfigError(f"metrics=[{m}] is invalid for model={model_cfg.get('name', model_cfg['kind'])}: it needs {need}, "
+                              "which this model does not have.")
     tree_cfg = cfg_dict
     calibrated = None
     if optimal:
@@ -905,7 +995,7 @@ def run_config(
             results.append(r)
             bar.to(base + chunk.numel() * per_traj)
     res = _concat(results)
-    res.extra.update(target=target, indices=ids)
+    res.extra.update(target=target, indices=ids, max_batch=v["max_batch"])
     record = {
         "status": "ok",
         "config": dict(cfg_dict),
@@ -947,39 +1037,90 @@ def save_images(result: SampleResult, out_dir: Path) -> Path | None:
     return Path(out_dir) / "images"
 
 
+class MetricError(Exception):
+    """A metric that could not be scored after sampling (the record and the images are already saved).
+
+    Attributes:
+        errors: metric name -> one-sentence reason.
+        values: the metrics that were computed.
+        user: True when every reason is the user's to fix (missing weights or reference, a bad metric
+            setting): the runner then exits 2; otherwise 1.
+    """
+
+    def __init__(self, errors: dict[str, str], user: bool, values: dict | None = None):
+        super().__init__(" ".join(errors.values()))
+        self.errors = errors
+        self.user = user
+        self.values = values or {}
+
+
 def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dict: Mapping) -> dict:
-    """Score saved samples: ``fid`` (torch-fidelity against ``model.fid_ref``) and ``clip`` (per image).
+    """Score the saved images: ``fid`` (torch-fidelity against ``model.fid_ref``) and ``clip`` (per image).
+
+    Both read the PNGs that :func:`save_images` wrote for this run's indices (uint8, named by global
+    index; other files in the folder are ignored), so a run's scores are those of its files, and the
+    expensive decode runs once. Every metric is attempted, whatever
+    happens to the others.
+
+    Args:
+        names: metric names (``fid``, ``clip``).
+        result: the run's result (``extra["target"]`` and ``extra["indices"]`` are used).
+        image_dir: the folder :func:`save_images` wrote, or None for a target without images.
+        cfg_dict: the run's config (``device``, ``model.name``).
+
+    Returns:
+        ``fid`` (float) and ``fid_detail`` (``compute_fid``'s other fields); ``clip_score``,
+        ``clip_score_sem`` and ``clip_scores`` (per image, in index order).
 
     Raises:
-        ConfigError: a metric that does not apply to the model, or weights/statistics that are unavailable.
+        MetricError: after trying every metric, when one or more failed (``values`` holds the others).
     """
     out: dict = {}
+    errors: dict[str, str] = {}
+    user = True
     target: Target = result.extra["target"]
+    device = str(cfg_dict.get("device", "cpu"))
+    ids = sorted(int(i) for i in result.extra["indices"])
+    pixels = None
+    from . import images as img
+
     for name in names:
-        if image_dir is None:
-            raise ConfigError(f"metrics=[{name}] is invalid for model={cfg_dict['model'].get('name')}: it scores images.")
         try:
+            if image_dir is None:
+                raise ConfigError(f"metrics=[{name}] is invalid for model={cfg_dict['model'].get('name')}: it scores images.")
             if name == "fid":
                 from .metrics.fid import compute_fid
 
                 if not target.fid_ref:
                     raise ConfigError("metrics=[fid] needs model.fid_ref (reference statistics: name, URL or .npz path).")
-                out["fid"] = float(compute_fid(str(image_dir), target.fid_ref))
+                pixels = img.load_images(image_dir, indices=ids) if pixels is None else pixels  # this run's, by index
+                res = compute_fid(pixels, target.fid_ref, device=device, **(target.fid or {}))
+                res["samples"] = str(image_dir)
+                out["fid"] = float(res.pop("fid"))
+                out["fid_detail"] = res
             elif name == "clip":
                 from .metrics import clip
 
                 if target.prompts_for is None:
                     raise ConfigError("metrics=[clip] is invalid: the model has no prompts.")
-                model, preprocess, tokenizer = clip.load_clip(device=str(cfg_dict.get("device", "cpu")))
-                pics = target.decode(result.samples).cpu()
-                scores = clip.clip_scores(pics, target.prompts_for(result.extra["indices"]), model=model,
-                                          preprocess=preprocess, tokenizer=tokenizer)
+                c = {**CLIP_DEFAULTS, **(target.clip or {})}
+                model, preprocess, tokenizer = clip.load_clip(
+                    c["model"], c["pretrained"], checkpoint=c["checkpoint"], quick_gelu=c["quick_gelu"],
+                    cache_dir=c["cache_dir"], device=device,
+                )
+                pixels = img.load_images(image_dir, indices=ids) if pixels is None else pixels
+                scores = clip.clip_scores(pixels, target.prompts_for(ids), model=model, preprocess=preprocess, tokenizer=tokenizer)
                 summ = clip.summarize(scores)
                 out.update(clip_score=summ["mean"], clip_score_sem=summ["sem"], clip_scores=[float(x) for x in scores])
-        except ConfigError:
-            raise
-        except (OSError, ValueError, ImportError) as e:
-            raise ConfigError(f"metrics=[{name}] could not be computed: {e}") from None
+            else:
+                raise ConfigError(f"metrics=[{name}] is invalid: valid entries are fid, clip.")
+        except (ConfigError, OSError, ValueError, ImportError, KeyError) as e:
+            errors[name] = f"metrics=[{name}] could not be computed: {e}" if not str(e).startswith("metrics=") else str(e)
+        except Exception as e:  # noqa: BLE001 - the samples are saved; report instead of losing the run
+            user = False
+            errors[name] = f"metrics=[{name}] failed with {type(e).__name__}: {e}."
+    if errors:
+        raise MetricError(errors, user, out)
     return out
 
 
@@ -1006,7 +1147,9 @@ def summary_line(rec: dict) -> str:
     else:
         head = f"model={rec['model']} sampler={rec['sampler']} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
     sp = rec["speedup"]
+    scores = (f"  FID {rec['fid']:.3f}" if "fid" in rec else "") + (
+        f"  CLIP {rec['clip_score']:.2f} ± {rec.get('clip_score_sem', float('nan')):.2f}" if "clip_score" in rec else "")
     return (
-        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}  "
+        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}{scores}  "
         f"({rec['n_samples']} trajectories, {rec['wall_seconds']:.1f} s)"
     )

@@ -1,8 +1,13 @@
 """Saving generated images: uint8 conversion, a PNG grid to look at, per-image files and shards to score.
 
-Conventions (NVlabs/edm ``generate.py``): samples live in ``[-1, 1]``, channels first
-``[N, C, H, W]``; pixels are ``round-down(127.5 x + 128)`` clipped to ``[0, 255]``; stored arrays are
-channels last ``[N, H, W, C]`` uint8. Every image carries its *global index* (the trajectory id the
+The image convention, the one used at every boundary between a target and a metric (NVlabs/edm
+``generate.py``): a target's ``decode`` returns float images in ``[-1, 1]``, channels first
+``[N, C, H, W]``; pixels are ``round-down(127.5 x + 128)`` clipped to ``[0, 255]``
+(:func:`to_uint8`); stored arrays are channels last ``[N, H, W, C]`` uint8. Every metric
+(:mod:`specsamp.metrics.fid`, :mod:`specsamp.metrics.clip`) takes either those floats or uint8
+pixels and converts them with :func:`as_pixels`, so scoring images in memory and scoring the saved
+PNGs give the same numbers. Floats in ``[0, 1]`` (diffusers' ``output_type="pt"``) are not this
+convention: map them with ``2 x - 1`` first. Every image carries its *global index* (the trajectory id the
 sampler keys its randomness by), in its file name (``000123.png``) or next to it in a shard, so any
 subset can be regenerated from ``(seed, index)`` and scores can be paired image by image.
 
@@ -79,6 +84,40 @@ def _pixels(images) -> np.ndarray:
     if str(getattr(images, "dtype", "")) in ("uint8", "torch.uint8"):
         return _as_hwc_uint8(images)
     return _as_hwc_uint8(to_uint8(images))
+
+
+def as_pixels(images) -> np.ndarray:
+    """Images in the package's convention (module docstring) as uint8 ``[N, H, W, C]``: what metrics score.
+
+    Args:
+        images: uint8 ``[N, H, W, C]`` or ``[N, C, H, W]`` (``C`` in {1, 3, 4}; channels last when the
+            last axis could be either; a single image without the batch axis is accepted), or float ``[N, C, H, W]`` / ``[C, H, W]`` in ``[-1, 1]`` (tensor or
+            array), converted with :func:`to_uint8`.
+
+    Returns:
+        uint8 ``[N, H, W, C]`` numpy array.
+
+    Raises:
+        ValueError: floats outside ``[-1, 1]`` or not finite (e.g. ``[0, 255]`` pixels as floats, or raw
+            samples not passed through the target's ``decode``), a dtype other than uint8 or float, or a
+            shape without a channel axis of 1, 3 or 4 entries.
+    """
+    arr = images.detach().cpu().numpy() if hasattr(images, "detach") else np.asarray(images)
+    if arr.dtype == np.uint8:
+        if arr.ndim == 3:
+            arr = arr[None]
+        if arr.ndim == 4 and arr.shape[-1] not in (1, 3, 4) and arr.shape[1] in (1, 3, 4):
+            arr = np.ascontiguousarray(arr.transpose(0, 2, 3, 1))
+        return _as_hwc_uint8(arr)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"images of dtype {arr.dtype} are invalid: need uint8 pixels or floats in [-1, 1]")
+    if arr.size and (not np.isfinite(arr).all() or arr.min() < -1.0 or arr.max() > 1.0):
+        lo, hi = (float(np.nanmin(arr)), float(np.nanmax(arr))) if np.isfinite(arr).any() else (np.nan, np.nan)
+        raise ValueError(
+            f"float images span [{lo:.4g}, {hi:.4g}]: the image convention is floats in [-1, 1] "
+            f"(a target's decode output) or uint8 pixels; map [0, 1] floats with 2 x - 1"
+        )
+    return _as_hwc_uint8(to_uint8(arr))
 
 
 def _pil(img: np.ndarray):
@@ -272,19 +311,28 @@ def merge_shards(directory: str | os.PathLike, total: int, out: str | os.PathLik
     return images
 
 
-def load_images(source: str | os.PathLike, total: int | None = None) -> np.ndarray:
+def load_images(source: str | os.PathLike, total: int | None = None, indices=None) -> np.ndarray:
     """Load saved images as uint8 ``[N, H, W, C]`` ordered by global index.
 
     Args:
         source: a ``.npz`` with ``images`` (e.g. from :func:`merge_shards`), a folder of shards, or a
             folder of PNG files named by index (:func:`save_images`).
         total: for a shard folder, the number of images expected (default: up to the last shard).
+        indices: for a PNG folder, exactly these global indices, in this order (other files in the
+            folder are ignored); default every index-named PNG.
 
     Raises:
-        FileNotFoundError: nothing there; :class:`MissingShardsError` for gaps in a shard folder.
+        FileNotFoundError: nothing there, or a PNG of ``indices`` is missing; :class:`MissingShardsError`
+            for gaps in a shard folder.
         ValueError: PNGs of different sizes.
     """
     p = Path(source)
+    if indices is not None:
+        files = [p / image_name(int(i)) for i in indices]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} images are missing in {str(p)!r}: {', '.join(missing[:10])}")
+        return _stack_pngs(files, p)
     if p.is_file():
         with np.load(p) as z:
             return _as_hwc_uint8(z["images"])
@@ -294,14 +342,21 @@ def load_images(source: str | os.PathLike, total: int | None = None) -> np.ndarr
     if shards:
         n = total if total is not None else max(s + c for s, c, _ in shards)
         return merge_shards(p, n)
-    from PIL import Image
-
     files = sorted(f for f in p.iterdir() if f.suffix.lower() == ".png" and f.stem.isdigit())
     if not files:
         raise FileNotFoundError(f"no shards or index-named PNG files in {str(p)!r}")
     files.sort(key=lambda f: int(f.stem))
-    arrs = [np.asarray(Image.open(f)) for f in files]
+    return _stack_pngs(files, p)
+
+
+def _stack_pngs(files: list[Path], folder: Path) -> np.ndarray:
+    from PIL import Image
+
+    arrs = []
+    for f in files:
+        with Image.open(f) as im:
+            arrs.append(np.asarray(im))
     arrs = [a[..., None] if a.ndim == 2 else a for a in arrs]
     if len({a.shape for a in arrs}) > 1:
-        raise ValueError(f"PNG files in {str(p)!r} have different shapes")
+        raise ValueError(f"PNG files in {str(folder)!r} have different shapes")
     return np.stack(arrs)

@@ -176,3 +176,89 @@ def test_inception_path_with_local_weights(tmp_path):
     assert feats.shape == (4, 2048) and np.isfinite(feats).all()
     direct = net.eval()(torch.from_numpy(imgs).permute(0, 3, 1, 2))[0].double().numpy()
     np.testing.assert_allclose(feats, direct, rtol=1e-5, atol=1e-6)
+
+
+def test_low_rank_distance_equals_the_general_one():
+    """frechet_distance_to_features (N <= F: an [N, N] eigenproblem) equals frechet_distance of the
+    fitted statistics; seed 0, rel 1e-7 (the general path clips tiny negative eigenvalues)."""
+    from specsamp.metrics.fid import frechet_distance_to_features
+
+    g = np.random.default_rng(0)
+    for n, f in ((3, 12), (12, 12), (30, 12)):
+        x, a = g.normal(size=(n, f)), g.normal(size=(f, f))
+        mu2, s2 = g.normal(size=f), a @ a.T / f
+        st = feature_statistics(x)
+        assert frechet_distance_to_features(x, mu2, s2) == pytest.approx(frechet_distance(st.mu, st.sigma, mu2, s2), rel=1e-7)
+    with pytest.raises(ValueError, match="N >= 2"):
+        frechet_distance_to_features(np.zeros((1, 3)), np.zeros(3), np.eye(3))
+    with pytest.raises(ValueError, match="shapes"):
+        frechet_distance_to_features(np.zeros((2, 3)), np.zeros(2), np.eye(3))
+
+
+def test_extractor_from_a_config_string_an_instance_or_a_class(tmp_path):
+    """A config names an extractor by registered name or by ``package.module:Class``; instances,
+    classes and callables work from Python; bad names and layers are refused."""
+    from specsamp.metrics.fid import compute_statistics
+
+    imgs = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
+    want = tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy()
+    np.testing.assert_allclose(extract_features(imgs, "test_fid:TinyExtractor", device="cpu"), want, rtol=1e-12)
+    np.testing.assert_allclose(extract_features(imgs, TinyExtractor("specsamp-test-tiny", ["tiny"]), device="cpu"), want, rtol=1e-12)
+    st = compute_statistics(imgs, feature_extractor=TinyExtractor, device="cpu")
+    assert st.n == 5 and st.mu.shape == (8,)
+    gray = imgs[..., :1]  # one channel: repeated to three, as torch-fidelity expects
+    np.testing.assert_allclose(extract_features(gray, tiny_features, device="cpu"),
+                               tiny_features(torch.from_numpy(np.repeat(gray, 3, -1)).permute(0, 3, 1, 2)).numpy(), rtol=1e-12)
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        make_extractor("no_such_module:X", device="cpu")
+    with pytest.raises(ValueError, match="has no attribute 'Nope'"):
+        make_extractor("specsamp.images:Nope", device="cpu")
+    with pytest.raises(ValueError, match="feature_layer='nope'"):
+        make_extractor(TinyExtractor, "nope", device="cpu")
+
+    class Impostor(TinyExtractor):
+        NAME = "specsamp-test-tiny"
+
+    with pytest.raises(ValueError, match="already registered"):
+        make_extractor(Impostor, device="cpu")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        extract_features(imgs, TinyExtractor, device="cpu", batch_size=0)
+
+
+def test_compute_fid_references_and_saved_features(tmp_path, monkeypatch):
+    from specsamp.models.edm import CheckpointTrustError, file_sha256
+
+    imgs = np.random.default_rng(2).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    feats = tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy()
+    st = feature_statistics(feats)
+    kw = dict(feature_extractor=TinyExtractor, device="cpu")
+    res = compute_fid(imgs, st, save_features=tmp_path / "f.npz", **kw)
+    assert res["fid"] == pytest.approx(0.0, abs=1e-9) and res["reference"] == "Statistics"
+    with np.load(tmp_path / "f.npz") as z:
+        np.testing.assert_allclose(z["features"], feats, rtol=1e-12)
+    ref = st.save(tmp_path / "ref.npz")
+    good = compute_fid(imgs, ref, reference_sha256=file_sha256(ref), **kw)
+    assert good["fid"] == pytest.approx(0.0, abs=1e-9) and good["n_reference"] == 6
+    with pytest.raises(CheckpointTrustError, match="reference statistics"):
+        compute_fid(imgs, ref, reference_sha256="0" * 64, **kw)
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="cifar10-32x32.npz"):  # a name: statistics, not images
+        compute_fid(imgs, "cifar10-32x32", allow_download=False, **kw)
+    with pytest.raises(FileNotFoundError, match="missing.npz"):  # a missing .npz: statistics too
+        compute_fid(imgs, tmp_path / "missing.npz", **kw)
+    with pytest.raises(ValueError, match="feature dimension 8.*3"):
+        compute_fid(imgs, (np.zeros(3), np.eye(3)), **kw)
+
+
+def test_fid_command_line(tmp_path, capsys):
+    """``python -m specsamp.metrics.fid SAMPLES --ref REF --out JSON`` prints and writes the same dict."""
+    imgs = np.random.default_rng(3).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    save_images(imgs, tmp_path / "png")
+    ref = Statistics(np.zeros(8), np.eye(8) * 0.01, 10).save(tmp_path / "ref.npz")
+    assert fid_mod.main([str(tmp_path / "png"), "--ref", str(ref), "--extractor", "test_fid:TinyExtractor",
+                         "--device", "cpu", "--batch", "4", "--out", str(tmp_path / "fid.json")]) == 0
+    import json
+
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((tmp_path / "fid.json").read_text())
+    assert isinstance(printed["fid"], float) and printed["n_samples"] == 6 and printed["feature_layer"] == "tiny"

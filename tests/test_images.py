@@ -88,3 +88,77 @@ def test_shard_errors(tmp_path):
     save_shard(tmp_path / "a", 1, _samples(2, seed=3))  # overlaps index 1 with other pixels
     with pytest.raises(ValueError, match="overlaps"):
         merge_shards(tmp_path / "a", 3)
+
+
+def test_as_pixels_is_the_one_convention_at_the_metric_boundary():
+    """Floats in [-1, 1] (a target's decode output) or uint8 pixels in either layout; anything else is
+    refused instead of being scored as something it is not."""
+    from specsamp.images import as_pixels
+
+    x = _samples(3, hw=6).clamp(-1, 1)
+    u = to_uint8(x)
+    np.testing.assert_array_equal(as_pixels(x), u)
+    np.testing.assert_array_equal(as_pixels(x.double().numpy()), u)
+    np.testing.assert_array_equal(as_pixels(u), u)  # channels last
+    np.testing.assert_array_equal(as_pixels(torch.from_numpy(u).permute(0, 3, 1, 2)), u)  # channels first
+    np.testing.assert_array_equal(as_pixels(u[0]), u[:1])
+    # the inverse map of the convention reproduces the pixels exactly
+    np.testing.assert_array_equal(as_pixels(torch.from_numpy(u).permute(0, 3, 1, 2).float() / 127.5 - 1), u)
+    with pytest.raises(ValueError, match=r"span \[0, 255\].*\[-1, 1\]"):
+        as_pixels(torch.from_numpy(u).permute(0, 3, 1, 2).float())  # pixels as floats
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        as_pixels(_samples(2))  # raw samples outside [-1, 1], not passed through decode
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        as_pixels(torch.full((1, 3, 2, 2), float("nan")))
+    with pytest.raises(ValueError, match="dtype int64"):
+        as_pixels(np.zeros((1, 2, 2, 3), dtype=np.int64))
+
+
+def test_image_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="expected \\[N, C, H, W\\]"):
+        to_uint8(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="convert with to_uint8"):
+        make_grid(np.zeros((1, 2, 2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="expected uint8 \\[N, H, W, C\\]"):
+        make_grid(np.zeros((1, 2, 2, 5), dtype=np.uint8))
+    assert make_grid(np.zeros((2, 2, 3), dtype=np.uint8)).shape == (2, 2, 3)  # one image, no batch axis
+    with pytest.raises(ValueError, match="nrow=0"):
+        make_grid(np.zeros((2, 2, 2, 3), dtype=np.uint8), nrow=0)
+    with pytest.raises(ValueError, match="indices has 1 entries for 2 images"):
+        save_images(_samples(2), tmp_path / "x", indices=[0])
+    assert list_shards(tmp_path / "nothing") == []
+    with pytest.raises(FileNotFoundError, match="no images at"):
+        load_images(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no shards or index-named PNG"):
+        load_images(tmp_path / "empty")
+    save_images(_samples(1, hw=4), tmp_path / "mixed")
+    save_images(_samples(1, hw=6), tmp_path / "mixed", start_index=1)
+    with pytest.raises(ValueError, match="different shapes"):
+        load_images(tmp_path / "mixed")
+    gray = np.zeros((1, 3, 3, 1), dtype=np.uint8)
+    save_images(gray, tmp_path / "gray")
+    assert load_images(tmp_path / "gray").shape == (1, 3, 3, 1)
+
+
+def test_merge_shards_checks_names_and_shapes(tmp_path):
+    d = tmp_path / "s"
+    save_shard(d, 0, _samples(2))
+    save_shard(d, 5, _samples(1))  # beyond total=2: ignored
+    assert merge_shards(d, 2).shape == (2, 4, 4, 3)
+    (d / shard_name(2, 3)).write_bytes((d / shard_name(0, 2)).read_bytes())  # contents disagree with the name
+    with pytest.raises(ValueError, match="its name says 3 from 2"):
+        merge_shards(d, 5)
+    e = tmp_path / "t"
+    save_shard(e, 0, _samples(1, hw=4))
+    save_shard(e, 1, _samples(1, hw=6))
+    with pytest.raises(ValueError, match="has images of shape"):
+        merge_shards(e, 2)
+
+
+def test_load_images_by_indices(tmp_path):
+    u = to_uint8(_samples(4))
+    save_images(u, tmp_path / "png", start_index=10)
+    np.testing.assert_array_equal(load_images(tmp_path / "png", indices=[12, 10]), u[[2, 0]])
+    with pytest.raises(FileNotFoundError, match="1 images are missing.*000014.png"):
+        load_images(tmp_path / "png", indices=[13, 14])

@@ -1,6 +1,8 @@
 """`python run.py model=cifar10 ...` end to end on a tiny network pickled in NVIDIA's persistence format.
 
 No download: the pickle is written by the test (tests/test_edm.py's writer), its SHA-256 configured.
+FID runs through torch-fidelity's real Inception graph with a small random weights file at the real
+file name in a private torch hub cache (tests/tiny_weights.py), against a ``model.fid_ref`` ``.npz``.
 """
 
 import json
@@ -33,8 +35,8 @@ def checkpoint(tmp_path_factory):
     return path, sha
 
 
-def run(tmp_path, *args):
-    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
+def run(tmp_path, *args, **env_extra):
+    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", **env_extra)
     cmd = [sys.executable, str(ROOT / "run.py"), "model=cifar10", "steps=5", "n_samples=6", "K=2", "L=2",
            "device=cpu", f"hydra.run.dir={tmp_path}", *args]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
@@ -74,3 +76,254 @@ def test_missing_checkpoint_names_url_and_path(tmp_path):
     assert p.returncode == 2, p.stderr
     assert "edm-cifar10-32x32-cond-vp.pkl" in p.stderr and str(tmp_path / "cache") in p.stderr
     assert "Traceback" not in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics=[fid]: the record first, then the score; a scoring failure loses nothing
+
+
+@pytest.fixture(scope="module")
+def torch_home(tmp_path_factory):
+    from tiny_weights import write_tiny_inception
+
+    home = tmp_path_factory.mktemp("torch-home")
+    write_tiny_inception(home)
+    return home
+
+
+@pytest.fixture(scope="module")
+def fid_ref(tmp_path_factory):
+    """Reference statistics in EDM's format: mu [2048], sigma [2048, 2048]."""
+    import numpy as np
+
+    from specsamp.metrics.fid import Statistics
+
+    g = np.random.default_rng(0)
+    a = g.normal(size=(2048, 8)) * 0.01
+    return Statistics(mu=g.normal(size=2048) * 0.01, sigma=a @ a.T, n=8).save(tmp_path_factory.mktemp("ref") / "ref.npz")
+
+
+@pytest.fixture(scope="module")
+def fid_run(tmp_path_factory, checkpoint, torch_home, fid_ref):
+    path, sha = checkpoint
+    out = tmp_path_factory.mktemp("fid-run")
+    p = run(out, "sampler=dgrs", f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]",
+            f"model.fid_ref={fid_ref}", "n_samples=4", TORCH_HOME=str(torch_home))
+    return out, p
+
+
+def test_fid_metric_through_runner_is_a_float_in_the_record(fid_run, torch_home, fid_ref, monkeypatch):
+    out, p = fid_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    rec = json.loads((out / "result.json").read_text())
+    assert isinstance(rec["fid"], float) and isinstance(rec["metrics"]["fid"], float)
+    assert rec["metrics"]["fid_detail"]["n_samples"] == 4
+    assert rec["metrics"]["fid_detail"]["feature_extractor"] == "inception-v3-compat"
+    assert f"FID {rec['fid']:.3f}" in p.stdout  # printed on the summary line
+    # the same number from the saved PNGs, scored here with the same weights file
+    from specsamp.metrics.fid import compute_fid
+
+    monkeypatch.setenv("TORCH_HOME", str(torch_home))
+    again = compute_fid(out / "images", fid_ref, device="cpu", allow_download=False)
+    assert again["fid"] == pytest.approx(rec["fid"], rel=1e-6)
+
+
+def test_pixel_fid_command_fills_the_table_with_a_float(fid_run, torch_home, fid_ref, tmp_path, monkeypatch, capsys):
+    import pandas as pd
+
+    from experiments import pixel
+
+    out, p = fid_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    monkeypatch.setenv("TORCH_HOME", str(torch_home))
+    table = tmp_path / "fid.csv"
+    assert pixel.main(["fid", "--dataset", "cifar10", "--sampler", "dgrs", "--images", str(out / "images"),
+                       "--ref", str(fid_ref), "--device", "cpu", "--table", str(table)]) == 0
+    df = pd.read_csv(table)
+    row = df[(df["dataset"] == "cifar10") & (df["sampler"] == "dgrs")].iloc[0]
+    rec = json.loads((out / "result.json").read_text())
+    assert row["fid"] == pytest.approx(rec["fid"], rel=1e-5) and row["fid_paper"] == 1.824
+    assert df["fid"].isna().sum() == len(df) - 1
+    # a missing images folder: one line, exit 2, the table untouched
+    before = table.read_bytes()
+    assert pixel.main(["fid", "--sampler", "rmc", "--images", str(tmp_path / "none"), "--ref", str(fid_ref),
+                       "--table", str(table)]) == 2
+    assert "no images at" in capsys.readouterr().err and table.read_bytes() == before
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=["model=cifar10", "steps=5", "n_samples=3", "K=2", "L=2",
+                                                        "device=cpu", "progress=false", *overrides])
+
+
+@pytest.mark.parametrize("case", ["missing-weights", "broken-extractor", "bad-reference"])
+def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_ref, monkeypatch, capsys, case):
+    """The runner's task in process (Hydra compose + run_task): sampling finishes, the record and the
+    PNGs are written, then the scoring error is one paragraph: exit 2 for what the user can fix
+    (weights absent offline, a reference of the wrong dimension), 1 for a failure inside the scorer."""
+    from specsamp.cli import run_task
+
+    path, sha = checkpoint
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty-torch-home"))
+    monkeypatch.setenv("SPECSAMP_OFFLINE", "1")
+    ref = fid_ref
+    extra = []
+    if case == "broken-extractor":  # a callable that is no feature extractor: fails inside torch-fidelity
+        extra = ["model.fid_extractor=builtins:len"]
+    if case == "bad-reference":
+        import numpy as np
+
+        from tiny_weights import write_tiny_inception
+
+        ref = tmp_path / "ref3.npz"  # 3-d statistics against 2048-d features
+        np.savez(ref, mu=np.zeros(3), sigma=np.eye(3))
+        write_tiny_inception(tmp_path / "empty-torch-home")
+    cfg = _compose(f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]", f"model.fid_ref={ref}", *extra)
+    with pytest.raises(SystemExit) as e:
+        run_task(cfg)
+    err = capsys.readouterr()
+    assert e.value.code == (1 if case == "broken-extractor" else 2)
+    assert "Traceback" not in err.err and err.err.count("\n") == 1 and err.err.startswith("error: metrics=[fid]")
+    assert str(tmp_path) in err.err  # says where the samples are
+    assert err.out.startswith("model=edm-cifar10-32x32-cond-vp sampler=dgrs")  # the summary line came first
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert rec["status"] == "ok" and rec["n_samples"] == 3 and "fid" not in rec and rec["metrics_error"]
+    assert {"missing-weights": "Inception weights", "broken-extractor": "AttributeError",
+            "bad-reference": "feature dimension"}[case] in rec["metrics_error"]
+    assert sorted(f.name for f in (tmp_path / "images").iterdir()) == [f"{i:06d}.png" for i in range(3)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the image convention, per target
+
+
+def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monkeypatch):
+    """EDM's decode gives floats in [-1, 1]; the saved PNGs are exactly their pixels; the metrics take
+    the decoded tensors and the saved files alike (same features)."""
+    import numpy as np
+
+    from specsamp.experiment import run_config, save_images
+    from specsamp.images import as_pixels, load_images
+    from specsamp.metrics.fid import extract_features
+
+    path, sha = checkpoint
+    record, res = run_config(_compose(f"model.path={path}", f"model.sha256={sha}"))
+    decoded = res.extra["target"].decode(res.samples)
+    assert decoded.dtype == torch.float32 and decoded.shape == (3, 3, 4, 4)
+    assert float(decoded.min()) >= -1 and float(decoded.max()) <= 1
+    images = save_images(res, tmp_path)
+    np.testing.assert_array_equal(load_images(images), as_pixels(decoded))
+
+    def feats(x):
+        return x.double().mean(dim=(2, 3))
+
+    np.testing.assert_array_equal(extract_features(decoded, feats, device="cpu"), extract_features(images, feats, device="cpu"))
+
+
+def test_gmm_target_has_no_images_and_refuses_metrics(tmp_path, monkeypatch, capsys):
+    """The GMM target is not an image model: no decode, no images written, and metrics are refused up front."""
+    from hydra import compose, initialize_config_dir
+
+    from specsamp.cli import run_task
+    from specsamp.experiment import run_config, save_images
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "steps=4", "progress=false"])
+        bad = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "metrics=[fid]"])
+    from specsamp.cli import prepare
+
+    _, res = run_config(prepare(cfg)[0])
+    assert res.extra["target"].decode is None and save_images(res, tmp_path) is None
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(bad)
+    assert e.value.code == 2 and "fid and clip score images" in capsys.readouterr().err
+    assert not (tmp_path / "result.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# trusted checkpoints that cannot be unpickled: one paragraph, exit 2
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "zip"])
+def test_broken_trusted_checkpoint_is_one_paragraph(tmp_path, checkpoint, monkeypatch, capsys, kind):
+    from specsamp.cli import run_task
+
+    path, _ = checkpoint
+    bad = tmp_path / f"{kind}.pkl"
+    if kind == "empty":
+        bad.write_bytes(b"")
+    elif kind == "truncated":
+        bad.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        torch.save({"ema": torch.zeros(2)}, bad)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(_compose(f"model.path={bad}", "model.trust_checkpoint=true"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert str(bad) in err and {"empty": "is empty", "truncated": "truncated", "zip": "zip archive"}[kind] in err
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_checkpoint_refusal_names_the_real_overrides(tmp_path, checkpoint, monkeypatch, capsys):
+    from specsamp.cli import run_task
+
+    path, sha = checkpoint
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        run_task(_compose(f"model.path={path}"))
+    err = capsys.readouterr().err
+    assert f"model.sha256={sha}" in err and "model.trust_checkpoint=true" in err
+    with pytest.raises(SystemExit):
+        run_task(_compose(f"model.path={path}", "model.sha256=" + "0" * 64))
+    assert "model.trust_checkpoint=true" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a string is not a yes: trust is a boolean
+        run_task(_compose(f"model.path={path}", "model.trust_checkpoint=no"))
+    assert "model.trust_checkpoint='no' is invalid" in capsys.readouterr().err
+
+
+def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
+    """A stale PNG left in the run's folder (another index, another size) is not scored: the metrics
+    read the files of this run's indices."""
+    import numpy as np
+
+    from specsamp.experiment import compute_metrics, run_config, save_images
+    from specsamp.images import as_pixels, save_images as save_pngs
+    from specsamp.metrics.fid import Statistics
+
+    path, sha = checkpoint
+    _, res = run_config(_compose(f"model.path={path}", f"model.sha256={sha}"))
+    images = save_images(res, tmp_path)
+    save_pngs(np.zeros((1, 9, 9, 3), np.uint8), images, start_index=99)
+
+    def feats(x):
+        return x.double().mean(dim=(2, 3))
+
+    target = res.extra["target"]
+    target.fid = {"feature_extractor": feats}
+    target.fid_ref = Statistics(np.zeros(3), np.eye(3))
+    out = compute_metrics(["fid"], res, images, {"device": "cpu", "model": {"name": "tiny"}})
+    f = feats(torch.from_numpy(as_pixels(target.decode(res.samples))).permute(0, 3, 1, 2)).numpy()
+    from specsamp.metrics.fid import frechet_distance_to_features
+
+    assert out["fid"] == pytest.approx(frechet_distance_to_features(f, np.zeros(3), np.eye(3)), rel=1e-12)
+    assert out["fid_detail"]["n_samples"] == 3
+
+
+@pytest.mark.parametrize("metric,need", [("clip", "prompts"), ("fid", "model.fid_ref")])
+def test_metric_the_model_cannot_serve_is_refused_before_sampling(tmp_path, checkpoint, monkeypatch, capsys, metric, need):
+    from specsamp.cli import run_task
+
+    path, sha = checkpoint
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(_compose(f"model.path={path}", f"model.sha256={sha}", f"metrics=[{metric}]", "model.fid_ref=null"))
+    err = capsys.readouterr()
+    assert e.value.code == 2 and f"metrics=[{metric}] is invalid" in err.err and need in err.err
+    assert err.out == "" and not (tmp_path / "result.json").exists()  # nothing sampled

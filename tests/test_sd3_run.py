@@ -101,6 +101,12 @@ class Runs:
             return [self.model, f"sampler={name}", "save_samples=true"]
         if name == "clip":
             return [self.model, "sampler=dgrs", "metrics=[clip]"]
+        if name == "clip_ok":  # a small open_clip model folder (config + random weights), open_clip's local-dir:
+            from tiny_weights import write_tiny_clip
+
+            weights = write_tiny_clip(self.root / "tiny-clip", quick_gelu=True)
+            return [self.model, "sampler=dgrs", "metrics=[clip]", f"model.clip.model=local-dir:{weights.parent}",
+                    "save_samples=true"]
         if name == "missing":
             return [f"model.model_id={self.root / 'no-such-dir'}"]
         raise KeyError(name)
@@ -132,6 +138,8 @@ def _selected_runs(session) -> set[str]:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "sampler" in params:
             names.add(params["sampler"])
+        elif "clip_score_through_runner" in item.name:
+            names.add("clip_ok")
         elif "clip" in item.name:
             names.add("clip")
         elif "missing" in item.name:
@@ -199,6 +207,36 @@ def test_clip_metric_offline_exits_2_but_keeps_record_and_images(runs):
     assert rec["status"] == "ok" and "CLIP weights" in rec["metrics_error"] and "clip_score" not in rec
     assert sorted(f.name for f in (r.out / "images").iterdir()) == [f"{i:06d}.png" for i in range(N)]
     assert (r.out / "grid.png").is_file()
+
+
+def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch):
+    """`run.py model=sd3 ... 'metrics=[clip]'` with a small open_clip model: the SD3 target's images
+    ([-1, 1] floats, the package's one convention) are scored, per image, and the scores equal those of
+    the saved PNGs and of the decoded tensors scored in memory."""
+    import numpy as np
+
+    from specsamp.experiment import build_target
+    from specsamp.images import as_pixels, load_images
+    from specsamp.metrics.clip import clip_scores, load_clip
+    from specsamp.prompts import demo_prompts
+
+    r = runs["clip_ok"]
+    p = r.result()
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    rec = json.loads((r.out / "result.json").read_text())
+    assert rec["status"] == "ok" and "metrics_error" not in rec
+    assert isinstance(rec["clip_score"], float) and len(rec["metrics"]["clip_scores"]) == N
+    assert f"CLIP {rec['clip_score']:.2f}" in p.stdout
+    model, pre, tok = load_clip(f"local-dir:{r.out.parent / 'tiny-clip'}")
+    kw = dict(model=model, preprocess=pre, tokenizer=tok)
+    pngs = load_images(r.out / "images")
+    np.testing.assert_allclose(clip_scores(pngs, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    decoded = build_target(_compose(f"model.model_id={sd3_dir}")["model"], "cpu").decode(torch.load(r.out / "samples.pt"))
+    assert decoded.dtype == torch.float32 and decoded.min() >= -1 and decoded.max() <= 1 and decoded.min() < 0
+    np.testing.assert_array_equal(as_pixels(decoded), pngs)
+    np.testing.assert_allclose(clip_scores(decoded, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,3 +335,34 @@ def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
     torch.testing.assert_close(m.pooled_prompt_embeds, pp)
     torch.testing.assert_close(m.negative_prompt_embeds.expand_as(ne), ne)
     torch.testing.assert_close(m.negative_pooled_prompt_embeds.expand_as(npool), npool)
+
+
+def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
+    """conf/model/sd3.yaml's max_batch (states per transformer forward) splits every batched call; the
+    top-level max_batch, when set, wins. Before, the model's value was validated and then dropped."""
+    from specsamp.experiment import Target, build_target, run_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rows = {}
+    for label, overrides in (("model=1", ["model.max_batch=1"]), ("model=null", ["model.max_batch=null"]),
+                             ("top=1", ["model.max_batch=null", "max_batch=1"])):
+        cfg = _compose(f"model.model_id={sd3_dir}", *overrides)
+        built = build_target(cfg["model"], "cpu")
+        seen = []
+        inner = built.model
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def __call__(self, x, sigma, **cond):
+                seen.append(x.shape[0])
+                return inner(x, sigma, **cond)
+
+        target = Target(Spy(), cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for,
+                        max_batch=built.max_batch)
+        _, res = run_config(cfg, target=target)
+        rows[label] = (max(seen), res.extra["max_batch"])
+    assert rows["model=1"] == (1, 1)
+    assert rows["model=null"][0] > 1 and rows["model=null"][1] is None
+    assert rows["top=1"] == (1, 1)

@@ -2,11 +2,23 @@
 
 - :mod:`specsamp.metrics.fid`: Frechet Inception Distance with torch-fidelity's extractors
   (:func:`~specsamp.metrics.fid.compute_fid`, :func:`~specsamp.metrics.fid.frechet_distance`).
+- :mod:`specsamp.metrics.clip`: per-image CLIP scores with open_clip (paper section 5.3).
 
-Optional dependencies (torch-fidelity) are imported only when a metric is computed.
+Both take images in the package's one convention (:func:`specsamp.images.as_pixels`: uint8 pixels or
+floats in ``[-1, 1]``). Optional dependencies (torch-fidelity, open_clip) are imported only when a
+metric is computed.
 """
 
-from .fid import REFERENCE_STATS, Statistics, compute_fid, extract_features, feature_statistics, frechet_distance, load_statistics
+from .fid import (
+    REFERENCE_STATS,
+    Statistics,
+    compute_fid,
+    extract_features,
+    feature_statistics,
+    frechet_distance,
+    frechet_distance_to_features,
+    load_statistics,
+)
 
 __all__ = [
     "REFERENCE_STATS",
@@ -15,5 +27,6 @@ __all__ = [
     "extract_features",
     "feature_statistics",
     "frechet_distance",
+    "frechet_distance_to_features",
     "load_statistics",
 ]

@@ -10,8 +10,10 @@ a silently different network (and different scores). :func:`load_clip` refuses t
 Scores are per image, so two sampling rules run on the same (prompt, noise) pairs
 (:mod:`specsamp.prompts`) can be compared pairwise (:func:`paired_difference`, :func:`compare_rules`);
 Table 1 reports the mean and the standard error of the mean over the 100 prompts
-(:func:`summarize`). Images are quantised to uint8 before scoring, so scoring tensors in memory and
-scoring the saved PNGs give the same numbers.
+(:func:`summarize`). Images follow the package's one convention (:mod:`specsamp.images`): uint8
+pixels, or floats in ``[-1, 1]`` quantised with :func:`specsamp.images.to_uint8` before scoring, so
+scoring a target's decoded tensors in memory and scoring the PNGs the runner saved give the same
+numbers.
 """
 
 from __future__ import annotations
@@ -74,11 +76,95 @@ def _cached_weights(tag_cfg: Mapping, cache_dir: str | None) -> str | None:
     return None
 
 
+def _hub_repo_of(path: str) -> str | None:
+    """``org/name`` when ``path`` lies in a Hugging Face cache folder ``models--org--name/``."""
+    for part in reversed(os.path.normpath(os.path.abspath(path)).split(os.sep)):
+        if part.startswith("models--") and part.count("--") >= 2:
+            return "/".join(part[len("models--"):].split("--", 1))
+    return None
+
+
+def checkpoint_activation(path: str | os.PathLike) -> tuple[bool | None, str]:
+    """Whether a CLIP weights file was trained with QuickGELU, as far as the file itself tells.
+
+    A state dict holds no activation, so this looks at what surrounds the weights, in order:
+
+    1. a TorchScript archive (a zip with ``code/`` and ``constants.pkl``): OpenAI's own release
+       format, and OpenAI trained every CLIP with QuickGELU;
+    2. an ``open_clip_config.json`` beside the file (the layout open_clip and the hub repositories
+       use): its ``quick_gelu``;
+    3. a Hugging Face cache folder ``models--org--name/``: the ``quick_gelu`` of the open_clip
+       pretrained tags served from that repository (e.g. ``timm/vit_large_patch14_clip_224.openai``).
+
+    Returns:
+        ``(quick_gelu, how)``: True/False and where that came from, or ``(None, "")`` when the file
+        does not tell.
+    """
+    import json
+    import zipfile
+
+    import open_clip
+
+    path = os.fspath(path)
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+        if any(n.endswith("constants.pkl") for n in names) and any("/code/" in n for n in names):
+            return True, "it is a TorchScript archive, OpenAI's release format (OpenAI trained CLIP with QuickGELU)"
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(path)), "open_clip_config.json")
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+            cfg = cfg.get("model_cfg", cfg)
+            return bool(cfg.get("quick_gelu", False)), f"{cfg_path} says quick_gelu={bool(cfg.get('quick_gelu', False))}"
+        except (OSError, ValueError, AttributeError):
+            pass
+    repo = _hub_repo_of(path)
+    if repo is not None:
+        flags = set()
+        for name, tag in open_clip.list_pretrained():
+            hub = open_clip.get_pretrained_cfg(name, tag).get("hf_hub", "")
+            if hub.rstrip("/") == repo or hub.startswith(repo + "/"):
+                flags.add(bool(open_clip.get_pretrained_cfg(name, tag).get("quick_gelu", False)))
+        if len(flags) == 1:
+            quick = flags.pop()
+            return quick, f"it comes from the hub repository {repo}, whose open_clip tags have quick_gelu={quick}"
+    return None, ""
+
+
+def _check_file_activation(model_name: str, quick: bool, path: str, stated: bool | None) -> None:
+    """Refuse a weights file whose training activation differs from the model config's, or is unknown."""
+    detected, how = checkpoint_activation(path)
+    if detected is not None and stated is not None and detected != stated:
+        raise ValueError(
+            f"quick_gelu={stated} contradicts the checkpoint {path!r}: {how}. Drop quick_gelu or fix the file."
+        )
+    trained = detected if detected is not None else stated
+    if trained is None:
+        raise ValueError(
+            f"checkpoint={path!r} is refused: a state dict does not say which activation its CLIP was trained "
+            f"with, and a GELU network loaded with QuickGELU-trained weights (or the reverse) scores silently "
+            f"differently (OpenAI's ViT-L/14: 0.404 instead of 0.338 on the same images). State it: "
+            f"quick_gelu=true for OpenAI's weights, false for GELU-trained ones (LAION, DataComp, ...); or keep "
+            f"the file beside its open_clip_config.json."
+        )
+    if trained != quick:
+        other = model_name.removesuffix("-quickgelu") if quick else model_name + "-quickgelu"
+        why = how or f"quick_gelu={stated} was stated"
+        raise ValueError(
+            f"model_name={model_name!r} with checkpoint={path!r} is refused: {model_name!r} builds "
+            f"{'QuickGELU' if quick else 'GELU'} blocks but {why}; the scores would silently differ. Use "
+            f"model_name={other!r}."
+        )
+
+
 def load_clip(
     model_name: str = DEFAULT_MODEL,
     pretrained: str | None = DEFAULT_PRETRAINED,
     *,
     checkpoint: str | os.PathLike | None = None,
+    quick_gelu: bool | None = None,
     cache_dir: str | None = None,
     device: str | torch.device = "cpu",
     local_files_only: bool | None = None,
@@ -95,11 +181,23 @@ def load_clip(
     ``local_files_only=True``, or (``None``) ``HF_HUB_OFFLINE=1`` or a hub that does not answer a 3 s
     TCP probe, in which case the error comes at once instead of after minutes of retries.
 
+    A weights file carries no activation, so the file route checks it as the tag route does: the
+    activation the file was trained with is read from the file's surroundings
+    (:func:`checkpoint_activation`) or from ``quick_gelu``, and a file for which neither tells, or
+    that disagrees with ``model_name``'s config, is refused. Refusing rather than guessing: the wrong
+    activation loads without any error and moves every score (0.338 vs 0.404 for OpenAI's ViT-L/14),
+    so only a stated or detectable activation is accepted.
+
+    ``model_name`` may also be open_clip's ``local-dir:/path`` (a folder holding
+    ``open_clip_config.json`` and the weights: the config states the activation) or ``hf-hub:org/repo``.
+
     Args:
-        model_name: open_clip model config name.
-        pretrained: open_clip pretrained tag (ignored when ``checkpoint`` is given; None with no
-            checkpoint = random init, for tests).
+        model_name: open_clip model config name (or ``local-dir:`` / ``hf-hub:`` location).
+        pretrained: open_clip pretrained tag (ignored when ``checkpoint`` is given or the name has a
+            ``local-dir:``/``hf-hub:`` schema; None with no checkpoint = random init, for tests).
         checkpoint: local weights file.
+        quick_gelu: whether ``checkpoint`` was trained with QuickGELU, when the file does not tell
+            (None: it must tell, see above).
         cache_dir: download/cache directory.
         device: model device.
         local_files_only: True = never download, False = may download, None = auto (see above).
@@ -110,20 +208,33 @@ def load_clip(
         ``tokenizer`` maps a list of strings to ``[n, 77]`` int64 tokens (truncating long prompts).
 
     Raises:
-        ValueError: an unknown model name or tag, or ``ViT-L-14`` with OpenAI (QuickGELU) weights.
-        FileNotFoundError: ``checkpoint`` does not exist.
+        ValueError: an unknown model name or tag; ``ViT-L-14`` with OpenAI (QuickGELU) weights, by
+            tag or by file; a file whose training activation is unknown and not stated.
+        FileNotFoundError: ``checkpoint`` (or a ``local-dir:`` folder) does not exist.
         CLIPUnavailableError: the weights are not cached and cannot be downloaded.
     """
     import open_clip
 
-    if open_clip.get_model_config(model_name) is None:
+    schema = model_name.startswith(("local-dir:", "hf-hub:"))
+    if schema and checkpoint is None:
+        if model_name.startswith("local-dir:") and not os.path.isfile(os.path.join(model_name[len("local-dir:"):], "open_clip_config.json")):
+            raise FileNotFoundError(f"model_name={model_name!r}: no open_clip_config.json in that folder (open_clip's local-dir layout)")
+        try:
+            model, _, preprocess = open_clip.create_model_and_transforms(model_name, device=device)
+            tokenizer = open_clip.get_tokenizer(model_name)
+        except (OSError, ValueError) as e:
+            raise CLIPUnavailableError(f"could not load CLIP {model_name!r}: {e}") from e
+        return model.eval(), preprocess, tokenizer
+    config = open_clip.get_model_config(model_name)
+    if config is None:
         raise ValueError(f"model_name={model_name!r} is not an open_clip model; e.g. {DEFAULT_MODEL!r} (see open_clip.list_models())")
-    quick = bool(open_clip.get_model_config(model_name).get("quick_gelu", False))
+    quick = bool(config.get("quick_gelu", False))
     tag_cfg = {}
     if checkpoint is not None:
         path = os.fspath(os.path.expanduser(os.fspath(checkpoint)))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"checkpoint={os.fspath(checkpoint)!r} does not exist (expected a local open_clip weights file)")
+        _check_file_activation(model_name, quick, path, quick_gelu)
     elif pretrained:
         tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
         if not tag_cfg:
@@ -136,6 +247,11 @@ def load_clip(
                 f"model_name={model_name!r} with pretrained={pretrained!r} is refused: those weights were trained "
                 f"with QuickGELU but {model_name!r} builds GELU blocks (silently different scores); use "
                 f"{model_name + '-quickgelu'!r}"
+            )
+        if quick_gelu is not None and bool(tag_cfg.get("quick_gelu", False)) != bool(quick_gelu):
+            raise ValueError(
+                f"quick_gelu={quick_gelu} contradicts pretrained={pretrained!r}, whose weights were trained with "
+                f"quick_gelu={bool(tag_cfg.get('quick_gelu', False))}; drop quick_gelu"
             )
         path = _cached_weights(tag_cfg, cache_dir)
         if path is None:
@@ -178,21 +294,17 @@ def _to_pil_list(images) -> list:
     """Images as a list of RGB PIL images (uint8-quantised)."""
     from PIL import Image
 
+    from ..images import as_pixels
+
     if isinstance(images, (list, tuple)) and images and isinstance(images[0], Image.Image):
         return [im.convert("RGB") for im in images]
-    arr = images.detach().cpu() if isinstance(images, torch.Tensor) else torch.as_tensor(np.asarray(images))
-    if arr.ndim != 4:
-        raise ValueError(f"images has shape {tuple(arr.shape)}: expected [n, 3, H, W] or [n, H, W, 3], or a list of PIL images")
-    if arr.shape[1] != 3 and arr.shape[-1] == 3:
-        arr = arr.permute(0, 3, 1, 2)
-    if arr.shape[1] != 3:
-        raise ValueError(f"images has shape {tuple(arr.shape)}: expected 3 colour channels")
-    if arr.dtype != torch.uint8:
-        arr = arr.float()
-        if float(arr.min()) < 0 or float(arr.max()) > 1:
-            raise ValueError("float images must lie in [0, 1] (or pass uint8)")
-        arr = (arr * 255).round().clamp(0, 255).to(torch.uint8)
-    return [Image.fromarray(a.permute(1, 2, 0).numpy()) for a in arr]
+    shape = tuple(getattr(images, "shape", np.shape(images)))
+    if len(shape) != 4:
+        raise ValueError(f"images has shape {shape}: expected [n, 3, H, W] or [n, H, W, 3], or a list of PIL images")
+    arr = as_pixels(images)
+    if arr.shape[-1] != 3:
+        raise ValueError(f"images has shape {shape}: expected 3 colour channels")
+    return [Image.fromarray(a) for a in arr]
 
 
 def scores_from_embeddings(image_emb: torch.Tensor, text_emb: torch.Tensor) -> np.ndarray:
@@ -223,8 +335,9 @@ def clip_scores(
     """Per-image CLIP scores ``max(100 cos(E_img(image_i), E_txt(prompt_i)), 0)``.
 
     Args:
-        images: ``[n, 3, H, W]`` (or ``[n, H, W, 3]``) uint8, or floats in ``[0, 1]`` (quantised to uint8
-            first, as a saved PNG would be), or a list of PIL images.
+        images: ``[n, 3, H, W]`` (or ``[n, H, W, 3]``) uint8, floats ``[n, 3, H, W]`` in ``[-1, 1]`` (a
+            target's decoded images, quantised to uint8 first exactly as the saved PNG is:
+            :func:`specsamp.images.as_pixels`), or a list of PIL images.
         prompts: ``n`` strings, ``prompts[i]`` belonging to image ``i``.
         model: open_clip model (``encode_image``, ``encode_text``), e.g. from :func:`load_clip`.
         preprocess: PIL image -> ``[3, s, s]`` tensor (the model's eval transform).

@@ -98,6 +98,37 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     return float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_covmean)
 
 
+def frechet_distance_to_features(features, mu2, sigma2) -> float:
+    """:func:`frechet_distance` between the Gaussian fitted to ``features [N, F]`` and ``N(mu2, sigma2)``.
+
+    Exact, and cheap when ``N <= F``: with ``X`` the centred features, ``sigma1 = X^T X / (N - 1)``, and
+    ``sigma1 sigma2`` has the nonzero eigenvalues of the ``[N, N]`` matrix ``X sigma2 X^T / (N - 1)``
+    (``AB`` and ``BA`` share them), so no ``[F, F]`` eigenproblem is solved. With ``N > F`` this is
+    :func:`frechet_distance` of :func:`feature_statistics`.
+
+    Raises:
+        ValueError: not ``[N, F]`` with ``N >= 2``, or shapes that do not match.
+    """
+    x = np.asarray(features.cpu() if hasattr(features, "cpu") else features, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise ValueError(f"features of shape {x.shape} are invalid: need [N, F] with N >= 2")
+    n, f = x.shape
+    if n > f:
+        st = feature_statistics(x)
+        return frechet_distance(st.mu, st.sigma, mu2, sigma2)
+    mu2 = np.atleast_1d(np.asarray(mu2, np.float64))
+    s2 = np.atleast_2d(np.asarray(sigma2, np.float64))
+    if mu2.shape != (f,) or s2.shape != (f, f):
+        raise ValueError(f"shapes features {x.shape}, mu2 {mu2.shape}, sigma2 {s2.shape} are invalid: need [N, F], [F], [F, F]")
+    mu1 = x.mean(0)
+    xc = (x - mu1) / np.sqrt(n - 1)
+    s2 = (s2 + s2.T) / 2
+    m = xc @ s2 @ xc.T
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    diff = mu1 - mu2
+    return float(diff @ diff + (xc * xc).sum() + np.trace(s2) - 2.0 * tr_covmean)
+
+
 def feature_statistics(features) -> Statistics:
     """Mean and unbiased covariance of features ``[N, F]`` (``N >= 2``).
 
@@ -166,11 +197,11 @@ class _Uint8Images(torch.utils.data.Dataset):
 
 
 def _as_images(images) -> np.ndarray:
-    from ..images import _pixels, load_images
+    from ..images import as_pixels, load_images
 
     if isinstance(images, (str, os.PathLike)):
         return load_images(images)
-    return _pixels(images)
+    return as_pixels(images)
 
 
 def _callable_extractor_class():
@@ -216,6 +247,24 @@ def _check_inception_weights(weights_path, allow_download: bool) -> None:
         )
 
 
+def _import_extractor(spec: str):
+    """``"package.module:Name"`` -> the object it names.
+
+    Raises:
+        ValueError: the module or the attribute does not exist.
+    """
+    import importlib
+
+    mod_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise ValueError(f"feature_extractor={spec!r} is invalid: cannot import module {mod_name!r} ({err})") from None
+    if not attr or not hasattr(obj, attr):
+        raise ValueError(f"feature_extractor={spec!r} is invalid: module {mod_name!r} has no attribute {attr!r}")
+    return getattr(obj, attr)
+
+
 def make_extractor(
     feature_extractor=INCEPTION,
     feature_layer: str | None = None,
@@ -230,7 +279,9 @@ def make_extractor(
     Args:
         feature_extractor: a name registered with torch-fidelity (``inception-v3-compat``,
             ``dinov2-vit-b-14``, ...), a ``FeatureExtractorBase`` subclass (registered under its
-            ``NAME`` attribute or class name), an instance, or any callable ``uint8 [b, 3, H, W] -> [b, F]``.
+            ``NAME`` attribute or class name), an instance, any callable ``uint8 [b, 3, H, W] -> [b, F]``,
+            or an import path ``"package.module:Name"`` of one of these (how a config names an
+            extractor that a module of its own defines).
         feature_layer: feature name (default: the extractor's default for FID, ``2048`` for Inception).
         weights_path: local weights (torch-fidelity's ``feature_extractor_weights_path``).
         device: ``cuda``/``cpu`` (default: CUDA when available).
@@ -249,6 +300,8 @@ def make_extractor(
     from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
     from torch_fidelity.utils import create_feature_extractor
 
+    if isinstance(feature_extractor, str) and ":" in feature_extractor and feature_extractor not in FEATURE_EXTRACTORS_REGISTRY:
+        feature_extractor = _import_extractor(feature_extractor)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
     if isinstance(feature_extractor, FeatureExtractorBase):
@@ -306,8 +359,9 @@ def extract_features(
     """Per-image features, in index order (so scores can be paired image by image).
 
     Args:
-        images: a path :func:`specsamp.images.load_images` reads, uint8 ``[N, H, W, C]``, or float
-            ``[N, C, H, W]`` in ``[-1, 1]``.
+        images: a path :func:`specsamp.images.load_images` reads, or images in the package's one
+            convention (:func:`specsamp.images.as_pixels`: uint8 pixels, or float ``[N, C, H, W]`` in
+            ``[-1, 1]``).
         feature_extractor, feature_layer, weights_path, device, allow_download, verbose: see
             :func:`make_extractor`.
         batch_size: images per forward pass.
@@ -402,7 +456,7 @@ def compute_fid(
             f"the reference statistics were computed with another extractor or layer"
         )
     return {
-        "fid": frechet_distance(stats.mu, stats.sigma, ref.mu, ref.sigma),
+        "fid": frechet_distance_to_features(feats, ref.mu, ref.sigma),
         "n_samples": stats.n,
         "n_reference": ref.n,
         "feature_extractor": ext.get_name(),

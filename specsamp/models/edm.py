@@ -87,6 +87,10 @@ class CheckpointTrustError(ValueError):
     """A checkpoint's SHA-256 differs from the configured one, or no hash is configured."""
 
 
+class CheckpointFormatError(ValueError):
+    """A (trusted) checkpoint file that is not a loadable EDM network pickle: empty, truncated, a zip."""
+
+
 # ----------------------------------------------------------------------------------------------
 # files: cache, download, checksum (shared with specsamp.metrics.fid)
 
@@ -212,14 +216,15 @@ def verify_sha256(path: str | os.PathLike, sha256: str | None, *, trust: bool = 
     if sha256 is None:
         raise CheckpointTrustError(
             f"refusing to load {what} {str(path)!r}: no expected SHA-256 is configured and a pickle runs "
-            f"code when loaded. Its SHA-256 is {actual}; if you trust this file pass sha256='{actual}' "
-            f"(config key sha256) or trust_checkpoint=True."
+            f"code when loaded. Its SHA-256 is {actual}; if this copy came from a source you trust, pin it "
+            f"with model.sha256={actual} (Python: sha256='{actual}'), or load it once unpinned with "
+            f"model.trust_checkpoint=true (Python: trust_checkpoint=True)."
         )
     if actual != str(sha256).lower():
         raise CheckpointTrustError(
-            f"refusing to load {what} {str(path)!r}: SHA-256 {actual} != expected sha256={sha256!r}. The "
+            f"refusing to load {what} {str(path)!r}: SHA-256 {actual} != expected model.sha256={sha256}. The "
             f"file is corrupt, truncated or not the one configured; nothing was unpickled. Pass "
-            f"trust_checkpoint=True only if you know where this file comes from."
+            f"model.trust_checkpoint=true (Python: trust_checkpoint=True) only if you know where this file comes from."
         )
     return actual
 
@@ -273,7 +278,9 @@ def load_edm(
         FileNotFoundError: the file is absent (message: URL and path looked in).
         CheckpointTrustError: hash unknown or different and ``trust_checkpoint`` is false; nothing
             was unpickled.
-        KeyError: ``key`` missing from the pickled dict (the message lists the keys).
+        CheckpointFormatError: the file is empty, a zip archive (``torch.save``'s format), truncated,
+            or otherwise fails to unpickle (the message names the file and the cause).
+        CheckpointFormatError: also when ``key`` is missing from the pickled dict (the message lists the keys).
     """
     s = os.fspath(path_or_url)
     known = _lookup(s)
@@ -285,17 +292,41 @@ def load_edm(
         hint = f" Published at {known.url}." if known is not None and known.url != location else ""
         raise FileNotFoundError(f"{err}{hint}") from None
     verify_sha256(path, expected, trust=trust_checkpoint)
-    with nvlabs_compat.installed(), open(path, "rb") as f:
-        obj = pickle.load(f)  # noqa: S301 - checksum verified (or explicitly trusted) above
+    obj = _unpickle(path)
     if key is not None and isinstance(obj, dict):
         if key not in obj:
-            raise KeyError(f"key={key!r} not in checkpoint {str(path)!r}; keys: {sorted(obj)}")
+            raise CheckpointFormatError(f"model.key={key!r} is not in checkpoint {str(path)!r}; its keys: {sorted(obj)}")
         obj = obj[key]
     if isinstance(obj, torch.nn.Module):
         obj = obj.eval().requires_grad_(False)
         if map_location is not None:
             obj = obj.to(map_location)
     return obj
+
+
+def _unpickle(path: Path):
+    """Unpickle a verified (or trusted) EDM pickle; every way it can fail becomes one CheckpointFormatError."""
+    import zipfile
+
+    size = os.path.getsize(path)
+    what = f"checkpoint {str(path)!r} ({size} bytes)"
+    if size == 0:
+        raise CheckpointFormatError(f"{what} is empty: nothing to load. Fetch the file again.")
+    if zipfile.is_zipfile(path):
+        raise CheckpointFormatError(
+            f"{what} is a zip archive (torch.save's format), not an NVIDIA EDM network pickle such as "
+            f"edm-cifar10-32x32-cond-vp.pkl; load such a file with torch.load in your own code and pass the "
+            f"network to EDMVelocity."
+        )
+    try:
+        with nvlabs_compat.installed(), open(path, "rb") as f:
+            return pickle.load(f)  # noqa: S301 - checksum verified (or explicitly trusted) by the caller
+    except Exception as err:  # noqa: BLE001 - a pickle can raise anything; all mean "not a loadable network"
+        cause = "truncated (it ends before the pickle does)" if isinstance(err, EOFError) else "not a loadable EDM network pickle"
+        raise CheckpointFormatError(
+            f"{what} could not be unpickled: it is {cause} ({type(err).__name__}: {err}). Fetch the file again "
+            f"and check its SHA-256 against a copy you trust."
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,6 +529,11 @@ class EDMVelocity:
         )
 
 
+BUILD_KEYS = ("name", "url", "path", "sha256", "cache_dir", "trust_checkpoint", "download", "dtype", "net_dtype",
+              "device", "label_dim", "key")
+"""Keys :func:`build_edm_model` reads."""
+
+
 def build_edm_model(cfg: Mapping) -> EDMVelocity:
     """Build an :class:`EDMVelocity` from a config mapping (e.g. Hydra ``conf/model/cifar10.yaml``).
 
@@ -516,13 +552,17 @@ def build_edm_model(cfg: Mapping) -> EDMVelocity:
     - ``label_dim``: override/check of the net's number of classes.
     - ``key``: entry of the pickled dict (default ``ema``).
 
-    Other keys (e.g. ``_target_``, ``kind``, ``resolution``) are ignored.
+    ``_target_`` and ``kind`` are ignored; any other key is refused, so that a misspelt key cannot be
+    silently dropped.
 
     Raises:
-        ValueError: none of ``name``/``url``/``path`` given, or an unknown ``name``.
+        ValueError: an unknown key, none of ``name``/``url``/``path`` given, or an unknown ``name``.
         FileNotFoundError, CheckpointTrustError: see :func:`load_edm`.
     """
     cfg = dict(cfg)
+    unknown = sorted(set(cfg) - set(BUILD_KEYS) - {"_target_", "kind"})
+    if unknown:
+        raise ValueError(f"model.{unknown[0]}={cfg[unknown[0]]!r} is not a key of an EDM model; valid: {', '.join(BUILD_KEYS)}")
     name, url, path = cfg.get("name"), cfg.get("url"), cfg.get("path")
     known = None
     if name is not None and (url is None and path is None):
@@ -538,12 +578,15 @@ def build_edm_model(cfg: Mapping) -> EDMVelocity:
     device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"model.device={device!r} is invalid: CUDA is not available here; use cpu")
+    for flag, default in (("trust_checkpoint", False), ("download", True)):
+        if not isinstance(cfg.get(flag, default), bool):
+            raise ValueError(f"model.{flag}={cfg.get(flag)!r} is invalid: must be true or false")
     net = load_edm(
         source,
         sha256=sha,
         cache_dir=cfg.get("cache_dir"),
-        trust_checkpoint=bool(cfg.get("trust_checkpoint", False)),
-        download=bool(cfg.get("download", True)),
+        trust_checkpoint=cfg.get("trust_checkpoint", False),
+        download=cfg.get("download", True),
         key=cfg.get("key", "ema"),
         map_location=device,
     )
