@@ -115,7 +115,7 @@ def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Ten
     Speculative and standard samplers with the same seed start from the same noise (paired runs).
     """
     keys = rng.base_key(seed, ids, "init", device=ids.device)
-    return rng.normal(keys, event_shape).to(dtype)
+    return rng.normal(keys, event_shape, dtype=dtype)
 
 
 def sample_standard(
@@ -156,7 +156,7 @@ def sample_standard(
         nn = torch.full((m,), n, dtype=torch.long, device=dev)
         mean = schedule.mean(x, velocity(x, nn, traj), nn)
         std = schedule.std(nn).to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
-        noise = rng.normal(rng.fold(step_keys, n), model.event_shape).to(x.dtype)
+        noise = rng.normal(rng.fold(step_keys, n), model.event_shape, dtype=x.dtype)
         x = mean + std * noise
     T = schedule.steps
     z = torch.zeros(m, dtype=torch.long, device=dev)
@@ -229,7 +229,7 @@ class _Nodes:
         e = x_parents.shape[2:]
         std = self.ctx.schedule.std(step).to(x_parents.dtype).reshape((-1, 1) + (1,) * len(e))
         keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
-        noise = rng.normal(keys, e).to(x_parents.dtype)
+        noise = rng.normal(keys, e, dtype=x_parents.dtype)
         rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
         return mean, mean[rows, pos] + std * noise
 
