@@ -231,7 +231,9 @@ class _Nodes:
         keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
         noise = rng.normal(keys, e, dtype=x_parents.dtype)
         rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
-        return mean, mean[rows, pos] + std * noise
+        noise *= std  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
+        noise += mean[rows, pos]
+        return mean, noise
 
     # interface
     def children(self, sub, x_u, u, k, step):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
@@ -262,8 +264,14 @@ class _TreeNodes(_Nodes):
         node = torch.arange(len(tree), device=dev)
         mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, len(tree)))
         mask[:, 0] &= ~rnd.root_exact
-        vel = torch.zeros_like(states)
-        where = mask.nonzero(as_tuple=True)
+        if bool(mask.all()):  # the common case: one call over the whole block, no gather or scatter
+            step = (rnd.n[:, None] + tensors["depth"][None]).clamp(max=ctx.schedule.steps - 1)
+            flat = states.reshape(m * len(tree), *e)
+            vel = ctx.velocity(flat, step.reshape(-1), rnd.rows[:, None].expand(-1, len(tree)).reshape(-1)).reshape(states.shape)
+            where = (torch.zeros(0, dtype=torch.long),)
+        else:
+            vel = torch.zeros_like(states)
+            where = mask.nonzero(as_tuple=True)
         if where[0].numel():
             step = (rnd.n[where[0]] + tensors["depth"][where[1]]).clamp(max=ctx.schedule.steps - 1)
             vel[where] = ctx.velocity(states[where], step, rnd.rows[where[0]])
