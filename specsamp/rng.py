@@ -169,7 +169,7 @@ def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
     return out.reshape(*keys.shape, m)
 
 
-def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None) -> torch.Tensor:
     """Standard normals of event shape ``shape`` per key (Box--Muller on :func:`uniform`).
 
     With ``numel(shape) = N`` and ``h = ceil(N / 2)``, the key's uniforms ``u = uniform(key, 2h)``
@@ -182,16 +182,21 @@ def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.
         keys: int64 tensor ``[*k]``.
         shape: event shape.
         dtype: dtype of the result.
+        out: optional contiguous tensor of ``keys.numel() * numel(shape)`` elements to write into
+            (its dtype wins over ``dtype``); saves one copy when the caller owns the buffer.
 
     Returns:
-        tensor ``[*k, *shape]`` of ``dtype``.
+        tensor ``[*k, *shape]`` of ``dtype`` (a view of ``out`` when given).
     """
     numel = 1
     for s in shape:
         numel *= int(s)
     half = (numel + 1) // 2
     dev = keys.device
-    out = torch.empty(keys.numel(), numel, dtype=dtype, device=dev)
+    if out is None:
+        out = torch.empty(keys.numel(), numel, dtype=dtype, device=dev)
+    else:
+        out = out.view(keys.numel(), numel)
     j = torch.arange(2 * half, dtype=torch.int64, device=dev)
     scratch = None
     for a, k in _blocks(keys, 2 * half):

@@ -212,7 +212,7 @@ class _Nodes:
         """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
         return self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
 
-    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
+    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, out=None):
         """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, phase 1).
 
         Args:
@@ -221,13 +221,25 @@ class _Nodes:
             step: ``[s]`` the parents' step index.
             ids: ``[s or 1, C]`` node ids of the children (they key the noise).
             pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``.
+            out: optional node-major buffer ``[C, s, *e]`` to draft into (then ``ids`` is ``[1, C]`` and
+                ``pos`` is ``[C]``, non-decreasing: children of one parent are contiguous).
 
         Returns:
-            ``(means [s, P, *e], children [s, C, *e])``.
+            ``(means [s, P, *e], children [s, C, *e])``; the children are ``out.transpose(0, 1)`` when
+            ``out`` is given. The numbers are the same either way.
         """
         mean = self.ctx.draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
         e = x_parents.shape[2:]
         std = self.ctx.schedule.std(step).to(x_parents.dtype).reshape((-1, 1) + (1,) * len(e))
+        if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
+            keys = rng.fold(self.r.draft_keys[sub][None], self.r.n[sub][None], ids.reshape(-1, 1))  # [C, s]
+            rng.normal(keys, e, out=out)
+            out *= std.transpose(0, 1)
+            bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
+            for p in range(mean.shape[1]):
+                if bounds[p + 1] > bounds[p]:
+                    out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
+            return mean, out.transpose(0, 1)
         keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
         noise = rng.normal(keys, e, dtype=x_parents.dtype)
         rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
@@ -244,48 +256,63 @@ class _Nodes:
 
 
 class _TreeNodes(_Nodes):
-    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them."""
+    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them.
+
+    States and velocities are stored node-major (``[nodes, m, *e]``), so the rows of every non-root
+    node form one contiguous block that goes to the network without a gather copy, and velocities
+    are written into place one ``max_batch`` chunk at a time.
+    """
 
     def __init__(self, tree, tensors, rnd, ctx):
         super().__init__(tree, tensors, rnd, ctx)
         m = rnd.x.shape[0]
         e = rnd.x.shape[1:]
         dev = rnd.x.device
-        states = rnd.x.new_empty(m, len(tree), *e)
-        states[:, 0] = rnd.x
+        N = len(tree)
+        states = rnd.x.new_empty(N, m, *e)
+        states[0] = rnd.x
         all_rows = torch.arange(m, device=dev)
         for l in range(1, tree.max_depth + 1):
             layer = torch.as_tensor(tree.layer(l), device=dev)
             prev = tree.layer(l - 1)
             step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
             pos = tensors["parent"][layer] - int(prev[0])
-            _, states[:, layer] = self.draft(all_rows, states[:, prev[0] : prev[-1] + 1], step, layer[None], pos)
+            self.draft(all_rows, states[prev[0] : prev[-1] + 1].transpose(0, 1), step, layer[None], pos, out=states[layer[0] : layer[-1] + 1])
         self.states = states
-        node = torch.arange(len(tree), device=dev)
-        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, len(tree)))
+        node = torch.arange(N, device=dev)
+        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, N))
         mask[:, 0] &= ~rnd.root_exact
-        if bool(mask.all()):  # the common case: one call over the whole block, no gather or scatter
-            step = (rnd.n[:, None] + tensors["depth"][None]).clamp(max=ctx.schedule.steps - 1)
-            flat = states.reshape(m * len(tree), *e)
-            vel = ctx.velocity(flat, step.reshape(-1), rnd.rows[:, None].expand(-1, len(tree)).reshape(-1)).reshape(states.shape)
-            where = (torch.zeros(0, dtype=torch.long),)
+        rest = mask.T  # [node, trajectory]
+        if bool(rest[1:].all()) and not bool(rest[0].any()):
+            # the common case: nodes 1.. form one contiguous block, evaluated in one call straight from
+            # the states (no gather) and kept as returned (no scatter); the roots' velocities are known
+            step = (rnd.n[None] + tensors["depth"][1:, None]).clamp(max=ctx.schedule.steps - 1).reshape(-1)
+            self.block = ctx.velocity(states[1:].reshape(-1, *e), step, rnd.rows.repeat(N - 1)).view(N - 1, m, *e)
+            self.root_vel = rnd.v_root
         else:
+            self.block = None
             vel = torch.zeros_like(states)
-            where = mask.nonzero(as_tuple=True)
-        if where[0].numel():
-            step = (rnd.n[where[0]] + tensors["depth"][where[1]]).clamp(max=ctx.schedule.steps - 1)
-            vel[where] = ctx.velocity(states[where], step, rnd.rows[where[0]])
-        vel[:, 0] = torch.where(_bc(rnd.root_exact, rnd.x), rnd.v_root, vel[:, 0])
-        self.vel = vel
+            nodes_, traj = rest.nonzero(as_tuple=True)
+            if nodes_.numel():
+                step = (rnd.n[traj] + tensors["depth"][nodes_]).clamp(max=ctx.schedule.steps - 1)
+                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
+            vel[0] = torch.where(_bc(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
+            self.vel = vel
         self.rows_evaluated = mask.sum(1)
 
     def children(self, sub, x_u, u, k, step):
         ids = self.child_ids(u, k)
         mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
-        return mean, self.states[sub[:, None], ids], ids
+        return mean, self.states[ids, sub[:, None]], ids
 
     def velocity(self, sub, u, x_u):
-        return self.vel[sub, u]
+        if self.block is None:
+            return self.vel[u, sub]
+        out = self.block[(u - 1).clamp(min=0), sub]
+        root = u == 0
+        if bool(root.any()):
+            out[root] = self.root_vel[sub[root]]
+        return out
 
 
 class _PathNodes(_Nodes):
@@ -550,9 +577,11 @@ def sample_speculative(
         nodes = Nodes(tree, tensors, rnd, ctx)
         new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, attempts, accepts)
         # a round whose batch is empty (root velocity known, nothing else to evaluate) costs no call
-        charged = nodes.rows_evaluated > 0
+        rows_evaluated = nodes.rows_evaluated
+        del nodes  # free this round's node states before the next round allocates its own
+        charged = rows_evaluated > 0
         calls[live] += charged.long()
-        rows_used[live] += nodes.rows_evaluated
+        rows_used[live] += rows_evaluated
         batch_calls += int(bool(charged.any()))
         committed[live, rounds[live]] = steps
         rounds[live] += 1
