@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rng
-from .coupling import get_coupling
+from .coupling import NonFiniteError, get_coupling
 from .drafts import get_draft
 from .models.base import batched
 from .schedule import Schedule
@@ -350,6 +350,7 @@ class _Context:
     prefetch: str
     evaluate_leaves: bool
     velocity: _Velocity
+    ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
 
 
 def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
@@ -383,7 +384,17 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
             mean_q = ctx.schedule.mean(x_cur[sub], v_cur[sub], step)
             sigma = ctx.schedule.std(step).to(kids.dtype)
             keys = rng.fold(rnd.verify_keys[sub], rnd.n[sub], u)
-            verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))
+            try:
+                verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))
+            except NonFiniteError as err:
+                r0 = err.rows[0]
+                raise NonFiniteError(
+                    f"non-finite states at trajectory {int(ctx.ids[rnd.rows[sub[r0]]])}, step {int(step[r0])}, "
+                    f"children of node {int(u[r0])} (depth {l - 1}) of the round rooted at state {int(rnd.n[sub[r0]])}: "
+                    f"the target's velocity or the draft produced NaN or inf there ({len(err.rows)} such parent(s) "
+                    "at this depth); no coupling can serve them",
+                    [int(ctx.ids[rnd.rows[sub[r]]]) for r in err.rows],
+                ) from None
             attempts[rnd.rows[sub], l - 1] += 1
             accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
             steps[sub] += 1
@@ -489,6 +500,8 @@ def sample_speculative(
         :class:`SampleResult`.
 
     Raises:
+        NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the
+            message names the trajectory, step and node, ``rows`` the trajectory ids.
         ValueError: unknown coupling, draft, prefetch or execution; a tree wider than the coupling
             allows; bad ``n_samples``.
     """
@@ -514,6 +527,7 @@ def sample_speculative(
     _check_choice("warmup", warmup, WARMUPS)
     dev = _model_device(model)
     ids = _trajectory_ids(n_samples, indices, dev)
+    ctx.ids = ids
     M = ids.numel()
     T = schedule.steps
     end = schedule.end_speculative
