@@ -10,12 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_beyond_table_writer_is_deterministic(tmp_path):
-    # two runs of two arms (one with the tree=optimal calibration, one markmax) at B=14, 6 trajectories
+    # two runs of the tree=optimal arm (calibration run, tree search, main run) at B=14, 6 trajectories
     from experiments import beyond
 
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     for out in (a, b):
-        beyond.run(6, budgets=(14,), arms=["optimal tree", "markmax coupling"], out=out)
+        beyond.run(6, budgets=(14,), arms=["optimal tree"], out=out)
     assert a.read_bytes() == b.read_bytes()
     assert "wall" not in a.read_text().splitlines()[0]
 
@@ -40,14 +40,14 @@ def test_headline_writer_is_deterministic_and_charges_calibration(tmp_path):
 
 
 def test_gmm_grid_collect_is_deterministic(tmp_path):
-    # a tiny Hydra sweep run twice into two directories; the collected CSVs are byte-identical
+    # a tiny Hydra sweep (two jobs) run twice into two directories; the collected CSVs are byte-identical
     from experiments import gmm
 
     outs = []
     for i in range(2):
         sweep = tmp_path / f"s{i}"
         subprocess.run(
-            [sys.executable, "run.py", "-m", "sampler=dgrs,rmc", "K=2", "L=2", "model.dim=8", "steps=6", "n_samples=4",
+            [sys.executable, "run.py", "-m", "sampler=dgrs", "K=2", "L=2,3", "model.dim=8", "steps=6", "n_samples=4",
              "progress=false", f"hydra.sweep.dir={sweep}", "sweep_name=t"],
             cwd=ROOT, check=True, capture_output=True, text=True,
         )
