@@ -107,6 +107,8 @@ def validate(cfg) -> dict:
     seed = _get(cfg, "seed")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ConfigError(f"seed={seed!r} is invalid: must be an integer.")
+    if not 0 <= int(seed) <= rng.MAX_SEED - 1_000_003:  # 60-bit seeds in the rng keys; calibration uses seed + 1000003
+        raise ConfigError(f"seed={seed!r} is invalid: must be an integer in [0, {rng.MAX_SEED - 1_000_003}].")
     out["seed"] = int(seed)
     out["draft"] = _choice(cfg, "draft", sorted(DRAFTS))
     out["prefetch"] = _choice(cfg, "prefetch", PREFETCH)

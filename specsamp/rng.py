@@ -175,7 +175,7 @@ def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.
     With ``numel(shape) = N`` and ``h = ceil(N / 2)``, the key's uniforms ``u = uniform(key, 2h)``
     give ``r = sqrt(-2 log u[:h])``, ``theta = 2 pi u[h:]``, and the event is the first ``N`` entries
     of ``[r cos(theta), r sin(theta)]``, computed in float64 and then cast to ``dtype``. The work is
-    blocked and in place (about 10 ns per number on one CPU core); the numbers do not depend on the
+    blocked and in place (about 16 ns per number on one CPU core); the numbers do not depend on the
     blocking, on the other keys, or on ``dtype`` beyond the final rounding.
 
     Args:
