@@ -1,4 +1,4 @@
-"""Beyond the paper (issue 8): drafts, couplings and trees that stay exact, on the section 5.1 mixture.
+"""Beyond the paper: drafts, couplings and trees that stay exact, on the section 5.1 mixture.
 
 Levers, each alone and combined, at matched budgets B in {14, 62, 155}, seed 0, 400 trajectories per
 arm (2,000 for the ``x0`` arms, whose per-trajectory spread is larger), so every standard error is

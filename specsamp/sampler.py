@@ -12,7 +12,7 @@ a trajectory ran in, and the two executions of the speculative sampler draw iden
 They share the drafting, verification walk, prefetch and accounting code below; they differ only in
 how a node's state and velocity are obtained (:class:`_TreeNodes` and :class:`_PathNodes`).
 
-Accounting (DESIGN.md): ``calls`` counts batched target calls on the speculative steps ``1..T-2``,
+Accounting (the paper's protocol, section 5): ``calls`` counts batched target calls on the speculative steps ``1..T-2``,
 the warm-up call at the first root included; ``speedup = (T - 2) / calls``. ``nfe`` adds the two
 deterministic endpoint steps. ``target_rows`` counts the states the speculative calls evaluated.
 """
@@ -420,7 +420,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
 
 
 def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
-    """Velocity for the next round's draft (DESIGN.md ``prefetch``) and whether it is exact.
+    """Velocity for the next round's draft (the ``prefetch`` key) and whether it is exact.
 
     ``nearest``: the committed leaf's own if it was evaluated; else the evaluated sibling nearest the
     committed state; else the parent's. ``parent``: the leaf's own if evaluated, else the parent's.
@@ -493,7 +493,7 @@ def sample_speculative(
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass of one batched call.
         callback: called after each round with ``{"round", "live", "calls"}``.
-        warmup: ``call`` (DESIGN.md: one exact target call at the first root, charged to ``calls``) or
+        warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``calls``) or
             ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
 
     Returns:
@@ -555,7 +555,7 @@ def sample_speculative(
     x = schedule.mean(x, v0, n)
     nfe += 1
     n += 1
-    # the first round's draft velocity: an exact warm-up call at its root (DESIGN.md), or the step-0
+    # the first round's draft velocity: an exact warm-up call at its root (the paper's protocol), or the step-0
     # velocity at sigma = 1 reused as an approximate prefetch (no warm-up call)
     v_root = v0 if warmup == "step0" else torch.zeros_like(x)
     root_exact = torch.zeros(M, dtype=torch.bool, device=dev)
