@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench bench-gpu gmm beyond figures tables sweep-local clean
+.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -15,19 +15,25 @@ test:  ## default test run (slow tests excluded)
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""
 
-bench:  ## CPU benchmarks: sampler executions and coupling throughput
-	$(PYTHON) -m specsamp.bench
+bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), ~2 min; full size: make bench ARGS=--full
+	$(PYTHON) -m benchmarks.bench $(ARGS)
 
-bench-gpu:  ## wall-clock per image, standard vs RMC vs D-GRS (tiny on CPU: make bench-gpu ARGS="--device cpu --tiny")
-	$(PYTHON) -m specsamp.bench_gpu $(ARGS)
+gpu-check:  ## GPU check: wall clock per image, batched-call cost, CUDA exactness; JSON in gpu_check.json (CPU smoke: ARGS="--device cpu --tiny")
+	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
 
-gmm:  ## section 5.1: the 84-cell grid (Hydra multirun), its CSV and the Monte Carlo of Figure 6, in results/gmm/
-	$(PYTHON) run.py +experiment=gmm_grid
+bench-gpu: gpu-check  ## alias of gpu-check
+
+gmm:  ## section 5.1: the 84-cell grid (Hydra multirun, two processes), its CSV and the Monte Carlo of Figure 6, in results/gmm/
+	@# two halves of about equal cost side by side (one core each); every cell keeps its own directory
+	$(PYTHON) run.py +experiment=gmm_grid sampler=dgrs 'K=range(1,6)' & half=$$!; \
+	$(PYTHON) run.py +experiment=gmm_grid sampler=rmc && $(PYTHON) run.py +experiment=gmm_grid sampler=dgrs K=6,7; \
+	status=$$?; wait $$half && test $$status -eq 0
 	$(PYTHON) -m experiments.gmm collect
 	$(PYTHON) -m experiments.gmm acceptance
 
-beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees): results/gmm/beyond.csv
+beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees) and the headline rows: results/gmm/beyond.csv, headline.csv
 	$(PYTHON) -m experiments.beyond run
+	$(PYTHON) -m experiments.beyond headline
 
 figures:  ## rebuild every figure in results/ from the committed tables (no sampling)
 	$(PYTHON) -m experiments.figures

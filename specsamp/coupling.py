@@ -12,14 +12,20 @@ object with ``uniform(m) -> [n, m]`` (see :mod:`specsamp.rng`), or ``None`` (glo
 
 All rules work through the rank-1 projection of section 3.1 (eqs. 12--15): only the scalar
 projection of each child on the displacement direction ``e`` differs between draft and target.
-The scalar algebra runs in float64 and in log space whatever the input dtype, so ``delta`` from 0 to
-several hundred gives no NaN, no inf and no bias; the d-dimensional states keep their dtype.
+The scalar algebra (``delta``, the projections, levels, uniforms) runs in float64 and in log space
+whatever the input dtype, so ``delta`` from 0 to several hundred gives no NaN, no inf and no bias.
+The d-dimensional work (differences, dot products, the residual's shift) runs in the input dtype,
+widened to float32 for float16 and bfloat16 states, whose range cannot hold a shift of
+``sigma * delta / sqrt(d)`` at small ``sigma``; no float64 copy of the children is made. Inputs the
+rules cannot serve are refused: non-finite children or means (:class:`NonFiniteError`) and float16
+states at a ``sigma`` below their resolution.
 
 New rules register with :func:`register_coupling` and are found by name in :data:`COUPLINGS`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,15 +51,28 @@ class Verdict:
     index: torch.Tensor
 
 
+class NonFiniteError(ValueError):
+    """NaN or infinite children or means in some rows of a verification problem.
+
+    Attributes:
+        rows: the offending row indices (parent nodes), ascending.
+    """
+
+    def __init__(self, message: str, rows: list[int]):
+        super().__init__(message)
+        self.rows = rows
+
+
 @dataclass
 class Projection:
     """Rank-1 reduction of one verification problem per row (paper eqs. 12--14).
 
     Attributes:
         delta: ``[n]`` float64, ``||mean_q - mean_p|| / sigma``.
-        e: ``[n, D]`` unit displacement direction (zero where ``delta == 0``), input dtype.
+        e: ``[n, D]`` unit displacement direction (zero where ``delta == 0``), in the work dtype
+            (the input dtype, float32 for float16 and bfloat16).
         s_hat: ``[n, K]`` float64, the children's standardised projections on ``e`` (N(0, 1) under P).
-        sigma: ``[n]`` kernel scale in the input dtype.
+        sigma: ``[n]`` float64 kernel scale, exactly as given.
     """
 
     delta: torch.Tensor
@@ -109,11 +128,31 @@ def _rows(generator, n: int, device):
     return generator
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the d-dimensional coupling work for states of ``dtype`` (float32 for 16-bit floats)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def min_sigma(dtype: torch.dtype, dim: int) -> float:
+    """Smallest kernel scale the couplings serve for states of ``dtype`` with ``dim`` coordinates.
+
+    The residual moves each coordinate by about ``sigma * delta / sqrt(dim)`` and is rounded once to
+    ``dtype``; near zero that shift must span at least 16 of the dtype's subnormal steps, or the
+    rounding (not the coupling) decides the output. The limit is ``16 * sqrt(dim)`` subnormal steps:
+    float16 in ``dim = 256`` needs ``sigma >= 1.5e-5``; float32 and bfloat16 allow ~1e-43 and ~1e-38.
+    (Away from zero a 16-bit state's own spacing, not this limit, bounds how well any sample of the
+    kernel can be represented; that holds for the standard sampler as much as for a coupling.)
+    """
+    fi = torch.finfo(dtype)
+    return 16.0 * fi.tiny * fi.eps * math.sqrt(max(dim, 1))
+
+
 def check_inputs(children, mean_p, mean_q, sigma) -> torch.Tensor:
-    """Validate shapes and scales; return ``sigma`` as a ``[n]`` tensor.
+    """Validate shapes and scales; return ``sigma`` as a float64 ``[n]`` tensor (never rounded).
 
     Raises:
-        ValueError: mismatched shapes, ``K < 1``, or a ``sigma`` that is not finite and positive.
+        ValueError: mismatched shapes, ``K < 1``, a ``sigma`` that is not finite and positive, or a
+            ``sigma`` below :func:`min_sigma` of the children's dtype and event size.
     """
     if children.ndim < 2:
         raise ValueError(f"children must be [n, K, *event], got shape {tuple(children.shape)}")
@@ -126,18 +165,32 @@ def check_inputs(children, mean_p, mean_q, sigma) -> torch.Tensor:
                 f"{name} has shape {tuple(m.shape)}; expected {(n, *children.shape[2:])} "
                 f"to match children {tuple(children.shape)}"
             )
-    sigma = torch.as_tensor(sigma, dtype=children.dtype, device=children.device)
+    if isinstance(sigma, torch.Tensor):
+        sigma = sigma.to(device=children.device, dtype=torch.float64)
+    else:
+        sigma = torch.as_tensor(sigma, dtype=torch.float64, device=children.device)
     if sigma.ndim == 0:
         sigma = sigma.expand(n)
     if sigma.shape != (n,):
         raise ValueError(f"sigma has shape {tuple(sigma.shape)}; expected a scalar or [{n}]")
     if not bool(torch.all(torch.isfinite(sigma) & (sigma > 0))):
         raise ValueError(f"sigma must be finite and > 0, got min {float(sigma.min())}")
+    dim = math.prod(children.shape[2:])
+    if children.dtype.is_floating_point and float(sigma.min()) < min_sigma(children.dtype, dim):
+        name = str(children.dtype).replace("torch.", "")
+        raise ValueError(
+            f"sigma={float(sigma.min()):.4g} is below what {name} states of {dim} coordinates resolve "
+            f"(min_sigma = {min_sigma(children.dtype, dim):.4g}: the residual's per-coordinate shift would "
+            f"round away and no coupling can be exact); use float32 or bfloat16 states, or a larger sigma"
+        )
     return sigma
 
 
 def project(children, mean_p, mean_q, sigma) -> Projection:
     """Rank-1 projection of section 3.1 (eqs. 12--14), one row per parent node.
+
+    The differences and dot products run in :func:`work_dtype` one child at a time (extra memory:
+    two ``[n, D]`` tensors, whatever ``K``); ``delta`` and the projections are float64.
 
     Args:
         children: ``[n, K, *event]``.
@@ -150,21 +203,40 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
 
     Raises:
         ValueError: see :func:`check_inputs`.
+        NonFiniteError: NaN or infinite children or means; the message and ``rows`` name the rows.
     """
     sigma = check_inputs(children, mean_p, mean_q, sigma)
     n, k = children.shape[:2]
+    w = work_dtype(children.dtype)
     flat = children.reshape(n, k, -1)
-    mp = mean_p.reshape(n, -1)
-    disp = (mean_q.reshape(n, -1) - mp) / sigma[:, None]
-    delta = torch.linalg.vector_norm(disp, dim=1, dtype=torch.float64)
-    inv = torch.where(delta > 0, 1.0 / delta, torch.zeros_like(delta)).to(disp.dtype)
-    e = disp * inv[:, None]
-    s_hat = torch.einsum("nkd,nd->nk", (flat - mp[:, None, :]).double(), e.double()) / sigma.double()[:, None]
+    mp = mean_p.reshape(n, -1).to(w)
+    diff = mean_q.reshape(n, -1).to(w) - mp
+    dist = torch.linalg.vector_norm(diff, dim=1, dtype=torch.float64)
+    delta = dist / sigma
+    inv = torch.where(dist > 0, 1.0 / dist, torch.zeros_like(dist)).to(w)
+    e = diff.mul_(inv[:, None])  # the difference buffer becomes the direction
+    s_hat = torch.empty(n, k, dtype=torch.float64, device=children.device)
+    for j in range(k):
+        d_j = flat[:, j].to(w, copy=True)
+        d_j -= mp
+        s_hat[:, j] = torch.bmm(d_j[:, None], e[:, :, None]).reshape(n).double()
+    del d_j
+    s_hat /= sigma[:, None]
+    bad = ~(torch.isfinite(delta) & torch.isfinite(s_hat).all(1))
+    if bool(bad.any()):
+        rows = bad.nonzero(as_tuple=True)[0].tolist()
+        raise NonFiniteError(
+            f"NaN or infinite children or means in row(s) {rows[:10]}{' ...' if len(rows) > 10 else ''} of {n}: "
+            "no coupling can serve them; the target or the draft that produced these states returned non-finite values",
+            rows,
+        )
     return Projection(delta=delta, e=e, s_hat=s_hat, sigma=sigma)
 
 
 def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index) -> torch.Tensor:
     """Eq. 15: the accepted child where ``accepted``, else child 0 with its projection replaced.
+
+    The residual's shift is added in the projection's work dtype and rounded once to the children's.
 
     Args:
         children: ``[n, K, *event]``.
@@ -179,8 +251,8 @@ def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index
     n, k = children.shape[:2]
     flat = children.reshape(n, k, -1)
     pick = flat[torch.arange(n, device=flat.device), index.clamp(max=k - 1)]
-    shift = (proj.sigma.double() * (s_new - proj.s_hat[:, 0])).to(flat.dtype)
-    residual = flat[:, 0] + shift[:, None] * proj.e
+    shift = (proj.sigma * (s_new - proj.s_hat[:, 0])).to(proj.e.dtype)
+    residual = flat[:, 0].to(proj.e.dtype, copy=True).addcmul_(shift[:, None], proj.e).to(flat.dtype)
     out = torch.where(accepted[:, None], pick, residual)
     return out.reshape(children.shape[0], *children.shape[2:])
 

@@ -167,8 +167,11 @@ def _choice(cfg, key: str, valid) -> Any:
     return v
 
 
-# 0 <= seed < 2**63: seeds are hashed as 64-bit integers (specsamp.rng), so a wider range would alias
-SEED_BOUND = 2**63
+# the optimal-tree calibration runs under seed + CALIBRATION_SEED_OFFSET, its own random streams
+CALIBRATION_SEED_OFFSET = 1_000_003
+# 0 <= seed < 2**59: the rng keys hold 60-bit seeds (rng.MAX_SEED), with room for the calibration offset
+SEED_BOUND = 2**59
+assert SEED_BOUND + CALIBRATION_SEED_OFFSET <= rng.MAX_SEED
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -258,7 +261,7 @@ def validate(cfg) -> dict:
     out["eps"] = float(eps)
     out["steps"] = _int(cfg, "steps", 3)
     out["n_samples"] = _int(cfg, "n_samples", 1)
-    out["seed"] = _int(cfg, "seed", 0, SEED_BOUND, "2**63")
+    out["seed"] = _int(cfg, "seed", 0, SEED_BOUND, "2**59")
     out["draft"] = _choice(cfg, "draft", sorted(DRAFTS))
     out["prefetch"] = _choice(cfg, "prefetch", PREFETCH)
     out["execution"] = _choice(cfg, "execution", EXECUTIONS)
@@ -845,7 +848,7 @@ def calibrate_profile(target: Target, schedule: Schedule, v: dict, n: int = 64, 
     """Displacement ``delta`` per depth for ``tree=optimal``, from a short calibration run.
 
     Runs D-GRS with the configured draft on a uniform ``(K, L)`` tree for ``min(n, n_samples)``
-    trajectories under its own seed (``seed + 1000003``: the main run's randomness is untouched, so the
+    trajectories under its own seed (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the
     tree it gets is independent of its samples and exactness is kept), and inverts each depth's
     measured acceptance into ``delta`` (:func:`specsamp.treesearch.deltas_from_acceptance`).
 
@@ -858,7 +861,7 @@ def calibrate_profile(target: Target, schedule: Schedule, v: dict, n: int = 64, 
     tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
     ids = torch.arange(m, device=torch.device(getattr(target.model, "device", "cpu")))
     cond = target.cond_for(ids, v["seed"]) if target.cond_for is not None else None
-    r = sample_speculative(target.model, schedule, tree, "dgrs", seed=v["seed"] + 1_000_003, indices=ids, cond=cond,
+    r = sample_speculative(target.model, schedule, tree, "dgrs", seed=v["seed"] + CALIBRATION_SEED_OFFSET, indices=ids, cond=cond,
                            draft=v["draft"], prefetch=v["prefetch"], evaluate_leaves=v["evaluate_leaves"],
                            max_batch=v["max_batch"], warmup=v["warmup"])
     rates = (r.accepts.sum(0).double() / r.attempts.sum(0).double().clamp_min(1)).cpu().numpy()

@@ -29,7 +29,9 @@ _GOLDEN = _signed(0x9E3779B97F4A7C15)
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
-# Named streams, so that different uses of the same node key never share numbers.
+# Named streams, so that different uses of the same node key never share numbers. The index goes
+# into the top STREAM_BITS bits of the first word (see :func:`base_key`), so it must stay below
+# 2**STREAM_BITS; append new streams, never renumber (that would change every committed number).
 STREAMS = {
     "init": 1,  # initial noise at sigma = 1
     "step": 2,  # Euler--Maruyama noise of the standard sampler
@@ -37,6 +39,11 @@ STREAMS = {
     "verify": 4,  # uniforms of the coupling at a parent node
     "label": 5,  # class labels of conditional image models
 }
+STREAM_BITS = 4
+SEED_BITS = 64 - STREAM_BITS
+MAX_SEED = (1 << SEED_BITS) - 1  # valid seeds: 0 <= seed <= MAX_SEED (2**60 - 1)
+
+_CHUNK = 1 << 15  # elements per in-place block of :func:`uniform` and :func:`normal` (cache sized)
 
 
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -55,17 +62,27 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     Returns:
         int64 tensor of the same shape.
     """
-    z = x + _GOLDEN  # the only allocation besides the shifted temporaries; the rest is in place
-    z ^= _srl(z, 30)
-    z *= _MIX1
-    z ^= _srl(z, 27)
-    z *= _MIX2
-    z ^= _srl(z, 31)
+    return _mix64_(x + _GOLDEN, torch.empty_like(x))
+
+
+def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """``mix64(z - GOLDEN)`` computed in place in ``z`` (``tmp``: scratch of the same shape)."""
+    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1
+        z ^= tmp
+        if mult is not None:
+            z *= mult
     return z
 
 
 def fold(key: torch.Tensor, *parts: torch.Tensor | int) -> torch.Tensor:
-    """Hash further integers into a key, elementwise with broadcasting.
+    """Hash further integers into a key, elementwise with broadcasting: ``h <- mix64(h ^ p)``.
+
+    Each step is a bijection of ``h`` for a fixed part (and of the part for a fixed ``h``), so a chain
+    of folds never merges two keys that differ in one part only; two keys that differ in earlier
+    parts meet only if their 64-bit hashes happen to differ by exactly ``p ^ p'``, a chance of about
+    ``2**-64`` per pair with no structure that small inputs could hit.
 
     Args:
         key: int64 tensor of keys.
@@ -85,8 +102,13 @@ def fold(key: torch.Tensor, *parts: torch.Tensor | int) -> torch.Tensor:
 def base_key(seed: int, index: torch.Tensor | Sequence[int], stream: str, device=None) -> torch.Tensor:
     """Keys for trajectories ``index`` of a run with ``seed`` in a named stream.
 
+    The first word packs the stream's index into the top :data:`STREAM_BITS` bits and the seed into
+    the rest, so distinct ``(seed, stream)`` pairs give distinct words, and ``mix64`` (a bijection)
+    keeps them distinct; the trajectory index is then folded in (:func:`fold`). Seeds and streams
+    are never combined by XOR of two free inputs.
+
     Args:
-        seed: run seed (any Python int).
+        seed: run seed, an integer in ``[0, MAX_SEED]``.
         index: trajectory indices, shape ``[n]``.
         stream: one of :data:`STREAMS`.
         device: torch device of the result.
@@ -95,16 +117,42 @@ def base_key(seed: int, index: torch.Tensor | Sequence[int], stream: str, device
         int64 tensor ``[n]``.
 
     Raises:
-        ValueError: unknown stream.
+        ValueError: unknown stream, or a seed outside ``[0, MAX_SEED]``.
     """
     if stream not in STREAMS:
         raise ValueError(f"stream={stream!r} is not one of {sorted(STREAMS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed!r} is invalid: must be an integer in [0, {MAX_SEED}] (2**{SEED_BITS} - 1)")
     idx = torch.as_tensor(index, dtype=torch.int64, device=device)
-    return fold(torch.full_like(idx, _signed(seed)), STREAMS[stream], idx)
+    word = _signed((STREAMS[stream] << SEED_BITS) | seed)
+    return fold(mix64(torch.full_like(idx, word)), idx)
+
+
+def _blocks(keys: torch.Tensor, width: int):
+    """Split the flat keys into row blocks of about ``_CHUNK`` elements of ``width`` (one block on GPUs)."""
+    flat = keys.reshape(-1)
+    rows = flat.numel() if flat.device.type != "cpu" else max(1, _CHUNK // max(width, 1))
+    for a in range(0, flat.numel(), rows):
+        yield a, flat[a : a + rows]
+
+
+def _uniform_block(k: torch.Tensor, j: torch.Tensor, words: torch.Tensor, tmp: torch.Tensor, out: torch.Tensor):
+    """Write ``uniform(k, m)`` into ``out [r, m]`` float64, using int64 scratch ``words`` and ``tmp``."""
+    torch.bitwise_xor(k[:, None], j[None], out=words)
+    words += _GOLDEN
+    _mix64_(words, tmp)
+    torch.bitwise_right_shift(words, 12, out=tmp)  # 52 random bits: (top + 0.5) 2^-52 is exact and < 1
+    tmp &= (1 << 52) - 1
+    out.copy_(tmp)
+    out += 0.5
+    out *= 2.0**-52
 
 
 def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
     """``m`` uniforms in the open interval (0, 1) per key.
+
+    Entry ``j`` of key ``k`` is ``(top52(mix64(k ^ j)) + 1/2) 2^-52``. The work is done in place on
+    cache-sized blocks of keys; the numbers do not depend on the blocking.
 
     Args:
         keys: int64 tensor ``[*k]``.
@@ -113,32 +161,68 @@ def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
     Returns:
         float64 tensor ``[*k, m]``; entry ``[..., j]`` depends only on the key and ``j``.
     """
+    out = torch.empty(keys.numel(), m, dtype=torch.float64, device=keys.device)
     j = torch.arange(m, dtype=torch.int64, device=keys.device)
-    h = fold(keys.unsqueeze(-1), j)
-    top = _srl(h, 12).to(torch.float64)  # 52 random bits: (top + 0.5) 2^-52 is exact and < 1
-    return (top + 0.5) * (2.0**-52)
+    for a, k in _blocks(keys, m):
+        words = torch.empty(k.numel(), m, dtype=torch.int64, device=keys.device)
+        _uniform_block(k, j, words, torch.empty_like(words), out[a : a + k.numel()])
+    return out.reshape(*keys.shape, m)
 
 
-def normal(keys: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Standard normals of event shape ``shape`` per key (Box--Muller).
+def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Standard normals of event shape ``shape`` per key (Box--Muller on :func:`uniform`).
+
+    With ``numel(shape) = N`` and ``h = ceil(N / 2)``, the key's uniforms ``u = uniform(key, 2h)``
+    give ``r = sqrt(-2 log u[:h])``, ``theta = 2 pi u[h:]``, and the event is the first ``N`` entries
+    of ``[r cos(theta), r sin(theta)]``, computed in float64 and then cast to ``dtype``. The work is
+    blocked and in place (about 16 ns per number on one CPU core); the numbers do not depend on the
+    blocking, on the other keys, or on ``dtype`` beyond the final rounding.
 
     Args:
         keys: int64 tensor ``[*k]``.
         shape: event shape.
+        dtype: dtype of the result.
+        out: optional contiguous tensor of ``keys.numel() * numel(shape)`` elements to write into
+            (its dtype wins over ``dtype``); saves one copy when the caller owns the buffer.
 
     Returns:
-        float64 tensor ``[*k, *shape]``.
+        tensor ``[*k, *shape]`` of ``dtype`` (a view of ``out`` when given).
     """
     numel = 1
     for s in shape:
         numel *= int(s)
     half = (numel + 1) // 2
-    u = uniform(keys, 2 * half)
-    u1, u2 = u[..., :half], u[..., half:]
-    r = torch.sqrt(-2.0 * torch.log(u1))
-    theta = (2.0 * torch.pi) * u2
-    z = torch.cat([r * torch.cos(theta), r * torch.sin(theta)], dim=-1)[..., :numel]
-    return z.reshape(*keys.shape, *shape)
+    dev = keys.device
+    if out is None:
+        out = torch.empty(keys.numel(), numel, dtype=dtype, device=dev)
+    else:
+        out = out.view(keys.numel(), numel)
+    j = torch.arange(2 * half, dtype=torch.int64, device=dev)
+    scratch = None
+    for a, k in _blocks(keys, 2 * half):
+        r = k.numel()
+        if scratch is None or scratch[0].shape[0] != r:
+            scratch = (
+                torch.empty(r, 2 * half, dtype=torch.int64, device=dev),
+                torch.empty(r, 2 * half, dtype=torch.int64, device=dev),
+                torch.empty(r, 2 * half, dtype=torch.float64, device=dev),
+                torch.empty(r, half, dtype=torch.float64, device=dev),
+            )
+        words, tmp, u, trig = scratch
+        _uniform_block(k, j, words, tmp, u)
+        rad, theta = u[:, :half], u[:, half:]
+        rad.log_()
+        rad *= -2.0
+        rad.sqrt_()
+        theta *= 2.0 * torch.pi
+        o = out[a : a + r]
+        torch.cos(theta, out=trig)
+        trig *= rad
+        o[:, :half] = trig
+        torch.sin(theta, out=trig)
+        trig *= rad
+        o[:, half:] = trig[:, : numel - half]
+    return out.reshape(*keys.shape, *shape)
 
 
 class KeyedRows:

@@ -12,7 +12,7 @@ a trajectory ran in, and the two executions of the speculative sampler draw iden
 They share the drafting, verification walk, prefetch and accounting code below; they differ only in
 how a node's state and velocity are obtained (:class:`_TreeNodes` and :class:`_PathNodes`).
 
-Accounting (DESIGN.md): ``calls`` counts batched target calls on the speculative steps ``1..T-2``,
+Accounting (the paper's protocol, section 5): ``calls`` counts batched target calls on the speculative steps ``1..T-2``,
 the warm-up call at the first root included; ``speedup = (T - 2) / calls``. ``nfe`` adds the two
 deterministic endpoint steps. ``target_rows`` counts the states the speculative calls evaluated.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rng
-from .coupling import get_coupling
+from .coupling import NonFiniteError, get_coupling
 from .drafts import get_draft
 from .models.base import batched
 from .schedule import Schedule
@@ -115,7 +115,7 @@ def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Ten
     Speculative and standard samplers with the same seed start from the same noise (paired runs).
     """
     keys = rng.base_key(seed, ids, "init", device=ids.device)
-    return rng.normal(keys, event_shape).to(dtype)
+    return rng.normal(keys, event_shape, dtype=dtype)
 
 
 def sample_standard(
@@ -159,7 +159,7 @@ def sample_standard(
         nn = torch.full((m,), n, dtype=torch.long, device=dev)
         mean = schedule.mean(x, velocity(x, nn, traj), nn)
         std = schedule.std(nn).to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
-        noise = rng.normal(rng.fold(step_keys, n), model.event_shape).to(x.dtype)
+        noise = rng.normal(rng.fold(step_keys, n), model.event_shape, dtype=x.dtype)
         x = mean + std * noise
         if callback is not None:
             callback({"step": n + 1, "steps_done": m * min(n, schedule.steps - 2)})
@@ -217,7 +217,7 @@ class _Nodes:
         """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
         return self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
 
-    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor):
+    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, out=None):
         """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, phase 1).
 
         Args:
@@ -226,17 +226,31 @@ class _Nodes:
             step: ``[s]`` the parents' step index.
             ids: ``[s or 1, C]`` node ids of the children (they key the noise).
             pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``.
+            out: optional node-major buffer ``[C, s, *e]`` to draft into (then ``ids`` is ``[1, C]`` and
+                ``pos`` is ``[C]``, non-decreasing: children of one parent are contiguous).
 
         Returns:
-            ``(means [s, P, *e], children [s, C, *e])``.
+            ``(means [s, P, *e], children [s, C, *e])``; the children are ``out.transpose(0, 1)`` when
+            ``out`` is given. The numbers are the same either way.
         """
         mean = self.ctx.draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
         e = x_parents.shape[2:]
         std = self.ctx.schedule.std(step).to(x_parents.dtype).reshape((-1, 1) + (1,) * len(e))
+        if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
+            keys = rng.fold(self.r.draft_keys[sub][None], self.r.n[sub][None], ids.reshape(-1, 1))  # [C, s]
+            rng.normal(keys, e, out=out)
+            out *= std.transpose(0, 1)
+            bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
+            for p in range(mean.shape[1]):
+                if bounds[p + 1] > bounds[p]:
+                    out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
+            return mean, out.transpose(0, 1)
         keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
-        noise = rng.normal(keys, e).to(x_parents.dtype)
+        noise = rng.normal(keys, e, dtype=x_parents.dtype)
         rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
-        return mean, mean[rows, pos] + std * noise
+        noise *= std  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
+        noise += mean[rows, pos]
+        return mean, noise
 
     # interface
     def children(self, sub, x_u, u, k, step):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
@@ -247,42 +261,63 @@ class _Nodes:
 
 
 class _TreeNodes(_Nodes):
-    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them."""
+    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them.
+
+    States and velocities are stored node-major (``[nodes, m, *e]``), so the rows of every non-root
+    node form one contiguous block that goes to the network without a gather copy, and velocities
+    are written into place one ``max_batch`` chunk at a time.
+    """
 
     def __init__(self, tree, tensors, rnd, ctx):
         super().__init__(tree, tensors, rnd, ctx)
         m = rnd.x.shape[0]
         e = rnd.x.shape[1:]
         dev = rnd.x.device
-        states = rnd.x.new_empty(m, len(tree), *e)
-        states[:, 0] = rnd.x
+        N = len(tree)
+        states = rnd.x.new_empty(N, m, *e)
+        states[0] = rnd.x
         all_rows = torch.arange(m, device=dev)
         for l in range(1, tree.max_depth + 1):
             layer = torch.as_tensor(tree.layer(l), device=dev)
             prev = tree.layer(l - 1)
             step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
             pos = tensors["parent"][layer] - int(prev[0])
-            _, states[:, layer] = self.draft(all_rows, states[:, prev[0] : prev[-1] + 1], step, layer[None], pos)
+            self.draft(all_rows, states[prev[0] : prev[-1] + 1].transpose(0, 1), step, layer[None], pos, out=states[layer[0] : layer[-1] + 1])
         self.states = states
-        node = torch.arange(len(tree), device=dev)
-        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, len(tree)))
+        node = torch.arange(N, device=dev)
+        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, N))
         mask[:, 0] &= ~rnd.root_exact
-        vel = torch.zeros_like(states)
-        where = mask.nonzero(as_tuple=True)
-        if where[0].numel():
-            step = (rnd.n[where[0]] + tensors["depth"][where[1]]).clamp(max=ctx.schedule.steps - 1)
-            vel[where] = ctx.velocity(states[where], step, rnd.rows[where[0]])
-        vel[:, 0] = torch.where(_bc(rnd.root_exact, rnd.x), rnd.v_root, vel[:, 0])
-        self.vel = vel
+        rest = mask.T  # [node, trajectory]
+        if bool(rest[1:].all()) and not bool(rest[0].any()):
+            # the common case: nodes 1.. form one contiguous block, evaluated in one call straight from
+            # the states (no gather) and kept as returned (no scatter); the roots' velocities are known
+            step = (rnd.n[None] + tensors["depth"][1:, None]).clamp(max=ctx.schedule.steps - 1).reshape(-1)
+            self.block = ctx.velocity(states[1:].reshape(-1, *e), step, rnd.rows.repeat(N - 1)).view(N - 1, m, *e)
+            self.root_vel = rnd.v_root
+        else:
+            self.block = None
+            vel = torch.zeros_like(states)
+            nodes_, traj = rest.nonzero(as_tuple=True)
+            if nodes_.numel():
+                step = (rnd.n[traj] + tensors["depth"][nodes_]).clamp(max=ctx.schedule.steps - 1)
+                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
+            vel[0] = torch.where(_bc(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
+            self.vel = vel
         self.rows_evaluated = mask.sum(1)
 
     def children(self, sub, x_u, u, k, step):
         ids = self.child_ids(u, k)
         mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
-        return mean, self.states[sub[:, None], ids], ids
+        return mean, self.states[ids, sub[:, None]], ids
 
     def velocity(self, sub, u, x_u):
-        return self.vel[sub, u]
+        if self.block is None:
+            return self.vel[u, sub]
+        out = self.block[(u - 1).clamp(min=0), sub]
+        root = u == 0
+        if bool(root.any()):
+            out[root] = self.root_vel[sub[root]]
+        return out
 
 
 class _PathNodes(_Nodes):
@@ -320,6 +355,7 @@ class _Context:
     prefetch: str
     evaluate_leaves: bool
     velocity: _Velocity
+    ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
 
 
 def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
@@ -353,7 +389,17 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
             mean_q = ctx.schedule.mean(x_cur[sub], v_cur[sub], step)
             sigma = ctx.schedule.std(step).to(kids.dtype)
             keys = rng.fold(rnd.verify_keys[sub], rnd.n[sub], u)
-            verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))
+            try:
+                verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))
+            except NonFiniteError as err:
+                r0 = err.rows[0]
+                raise NonFiniteError(
+                    f"non-finite states at trajectory {int(ctx.ids[rnd.rows[sub[r0]]])}, step {int(step[r0])}, "
+                    f"children of node {int(u[r0])} (depth {l - 1}) of the round rooted at state {int(rnd.n[sub[r0]])}: "
+                    f"the target's velocity or the draft produced NaN or inf there ({len(err.rows)} such parent(s) "
+                    "at this depth); no coupling can serve them",
+                    [int(ctx.ids[rnd.rows[sub[r]]]) for r in err.rows],
+                ) from None
             attempts[rnd.rows[sub], l - 1] += 1
             accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
             steps[sub] += 1
@@ -379,7 +425,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
 
 
 def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
-    """Velocity for the next round's draft (DESIGN.md ``prefetch``) and whether it is exact.
+    """Velocity for the next round's draft (the ``prefetch`` key) and whether it is exact.
 
     ``nearest``: the committed leaf's own if it was evaluated; else the evaluated sibling nearest the
     committed state; else the parent's. ``parent``: the leaf's own if evaluated, else the parent's.
@@ -453,13 +499,15 @@ def sample_speculative(
         max_batch: rows per forward pass of one batched call.
         callback: called after each round with ``{"round", "live", "calls", "steps_done"}``
             (``steps_done``: speculative steps committed so far, summed over trajectories).
-        warmup: ``call`` (DESIGN.md: one exact target call at the first root, charged to ``calls``) or
+        warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``calls``) or
             ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
 
     Returns:
         :class:`SampleResult`.
 
     Raises:
+        NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the
+            message names the trajectory, step and node, ``rows`` the trajectory ids.
         ValueError: unknown coupling, draft, prefetch or execution; a tree wider than the coupling
             allows; bad ``n_samples``.
     """
@@ -485,6 +533,7 @@ def sample_speculative(
     _check_choice("warmup", warmup, WARMUPS)
     dev = _model_device(model)
     ids = _trajectory_ids(n_samples, indices, dev)
+    ctx.ids = ids
     M = ids.numel()
     T = schedule.steps
     end = schedule.end_speculative
@@ -512,7 +561,7 @@ def sample_speculative(
     x = schedule.mean(x, v0, n)
     nfe += 1
     n += 1
-    # the first round's draft velocity: an exact warm-up call at its root (DESIGN.md), or the step-0
+    # the first round's draft velocity: an exact warm-up call at its root (the paper's protocol), or the step-0
     # velocity at sigma = 1 reused as an approximate prefetch (no warm-up call)
     v_root = v0 if warmup == "step0" else torch.zeros_like(x)
     root_exact = torch.zeros(M, dtype=torch.bool, device=dev)
@@ -548,9 +597,11 @@ def sample_speculative(
         nodes = Nodes(tree, tensors, rnd, ctx)
         new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, attempts, accepts)
         # a round whose batch is empty (root velocity known, nothing else to evaluate) costs no call
-        charged = nodes.rows_evaluated > 0
+        rows_evaluated = nodes.rows_evaluated
+        del nodes  # free this round's node states before the next round allocates its own
+        charged = rows_evaluated > 0
         calls[live] += charged.long()
-        rows_used[live] += nodes.rows_evaluated
+        rows_used[live] += rows_evaluated
         batch_calls += int(bool(charged.any()))
         committed[live, rounds[live]] = steps
         rounds[live] += 1

@@ -126,3 +126,68 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         dgrs(children[:, :0], mean_p, mean_q, sigma)
     with pytest.raises(ValueError, match="not registered"):
         get_coupling("nope")
+
+
+def _tiny_sigma_problem(name, dtype, sigma, delta=0.7, n=20000, d=256, seed=77):
+    """States near zero at a kernel scale deep in float16's subnormal range; means and children are
+    rounded to ``dtype`` as a sampler holding ``dtype`` states would. Returns the problem and the
+    direction and displacement that the rounded means actually define (the law to check against)."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(d, generator=g, dtype=torch.float64)
+    e = e / e.norm()
+    mean_p = torch.zeros(n, d, dtype=torch.float64)
+    mean_q = (mean_p + sigma * delta * e).to(dtype)
+    K = 1 if name == "rmc" else 3
+    children = (sigma * torch.randn(n, K, d, generator=g, dtype=torch.float64)).to(dtype)
+    disp = (mean_q[0].double() - mean_p[0]) / sigma
+    return children, mean_p.to(dtype), mean_q, disp.norm().item(), disp / disp.norm(), g
+
+
+@pytest.mark.parametrize("name,dtype,sigma", [("rmc", torch.float16, 2.0**-14), ("dgrs", torch.float16, 2.0**-14), ("rmc", torch.bfloat16, 2.0**-20)])
+def test_16bit_states_at_small_sigma_keep_the_law(name, dtype, sigma):
+    # seed 77, n = 20000, d = 256, delta = 0.7, states near zero. The coupling used to compute e and
+    # the residual's shift in float16, where sigma * delta / sqrt(d) falls below the subnormal spacing
+    # (rmc at 2^-20: acceptance 0.7195 instead of 0.7263, KS p = 3e-9). Now the d-dimensional work runs
+    # in float32: KS of the output's projection (float64, against the rounded means) p > 1e-4, and
+    # the acceptance within 5 standard errors of eq. 20 / eq. 19 for the displacement the rounded
+    # means define.
+    children, mean_p, mean_q, delta, e, g = _tiny_sigma_problem(name, dtype, sigma)
+    v = get_coupling(name)(children, mean_p, mean_q, sigma, generator=g)
+    assert v.sample.dtype == dtype and torch.isfinite(v.sample).all()
+    p = law_pvalues(v.sample, mean_q, sigma, e)
+    assert p["parallel"] > P_MIN, p
+    K = children.shape[1]
+    want = float(theory.rmc_acceptance(delta)) if K == 1 else float(theory.dgrs_acceptance(delta, K))
+    got = v.accepted.double().mean().item()
+    assert abs(got - want) < 5 * math.sqrt(want * (1 - want) / children.shape[0]), (got, want)
+
+
+def test_sigma_is_not_rounded_to_the_state_dtype():
+    from specsamp.coupling import check_inputs
+
+    children, mean_p, mean_q, _, _, _ = _tiny_sigma_problem("rmc", torch.bfloat16, 1e-6, n=4)
+    s = check_inputs(children, mean_p, mean_q, 1e-6)
+    assert s.dtype == torch.float64 and bool((s == 1e-6).all())
+
+
+def test_float16_sigma_below_its_resolution_is_refused():
+    # the failing case above (float16, sigma = 2^-20, d = 256) cannot be served in float16 states at
+    # all: the residual's shift is below the subnormal spacing. It is refused with the limit named.
+    from specsamp.coupling import min_sigma
+
+    children, mean_p, mean_q, _, _, _ = _tiny_sigma_problem("rmc", torch.float16, 2.0**-20, n=4)
+    assert 2.0**-20 < min_sigma(torch.float16, 256) < 2.0**-14
+    with pytest.raises(ValueError, match=r"sigma=9.537e-07 .*float16 states of 256 coordinates.*float32"):
+        rmc(children, mean_p, mean_q, 2.0**-20)
+
+
+@pytest.mark.parametrize("where", ["children", "mean_p", "mean_q"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_refused_naming_the_rows(where, bad):
+    from specsamp.coupling import NonFiniteError
+
+    children, mean_p, mean_q, sigma, _, _ = make_problem(1.0, 2, torch.float32, n=10)
+    {"children": children[3, 1], "mean_p": mean_p[3], "mean_q": mean_q[3]}[where][2] = bad
+    with pytest.raises(NonFiniteError, match=r"row\(s\) \[3\]") as err:
+        dgrs(children, mean_p, mean_q, sigma)
+    assert err.value.rows == [3]

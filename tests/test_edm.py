@@ -304,32 +304,3 @@ def test_missing_file_names_url_and_path(tmp_path, monkeypatch):
         load_edm(tmp_path / "nope.pkl")
     with pytest.raises(ValueError, match="model.name='cifar'"):
         build_edm_model({"name": "cifar"})
-
-
-# ----------------------------------------------------------------------------------------------
-# benchmark script
-
-
-def test_bench_run_rows_on_analytic_denoiser():
-    from specsamp import bench_gpu
-
-    gmm = GaussianMixture(dim=6, components=2, layout_seed=2)
-    model = EDMVelocity(GMMPrecond(gmm, (6,)), event_shape=(6,))
-    rows = bench_gpu.run(model, batch_sizes=(3,), configs=((2, 3),), steps=10, eps=0.3, max_batch=5)
-    assert [(r["method"], r["budget"]) for r in rows] == [("standard", 1), ("dgrs", 14), ("rmc", 14)]
-    std, dgrs, rmc = rows
-    assert std["calls_mean"] == 8 and std["nfe_speedup"] == 1.0 and std["wall_speedup"] == 1.0
-    assert dgrs["rows_per_image"] > dgrs["calls_mean"] and all(r["wall_s"] > 0 for r in rows)
-    assert bench_gpu._configs("2x3, 4x4") == [(2, 3), (4, 4)]
-
-
-@pytest.mark.slow
-def test_bench_tiny_cli(tmp_path):
-    pytest.importorskip("diffusers")
-    import pandas as pd
-
-    from specsamp import bench_gpu
-
-    assert bench_gpu.main(["--device", "cpu", "--tiny", "--csv", str(tmp_path / "b.csv")]) == 0
-    df = pd.read_csv(tmp_path / "b.csv")
-    assert len(df) == 2 * (1 + 2 * 4) and set(df.method) == {"standard", "dgrs", "rmc"}

@@ -152,9 +152,63 @@ def test_mix64_is_injective_on_a_sample():
     assert torch.unique(rng.mix64(x)).numel() == x.numel()
 
 
-def test_big_seed_and_unknown_stream():
-    a = rng.base_key(2**64 - 1, [0, 1], "verify")  # wraps like uint64
-    b = rng.base_key(-1, [0, 1], "verify")
-    assert torch.equal(a, b)
+def test_seed_range_and_unknown_stream():
+    assert rng.base_key(rng.MAX_SEED, [0, 1], "verify").shape == (2,)
+    for bad in (-1, rng.MAX_SEED + 1, 2**64 - 1, 2**70, True, 1.0):
+        with pytest.raises(ValueError, match="seed=.*invalid"):
+            rng.base_key(bad, [0, 1], "verify")
     with pytest.raises(ValueError, match="stream='nope'"):
         rng.base_key(0, [0], "nope")
+
+
+def test_streams_of_different_seeds_never_meet():
+    # XOR of seed and stream index made base_key(1, 'step') == base_key(2, 'init'); now every
+    # (seed, stream, trajectory) triple of 4000 seeds x all streams x 3 trajectories has its own
+    # key, and so does every (step, node) folded below it (4000 x 5 x 3 x 3 x 3 = 540000 keys)
+    assert not torch.equal(rng.base_key(1, [0], "step"), rng.base_key(2, [0], "init"))
+    assert not torch.equal(rng.base_key(5, [0], "draft"), rng.base_key(2, [0], "verify"))
+    per_seed = [torch.stack([rng.base_key(s, torch.arange(3), st) for st in rng.STREAMS]) for s in range(4000)]
+    k = torch.stack(per_seed)  # [seed, stream, trajectory]
+    assert torch.unique(k).numel() == k.numel()
+    deep = rng.fold(k[..., None, None], torch.arange(3)[:, None], torch.arange(3)[None])
+    assert torch.unique(deep).numel() == deep.numel()
+    # the numbers differ too, not only the keys: first uniforms of (1, step) and (2, init)
+    assert not torch.equal(rng.uniform(k[1, 1], 4), rng.uniform(k[2, 0], 4))
+    # large seeds near the top of the range keep their streams apart
+    top = torch.stack([rng.base_key(rng.MAX_SEED - s, [0], st) for s in range(50) for st in rng.STREAMS])
+    assert torch.unique(top).numel() == top.numel()
+
+
+def _reference_normal(keys, shape):
+    """The documented formula, element by element from mix64 (no blocking, no in-place work)."""
+    numel = math.prod(shape)
+    half = (numel + 1) // 2
+    j = torch.arange(2 * half)
+    h = rng.mix64(keys[:, None] ^ j[None])
+    u = (((h >> 12) & ((1 << 52) - 1)).double() + 0.5) * 2.0**-52
+    r = torch.sqrt(-2.0 * torch.log(u[:, :half]))
+    theta = 2.0 * torch.pi * u[:, half:]
+    return torch.cat([r * torch.cos(theta), r * torch.sin(theta)], -1)[:, :numel].reshape(-1, *shape)
+
+
+@pytest.mark.parametrize("shape", [(1,), (5,), (3, 7), (40000,)])
+def test_blocked_normal_matches_the_formula(shape):
+    # the fast blocked generator equals the plain formula bit for bit, for any number of keys
+    k = keys(5 if shape == (40000,) else 3000, seed=5)
+    ref = _reference_normal(k, shape)
+    assert torch.equal(rng.normal(k, shape), ref)
+    assert torch.equal(rng.normal(k[2:4], shape), ref[2:4])
+    assert torch.equal(rng.normal(k, shape, dtype=torch.float32), ref.float())
+
+
+def test_runner_refuses_seeds_outside_the_key_range():
+    # the runner checks the range up front (exit 2 with the one-paragraph message, no traceback)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for bad in (str(2**70),):  # sampled bit-identically to seed=0 when seeds were reduced mod 2**64
+        p = subprocess.run([sys.executable, "run.py", f"seed={bad}", "n_samples=2", "model.dim=4", "steps=6"], cwd=root,
+                           capture_output=True, text=True)
+        assert p.returncode == 2 and "seed=" in p.stderr + p.stdout and "Traceback" not in p.stderr

@@ -551,3 +551,24 @@ def test_warmup_step0_keeps_the_law_and_saves_the_warmup_call(spec, coupling, re
     assert torch.equal(base.calls, base.rounds + 1)
     with pytest.raises(ValueError, match="warmup"):
         sample_speculative(MODEL, SCHED, tree, coupling, 2, warmup="nope")
+
+
+class _NaNBelow:
+    """The test GMM, except that its velocity is NaN for trajectory states with x[0] > 0 below sigma 0.6."""
+
+    event_shape, dtype, device = MODEL.event_shape, MODEL.dtype, "cpu"
+
+    def __call__(self, x, sigma, **cond):
+        v = MODEL(x, sigma)
+        bad = (sigma < 0.6) & (x[:, 0] > 0)
+        v[bad] = float("nan")
+        return v
+
+
+@pytest.mark.parametrize("execution", ["path", "tree"])
+def test_non_finite_velocity_is_refused_naming_trajectory_step_and_node(execution):
+    from specsamp.coupling import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step [3-7], children of node \d+ \(depth \d\)") as err:
+        sample_speculative(_NaNBelow(), SCHED, DraftTree.uniform(2, 2), "dgrs", 8, execution=execution, seed=4)
+    assert err.value.rows and all(0 <= r < 8 for r in err.value.rows)

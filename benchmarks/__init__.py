@@ -1,0 +1,1 @@
+"""Benchmarks of specsamp (not part of the library): ``python -m benchmarks.<name>``; ``make bench`` runs them."""
