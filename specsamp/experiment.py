@@ -577,7 +577,8 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, cfg_dic
 
                 if not target.fid_ref:
                     raise ConfigError("metrics=[fid] needs model.fid_ref (reference statistics: name, URL or .npz path).")
-                out["fid"] = float(compute_fid(str(image_dir), target.fid_ref))
+                features = cfg_dict["model"].get("fid_features") or "inception-v3-compat"
+                out["fid"] = float(compute_fid(str(image_dir), target.fid_ref, feature_extractor=features)["fid"])
             elif name == "clip":
                 from .metrics import clip
 
@@ -622,4 +623,5 @@ def summary_line(rec: dict) -> str:
     return (
         f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}  "
         f"({rec['n_samples']} trajectories, {rec['wall_seconds']:.1f} s)"
+        + (f"  FID {rec['fid']:.3f}" if isinstance(rec.get("fid"), float) else "")
     )
