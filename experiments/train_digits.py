@@ -11,9 +11,11 @@
 3. the classifier's feature statistics of all 1,797 images (FID reference), in
    ``specsamp/data/digits-8x8-classifier-stats.npz``.
 
-Seeded, one thread: the same torch build on the same CPU type reproduces the files bit for bit (the
-SHA-256s printed at the end are what ``specsamp.models.edm.CHECKPOINTS`` and
-``specsamp.models.digits.CLASSIFIER_SHA256`` hold). Training figures go to ``results/digits/training.json``.
+Seeded, one thread: the same torch build on the same CPU type reproduces the weights (the reference
+``.npz`` bit for bit), but not the pickles' bytes (torch stores a random serialization id with each
+pickled tensor storage), so a retrained pickle has a new SHA-256: the ones printed at the end go into
+``specsamp.models.edm.CHECKPOINTS`` and ``specsamp.models.digits.CLASSIFIER_SHA256``. Training figures
+go to ``results/digits/training.json``.
 """
 
 from __future__ import annotations
