@@ -47,6 +47,15 @@ def test_denoiser_loads_through_the_checked_loader_and_tampering_is_refused(tmp_
     bad.write_bytes(bytes(blob))
     with pytest.raises(CheckpointTrustError, match="SHA-256"):
         build_edm_model({"name": NAME, "path": str(bad), "device": "cpu"})
+    # the classifier: a copy of the shipped file loads from anywhere, a modified one is refused
+    copy = tmp_path / "copy.pkl"
+    shutil.copy(digits.CLASSIFIER_FILE, copy)
+    assert digits.load_classifier(copy).classes == 10
+    blob = bytearray(copy.read_bytes())
+    blob[-10] ^= 1
+    copy.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointTrustError, match="SHA-256"):
+        digits.load_classifier(copy)
 
 
 def test_classifier_extractor_through_torch_fidelity_scores_real_digits_near_zero():

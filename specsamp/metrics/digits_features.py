@@ -31,8 +31,9 @@ class DigitsClassifierExtractor(FeatureExtractorBase):
     Args:
         name: registry name (``digits-classifier``).
         features_list: requested features, a subset of ``("features", "logits")``.
-        feature_extractor_weights_path: a classifier pickle other than the shipped one (loaded with
-            ``trust`` only if its hash is the shipped one's; else refused, see :func:`load_classifier`).
+        feature_extractor_weights_path: a copy of the shipped classifier pickle elsewhere (its SHA-256
+            must equal :data:`specsamp.models.digits.CLASSIFIER_SHA256`; any other file is refused
+            before unpickling, see :func:`specsamp.models.digits.load_classifier`).
         **kwargs: torch-fidelity's other options (ignored).
     """
 

@@ -61,8 +61,9 @@ def load_classifier(path: str | Path | None = None, *, sha256: str | None = None
                     device: str | torch.device = "cpu"):
     """The digits classifier (``forward(x [b, 1, 8, 8]) -> (features [b, 64], logits [b, 10])``).
 
-    Loaded by :func:`specsamp.models.edm.load_edm` (checksum first, then unpickled) from
-    ``path`` (default: the shipped file, checked against :data:`CLASSIFIER_SHA256`).
+    Loaded by :func:`specsamp.models.edm.load_edm` (checksum first, then unpickled) from ``path``
+    (default: the shipped file), checked against ``sha256`` (default :data:`CLASSIFIER_SHA256`, so a
+    copy of the shipped file loads anywhere and any other file needs its hash or ``trust=True``).
 
     Raises:
         FileNotFoundError, specsamp.models.edm.CheckpointTrustError: see :func:`load_edm`.
@@ -70,5 +71,5 @@ def load_classifier(path: str | Path | None = None, *, sha256: str | None = None
     from .edm import load_edm
 
     p = Path(path) if path is not None else CLASSIFIER_FILE
-    expected = sha256 if sha256 is not None else (CLASSIFIER_SHA256 if path is None else None)
+    expected = sha256 if sha256 is not None else CLASSIFIER_SHA256
     return load_edm(p, sha256=expected, trust_checkpoint=trust, key="classifier", map_location=device)
