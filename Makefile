@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean
+.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -34,6 +34,19 @@ gmm:  ## section 5.1: the 84-cell grid (Hydra multirun, two processes), its CSV 
 beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees) and the headline rows: results/gmm/beyond.csv, headline.csv
 	$(PYTHON) -m experiments.beyond run
 	$(PYTHON) -m experiments.beyond headline
+
+train-digits:  ## retrain the digits denoiser and classifier (seeded, ~5 min on one thread) into specsamp/data/
+	$(PYTHON) -m experiments.train_digits
+
+digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (~10 min)
+	$(PYTHON) run.py +experiment=digits_fig4
+	$(PYTHON) run.py +experiment=digits_fid
+	$(PYTHON) -m experiments.digits collect
+	$(PYTHON) -m experiments.digits levers
+	$(PYTHON) -m experiments.digits figures
+
+bench-digits:  ## wall clock per image on the digits network, standard vs tree execution: results/digits/wallclock.csv
+	$(PYTHON) benchmarks/digits_wallclock.py --out results/digits/wallclock.csv
 
 figures:  ## rebuild every figure in results/ from the committed tables (no sampling)
 	$(PYTHON) -m experiments.figures

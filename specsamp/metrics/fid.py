@@ -37,6 +37,8 @@ INCEPTION_URL = "https://github.com/toshas/torch-fidelity/releases/download/v0.2
 REFERENCE_STATS = {
     "cifar10-32x32": "https://nvlabs-fi-cdn.nvidia.com/edm/fid-refs/cifar10-32x32.npz",
     "ffhq-64x64": "https://nvlabs-fi-cdn.nvidia.com/edm/fid-refs/ffhq-64x64.npz",
+    # shipped: digits-classifier features of scikit-learn's 1,797 digits (specsamp.metrics.digits_features)
+    "digits-8x8": (Path(__file__).resolve().parents[1] / "data" / "digits-8x8-classifier-stats.npz").as_uri(),
 }
 
 
@@ -320,6 +322,10 @@ def make_extractor(
         ext = _callable_extractor_class()(feature_extractor).eval().to(dev)
         return ext, "out", cuda
     name = str(feature_extractor)
+    if name == "digits-classifier":
+        from .digits_features import register
+
+        register()
     if name not in FEATURE_EXTRACTORS_REGISTRY:
         raise ValueError(f"feature_extractor={name!r} is invalid; registered: {sorted(FEATURE_EXTRACTORS_REGISTRY)}")
     cls = FEATURE_EXTRACTORS_REGISTRY[name]

@@ -80,6 +80,10 @@ _EDM_CDN = "https://nvlabs-fi-cdn.nvidia.com/edm/pretrained/"
 CHECKPOINTS: dict[str, Checkpoint] = {
     "edm-cifar10-32x32-cond-vp": Checkpoint(_EDM_CDN + "edm-cifar10-32x32-cond-vp.pkl", None, 10, 32),
     "edm-ffhq-64x64-uncond-vp": Checkpoint(_EDM_CDN + "edm-ffhq-64x64-uncond-vp.pkl", None, 0, 64),
+    # shipped with the package: trained on scikit-learn's digits by experiments/train_digits.py (specsamp.models.digits)
+    "edm-digits-8x8-cond": Checkpoint(
+        (Path(__file__).resolve().parents[1] / "data" / "edm-digits-8x8-cond.pkl").as_uri(), "ee0542d9eb229546125fbc0fa58a689dacf195454034ccd26cae8da09dd53b16", 10, 8
+    ),
 }
 
 

@@ -1,0 +1,331 @@
+"""Section 5.2's image experiments on the digits network (a trained EDM denoiser that runs on any CPU).
+
+One command regenerates everything (``make digits``, about ten minutes on one CPU core)::
+
+    python run.py +experiment=digits_fig4     # 24 jobs: eps x (K, L) x {rmc, dgrs}, 100 images each
+    python run.py +experiment=digits_fid      # standard (twice), rmc, dgrs at K=2, L=3, eps=0.3, 1,000 images each, FID
+    python -m experiments.digits collect      # -> results/digits/fig4.csv, fid.csv, two_sample.csv, samples.npz
+    python -m experiments.digits levers       # -> results/digits/levers.csv (x0 draft, markmax, optimal trees)
+    python -m experiments.digits figures      # -> results/digits/*.png from the committed tables
+
+The FID table gives bootstrap standard errors (resampling the generated images, reference fixed) and a
+"data" row (the FID of as many real digits, drawn with replacement, against the full set: the floor at
+this sample size). Every arm runs under its own seed, so the image sets are independent; a second
+standard run shows the spread between two runs of the same sampler. The two-sample tests compare the
+digits classifier's outputs on standard and speculative images: a chi-square test of the
+predicted-class counts, and Kolmogorov-Smirnov tests of the maximum softmax probability and of the
+logit of the conditioning class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import pandas as pd
+
+from experiments.common import RESULTS, ROOT, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from specsamp.trees import budget
+
+OUT = RESULTS / "digits"
+EPS = (0.1, 0.3, 0.6)
+SHAPES = ((2, 3), (2, 5), (3, 4), (4, 4))
+RULES = ("standard", "rmc", "dgrs")
+BOOTSTRAP = 200  # resamples for the FID standard errors
+LEVER_BUDGETS = {14: (2, 3), 62: (2, 5)}  # the paper's (K, L) at each budget (B=120 adds ~2 min)
+LEVERS = {  # arm: overrides (K, L, budget filled per budget), as in experiments.beyond on the mixture
+    "paper RMC (chain of B)": ["sampler=rmc"],
+    "paper D-GRS (uniform tree)": ["sampler=dgrs"],
+    "x0 draft": ["sampler=dgrs", "draft=x0"],
+    "markmax coupling": ["sampler=markmax"],
+    "optimal tree": ["sampler=dgrs", "tree=optimal"],
+    "x0 + optimal tree + markmax": ["sampler=markmax", "draft=x0", "tree=optimal"],
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Figure 4
+
+
+def collect_fig4(sweep_dir: str | None = None) -> pd.DataFrame:
+    """``results/digits/fig4.csv`` from the ``digits_fig4`` sweep: one row per (rule, eps, K, L)."""
+    df = ok_records(sweep_dir or "multirun/digits_fig4", "digits_fig4")
+    cols = ["sampler", "eps", "K", "L", "budget", "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean",
+            "target_rows_mean", "acceptance_pooled", "acceptance", "n_samples", "wall_seconds"]
+    out = df[cols].sort_values(["sampler", "eps", "budget"]).reset_index(drop=True)
+    write_csv(out, OUT / "fig4.csv")
+    print(f"wrote {OUT / 'fig4.csv'} ({len(out)} cells)")
+    return out
+
+
+def _fig4():
+    df = read_csv(OUT / "fig4.csv")
+    fig, axes = plt.subplots(1, len(EPS), figsize=(4.2 * len(EPS), 3.6), squeeze=False, constrained_layout=True)
+    for j, eps in enumerate(EPS):
+        ax = axes[0][j]
+        for rule, s in df[np.isclose(df["eps"], eps)].groupby("sampler"):
+            s = s.sort_values("budget")
+            ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_std"], fmt="o-", capsize=3,
+                        color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
+        ax.set_xscale("log")
+        ax.set_xticks([budget(K, L) for K, L in SHAPES], [str(budget(K, L)) for K, L in SHAPES])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_title(f"digits (trained EDM net), eps={eps}")
+        ax.set_xlabel("budget B")
+        ax.set_ylabel("NFE speedup (mean ± std, 100 images)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# FID and two-sample tests
+
+
+ARMS = {  # label in the tables: (sampler, seed) of the digits_fid sweep (conf/fid_arm/)
+    "standard": ("standard", 0),
+    "standard, 2nd run": ("standard", 1),
+    "rmc": ("rmc", 2),
+    "dgrs": ("dgrs", 3),
+}
+
+
+def _job_dirs(sweep_dir: str):
+    from pathlib import Path
+
+    df = ok_records(sweep_dir, "digits_fid")
+    dirs, recs = {}, {}
+    for arm, (sampler, seed) in ARMS.items():
+        sel = df[(df["sampler"] == sampler) & (df["seed"] == seed)]
+        if sel.empty:
+            print(f"error: {sweep_dir} has no finished job for sampler={sampler} seed={seed}; run "
+                  f"`python run.py +experiment=digits_fid`", file=sys.stderr)
+            raise SystemExit(2)
+        dirs[arm], recs[arm] = Path(sweep_dir) / sel.iloc[0]["job"], sel.iloc[0]
+    return dirs, recs
+
+
+def _classifier_outputs(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Features ``[N, 64]`` and logits ``[N, 10]`` through the registered torch-fidelity extractor."""
+    from specsamp.metrics.fid import extract_features
+
+    kw = dict(feature_extractor="digits-classifier", device="cpu", batch_size=500)
+    return extract_features(images, feature_layer="features", **kw), extract_features(images, feature_layer="logits", **kw)
+
+
+def bootstrap_fid(features: np.ndarray, ref, n_boot: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float]:
+    """FID of ``features [N, F]`` against ``ref`` (:class:`Statistics`) and its bootstrap standard error."""
+    from specsamp.metrics.fid import feature_statistics, frechet_distance
+
+    st = feature_statistics(features)
+    point = frechet_distance(st.mu, st.sigma, ref.mu, ref.sigma)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        b = feature_statistics(features[rng.integers(0, len(features), len(features))])
+        boots.append(frechet_distance(b.mu, b.sigma, ref.mu, ref.sigma))
+    return point, float(np.std(boots, ddof=1))
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def two_sample_tests(a: tuple, b: tuple, comparison: str) -> list[dict]:
+    """Chi-square on predicted-class counts and on per-class accuracy, KS on max softmax probability and conditioning logit.
+
+    ``a``, ``b``: ``(logits [N, 10], labels [N])`` of two independent image sets.
+    """
+    from scipy import stats
+
+    (la, ya), (lb, yb) = a, b
+    counts = np.stack([np.bincount(la.argmax(1), minlength=10), np.bincount(lb.argmax(1), minlength=10)])
+    chi = stats.chi2_contingency(counts[:, counts.sum(0) > 0])
+    # given the conditioning label: per-class accuracy, one 2x2 table per label, statistics summed (dof 10);
+    # the plain count test above also carries the spread of the two label draws
+    strata = 0.0
+    dof = 0
+    for c in range(10):
+        tab = np.array([[np.sum((ya == c) & (la.argmax(1) == c)), np.sum((ya == c) & (la.argmax(1) != c))],
+                        [np.sum((yb == c) & (lb.argmax(1) == c)), np.sum((yb == c) & (lb.argmax(1) != c))]])
+        if tab.sum(0).min() > 0 and tab.sum(1).min() > 0:
+            strata += stats.chi2_contingency(tab, correction=False).statistic
+            dof += 1
+    ks_max = stats.ks_2samp(_softmax(la).max(1), _softmax(lb).max(1))
+    ks_logit = stats.ks_2samp(la[np.arange(len(ya)), ya], lb[np.arange(len(yb)), yb])
+    return [
+        {"comparison": comparison, "test": "chi-square, predicted class counts", "statistic": chi.statistic,
+         "dof": chi.dof, "p_value": chi.pvalue},
+        {"comparison": comparison, "test": "chi-square, per-class accuracy given the label", "statistic": strata,
+         "dof": dof, "p_value": float(stats.chi2.sf(strata, dof)) if dof else np.nan},
+        {"comparison": comparison, "test": "KS, max softmax probability", "statistic": ks_max.statistic,
+         "dof": np.nan, "p_value": ks_max.pvalue},
+        {"comparison": comparison, "test": "KS, logit of the conditioning class", "statistic": ks_logit.statistic,
+         "dof": np.nan, "p_value": ks_logit.pvalue},
+    ]
+
+
+def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup per arm), ``two_sample.csv``, ``samples.npz``."""
+    import torch
+
+    from specsamp.experiment import uniform_labels
+    from specsamp.images import load_images
+    from specsamp.io import atomic_write
+    from specsamp.metrics.fid import load_statistics
+    from specsamp.models.digits import load_digits_data
+
+    dirs, recs = _job_dirs(sweep_dir)
+    ref = load_statistics("digits-8x8")
+    rows, outs, pics = [], {}, {}
+    for arm in ARMS:
+        images = load_images(dirs[arm] / "images")
+        n = len(images)
+        feats, logits = _classifier_outputs(images)
+        fid, se = bootstrap_fid(feats, ref)
+        r = recs[arm]
+        labels = uniform_labels(torch.arange(n), int(r["seed"]), 10).numpy()
+        correct = logits.argmax(1) == labels
+        outs[arm] = (logits, labels)
+        pics[arm] = images[:100]
+        rows.append({"arm": arm, "sampler": r["sampler"], "seed": int(r["seed"]), "K": 2, "L": 3, "eps": 0.3,
+                     "n_images": n, "fid": fid, "fid_se": se, "fid_runner": r.get("fid", np.nan),
+                     "label_accuracy": correct.mean(), "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n),
+                     "speedup_mean": r["speedup_mean"], "speedup_sem": r["speedup_sem"], "nfe_mean": r["nfe_mean"],
+                     "wall_seconds": r["wall_seconds"]})
+    # the floor: as many real digits (drawn with replacement), same features, same reference
+    x, y = load_digits_data()
+    rng = np.random.default_rng(1)
+    real = (x.numpy()[:, 0] * 127.5 + 128).clip(0, 255).astype(np.uint8)[..., None]
+    n = rows[0]["n_images"]
+    pick = rng.integers(0, len(real), n)
+    feats, logits = _classifier_outputs(real[pick])
+    fid, se = bootstrap_fid(feats, ref)
+    correct = logits.argmax(1) == y.numpy()[pick]
+    rows.append({"arm": "data (real digits)", "n_images": n, "fid": fid, "fid_se": se,
+                 "label_accuracy": correct.mean(), "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n)})
+    fid_df = pd.DataFrame(rows)
+    base = fid_df.set_index("arm").loc["standard"]
+    fid_df["fid_z_vs_standard"] = (fid_df["fid"] - base["fid"]) / np.sqrt(fid_df["fid_se"] ** 2 + base["fid_se"] ** 2)
+    fid_df.loc[fid_df["arm"] == "standard", "fid_z_vs_standard"] = np.nan
+    write_csv(fid_df, OUT / "fid.csv")
+
+    tests = []
+    for arm in ("standard, 2nd run", "rmc", "dgrs"):
+        tests += two_sample_tests(outs["standard"], outs[arm], f"standard vs {arm}")
+    tests_df = pd.DataFrame(tests)
+    write_csv(tests_df, OUT / "two_sample.csv")
+    atomic_write(OUT / "samples.npz", lambda f: np.savez_compressed(f, **{r: pics[r] for r in RULES}))
+    print(fid_df.to_string(index=False))
+    print(tests_df.to_string(index=False))
+    return fid_df, tests_df
+
+
+def _samples_figure():
+    z = np.load(OUT / "samples.npz")
+    fig, axes = plt.subplots(1, len(RULES), figsize=(3.2 * len(RULES), 3.4), constrained_layout=True)
+    for ax, rule in zip(axes, RULES):
+        imgs = z[rule][:100, :, :, 0]
+        k = int(np.sqrt(len(imgs)))
+        grid = imgs[: k * k].reshape(k, k, 8, 8).transpose(0, 2, 1, 3).reshape(8 * k, 8 * k)
+        ax.imshow(grid, cmap="gray", vmin=0, vmax=255)
+        ax.set_title(RULE_LABELS.get(rule, rule) + " (K=2, L=3, eps=0.3)", fontsize=8)
+        ax.axis("off")
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# levers beyond the paper
+
+
+def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
+    """Every arm of :data:`LEVERS` at every budget of :data:`LEVER_BUDGETS`; ``results/digits/levers.csv``."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from specsamp.experiment import build_target, run_config, summary_line
+
+    torch.set_num_threads(1)
+    rows, target = [], None
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for B, (K, L) in LEVER_BUDGETS.items():
+            for arm, ov in LEVERS.items():
+                cfg = compose(config_name="config", overrides=["model=digits", *ov, f"K={K}", f"L={L}", f"budget={B}",
+                                                               f"eps={eps}", f"n_samples={n_samples}", "progress=false"])
+                d = OmegaConf.to_container(cfg, resolve=True)
+                d.pop("hydra", None)
+                target = target or build_target(d["model"], d["device"])
+                rec, _ = run_config(d, target=target)
+                print(f"{arm:30s} {summary_line(rec)}", flush=True)
+                rows.append({"arm": arm, "budget": B, "eps": eps, "tree": rec["tree"], "sampler": rec["sampler"],
+                             "draft": d["draft"], "speedup_mean": rec["speedup"]["mean"],
+                             "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
+                             "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
+                             "delta_profile": "/".join(f"{x:.3f}" for x in rec.get("delta_profile") or []),
+                             "n_samples": n_samples, "wall_seconds": rec["wall_seconds"]})
+    df = pd.DataFrame(rows)
+    write_csv(df, OUT / "levers.csv")
+    print(f"wrote {OUT / 'levers.csv'}")
+    return df
+
+
+def _levers_figure():
+    df = read_csv(OUT / "levers.csv")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    cmap = plt.get_cmap("tab10")
+    for i, (arm, s) in enumerate(df.groupby("arm", sort=False)):
+        s = s.sort_values("budget")
+        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + ("--" if arm.startswith("paper") else "-"),
+                    ms=4, capsize=3, color=cmap(i), label=arm)
+    ax.set_xscale("log")
+    ax.set_xticks(sorted(df["budget"].unique()), [str(b) for b in sorted(df["budget"].unique())])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_xlabel("proposal budget B (drafted states)")
+    ax.set_ylabel("speedup (100 images, ±1 s.e.)")
+    ax.set_title(f"digits (trained EDM net), eps={df['eps'].iloc[0]:g}: levers beyond the paper, all exact")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def figures() -> list:
+    """Figure 4, the levers frontier and the sample grids, from the committed tables (no sampling)."""
+    out = []
+    for name, draw in (("fig4_speedup_vs_budget.png", _fig4), ("levers_frontier.png", _levers_figure),
+                       ("samples.png", _samples_figure)):
+        try:
+            out.append(save(draw(), OUT / name))
+        except SystemExit as e:  # a table not committed yet
+            print(f"experiments.digits: {name} skipped ({e})", file=sys.stderr)
+            continue
+        except FileNotFoundError as e:
+            print(f"experiments.digits: {name} skipped ({e})", file=sys.stderr)
+            continue
+        print(f"wrote {out[-1]}")
+    return out
+
+
+def main(argv=None) -> int:
+    """CLI: ``collect`` (Figure 4 + FID tables from the sweeps), ``levers``, ``figures``."""
+    ap = argparse.ArgumentParser(prog="python -m experiments.digits", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["collect", "levers", "figures"])
+    ap.add_argument("--fig4-sweep", default="multirun/digits_fig4")
+    ap.add_argument("--fid-sweep", default="multirun/digits_fid")
+    ap.add_argument("--n", type=int, default=100, help="levers: images per cell")
+    a = ap.parse_args(argv)
+    if a.command == "collect":
+        collect_fig4(a.fig4_sweep)
+        collect_fid(a.fid_sweep)
+    elif a.command == "levers":
+        levers(a.n)
+    else:
+        figures()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The digits target: a trained EDM denoiser and classifier shipped with the package, end to end on CPU.
+
+Checks: the shipped files match their table hashes and load through the checked loader (a tampered
+copy is refused before unpickling); `python run.py model=digits metrics=[fid]` prints a speedup and
+an FID computed by torch-fidelity with the registered classifier extractor; the classifier extractor
+agrees with direct calls and scores real digits near zero; standard and speculative samples of the
+trained network follow one law (KS on projections, chi-square on classified labels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import chi2_same_counts, two_sample_pvalues
+
+from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
+from specsamp.models import digits
+from specsamp.models.edm import CHECKPOINTS, CheckpointTrustError, EDMVelocity, build_edm_model, file_sha256
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "edm-digits-8x8-cond"
+
+
+def test_shipped_files_match_their_hashes():
+    assert CHECKPOINTS[NAME].sha256 == file_sha256(digits.DENOISER_FILE)
+    assert digits.CLASSIFIER_SHA256 == file_sha256(digits.CLASSIFIER_FILE)
+    assert digits.REFERENCE_FILE.is_file()
+
+
+def test_denoiser_loads_through_the_checked_loader_and_tampering_is_refused(tmp_path):
+    model = build_edm_model({"name": NAME, "device": "cpu", "download": False})
+    assert isinstance(model, EDMVelocity)
+    assert model.label_dim == 10 and model.event_shape == (1, 8, 8)
+    # the class was rebuilt from the source embedded in the pickle, not imported from the package
+    assert type(model.net).__module__.startswith("_specsamp_persistent_")
+    bad = tmp_path / digits.DENOISER_FILE.name
+    blob = bytearray(digits.DENOISER_FILE.read_bytes())
+    blob[-10] ^= 1
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointTrustError, match="SHA-256"):
+        build_edm_model({"name": NAME, "path": str(bad), "device": "cpu"})
+    # the classifier: a copy of the shipped file loads from anywhere, a modified one is refused
+    copy = tmp_path / "copy.pkl"
+    shutil.copy(digits.CLASSIFIER_FILE, copy)
+    assert digits.load_classifier(copy).classes == 10
+    blob = bytearray(copy.read_bytes())
+    blob[-10] ^= 1
+    copy.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointTrustError, match="SHA-256"):
+        digits.load_classifier(copy)
+
+
+def test_classifier_extractor_through_torch_fidelity_scores_real_digits_near_zero():
+    pytest.importorskip("torch_fidelity")
+    pytest.importorskip("sklearn")
+    from specsamp.metrics.fid import compute_fid, extract_features
+    from specsamp.images import to_uint8
+
+    x, y = digits.load_digits_data()
+    pics = to_uint8(x)  # [N, 8, 8, 1] uint8, as saved PNGs hold them
+    feats = extract_features(pics, feature_extractor="digits-classifier", device="cpu")
+    logits = extract_features(pics, feature_extractor="digits-classifier", feature_layer="logits", device="cpu")
+    clf = digits.load_classifier()
+    with torch.no_grad():
+        direct = clf((torch.from_numpy(pics[..., 0]).float()[:, None] - 127.5) / 127.5)
+    np.testing.assert_allclose(feats, direct[0].double().numpy(), rtol=1e-5, atol=1e-5)
+    assert (logits.argmax(1) == y.numpy()).mean() > 0.95  # accuracy on the digits (held-out: training.json)
+    fid_real = compute_fid(pics, "digits-8x8", feature_extractor="digits-classifier", device="cpu")["fid"]
+    noise = to_uint8(torch.rand(len(x), 1, 8, 8) * 2 - 1)
+    fid_noise = compute_fid(noise, "digits-8x8", feature_extractor="digits-classifier", device="cpu")["fid"]
+    assert fid_real < 0.05 * fid_noise
+
+
+def test_run_py_digits_prints_speedup_and_writes_a_float_fid(tmp_path):
+    pytest.importorskip("torch_fidelity")
+    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
+    cmd = [sys.executable, str(ROOT / "run.py"), "model=digits", "sampler=dgrs", "K=2", "L=3", "steps=20",
+           "n_samples=24", "metrics=[fid]", "threads=1", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "speedup" in out.stdout and "FID" in out.stdout, out.stdout
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert isinstance(rec["fid"], float) and np.isfinite(rec["fid"]) and rec["fid"] > 0
+    assert rec["metrics"]["fid"] == rec["fid"]
+    assert len(list((tmp_path / "images").glob("*.png"))) == 24
+
+
+def _samples(model, rule, n, steps, seed):
+    from specsamp.experiment import uniform_labels
+
+    sched = Schedule.make(steps, 0.3)
+    ids = torch.arange(n)
+    cond = {"class_labels": uniform_labels(ids, seed, 10)}
+    if rule == "standard":
+        return sample_standard(model, sched, seed=seed, indices=ids, cond=cond).samples
+    tree = DraftTree.chain(14) if rule == "rmc" else DraftTree.uniform(2, 3)
+    return sample_speculative(model, sched, tree, rule, seed=seed, indices=ids, cond=cond).samples
+
+
+def _agree(n, steps, rules):
+    model = build_edm_model({"name": NAME, "device": "cpu"})
+    clf = digits.load_classifier()
+    a = _samples(model, "standard", n, steps, seed=0)
+    for i, rule in enumerate(rules):
+        b = _samples(model, rule, n, steps, seed=1 + i)
+        assert min(two_sample_pvalues(a, b)) > 1e-3 / 3, rule
+        with torch.no_grad():
+            la, lb = clf(a.clamp(-1, 1))[1].argmax(1).numpy(), clf(b.clamp(-1, 1))[1].argmax(1).numpy()
+        assert chi2_same_counts(la, lb, 10) > 1e-3, rule
+
+
+def test_dgrs_samples_of_the_trained_net_follow_the_standard_law():
+    """Independent sets (seed 0 standard, seed 1 D-GRS (2, 3)), n=300 images, T=16, eps=0.3.
+
+    KS on 3 fixed random projections of the images (p > 1e-3 / 3 each) and chi-square on the
+    classifier's predicted labels (p > 1e-3).
+    """
+    _agree(300, 16, ["dgrs"])
+
+
+@pytest.mark.slow
+def test_speculative_samples_of_the_trained_net_follow_the_standard_law_large():
+    """As above with n=1000, T=50, for D-GRS (2, 3) and RMC on a chain of 14 (seeds 1 and 2)."""
+    _agree(1000, 50, ["dgrs", "rmc"])
+
+
+def test_figures_draw_from_the_committed_tables(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import experiments.digits as dx
+
+    for name in ("fig4.csv", "levers.csv", "samples.npz"):
+        assert (dx.OUT / name).is_file(), name
+        shutil.copy(dx.OUT / name, tmp_path / name)
+    monkeypatch.setattr(dx, "OUT", tmp_path)
+    paths = dx.figures()
+    assert sorted(p.name for p in paths) == ["fig4_speedup_vs_budget.png", "levers_frontier.png", "samples.png"]
+
+
+def test_training_script_writes_checked_loadable_files(tmp_path):
+    """`experiments.train_digits` at 3 steps: the pickles load by their printed hashes, classes from the embedded source."""
+    pytest.importorskip("sklearn")
+    from experiments import train_digits
+
+    assert train_digits.main(["--steps", "3", "--batch", "8", "--classifier-epochs", "1", "--out-dir", str(tmp_path)]) == 0
+    sha = file_sha256(tmp_path / digits.DENOISER_FILE.name)
+    net = build_edm_model({"path": str(tmp_path / digits.DENOISER_FILE.name), "sha256": sha, "device": "cpu"}).net
+    assert type(net).__name__ == "EDMPrecond" and net.label_dim == 10
+    clf = digits.load_classifier(tmp_path / digits.CLASSIFIER_FILE.name, sha256=file_sha256(tmp_path / digits.CLASSIFIER_FILE.name))
+    assert clf(torch.zeros(2, 1, 8, 8))[1].shape == (2, 10)
+    assert (tmp_path / digits.REFERENCE_FILE.name).is_file()
+    assert train_digits.main(["--steps", "0"]) == 2  # bad input: exit status 2, nothing written
