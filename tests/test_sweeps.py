@@ -148,7 +148,7 @@ def test_collect_gives_one_tidy_row_per_job(grid, tmp_path):
     out = tmp_path / "t.csv"
     p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    assert "4 jobs: 4 ok, 0 failed, 0 running, 0 missing" in p.stdout
+    assert "4 jobs: 4 ok, 0 failed, 0 running, 0 killed, 0 missing" in p.stdout
     csv = pd.read_csv(out)
     assert len(csv) == 4 and list(csv["speedup_mean"]) == list(df["speedup_mean"])
 
