@@ -108,6 +108,7 @@ def _umount(path: Path) -> None:
     subprocess.run(["umount", str(path)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_full_disk_exits_3_and_names_the_path(tmp_path):
     """A 64 KB tmpfs, filled to 16 KB free: Hydra's .hydra/ files fit, the 33 KB samples.pt does not (ENOSPC)."""
     disk = tmp_path / "disk"
@@ -136,7 +137,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
     return ro
 
 
-@pytest.mark.parametrize("mode", ["run", "sweep"])
+@pytest.mark.parametrize("mode", ["run", pytest.param("sweep", marks=pytest.mark.slow)])
 def test_read_only_output_directory_exits_3_and_names_it(tmp_path, mode):
     ro = _read_only_dir(tmp_path)
     try:
@@ -169,6 +170,7 @@ def test_slurm_launcher_off_a_cluster_exits_3_naming_the_commands(tmp_path):
 # Ctrl-C -> 130, one line (+ the sweep's summary), finished records intact
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_single_run_prints_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
     proc = start([*LONG, f"hydra.run.dir={out}"], tmp_path)
@@ -209,6 +211,7 @@ def test_ctrl_c_on_a_sweep_prints_one_line_and_the_summary(tmp_path):
     assert df.loc[4, "status"] == "ok" and df.loc[200000, "status"] == "killed"
 
 
+@pytest.mark.slow
 def test_collect_tells_a_running_job_from_a_killed_one(tmp_path):
     proc, sweep, first, second = _long_sweep(tmp_path, "kill")
     try:
