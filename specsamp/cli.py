@@ -159,7 +159,7 @@ def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cf
     rec = {
         "status": "failed",
         "kind": kind,
-        "error": str(error) or type(error).__name__,
+        "error": infrastructure_message(error) if kind == "infrastructure" else (str(error) or type(error).__name__),
         "error_type": type(error).__name__,
         "traceback": None if kind == "config" else "".join(traceback.format_exception(error)),
         "overrides": _job_overrides(),

@@ -97,6 +97,17 @@ def test_file_size_limit_at_the_record_prints_the_result_then_names_the_path(tmp
     assert (tmp_path / "keep.txt").read_text() == "precious"
 
 
+def test_file_size_limit_in_sweep_jobs_is_recorded_and_the_sweep_exits_3(tmp_path):
+    p = run(["-m", "model.dim=500", "n_samples=8", "steps=6", "save_samples=true", "K=1,2", "sweep_name=full"], tmp_path,
+            preexec_fn=_fsize_limit(16 * 1024))
+    assert p.returncode == 3, p.out
+    assert "2 jobs, 0 ran, 0 skipped (done before), 2 failed" in p.stdout and "Traceback" not in p.out
+    for f in (tmp_path / "multirun" / "full").glob("*/failed.json"):
+        rec = json.loads(f.read_text())
+        assert rec["kind"] == "infrastructure" and "samples.pt" in rec["error"], rec["error"]
+    assert len(list((tmp_path / "multirun" / "full").glob("*/failed.json"))) == 2
+
+
 def _mount_tmpfs(path: Path, opts: str) -> bool:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import copy
 import shutil
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobStatus
 from hydra.types import HydraContext, TaskFunction
@@ -127,13 +129,28 @@ class SpecsampSweeper(BasicSweeper):
             super().validate_batch_is_legal(batch)
 
     def sweep(self, arguments: List[str]) -> Any:
-        """Check the launcher, run the sweep, and note jobs that failed on an infrastructure error."""
+        """Hydra's basic sweep loop, except that a failed job stops nothing: Hydra's reads every job's
+        return value after each batch and raises the first failure, which skips the later batches and the
+        end-of-sweep summary. Jobs that failed on an infrastructure error are noted for the exit status."""
         from specsamp.exitcodes import is_infrastructure
 
         check_launcher(self.launcher)
-        returns = super().sweep(arguments)
-        for batch in returns:
-            for ret in batch or []:
+        params_conf = self._parse_config()
+        params_conf.extend(arguments)
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
+        returns: List[Sequence[Any]] = []
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        initial_job_idx = 0
+        while not self.is_done():
+            batch = self.get_job_batch()
+            self.validate_batch_is_legal(batch)
+            results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
+            for ret in results or []:
                 if getattr(ret, "status", None) == JobStatus.FAILED and is_infrastructure(getattr(ret, "_return_value", None)):
                     report.SWEEP_STATE["infrastructure"] = True
+            initial_job_idx += len(batch)
+            returns.append(results)
         return returns
