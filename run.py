@@ -28,13 +28,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-_STARTED = {"task": False}
-
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Hydra task: validate, run, record. Returns the mean speedup (for sweepers)."""
-    _STARTED["task"] = True
     from specsamp.cli import run_task
 
     return run_task(cfg)
@@ -83,12 +80,17 @@ def _entry() -> None:
             print(f"error: {exitcodes.infrastructure_message(e)}", file=sys.stderr)
             summary_if_swept()
             sys.exit(exitcodes.INFRASTRUCTURE)
-        if isinstance(e, (HydraException, OmegaConfBaseException)) and not _STARTED["task"] and not full_error:
-            # a config that does not compose: an unknown key or group option, a bad override
+        import traceback
+
+        if isinstance(e, (HydraException, OmegaConfBaseException)):
+            # a config that does not compose: an unknown key or group option, a bad override (jobs of a
+            # sweep record their own composition errors; this is the command line's or the whole sweep's)
+            if full_error:
+                traceback.print_exception(e, file=sys.stderr)
             print(f"error: {_one_paragraph(e)}", file=sys.stderr)
+            summary_if_swept()
             sys.exit(exitcodes.USAGE)
         # a bug, or a launcher that gave up after jobs started (e.g. SLURM killed one): say where things stand
-        import traceback
 
         traceback.print_exception(e, file=sys.stderr)
         summary_if_swept()
