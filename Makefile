@@ -58,7 +58,8 @@ clean:  ## remove run outputs (not results/)
 	rm -rf outputs multirun
 
 SWEEP_NAME ?= local-demo
-SWEEP_ARGS ?= model.dim=8 steps=6 n_samples=4 K=1,2 L=2,3
+# d=16, T=16, 16 trajectories: four cells that differ (about 1.67, 1.87, 1.70, 2.08x), a few seconds each
+SWEEP_ARGS ?= model.dim=16 steps=16 n_samples=16 K=1,2 L=2,3
 JOBS ?= 2
 sweep-local:  ## submitit sweep on this machine, then its table: make sweep-local SWEEP_NAME=demo SWEEP_ARGS="K=2,3 L=2,3" JOBS=2
 	$(PYTHON) run.py -m hydra/launcher=local hydra.sweeper.max_batch_size=$(JOBS) sweep_name=$(SWEEP_NAME) $(SWEEP_ARGS); \

@@ -1,12 +1,18 @@
 """The Hydra task behind ``run.py``: config in, ``result.json`` and one printed line out.
 
-Single run (``python run.py ...``): a bad configuration prints ``error: ...`` and exits with status 2.
+Single run (``python run.py ...``): a bad configuration prints ``error: ...`` and exits with status 2;
+a full disk or an unwritable output directory prints ``error: could not write PATH ...`` and exits
+with status 3 (:mod:`specsamp.exitcodes`). The result line is printed, with the record's path, before
+anything is written, so a write that fails loses no number.
 
 Sweep (``python run.py -m ...``, any launcher): a job never stops the sweep. A job that fails (a bad
 per-job value, an exception, a CUDA OOM) writes ``failed.json`` atomically into its directory (error,
-kind ``config`` or ``exception``, traceback, overrides, config) and returns; the next jobs run, and
-:class:`specsamp.report.SweepReport` lists the failures at the end. A job whose ``result.json`` holds
-the same config hash is skipped; a job killed mid-run has no ``result.json`` and runs again.
+kind ``config``, ``exception`` or ``infrastructure``, traceback, overrides, config) and returns; the
+next jobs run, and :class:`specsamp.report.SweepReport` lists the failures at the end. A job whose
+overrides do not compose (``hydra_plugins/specsamp_sweeper``) is recorded the same way. While it runs a
+job keeps ``running.json`` (host, pid, a heartbeat) so that ``report collect`` tells a live job from a
+killed one. A job whose ``result.json`` holds the same config hash is skipped; a job killed mid-run has
+no ``result.json`` and runs again.
 
 With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.shards`) and writes
 ``shard.pt`` before ``result.json``.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +43,9 @@ from .experiment import (
     versions,
     write_json_atomic,
 )
+
+from .exitcodes import INFRASTRUCTURE, infrastructure_message, is_infrastructure
+from .report import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, HEARTBEAT_S, RUNNING, running_marker
 
 FAILED_FILE = "failed.json"
 
@@ -81,6 +91,21 @@ def fail(message: str) -> None:
     """Print a user error as one paragraph on stderr and exit with status 2 (no traceback)."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def fail_infrastructure(error: BaseException) -> None:
+    """Print an infrastructure failure as one paragraph on stderr and exit with status 3."""
+    print(f"error: {infrastructure_message(error)}", file=sys.stderr)
+    sys.exit(INFRASTRUCTURE)
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def prepare(cfg: DictConfig | dict) -> tuple[dict, dict]:
@@ -132,11 +157,11 @@ def _clear_failure(out_dir: Path) -> None:
 
 def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cfg_hash: str | None) -> dict:
     """Record a failed job atomically in ``out_dir/failed.json`` and return the record."""
-    kind = "config" if isinstance(error, ConfigError) else "exception"
+    kind = "config" if isinstance(error, ConfigError) else "infrastructure" if is_infrastructure(error) else "exception"
     rec = {
         "status": "failed",
         "kind": kind,
-        "error": str(error) or type(error).__name__,
+        "error": infrastructure_message(error) if kind == "infrastructure" else (str(error) or type(error).__name__),
         "error_type": type(error).__name__,
         "traceback": None if kind == "config" else "".join(traceback.format_exception(error)),
         "overrides": _job_overrides(),
@@ -164,7 +189,7 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
         rec = existing_record(out_dir, h)
         if rec is not None and (not sharded or (out_dir / "shard.pt").exists()):
             _clear_failure(out_dir)
-            print(f"skipped (done, config {h}): {summary_line(rec)}", flush=True)
+            print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / 'result.json')}", flush=True)
             return rec["speedup"]["mean"]
     _clear_failure(out_dir)
     indices = None
@@ -177,6 +202,9 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
     record["overrides"] = _job_overrides()
     if multirun and runner["sweep_name"] is not None:
         record["sweep"] = str(runner["sweep_name"])
+    # the numbers reach the terminal before any file is written: a full disk loses no result
+    tag = f"[shard {shard}/{num_shards}] " if sharded else ""
+    print(tag + summary_line(record) + f"  record: {shown(out_dir / 'result.json')}", flush=True)
     if sharded:
         from .shards import save_shard
 
@@ -204,8 +232,6 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
     from .loggers import log_record
 
     log_record(logger_config(cfg_dict, runner["sweep_name"] if multirun else None), record, out_dir)
-    tag = f"[shard {shard}/{num_shards}] " if sharded else ""
-    print(tag + summary_line(record), flush=True)
     if metric_error is not None:
         message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
                    "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
@@ -219,11 +245,58 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
     return record["speedup"]["mean"]
 
 
+class _Liveness:
+    """``running.json`` of a sweep job: written at its start, touched every ``HEARTBEAT_S`` seconds,
+    removed when the job ends with a record, marked ``ended`` when it is interrupted."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / RUNNING
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        write_json_atomic(self.path, running_marker())
+        self._thread = threading.Thread(target=self._beat, name="specsamp-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def remove(self) -> None:
+        self.stop()
+        self.path.unlink(missing_ok=True)
+
+    def ended(self, how: str) -> None:
+        self.stop()
+        try:
+            write_json_atomic(self.path, {**running_marker(), "ended": how})
+        except OSError:
+            pass
+
+
+def _compose_error() -> Exception | None:
+    """The composition error of a sweep job that could not be composed (set by our sweeper), if any."""
+    msg = os.environ.get(COMPOSE_ERROR_ENV)
+    if not msg:
+        return None
+    what = f"its overrides do not compose: {msg}"
+    return ConfigError(what) if os.environ.get(COMPOSE_ERROR_KIND_ENV, "config") == "config" else RuntimeError(what)
+
+
 def run_task(cfg: DictConfig) -> float | None:
     """Validate and run one job; skip it when its record already exists with the same config hash.
 
     In a sweep, a failing job writes ``failed.json`` and returns None instead of raising or exiting, so
-    that the launcher (basic or submitit) runs the other jobs.
+    that the launcher (basic or submitit) runs the other jobs; an infrastructure failure (full disk,
+    read-only directory) is recorded where possible and re-raised, so that the sweep's exit status is 3.
+    A single run exits with status 2 on a bad config and 3 on an infrastructure failure.
 
     Returns:
         The mean per-trajectory speedup (None for a failed job of a sweep).
@@ -231,17 +304,46 @@ def run_task(cfg: DictConfig) -> float | None:
     out_dir = _output_dir()
     multirun = is_multirun()
     state: dict = {}
+    live = _Liveness(out_dir) if multirun else None
     try:
-        return _execute(cfg, out_dir, multirun, state)
+        composed = _compose_error()
+        if composed is not None:
+            raise composed
+        if live is not None:
+            live.start()
+        speedup = _execute(cfg, out_dir, multirun, state)
+        if live is not None:
+            live.remove()
+        return speedup
+    except KeyboardInterrupt:
+        if live is not None:
+            live.ended("interrupted")
+        raise
     except ConfigError as e:
         if not multirun:
             fail(str(e))
-        err = e
+        err: Exception = e
     except Exception as e:
         if not multirun:
+            if is_infrastructure(e):
+                fail_infrastructure(e)
             raise
         err = e
-    write_failure(out_dir, err, state.get("cfg"), state.get("hash"))
+    finally:
+        if live is not None:
+            live.stop()
     where = ",".join(_job_overrides()) or str(out_dir)
-    print(f"error: job {where} failed: {err} (see {out_dir / FAILED_FILE})", file=sys.stderr, flush=True)
+    try:
+        write_failure(out_dir, err, state.get("cfg"), state.get("hash"))
+        if live is not None:
+            live.remove()
+        see = f" (see {out_dir / FAILED_FILE})"
+    except OSError as e2:
+        if live is not None:
+            live.ended("failed")
+        see = f" (and its failed.json could not be written: {e2})"
+    if is_infrastructure(err):
+        print(f"error: job {where} failed: {infrastructure_message(err)}{see}", file=sys.stderr, flush=True)
+        raise err  # the sweep's exit status becomes 3 (hydra_plugins/specsamp_sweeper)
+    print(f"error: job {where} failed: {err}{see}", file=sys.stderr, flush=True)
     return None

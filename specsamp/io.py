@@ -20,6 +20,17 @@ def _umask() -> int:
     return mask
 
 
+def _storage_error(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error`` (itself, or its cause or context), if any."""
+    for _ in range(8):
+        if error is None:
+            return None
+        if isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], mode: str = "wb") -> Path:
     """Write ``path`` atomically with ``write(file)``.
 
@@ -30,10 +41,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], mode: str
 
     Returns:
         The destination path.
+
+    Raises:
+        OSError: the directory cannot be created or the file cannot be written (disk full, read-only
+            file system, no permission); ``filename`` is the destination ``path`` whatever step failed,
+            and nothing is left behind (the old file, if any, is unchanged).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
@@ -41,6 +60,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], mode: str
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are for colleagues too
         os.replace(tmp, path)
+    except Exception as e:
+        Path(tmp).unlink(missing_ok=True)
+        cause = _storage_error(e)  # torch.save wraps a full disk in a RuntimeError
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

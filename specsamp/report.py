@@ -1,16 +1,19 @@
 """Sweep directories -> tidy tables, and the summary printed at the end of a sweep.
 
 A sweep directory (``multirun/<sweep_name>/``) holds one directory per job, named by the job's
-overrides (``K=2,L=3,sampler=rmc``), each with Hydra's ``.hydra/`` and, once finished, ``result.json``
-(or ``failed.json``). :func:`collect` reads them into one pandas row per job; it works while the sweep
+overrides (``K=2,L=3,sampler=rmc``; see :func:`job_dirname` for values with ``/``, ``,`` or ``=``), each
+with Hydra's ``.hydra/``, ``running.json`` while it runs and, once finished, ``result.json`` (or
+``failed.json``). :func:`collect` reads them into one pandas row per job; it works while the sweep
 is running::
 
     python -m specsamp.report collect multirun/gmm_grid            # table on stdout, CSV in the sweep dir
     python -m specsamp.report collect multirun/gmm_grid --csv gmm.csv
 
-Job status: ``ok`` (``result.json``), ``failed`` (``failed.json``: a bad per-job value or an
-exception), ``running`` (started, no record yet; also a job killed mid-run, which reruns on relaunch)
-and ``missing`` (planned in ``multirun.yaml`` by Hydra's basic sweeper, not started yet).
+Job status: ``ok`` (``result.json``), ``failed`` (``failed.json``: a bad per-job value, a config that
+does not compose, an exception, a full disk), ``running`` (started, no record yet, its process alive),
+``killed`` (started, no record, its process gone: Ctrl-C, out of memory, a time limit, a lost node; it
+reruns on relaunch) and ``missing`` (planned in ``multirun.yaml``, not started yet). A job is judged
+alive from its ``running.json``: by process id on the same host, by the file's heartbeat elsewhere.
 
 :class:`SweepReport` is a Hydra callback (``hydra.callbacks.sweep_report`` in ``conf/config.yaml``):
 at the end of a sweep it prints what ran, what was skipped and which jobs failed with their errors,
@@ -20,18 +23,24 @@ merges complete shard groups, and leaves the outcome in :data:`SWEEP_STATE` for 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import re
+import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
-RESULT, FAILED, SHARD = "result.json", "failed.json", "shard.pt"
-STATUSES = ("ok", "failed", "running", "missing")
+RESULT, FAILED, SHARD, RUNNING = "result.json", "failed.json", "shard.pt", "running.json"
+STATUSES = ("ok", "failed", "running", "killed", "missing")
+HEARTBEAT_S = 30.0  # a running job touches its running.json this often
+STALE_S = 150.0  # a running.json untouched this long, written on another host, belongs to a dead job
 
 # Columns every table has, in this order; swept keys that are not among them follow as their own columns.
 COLUMNS = [
@@ -43,8 +52,110 @@ COLUMNS = [
 ]  # fmt: skip
 _CONFIG_COLUMNS = ("K", "L", "eps", "steps", "n_samples", "seed", "shard", "num_shards")
 
+# A sweep job whose overrides do not compose runs with only Hydra's settings and its error in these
+# environment variables (hydra_plugins/specsamp_sweeper); specsamp.cli.run_task records it as failed.
+COMPOSE_ERROR_ENV = "SPECSAMP_COMPOSE_ERROR"
+COMPOSE_ERROR_KIND_ENV = "SPECSAMP_COMPOSE_ERROR_KIND"
+
 # Filled by SweepReport.on_multirun_end; read by run.py to set the exit status.
 SWEEP_STATE: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# job directory names (Hydra's ``hydra.sweep.subdir`` and single-run ``hydra.run.dir``)
+
+# an override that names a directory as it is: key=value of plain characters, no '/', ',', '=' in the
+# value, nothing hidden ('.', '..'); any other list of overrides gets a sanitised prefix and a hash
+_PLAIN = re.compile(r"[+~]{0,2}[A-Za-z_][A-Za-z0-9_.\-]*(=[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]*)?")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.,=+\-]+")
+MAX_PLAIN_NAME = 120  # longer plain names are shortened to PREFIX_CHARS + "@" + a hash
+PREFIX_CHARS = 80
+HASH_CHARS = 10
+
+
+def _key_of(line: str) -> str:
+    return line.partition("=")[0].lstrip("+~")
+
+
+def job_dirname(overrides: Sequence[str], exclude_keys: Sequence[str] = ()) -> str:
+    """The directory name of one sweep job: unique per override list, one path component, bounded length.
+
+    The overrides whose key is in ``exclude_keys`` (and ``hydra.*`` ones) are dropped and the rest sorted,
+    as Hydra's ``override_dirname`` does. When every remaining override is plain (``key=value`` of
+    letters, digits and ``_ . + -``, the value not starting with ``.``) and the joined name is at most
+    :data:`MAX_PLAIN_NAME` characters, the name is Hydra's: ``K=2,L=3,sampler=rmc``. Otherwise (values
+    with ``/``, ``..``, ``,``, ``=``, quotes, spaces, or a long list) it is a readable prefix with every
+    other character replaced by ``_``, cut at :data:`PREFIX_CHARS`, then ``@`` and the first
+    :data:`HASH_CHARS` hex digits of the SHA-256 of the sorted overrides:
+    ``model.path=.._.._tiny.pkl,L=2@3f0c...``. A plain name never contains ``@``, so the two forms
+    cannot collide, and plain names are unique because they can be split back into their overrides.
+
+    ``conf/config.yaml`` sets ``hydra.sweep.subdir`` to this (resolver ``specsamp.job_dir``), and
+    :func:`planned_jobs`/:func:`collect` and :mod:`specsamp.shards` use it to find a job's directory,
+    so a relaunch finds every finished job again.
+
+    Args:
+        overrides: the job's task overrides (``hydra.overrides.task``), e.g. ``["K=2", "model.path=../x.pkl"]``.
+        exclude_keys: keys that do not name the directory (``hydra.job.config.override_dirname.exclude_keys``).
+
+    Returns:
+        A non-empty name without ``/``, not starting with ``.``, or ``""`` when no override is left
+        (the job runs in the sweep directory itself, as with Hydra's default).
+    """
+    exclude = {str(k) for k in exclude_keys or ()}
+    items = sorted(str(o) for o in overrides if _key_of(str(o)) not in exclude and not _key_of(str(o)).startswith("hydra"))
+    plain = ",".join(items)
+    if all(_PLAIN.fullmatch(o) for o in items) and len(plain) <= MAX_PLAIN_NAME:
+        return plain
+    digest = hashlib.sha256("\n".join(items).encode()).hexdigest()[:HASH_CHARS]
+    prefix = _UNSAFE.sub("_", plain).lstrip(".")[:PREFIX_CHARS]
+    return f"{prefix}@{digest}"
+
+
+_CLAIMED: dict[str, str] = {}
+
+
+def fresh_dir(base: str) -> str:
+    """A directory for one single run that no other run uses: ``base`` if it can be created now, else
+    ``base_2``, ``base_3``, ... (resolver ``specsamp.fresh_dir`` of ``hydra.run.dir``).
+
+    The directory is created with an exclusive ``mkdir``, so two runs started in the same second (even
+    on two hosts sharing the file system) get two directories. Within one process the same ``base``
+    always gives the same answer. When ``base`` cannot be created for another reason (read-only, no
+    space), ``base`` is returned and Hydra's own ``mkdir`` reports the error.
+    """
+    if base in _CLAIMED:
+        return _CLAIMED[base]
+    path = Path(base)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while True:
+            cand = path if n == 1 else path.with_name(f"{path.name}_{n}")
+            try:
+                cand.mkdir()
+                break
+            except FileExistsError:
+                n += 1
+    except OSError:
+        return base
+    _CLAIMED[base] = str(cand)
+    return str(cand)
+
+
+def register_resolvers() -> None:
+    """Register ``specsamp.job_dir`` (:func:`job_dirname`) and ``specsamp.fresh_dir`` (:func:`fresh_dir`)
+    with OmegaConf; idempotent. Importing this module calls it."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("specsamp.job_dir"):
+        OmegaConf.register_new_resolver(
+            "specsamp.job_dir", lambda overrides, exclude=(): job_dirname(list(overrides or []), list(exclude or [])))
+    if not OmegaConf.has_resolver("specsamp.fresh_dir"):
+        OmegaConf.register_new_resolver("specsamp.fresh_dir", fresh_dir, use_cache=True)
+
+
+register_resolvers()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,6 +196,57 @@ def job_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
     return out
 
 
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (field 22 of ``/proc/PID/stat``), or None where unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return text.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def running_marker() -> dict:
+    """What a job writes to ``running.json`` when it starts: host, pid, process start time, SLURM id."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "heartbeat_s": HEARTBEAT_S}
+
+
+def _pid_alive(pid, pid_start) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process with that id: alive
+    except (TypeError, ValueError, OSError):
+        return False
+    now = _process_start(int(pid))
+    return pid_start is None or now is None or now == pid_start  # same id, other process: the job is gone
+
+
+def job_liveness(job: str | os.PathLike, now: float | None = None) -> str:
+    """``running`` or ``killed`` for a started job without a record, judged from its ``running.json``.
+
+    On the host that wrote it: alive when its process id still names the same process (same start
+    time). On another host: alive while the file's modification time (touched every
+    :data:`HEARTBEAT_S` seconds by the job) is younger than :data:`STALE_S`. A marker that says the
+    job ended (Ctrl-C) means killed. No marker (the instant between Hydra creating the directory and the
+    job starting, or a job of an older version): running.
+    """
+    path = Path(job) / RUNNING
+    marker = _read_json(path)
+    if marker is None:
+        return "running"
+    if marker.get("ended"):
+        return "killed"
+    if marker.get("host") == socket.gethostname():
+        return "running" if _pid_alive(marker.get("pid"), marker.get("pid_start")) else "killed"
+    age = (now if now is not None else time.time()) - (_mtime(path) or 0.0)
+    return "running" if age < STALE_S else "killed"
+
+
 def _split_override(line: str) -> tuple[str, str]:
     key, _, value = line.partition("=")
     return key.lstrip("+~"), value
@@ -93,8 +255,8 @@ def _split_override(line: str) -> tuple[str, str]:
 def planned_jobs(sweep_dir: str | os.PathLike) -> list[list[str]] | None:
     """The jobs (override lists) of the latest launch into ``sweep_dir``, from its ``multirun.yaml``.
 
-    Only Hydra's basic sweeper is expanded; for another sweeper (or when Hydra cannot expand it here,
-    e.g. a ``glob`` over a config group) returns None.
+    Hydra's basic sweeper and ours (``hydra/sweeper=specsamp``, the default) are expanded; for another
+    sweeper (or when Hydra cannot expand it here, e.g. a ``glob`` over a config group) returns None.
     """
     p = Path(sweep_dir) / "multirun.yaml"
     if not p.exists():
@@ -105,7 +267,8 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> list[list[str]] | None:
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.load(p)
-        if "basic_sweeper" not in str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")):
+        target = str(OmegaConf.select(cfg, "hydra.sweeper._target_", default=""))
+        if not target.endswith(("basic_sweeper.BasicSweeper", "specsamp_sweeper.SpecsampSweeper")):
             return None
         params = OmegaConf.select(cfg, "hydra.sweeper.params")
         params = OmegaConf.to_container(params, resolve=False) if params is not None else {}
@@ -117,18 +280,20 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> list[list[str]] | None:
         return None
 
 
-def _expected_dirname(sweep_dir: Path, overrides: Sequence[str]) -> str:
-    """``hydra.job.override_dirname`` of a planned job (the default ``hydra.sweep.subdir``)."""
-    exclude: list[str] = []
+def exclude_keys_of(sweep_dir: str | os.PathLike) -> list[str]:
+    """``hydra.job.config.override_dirname.exclude_keys`` of the latest launch into ``sweep_dir``."""
     try:
         from omegaconf import OmegaConf
 
-        cfg = OmegaConf.load(sweep_dir / "multirun.yaml")
-        exclude = list(OmegaConf.select(cfg, "hydra.job.config.override_dirname.exclude_keys", default=[]) or [])
+        cfg = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
+        return [str(k) for k in OmegaConf.select(cfg, "hydra.job.config.override_dirname.exclude_keys", default=[]) or []]
     except Exception:
-        pass
-    lines = sorted(o for o in overrides if _split_override(o)[0] not in exclude and not o.startswith("hydra"))
-    return ",".join(lines)
+        return []
+
+
+def _expected_dirname(sweep_dir: Path, overrides: Sequence[str]) -> str:
+    """The directory name of a planned job (:func:`job_dirname`, as ``hydra.sweep.subdir`` computes it)."""
+    return job_dirname(overrides, exclude_keys_of(sweep_dir))
 
 
 def _config_of(job: Path, rec: dict | None) -> dict:
@@ -214,7 +379,7 @@ def job_row(job: Path, sweep_dir: Path) -> dict:
         row.update(status="ok", **_record_columns(result))
         rec = result
     else:
-        row["status"] = "running"
+        row["status"] = job_liveness(job)
     if overrides is None and rec is not None:
         overrides = rec.get("overrides")
     _fill_from_config(row, _config_of(job, rec))
@@ -338,7 +503,8 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
 
     Returns:
         ``{"sweep_dir", "table" (DataFrame of this launch's jobs), "ran", "skipped", "failed"
-        (list of rows), "running", "missing", "config_errors_only" (bool)}``.
+        (list of rows), "running", "killed", "missing", "config_errors_only" (bool), "kinds" (the
+        ``kind`` of every failure: ``config``, ``exception``, ``infrastructure``)}``.
     """
     root = Path(sweep_dir)
     df = _collect(root)
@@ -362,8 +528,10 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
         "skipped": len(skipped),
         "failed": failed.to_dict("records"),
         "running": int((mine["status"] == "running").sum()),
+        "killed": int((mine["status"] == "killed").sum()),
         "missing": int((mine["status"] == "missing").sum()),
         "config_errors_only": bool(kinds) and all(k == "config" for k in kinds),
+        "kinds": kinds,
     }
 
 
@@ -373,6 +541,8 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
     s = sweep_summary(sweep_dir)
     n = len(s["table"])
     parts = [f"{s['ran']} ran", f"{s['skipped']} skipped (done before)", f"{len(s['failed'])} failed"]
+    if s["killed"]:
+        parts.append(f"{s['killed']} killed (no record; rerun on relaunch)")
     if s["running"] or s["missing"]:
         parts.append(f"{s['running'] + s['missing']} not finished")
     print(f"sweep {s['sweep_dir']}: {n} jobs, " + ", ".join(parts), file=file)
@@ -405,7 +575,8 @@ class SweepReport(Callback):
         except Exception as e:  # a report must never turn a finished sweep into an error
             print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
             return
-        SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"])
+        SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"],
+                           kinds=s["kinds"], killed=s["killed"])
         if self.merge_shards and any(sweep_dir.rglob(SHARD)):
             from .shards import merge
 
@@ -414,6 +585,29 @@ class SweepReport(Callback):
                     print(f"  shards {line}", flush=True)
             except Exception as e:
                 print(f"warning: merging shards under {sweep_dir} failed: {e}", file=sys.stderr)
+
+
+def sweep_exit_status(state: dict | None = None) -> int:
+    """The exit status of a finished sweep (:mod:`specsamp.exitcodes`): the most serious of its jobs.
+
+    130 when it was interrupted; 3 when a job met an infrastructure failure (``failed.json`` of kind
+    ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
+    exception or was killed; 2 when the only failures are bad per-job values or configs that do not
+    compose; 0 otherwise.
+    """
+    from . import exitcodes
+
+    state = SWEEP_STATE if state is None else state
+    kinds = list(state.get("kinds") or [])
+    if state.get("interrupted"):
+        return exitcodes.INTERRUPTED
+    if state.get("infrastructure") or "infrastructure" in kinds:
+        return exitcodes.INFRASTRUCTURE
+    if "exception" in kinds or state.get("killed"):
+        return exitcodes.BUG
+    if kinds or state.get("failed"):
+        return exitcodes.USAGE
+    return exitcodes.OK
 
 
 def launched(sweep_dir: str | os.PathLike) -> bool:

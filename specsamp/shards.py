@@ -11,7 +11,8 @@ to run every block as its own job::
 ``merge`` groups the shard files under a directory by their unsharded configuration, checks that every
 shard ``0 .. S-1`` of a group is present (a missing one is named and the group is left unmerged), and
 writes ``samples.pt`` and ``result.json`` of the whole run into the directory an unsharded job of the
-same sweep would use (the shard directory's name without ``num_shards=``/``shard=``). The merged record
+same sweep would use (the one its overrides, those of the shards without ``num_shards``/``shard``, name:
+:func:`specsamp.report.job_dirname`). The merged record
 has the configuration hash of the unsharded run, so a later unsharded launch finds it and skips.
 
 Trajectory ``i``'s randomness is keyed by ``(seed, i)``, so the merged samples are those of one
@@ -141,17 +142,44 @@ def load_shard(path: str | os.PathLike) -> dict:
     return data
 
 
+def _job_overrides_of(job: Path) -> tuple[list[str], list[str]] | None:
+    """``(task overrides, override_dirname exclude keys)`` of a job directory, from Hydra's ``.hydra/``."""
+    try:
+        from omegaconf import OmegaConf
+
+        overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(job / ".hydra" / "overrides.yaml"))]
+        hydra_cfg = OmegaConf.load(job / ".hydra" / "hydra.yaml")
+        exclude = OmegaConf.select(hydra_cfg, "hydra.job.config.override_dirname.exclude_keys", default=[]) or []
+        return overrides, [str(k) for k in exclude]
+    except Exception:
+        return None
+
+
+def _is_shard_key(line: str) -> bool:
+    return line.partition("=")[0].lstrip("+~") in SHARD_KEYS
+
+
 def merged_dir_for(shard_dir: Path) -> Path | None:
-    """Where an unsharded job of the same sweep writes: the shard directory's name without shard keys.
+    """Where an unsharded job of the same sweep writes: the directory its overrides name
+    (:func:`specsamp.report.job_dirname` of the shard's overrides without ``num_shards``/``shard``).
 
     ``multirun/x/K=2,num_shards=4,shard=1`` -> ``multirun/x/K=2``; ``.../num_shards=4,shard=1`` -> ``multirun/x``.
-    None when the name carries no ``shard=`` item (not a directory named by its overrides).
+    None when the job has no ``shard=`` override (not a directory named by its overrides).
     """
-    name = shard_dir.name
-    if not re.search(r"(^|,)shard=", name):
+    from .report import job_dirname
+
+    found = _job_overrides_of(shard_dir)
+    if found is None:  # no .hydra/: a plain directory named like Hydra names plain overrides
+        name = shard_dir.name
+        if not re.search(r"(^|,)shard=", name):
+            return None
+        rest = re.sub(r"(^|,)(num_shards|shard)=[^,]*", "", name).strip(",")
+        return shard_dir.parent / rest if rest else shard_dir.parent
+    overrides, exclude = found
+    if not any(_is_shard_key(o) for o in overrides):
         return None
-    rest = re.sub(r"(^|,)(num_shards|shard)=[^,]*", "", name).strip(",")
-    return shard_dir.parent / rest if rest else shard_dir.parent
+    name = job_dirname([o for o in overrides if not _is_shard_key(o)], exclude)
+    return shard_dir.parent / name if name else shard_dir.parent
 
 
 @dataclass
@@ -176,7 +204,15 @@ class ShardGroup:
 
     def expected_dir(self, k: int) -> str:
         """A best guess of shard ``k``'s directory, for messages."""
+        from .report import job_dirname
+
         d = next(iter(self.found.values()))
+        found = _job_overrides_of(d)
+        if found is not None:
+            overrides, exclude = found
+            swapped = [f"shard={k}" if o.partition("=")[0].lstrip("+~") == "shard" else o for o in overrides]
+            if swapped != overrides:
+                return str(d.parent / job_dirname(swapped, exclude))
         name = re.sub(r"(^|,)shard=[^,]*", lambda m: f"{m.group(1)}shard={k}", d.name)
         return str(d.parent / name) if name != d.name else f"a job with shard={k} num_shards={self.num_shards}"
 

@@ -56,7 +56,7 @@ def test_run_writes_record_and_prints_one_line(tmp_path, sampler):
     p = run([*TINY, f"sampler={sampler}"], tmp_path)
     lines = [l for l in p.stdout.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"model=gmm sampler={sampler}")
-    assert "speedup" in lines[0] and "(8 trajectories" in lines[0]
+    assert "speedup" in lines[0] and "(8 trajectories" in lines[0] and lines[0].endswith("record: result.json")  # cwd is the run dir here
     rec = json.loads((tmp_path / "result.json").read_text())
     for key in ("budget", "nfe", "speedup", "target_rows", "acceptance_per_depth", "wall_seconds", "config", "versions"):
         assert key in rec
@@ -148,3 +148,39 @@ def test_known_keys_match_config_yaml():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=False)
     assert set(cfg.keys()) | {"hydra"} == set(KNOWN_KEYS)
+
+
+def test_two_runs_in_the_same_second_get_two_directories(tmp_path):
+    """The default run dir is claimed with an exclusive mkdir; a second run of the same second gets TIME_2."""
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    py = [sys.executable, str(ROOT / "run.py"), *TINY]
+    first = subprocess.run(py, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    (rec1,) = list(tmp_path.glob("outputs/*/*/result.json"))
+    assert first.stdout.rstrip().endswith(f"record: {rec1.relative_to(tmp_path)}")  # the line says where
+    before = rec1.read_bytes(), (rec1.parent / ".hydra" / "overrides.yaml").read_bytes()
+    base = rec1.parent.relative_to(tmp_path)
+    # the second run starts "in the same second": same base directory, given the same way Hydra's config does
+    second = subprocess.run([*py, "K=3", f"hydra.run.dir=${{specsamp.fresh_dir:{base}}}"], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr
+    rec2 = tmp_path / f"{base}_2" / "result.json"
+    assert json.loads(rec2.read_text())["K"] == 3 and second.stdout.rstrip().endswith(f"record: {base}_2/result.json")
+    assert (rec1.read_bytes(), (rec1.parent / ".hydra" / "overrides.yaml").read_bytes()) == before
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    assert "specsamp.fresh_dir" in OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+
+
+def test_concurrent_runs_never_share_a_directory(tmp_path):
+    from specsamp.report import fresh_dir
+
+    (tmp_path / "o").mkdir()
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for s in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    seeds = sorted(json.loads(f.read_text())["config"]["seed"] for f in (tmp_path / "o").glob("t*/result.json"))
+    assert seeds == [0, 1, 2]
+    assert fresh_dir(str(tmp_path / "o" / "t")) == str(tmp_path / "o" / "t_4")  # the next free one

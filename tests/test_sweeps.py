@@ -148,7 +148,7 @@ def test_collect_gives_one_tidy_row_per_job(grid, tmp_path):
     out = tmp_path / "t.csv"
     p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    assert "4 jobs: 4 ok, 0 failed, 0 running, 0 missing" in p.stdout
+    assert "4 jobs: 4 ok, 0 failed, 0 running, 0 killed, 0 missing" in p.stdout
     csv = pd.read_csv(out)
     assert len(csv) == 4 and list(csv["speedup_mean"]) == list(df["speedup_mean"])
 
@@ -316,6 +316,7 @@ def test_submitit_local_sweep_completes_relaunch_skips(tmp_path):
     run(args, tmp_path, timeout=600)
     sweep = tmp_path / "multirun" / "loc"
     assert len(results(sweep)) == 4 and (sweep / ".submitit").is_dir()
+    assert not list(sweep.rglob("%j")), "the local launcher left a directory literally named %j"
     out = tmp_path / "loc.csv"
     assert report.main(["collect", str(sweep), "--csv", str(out)]) == 0
     assert len(pd.read_csv(out)) == 4
@@ -328,10 +329,15 @@ def test_submitit_local_sweep_completes_relaunch_skips(tmp_path):
 
 @pytest.mark.slow
 def test_submitit_local_failure_does_not_stop_the_others(tmp_path):
-    p = run(["-m", "hydra/launcher=local", *TINY, "L=2,0", "sweep_name=locbad"], tmp_path, check=False, timeout=600)
+    # L=0 fails validation; sampler=nope does not even compose (in the job's own process under submitit)
+    p = run(["-m", "hydra/launcher=local", *TINY, "L=2,0", "sampler=dgrs,nope", "sweep_name=locbad"], tmp_path, check=False, timeout=600)
     assert p.returncode == 2, p.out
-    df = report.collect(tmp_path / "multirun" / "locbad").set_index("L")
-    assert df.loc[2, "status"] == "ok" and df.loc[0, "status"] == "failed" and "L=0 is invalid" in df.loc[0, "error"]
+    assert "4 jobs, 1 ran, 0 skipped (done before), 3 failed" in p.stdout, p.out
+    df = report.collect(tmp_path / "multirun" / "locbad")
+    ok = df[df["sampler"] == "dgrs"].set_index("L")
+    assert ok.loc[2, "status"] == "ok" and ok.loc[0, "status"] == "failed" and "L=0 is invalid" in ok.loc[0, "error"]
+    nope = df[df["sampler"] == "nope"]
+    assert len(nope) == 2 and (nope["status"] == "failed").all() and nope["error"].str.contains("sampler/nope").all()
 
 
 @pytest.mark.slow
@@ -342,3 +348,124 @@ def test_job_raising_an_exception_is_recorded_with_its_traceback(tmp_path):
     failed = json.loads((sweep / "model.dim=8,model.dtype=nope,n_samples=4,steps=6" / "failed.json").read_text())
     assert failed["kind"] == "exception" and "Traceback" in failed["traceback"]
     assert (sweep / "model.dim=8,model.dtype=float64,n_samples=4,steps=6" / "result.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# job directory names: unique per job whatever the values hold; resume finds them
+
+
+def test_job_dirname_is_one_unique_bounded_component():
+    plain = ["K=2", "L=3", "sampler=rmc", "eps=0.1", "seed=-1", "save_samples=True"]
+    assert report.job_dirname(plain) == "K=2,L=3,eps=0.1,sampler=rmc,save_samples=True,seed=-1"  # Hydra's name
+    assert report.job_dirname(["K=2", "device=cpu"], ["device"]) == "K=2"
+    assert report.job_dirname([]) == ""
+    tricky = [
+        ["model.path=../../tiny.pkl", "L=2"], ["model.path=../../tiny.pkl", "L=3"], ["model.path=..", "L=2"],
+        ["model.path=a/b", "L=2"], ["model.path=a_b", "L=2"], ["model.path=a/b,L=2"], ["model.path='a,b'", "L=2"],
+        ["model.path='a=b'", "L=2"], ["model.path=a", "b=L=2"], ["widths=[3,2]"], ["widths=[3,2", "2]"],
+        ["model.name=" + "x" * 300], ["model.name=" + "x" * 299 + "y"], [f"k{i}=v" for i in range(60)],
+        ["model.name=.hidden"], ["model.name=/abs/path"],
+    ]
+    names = [report.job_dirname(o) for o in tricky]
+    assert len(set(names)) == len(names), names
+    for name in names:
+        assert "/" not in name and not name.startswith(".") and name not in ("", "..") and len(name) <= 120
+        assert "@" in name or name == "L=2,model.path=a_b"  # hashed form (never equal to a plain name)
+    assert report.job_dirname(["L=2", "model.path=a/b"]) == report.job_dirname(["model.path=a/b", "L=2"])  # order-free
+
+
+@pytest.fixture(scope="module")
+def tiny_pickle(tmp_path_factory):
+    from test_edm import TINY_SRC, write_persistent_pickle
+    from test_pixel_run import tiny_cond_net
+
+    root = tmp_path_factory.mktemp("ckpt")
+    sha = write_persistent_pickle(root / "tiny.pkl", tiny_cond_net(), TINY_SRC, "TinyPrecond")
+    return root, sha
+
+
+def test_path_valued_override_gives_each_job_its_own_directory_and_resume_finds_it(tiny_pickle):
+    """From two levels below a checkpoint, ``model.path=../../tiny.pkl L=2,3``: two records, then two skips."""
+    root, sha = tiny_pickle
+    cwd = root / "a" / "b"
+    cwd.mkdir(parents=True, exist_ok=True)
+    args = ["-m", "model=cifar10", "model.path=../../tiny.pkl", f"model.sha256={sha}", "L=2,3", "K=2", "steps=5",
+            "n_samples=2", "sweep_name=paths"]
+    env_cache = {"SPECSAMP_OFFLINE": "1", "SPECSAMP_CACHE": str(root / "cache")}
+    os.environ.update(env_cache)
+    try:
+        p = run(args, cwd)
+        assert "2 jobs, 2 ran, 0 skipped (done before), 0 failed" in p.stdout, p.out
+        sweep = cwd / "multirun" / "paths"
+        recs = {json.loads(f.read_text())["L"]: f for f in sweep.glob("*/result.json")}
+        assert sorted(recs) == [2, 3] and recs[2].parent != recs[3].parent
+        assert all(f.parent.parent == sweep for f in recs.values())  # one path component per job
+        df = report.collect(sweep)
+        assert sorted(df["status"]) == ["ok", "ok"]
+        before = results(sweep)
+        p = run(args, cwd)
+        assert p.stdout.count("skipped (done, config") == 2 and "2 jobs, 0 ran, 2 skipped" in p.stdout, p.out
+        assert results(sweep) == before
+    finally:
+        for k in env_cache:
+            os.environ.pop(k, None)
+
+
+def test_shards_of_a_path_valued_job_merge_where_the_unsharded_job_looks(tmp_path):
+    common = [*TINY, "batch_size=2", "model.name='runs/x,y'", "sweep_name=shp"]  # a value with '/' and ','
+    p = run(["-m", *common, "num_shards=2", "shard=0,1"], tmp_path)
+    assert "shards merged:" in p.stdout, p.out
+    p = run(["-m", *common], tmp_path)  # the unsharded job finds the merged record
+    assert p.stdout.count("skipped (done, config") == 1 and "1 jobs, 0 ran, 1 skipped" in p.stdout, p.out
+
+
+# ------------------------------------------------------------------------------------------------
+# a job that does not compose fails alone
+
+
+@pytest.mark.parametrize("sweeper", [[], ["hydra/sweeper=specsamp", "hydra.sweeper.validate=false"]], ids=["default", "validate=false"])
+def test_job_that_does_not_compose_is_recorded_and_the_others_run(tmp_path, sweeper):
+    p = run(["-m", *sweeper, "sampler=nope,dgrs,rmc", *TINY, "K=2", "L=2", "sweep_name=comp"], tmp_path, check=False)
+    assert p.returncode == 2, p.out
+    assert "3 jobs, 2 ran, 0 skipped (done before), 1 failed" in p.stdout, p.out
+    sweep = tmp_path / "multirun" / "comp"
+    bad = sweep / "K=2,L=2,model.dim=8,n_samples=4,sampler=nope,steps=6"
+    failed = json.loads((bad / "failed.json").read_text())
+    assert failed["kind"] == "config" and "Could not find 'sampler/nope'" in failed["error"] and "dgrs" in failed["error"]
+    assert not (bad / "result.json").exists() and not (bad / report.RUNNING).exists()
+    for ok in ("dgrs", "rmc"):
+        assert (sweep / f"K=2,L=2,model.dim=8,n_samples=4,sampler={ok},steps=6" / "result.json").exists()
+    assert "Traceback" not in p.out
+    df = report.collect(sweep).set_index("sampler")
+    assert df.loc["nope", "status"] == "failed" and df.loc["dgrs", "status"] == "ok" and (df["status"] != "missing").all()
+
+
+def test_a_bad_job_after_a_good_one_is_counted(tmp_path):
+    p = run(["-m", "sampler=dgrs,nope", *TINY, "sweep_name=comp2"], tmp_path, check=False)
+    assert p.returncode == 2 and "2 jobs, 1 ran, 0 skipped (done before), 1 failed" in p.stdout, p.out
+
+
+def test_validate_true_refuses_the_sweep_before_launching(tmp_path):
+    p = run(["-m", "hydra.sweeper.validate=true", "sampler=dgrs,nope", *TINY, "sweep_name=v"], tmp_path, check=False)
+    assert p.returncode == 2 and "Could not find 'sampler/nope'" in p.stderr and "Traceback" not in p.out
+    assert not list((tmp_path / "multirun" / "v").glob("*/result.json"))
+
+
+# ------------------------------------------------------------------------------------------------
+# make sweep-local's demo
+
+
+def _make_var(name: str) -> str:
+    p = subprocess.run(["make", "-s", "-C", str(ROOT), "--eval", f"print-var: ; @echo $({name})", "print-var"], capture_output=True, text=True)
+    return p.stdout.strip()
+
+
+def test_sweep_local_demo_cells_differ(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    args = _make_var("SWEEP_ARGS").split()
+    assert args, "SWEEP_ARGS not found in the Makefile"
+    run(["-m", *args, "sweep_name=demo"], tmp_path)  # the basic launcher: same jobs, same numbers
+    df = report.collect(tmp_path / "multirun" / "demo")
+    cells = [f"{m:.3f} ± {s:.3f}" for m, s in zip(df["speedup_mean"], df["speedup_sem"])]
+    assert len(cells) == 4 and len(set(cells)) == 4, cells

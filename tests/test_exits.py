@@ -1,0 +1,252 @@
+"""Exit statuses (specsamp.exitcodes) on the real path: run.py in a subprocess, single runs and sweeps.
+
+0 ok, 1 bug, 2 wrong input, 3 the machine (disk full, read-only directory, no SLURM), 130 Ctrl-C.
+Every case checks the status, the message's key words, that no traceback is printed and that nothing
+already written changed. The disk-full cases use a file-size limit (``resource.setrlimit``, any user)
+and, where the tests run as root, a small tmpfs that really fills (ENOSPC).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specsamp import exitcodes, report
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.dim=8", "steps=6", "n_samples=4"]
+# a job that runs for minutes (interrupted or killed within seconds by the tests), in small batches
+LONG = ["model.dim=64", "steps=30", "n_samples=200000", "batch_size=50", "progress=false"]
+
+
+def _env(**extra):
+    return dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", **extra)
+
+
+def run(args, cwd, env=None, preexec_fn=None, timeout=300):
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
+                       env=env or _env(), timeout=timeout, preexec_fn=preexec_fn)
+    p.out = p.stdout + p.stderr
+    return p
+
+
+def start(args, cwd):
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def wait_for(path: Path, proc, timeout=120.0):
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------
+# the policy
+
+
+def test_exit_policy_is_one_table():
+    assert (exitcodes.OK, exitcodes.BUG, exitcodes.USAGE, exitcodes.INFRASTRUCTURE, exitcodes.INTERRUPTED) == (0, 1, 2, 3, 130)
+    doc = (ROOT / "run.py").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for status in ("130", "  3 ", "  2 "):
+        assert status in doc
+    assert "## Exit status" in readme and "| 3 |" in readme and "| 130 |" in readme
+    state = {"kinds": ["config"]}
+    assert report.sweep_exit_status(state) == 2
+    assert report.sweep_exit_status({"kinds": ["config", "exception"]}) == 1
+    assert report.sweep_exit_status({"kinds": ["config", "infrastructure"]}) == 3
+    assert report.sweep_exit_status({"kinds": ["infrastructure"], "interrupted": True}) == 130
+    assert report.sweep_exit_status({"kinds": []}) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# infrastructure: full disk, read-only directory, no SLURM -> 3
+
+
+def _fsize_limit(nbytes):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def test_file_size_limit_at_the_record_prints_the_result_then_names_the_path(tmp_path):
+    """samples.pt (33 KB) exceeds a 16 KB file-size limit: EFBIG, like a disk that fills at the record."""
+    out = tmp_path / "run"
+    (tmp_path / "keep.txt").write_text("precious")
+    p = run(["model.dim=500", "n_samples=8", "steps=6", "save_samples=true", f"hydra.run.dir={out}"], tmp_path,
+            preexec_fn=_fsize_limit(16 * 1024))
+    assert p.returncode == 3, p.out
+    assert p.stdout.startswith("model=gmm sampler=dgrs") and "speedup" in p.stdout  # the numbers came first
+    assert f"could not write {out / 'samples.pt'}" in p.stderr and "File too large" in p.stderr
+    assert "not of the configuration" in p.stderr and "Traceback" not in p.out
+    assert not (out / "result.json").exists() and not list(out.glob(".samples.pt.*"))  # no torn file left
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_file_size_limit_in_sweep_jobs_is_recorded_and_the_sweep_exits_3(tmp_path):
+    p = run(["-m", "model.dim=500", "n_samples=8", "steps=6", "save_samples=true", "K=1,2", "sweep_name=full"], tmp_path,
+            preexec_fn=_fsize_limit(16 * 1024))
+    assert p.returncode == 3, p.out
+    assert "2 jobs, 0 ran, 0 skipped (done before), 2 failed" in p.stdout and "Traceback" not in p.out
+    for f in (tmp_path / "multirun" / "full").glob("*/failed.json"):
+        rec = json.loads(f.read_text())
+        assert rec["kind"] == "infrastructure" and "samples.pt" in rec["error"], rec["error"]
+    assert len(list((tmp_path / "multirun" / "full").glob("*/failed.json"))) == 2
+
+
+def _mount_tmpfs(path: Path, opts: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_full_disk_exits_3_and_names_the_path(tmp_path):
+    """A 64 KB tmpfs, filled to 16 KB free: Hydra's .hydra/ files fit, the 33 KB samples.pt does not (ENOSPC)."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "size=64k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (disk / "filler").write_bytes(b"\0" * (48 * 1024))
+        out = disk / "run"
+        p = run(["model.dim=500", "n_samples=8", "steps=6", "save_samples=true", f"hydra.run.dir={out}"], tmp_path)
+        assert p.returncode == 3, p.out
+        assert "speedup" in p.stdout
+        assert f"could not write {out / 'samples.pt'}: No space left on device" in p.stderr, p.stderr
+        assert "Traceback" not in p.out and (disk / "filler").stat().st_size == 48 * 1024
+    finally:
+        _umount(disk)
+
+
+def _read_only_dir(tmp_path: Path) -> Path:
+    ro = tmp_path / "ro"
+    if os.geteuid() == 0:
+        if not _mount_tmpfs(ro, "ro,size=64k"):
+            pytest.skip("root cannot be denied a write without a read-only mount")
+    else:
+        ro.mkdir()
+        ro.chmod(0o555)
+    return ro
+
+
+@pytest.mark.parametrize("mode", ["run", pytest.param("sweep", marks=pytest.mark.slow)])
+def test_read_only_output_directory_exits_3_and_names_it(tmp_path, mode):
+    ro = _read_only_dir(tmp_path)
+    try:
+        if mode == "run":
+            p = run([*TINY, f"hydra.run.dir={ro / 'out'}"], tmp_path)
+        else:
+            p = run(["-m", *TINY, "K=1,2", f"hydra.sweep.dir={ro / 'sweep'}"], tmp_path)
+        assert p.returncode == 3, p.out
+        assert f"could not write {ro}" in p.stderr and ("Read-only file system" in p.stderr or "Permission denied" in p.stderr)
+        assert "hydra.run.dir=DIR" in p.stderr and "Traceback" not in p.out
+    finally:
+        if os.geteuid() == 0:
+            _umount(ro)
+        else:
+            ro.chmod(0o755)
+
+
+def test_slurm_launcher_off_a_cluster_exits_3_naming_the_commands(tmp_path):
+    bindir = tmp_path / "bin"  # a PATH with python but no sbatch/srun
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    p = run(["-m", "hydra/launcher=slurm", *TINY, "K=1,2", "sweep_name=s"], tmp_path, env=_env(PATH=str(bindir)))
+    assert p.returncode == 3, p.out
+    assert "hydra/launcher=slurm needs the SLURM commands sbatch and srun" in p.stderr
+    assert "hydra/launcher=local" in p.stderr and "Traceback" not in p.out
+    assert not list((tmp_path / "multirun" / "s").glob("K=*"))  # nothing launched
+
+
+# ------------------------------------------------------------------------------------------------
+# Ctrl-C -> 130, one line (+ the sweep's summary), finished records intact
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_single_run_prints_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = start([*LONG, f"hydra.run.dir={out}"], tmp_path)
+    wait_for(out / ".hydra" / "overrides.yaml", proc)
+    time.sleep(1.0)  # inside the sampler
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout + stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted (Ctrl-C)"), stderr
+    assert "Traceback" not in stdout + stderr and not (out / "result.json").exists()
+
+
+def _long_sweep(tmp_path, name):
+    """A 2-job sweep: a tiny job, then a long one; returns (proc, first job dir, second job dir)."""
+    args = ["-m", "model.dim=64", "steps=30", "batch_size=50", "progress=false", "n_samples=4,200000", f"sweep_name={name}"]
+    proc = start(args, tmp_path)
+    sweep = tmp_path / "multirun" / name
+    first = sweep / "batch_size=50,model.dim=64,n_samples=4,steps=30"  # progress does not name directories
+    second = sweep / "batch_size=50,model.dim=64,n_samples=200000,steps=30"
+    wait_for(second / report.RUNNING, proc)
+    return proc, sweep, first, second
+
+
+def test_ctrl_c_on_a_sweep_prints_one_line_and_the_summary(tmp_path):
+    proc, sweep, first, second = _long_sweep(tmp_path, "int")
+    before = (first / "result.json").read_bytes()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stdout + stderr
+    assert stderr.startswith("interrupted (Ctrl-C): finished records are kept"), stderr
+    assert f"sweep {sweep.relative_to(tmp_path)}: 2 jobs, 1 ran, 0 skipped (done before), 0 failed, 1 killed" in stderr, stderr
+    assert (first / "result.json").read_bytes() == before and json.loads(before)["status"] == "ok"
+    assert not (second / "result.json").exists()
+    df = report.collect(sweep).set_index("n_samples")
+    assert df.loc[4, "status"] == "ok" and df.loc[200000, "status"] == "killed"
+
+
+@pytest.mark.slow
+def test_collect_tells_a_running_job_from_a_killed_one(tmp_path):
+    proc, sweep, first, second = _long_sweep(tmp_path, "kill")
+    try:
+        df = report.collect(sweep).set_index("n_samples")
+        assert df.loc[200000, "status"] == "running"
+    finally:
+        proc.kill()  # SIGKILL: no handler runs, running.json stays behind
+        proc.communicate(timeout=60)
+    df = report.collect(sweep).set_index("n_samples")
+    assert df.loc[200000, "status"] == "killed" and df.loc[4, "status"] == "ok"
+    p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    assert "2 jobs: 1 ok, 0 failed, 0 running, 1 killed, 0 missing" in p.stdout, p.stdout
+
+
+def test_liveness_on_another_host_follows_the_heartbeat(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    marker = {**report.running_marker(), "host": "another-node"}
+    (job / report.RUNNING).write_text(json.dumps(marker))
+    now = time.time()
+    os.utime(job / report.RUNNING, (now, now))
+    assert report.job_liveness(job, now=now + report.STALE_S / 2) == "running"
+    assert report.job_liveness(job, now=now + report.STALE_S + 1) == "killed"
+    (job / report.RUNNING).write_text(json.dumps({**report.running_marker(), "pid": 2**22 + 7}))  # no such process here
+    assert report.job_liveness(job) == "killed"
+    (job / report.RUNNING).write_text(json.dumps(report.running_marker()))  # this very process: alive
+    assert report.job_liveness(job) == "running"
