@@ -9,8 +9,8 @@ help:  ## list targets
 install:  ## install the package with every extra (what CI does)
 	$(PYTHON) -m pip install -e ".[all]"
 
-test:  ## default test run (slow tests excluded)
-	$(PYTHON) -m pytest -q
+test:  ## default test run (slow tests excluded), with the line coverage of specsamp/
+	$(PYTHON) -m pytest -q --cov --cov-report=term-missing
 
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""

@@ -84,6 +84,18 @@ def coupling_throughput(n: int, K: int = 7, event=(16, 64, 64), repeats: int = 2
     return rows
 
 
+def digits_velocity():
+    """The shipped, trained digits denoiser behind the velocity interface, built as ``model=digits`` builds it."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from specsamp.models.edm import BUILD_KEYS, build_edm_model
+
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "digits.yaml"))
+    return build_edm_model({k: v for k, v in cfg.items() if k in BUILD_KEYS})
+
+
 def main(argv=None) -> int:
     """CLI (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
@@ -106,6 +118,8 @@ def main(argv=None) -> int:
         name = f"stand-in {a.preset} ({params / 1e6:.0f}M)"
         log(f"[overhead] {name}, 1 trajectory, tree execution; call cost from a 2-row probe")
         out["overhead"] = overhead_table(model, name, trajectories=1, probe=2, progress=log)
+        log("[overhead] the trained digits network (model=digits), same protocol")
+        out["overhead"] += overhead_table(digits_velocity(), "digits (trained, 0.1M)", trajectories=1, probe=2, progress=log)
         print(table(out["overhead"], [("network", "network", "s"), ("budget", "B", "d"), ("overhead_s", "overhead s/round", ".4f"),
                                       ("call_s", "network call s", ".2f"), ("fraction", "fraction", ".2e")]), flush=True)
     if "scaling" in sections:

@@ -38,6 +38,7 @@ from .experiment import (
     existing_record,
     run_config,
     save_images,
+    scores_text,
     summary_line,
     validate,
     versions,
@@ -229,6 +230,8 @@ def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict)
             record["metrics_error"] = str(e)
         record.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
         write_json_atomic(out_dir / "result.json", record)
+        if scores_text(record):  # the result line was printed before scoring: the scores get their own
+            print(f"{tag}{scores_text(record)}  record: {shown(out_dir / 'result.json')}", flush=True)
     from .loggers import log_record
 
     log_record(logger_config(cfg_dict, runner["sweep_name"] if multirun else None), record, out_dir)

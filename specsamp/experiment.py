@@ -912,7 +912,7 @@ def run_config(
         target: an already-built :class:`Target` (overrides ``model``).
 
     Returns:
-        The JSON-ready record (see DESIGN.md "Records") and the concatenated :class:`SampleResult`;
+        The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
         ``result.extra`` holds ``target`` and ``indices`` for post-processing (images, metrics), and the
         ``max_batch`` the sampler used (the top-level key, else the model's).
 
@@ -1150,9 +1150,16 @@ def summary_line(rec: dict) -> str:
     else:
         head = f"model={rec['model']} sampler={rec['sampler']} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
     sp = rec["speedup"]
-    scores = (f"  FID {rec['fid']:.3f}" if "fid" in rec else "") + (
-        f"  CLIP {rec['clip_score']:.2f} ± {rec.get('clip_score_sem', float('nan')):.2f}" if "clip_score" in rec else "")
+    scores = scores_text(rec)
     return (
-        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}{scores}  "
+        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}{'  ' + scores if scores else ''}  "
         f"({rec['n_samples']} trajectories, {rec['wall_seconds']:.1f} s)"
     )
+
+
+def scores_text(rec: dict) -> str:
+    """The record's metric scores as printed, e.g. ``FID 3.512  CLIP 0.31 ± 0.01``; empty when none."""
+    parts = [f"FID {rec['fid']:.3f}"] if isinstance(rec.get("fid"), (int, float)) else []
+    if isinstance(rec.get("clip_score"), (int, float)):
+        parts.append(f"CLIP {rec['clip_score']:.2f} ± {rec.get('clip_score_sem', float('nan')):.2f}")
+    return "  ".join(parts)

@@ -5,7 +5,7 @@ step ``n`` goes ``sigma_n -> sigma_{n+1}``. The grid is ``linspace(1, sigma_min,
 (``T + 1`` levels, ``T`` steps; diffusers' FlowMatchEuler layout), optionally shifted by eq. 38 before
 the final 0 is appended.
 
-The kernel of step ``n`` (DESIGN.md, eqs. 36--37)::
+The kernel of step ``n`` (paper appendix C.3, eqs. 36--37)::
 
     mean = x + (sigma_{n+1} - sigma_n) (v - eps^2 g^2 s / 2),   s = -(x + (1 - sigma) v) / sigma,
     g^2  = 2 sigma / (1 - sigma),   std = eps g sqrt(sigma_n - sigma_{n+1}),   sigma = sigma_n.

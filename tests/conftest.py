@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repo root: experiments/, hydra_
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP oversubscription on a shared 2-core machine."""
+    """Small tensors: one intra-op thread avoids OpenMP oversubscription on small CPU machines."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -32,6 +32,12 @@ def _env(**extra):
     return dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", **extra)
 
 
+def _env_unmeasured():
+    """The environment without coverage's subprocess measurement, for a child whose writes must fail:
+    coverage's own data file would hit the same limit at exit and print its traceback."""
+    return {k: v for k, v in _env().items() if not k.startswith("COVERAGE_")}
+
+
 def run(args, cwd, env=None, preexec_fn=None, timeout=300):
     p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
                        env=env or _env(), timeout=timeout, preexec_fn=preexec_fn)
@@ -88,7 +94,7 @@ def test_file_size_limit_at_the_record_prints_the_result_then_names_the_path(tmp
     out = tmp_path / "run"
     (tmp_path / "keep.txt").write_text("precious")
     p = run(["model.dim=500", "n_samples=8", "steps=6", "save_samples=true", f"hydra.run.dir={out}"], tmp_path,
-            preexec_fn=_fsize_limit(16 * 1024))
+            env=_env_unmeasured(), preexec_fn=_fsize_limit(16 * 1024))
     assert p.returncode == 3, p.out
     assert p.stdout.startswith("model=gmm sampler=dgrs") and "speedup" in p.stdout  # the numbers came first
     assert f"could not write {out / 'samples.pt'}" in p.stderr and "File too large" in p.stderr
@@ -99,7 +105,7 @@ def test_file_size_limit_at_the_record_prints_the_result_then_names_the_path(tmp
 
 def test_file_size_limit_in_sweep_jobs_is_recorded_and_the_sweep_exits_3(tmp_path):
     p = run(["-m", "model.dim=500", "n_samples=8", "steps=6", "save_samples=true", "K=1,2", "sweep_name=full"], tmp_path,
-            preexec_fn=_fsize_limit(16 * 1024))
+            env=_env_unmeasured(), preexec_fn=_fsize_limit(16 * 1024))
     assert p.returncode == 3, p.out
     assert "2 jobs, 0 ran, 0 skipped (done before), 2 failed" in p.stdout and "Traceback" not in p.out
     for f in (tmp_path / "multirun" / "full").glob("*/failed.json"):

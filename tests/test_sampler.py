@@ -311,7 +311,7 @@ def test_no_speculation_costs_one_call_per_step(T, coupling, draft, prefetch):
     The warm-up call at state 1 is the call the standard sampler makes there; each of the T - 2 rounds
     then evaluates its single drafted child (the root's exact velocity is already known, so delta = 0 and
     the child is always accepted), and the last round's leaf evaluation, at state T - 1, serves the final
-    Euler step. So speculative calls = 1 + (T - 2) = T - 1 (DESIGN.md charges the warm-up to
+    Euler step. So speculative calls = 1 + (T - 2) = T - 1 (the paper's protocol charges the warm-up to
     speculation), target_rows = T - 1, and nfe = 1 (step 0) + (T - 1) = T.
     """
     m = 5

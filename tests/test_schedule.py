@@ -1,4 +1,4 @@
-"""Time grid and Euler--Maruyama kernel (appendix C.3, eqs. 36--38; DESIGN.md protocol table).
+"""Time grid and Euler--Maruyama kernel (appendix C.3, eqs. 36--38; the README's protocol).
 
 The kernel is re-derived here independently of ``Schedule.mean``/``Schedule.std``:
 eq. 36 ``m = y - gamma [(1 + eps^2) v + eps^2 y / (1 - sigma)]`` and eq. 37
@@ -78,7 +78,7 @@ def test_kernel_eq36_eq37(T, eps, shift):
 
 
 def test_kernel_matches_design_score_form():
-    # DESIGN.md form: mean = x + (sigma_{n+1} - sigma_n)(v - eps^2 g^2 s / 2), s = -(x + (1 - sigma) v) / sigma,
+    # the kernel of eqs. 36-37: mean = x + (sigma_{n+1} - sigma_n)(v - eps^2 g^2 s / 2), s = -(x + (1 - sigma) v) / sigma,
     # g^2 = 2 sigma / (1 - sigma)
     s = Schedule.make(20, 0.6)
     g = torch.Generator().manual_seed(0)

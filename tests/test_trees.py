@@ -34,7 +34,7 @@ def test_budget_uniform(K, L, B):
 
 
 def test_paper_budgets():
-    # DESIGN.md: B = 14 for (2, 3) and 155 for (5, 3); the matched RMC chain has the same budget
+    # the paper: B = 14 for (2, 3) and 155 for (5, 3); the matched RMC chain has the same budget
     assert DraftTree.uniform(2, 3).budget == 14
     assert DraftTree.uniform(5, 3).budget == 155
     assert DraftTree.chain(155).budget == 155 == trees.budget(5, 3)

@@ -1,6 +1,6 @@
 """NVIDIA EDM denoisers behind the velocity interface, and a checked loader for their pickles.
 
-Change of variables (paper section 5.2; DESIGN.md). EDM's denoiser works on the variance-exploding
+Change of variables (paper section 5.2). EDM's denoiser works on the variance-exploding
 scale ``y = x0 + s xi`` and returns ``D(y; s) = E[x0 | y]``. The linear path
 ``x = (1 - sigma) x0 + sigma xi`` divided by ``1 - sigma`` *is* that scale with ``s = sigma / (1 - sigma)``,
 so ``D(x / (1 - sigma); s) = E[x0 | x_sigma = x]``. With ``v = d x / d sigma = xi - x0`` and
@@ -358,7 +358,7 @@ class EDMVelocity:
     """An EDM denoiser (``EDMPrecond.forward(x, sigma, class_labels=None)``) as a velocity field.
 
     ``v(x, sigma) = (x - D((1 + s_c) x; s_c)) / sigma`` with ``s_c = clip(sigma / (1 - sigma), 1e-3, 80)``
-    (module docstring; paper section 5.2, corrected; DESIGN.md). The change of variables runs in
+    (module docstring; paper section 5.2, corrected). The change of variables runs in
     at least float32 (float64 when the state is float64): ``(x - D) / sigma`` divides a cancellation
     by up to ``1 / sigma_min = 1000``.
 
