@@ -18,8 +18,9 @@ test-all:  ## every test, slow ones included
 bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), ~2 min; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
 
-gpu-check:  ## GPU check: wall clock per image, batched-call cost, CUDA exactness; JSON in gpu_check.json (CPU smoke: ARGS="--device cpu --tiny")
+gpu-check:  ## GPU check on the CIFAR-sized stand-in, then on the trained digits network; JSON in gpu_check.json, gpu_check_digits.json (CPU smoke: ARGS="--device cpu --tiny")
 	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
+	$(PYTHON) -m benchmarks.gpu_check --network edm-digits-8x8-cond --json gpu_check_digits.json $(ARGS)
 
 bench-gpu: gpu-check  ## alias of gpu-check
 

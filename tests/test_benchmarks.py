@@ -47,6 +47,16 @@ def test_gpu_check_tiny_cpu_mode_writes_every_section(tmp_path, capsys):
     assert "exactness_bf16" in text and "batch_cost" in text
 
 
+def test_gpu_check_tiny_cpu_mode_on_the_trained_digits_network(tmp_path):
+    # `make gpu-check`'s second run: the shipped, trained network loaded by its table hash
+    from benchmarks import gpu_check
+
+    out = tmp_path / "d.json"
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--network", "edm-digits-8x8-cond", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert {r["method"] for r in rep["wallclock"]} == {"standard", "dgrs", "rmc"} and len(rep["exactness_bf16"]) == 2
+
+
 def test_numpy_baseline_matches_our_protocol_in_law():
     # seed 0, 300 trajectories each of the (2, 2) D-GRS cell on the section 5.1 mixture: mean speedups
     # agree within 4 combined standard errors (the baseline draws its own random numbers)
