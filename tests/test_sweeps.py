@@ -342,12 +342,21 @@ def test_submitit_local_failure_does_not_stop_the_others(tmp_path):
 
 @pytest.mark.slow
 def test_job_raising_an_exception_is_recorded_with_its_traceback(tmp_path):
-    p = run(["-m", *TINY, "model.dtype=float64,nope", "sweep_name=exc"], tmp_path, check=False)
-    assert p.returncode == 1, p.out  # not a config error: status 1
+    # a network that raises inside the sampler: not a config error (every value is valid), so status 1
+    from test_edm import TINY_SRC, _tiny_instance, write_persistent_pickle
+
+    good, bad = tmp_path / "good.pkl", tmp_path / "bad.pkl"
+    write_persistent_pickle(good, _tiny_instance(), TINY_SRC, "TinyPrecond")
+    boom = TINY_SRC.replace("x = x.to(torch.float32)", "raise RuntimeError('boom in the network')")
+    write_persistent_pickle(bad, _tiny_instance(), boom, "TinyPrecond")
+    p = run(["-m", "model=ffhq", f"model.path={good},{bad}", "model.trust_checkpoint=true", "steps=4", "n_samples=2",
+             "K=2", "L=2", "sweep_name=exc"], tmp_path, check=False)
+    assert p.returncode == 1, p.out
     sweep = tmp_path / "multirun" / "exc"
-    failed = json.loads((sweep / "model.dim=8,model.dtype=nope,n_samples=4,steps=6" / "failed.json").read_text())
-    assert failed["kind"] == "exception" and "Traceback" in failed["traceback"]
-    assert (sweep / "model.dim=8,model.dtype=float64,n_samples=4,steps=6" / "result.json").exists()
+    failed = [json.loads(f.read_text()) for f in sweep.glob("*/failed.json")]
+    assert len(failed) == 1 and failed[0]["kind"] == "exception", p.out
+    assert "Traceback" in failed[0]["traceback"] and "boom in the network" in failed[0]["traceback"]
+    assert len(list(sweep.glob("*/result.json"))) == 1
 
 
 # ------------------------------------------------------------------------------------------------
