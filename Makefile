@@ -15,7 +15,7 @@ test:  ## default test run (slow tests excluded), with the line coverage of spec
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""
 
-bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), ~2 min; full size: make bench ARGS=--full
+bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), about 90 s; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
 
 gpu-check:  ## GPU check on the CIFAR-sized stand-in, then on the trained digits network; JSON in gpu_check.json, gpu_check_digits.json (CPU smoke: ARGS="--device cpu --tiny")
@@ -39,7 +39,7 @@ beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees
 train-digits:  ## retrain the digits denoiser and classifier (seeded, ~5 min on one thread) into specsamp/data/
 	$(PYTHON) -m experiments.train_digits
 
-digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (~10 min)
+digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (about 12 min)
 	$(PYTHON) run.py +experiment=digits_fig4
 	$(PYTHON) run.py +experiment=digits_fid
 	$(PYTHON) -m experiments.digits collect

@@ -122,7 +122,13 @@ def get_coupling(name: str) -> CouplingFn:
         raise ValueError(f"coupling={name!r} is not registered; valid: {sorted(COUPLINGS)}") from None
 
 
-def _rows(generator, n: int, device):
+def uniform_rows(generator, n: int, device):
+    """The per-row uniform source a coupling draws from: ``rows.uniform(m)`` gives float64 ``[n, m]`` in (0, 1).
+
+    The sampler passes an :class:`specsamp.rng.KeyedRows` (counter-based, so row ``i``'s numbers depend
+    only on its own key); a ``torch.Generator`` or ``None`` (tests, notebooks) is wrapped in a
+    :class:`specsamp.rng.GeneratorRows`. Every call of ``uniform`` returns fresh numbers.
+    """
     if generator is None or isinstance(generator, torch.Generator):
         return GeneratorRows(n, device, generator)
     return generator
@@ -406,7 +412,7 @@ def dgrs(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
         ValueError: bad shapes or scales.
     """
     proj = project(children, mean_p, mean_q, sigma)
-    rows = _rows(generator, children.shape[0], children.device)
+    rows = uniform_rows(generator, children.shape[0], children.device)
     index, s_res = grs_select(proj.delta, proj.s_hat, rows)
     accepted = index < children.shape[1]
     return Verdict(reconstruct(children, proj, s_res, accepted, index), accepted, index)
@@ -438,7 +444,7 @@ def rmc(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
             "use dgrs for K > 1 or a chain tree (K=1) for rmc"
         )
     proj = project(children, mean_p, mean_q, sigma)
-    rows = _rows(generator, children.shape[0], children.device)
+    rows = uniform_rows(generator, children.shape[0], children.device)
     u = rows.uniform(1)[:, 0]
     s = proj.s_hat[:, 0]
     log_rho = proj.delta * s - 0.5 * proj.delta**2

@@ -80,7 +80,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .coupling import Verdict, _rows, grs_levels, grs_select, log_sf, project, reconstruct, register_coupling
+from .coupling import Verdict, grs_levels, grs_select, log_sf, project, reconstruct, register_coupling, uniform_rows
 
 Y_LO = -40.0  # projections below this have probability < 1e-349; parameter searches start here
 Y_SPAN = 40.0  # ... and stop at delta + Y_SPAN (target mass above it < 1e-349)
@@ -629,7 +629,7 @@ def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """
     proj = project(children, mean_p, mean_q, sigma)
     n, K = proj.s_hat.shape
-    rows = _rows(generator, n, children.device)
+    rows = uniform_rows(generator, n, children.device)
     u_mark, u_grs, u_res = rows.uniform(K), rows.uniform(K), rows.uniform(2)
     pl = plan(proj.delta, K)
     index = torch.full((n,), K, dtype=torch.long, device=children.device)

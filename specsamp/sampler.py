@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rng
-from .coupling import NonFiniteError, get_coupling
+from .coupling import NonFiniteError, Verdict, get_coupling
 from .drafts import get_draft
 from .models.base import batched
 from .schedule import Schedule
@@ -400,6 +400,9 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
                     "at this depth); no coupling can serve them",
                     [int(ctx.ids[rnd.rows[sub[r]]]) for r in err.rows],
                 ) from None
+            if not isinstance(verdict, Verdict):
+                raise TypeError(f"coupling {getattr(ctx.coupling, 'coupling_name', ctx.coupling)!r} returned "
+                                f"{type(verdict).__name__}; a coupling must return a specsamp.coupling.Verdict")
             attempts[rnd.rows[sub], l - 1] += 1
             accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
             steps[sub] += 1
