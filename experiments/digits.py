@@ -52,7 +52,7 @@ def collect_fig4(sweep_dir: str | None = None) -> pd.DataFrame:
     """``results/digits/fig4.csv`` from the ``digits_fig4`` sweep: one row per (rule, eps, K, L)."""
     df = ok_records(sweep_dir or "multirun/digits_fig4", "digits_fig4")
     cols = ["sampler", "eps", "K", "L", "budget", "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean",
-            "target_rows_mean", "acceptance_pooled", "acceptance", "n_samples", "wall_seconds"]
+            "target_rows_mean", "acceptance_pooled", "acceptance", "n_samples"]  # no timings: a rerun reproduces the table
     out = df[cols].sort_values(["sampler", "eps", "budget"]).reset_index(drop=True)
     write_csv(out, OUT / "fig4.csv")
     print(f"wrote {OUT / 'fig4.csv'} ({len(out)} cells)")
@@ -193,8 +193,7 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
         rows.append({"arm": arm, "sampler": r["sampler"], "seed": int(r["seed"]), "K": 2, "L": 3, "eps": 0.3,
                      "n_images": n, "fid": fid, "fid_se": se, "fid_runner": r.get("fid", np.nan),
                      "label_accuracy": correct.mean(), "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n),
-                     "speedup_mean": r["speedup_mean"], "speedup_sem": r["speedup_sem"], "nfe_mean": r["nfe_mean"],
-                     "wall_seconds": r["wall_seconds"]})
+                     "speedup_mean": r["speedup_mean"], "speedup_sem": r["speedup_sem"], "nfe_mean": r["nfe_mean"]})
     # the floor: as many real digits (drawn with replacement), same features, same reference
     x, y = load_digits_data()
     rng = np.random.default_rng(1)
@@ -265,7 +264,7 @@ def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
                              "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
                              "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
                              "delta_profile": "/".join(f"{x:.3f}" for x in rec.get("delta_profile") or []),
-                             "n_samples": n_samples, "wall_seconds": rec["wall_seconds"]})
+                             "n_samples": n_samples})
     df = pd.DataFrame(rows)
     write_csv(df, OUT / "levers.csv")
     print(f"wrote {OUT / 'levers.csv'}")
