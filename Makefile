@@ -39,7 +39,7 @@ beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees
 train-digits:  ## retrain the digits denoiser and classifier (seeded, ~5 min on one thread) into specsamp/data/
 	$(PYTHON) -m experiments.train_digits
 
-digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (about 12 min)
+digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (about 5 min)
 	$(PYTHON) run.py +experiment=digits_fig4
 	$(PYTHON) run.py +experiment=digits_fid
 	$(PYTHON) -m experiments.digits collect
