@@ -116,20 +116,13 @@ def calibration_cost(d: dict) -> dict:
         ``{"trajectories", "calls", "rows"}``: trajectories, batched target calls summed over them
         (speculative steps and endpoints, i.e. NFE) and target rows.
     """
-    import torch
-
-    from specsamp.experiment import CALIBRATION_SEED_OFFSET, build_target, validate
-    from specsamp.sampler import sample_speculative
+    from specsamp.experiment import build_target, calibration_run, validate
     from specsamp.schedule import Schedule
-    from specsamp.trees import DraftTree
 
     v = validate(d)
-    target = build_target(d["model"], v["device"])
-    sch = Schedule.make(v["steps"], v["eps"])
-    m = min(64, v["n_samples"])
-    r = sample_speculative(target.model, sch, DraftTree.uniform(2, min(8, sch.steps - 2)), "dgrs", seed=v["seed"] + CALIBRATION_SEED_OFFSET,
-                           indices=torch.arange(m), draft=v["draft"], prefetch=v["prefetch"],
-                           evaluate_leaves=v["evaluate_leaves"], max_batch=v["max_batch"], warmup=v["warmup"])
+    r = calibration_run(build_target(d["model"], v["device"]), Schedule.make(v["steps"], v["eps"],
+                        shift=float(d["model"].get("shift", 1.0))), v)
+    m = r.nfe.numel()
     return {"trajectories": m, "calls": int(r.nfe.sum()), "rows": int(r.target_rows.sum())}
 
 

@@ -844,26 +844,34 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
     )
 
 
-def calibrate_profile(target: Target, schedule: Schedule, v: dict, n: int = 64, K: int = 2, L: int = 8) -> list[float]:
-    """Displacement ``delta`` per depth for ``tree=optimal``, from a short calibration run.
+def calibration_run(target: Target, schedule: Schedule, v: dict, n: int = 64, K: int = 2, L: int = 8) -> SampleResult:
+    """The short run that calibrates ``tree=optimal``: D-GRS with the configured draft on a uniform
+    ``(K, L)`` tree (``L`` capped at ``T - 2``) for ``min(n, n_samples)`` trajectories, under its own seed
+    (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the tree it gets is
+    independent of its samples and exactness is kept).
 
-    Runs D-GRS with the configured draft on a uniform ``(K, L)`` tree for ``min(n, n_samples)``
-    trajectories under its own seed (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the
-    tree it gets is independent of its samples and exactness is kept), and inverts each depth's
-    measured acceptance into ``delta`` (:func:`specsamp.treesearch.deltas_from_acceptance`).
+    Returns:
+        The run's :class:`SampleResult` (its ``nfe`` and ``target_rows`` are the calibration's cost).
+    """
+    m = min(n, v["n_samples"])
+    tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
+    ids = torch.arange(m, device=torch.device(getattr(target.model, "device", "cpu")))
+    cond = target.cond_for(ids, v["seed"]) if target.cond_for is not None else None
+    return sample_speculative(target.model, schedule, tree, "dgrs", seed=v["seed"] + CALIBRATION_SEED_OFFSET, indices=ids,
+                              cond=cond, draft=v["draft"], prefetch=v["prefetch"], evaluate_leaves=v["evaluate_leaves"],
+                              max_batch=v["max_batch"], warmup=v["warmup"])
+
+
+def calibrate_profile(target: Target, schedule: Schedule, v: dict, n: int = 64, K: int = 2, L: int = 8) -> list[float]:
+    """Displacement ``delta`` per depth for ``tree=optimal``, from :func:`calibration_run`: each depth's
+    measured acceptance inverted into ``delta`` (:func:`specsamp.treesearch.deltas_from_acceptance`).
 
     Returns:
         ``delta`` per depth ``1..L``.
     """
     from .treesearch import deltas_from_acceptance
 
-    m = min(n, v["n_samples"])
-    tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
-    ids = torch.arange(m, device=torch.device(getattr(target.model, "device", "cpu")))
-    cond = target.cond_for(ids, v["seed"]) if target.cond_for is not None else None
-    r = sample_speculative(target.model, schedule, tree, "dgrs", seed=v["seed"] + CALIBRATION_SEED_OFFSET, indices=ids, cond=cond,
-                           draft=v["draft"], prefetch=v["prefetch"], evaluate_leaves=v["evaluate_leaves"],
-                           max_batch=v["max_batch"], warmup=v["warmup"])
+    r = calibration_run(target, schedule, v, n, K, L)
     rates = (r.accepts.sum(0).double() / r.attempts.sum(0).double().clamp_min(1)).cpu().numpy()
     return [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")]
 
