@@ -46,8 +46,7 @@ KNOWN_KEYS = frozenset(
 )
 
 
-class ConfigError(ValueError):
-    """A user error in the configuration: names the key, its value and what is valid."""
+from .errors import ConfigError  # noqa: E402,F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------
