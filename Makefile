@@ -53,7 +53,7 @@ figures:  ## rebuild every figure in results/ from the committed tables (no samp
 	$(PYTHON) -m experiments.figures
 
 tables:  ## aggregate a sweep directory into a CSV: make tables SWEEP=multirun/gmm_grid
-	$(PYTHON) -m specsamp.report collect $(SWEEP)
+	$(PYTHON) -m specsamp.runner.report collect $(SWEEP)
 
 clean:  ## remove run outputs (not results/)
 	rm -rf outputs multirun
@@ -64,4 +64,4 @@ SWEEP_ARGS ?= model.dim=16 steps=16 n_samples=16 K=1,2 L=2,3
 JOBS ?= 2
 sweep-local:  ## submitit sweep on this machine, then its table: make sweep-local SWEEP_NAME=demo SWEEP_ARGS="K=2,3 L=2,3" JOBS=2
 	$(PYTHON) run.py -m hydra/launcher=local hydra.sweeper.max_batch_size=$(JOBS) sweep_name=$(SWEEP_NAME) $(SWEEP_ARGS); \
-	status=$$?; $(PYTHON) -m specsamp.report collect multirun/$(SWEEP_NAME); exit $$status
+	status=$$?; $(PYTHON) -m specsamp.runner.report collect multirun/$(SWEEP_NAME); exit $$status

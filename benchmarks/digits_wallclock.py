@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from specsamp.experiment import build_target, run_config
+    from specsamp.runner import build_target, run_config
 
     torch.set_num_threads(a.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     df["torch"] = torch.__version__
     print(df.drop(columns=["cpu", "torch"]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if a.out:
-        from specsamp.io import atomic_write
+        from specsamp.runner.io import atomic_write
 
         atomic_write(Path(a.out), lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")
         print(f"wrote {a.out}")

@@ -61,7 +61,7 @@ def arm_trajectories(arm: str) -> int:
 
 
 def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.DataFrame:
-    """Run every arm at every budget through :func:`specsamp.experiment.run_config` (same records as run.py).
+    """Run every arm at every budget through :func:`specsamp.runner.run_config` (same records as run.py).
 
     One torch thread, fixed seed 0 (the ``tree=optimal`` calibration under its own derived seed), no
     timings in the table: a rerun reproduces ``out`` byte for byte.
@@ -74,7 +74,7 @@ def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.Da
     """
     import torch
 
-    from specsamp.experiment import run_config, summary_line
+    from specsamp.runner import run_config, summary_line
 
     torch.set_num_threads(1)
     rows = []
@@ -116,7 +116,7 @@ def calibration_cost(d: dict) -> dict:
         ``{"trajectories", "calls", "rows"}``: trajectories, batched target calls summed over them
         (speculative steps and endpoints, i.e. NFE) and target rows.
     """
-    from specsamp.experiment import build_target, calibration_run, validate
+    from specsamp.runner import build_target, calibration_run, validate
     from specsamp.schedule import Schedule
 
     v = validate(d)
@@ -135,7 +135,7 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
     """
     import torch
 
-    from specsamp.experiment import run_config
+    from specsamp.runner import run_config
 
     torch.set_num_threads(1)
     rows = []

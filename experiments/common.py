@@ -32,20 +32,20 @@ def read_csv(path: Path) -> pd.DataFrame:
 
 
 def write_csv(df: pd.DataFrame, path: Path) -> Path:
-    """Write a table atomically (:func:`specsamp.io.atomic_write`)."""
-    from specsamp.io import atomic_write
+    """Write a table atomically (:func:`specsamp.runner.io.atomic_write`)."""
+    from specsamp.runner.io import atomic_write
 
     return atomic_write(path, lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")
 
 
 def ok_records(sweep_dir: str, experiment: str) -> pd.DataFrame:
-    """The finished jobs of a sweep (:func:`specsamp.report.collect`, status ``ok``).
+    """The finished jobs of a sweep (:func:`specsamp.runner.report.collect`, status ``ok``).
 
     A missing sweep directory prints which ``+experiment=`` to run and exits with status 2.
     """
     import sys
 
-    from specsamp.report import collect
+    from specsamp.runner.report import collect
 
     try:
         df = collect(sweep_dir)

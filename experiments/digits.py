@@ -171,9 +171,9 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup per arm), ``two_sample.csv``, ``samples.npz``."""
     import torch
 
-    from specsamp.experiment import uniform_labels
+    from specsamp.runner import uniform_labels
     from specsamp.images import load_images
-    from specsamp.io import atomic_write
+    from specsamp.runner.io import atomic_write
     from specsamp.metrics.fid import load_statistics
     from specsamp.models.digits import load_digits_data
 
@@ -245,7 +245,7 @@ def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from specsamp.experiment import build_target, run_config, summary_line
+    from specsamp.runner import build_target, run_config, summary_line
 
     torch.set_num_threads(1)
     rows, target = [], None

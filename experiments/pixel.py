@@ -71,7 +71,7 @@ def model_fid_settings(dataset: str) -> tuple[str, dict]:
     so that this command scores exactly as ``run.py ... 'metrics=[fid]'`` does."""
     from omegaconf import OmegaConf
 
-    from specsamp.experiment import fid_settings
+    from specsamp.runner import fid_settings
 
     cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{dataset}.yaml")
     return str(cfg.fid_ref), fid_settings(cfg)

@@ -1,4 +1,4 @@
-"""Exit statuses (specsamp.exitcodes) on the real path: run.py in a subprocess, single runs and sweeps.
+"""Exit statuses (specsamp.runner.exits) on the real path: run.py in a subprocess, single runs and sweeps.
 
 0 ok, 1 bug, 2 wrong input, 3 the machine (disk full, read-only directory, no SLURM), 130 Ctrl-C.
 Every case checks the status, the message's key words, that no traceback is printed and that nothing
@@ -239,7 +239,7 @@ def test_collect_tells_a_running_job_from_a_killed_one(tmp_path):
         proc.communicate(timeout=60)
     df = report.collect(sweep).set_index("n_samples")
     assert df.loc[200000, "status"] == "killed" and df.loc[4, "status"] == "ok"
-    p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep)], cwd=ROOT, capture_output=True, text=True)
     assert "2 jobs: 1 ok, 0 failed, 0 running, 1 killed, 0 missing" in p.stdout, p.stdout
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments import pixel, sd3
-from specsamp.experiment import run_config
+from specsamp.runner import run_config
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def record():
     """A real record (a tiny GMM run), to be relabelled as the jobs of a sweep."""
     from hydra import compose, initialize_config_dir
 
-    from specsamp.cli import prepare
+    from specsamp.runner.task import prepare
     from tests_root import ROOT
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -154,7 +154,7 @@ def test_tree_nodes_are_counted_within_the_horizon():
 
 
 def test_available_bytes_sees_the_address_space_limit():
-    code = ("import resource, specsamp.experiment as ex; "
+    code = ("import resource, specsamp.runner as ex; "
             "resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); print(ex.available_bytes('cpu'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})

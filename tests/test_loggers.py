@@ -31,7 +31,7 @@ def test_wandb_offline_run_holds_the_record(tmp_path):
 
 
 def test_logger_none_and_missing_wandb(tmp_path, monkeypatch, capsys):
-    from specsamp.loggers import log_record
+    from specsamp.runner.loggers import log_record
 
     log_record({"logger": {"name": "none"}}, {}, tmp_path)  # nothing to do, nothing written
     assert not any(tmp_path.iterdir())

@@ -187,7 +187,7 @@ def hydra_conf():
 def _compose(model, overrides):
     from hydra import compose
 
-    from specsamp.cli import prepare
+    from specsamp.runner.task import prepare
 
     return prepare(compose(config_name="config", overrides=[f"model={model}", *overrides]))[0]
 
@@ -219,7 +219,7 @@ def _digest(t) -> str:
 
 def outcome(model, overrides, spy) -> tuple:
     """(resolved top-level config, error message or fingerprint) of one configuration (cached)."""
-    from specsamp.experiment import ConfigError, run_config
+    from specsamp.runner import ConfigError, run_config
 
     key = (model, tuple(overrides))
     if key in _OUTCOMES:

@@ -165,7 +165,7 @@ def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_r
     """The runner's task in process (Hydra compose + run_task): sampling finishes, the record and the
     PNGs are written, then the scoring error is one paragraph: exit 2 for what the user can fix
     (weights absent offline, a reference of the wrong dimension), 1 for a failure inside the scorer."""
-    from specsamp.cli import run_task
+    from specsamp.runner.task import run_task
 
     path, sha = checkpoint
     monkeypatch.chdir(tmp_path)
@@ -207,7 +207,7 @@ def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monke
     the decoded tensors and the saved files alike (same features)."""
     import numpy as np
 
-    from specsamp.experiment import run_config, save_images
+    from specsamp.runner import run_config, save_images
     from specsamp.images import as_pixels, load_images
     from specsamp.metrics.fid import extract_features
 
@@ -229,13 +229,13 @@ def test_gmm_target_has_no_images_and_refuses_metrics(tmp_path, monkeypatch, cap
     """The GMM target is not an image model: no decode, no images written, and metrics are refused up front."""
     from hydra import compose, initialize_config_dir
 
-    from specsamp.cli import run_task
-    from specsamp.experiment import run_config, save_images
+    from specsamp.runner.task import run_task
+    from specsamp.runner import run_config, save_images
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "steps=4", "progress=false"])
         bad = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "metrics=[fid]"])
-    from specsamp.cli import prepare
+    from specsamp.runner.task import prepare
 
     _, res = run_config(prepare(cfg)[0])
     assert res.extra["target"].decode is None and save_images(res, tmp_path) is None
@@ -252,7 +252,7 @@ def test_gmm_target_has_no_images_and_refuses_metrics(tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("kind", ["empty", "truncated", "zip"])
 def test_broken_trusted_checkpoint_is_one_paragraph(tmp_path, checkpoint, monkeypatch, capsys, kind):
-    from specsamp.cli import run_task
+    from specsamp.runner.task import run_task
 
     path, _ = checkpoint
     bad = tmp_path / f"{kind}.pkl"
@@ -272,7 +272,7 @@ def test_broken_trusted_checkpoint_is_one_paragraph(tmp_path, checkpoint, monkey
 
 
 def test_checkpoint_refusal_names_the_real_overrides(tmp_path, checkpoint, monkeypatch, capsys):
-    from specsamp.cli import run_task
+    from specsamp.runner.task import run_task
 
     path, sha = checkpoint
     monkeypatch.chdir(tmp_path)
@@ -293,7 +293,7 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
     read the files of this run's indices."""
     import numpy as np
 
-    from specsamp.experiment import compute_metrics, run_config, save_images
+    from specsamp.runner import compute_metrics, run_config, save_images
     from specsamp.images import as_pixels, save_images as save_pngs
     from specsamp.metrics.fid import Statistics
 
@@ -318,7 +318,7 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
 
 @pytest.mark.parametrize("metric,need", [("clip", "prompts"), ("fid", "model.fid_ref")])
 def test_metric_the_model_cannot_serve_is_refused_before_sampling(tmp_path, checkpoint, monkeypatch, capsys, metric, need):
-    from specsamp.cli import run_task
+    from specsamp.runner.task import run_task
 
     path, sha = checkpoint
     monkeypatch.chdir(tmp_path)

@@ -130,7 +130,7 @@ def test_markmax_sampler_runs(tmp_path):
 def test_atomic_writes_respect_the_umask(tmp_path):
     import stat
 
-    from specsamp.io import write_json_atomic
+    from specsamp.runner.io import write_json_atomic
 
     old = os.umask(0o022)
     try:
@@ -143,7 +143,7 @@ def test_atomic_writes_respect_the_umask(tmp_path):
 
 def test_known_keys_match_config_yaml():
     # the runner's list of valid top-level keys must not drift from conf/config.yaml
-    from specsamp.experiment import KNOWN_KEYS
+    from specsamp.runner import KNOWN_KEYS
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=False)
@@ -173,7 +173,7 @@ def test_two_runs_in_the_same_second_get_two_directories(tmp_path):
 
 
 def test_concurrent_runs_never_share_a_directory(tmp_path):
-    from specsamp.report import fresh_dir
+    from specsamp.runner.report import fresh_dir
 
     (tmp_path / "o").mkdir()
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")

@@ -215,7 +215,7 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
     the saved PNGs and of the decoded tensors scored in memory."""
     import numpy as np
 
-    from specsamp.experiment import build_target
+    from specsamp.runner import build_target
     from specsamp.images import as_pixels, load_images
     from specsamp.metrics.clip import clip_scores, load_clip
     from specsamp.prompts import demo_prompts
@@ -246,7 +246,7 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
 def _compose(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from specsamp.cli import prepare
+    from specsamp.runner.task import prepare
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*BASE, *overrides])
@@ -272,7 +272,7 @@ class Recorder:
 def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monkeypatch):
     """Same seed: image i gets the same prompt and the same initial latent under dgrs, rmc and standard,
     and the subprocess runs reproduce the in-process samples."""
-    from specsamp.experiment import Target, build_target, run_config
+    from specsamp.runner import Target, build_target, run_config
     from specsamp.prompts import demo_prompts
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -340,7 +340,7 @@ def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
 def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
     """conf/model/sd3.yaml's max_batch (states per transformer forward) splits every batched call; the
     top-level max_batch, when set, wins. Before, the model's value was validated and then dropped."""
-    from specsamp.experiment import Target, build_target, run_config
+    from specsamp.runner import Target, build_target, run_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rows = {}

@@ -21,8 +21,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specsamp import report, shards
-from specsamp.cli import logger_config, prepare
-from specsamp.experiment import ConfigError, run_config
+from specsamp.runner.task import logger_config, prepare
+from specsamp.runner import ConfigError, run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -146,7 +146,7 @@ def test_collect_gives_one_tidy_row_per_job(grid, tmp_path):
     assert (df["model.dim"] == "8").all()  # a swept/overridden key that is not a standard column
     assert df["acceptance"].str.count("/").tolist() == [l - 1 for l in df["L"]]
     out = tmp_path / "t.csv"
-    p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "4 jobs: 4 ok, 0 failed, 0 running, 0 killed, 0 missing" in p.stdout
     csv = pd.read_csv(out)
@@ -165,7 +165,7 @@ def test_collect_while_running_marks_running_and_missing(grid, tmp_path):
 
 
 def test_collect_cli_bad_dir_exits_2(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "specsamp.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "specsamp.runner.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "SWEEP_DIR=" in p.stderr and "Traceback" not in p.stderr
 
 

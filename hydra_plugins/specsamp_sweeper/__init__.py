@@ -5,7 +5,7 @@ one change: **a job whose overrides do not compose does not stop the sweep.** Hy
 each job's config themselves (the basic launcher in this process, submitit's in the job's process) and
 an error there aborts the whole sweep. Here the launcher gets a config loader that, when one job fails
 to compose, hands it a config holding only Hydra's settings, with the job's own directory (the one a
-composed job would get, :func:`specsamp.report.job_dirname`) and the error in an environment variable.
+composed job would get, :func:`specsamp.runner.jobs.job_dirname`) and the error in an environment variable.
 The job then writes ``failed.json`` (kind ``config``) like any other failed job, the others run, and the
 sweep ends with its summary and exit status 2 (``run.py``).
 
@@ -30,9 +30,9 @@ from hydra.core.utils import JobStatus
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from specsamp import report  # also registers the specsamp.job_dir / specsamp.fresh_dir resolvers
-
-from specsamp.report import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV
+from specsamp.runner import jobs  # also registers the specsamp.job_dir / specsamp.fresh_dir resolvers
+from specsamp.runner.exits import SWEEP_STATE
+from specsamp.runner.jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV
 
 
 def _kind(error: BaseException) -> str:
@@ -50,9 +50,9 @@ def _one_paragraph(text: str) -> str:
 
 def failed_job_config(master: DictConfig, overrides: Sequence[str], error: BaseException) -> DictConfig:
     """The config a job that does not compose runs with: Hydra's settings only, its own directory, and
-    the error in ``hydra.job.env_set`` (read by :func:`specsamp.cli.run_task`)."""
+    the error in ``hydra.job.env_set`` (read by :func:`specsamp.runner.task.run_task`)."""
     exclude = OmegaConf.select(master, "hydra.job.config.override_dirname.exclude_keys", default=[]) or []
-    subdir = report.job_dirname(list(overrides), [str(k) for k in exclude])
+    subdir = jobs.job_dirname(list(overrides), [str(k) for k in exclude])
     sweep_dir = str(master.hydra.sweep.dir)  # resolved now: it may refer to task keys (sweep_name)
     cfg = copy.deepcopy(master)
     with read_write(cfg), open_dict(cfg):
@@ -90,9 +90,9 @@ def check_launcher(launcher: Any) -> None:
     """Refuse a SLURM launcher on a machine without ``sbatch``/``srun`` (an infrastructure error).
 
     Raises:
-        specsamp.exitcodes.InfrastructureError: a SLURM command is missing.
+        specsamp.runner.exits.InfrastructureError: a SLURM command is missing.
     """
-    from specsamp.exitcodes import InfrastructureError
+    from specsamp.runner.exits import InfrastructureError
 
     if type(launcher).__name__ != "SlurmLauncher":
         return
@@ -132,7 +132,7 @@ class SpecsampSweeper(BasicSweeper):
         """Hydra's basic sweep loop, except that a failed job stops nothing: Hydra's reads every job's
         return value after each batch and raises the first failure, which skips the later batches and the
         end-of-sweep summary. Jobs that failed on an infrastructure error are noted for the exit status."""
-        from specsamp.exitcodes import is_infrastructure
+        from specsamp.runner.exits import is_infrastructure
 
         check_launcher(self.launcher)
         params_conf = self._parse_config()
@@ -150,7 +150,7 @@ class SpecsampSweeper(BasicSweeper):
             results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
             for ret in results or []:
                 if getattr(ret, "status", None) == JobStatus.FAILED and is_infrastructure(getattr(ret, "_return_value", None)):
-                    report.SWEEP_STATE["infrastructure"] = True
+                    SWEEP_STATE["infrastructure"] = True
             initial_job_idx += len(batch)
             returns.append(results)
         return returns

@@ -2,19 +2,19 @@
 
 Single run (``python run.py ...``): a bad configuration prints ``error: ...`` and exits with status 2;
 a full disk or an unwritable output directory prints ``error: could not write PATH ...`` and exits
-with status 3 (:mod:`specsamp.exitcodes`). The result line is printed, with the record's path, before
+with status 3 (:mod:`specsamp.runner.exits`). The result line is printed, with the record's path, before
 anything is written, so a write that fails loses no number.
 
 Sweep (``python run.py -m ...``, any launcher): a job never stops the sweep. A job that fails (a bad
 per-job value, an exception, a CUDA OOM) writes ``failed.json`` atomically into its directory (error,
 kind ``config``, ``exception`` or ``infrastructure``, traceback, overrides, config) and returns; the
-next jobs run, and :class:`specsamp.report.SweepReport` lists the failures at the end. A job whose
+next jobs run, and :class:`specsamp.runner.report.SweepReport` lists the failures at the end. A job whose
 overrides do not compose (``hydra_plugins/specsamp_sweeper``) is recorded the same way. While it runs a
 job keeps ``running.json`` (host, pid, a heartbeat) so that ``report collect`` tells a live job from a
 killed one. A job whose ``result.json`` holds the same config hash is skipped; a job killed mid-run has
 no ``result.json`` and runs again.
 
-With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.shards`) and writes
+With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.runner.shards`) and writes
 ``shard.pt`` before ``result.json``.
 """
 
@@ -28,33 +28,17 @@ import time
 import traceback
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from .experiment import (
-    ConfigError,
-    MetricError,
-    compute_metrics,
-    config_hash,
-    existing_record,
-    run_config,
-    save_images,
-    scores_text,
-    summary_line,
-    validate,
-    versions,
-    write_json_atomic,
-)
-
-from .exitcodes import INFRASTRUCTURE, infrastructure_message, is_infrastructure
-from .report import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, HEARTBEAT_S, RUNNING, running_marker
-
-FAILED_FILE = "failed.json"
-
-# Keys of conf/config.yaml that steer the runner, not the run: never part of the config hash or the
-# record's config. `shard`/`num_shards` are dropped only when the run is not sharded, so an unsharded
-# run keeps the hash it had before sharding existed (and a merged run gets that same hash).
-RUNNER_KEYS = ("hydra", "sweep_name")
-
+from ..errors import ConfigError
+from .exits import INFRASTRUCTURE, USAGE, infrastructure_message, is_infrastructure
+from .io import torch_save_atomic, write_json_atomic
+from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
+from .loop import record_hash, run_config
+from .outputs import MetricError, compute_metrics, save_images
+from .shards import save_shard, shard_indices
+from .loggers import log_record
+from .records import existing_record, scores_text, summary_line, versions
 
 def _hydra_cfg():
     try:
@@ -91,7 +75,7 @@ def _job_overrides() -> list[str]:
 def fail(message: str) -> None:
     """Print a user error as one paragraph on stderr and exit with status 2 (no traceback)."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(USAGE)
 
 
 def fail_infrastructure(error: BaseException) -> None:
@@ -109,51 +93,8 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def prepare(cfg: DictConfig | dict) -> tuple[dict, dict]:
-    """Resolve a job's config into the dict that is run, hashed and recorded, plus the runner's settings.
-
-    Drops the runner keys (``hydra``, ``sweep_name``) and, for an unsharded run, ``shard``/``num_shards``.
-
-    Returns:
-        ``(cfg_dict, runner)`` with ``runner = {"sweep_name", "shard", "num_shards"}``.
-
-    Raises:
-        ConfigError: the config does not resolve, or ``shard``/``num_shards`` are invalid.
-    """
-    from .shards import SHARD_KEYS, shard_keys
-
-    if isinstance(cfg, DictConfig):
-        try:
-            cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        except Exception as e:  # interpolation errors are config errors
-            raise ConfigError(f"the configuration does not resolve: {e}") from None
-    else:
-        cfg_dict = dict(cfg)
-    runner = {"sweep_name": cfg_dict.get("sweep_name")}
-    for k in RUNNER_KEYS:
-        cfg_dict.pop(k, None)
-    shard, num_shards = shard_keys(cfg_dict)
-    runner.update(shard=shard, num_shards=num_shards)
-    if num_shards == 1:
-        for k in SHARD_KEYS:
-            cfg_dict.pop(k, None)
-    return cfg_dict, runner
-
-
-def logger_config(cfg_dict: dict, sweep_name: str | None) -> dict:
-    """The config handed to the logger: in a sweep, ``logger.group`` defaults to the sweep name.
-
-    So ``logger=wandb`` gives one wandb run per job, grouped by sweep (offline unless ``WANDB_MODE`` or
-    ``logger.mode`` says otherwise); an explicit ``logger.group`` wins.
-    """
-    logger = dict(cfg_dict.get("logger") or {})
-    if sweep_name is None or logger.get("group") is not None or logger.get("name") in (None, "none"):
-        return cfg_dict
-    return {**cfg_dict, "logger": {**logger, "group": str(sweep_name)}}
-
-
 def _clear_failure(out_dir: Path) -> None:
-    (out_dir / FAILED_FILE).unlink(missing_ok=True)
+    (out_dir / FAILED).unlink(missing_ok=True)
 
 
 def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cfg_hash: str | None) -> dict:
@@ -174,67 +115,51 @@ def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cf
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": versions(),
     }
-    write_json_atomic(out_dir / FAILED_FILE, rec)
+    write_json_atomic(out_dir / FAILED, rec)
     return rec
 
 
-def _execute(cfg: DictConfig | dict, out_dir: Path, multirun: bool, state: dict) -> float | None:
-    cfg_dict, runner = prepare(cfg)
-    state["cfg"] = cfg_dict
-    validate(cfg_dict)  # before the skip: a bad value is refused even when a matching record exists
-    h = config_hash(cfg_dict)
-    state["hash"] = h
-    shard, num_shards = runner["shard"], runner["num_shards"]
-    sharded = num_shards > 1
-    if cfg_dict.get("skip_existing", True):
+def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> float | None:
+    run, recorded, h = record_hash(cfg)  # before the skip: a bad value is refused even when a record exists
+    state.update(cfg=recorded, hash=h)
+    sharded = run.num_shards > 1
+    if run.skip_existing:
         rec = existing_record(out_dir, h)
-        if rec is not None and (not sharded or (out_dir / "shard.pt").exists()):
+        if rec is not None and (not sharded or (out_dir / SHARD).exists()):
             _clear_failure(out_dir)
-            print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / 'result.json')}", flush=True)
+            print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
             return rec["speedup"]["mean"]
     _clear_failure(out_dir)
-    indices = None
-    if sharded:
-        from .shards import shard_indices
-
-        indices = shard_indices(cfg_dict["n_samples"], shard, num_shards, cfg_dict.get("batch_size"))
-    record, result = run_config(cfg_dict, indices=indices)
+    indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size) if sharded else None
+    record, result = run_config(cfg, indices=indices)
     record["output_dir"] = str(out_dir)
     record["overrides"] = _job_overrides()
-    if multirun and runner["sweep_name"] is not None:
-        record["sweep"] = str(runner["sweep_name"])
+    if multirun and run.sweep_name is not None:
+        record["sweep"] = str(run.sweep_name)
     # the numbers reach the terminal before any file is written: a full disk loses no result
-    tag = f"[shard {shard}/{num_shards}] " if sharded else ""
-    print(tag + summary_line(record) + f"  record: {shown(out_dir / 'result.json')}", flush=True)
+    tag = f"[shard {run.shard}/{run.num_shards}] " if sharded else ""
+    print(tag + summary_line(record) + f"  record: {shown(out_dir / RESULT)}", flush=True)
     if sharded:
-        from .shards import save_shard
-
-        record.update(shard=shard, num_shards=num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
+        record.update(shard=run.shard, num_shards=run.num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
         save_shard(out_dir, result, indices, record)
-    elif cfg_dict.get("save_samples"):
-        from .io import torch_save_atomic
-
+    elif run.save_samples:
         torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())
-    image_dir = None
-    if cfg_dict.get("save_samples") or cfg_dict.get("metrics"):
-        image_dir = save_images(result, out_dir)  # image models: one PNG per image + grid.png
+    image_dir = save_images(result, out_dir) if run.save_samples or run.metrics else None  # a PNG per image + grid
     # the record goes to disk before any metric is scored, so a scoring failure loses no samples
-    write_json_atomic(out_dir / "result.json", record)
+    write_json_atomic(out_dir / RESULT, record)
     metric_error = None
-    if cfg_dict.get("metrics"):
+    if run.metrics:
         try:
-            record["metrics"] = compute_metrics(cfg_dict["metrics"], result, image_dir, cfg_dict)
+            record["metrics"] = compute_metrics(run.metrics, result, image_dir, run.device)
         except MetricError as e:  # whatever went wrong, the record keeps the samples' statistics
             metric_error = e
             record["metrics"] = e.values
             record["metrics_error"] = str(e)
         record.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
-        write_json_atomic(out_dir / "result.json", record)
+        write_json_atomic(out_dir / RESULT, record)
         if scores_text(record):  # the result line was printed before scoring: the scores get their own
-            print(f"{tag}{scores_text(record)}  record: {shown(out_dir / 'result.json')}", flush=True)
-    from .loggers import log_record
-
-    log_record(logger_config(cfg_dict, runner["sweep_name"] if multirun else None), record, out_dir)
+            print(f"{tag}{scores_text(record)}  record: {shown(out_dir / RESULT)}", flush=True)
+    log_record(run.logger, recorded, record, out_dir, run.sweep_name if multirun else None)
     if metric_error is not None:
         message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
                    "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
@@ -340,7 +265,7 @@ def run_task(cfg: DictConfig) -> float | None:
         write_failure(out_dir, err, state.get("cfg"), state.get("hash"))
         if live is not None:
             live.remove()
-        see = f" (see {out_dir / FAILED_FILE})"
+        see = f" (see {out_dir / FAILED})"
     except OSError as e2:
         if live is not None:
             live.ended("failed")

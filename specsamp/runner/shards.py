@@ -6,13 +6,13 @@ per-trajectory statistics) and then ``result.json`` (the statistics of its block
 to run every block as its own job::
 
     python run.py -m sweep_name=fid_cifar10 n_samples=50000 batch_size=500 num_shards=8 'shard=range(8)'
-    python -m specsamp.shards merge multirun/fid_cifar10
+    python -m specsamp.runner.shards merge multirun/fid_cifar10
 
 ``merge`` groups the shard files under a directory by their unsharded configuration, checks that every
 shard ``0 .. S-1`` of a group is present (a missing one is named and the group is left unmerged), and
 writes ``samples.pt`` and ``result.json`` of the whole run into the directory an unsharded job of the
 same sweep would use (the one its overrides, those of the shards without ``num_shards``/``shard``, name:
-:func:`specsamp.report.job_dirname`). The merged record
+:func:`specsamp.runner.jobs.job_dirname`). The merged record
 has the configuration hash of the unsharded run, so a later unsharded launch finds it and skips.
 
 Trajectory ``i``'s randomness is keyed by ``(seed, i)``, so the merged samples are those of one
@@ -34,51 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import torch_save_atomic
+from .io import torch_save_atomic, write_json_atomic
+from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE
 
-SHARD_FILE = "shard.pt"
 SAMPLES_FILE = "samples.pt"
-RESULT_FILE = "result.json"
 SHARD_KEYS = ("shard", "num_shards")
-_PER_TRAJECTORY = ("samples", "calls", "nfe", "target_rows", "rounds", "committed", "attempts", "accepts")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def shard_keys(cfg: Mapping) -> tuple[int, int]:
-    """Validate ``shard`` and ``num_shards`` of a resolved config.
-
-    Args:
-        cfg: resolved config with ``n_samples`` and optionally ``batch_size``, ``shard`` (default 0) and
-            ``num_shards`` (default 1).
-
-    Returns:
-        ``(shard, num_shards)``.
-
-    Raises:
-        ConfigError: a key's value is not valid; the message names the key, its value and the range.
-    """
-    from .experiment import ConfigError
-
-    num_shards = cfg.get("num_shards", 1)
-    shard = cfg.get("shard", 0)
-    if num_shards is None:
-        num_shards = 1
-    if shard is None:
-        shard = 0
-    if not _is_int(num_shards) or num_shards < 1:
-        raise ConfigError(f"num_shards={num_shards!r} is invalid: must be an integer >= 1 (1 = no sharding).")
-    if not _is_int(shard) or not 0 <= shard < num_shards:
-        raise ConfigError(f"shard={shard!r} is invalid: must be an integer in 0..{num_shards - 1} (num_shards={num_shards}).")
-    n, bs = cfg.get("n_samples"), cfg.get("batch_size")
-    if num_shards > 1 and _is_int(n) and n >= 1:
-        units = math.ceil(n / bs) if _is_int(bs) and bs >= 1 else n
-        what = f"the number of batches ceil(n_samples/batch_size) = {units}" if _is_int(bs) and bs >= 1 else f"n_samples={n}"
-        if num_shards > units:
-            raise ConfigError(f"num_shards={num_shards} is invalid: must be <= {what}, so that no shard is empty.")
-    return shard, num_shards
+_PER_TRAJECTORY = ("samples", "nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
 
 
 def shard_indices(n_samples: int, shard: int, num_shards: int, batch_size: int | None = None) -> range:
@@ -161,7 +122,7 @@ def _is_shard_key(line: str) -> bool:
 
 def merged_dir_for(shard_dir: Path) -> Path | None:
     """Where an unsharded job of the same sweep writes: the directory its overrides name
-    (:func:`specsamp.report.job_dirname` of the shard's overrides without ``num_shards``/``shard``).
+    (:func:`specsamp.runner.jobs.job_dirname` of the shard's overrides without ``num_shards``/``shard``).
 
     ``multirun/x/K=2,num_shards=4,shard=1`` -> ``multirun/x/K=2``; ``.../num_shards=4,shard=1`` -> ``multirun/x``.
     None when the job has no ``shard=`` override (not a directory named by its overrides).
@@ -223,7 +184,7 @@ def find_shards(root: str | os.PathLike) -> list[ShardGroup]:
     Raises:
         FileNotFoundError: ``root`` does not exist.
     """
-    from .experiment import config_hash
+    from .loop import record_hash
 
     root = Path(root)
     if not root.is_dir():
@@ -239,7 +200,7 @@ def find_shards(root: str | os.PathLike) -> list[ShardGroup]:
             continue
         cfg = rec["config"]
         n = int(cfg.get("num_shards", 1))
-        h = config_hash(unsharded_config(cfg))
+        h = record_hash(unsharded_config(cfg))[2]
         g = groups.setdefault((h, n), ShardGroup(h, n))
         g.found[int(cfg.get("shard", 0))] = job
     return list(groups.values())
@@ -259,7 +220,7 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
 
     The record is the one an unsharded run writes (same keys, same statistics over all trajectories);
     ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches.
-    The statistics come from :func:`specsamp.experiment.summarize_result` over the concatenated
+    The statistics come from :func:`specsamp.runner.records.summarize_result` over the concatenated
     per-trajectory arrays, the same function an unsharded run uses (``tests/test_sweeps.py`` checks
     that both records agree key by key).
 
@@ -271,8 +232,9 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     """
     import torch
 
-    from .experiment import config_hash, summarize_result, write_json_atomic
-    from .sampler import SampleResult
+    from ..sampler import SampleResult
+    from .loop import record_hash
+    from .records import summarize_result
 
     if group.missing:
         raise ValueError(f"shards {group.missing} of {group.num_shards} are missing")
@@ -282,7 +244,7 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     n = int(base["n_samples"])
     if not torch.equal(ids, torch.arange(n)):
         raise ValueError(f"the shards' trajectory ids are not 0..{n - 1} in order; were they run with different batch_size?")
-    cat = {name: torch.cat([p[name] for p in parts]) for name in ("samples", "calls", "nfe", "target_rows", "rounds")}
+    cat = {name: torch.cat([p[name] for p in parts]) for name in ("samples", "nfe", "nfe_total", "target_rows", "rounds")}
     merged = SampleResult(
         **cat,
         committed=_pad_cat([p["committed"] for p in parts]),
@@ -294,10 +256,10 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     record = {
         "status": "ok",
         "config": base,
-        "config_hash": config_hash(base),
+        "config_hash": record_hash(base)[2],
         **{k: first[k] for k in ("model", "sampler", "K", "L", "eps", "steps")},
         "n_samples": n,
-        **{k: first[k] for k in ("tree", "budget", "verification_rows")},
+        **{k: first[k] for k in ("tree", "budget", "call_rows")},
         **summarize_result(merged, first["steps"], [b for p in parts for b in p["batch_speedups"]]),
         "wall_seconds": float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
         "versions": first.get("versions"),
@@ -338,7 +300,7 @@ def merge(root: str | os.PathLike, *, force: bool = False) -> MergeReport:
     Raises:
         FileNotFoundError: ``root`` does not exist.
     """
-    from .experiment import existing_record
+    from .records import existing_record
 
     root = Path(root)
     report = MergeReport()
@@ -356,9 +318,9 @@ def merge(root: str | os.PathLike, *, force: bool = False) -> MergeReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specsamp.shards merge DIR [--force]``: exit 0 when every group is merged, 1 when a
+    """``python -m specsamp.runner.shards merge DIR [--force]``: exit 0 when every group is merged, 1 when a
     shard is missing (named on stderr), 2 on a usage error (no such directory, no shard files)."""
-    ap = argparse.ArgumentParser(prog="python -m specsamp.shards", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specsamp.runner.shards", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="merge the finished shards under DIR (a sweep directory)")
     m.add_argument("dir", help="directory holding shard jobs (searched recursively)")

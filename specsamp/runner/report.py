@@ -6,8 +6,8 @@ with Hydra's ``.hydra/``, ``running.json`` while it runs and, once finished, ``r
 ``failed.json``). :func:`collect` reads them into one pandas row per job; it works while the sweep
 is running::
 
-    python -m specsamp.report collect multirun/gmm_grid            # table on stdout, CSV in the sweep dir
-    python -m specsamp.report collect multirun/gmm_grid --csv gmm.csv
+    python -m specsamp.runner.report collect multirun/gmm_grid            # table on stdout, CSV in the sweep dir
+    python -m specsamp.runner.report collect multirun/gmm_grid --csv gmm.csv
 
 Job status: ``ok`` (``result.json``), ``failed`` (``failed.json``: a bad per-job value, a config that
 does not compose, an exception, a full disk), ``running`` (started, no record yet, its process alive),
@@ -23,150 +23,32 @@ merges complete shard groups, and leaves the outcome in :data:`SWEEP_STATE` for 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import os
-import re
-import socket
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
-RESULT, FAILED, SHARD, RUNNING = "result.json", "failed.json", "shard.pt", "running.json"
+from .exits import SWEEP_STATE
+from .jobs import FAILED, RESULT, SHARD, _mtime, _read_json, job_dirname, job_liveness
+
 STATUSES = ("ok", "failed", "running", "killed", "missing")
-HEARTBEAT_S = 30.0  # a running job touches its running.json this often
-STALE_S = 150.0  # a running.json untouched this long, written on another host, belongs to a dead job
 
 # Columns every table has, in this order; swept keys that are not among them follow as their own columns.
 COLUMNS = [
     "job", "status", "overrides", "model", "sampler", "K", "L", "eps", "steps", "n_samples", "seed",
-    "tree", "budget", "verification_rows",
+    "tree", "budget", "call_rows",
     "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean", "nfe_std", "nfe_sem", "nfe_total_mean",
     "target_rows_mean", "batch_speedup", "committed_per_round", "acceptance_pooled", "acceptance",
     "wall_seconds", "shard", "num_shards", "config_hash", "error",
 ]  # fmt: skip
 _CONFIG_COLUMNS = ("K", "L", "eps", "steps", "n_samples", "seed", "shard", "num_shards")
 
-# A sweep job whose overrides do not compose runs with only Hydra's settings and its error in these
-# environment variables (hydra_plugins/specsamp_sweeper); specsamp.cli.run_task records it as failed.
-COMPOSE_ERROR_ENV = "SPECSAMP_COMPOSE_ERROR"
-COMPOSE_ERROR_KIND_ENV = "SPECSAMP_COMPOSE_ERROR_KIND"
-
-# Filled by SweepReport.on_multirun_end; read by run.py to set the exit status.
-SWEEP_STATE: dict[str, Any] = {}
-
-
-# ----------------------------------------------------------------------------------------------
-# job directory names (Hydra's ``hydra.sweep.subdir`` and single-run ``hydra.run.dir``)
-
-# an override that names a directory as it is: key=value of plain characters, no '/', ',', '=' in the
-# value, nothing hidden ('.', '..'); any other list of overrides gets a sanitised prefix and a hash
-_PLAIN = re.compile(r"[+~]{0,2}[A-Za-z_][A-Za-z0-9_.\-]*(=[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]*)?")
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.,=+\-]+")
-MAX_PLAIN_NAME = 120  # longer plain names are shortened to PREFIX_CHARS + "@" + a hash
-PREFIX_CHARS = 80
-HASH_CHARS = 10
-
-
-def _key_of(line: str) -> str:
-    return line.partition("=")[0].lstrip("+~")
-
-
-def job_dirname(overrides: Sequence[str], exclude_keys: Sequence[str] = ()) -> str:
-    """The directory name of one sweep job: unique per override list, one path component, bounded length.
-
-    The overrides whose key is in ``exclude_keys`` (and ``hydra.*`` ones) are dropped and the rest sorted,
-    as Hydra's ``override_dirname`` does. When every remaining override is plain (``key=value`` of
-    letters, digits and ``_ . + -``, the value not starting with ``.``) and the joined name is at most
-    :data:`MAX_PLAIN_NAME` characters, the name is Hydra's: ``K=2,L=3,sampler=rmc``. Otherwise (values
-    with ``/``, ``..``, ``,``, ``=``, quotes, spaces, or a long list) it is a readable prefix with every
-    other character replaced by ``_``, cut at :data:`PREFIX_CHARS`, then ``@`` and the first
-    :data:`HASH_CHARS` hex digits of the SHA-256 of the sorted overrides:
-    ``model.path=.._.._tiny.pkl,L=2@3f0c...``. A plain name never contains ``@``, so the two forms
-    cannot collide, and plain names are unique because they can be split back into their overrides.
-
-    ``conf/config.yaml`` sets ``hydra.sweep.subdir`` to this (resolver ``specsamp.job_dir``), and
-    :func:`planned_jobs`/:func:`collect` and :mod:`specsamp.shards` use it to find a job's directory,
-    so a relaunch finds every finished job again.
-
-    Args:
-        overrides: the job's task overrides (``hydra.overrides.task``), e.g. ``["K=2", "model.path=../x.pkl"]``.
-        exclude_keys: keys that do not name the directory (``hydra.job.config.override_dirname.exclude_keys``).
-
-    Returns:
-        A non-empty name without ``/``, not starting with ``.``, or ``""`` when no override is left
-        (the job runs in the sweep directory itself, as with Hydra's default).
-    """
-    exclude = {str(k) for k in exclude_keys or ()}
-    items = sorted(str(o) for o in overrides if _key_of(str(o)) not in exclude and not _key_of(str(o)).startswith("hydra"))
-    plain = ",".join(items)
-    if all(_PLAIN.fullmatch(o) for o in items) and len(plain) <= MAX_PLAIN_NAME:
-        return plain
-    digest = hashlib.sha256("\n".join(items).encode()).hexdigest()[:HASH_CHARS]
-    prefix = _UNSAFE.sub("_", plain).lstrip(".")[:PREFIX_CHARS]
-    return f"{prefix}@{digest}"
-
-
-_CLAIMED: dict[str, str] = {}
-
-
-def fresh_dir(base: str) -> str:
-    """A directory for one single run that no other run uses: ``base`` if it can be created now, else
-    ``base_2``, ``base_3``, ... (resolver ``specsamp.fresh_dir`` of ``hydra.run.dir``).
-
-    The directory is created with an exclusive ``mkdir``, so two runs started in the same second (even
-    on two hosts sharing the file system) get two directories. Within one process the same ``base``
-    always gives the same answer. When ``base`` cannot be created for another reason (read-only, no
-    space), ``base`` is returned and Hydra's own ``mkdir`` reports the error.
-    """
-    if base in _CLAIMED:
-        return _CLAIMED[base]
-    path = Path(base)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        n = 1
-        while True:
-            cand = path if n == 1 else path.with_name(f"{path.name}_{n}")
-            try:
-                cand.mkdir()
-                break
-            except FileExistsError:
-                n += 1
-    except OSError:
-        return base
-    _CLAIMED[base] = str(cand)
-    return str(cand)
-
-
-def register_resolvers() -> None:
-    """Register ``specsamp.job_dir`` (:func:`job_dirname`) and ``specsamp.fresh_dir`` (:func:`fresh_dir`)
-    with OmegaConf; idempotent. Importing this module calls it."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("specsamp.job_dir"):
-        OmegaConf.register_new_resolver(
-            "specsamp.job_dir", lambda overrides, exclude=(): job_dirname(list(overrides or []), list(exclude or [])))
-    if not OmegaConf.has_resolver("specsamp.fresh_dir"):
-        OmegaConf.register_new_resolver("specsamp.fresh_dir", fresh_dir, use_cache=True)
-
-
-register_resolvers()
-
-
 # ----------------------------------------------------------------------------------------------
 # reading a sweep directory
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _read_overrides(job: Path) -> list[str] | None:
@@ -194,57 +76,6 @@ def job_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
         if RESULT in filenames or FAILED in filenames or (here / ".hydra" / "overrides.yaml").exists():
             out.append(here)
     return out
-
-
-def _process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (field 22 of ``/proc/PID/stat``), or None where unreadable."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return text.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def running_marker() -> dict:
-    """What a job writes to ``running.json`` when it starts: host, pid, process start time, SLURM id."""
-    pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "heartbeat_s": HEARTBEAT_S}
-
-
-def _pid_alive(pid, pid_start) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process with that id: alive
-    except (TypeError, ValueError, OSError):
-        return False
-    now = _process_start(int(pid))
-    return pid_start is None or now is None or now == pid_start  # same id, other process: the job is gone
-
-
-def job_liveness(job: str | os.PathLike, now: float | None = None) -> str:
-    """``running`` or ``killed`` for a started job without a record, judged from its ``running.json``.
-
-    On the host that wrote it: alive when its process id still names the same process (same start
-    time). On another host: alive while the file's modification time (touched every
-    :data:`HEARTBEAT_S` seconds by the job) is younger than :data:`STALE_S`. A marker that says the
-    job ended (Ctrl-C) means killed. No marker (the instant between Hydra creating the directory and the
-    job starting, or a job of an older version): running.
-    """
-    path = Path(job) / RUNNING
-    marker = _read_json(path)
-    if marker is None:
-        return "running"
-    if marker.get("ended"):
-        return "killed"
-    if marker.get("host") == socket.gethostname():
-        return "running" if _pid_alive(marker.get("pid"), marker.get("pid_start")) else "killed"
-    age = (now if now is not None else time.time()) - (_mtime(path) or 0.0)
-    return "running" if age < STALE_S else "killed"
 
 
 def _split_override(line: str) -> tuple[str, str]:
@@ -437,7 +268,7 @@ def collect(sweep_dir: str | os.PathLike):
 
 
 def write_csv_atomic(df, path: str | os.PathLike) -> None:
-    """Write ``df`` to CSV through a temporary file and an atomic rename (:func:`specsamp.io.atomic_write`)."""
+    """Write ``df`` to CSV through a temporary file and an atomic rename (:func:`specsamp.runner.io.atomic_write`)."""
     from .io import atomic_write
 
     atomic_write(path, lambda f: df.to_csv(f, index=False), mode="w")
@@ -485,13 +316,6 @@ def format_table(df) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # end-of-sweep summary (Hydra callback)
-
-
-def _mtime(p: Path) -> float | None:
-    try:
-        return p.stat().st_mtime
-    except OSError:
-        return None
 
 
 def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
@@ -548,7 +372,7 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
     print(f"sweep {s['sweep_dir']}: {n} jobs, " + ", ".join(parts), file=file)
     for row in s["failed"]:
         print(f"  failed: {row['job'] or '.'}: {row['error']}  ({Path(row['path']) / FAILED})", file=file)
-    print(f"  table: python -m specsamp.report collect {s['sweep_dir']}", file=file, flush=True)
+    print(f"  table: python -m specsamp.runner.report collect {s['sweep_dir']}", file=file, flush=True)
     return s
 
 
@@ -556,7 +380,7 @@ class SweepReport(Callback):
     """Hydra callback: after a sweep, summarise it, merge finished shard groups, set the exit status.
 
     Args:
-        merge_shards: merge complete shard groups (:func:`specsamp.shards.merge`) at the end.
+        merge_shards: merge complete shard groups (:func:`specsamp.runner.shards.merge`) at the end.
     """
 
     def __init__(self, merge_shards: bool = True) -> None:
@@ -587,48 +411,16 @@ class SweepReport(Callback):
                 print(f"warning: merging shards under {sweep_dir} failed: {e}", file=sys.stderr)
 
 
-def sweep_exit_status(state: dict | None = None) -> int:
-    """The exit status of a finished sweep (:mod:`specsamp.exitcodes`): the most serious of its jobs.
-
-    130 when it was interrupted; 3 when a job met an infrastructure failure (``failed.json`` of kind
-    ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
-    exception or was killed; 2 when the only failures are bad per-job values or configs that do not
-    compose; 0 otherwise.
-    """
-    from . import exitcodes
-
-    state = SWEEP_STATE if state is None else state
-    kinds = list(state.get("kinds") or [])
-    if state.get("interrupted"):
-        return exitcodes.INTERRUPTED
-    if state.get("infrastructure") or "infrastructure" in kinds:
-        return exitcodes.INFRASTRUCTURE
-    if "exception" in kinds or state.get("killed"):
-        return exitcodes.BUG
-    if kinds or state.get("failed"):
-        return exitcodes.USAGE
-    return exitcodes.OK
-
-
-def launched(sweep_dir: str | os.PathLike) -> bool:
-    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer)."""
-    root = Path(sweep_dir)
-    launch = _mtime(root / "multirun.yaml")
-    if launch is None:
-        return False
-    return any((_mtime(j / ".hydra" / "overrides.yaml") or 0) >= launch for j in job_dirs(root))
-
-
 # ----------------------------------------------------------------------------------------------
 # command line
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specsamp.report collect SWEEP_DIR [--csv OUT]``: print the table, write the CSV.
+    """``python -m specsamp.runner.report collect SWEEP_DIR [--csv OUT]``: print the table, write the CSV.
 
     Exit status 0 (also while jobs are running or have failed: the table says so), 2 on a usage error.
     """
-    ap = argparse.ArgumentParser(prog="python -m specsamp.report", description="Tables from sweep directories.")
+    ap = argparse.ArgumentParser(prog="python -m specsamp.runner.report", description="Tables from sweep directories.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect", help="one CSV row per job of a sweep directory")
     c.add_argument("sweep_dir", help="a sweep directory, e.g. multirun/gmm_grid")

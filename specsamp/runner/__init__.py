@@ -1,0 +1,30 @@
+"""The runner: from a Hydra config to records, images, scores and sweep tables (outside the core).
+
+Layers, top down (each module imports only from those below it and from the core):
+
+- :mod:`~specsamp.runner.exits`: the exit-status policy of ``run.py`` (0, 1, 2, 3, 130);
+- :mod:`~specsamp.runner.task`: the Hydra task of one job (skip, run, write, score, log, ``failed.json``);
+- :mod:`~specsamp.runner.report`: sweep tables and the end-of-sweep summary;
+  :mod:`~specsamp.runner.shards`: one run split by trajectory index, and merged back;
+- :mod:`~specsamp.runner.loop`: the batch loop of one run (:func:`run_config`);
+- :mod:`~specsamp.runner.build`: target, coupling, schedule and tree from the config;
+  :mod:`~specsamp.runner.memory`: sizes refused before they are allocated;
+- :mod:`~specsamp.runner.outputs`: images and their FID / CLIP scores;
+  :mod:`~specsamp.runner.records`: statistics, provenance, config hash, resume, the printed line;
+  :mod:`~specsamp.runner.loggers`: optional wandb;
+- :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
+  :mod:`~specsamp.runner.jobs`: job directories and liveness; :mod:`~specsamp.runner.io`: atomic writes.
+
+Library use::
+
+    from specsamp.runner import compose, run_config
+    record, result = run_config(compose(["sampler=rmc", "K=2", "L=3"]))
+"""
+
+from ..errors import ConfigError
+from .build import build_target, calibration_run
+from .config import compose, load_config
+from .loop import run_config
+from .records import summary_line
+
+__all__ = ["ConfigError", "build_target", "calibration_run", "compose", "load_config", "run_config", "summary_line"]

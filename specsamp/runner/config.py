@@ -1,0 +1,379 @@
+"""The run's typed configuration: the schema of ``conf/``, its value checks, and composition.
+
+``conf/config.yaml`` is typed by :class:`RunConfig` (registered in Hydra's ConfigStore as ``run_schema``),
+each ``conf/model/*.yaml`` by its model's config dataclass (``specsamp.models.MODEL_SCHEMAS``), so Hydra
+refuses an unknown key or a value of the wrong type while it composes. What a type cannot say (ranges,
+choices, a finite churn) is written once, as each field's rule, and checked by :func:`check_values`.
+
+Groups that build an object say how in their YAML: ``model`` (``_target_``: a config dataclass whose
+``build(device)`` returns a :class:`specsamp.models.base.Target`), ``sampler.coupling`` (``_target_``
+returning a :class:`specsamp.coupling.Coupling`) and ``logger``. Draft, tree and prefetch stay plain
+keys: each is one name without parameters, and ``draft=x0`` reads the same either way.
+
+Every error here is a :class:`specsamp.errors.ConfigError` (or, while Hydra composes, an OmegaConf error
+that :func:`explain` turns into the same kind of paragraph): ``run.py`` exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .. import rng
+from ..errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+# 0 <= seed < 2**59: the rng keys hold 60-bit seeds (rng.MAX_SEED), with room for the calibration offset
+SEED_BOUND = 2**59
+# the tree=optimal calibration runs under seed + CALIBRATION_SEED_OFFSET: its own random streams
+CALIBRATION_SEED_OFFSET = 1_000_003
+assert SEED_BOUND + CALIBRATION_SEED_OFFSET <= rng.MAX_SEED
+
+TREES = ("uniform", "widths", "optimal")
+MATCH = ("budget", "verification")
+METRICS = ("fid", "clip")
+# keys that steer the runner, not the run: never part of the record's config or its hash
+RUNNER_KEYS = ("hydra", "sweep_name")
+# keys that cannot change a result: recorded, but left out of the config hash
+UNHASHED_KEYS = ("progress", "skip_existing", "logger", "threads")
+
+
+def rule(text: str, ok: Callable[[Any], bool], default: Any = MISSING, factory: Callable | None = None) -> Any:
+    """A dataclass field whose value must satisfy ``ok`` (``text`` says what is valid, for the error)."""
+    meta = {"text": text, "ok": ok}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def at_least(lo: int, default: Any = MISSING) -> Any:
+    return rule(f"an integer >= {lo}", lambda v: _int(v) and v >= lo, default)
+
+
+def one_of(valid: Sequence | Callable[[], Sequence], default: Any = MISSING) -> Any:
+    pool = valid if callable(valid) else (lambda: valid)
+    return field(default=default, metadata={"text": lambda: "one of " + ", ".join(map(str, pool())),
+                                            "ok": lambda v: v in pool()})
+
+
+def _drafts():
+    from ..drafts import DRAFTS
+
+    return tuple(DRAFTS)
+
+
+def _sampler_const(name: str):
+    from .. import sampler
+
+    return lambda: getattr(sampler, name)
+
+
+@dataclass
+class SamplerConfig:
+    """``conf/sampler/*.yaml``: the rule's name and how to build its coupling (null: the standard sampler)."""
+
+    name: str = MISSING
+    coupling: Any = None  # {_target_: specsamp.coupling.get_coupling, name: dgrs} -> a Coupling
+
+
+@dataclass
+class LoggerConfig:
+    """``conf/logger/*.yaml``: ``none``, or a ``_target_`` logger class (:mod:`specsamp.runner.loggers`)."""
+
+    name: str = "none"
+    _target_: Optional[str] = None
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    mode: Optional[str] = None
+    group: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    """Every top-level key of ``conf/config.yaml`` (values and comments there; README "Config keys")."""
+
+    model: Any = MISSING
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    K: int = at_least(1)
+    L: int = at_least(1)
+    eps: float = rule("a finite number in (0, 1] (eps=0 is the deterministic ODE, where speculation is vacuous)",
+                      lambda v: math.isfinite(v) and 0.0 < v <= 1.0)
+    steps: int = at_least(3)
+    n_samples: int = at_least(1)
+    seed: int = rule("an integer in [0, 2**59)", lambda v: _int(v) and 0 <= v < SEED_BOUND)
+    device: str = "cpu"
+    tree: str = one_of(TREES, "uniform")
+    widths: Optional[list[int]] = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
+                                       lambda v: len(v) > 0 and all(w >= 1 for w in v), None)
+    budget: Optional[int] = at_least(1, None)
+    delta_profile: Optional[list[float]] = rule(
+        "a non-empty list of finite values >= 0, or null (calibrate)",
+        lambda v: len(v) > 0 and all(math.isfinite(x) and x >= 0 for x in v), None)
+    max_depth: Optional[int] = at_least(1, None)
+    max_width: Optional[int] = at_least(1, None)
+    draft: str = one_of(_drafts, "velocity")
+    prefetch: str = one_of(_sampler_const("PREFETCH"), "nearest")
+    warmup: str = one_of(_sampler_const("WARMUPS"), "call")
+    evaluate_leaves: bool = True
+    match: str = one_of(MATCH, "budget")
+    execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
+    batch_size: Optional[int] = at_least(1, None)
+    max_batch: Optional[int] = at_least(1, None)
+    threads: Optional[int] = at_least(1, 1)
+    progress: Any = rule("one of auto (a bar on a terminal, a line every 30 s in a log), true, false",
+                         lambda v: v == "auto" or isinstance(v, bool), "auto")
+    save_samples: bool = False
+    metrics: list[str] = rule("a list of fid, clip, e.g. metrics=[fid]", lambda v: all(m in METRICS for m in v),
+                              factory=list)
+    skip_existing: bool = True
+    sweep_name: Optional[str] = None
+    num_shards: int = at_least(1, 1)
+    shard: int = at_least(0, 0)
+
+
+def register() -> None:
+    """Register the schemas with Hydra's ConfigStore (``run_schema``; ``model/<kind>_schema``) and the
+    ``specsamp.*`` resolvers; idempotent. Importing this module calls it."""
+    from ..models import MODEL_SCHEMAS
+    from . import jobs  # noqa: F401  (registers specsamp.job_dir and specsamp.fresh_dir)
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for name, schema in MODEL_SCHEMAS.items():
+        cs.store(group="model", name=name, node=schema)
+
+
+register()
+
+
+def compose(overrides: Sequence[str] = (), conf_dir: str | os.PathLike = CONF_DIR) -> DictConfig:
+    """``conf/config.yaml`` composed with ``overrides`` (as ``run.py`` would), outside a Hydra run."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(Path(conf_dir).resolve())):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+# ----------------------------------------------------------------------------------------------
+# typed config from a composed config or a plain dict
+
+
+def _model_schema(model: Mapping) -> type | None:
+    target = model.get("_target_") if isinstance(model, Mapping) else None
+    if not isinstance(target, str):
+        return None
+    try:
+        from hydra.utils import get_class
+
+        cls = get_class(target)
+    except Exception as e:
+        raise ConfigError(f"model._target_={target!r} is invalid: {e}") from None
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
+    """The typed, checked config of one run, and the plain dict that is recorded and hashed.
+
+    Accepts what Hydra composed (``run.py``, :func:`compose`) or a plain mapping with the keys of
+    ``conf/config.yaml`` (resolved). The mapping is merged onto :class:`RunConfig` and the model onto its
+    config dataclass (named by ``model._target_``), so unknown keys and wrong types are refused here too.
+
+    Returns:
+        ``(run, recorded)``: ``run`` a :class:`RunConfig` whose ``model`` is its config object;
+        ``recorded`` the resolved dict without :data:`RUNNER_KEYS` (and without ``shard``/``num_shards``
+        for an unsharded run, so it hashes as before sharding).
+
+    Raises:
+        ConfigError: the first invalid key, with its value and what is valid.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        plain = {k: v for k, v in plain.items() if k not in RUNNER_KEYS or k == "sweep_name"}
+        model = plain.get("model")
+        schema = _model_schema(model)
+        typed = OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                {**plain, "model": OmegaConf.merge(OmegaConf.structured(schema), model) if schema else model})
+        run = OmegaConf.to_object(typed)
+    except OmegaConfBaseException as e:
+        key = str(getattr(e, "full_key", "") or "")
+        value = OmegaConf.select(OmegaConf.create(plain), key, default=MISSING) if key else MISSING
+        raise ConfigError(explain(e, value) or str(e)) from None
+    check_values(run)
+    recorded = OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
+    recorded = {k: v for k, v in recorded.items() if k not in RUNNER_KEYS}
+    if run.num_shards == 1:
+        recorded.pop("shard", None)
+        recorded.pop("num_shards", None)
+    return run, recorded
+
+
+def check_values(run: RunConfig) -> None:
+    """Check each field's rule (ranges, choices), the device, and the keys that depend on each other.
+
+    Raises:
+        ConfigError: names the key, its value and what is valid.
+    """
+    for f in dataclasses.fields(RunConfig):
+        meta, v = f.metadata, getattr(run, f.name)
+        if meta and v is not None and not meta["ok"](v):
+            text = meta["text"]() if callable(meta["text"]) else meta["text"]
+            raise ConfigError(f"{f.name}={v!r} is invalid: must be {text}.")
+    check_device(run.device)
+    if run.tree == "widths" and run.widths is None:
+        raise ConfigError("widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
+    if not 0 <= run.shard < run.num_shards:
+        raise ConfigError(f"shard={run.shard!r} is invalid: must be an integer in 0..{run.num_shards - 1} (num_shards={run.num_shards}).")
+    if run.num_shards > 1:
+        units = math.ceil(run.n_samples / run.batch_size) if run.batch_size else run.n_samples
+        if run.num_shards > units:
+            what = (f"the number of batches ceil(n_samples/batch_size) = {units}" if run.batch_size
+                    else f"n_samples={run.n_samples}")
+            raise ConfigError(f"num_shards={run.num_shards} is invalid: must be <= {what}, so that no shard is empty.")
+
+
+def check_device(device) -> str:
+    """``device`` if torch can use it here, else a :class:`ConfigError` naming what is available.
+
+    Valid: ``cpu``, ``cuda`` and ``cuda:N`` with ``N`` below the number of visible CUDA devices.
+    """
+    d = str(device)
+    if d == "cpu":
+        return d
+    if d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"device={d!r} is invalid here: torch sees no CUDA device; use device=cpu.")
+        if d != "cuda" and int(d[5:]) >= n:
+            raise ConfigError(f"device={d!r} is invalid: torch sees {n} CUDA device(s), cuda:0..cuda:{n - 1}.")
+        return d
+    raise ConfigError(f"device={d!r} is invalid: specsamp runs on cpu, cuda or cuda:N (N a visible CUDA device; "
+                      "other torch backends such as mps are not supported).")
+
+
+def unused_keys(run: RunConfig, coupling) -> dict:
+    """Keys that the configured sampler and tree never read, with the value that stands for them in the hash.
+
+    ``sampler=standard`` reads none of the tree keys (``K``, ``L``, ``draft``, ...); a one-child rule
+    (``rmc``) reads ``match`` but no tree-search key; a tree rule does not read ``match``; ``tree=uniform``
+    ignores ``widths`` and the search keys, ``tree=widths`` ignores ``K``, ``L`` and the search keys,
+    ``tree=optimal`` ignores ``widths`` (and ``K``, ``L`` once ``budget`` is given). Such keys stay in the
+    record's config (listed under ``unused`` when set away from their default) but are hashed at their
+    default, so setting them changes neither a result nor its config hash.
+
+    Args:
+        run: the typed config.
+        coupling: the built :class:`specsamp.coupling.Coupling`, or None for the standard sampler.
+
+    Returns:
+        ``{key: default}`` for every unused key.
+    """
+    paper = run.model.paper
+    default = {"K": paper.K, "L": paper.L, "draft": "velocity", "prefetch": "nearest", "warmup": "call",
+               "evaluate_leaves": True, "match": "budget", "execution": "path", "tree": "uniform",
+               "widths": None, "budget": None, "delta_profile": None, "max_depth": None, "max_width": None}
+    search = ("widths", "budget", "delta_profile", "max_depth", "max_width")
+    if coupling is None:
+        keys = list(default)
+    elif coupling.max_children == 1:
+        keys = list(search)
+    else:
+        keys = ["match"] + {"uniform": list(search), "widths": ["K", "L", *search[1:]],
+                            "optimal": ["widths"] + (["K", "L"] if run.budget is not None else [])}[run.tree]
+    return {k: default[k] for k in keys}
+
+
+# ----------------------------------------------------------------------------------------------
+# one paragraph for a key that is not in the config (or a value of the wrong type)
+
+
+def _keys(schema, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(schema):
+        if f.name.startswith("_"):
+            continue
+        out.append(prefix + f.name)
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            out += _keys(f.type, f"{prefix}{f.name}.")
+    return out
+
+
+def valid_keys(path: str) -> list[str]:
+    """The keys a user may set at ``path``'s level: top-level (with the groups ``shape``, ``experiment``),
+    or under ``model`` / ``sampler`` / ``logger`` (the model keys of every model config)."""
+    head = path.split(".")[0]
+    if "." not in path:
+        return sorted(set(_keys(RunConfig)) | {"shape", "experiment"})
+    if head == "model":
+        from typing import get_type_hints
+
+        from ..models import MODEL_SCHEMAS
+
+        keys: set[str] = set()
+        for schema in MODEL_SCHEMAS.values():
+            keys |= {f"model.{f.name}" for f in dataclasses.fields(schema) if not f.name.startswith("_")}
+            for f, t in get_type_hints(schema).items():
+                if dataclasses.is_dataclass(t):
+                    keys |= {f"model.{f}.{g.name}" for g in dataclasses.fields(t)}
+        return sorted(keys)
+    schema = {"sampler": SamplerConfig, "logger": LoggerConfig}.get(head)
+    return sorted(f"{head}.{k}" for k in _keys(schema)) if schema else []
+
+
+def closest_key(name: str, valid: Sequence[str]) -> str | None:
+    """The valid key nearest to a mistyped ``name`` (:func:`difflib.get_close_matches`), or None."""
+    name = str(name).lstrip("+~")
+    exact = [k for k in valid if k.lower() == name.lower()]
+    if exact:
+        return exact[0]
+    tail = {k.rsplit(".", 1)[-1]: k for k in valid}
+    hit = difflib.get_close_matches(name.rsplit(".", 1)[-1], list(tail), n=1, cutoff=0.5)
+    return tail[hit[0]] if hit else None
+
+
+def unknown_key_message(key: str, value: Any = MISSING) -> str:
+    """One paragraph for a key that no config has, naming the closest valid key."""
+    valid = valid_keys(key)
+    guess = closest_key(key, valid)
+    shown = f"{key}={value!r}" if value is not MISSING else repr(key)
+    return (f"{shown} is not a key of specsamp's config" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
+            + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml and the README)." if valid else "."))
+
+
+def explain(error: BaseException, value: Any = MISSING) -> str | None:
+    """One paragraph for an OmegaConf/Hydra composition error about a key (unknown key, wrong type), or None.
+
+    The key comes from the error's ``full_key``; an unknown key names the closest valid one instead of
+    Hydra's advice to append it with ``+``.
+    """
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    seen = error
+    while seen is not None and not (isinstance(seen, OmegaConfBaseException) and getattr(seen, "full_key", None)):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    key = str(seen.full_key)
+    appended = re.search(r"use \+" + re.escape(key) + r"=(\S*)", str(error))  # Hydra's advice names the value
+    if appended and value is MISSING:
+        value = appended.group(1)
+    if isinstance(seen, (ConfigKeyError, ConfigAttributeError)):
+        return unknown_key_message(key, value)
+    first = str(seen).splitlines()[0]
+    return f"{key}{'' if value is MISSING else '=' + repr(value)} is invalid: {first}."

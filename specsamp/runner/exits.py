@@ -1,0 +1,186 @@
+"""The exit-status policy of ``run.py`` and the specsamp command lines: the one place that defines it.
+
+=====  ==========================================================================================
+  0    every run (or every job of a sweep) wrote its record
+  1    a bug: an unexpected exception (its traceback is printed; in a sweep, in ``failed.json``)
+  2    the input was wrong: a config key or value, an override that does not compose, a path given
+       by the user; one paragraph names the key, its value and what is valid
+  3    the machine failed, not the input: the disk is full, the output directory is read-only or
+       cannot be created, a launcher's command (``sbatch``/``srun``) is missing; one paragraph
+       names the path or the command. Rerunning the same command once it is fixed resumes
+ 130   interrupted (Ctrl-C, SIGINT): one line, and for a sweep its summary; finished records stay
+=====  ==========================================================================================
+
+A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 2.
+
+:func:`main` wraps the Hydra entry point and applies this policy; :class:`specsamp.runner.report.SweepReport`
+fills :data:`SWEEP_STATE` at the end of a sweep.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+OK = 0
+BUG = 1
+USAGE = 2
+INFRASTRUCTURE = 3
+INTERRUPTED = 130
+
+# errno values that say the machine (storage, permissions on the output side) failed, not the input
+INFRA_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO", "EFBIG", "ENFILE", "EMFILE", "ESTALE")
+    if hasattr(errno, name)
+)
+
+
+class InfrastructureError(RuntimeError):
+    """The machine cannot do what the (valid) input asks: a missing command, an unusable directory."""
+
+
+def is_infrastructure(error: BaseException | None) -> bool:
+    """True for :class:`InfrastructureError` and for an ``OSError`` whose errno is in :data:`INFRA_ERRNOS`
+    (also when it is the cause or context of ``error``)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, InfrastructureError):
+            return True
+        if isinstance(error, OSError) and error.errno in INFRA_ERRNOS:
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def _root_oserror(error: BaseException | None) -> OSError | None:
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno in INFRA_ERRNOS:
+            return error
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return None
+
+
+def infrastructure_message(error: BaseException) -> str:
+    """One paragraph for an infrastructure failure: what failed, the path (or command), what to do."""
+    if isinstance(error, InfrastructureError):
+        return str(error)
+    os_err = _root_oserror(error)
+    if os_err is None:
+        return str(error)
+    path = os_err.filename or "(unknown path)"
+    what = os.strerror(os_err.errno) if os_err.errno else str(os_err)
+    if os_err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG):
+        hint = "free space on that file system (or raise the quota / file-size limit)"
+    elif os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = ("make the directory writable, or write elsewhere: hydra.run.dir=DIR for a run, "
+                "hydra.sweep.dir=DIR for a sweep")
+    else:
+        hint = "check the file system holding it"
+    return (f"could not write {path}: {what} [errno {os_err.errno}]. This is a problem of the machine, not of "
+            f"the configuration: {hint}, then rerun the same command (finished records are kept and skipped).")
+
+
+# the outcome of the sweep this process launched (SweepReport.on_multirun_end fills it)
+SWEEP_STATE: dict[str, Any] = {}
+
+def sweep_exit_status(state: dict | None = None) -> int:
+    """The exit status of a finished sweep (this module): the most serious of its jobs.
+
+    130 when it was interrupted; 3 when a job met an infrastructure failure (``failed.json`` of kind
+    ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
+    exception or was killed; 2 when the only failures are bad per-job values or configs that do not
+    compose; 0 otherwise.
+    """
+    state = SWEEP_STATE if state is None else state
+    kinds = list(state.get("kinds") or [])
+    if state.get("interrupted"):
+        return INTERRUPTED
+    if state.get("infrastructure") or "infrastructure" in kinds:
+        return INFRASTRUCTURE
+    if "exception" in kinds or state.get("killed"):
+        return BUG
+    if kinds or state.get("failed"):
+        return USAGE
+    return OK
+
+
+def _one_paragraph(error: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages as one paragraph (without the config search path)."""
+    text = str(error).split("\nConfig search path:")[0]
+    cause = error.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += "\n" + str(cause)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(error).__name__
+
+
+def _summary_if_swept() -> None:
+    from .report import launched, print_sweep_summary
+
+    sweep_dir = SWEEP_STATE.get("sweep_dir")
+    if sweep_dir and launched(sweep_dir):
+        try:
+            print_sweep_summary(sweep_dir, file=sys.stderr)
+        except Exception as e:  # the summary must not hide the real error
+            print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
+
+
+def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
+    """Run ``hydra_main`` (``run.py``'s ``@hydra.main`` function) and exit with this module's status.
+
+    A composition error (unknown key, wrong type, bad group option) becomes one paragraph naming the key
+    and the closest valid one (:func:`specsamp.runner.config.explain`), exit 2; an infrastructure failure
+    exit 3; Ctrl-C exit 130 with the sweep's summary; anything else is a bug (traceback, exit 1).
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    # submitit jobs unpickle the task in a fresh interpreter: let them import specsamp from this checkout
+    os.environ["PYTHONPATH"] = os.pathsep.join([repo_dir, *filter(None, [os.environ.get("PYTHONPATH")])])
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Hydra would print its own errors and exit 1 whatever they are; let them reach us to sort them out
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except KeyboardInterrupt:
+        where = SWEEP_STATE.get("sweep_dir")
+        print("interrupted (Ctrl-C): finished records are kept; the unfinished "
+              f"{'jobs rerun when the same sweep is relaunched' if where else 'run wrote no record'}.", file=sys.stderr, flush=True)
+        SWEEP_STATE["interrupted"] = True
+        _summary_if_swept()
+        sys.exit(INTERRUPTED)
+    except SystemExit:
+        raise
+    except Exception as e:
+        import traceback
+
+        if is_infrastructure(e):
+            print(f"error: {infrastructure_message(e)}", file=sys.stderr)
+            _summary_if_swept()
+            sys.exit(INFRASTRUCTURE)
+        if isinstance(e, (HydraException, OmegaConfBaseException)):
+            # a config that does not compose (jobs of a sweep record their own composition errors;
+            # this is the command line's or the whole sweep's)
+            from .config import explain
+
+            if full_error:
+                traceback.print_exception(e, file=sys.stderr)
+            print(f"error: {explain(e) or _one_paragraph(e)}", file=sys.stderr)
+            _summary_if_swept()
+            sys.exit(USAGE)
+        # a bug, or a launcher that gave up after jobs started (e.g. SLURM killed one): say where things stand
+        traceback.print_exception(e, file=sys.stderr)
+        _summary_if_swept()
+        sys.exit(BUG)
+    if SWEEP_STATE.get("sweep_dir"):
+        failed = SWEEP_STATE.get("failed")
+        if failed:
+            print(f"error: {len(failed)} job(s) of the sweep failed (listed above; their failed.json has the details).", file=sys.stderr)
+        sys.exit(sweep_exit_status())

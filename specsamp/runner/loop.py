@@ -1,0 +1,202 @@
+"""The batch loop: one run of one configuration, from its config to its record.
+
+:func:`run_config` checks the config (:mod:`~specsamp.runner.config`), refuses sizes that cannot fit
+(:mod:`~specsamp.runner.memory`), builds the target, coupling and tree (:mod:`~specsamp.runner.build`),
+samples the trajectories in batches with a progress bar, and returns the record
+(:mod:`~specsamp.runner.records`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+
+from omegaconf import DictConfig
+
+import torch
+
+from ..errors import ConfigError
+from ..sampler import SampleResult, sample_speculative, sample_standard
+from ..schedule import Schedule
+from ..models.base import Target
+from ..trees import budget as uniform_budget
+from .build import build_coupling, build_target, build_tree, calibrate_profile, check_search
+from .config import RunConfig, load_config, unused_keys
+from .memory import check_tree_memory, check_tree_nodes
+from .records import config_hash, summarize_result, versions
+
+
+LOG_INTERVAL = 30.0  # seconds between plain progress lines when stderr is not a terminal (progress=auto)
+
+
+def _progress_enabled(flag) -> bool:
+    if flag == "auto":
+        return sys.stderr.isatty()
+    return bool(flag)
+
+
+class _Progress:
+    """Progress of long work on stderr, set by absolute position (:meth:`to`).
+
+    ``progress=true``, or ``auto`` on a terminal: a tqdm bar. ``auto`` without a terminal (a cluster
+    job's log): one plain tqdm line every :data:`LOG_INTERVAL` seconds, none for shorter work.
+    ``false``: nothing. ``min_seconds``: show a bar only for work that lasts longer.
+    """
+
+    def __init__(self, flag, desc: str, unit: str, total: float | None = None, min_seconds: float = 0.0):
+        self.bar = None
+        self.desc, self.unit, self.total, self.min_seconds = desc, unit, total, min_seconds
+        self.lines = flag == "auto" and not sys.stderr.isatty()
+        self.enabled = self.lines or _progress_enabled(flag)
+
+    def __enter__(self):
+        return self
+
+    def _open(self, total):
+        from tqdm import tqdm
+
+        if self.lines:
+            class _Lines(tqdm):  # tqdm's meter, written as whole lines (no carriage returns in a log file)
+                def display(self, msg=None, pos=None):
+                    msg = (self.__str__() if msg is None else msg).strip()
+                    if msg:
+                        self.fp.write(msg + "\n")
+                        self.fp.flush()
+                    return True
+
+            self.bar = _Lines(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, mininterval=LOG_INTERVAL,
+                              delay=max(LOG_INTERVAL, self.min_seconds), miniters=1, leave=False,
+                              bar_format="{desc}: {percentage:3.0f}% ({n:.0f}/{total:.0f} {unit}), {elapsed} elapsed, "
+                                         "{remaining} left")
+        else:
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, leave=False,
+                            delay=self.min_seconds)
+
+    def to(self, position: float, total: float | None = None) -> None:
+        """Move to ``position`` (of ``total``, when first known here)."""
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self._open(total if total is not None else self.total)
+        if position > self.bar.n:
+            self.bar.update(position - self.bar.n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        return False
+
+
+def _concat(results: list[SampleResult]) -> SampleResult:
+    if len(results) == 1:
+        return results[0]
+    cat = lambda name: torch.cat([getattr(r, name) for r in results])  # noqa: E731
+    names = ("samples", "nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
+    return SampleResult(**{n: cat(n) for n in names}, speculative_steps=results[0].speculative_steps,
+                        batch_nfe=max(r.batch_nfe for r in results),
+                        extra={"batch_speedups": [r.batch_speedup for r in results]})
+
+
+def record_hash(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict, str]:
+    """``(run, recorded, config hash)`` of a config, without building the target (resume checks)."""
+    run, recorded = load_config(cfg)
+    return run, recorded, config_hash(recorded, unused_keys(run, build_coupling(run)))
+
+
+def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None) -> tuple[dict, SampleResult]:
+    """Run one configuration and return ``(record, result)``.
+
+    Args:
+        cfg: the composed config (``run.py``, :func:`specsamp.runner.config.compose`) or a plain mapping
+            with the keys of ``conf/config.yaml``.
+        target: an already-built :class:`~specsamp.models.base.Target` to use instead of ``cfg.model``'s
+            (notebooks, benchmarks: build once, run many configs).
+        indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
+            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run bitwise.
+
+    Returns:
+        The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
+        ``result.extra`` holds ``target`` and ``indices`` for images and metrics.
+
+    Raises:
+        ConfigError: invalid configuration, a size that cannot fit, or a model that cannot be loaded.
+    """
+    run, recorded = load_config(cfg)
+    if run.threads is not None:
+        torch.set_num_threads(run.threads)
+    t0 = time.perf_counter()
+    try:
+        schedule = Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    horizon = schedule.steps - 2
+    coupling = build_coupling(run)
+    # sizes that follow from the config alone are refused before the model is loaded or calibrated
+    optimal = coupling is not None and run.tree == "optimal" and coupling.max_children != 1
+    if optimal:
+        check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
+    else:
+        check_tree_nodes(run, coupling, horizon)
+    target = target if target is not None else build_target(run)
+    max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
+    for m in run.metrics:  # refuse before sampling what no scoring step could serve
+        if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
+            need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
+            raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not have.")
+    calibrated = calibrate_profile(target, schedule, run) if optimal and run.delta_profile is None else None
+    with _Progress(run.progress, "tree search", "depth", min_seconds=2.0) as search_bar:
+        tree, B = build_tree(run, coupling, horizon, calibrated or run.delta_profile, callback=search_bar.to)
+    ids = torch.arange(run.n_samples) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= run.n_samples:
+        raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
+    bs = run.batch_size or ids.numel()
+    check_tree_memory(tree.restrict(min(tree.max_depth, horizon)) if tree is not None else None, min(bs, ids.numel()),
+                      target.model, run.device, execution=run.execution, n_total=ids.numel(), steps=schedule.steps)
+    unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
+    if unused:
+        print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
+              f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
+              + (f" with tree={run.tree}" if coupling is not None else "")
+              + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
+    dev = torch.device(getattr(target.model, "device", run.device))
+    results = []
+    per_traj = horizon  # the bar counts trajectory-steps of the speculative range, per round or step
+    with _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar:
+        for start in range(0, ids.numel(), bs):
+            chunk = ids[start : start + bs].to(dev)
+            base = start * per_traj
+            common = dict(seed=run.seed, indices=chunk, max_batch=max_batch,
+                          cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {},
+                          callback=lambda info, base=base: bar.to(base + info["steps_done"]))
+            if tree is None:
+                r = sample_standard(target.model, schedule, **common)
+            else:
+                r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
+                                       evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
+                                       **common)
+            results.append(r)
+            bar.to(base + chunk.numel() * per_traj)
+    res = _concat(results)
+    res.extra.update(target=target, indices=ids, max_batch=max_batch)
+    record = {
+        "status": "ok",
+        "config": recorded,
+        "config_hash": config_hash(recorded, unused_keys(run, coupling)),
+        "model": run.model.name,
+        "sampler": run.sampler.name,
+        "K": run.K,
+        "L": run.L,
+        "eps": run.eps,
+        "steps": run.steps,
+        "n_samples": run.n_samples,
+        "tree": tree.describe() if tree is not None else "none",
+        "budget": B,
+        "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
+        **({"unused": unused} if unused else {}),
+        **({"delta_profile": calibrated, "tree_parent": tree.parent.tolist()} if optimal else {}),
+        **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
+        "wall_seconds": time.perf_counter() - t0,
+        "versions": versions(),
+    }
+    return record, res

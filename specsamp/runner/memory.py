@@ -1,0 +1,174 @@
+"""Memory checks: every size that follows from the config is refused before it is allocated.
+
+:func:`available_bytes` is what this process may still allocate (CUDA: free device memory; CPU: the
+smallest of ``MemAvailable``, the cgroup's headroom and ``RLIMIT_AS``). The draft tree is sized from the
+config before it is built (:func:`check_tree_nodes`), the sampler's states before the model is called
+(:func:`check_tree_memory`). A refusal is a :class:`~specsamp.errors.ConfigError` naming the keys to change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..trees import DraftTree, budget as uniform_budget
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_available() -> int | None:
+    try:  # cgroup v2 (a SLURM job's or a container's memory limit)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _address_space_available() -> int | None:
+    import resource
+
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        return soft - vm
+    except (OSError, ValueError, StopIteration, AttributeError):
+        return None
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory this process can still allocate on ``device``, in bytes; None when unknown.
+
+    CUDA: ``torch.cuda.mem_get_info``'s free bytes. CPU: the smallest of the kernel's ``MemAvailable``,
+    the cgroup's headroom (``memory.max - memory.current``) and the address-space limit
+    (``RLIMIT_AS`` less the current virtual size).
+    """
+    try:
+        if str(device).startswith("cuda"):
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    except (ValueError, RuntimeError, AssertionError):
+        return None
+    known = [b for b in (_meminfo_available(), _cgroup_available(), _address_space_available()) if b is not None]
+    return max(min(known), 0) if known else None
+
+
+def check_memory(what: str, nbytes: float, device: str, hint: str = "") -> None:
+    """Refuse, before allocating, something whose size follows from the config and cannot fit.
+
+    Args:
+        what: the allocation and the keys that size it, e.g. ``"the draft tree of K=7, L=100"``.
+        nbytes: estimated peak bytes.
+        device: where it lives (``cpu``, ``cuda[:N]``).
+        hint: what the user can change, appended to the message.
+
+    Raises:
+        ConfigError: ``nbytes`` above 80% of :func:`available_bytes` (the message gives both numbers).
+    """
+    free = available_bytes(device)
+    if free is None or nbytes <= 0.8 * free:
+        return
+    raise ConfigError(f"{what} needs about {_gib(nbytes)} of memory, but {device} has {_gib(free)} available"
+                      + (f": {hint}" if hint else "."))
+
+
+def _gib(nbytes: float) -> str:
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:.3g} MiB"
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes < 2**60 else f"{nbytes / 2**30:.2e} GiB"
+
+
+TREE_BYTES_PER_NODE = 160  # DraftTree's arrays, their construction and the sampler's tensor copies (int64)
+
+
+def tree_nodes(run, coupling, horizon: int) -> int:
+    """Nodes of the tree :func:`specsamp.runner.build.build_tree` would build, without building it
+    (0: no tree, or ``tree=optimal``, which its search sizes)."""
+    if coupling is None or (run.tree == "optimal" and coupling.max_children != 1):
+        return 0
+    if coupling.max_children == 1:
+        return min(uniform_budget(run.K, run.L), horizon) + 1
+    widths = run.widths[:horizon] if run.tree == "widths" else [run.K] * min(run.L, horizon)
+    nodes, layer = 1, 1
+    for w in widths:
+        layer *= w
+        nodes += layer
+    return nodes
+
+
+def check_tree_nodes(run, coupling, horizon: int) -> None:
+    """Refuse a draft tree (:func:`tree_nodes`) whose arrays cannot fit in host memory, before building it.
+
+    Raises:
+        ConfigError: names the shape, the node count, the bytes needed and available.
+    """
+    nodes = tree_nodes(run, coupling, horizon)
+    shape = f"widths={run.widths}" if run.tree == "widths" else f"K={run.K}, L={run.L}"
+    check_memory(f"the draft tree ({shape}: {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
+                 nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
+
+
+def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
+                      n_total: int | None = None, steps: int | None = None) -> None:
+    """Refuse a run whose sampler states cannot fit, before allocating anything.
+
+    ``execution=tree`` holds, per trajectory of a batch and per node, the state and the velocity in
+    the model's dtype plus float64 drafting noise; ``execution=path`` holds about ``2 K + 16`` states
+    per trajectory (the walk's current, children, means, noise); the standard sampler about 8. Every run
+    also keeps all ``n_total`` samples (twice while batches are concatenated) and per-step counters.
+
+    Raises:
+        ConfigError: the estimate exceeds 80% of the available memory; the message gives a batch size
+            that fits, or says that ``n_samples`` itself is too large.
+    """
+    numel = int(np.prod(model.event_shape))
+    elem = torch.tensor([], dtype=model.dtype).element_size()
+    if tree is None:
+        per_traj = 8 * numel * max(elem, 8)
+    elif execution == "tree":
+        per_traj = len(tree) * numel * (2 * elem + 8) + 4 * numel * max(elem, 8)
+    else:
+        widest = int(tree.num_children.max()) if len(tree) > 1 else 1
+        per_traj = (2 * widest + 16) * numel * max(elem, 8)
+    n_total = batch if n_total is None else n_total
+    depth = tree.max_depth if tree is not None else 0
+    fixed = n_total * (2 * numel * elem + 8 * 3 * ((steps or 0) + 2 * depth))
+    free = available_bytes(device)
+    need = fixed + batch * per_traj
+    if free is None or need <= 0.8 * free:
+        return
+    fits = max(int((0.8 * free - fixed) // per_traj), 0)
+    what = (f"execution={execution} with {len(tree)} nodes per round" if tree is not None and execution == "tree"
+            else f"sampler={'standard' if tree is None else 'speculative'} (execution={execution})")
+    if fits == 0:
+        raise ConfigError(
+            f"n_samples={n_total} with batch_size={batch} needs about {_gib(need)}, but {device} has {_gib(free)} "
+            f"available: even one trajectory per batch does not fit with {n_total} samples kept ({_gib(fixed)}); "
+            + ("use execution=path (same law and counts, only the visited nodes), " if tree is not None and execution == "tree" else "")
+            + "lower n_samples, or split the run into shards (num_shards=...)."
+        )
+    raise ConfigError(
+        f"n_samples={n_total} with batch_size={batch}: {what} needs about {_gib(need)} ({_gib(per_traj)} per "
+        f"trajectory of a batch), but "
+        f"{device} has {_gib(free)} available: use batch_size={fits} or less"
+        + (", or execution=path (same law and counts, only the visited nodes)." if tree is not None and execution == "tree" else ".")
+    )

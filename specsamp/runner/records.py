@@ -1,0 +1,126 @@
+"""The run record: statistics, provenance, the config hash, resume, and the printed result line."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..sampler import SampleResult
+from .config import UNHASHED_KEYS
+from .jobs import RESULT
+
+
+def stats(x: torch.Tensor) -> dict:
+    x = x.double().cpu()
+    n = x.numel()
+    std = float(x.std()) if n > 1 else 0.0
+    return {"mean": float(x.mean()), "std": std, "sem": std / math.sqrt(n) if n > 1 else 0.0}
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """The current git commit of the source tree, or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def versions() -> dict:
+    """Package, torch and git versions for the record."""
+    return {"specsamp": __version__, "torch": torch.__version__, "python": sys.version.split()[0], "git": git_commit()}
+
+
+def config_hash(recorded: Mapping, unused: Mapping | None = None) -> str:
+    """SHA-256 (first 16 hex) of the recorded config, key order independent.
+
+    Keys that cannot change a result (:data:`~specsamp.runner.config.UNHASHED_KEYS`) are left out, and
+    keys the sampler does not read (``unused``: :func:`specsamp.runner.config.unused_keys`) are hashed at
+    their default value.
+    """
+    clean = {k: v for k, v in recorded.items() if k not in UNHASHED_KEYS}
+    clean.update({k: d for k, d in (unused or {}).items() if k in clean})
+    blob = json.dumps(clean, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def summarize_result(res: SampleResult, steps: int, batch_speedups: list[float]) -> dict:
+    """The statistics block of a record, from per-trajectory arrays (also used to merge shards).
+
+    Args:
+        res: the run's (or the merged shards') :class:`SampleResult`.
+        steps: ``T``.
+        batch_speedups: speedup of every batch that ran.
+
+    Returns:
+        ``nfe``, ``nfe_total``, ``speedup``, ``nfe_speedup`` (each ``{mean, std, sem}``), ``batch_speedup``,
+        ``target_rows``, ``rounds``, ``committed_per_round``, acceptance per depth and pooled.
+    """
+    attempts = res.attempts.sum(0).double().cpu()
+    accepts = res.accepts.sum(0).double().cpu()
+    rounds = res.rounds.double().sum()
+    return {
+        "nfe": stats(res.nfe),
+        "nfe_total": stats(res.nfe_total),
+        "speedup": stats(res.speedup),
+        "nfe_speedup": stats(steps / res.nfe_total.double()),
+        "batch_speedup": float(np.mean(batch_speedups)),
+        "target_rows": stats(res.target_rows),
+        "rounds": stats(res.rounds),
+        "committed_per_round": float(res.committed.double().sum().cpu() / rounds.cpu()) if rounds > 0 else 0.0,
+        "acceptance_per_depth": (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else [],
+        "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
+        "attempts_per_depth": attempts.tolist(),
+    }
+
+
+def existing_record(out_dir: str | os.PathLike, cfg_hash: str) -> dict | None:
+    """The record in ``out_dir/result.json`` if it exists, is complete and has ``cfg_hash``; else None."""
+    p = Path(out_dir) / RESULT
+    if not p.exists():
+        return None
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if rec.get("config_hash") == cfg_hash and rec.get("status") == "ok":
+        return rec
+    return None
+
+
+def summary_line(rec: dict) -> str:
+    """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``."""
+    if rec["sampler"] == "standard":
+        head = f"model={rec['model']} sampler=standard eps={rec['eps']:g} T={rec['steps']}"
+    elif (rec.get("config") or {}).get("tree", "uniform") != "uniform":
+        head = f"model={rec['model']} sampler={rec['sampler']} tree={rec['tree']} eps={rec['eps']:g} B={rec['budget']}"
+    else:
+        head = f"model={rec['model']} sampler={rec['sampler']} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
+    sp = rec["speedup"]
+    scores = scores_text(rec)
+    return (
+        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}  NFE {rec['nfe']['mean']:.1f}{'  ' + scores if scores else ''}  "
+        f"({rec['n_samples']} trajectories, {rec['wall_seconds']:.1f} s)"
+    )
+
+
+def scores_text(rec: dict) -> str:
+    """The record's metric scores as printed, e.g. ``FID 3.512  CLIP 0.31 ± 0.01``; empty when none."""
+    parts = [f"FID {rec['fid']:.3f}"] if isinstance(rec.get("fid"), (int, float)) else []
+    if isinstance(rec.get("clip_score"), (int, float)):
+        parts.append(f"CLIP {rec['clip_score']:.2f} ± {rec.get('clip_score_sem', float('nan')):.2f}")
+    return "  ".join(parts)
