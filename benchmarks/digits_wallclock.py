@@ -48,10 +48,7 @@ def main(argv=None) -> int:
 
     import pandas as pd
     import torch
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from specsamp.runner import build_target, run_config
+    from specsamp.runner import build_target, compose, load_config, run_config
 
     torch.set_num_threads(a.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
@@ -61,26 +58,24 @@ def main(argv=None) -> int:
         arms.append(("dgrs tree", (K, L), ["sampler=dgrs", f"K={K}", f"L={L}", "execution=tree"]))
         arms.append(("dgrs path", (K, L), ["sampler=dgrs", f"K={K}", f"L={L}", "execution=path"]))
     rows, target = [], None
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for name, shape, ov in arms:
-            d = OmegaConf.to_container(compose(config_name="config", overrides=base + ov), resolve=True)
-            d.pop("hydra", None)
-            target = target or build_target(d["model"], d["device"])
-            times = []
-            for rep in range(a.repeats + 1):
-                t0 = time.perf_counter()
-                rec, res = run_config(d, target=target)
-                if rep:  # the first run warms caches and allocators
-                    times.append(time.perf_counter() - t0)
-            sec = statistics.median(times)
-            rows.append({
-                "execution": name, "K": shape[0] if shape else None, "L": shape[1] if shape else None,
-                "budget": rec["budget"], "n_images": a.n, "seconds_per_image": sec / a.n,
-                "nfe_speedup": rec["speedup"]["mean"], "batch_calls": res.batch_calls,
-                "rows_per_image": float(res.target_rows.double().mean()),
-            })
-            print(f"{name:10s} {str(shape or ''):8s} {sec / a.n * 1e3:8.1f} ms/image  NFE speedup {rec['speedup']['mean']:.2f}x  "
-                  f"rows/image {rows[-1]['rows_per_image']:.0f}", flush=True)
+    for name, shape, ov in arms:
+        d = compose(base + ov)
+        target = target or build_target(load_config(d)[0])
+        times = []
+        for rep in range(a.repeats + 1):
+            t0 = time.perf_counter()
+            rec, res = run_config(d, target=target)
+            if rep:  # the first run warms caches and allocators
+                times.append(time.perf_counter() - t0)
+        sec = statistics.median(times)
+        rows.append({
+            "execution": name, "K": shape[0] if shape else None, "L": shape[1] if shape else None,
+            "budget": rec["budget"], "n_images": a.n, "seconds_per_image": sec / a.n,
+            "nfe_speedup": rec["speedup"]["mean"], "batch_nfe": res.batch_nfe,
+            "rows_per_image": float(res.target_rows.double().mean()),
+        })
+        print(f"{name:10s} {str(shape or ''):8s} {sec / a.n * 1e3:8.1f} ms/image  NFE speedup {rec['speedup']['mean']:.2f}x  "
+              f"rows/image {rows[-1]['rows_per_image']:.0f}", flush=True)
     df = pd.DataFrame(rows)
     std = df.loc[df["execution"] == "standard", "seconds_per_image"].iloc[0]
     df["wall_speedup"] = std / df["seconds_per_image"]

@@ -82,7 +82,7 @@ def run(
 
     Returns:
         One dict per measurement: ``method, K, L, budget, batch, wall_s, s_per_image, calls_mean,
-        batch_calls, nfe_speedup, batch_speedup, rows_per_image, wall_speedup``.
+        batch_nfe, nfe_speedup, batch_speedup, rows_per_image, wall_speedup``.
     """
     dev = torch.device(getattr(model, "device", "cpu"))
     sched = Schedule.make(steps, eps)
@@ -129,7 +129,7 @@ def _row(method, K, L, B, n, wall, res, base) -> dict:
         "wall_s": wall,
         "s_per_image": wall / n,
         "calls_mean": float(res.calls.double().mean()),
-        "batch_calls": int(res.batch_calls),
+        "batch_nfe": int(res.batch_nfe),
         "nfe_speedup": float(res.speedup.mean()),
         "batch_speedup": float(res.batch_speedup),
         "rows_per_image": float(res.target_rows.double().mean()),

@@ -41,19 +41,6 @@ ARMS = {  # name: overrides (K, L are filled per budget)
 }
 
 
-def _compose(overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from experiments.common import ROOT
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    d = OmegaConf.to_container(cfg, resolve=True)
-    d.pop("hydra", None)
-    return d
-
-
 def arm_trajectories(arm: str) -> int:
     """Trajectories of an arm, enough for a standard error below 0.01: the ``x0`` arms vary most
     (per-trajectory std ~0.4, so 2,000), the others ~0.13 (400)."""
@@ -74,7 +61,7 @@ def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.Da
     """
     import torch
 
-    from specsamp.runner import run_config, summary_line
+    from specsamp.runner import compose, run_config, summary_line
 
     torch.set_num_threads(1)
     rows = []
@@ -85,7 +72,7 @@ def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.Da
             if arms is not None and arm not in arms:
                 continue
             n = n_samples or arm_trajectories(arm)
-            d = _compose([*ov, f"K={K}", f"L={L}", f"budget={B}", f"n_samples={n}", "progress=false"])
+            d = compose([*ov, f"K={K}", f"L={L}", f"budget={B}", f"n_samples={n}", "progress=false"])
             rec, _ = run_config(d)
             print(f"{arm:30s} {summary_line(rec)}", flush=True)
             rows.append({"arm": arm, "budget": B, "tree": rec["tree"], "sampler": rec["sampler"], "draft": d["draft"],
@@ -116,14 +103,12 @@ def calibration_cost(d: dict) -> dict:
         ``{"trajectories", "calls", "rows"}``: trajectories, batched target calls summed over them
         (speculative steps and endpoints, i.e. NFE) and target rows.
     """
-    from specsamp.runner import build_target, calibration_run, validate
+    from specsamp.runner import build_target, calibration_run, load_config
     from specsamp.schedule import Schedule
 
-    v = validate(d)
-    r = calibration_run(build_target(d["model"], v["device"]), Schedule.make(v["steps"], v["eps"],
-                        shift=float(d["model"].get("shift", 1.0))), v)
-    m = r.nfe.numel()
-    return {"trajectories": m, "calls": int(r.nfe.sum()), "rows": int(r.target_rows.sum())}
+    run, _ = load_config(d)
+    r = calibration_run(build_target(run), Schedule.make(run.steps, run.eps, shift=run.model.shift), run)
+    return {"trajectories": r.nfe.numel(), "calls": int(r.nfe_total.sum()), "rows": int(r.target_rows.sum())}
 
 
 def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
@@ -135,13 +120,13 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
     """
     import torch
 
-    from specsamp.runner import run_config
+    from specsamp.runner import compose, run_config
 
     torch.set_num_threads(1)
     rows = []
     for name, (ov, n) in HEADLINE.items():
         n = max(int(n * scale), 2)
-        d = _compose([*ov, f"n_samples={n}", "progress=false"])
+        d = compose([*ov, f"n_samples={n}", "progress=false"])
         rec, _ = run_config(d)
         row = {"row": name, "n_samples": n, "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
                "nfe_mean": rec["nfe"]["mean"]}

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, ROOT, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "digits"
@@ -171,7 +171,7 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup per arm), ``two_sample.csv``, ``samples.npz``."""
     import torch
 
-    from specsamp.runner import uniform_labels
+    from specsamp.models.edm import uniform_labels
     from specsamp.images import load_images
     from specsamp.runner.io import atomic_write
     from specsamp.metrics.fid import load_statistics
@@ -242,29 +242,24 @@ def _samples_figure():
 def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
     """Every arm of :data:`LEVERS` at every budget of :data:`LEVER_BUDGETS`; ``results/digits/levers.csv``."""
     import torch
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from specsamp.runner import build_target, run_config, summary_line
+    from specsamp.runner import build_target, compose, load_config, run_config, summary_line
 
     torch.set_num_threads(1)
     rows, target = [], None
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for B, (K, L) in LEVER_BUDGETS.items():
-            for arm, ov in LEVERS.items():
-                cfg = compose(config_name="config", overrides=["model=digits", *ov, f"K={K}", f"L={L}", f"budget={B}",
-                                                               f"eps={eps}", f"n_samples={n_samples}", "progress=false"])
-                d = OmegaConf.to_container(cfg, resolve=True)
-                d.pop("hydra", None)
-                target = target or build_target(d["model"], d["device"])
-                rec, _ = run_config(d, target=target)
-                print(f"{arm:30s} {summary_line(rec)}", flush=True)
-                rows.append({"arm": arm, "budget": B, "eps": eps, "tree": rec["tree"], "sampler": rec["sampler"],
-                             "draft": d["draft"], "speedup_mean": rec["speedup"]["mean"],
-                             "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
-                             "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
-                             "delta_profile": "/".join(f"{x:.3f}" for x in rec.get("delta_profile") or []),
-                             "n_samples": n_samples})
+    for B, (K, L) in LEVER_BUDGETS.items():
+        for arm, ov in LEVERS.items():
+            cfg = compose(["model=digits", *ov, f"K={K}", f"L={L}", f"budget={B}", f"eps={eps}", f"n_samples={n_samples}",
+                           "progress=false"])
+            target = target or build_target(load_config(cfg)[0])
+            rec, _ = run_config(cfg, target=target)
+            print(f"{arm:30s} {summary_line(rec)}", flush=True)
+            rows.append({"arm": arm, "budget": B, "eps": eps, "tree": rec["tree"], "sampler": rec["sampler"],
+                         "draft": cfg.draft, "speedup_mean": rec["speedup"]["mean"],
+                         "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
+                         "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
+                         "delta_profile": "/".join(f"{x:.3f}" for x in rec.get("delta_profile") or []),
+                         "n_samples": n_samples})
     df = pd.DataFrame(rows)
     write_csv(df, OUT / "levers.csv")
     print(f"wrote {OUT / 'levers.csv'}")

@@ -8,6 +8,8 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)  # tests/helpers.py
 sys.path.insert(0, os.path.dirname(HERE))  # the repo root: experiments/, hydra_plugins/ (our sweeper)
 
+import specsamp.runner.config  # noqa: E402,F401  (Hydra's ConfigStore knows the schemas before any compose)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specsamp import exitcodes, report
+from specsamp.runner import exits as exitcodes, jobs, report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.dim=8", "steps=6", "n_samples=4"]
@@ -74,11 +74,11 @@ def test_exit_policy_is_one_table():
         assert status in doc
     assert "## Exit status" in readme and "| 3 |" in readme and "| 130 |" in readme
     state = {"kinds": ["config"]}
-    assert report.sweep_exit_status(state) == 2
-    assert report.sweep_exit_status({"kinds": ["config", "exception"]}) == 1
-    assert report.sweep_exit_status({"kinds": ["config", "infrastructure"]}) == 3
-    assert report.sweep_exit_status({"kinds": ["infrastructure"], "interrupted": True}) == 130
-    assert report.sweep_exit_status({"kinds": []}) == 0
+    assert exitcodes.sweep_exit_status(state) == 2
+    assert exitcodes.sweep_exit_status({"kinds": ["config", "exception"]}) == 1
+    assert exitcodes.sweep_exit_status({"kinds": ["config", "infrastructure"]}) == 3
+    assert exitcodes.sweep_exit_status({"kinds": ["infrastructure"], "interrupted": True}) == 130
+    assert exitcodes.sweep_exit_status({"kinds": []}) == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def _long_sweep(tmp_path, name):
     sweep = tmp_path / "multirun" / name
     first = sweep / "batch_size=50,model.dim=64,n_samples=4,steps=30"  # progress does not name directories
     second = sweep / "batch_size=50,model.dim=64,n_samples=200000,steps=30"
-    wait_for(second / report.RUNNING, proc)
+    wait_for(second / jobs.RUNNING, proc)
     return proc, sweep, first, second
 
 
@@ -246,13 +246,13 @@ def test_collect_tells_a_running_job_from_a_killed_one(tmp_path):
 def test_liveness_on_another_host_follows_the_heartbeat(tmp_path):
     job = tmp_path / "job"
     job.mkdir()
-    marker = {**report.running_marker(), "host": "another-node"}
-    (job / report.RUNNING).write_text(json.dumps(marker))
+    marker = {**jobs.running_marker(), "host": "another-node"}
+    (job / jobs.RUNNING).write_text(json.dumps(marker))
     now = time.time()
-    os.utime(job / report.RUNNING, (now, now))
-    assert report.job_liveness(job, now=now + report.STALE_S / 2) == "running"
-    assert report.job_liveness(job, now=now + report.STALE_S + 1) == "killed"
-    (job / report.RUNNING).write_text(json.dumps({**report.running_marker(), "pid": 2**22 + 7}))  # no such process here
-    assert report.job_liveness(job) == "killed"
-    (job / report.RUNNING).write_text(json.dumps(report.running_marker()))  # this very process: alive
-    assert report.job_liveness(job) == "running"
+    os.utime(job / jobs.RUNNING, (now, now))
+    assert jobs.job_liveness(job, now=now + jobs.STALE_S / 2) == "running"
+    assert jobs.job_liveness(job, now=now + jobs.STALE_S + 1) == "killed"
+    (job / jobs.RUNNING).write_text(json.dumps({**jobs.running_marker(), "pid": 2**22 + 7}))  # no such process here
+    assert jobs.job_liveness(job) == "killed"
+    (job / jobs.RUNNING).write_text(json.dumps(jobs.running_marker()))  # this very process: alive
+    assert jobs.job_liveness(job) == "running"

@@ -11,20 +11,13 @@ import pandas as pd
 import pytest
 
 from experiments import pixel, sd3
-from specsamp.runner import run_config
+from specsamp.runner import compose, run_config
 
 
 @pytest.fixture(scope="module")
 def record():
     """A real record (a tiny GMM run), to be relabelled as the jobs of a sweep."""
-    from hydra import compose, initialize_config_dir
-
-    from specsamp.runner.task import prepare
-    from tests_root import ROOT
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = prepare(compose(config_name="config", overrides=["model.dim=4", "n_samples=4", "steps=5", "progress=false"]))[0]
-    rec, _ = run_config(cfg)
+    rec, _ = run_config(compose(["model.dim=4", "n_samples=4", "steps=5", "progress=false"]))
     rec["status"] = "ok"
     return rec
 

@@ -10,7 +10,6 @@ MemoryError traceback (or the kernel's OOM killer) instead of a message.
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,9 @@ import torch
 
 from test_run import ROOT, TINY
 
-from specsamp import experiment as ex
+from specsamp.errors import ConfigError
+from specsamp.runner import build, loop, memory
+from specsamp.runner.config import compose, load_config
 from specsamp import treesearch as ts
 from specsamp.sampler import sample_speculative, sample_standard
 from specsamp.schedule import Schedule
@@ -120,8 +121,10 @@ def test_search_reports_progress_per_depth():
 
 
 def test_max_depth_is_capped_at_the_horizon():
-    assert ts.search_limits(50, {"steps": 10}, {"max_depth": 100, "max_width": 200}) == (8, 50)
-    assert ts.search_limits(50, {"steps": 10}, {}) == (8, 32)
+    run, _ = load_config(compose([*TINY, "steps=10", "max_depth=100", "max_width=200"]))
+    assert build.search_limits(run, 50) == (8, 50)
+    run, _ = load_config(compose([*TINY, "steps=10"]))
+    assert build.search_limits(run, 50) == (8, 32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,28 +137,31 @@ class _Model:
 
 
 def test_every_execution_is_checked(monkeypatch):
-    monkeypatch.setattr(ex, "available_bytes", lambda device: 10 * 2**20)  # 10 MiB
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)  # 10 MiB
     tree = DraftTree.uniform(2, 3)
-    ex.check_tree_memory(tree, 10, _Model(), "cpu", execution="path", n_total=10, steps=30)  # ~2 MiB: fits
+    memory.check_tree_memory(tree, 10, _Model(), "cpu", execution="path", n_total=10, steps=30)  # ~2 MiB: fits
     for execution, t in (("path", tree), ("tree", tree), ("path", None)):
-        with pytest.raises(ex.ConfigError, match=r"batch_size=\d+ or less"):
-            ex.check_tree_memory(t, 200, _Model(), "cpu", execution=execution, n_total=200, steps=30)
-    with pytest.raises(ex.ConfigError, match="n_samples=100000 .*num_shards"):
-        ex.check_tree_memory(tree, 1, _Model(), "cpu", execution="path", n_total=100000, steps=30)
+        with pytest.raises(ConfigError, match=r"batch_size=\d+ or less"):
+            memory.check_tree_memory(t, 200, _Model(), "cpu", execution=execution, n_total=200, steps=30)
+    with pytest.raises(ConfigError, match="n_samples=100000 .*num_shards"):
+        memory.check_tree_memory(tree, 1, _Model(), "cpu", execution="path", n_total=100000, steps=30)
 
 
 def test_tree_nodes_are_counted_within_the_horizon():
-    v = {"coupling": "dgrs", "K": 7, "L": 100, "tree": "uniform"}
-    assert ex.tree_nodes(v, 3) == 1 + 7 + 49 + 343
-    assert ex.tree_nodes({**v, "coupling": "rmc"}, 28) == 29
-    assert ex.tree_nodes({**v, "tree": "widths", "widths": [3, 2, 2, 5]}, 3) == 1 + 3 + 6 + 12
-    tree, B = ex.build_tree({**v, "K": 2, "L": 9, "evaluate_leaves": True}, 4)
+    def run(*overrides):
+        run, _ = load_config(compose([*TINY, *overrides]))
+        return run, build.build_coupling(run)
+
+    assert memory.tree_nodes(*run("K=7", "L=100"), 3) == 1 + 7 + 49 + 343
+    assert memory.tree_nodes(*run("K=7", "L=100", "sampler=rmc"), 28) == 29
+    assert memory.tree_nodes(*run("tree=widths", "widths=[3,2,2,5]"), 3) == 1 + 3 + 6 + 12
+    tree, B = build.build_tree(*run("K=2", "L=9"), 4)
     assert tree.describe() == "uniform(2,4)" and B == 2**10 - 2
 
 
 def test_available_bytes_sees_the_address_space_limit():
-    code = ("import resource, specsamp.runner as ex; "
-            "resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); print(ex.available_bytes('cpu'))")
+    code = ("import resource, specsamp.runner.memory as m; "
+            "resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); print(m.available_bytes('cpu'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert 0 < int(out.stdout) < 6 * 2**30, out.stderr
@@ -183,17 +189,10 @@ def test_samplers_report_progress_per_round_and_step():
 
 
 def test_log_file_gets_periodic_lines_and_bar_moves_per_round(monkeypatch, capsys):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from test_run import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose(config_name="config", overrides=TINY), resolve=True)
-    monkeypatch.setattr(ex, "LOG_INTERVAL", 0.0)  # a line at every update (30 s in real runs)
-    ex.run_config({**cfg, "progress": "auto"})  # capsys: stderr is not a terminal
+    monkeypatch.setattr(loop, "LOG_INTERVAL", 0.0)  # a line at every update (30 s in real runs)
+    loop.run_config(compose([*TINY, "progress=auto"]))  # capsys: stderr is not a terminal
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("sampling:")]
     assert len(lines) >= 3 and "\r" not in "".join(lines)  # one batch of 8, yet the line moves per round
     assert lines[-1].startswith("sampling: 100% (48/48 traj-step)")
-    ex.run_config({**cfg, "progress": False})
+    loop.run_config(compose([*TINY, "progress=false"]))
     assert "sampling" not in capsys.readouterr().err

@@ -31,10 +31,11 @@ def test_wandb_offline_run_holds_the_record(tmp_path):
 
 
 def test_logger_none_and_missing_wandb(tmp_path, monkeypatch, capsys):
+    from specsamp.runner.config import LoggerConfig
     from specsamp.runner.loggers import log_record
 
-    log_record({"logger": {"name": "none"}}, {}, tmp_path)  # nothing to do, nothing written
+    log_record(LoggerConfig(), {}, {}, tmp_path)  # logger=none: nothing to do, nothing written
     assert not any(tmp_path.iterdir())
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    log_record({"logger": {"name": "wandb"}}, {}, tmp_path)
+    log_record(LoggerConfig(name="wandb", _target_="specsamp.runner.loggers.WandbLogger"), {}, {}, tmp_path)
     assert "wandb package is not installed" in capsys.readouterr().out

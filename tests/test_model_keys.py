@@ -176,20 +176,10 @@ def _fill(value, model, files, sd3_dir):
     return value.format(**subs)
 
 
-@pytest.fixture(scope="module")
-def hydra_conf():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        yield
-
-
 def _compose(model, overrides):
-    from hydra import compose
+    from specsamp.runner.config import compose, load_config
 
-    from specsamp.runner.task import prepare
-
-    return prepare(compose(config_name="config", overrides=[f"model={model}", *overrides]))[0]
+    return load_config(compose([f"model={model}", *overrides]))[1]
 
 
 class LoaderSpy:
@@ -259,7 +249,7 @@ CASES = [(m, k) for m in MODELS for k in sorted(PROBES.get(m, {}))]
 
 
 @pytest.mark.parametrize("model,key", [pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits") else (m, k) for m, k in CASES])
-def test_model_key_is_used_or_rejected(model, key, files, hydra_conf, request, monkeypatch, tmp_path_factory):
+def test_model_key_is_used_or_rejected(model, key, files, request, monkeypatch, tmp_path_factory):
     from specsamp.models import sd3 as sd3_mod
 
     sd3_dir = request.getfixturevalue("sd3_dir") if model == "sd3" else ""

@@ -153,11 +153,9 @@ def test_pixel_fid_command_fills_the_table_with_a_float(fid_run, torch_home, fid
 
 
 def _compose(*overrides):
-    from hydra import compose, initialize_config_dir
+    from specsamp.runner import compose
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=["model=cifar10", "steps=5", "n_samples=3", "K=2", "L=2",
-                                                        "device=cpu", "progress=false", *overrides])
+    return compose(["model=cifar10", "steps=5", "n_samples=3", "K=2", "L=2", "device=cpu", "progress=false", *overrides])
 
 
 @pytest.mark.parametrize("case", ["missing-weights", "broken-extractor", "bad-reference"])
@@ -207,8 +205,9 @@ def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monke
     the decoded tensors and the saved files alike (same features)."""
     import numpy as np
 
-    from specsamp.runner import run_config, save_images
     from specsamp.images import as_pixels, load_images
+    from specsamp.runner import run_config
+    from specsamp.runner.outputs import save_images
     from specsamp.metrics.fid import extract_features
 
     path, sha = checkpoint
@@ -227,22 +226,18 @@ def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monke
 
 def test_gmm_target_has_no_images_and_refuses_metrics(tmp_path, monkeypatch, capsys):
     """The GMM target is not an image model: no decode, no images written, and metrics are refused up front."""
-    from hydra import compose, initialize_config_dir
-
+    from specsamp.runner import compose, run_config
+    from specsamp.runner.outputs import save_images
     from specsamp.runner.task import run_task
-    from specsamp.runner import run_config, save_images
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "steps=4", "progress=false"])
-        bad = compose(config_name="config", overrides=["model.dim=4", "n_samples=2", "metrics=[fid]"])
-    from specsamp.runner.task import prepare
-
-    _, res = run_config(prepare(cfg)[0])
+    cfg = compose(["model.dim=4", "n_samples=2", "steps=4", "progress=false"])
+    bad = compose(["model.dim=4", "n_samples=2", "metrics=[fid]"])
+    _, res = run_config(cfg)
     assert res.extra["target"].decode is None and save_images(res, tmp_path) is None
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         run_task(bad)
-    assert e.value.code == 2 and "fid and clip score images" in capsys.readouterr().err
+    assert e.value.code == 2 and "metrics=[fid] is invalid for model=gmm: it needs images" in capsys.readouterr().err
     assert not (tmp_path / "result.json").exists()
 
 
@@ -283,9 +278,11 @@ def test_checkpoint_refusal_names_the_real_overrides(tmp_path, checkpoint, monke
     with pytest.raises(SystemExit):
         run_task(_compose(f"model.path={path}", "model.sha256=" + "0" * 64))
     assert "model.trust_checkpoint=true" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # a string is not a yes: trust is a boolean
+    with pytest.raises(SystemExit):  # `no` is OmegaConf's false: still untrusted
         run_task(_compose(f"model.path={path}", "model.trust_checkpoint=no"))
-    assert "model.trust_checkpoint='no' is invalid" in capsys.readouterr().err
+    assert "model.trust_checkpoint=true" in capsys.readouterr().err
+    with pytest.raises(Exception, match="trust_checkpoint"):  # a value that is no boolean at all: Hydra refuses it
+        _compose(f"model.path={path}", "model.trust_checkpoint=maybe")
 
 
 def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
@@ -293,8 +290,9 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
     read the files of this run's indices."""
     import numpy as np
 
-    from specsamp.runner import compute_metrics, run_config, save_images
     from specsamp.images import as_pixels, save_images as save_pngs
+    from specsamp.runner import run_config
+    from specsamp.runner.outputs import compute_metrics, save_images
     from specsamp.metrics.fid import Statistics
 
     path, sha = checkpoint
@@ -308,7 +306,7 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
     target = res.extra["target"]
     target.fid = {"feature_extractor": feats}
     target.fid_ref = Statistics(np.zeros(3), np.eye(3))
-    out = compute_metrics(["fid"], res, images, {"device": "cpu", "model": {"name": "tiny"}})
+    out = compute_metrics(["fid"], res, images, "cpu")
     f = feats(torch.from_numpy(as_pixels(target.decode(res.samples))).permute(0, 3, 1, 2)).numpy()
     from specsamp.metrics.fid import frechet_distance_to_features
 

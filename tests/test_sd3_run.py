@@ -215,7 +215,6 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
     the saved PNGs and of the decoded tensors scored in memory."""
     import numpy as np
 
-    from specsamp.runner import build_target
     from specsamp.images import as_pixels, load_images
     from specsamp.metrics.clip import clip_scores, load_clip
     from specsamp.prompts import demo_prompts
@@ -233,7 +232,7 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
     pngs = load_images(r.out / "images")
     np.testing.assert_allclose(clip_scores(pngs, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    decoded = build_target(_compose(f"model.model_id={sd3_dir}")["model"], "cpu").decode(torch.load(r.out / "samples.pt"))
+    decoded = _target(_compose(f"model.model_id={sd3_dir}")).decode(torch.load(r.out / "samples.pt"))
     assert decoded.dtype == torch.float32 and decoded.min() >= -1 and decoded.max() <= 1 and decoded.min() < 0
     np.testing.assert_array_equal(as_pixels(decoded), pngs)
     np.testing.assert_allclose(clip_scores(decoded, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9)
@@ -244,13 +243,15 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
 
 
 def _compose(*overrides):
-    from hydra import compose, initialize_config_dir
+    from specsamp.runner import compose
 
-    from specsamp.runner.task import prepare
+    return compose([*BASE, *overrides])
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*BASE, *overrides])
-    return prepare(cfg)[0]
+
+def _target(cfg):
+    from specsamp.runner import build_target, load_config
+
+    return build_target(load_config(cfg)[0])
 
 
 class Recorder:
@@ -272,12 +273,13 @@ class Recorder:
 def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monkeypatch):
     """Same seed: image i gets the same prompt and the same initial latent under dgrs, rmc and standard,
     and the subprocess runs reproduce the in-process samples."""
-    from specsamp.runner import Target, build_target, run_config
+    from specsamp.models.base import Target
+    from specsamp.runner import run_config
     from specsamp.prompts import demo_prompts
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = _compose(f"model.model_id={sd3_dir}")
-    built = build_target(cfg["model"], "cpu")
+    built = _target(cfg)
     ids = torch.arange(N)
     assert built.prompts_for(ids) == demo_prompts(N)
     first = {}
@@ -340,14 +342,15 @@ def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
 def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
     """conf/model/sd3.yaml's max_batch (states per transformer forward) splits every batched call; the
     top-level max_batch, when set, wins. Before, the model's value was validated and then dropped."""
-    from specsamp.runner import Target, build_target, run_config
+    from specsamp.models.base import Target
+    from specsamp.runner import run_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rows = {}
     for label, overrides in (("model=1", ["model.max_batch=1"]), ("model=null", ["model.max_batch=null"]),
                              ("top=1", ["model.max_batch=null", "max_batch=1"])):
         cfg = _compose(f"model.model_id={sd3_dir}", *overrides)
-        built = build_target(cfg["model"], "cpu")
+        built = _target(cfg)
         seen = []
         inner = built.model
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from specsamp import report, shards
-from specsamp.runner.task import logger_config, prepare
-from specsamp.runner import ConfigError, run_config
+from specsamp.errors import ConfigError
+from specsamp.runner import jobs, report, shards
+from specsamp.runner.config import compose, load_config
+from specsamp.runner.loop import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -45,9 +45,8 @@ def results(sweep: Path) -> dict[str, float]:
     return {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/result.json")}
 
 
-def compose_cfg(overrides, hydra=False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+def compose_cfg(overrides):
+    return compose(overrides)
 
 
 @pytest.fixture(scope="module")
@@ -117,17 +116,22 @@ def test_sweep_dir_is_named_by_sweep_name_and_jobs_by_overrides(grid):
 def test_default_sweep_name_is_a_timestamp_and_single_run_hash_ignores_it():
     name = OmegaConf.to_container(compose_cfg([]), resolve=True)["sweep_name"]
     assert len(name.split("/")) == 2 and name[:2] == "20"
-    a, _ = prepare(compose_cfg(["sweep_name=a"]))
-    b, _ = prepare(compose_cfg(["sweep_name=b"]))
+    a = load_config(compose_cfg(["sweep_name=a"]))[1]
+    b = load_config(compose_cfg(["sweep_name=b"]))[1]
     assert a == b and "sweep_name" not in a and "num_shards" not in a
 
 
-def test_wandb_group_is_the_sweep_name_unless_set():
-    cfg = {"logger": {"name": "wandb", "group": None}}
-    assert logger_config(cfg, "grid")["logger"]["group"] == "grid"
-    assert logger_config(cfg, None)["logger"]["group"] is None  # single run: no group
-    assert logger_config({"logger": {"name": "wandb", "group": "mine"}}, "grid")["logger"]["group"] == "mine"
-    assert logger_config({"logger": {"name": "none"}}, "grid") == {"logger": {"name": "none"}}
+def test_wandb_group_is_the_sweep_name_unless_set(monkeypatch):
+    from specsamp.runner import loggers
+
+    seen = []
+    monkeypatch.setattr(loggers.WandbLogger, "log", lambda self, *a: seen.append(self.group))
+    wandb = load_config(compose_cfg(["logger=wandb"]))[0].logger
+    loggers.log_record(wandb, {}, {}, Path("."), "grid")
+    loggers.log_record(wandb, {}, {}, Path("."), None)  # single run: no group
+    loggers.log_record(load_config(compose_cfg(["logger=wandb", "logger.group=mine"]))[0].logger, {}, {}, Path("."), "grid")
+    loggers.log_record(load_config(compose_cfg([]))[0].logger, {}, {}, Path("."), "grid")  # logger=none: nothing
+    assert seen == ["grid", None, "mine"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,7 +224,7 @@ def test_bad_shard_keys_name_key_and_value():
     for ov, needle in ((["num_shards=0"], "num_shards=0"), (["num_shards=2", "shard=2"], "shard=2"),
                        (["num_shards=8", "n_samples=4"], "num_shards=8"), (["num_shards=3", "n_samples=4", "batch_size=2"], "batch_size")):  # fmt: skip
         with pytest.raises(ConfigError, match=needle):
-            prepare(compose_cfg([*TINY, *ov]))
+            load_config(compose_cfg([*TINY, *ov]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,7 +241,7 @@ def test_shard_indices_partition_in_order_and_respect_batches():
 
 @pytest.fixture(scope="module")
 def tiny_cfg():
-    return prepare(compose_cfg([*TINY, "n_samples=6", "batch_size=2"]))[0]  # the dict cli.py runs
+    return load_config(compose_cfg([*TINY, "n_samples=6", "batch_size=2"]))[1]  # the recorded dict
 
 
 def test_run_config_indices_reproduce_the_full_run(tiny_cfg):
@@ -365,9 +369,9 @@ def test_job_raising_an_exception_is_recorded_with_its_traceback(tmp_path):
 
 def test_job_dirname_is_one_unique_bounded_component():
     plain = ["K=2", "L=3", "sampler=rmc", "eps=0.1", "seed=-1", "save_samples=True"]
-    assert report.job_dirname(plain) == "K=2,L=3,eps=0.1,sampler=rmc,save_samples=True,seed=-1"  # Hydra's name
-    assert report.job_dirname(["K=2", "device=cpu"], ["device"]) == "K=2"
-    assert report.job_dirname([]) == ""
+    assert jobs.job_dirname(plain) == "K=2,L=3,eps=0.1,sampler=rmc,save_samples=True,seed=-1"  # Hydra's name
+    assert jobs.job_dirname(["K=2", "device=cpu"], ["device"]) == "K=2"
+    assert jobs.job_dirname([]) == ""
     tricky = [
         ["model.path=../../tiny.pkl", "L=2"], ["model.path=../../tiny.pkl", "L=3"], ["model.path=..", "L=2"],
         ["model.path=a/b", "L=2"], ["model.path=a_b", "L=2"], ["model.path=a/b,L=2"], ["model.path='a,b'", "L=2"],
@@ -375,12 +379,12 @@ def test_job_dirname_is_one_unique_bounded_component():
         ["model.name=" + "x" * 300], ["model.name=" + "x" * 299 + "y"], [f"k{i}=v" for i in range(60)],
         ["model.name=.hidden"], ["model.name=/abs/path"],
     ]
-    names = [report.job_dirname(o) for o in tricky]
+    names = [jobs.job_dirname(o) for o in tricky]
     assert len(set(names)) == len(names), names
     for name in names:
         assert "/" not in name and not name.startswith(".") and name not in ("", "..") and len(name) <= 120
         assert "@" in name or name == "L=2,model.path=a_b"  # hashed form (never equal to a plain name)
-    assert report.job_dirname(["L=2", "model.path=a/b"]) == report.job_dirname(["model.path=a/b", "L=2"])  # order-free
+    assert jobs.job_dirname(["L=2", "model.path=a/b"]) == jobs.job_dirname(["model.path=a/b", "L=2"])  # order-free
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +445,7 @@ def test_job_that_does_not_compose_is_recorded_and_the_others_run(tmp_path, swee
     bad = sweep / "K=2,L=2,model.dim=8,n_samples=4,sampler=nope,steps=6"
     failed = json.loads((bad / "failed.json").read_text())
     assert failed["kind"] == "config" and "Could not find 'sampler/nope'" in failed["error"] and "dgrs" in failed["error"]
-    assert not (bad / "result.json").exists() and not (bad / report.RUNNING).exists()
+    assert not (bad / "result.json").exists() and not (bad / jobs.RUNNING).exists()
     for ok in ("dgrs", "rmc"):
         assert (sweep / f"K=2,L=2,model.dim=8,n_samples=4,sampler={ok},steps=6" / "result.json").exists()
     assert "Traceback" not in p.out

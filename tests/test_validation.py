@@ -9,12 +9,11 @@ import runpy
 import shutil
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from test_run import ROOT, TINY, run
 
-from test_run import CONF, ROOT, TINY, run
-
-from specsamp import experiment as ex
+from specsamp.errors import ConfigError
+from specsamp.runner.config import closest_key, compose, load_config, valid_keys
+from specsamp.runner.loop import record_hash, run_config
 
 
 def run_inprocess(args, out_dir, monkeypatch):
@@ -45,19 +44,21 @@ def done(tmp_path_factory):
 
 
 BAD = [
-    (["save_samples=no"], ["save_samples='no'", "true or false"]),
-    (["skip_existing=maybe"], ["skip_existing='maybe'", "true or false"]),
+    (["save_samples=maybe"], ["save_samples='maybe'", "Boolean"]),
+    (["skip_existing=maybe"], ["skip_existing='maybe'", "Boolean"]),
     (["threads=0"], ["threads=0", ">= 1"]),
     (["progress=maybe"], ["progress='maybe'", "auto"]),
     (["seed=-1"], ["seed=-1", "2**59"]),
+    (["K=abc"], ["K='abc'", "Integer"]),
     ([f"seed={2**70}"], [f"seed={2**70}", "2**59"]),
     (["device=mps"], ["device='mps'", "cpu, cuda"]),
     (["model.dtype=foo"], ["model.dtype='foo'", "float32"]),
     (["eps=nan"], ["eps=nan", "finite"]),
     (["Kk=3"], ["Kk=3", "did you mean K?"]),
     (["+Kk=3"], ["Kk=3", "did you mean K?"]),
+    (["sampler.nme=x"], ["sampler.nme", "did you mean sampler.name?"]),
     (["model.dtpye=float32"], ["model.dtpye", "did you mean model.dtype?"]),
-    (["evaluate_leaves=yes"], ["evaluate_leaves='yes'"]),
+    (["evaluate_leaves=sure"], ["evaluate_leaves='sure'"]),
     (["tree=optimal", "max_width=0"], ["max_width=0"]),
 ]
 
@@ -90,34 +91,44 @@ def test_bad_value_exits_2_from_the_command_line(done, tmp_path, args, needles):
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*TINY, *overrides])
-    out = OmegaConf.to_container(cfg, resolve=True)
-    out.pop("sweep_name")  # a runner key (`${now:...}`): two composes may straddle a second
-    return out
+    return compose([*TINY, *overrides])
+
+
+def _hash(*overrides):
+    return record_hash(_cfg(*overrides))[2]
 
 
 def test_unused_keys_are_recorded_and_hashed_at_their_default(capsys):
-    plain, odd = _cfg("sampler=standard"), _cfg("sampler=standard", "draft=x0", "K=5")
-    assert ex.config_hash(plain) == ex.config_hash(odd)
-    rec, _ = ex.run_config(odd)
+    assert _hash("sampler=standard") == _hash("sampler=standard", "draft=x0", "K=5")
+    rec, _ = run_config(_cfg("sampler=standard", "draft=x0", "K=5"))
     assert rec["unused"] == {"draft": "x0", "K": 5} and rec["config"]["draft"] == "x0"
     assert "unused" in capsys.readouterr().err
-    assert "unused" not in ex.run_config(plain)[0]
+    assert "unused" not in run_config(_cfg("sampler=standard"))[0]
     # keys a tree rule does read still change the hash; `match` (the rmc arm's) does not
-    assert ex.config_hash(_cfg("draft=x0")) != ex.config_hash(_cfg())
-    assert ex.config_hash(_cfg("match=verification")) == ex.config_hash(_cfg())
-    assert ex.config_hash(_cfg("sampler=rmc", "match=verification")) != ex.config_hash(_cfg("sampler=rmc"))
+    assert _hash("draft=x0") != _hash()
+    assert _hash("match=verification") == _hash()
+    assert _hash("sampler=rmc", "match=verification") != _hash("sampler=rmc")
 
 
 def test_seed_range_and_closest_key():
-    ex.validate(_cfg(f"seed={2**59 - 1}"))
-    with pytest.raises(ex.ConfigError, match=r"seed=576460752303423488 .*\[0, 2\*\*59\)"):
-        ex.validate(_cfg(f"seed={2**59}"))
-    assert ex.closest_key("n_sample") == "n_samples" and ex.closest_key("zzzzzz") is None
-    assert ex.check_override_keys(["-m", "K=1,2", "+experiment=gmm_grid", "shape=k2l3", "hydra.run.dir=x",
-                                   "hydra/launcher=local", "model.dim=3"], CONF) is None
+    load_config(_cfg(f"seed={2**59 - 1}"))
+    with pytest.raises(ConfigError, match=r"seed=576460752303423488 .*\[0, 2\*\*59\)"):
+        load_config(_cfg(f"seed={2**59}"))
+    assert closest_key("n_sample", valid_keys("n_sample")) == "n_samples"
+    assert closest_key("zzzzzz", valid_keys("zzzzzz")) is None
+    assert closest_key("model.dtpye", valid_keys("model.dtpye")) == "model.dtype"
+
+
+def test_a_plain_dict_is_checked_like_a_composed_config():
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(_cfg(), resolve=True)
+    assert load_config(plain)[1] == load_config(_cfg())[1]
+    with pytest.raises(ConfigError, match="Kk=3 is not a key.*did you mean K"):
+        load_config({**plain, "Kk": 3})
+    with pytest.raises(ConfigError, match="model.dtpye.*did you mean model.dtype"):
+        load_config({**plain, "model": {**plain["model"], "dtpye": "float32"}})
 
 
 def test_threads_default_is_one():
-    assert _cfg()["threads"] == 1
+    assert _cfg().threads == 1
