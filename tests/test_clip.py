@@ -244,6 +244,7 @@ def test_loader_edges(tiny_clip, tmp_path, monkeypatch):
     """Random init for tests (no tag, no file); the tag route's download failure and its offline probe;
     open_clip's URL cache; an unreadable config beside a file; a local-dir that cannot load."""
     import specsamp.metrics.clip as clip_mod
+    from specsamp import hub
 
     model, _, _ = load_clip(TINY, pretrained=None)  # random weights: allowed only without a tag or file
     assert sum(p.numel() for p in model.parameters()) > 0
@@ -253,11 +254,11 @@ def test_loader_edges(tiny_clip, tmp_path, monkeypatch):
     (tmp_path / "url-cache" / name).write_bytes(b"x")
     assert clip_mod._cached_weights({"url": cfg["url"]}, str(tmp_path / "url-cache")) == str(tmp_path / "url-cache" / name)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
-    assert clip_mod._hub_reachable() is True  # behind a proxy the probe trusts it
+    assert hub.hub_reachable() is True  # behind a proxy the probe trusts it
     monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert clip_mod._env_true("HF_HUB_OFFLINE")
-    with pytest.raises(CLIPUnavailableError, match="offline"):
+    assert hub.env_true("HF_HUB_OFFLINE") and hub.hub_offline()
+    with pytest.raises(CLIPUnavailableError, match="HF_HUB_OFFLINE is set"):
         load_clip(cache_dir=str(tmp_path / "empty"))
 
     def fail(*a, **k):

@@ -13,7 +13,7 @@ pytest.importorskip("torch_fidelity")
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase  # noqa: E402
 from torch_fidelity.metric_fid import fid_statistics_to_metric  # noqa: E402
 
-from specsamp.images import save_images, save_shard, to_uint8  # noqa: E402
+from specsamp.images import save_images, to_uint8  # noqa: E402
 from specsamp.metrics import fid as fid_mod  # noqa: E402
 from specsamp.metrics.fid import (  # noqa: E402
     INCEPTION,
@@ -77,8 +77,8 @@ def _images(n, seed, shift=0.0):
 def test_fid_end_to_end_matches_direct_computation(tmp_path):
     a, b = _images(40, seed=0), _images(36, seed=1, shift=0.2)
     ua, ub = to_uint8(a), to_uint8(b)
-    save_shard(tmp_path / "run", 0, ua[:25])
-    save_shard(tmp_path / "run", 25, ua[25:])
+    save_images(ua[:25], tmp_path / "run")
+    save_images(ua[25:], tmp_path / "run", start_index=25)
     save_images(b, tmp_path / "ref_png")
     res = compute_fid(tmp_path / "run", tmp_path / "ref_png", feature_extractor=TinyExtractor, device="cpu", batch_size=16)
     fa = tiny_features(torch.from_numpy(ua).permute(0, 3, 1, 2)).numpy()
@@ -226,7 +226,7 @@ def test_extractor_from_a_config_string_an_instance_or_a_class(tmp_path):
 
 
 def test_compute_fid_references_and_saved_features(tmp_path, monkeypatch):
-    from specsamp.models.edm import CheckpointTrustError, file_sha256
+    from specsamp.hub import CheckpointTrustError, file_sha256
 
     imgs = np.random.default_rng(2).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
     feats = tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy()

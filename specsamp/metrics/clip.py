@@ -8,7 +8,7 @@ and the plain ``ViT-L-14`` config builds exact-GELU blocks, so loading the OpenA
 a silently different network (and different scores). :func:`load_clip` refuses that combination.
 
 Scores are per image, so two sampling rules run on the same (prompt, noise) pairs
-(:mod:`specsamp.prompts`) can be compared pairwise (:func:`paired_difference`, :func:`compare_rules`);
+(:mod:`specsamp.models.sd3.prompts`) can be compared pairwise (:func:`paired_difference`, :func:`compare_rules`);
 Table 1 reports the mean and the standard error of the mean over the 100 prompts
 (:func:`summarize`). Images follow the package's one convention (:mod:`specsamp.images`): uint8
 pixels, or floats in ``[-1, 1]`` quantised with :func:`specsamp.images.to_uint8` before scoring, so
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
+
+from ..hub import hub_offline, hub_offline_reason
 
 DEFAULT_MODEL = "ViT-L-14-quickgelu"
 DEFAULT_PRETRAINED = "openai"
@@ -37,22 +38,6 @@ class CLIPUnavailableError(OSError):
 
 # ----------------------------------------------------------------------------------------------
 # Loading
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the Hugging Face Hub opens within ``timeout`` s (True behind a proxy)."""
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _cached_weights(tag_cfg: Mapping, cache_dir: str | None) -> str | None:
@@ -255,12 +240,11 @@ def load_clip(
             )
         path = _cached_weights(tag_cfg, cache_dir)
         if path is None:
-            offline = bool(local_files_only) if local_files_only is not None else (_env_true("HF_HUB_OFFLINE") or not _hub_reachable())
             source = tag_cfg.get("hf_hub") or tag_cfg.get("url")
-            if offline:
+            if hub_offline(local_files_only):
                 raise CLIPUnavailableError(
                     f"CLIP weights {model_name}/{pretrained} ({source}) are not in the cache (cache_dir={cache_dir!r}) and "
-                    "this machine is offline: download them once on a connected machine (same call, or "
+                    f"offline ({hub_offline_reason(local_files_only)}): download them once where the hub is reachable (same call, or "
                     "huggingface-cli download) into that cache, or pass checkpoint=<local weights file>"
                 )
             try:
