@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from specsamp.prompts import (
+from specsamp.models.sd3.prompts import (
     coco_prompt_records,
     coco_prompts,
     demo_prompts,
