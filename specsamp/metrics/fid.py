@@ -20,10 +20,7 @@ identical. Compare methods with one extractor and one reference file.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,11 +391,6 @@ def _features(ext, layer: str, cuda: bool, images, batch_size: int, verbose: boo
     return feats[layer].double().numpy()
 
 
-def compute_statistics(images, **kwargs) -> Statistics:
-    """:func:`feature_statistics` of :func:`extract_features` (same keyword arguments)."""
-    return feature_statistics(extract_features(images, **kwargs))
-
-
 def compute_fid(
     samples,
     reference,
@@ -482,31 +474,3 @@ def _is_stats_reference(reference) -> bool:
         return True  # load_statistics reports the missing file
     with np.load(p, allow_pickle=False) as z:
         return "mu" in z.files and "sigma" in z.files
-
-
-def main(argv=None) -> int:
-    """``python -m specsamp.metrics.fid SAMPLES --ref REF [--weights W] [--device D] [--out JSON]``."""
-    p = argparse.ArgumentParser(description="FID of saved samples against reference statistics or images.")
-    p.add_argument("samples", help="folder of index-named PNGs")
-    p.add_argument("--ref", required=True, help=f"{sorted(REFERENCE_STATS)}, a URL, an .npz with mu/sigma, or images")
-    p.add_argument("--extractor", default=INCEPTION)
-    p.add_argument("--layer", default=None)
-    p.add_argument("--weights", default=None, help="local Inception weights (.pth)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--no-download", action="store_true")
-    p.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
-    a = p.parse_args(argv)
-    res = compute_fid(a.samples, a.ref, feature_extractor=a.extractor, feature_layer=a.layer, weights_path=a.weights,
-                      batch_size=a.batch, device=a.device, allow_download=not a.no_download)
-    text = json.dumps(res, indent=2)
-    if a.out:
-        from ..io import atomic_write as _atomic_write
-
-        _atomic_write(Path(a.out), lambda f: f.write(text.encode()))
-    print(text, file=sys.stdout)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
