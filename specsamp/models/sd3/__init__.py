@@ -155,8 +155,10 @@ class SD3Config(TargetConfig):
         clip = self.clip.load_kwargs()
         p = self.prompts
         texts = load_prompts(p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts)
-        pipe = pipeline or load_sd3(self.model_id, device=device, dtype=net_dtype, local_files_only=self.local_files_only,
-                                    cache_dir=self.cache_dir, drop_t5=self.drop_t5)
+        pipe = pipeline
+        if pipe is None:
+            pipe = load_sd3(self.model_id, device=device, dtype=net_dtype, local_files_only=self.local_files_only,
+                            cache_dir=self.cache_dir, drop_t5=self.drop_t5)
         transformer, vae = pipe.transformer, pipe.vae
         f = 2 ** (len(vae.config.block_out_channels) - 1)
         patch = int(_config_get(transformer, "patch_size", 1) or 1)
