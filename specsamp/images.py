@@ -1,4 +1,4 @@
-"""Saving generated images: uint8 conversion, a PNG grid to look at, per-image files and shards to score.
+"""Saving generated images: uint8 conversion, a PNG grid to look at, per-image PNG files to score.
 
 The image convention, the one used at every boundary between a target and a metric (NVlabs/edm
 ``generate.py``): a target's ``decode`` returns float images in ``[-1, 1]``, channels first
@@ -8,12 +8,8 @@ The image convention, the one used at every boundary between a target and a metr
 pixels and converts them with :func:`as_pixels`, so scoring images in memory and scoring the saved
 PNGs give the same numbers. Floats in ``[0, 1]`` (diffusers' ``output_type="pt"``) are not this
 convention: map them with ``2 x - 1`` first. Every image carries its *global index* (the trajectory id the
-sampler keys its randomness by), in its file name (``000123.png``) or next to it in a shard, so any
-subset can be regenerated from ``(seed, index)`` and scores can be paired image by image.
-
-Shards (``shard_<start>_<count>.npz`` holding ``images [n, H, W, C]`` uint8 and ``indices [n]`` int64)
-are written atomically (temporary file + rename), so a killed job leaves complete shards or none;
-:func:`merge_shards` assembles them and names what is missing.
+sampler keys its randomness by) in its file name (``000123.png``), so any subset can be regenerated
+from ``(seed, index)`` and scores can be paired image by image. Files are written atomically.
 
 Only numpy and PIL are needed here.
 """
@@ -22,24 +18,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 
 from .io import atomic_write
-
-SHARD_RE = re.compile(r"^shard_(\d+)_(\d+)\.npz$")
-
-
-class MissingShardsError(FileNotFoundError):
-    """Some images of ``[0, total)`` have no shard; ``missing`` lists the index ranges, ``expected``
-    the shard files that would cover them (when the shard size is evident)."""
-
-    def __init__(self, message: str, missing: list[tuple[int, int]], expected: list[str]):
-        super().__init__(message)
-        self.missing = missing
-        self.expected = expected
 
 
 def to_uint8(images) -> np.ndarray:
@@ -192,160 +175,30 @@ def save_images(images, directory: str | os.PathLike, start_index: int = 0, indi
     return out
 
 
-def shard_name(start_index: int, count: int) -> str:
-    """``shard_<start:07d>_<count:05d>.npz``: the shard holding images ``start .. start + count - 1``."""
-    return f"shard_{int(start_index):07d}_{int(count):05d}.npz"
-
-
-def save_shard(directory: str | os.PathLike, start_index: int, images) -> Path:
-    """Write images ``start_index .. start_index + N - 1`` as one shard, atomically.
+def load_images(folder: str | os.PathLike, indices=None) -> np.ndarray:
+    """Load saved PNGs (:func:`save_images`) as uint8 ``[N, H, W, C]`` ordered by global index.
 
     Args:
-        directory: shard folder (created).
-        start_index: global index of the first image (>= 0).
-        images: uint8 ``[N, H, W, C]`` or float ``[N, C, H, W]`` in ``[-1, 1]``.
-
-    Returns:
-        Path of the shard (:func:`shard_name`).
+        folder: a folder of PNG files named by index.
+        indices: exactly these global indices, in this order (other files in the folder are ignored);
+            default every index-named PNG.
 
     Raises:
-        ValueError: negative ``start_index``, empty or malformed images.
-    """
-    if isinstance(start_index, bool) or int(start_index) < 0:
-        raise ValueError(f"start_index={start_index!r} is invalid: must be an integer >= 0")
-    arr = _pixels(images)
-    if len(arr) == 0:
-        raise ValueError("images is empty: a shard holds at least one image")
-    idx = np.arange(int(start_index), int(start_index) + len(arr), dtype=np.int64)
-    path = Path(directory) / shard_name(start_index, len(arr))
-    atomic_write(path, lambda f: np.savez(f, images=arr, indices=idx))
-    return path
-
-
-def list_shards(directory: str | os.PathLike) -> list[tuple[int, int, Path]]:
-    """Shards in a folder as ``(start, count, path)`` sorted by start (temporary files ignored)."""
-    out = []
-    d = Path(directory)
-    if not d.is_dir():
-        return out
-    for p in d.iterdir():
-        m = SHARD_RE.match(p.name)
-        if m:
-            out.append((int(m.group(1)), int(m.group(2)), p))
-    return sorted(out)
-
-
-def _ranges(missing: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted indices -> inclusive ranges."""
-    if missing.size == 0:
-        return []
-    breaks = np.nonzero(np.diff(missing) != 1)[0]
-    starts = np.concatenate([[missing[0]], missing[breaks + 1]])
-    ends = np.concatenate([missing[breaks], [missing[-1]]])
-    return [(int(a), int(b)) for a, b in zip(starts, ends)]
-
-
-def merge_shards(directory: str | os.PathLike, total: int, out: str | os.PathLike | None = None) -> np.ndarray:
-    """Assemble images ``0 .. total - 1`` from the shards of a folder.
-
-    Args:
-        directory: shard folder.
-        total: number of images expected.
-        out: optional ``.npz`` to write (atomically) with ``images`` and ``indices``.
-
-    Returns:
-        uint8 ``[total, H, W, C]``.
-
-    Raises:
-        MissingShardsError: some indices have no shard; the message names the missing ranges and
-            the shard files that would cover them.
-        ValueError: ``total < 1``; shards disagreeing on image shape; overlapping shards with
-            different pixels; a shard whose contents disagree with its name.
-    """
-    if isinstance(total, bool) or int(total) < 1:
-        raise ValueError(f"total={total!r} is invalid: must be an integer >= 1")
-    total = int(total)
-    shards = list_shards(directory)
-    have = np.zeros(total, dtype=bool)
-    images = None
-    for start, count, path in shards:
-        if start >= total:
-            continue
-        with np.load(path) as z:
-            arr, idx = z["images"], z["indices"]
-        if len(arr) != count or len(idx) != count or idx[0] != start:
-            raise ValueError(f"shard {path.name} holds {len(arr)} images from index {int(idx[0]) if len(idx) else '-'}; "
-                             f"its name says {count} from {start}")
-        if images is None:
-            images = np.zeros((total, *arr.shape[1:]), dtype=np.uint8)
-        elif arr.shape[1:] != images.shape[1:]:
-            raise ValueError(f"shard {path.name} has images of shape {arr.shape[1:]}, others {images.shape[1:]}")
-        keep = idx < total
-        idx, arr = idx[keep], arr[keep]
-        dup = have[idx]
-        if dup.any() and not np.array_equal(images[idx[dup]], arr[dup]):
-            raise ValueError(f"shard {path.name} overlaps an earlier shard with different pixels (indices {idx[dup][:5].tolist()}...)")
-        images[idx] = arr
-        have[idx] = True
-    if not have.all():
-        ranges = _ranges(np.nonzero(~have)[0])
-        sizes = sorted({c for _, c, _ in shards})
-        size = sizes[-1] if sizes else None
-        expected = []
-        if size:
-            for a, b in ranges:
-                first = a - a % size
-                for s in range(first, b + 1, size):
-                    expected.append(shard_name(s, min(size, total - s)))
-        shown = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges[:20])
-        more = f" (+{len(ranges) - 20} more ranges)" if len(ranges) > 20 else ""
-        files = f"; expected shard files: {', '.join(expected[:20])}{' ...' if len(expected) > 20 else ''}" if expected else ""
-        raise MissingShardsError(
-            f"{int((~have).sum())} of {total} images have no shard in {str(directory)!r}: indices {shown}{more}{files}",
-            ranges,
-            expected,
-        )
-    if out is not None:
-        idx = np.arange(total, dtype=np.int64)
-        atomic_write(Path(out), lambda f: np.savez(f, images=images, indices=idx))
-    return images
-
-
-def load_images(source: str | os.PathLike, total: int | None = None, indices=None) -> np.ndarray:
-    """Load saved images as uint8 ``[N, H, W, C]`` ordered by global index.
-
-    Args:
-        source: a ``.npz`` with ``images`` (e.g. from :func:`merge_shards`), a folder of shards, or a
-            folder of PNG files named by index (:func:`save_images`).
-        total: for a shard folder, the number of images expected (default: up to the last shard).
-        indices: for a PNG folder, exactly these global indices, in this order (other files in the
-            folder are ignored); default every index-named PNG.
-
-    Raises:
-        FileNotFoundError: nothing there, or a PNG of ``indices`` is missing; :class:`MissingShardsError`
-            for gaps in a shard folder.
+        FileNotFoundError: no folder, no index-named PNG in it, or a PNG of ``indices`` is missing.
         ValueError: PNGs of different sizes.
     """
-    p = Path(source)
+    p = Path(folder)
     if indices is not None:
         files = [p / image_name(int(i)) for i in indices]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{len(missing)} images are missing in {str(p)!r}: {', '.join(missing[:10])}")
         return _stack_pngs(files, p)
-    if p.is_file():
-        with np.load(p) as z:
-            return _as_hwc_uint8(z["images"])
     if not p.is_dir():
         raise FileNotFoundError(f"no images at {str(p)!r}")
-    shards = list_shards(p)
-    if shards:
-        n = total if total is not None else max(s + c for s, c, _ in shards)
-        return merge_shards(p, n)
-    files = sorted(f for f in p.iterdir() if f.suffix.lower() == ".png" and f.stem.isdigit())
+    files = sorted((f for f in p.iterdir() if f.suffix.lower() == ".png" and f.stem.isdigit()), key=lambda f: int(f.stem))
     if not files:
-        raise FileNotFoundError(f"no shards or index-named PNG files in {str(p)!r}")
-    files.sort(key=lambda f: int(f.stem))
+        raise FileNotFoundError(f"no index-named PNG files in {str(p)!r}")
     return _stack_pngs(files, p)
 
 

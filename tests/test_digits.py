@@ -23,7 +23,8 @@ from helpers import chi2_same_counts, two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.models import digits
-from specsamp.models.edm import CHECKPOINTS, CheckpointTrustError, EDMVelocity, build_edm_model, file_sha256
+from specsamp.hub import CheckpointTrustError, file_sha256
+from specsamp.models.edm import CHECKPOINTS, EDMConfig, EDMVelocity, uniform_labels
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "edm-digits-8x8-cond"
@@ -36,7 +37,7 @@ def test_shipped_files_match_their_hashes():
 
 
 def test_denoiser_loads_through_the_checked_loader_and_tampering_is_refused(tmp_path):
-    model = build_edm_model({"name": NAME, "device": "cpu", "download": False})
+    model = EDMConfig(name=NAME, download=False, labels="uniform").build("cpu").model
     assert isinstance(model, EDMVelocity)
     assert model.label_dim == 10 and model.event_shape == (1, 8, 8)
     # the class was rebuilt from the source embedded in the pickle, not imported from the package
@@ -46,7 +47,7 @@ def test_denoiser_loads_through_the_checked_loader_and_tampering_is_refused(tmp_
     blob[-10] ^= 1
     bad.write_bytes(bytes(blob))
     with pytest.raises(CheckpointTrustError, match="SHA-256"):
-        build_edm_model({"name": NAME, "path": str(bad), "device": "cpu"})
+        EDMConfig(name=NAME, path=str(bad), labels="uniform").build("cpu")
     # the classifier: a copy of the shipped file loads from anywhere, a modified one is refused
     copy = tmp_path / "copy.pkl"
     shutil.copy(digits.CLASSIFIER_FILE, copy)
@@ -94,8 +95,6 @@ def test_run_py_digits_prints_speedup_and_writes_a_float_fid(tmp_path):
 
 
 def _samples(model, rule, n, steps, seed):
-    from specsamp.experiment import uniform_labels
-
     sched = Schedule.make(steps, 0.3)
     ids = torch.arange(n)
     cond = {"class_labels": uniform_labels(ids, seed, 10)}
@@ -106,7 +105,7 @@ def _samples(model, rule, n, steps, seed):
 
 
 def _agree(n, steps, rules):
-    model = build_edm_model({"name": NAME, "device": "cpu"})
+    model = EDMConfig(name=NAME, labels="uniform").build("cpu").model
     clf = digits.load_classifier()
     a = _samples(model, "standard", n, steps, seed=0)
     for i, rule in enumerate(rules):
@@ -151,7 +150,7 @@ def test_training_script_writes_checked_loadable_files(tmp_path):
 
     assert train_digits.main(["--steps", "3", "--batch", "8", "--classifier-epochs", "1", "--out-dir", str(tmp_path)]) == 0
     sha = file_sha256(tmp_path / digits.DENOISER_FILE.name)
-    net = build_edm_model({"path": str(tmp_path / digits.DENOISER_FILE.name), "sha256": sha, "device": "cpu"}).net
+    net = EDMConfig(name="retrained", path=str(tmp_path / digits.DENOISER_FILE.name), sha256=sha, labels="uniform").build("cpu").model.net
     assert type(net).__name__ == "EDMPrecond" and net.label_dim == 10
     clf = digits.load_classifier(tmp_path / digits.CLASSIFIER_FILE.name, sha256=file_sha256(tmp_path / digits.CLASSIFIER_FILE.name))
     assert clf(torch.zeros(2, 1, 8, 8))[1].shape == (2, 10)

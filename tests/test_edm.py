@@ -14,8 +14,10 @@ from helpers import two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.models import GaussianMixture
-from specsamp.models import edm as edm_mod
-from specsamp.models.edm import CHECKPOINTS, CheckpointTrustError, EDMVelocity, build_edm_model, load_edm
+from specsamp import hub
+from specsamp.errors import ConfigError
+from specsamp.hub import CheckpointTrustError
+from specsamp.models.edm import CHECKPOINTS, EDMConfig, EDMVelocity, load_edm
 
 
 class GMMPrecond(torch.nn.Module):
@@ -264,7 +266,7 @@ def test_persistent_pickle_round_trip(tmp_path):
     again = pickle.loads(pickle.dumps(net))
     torch.testing.assert_close(again(x, sig), obj(x, sig))
     # through the config constructor
-    m2 = build_edm_model({"path": str(path), "sha256": sha, "device": "cpu", "dtype": "float64"})
+    m2 = EDMConfig(name="tiny", path=str(path), sha256=sha, dtype="float64").build("cpu").model
     assert m2.dtype == torch.float64 and m2.event_shape == (2, 4, 4)
 
 
@@ -278,7 +280,7 @@ def test_wrong_or_unknown_checksum_refused_before_code_runs(tmp_path):
     with pytest.raises(CheckpointTrustError, match=f"no expected SHA-256.*{sha}"):
         load_edm(path)
     with pytest.raises(CheckpointTrustError):
-        build_edm_model({"path": str(path), "device": "cpu"})
+        EDMConfig(name="tiny", path=str(path)).build("cpu")
     assert not marker.exists()
     # control: the marker mechanism works, so the assertion above can fail
     load_edm(path, trust_checkpoint=True)
@@ -296,11 +298,11 @@ def test_missing_file_names_url_and_path(tmp_path, monkeypatch):
     def offline(*a, **k):
         raise urllib.error.URLError("Name or service not known")
 
-    monkeypatch.setattr(edm_mod.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(hub.urllib.request, "urlopen", offline)
     with pytest.raises(FileNotFoundError, match="download failed.*Name or service"):
         load_edm(url, cache_dir=tmp_path / "c2")
     assert not list((tmp_path / "c2").rglob("*.part"))
     with pytest.raises(FileNotFoundError, match="no file at path"):
         load_edm(tmp_path / "nope.pkl")
-    with pytest.raises(ValueError, match="model.name='cifar'"):
-        build_edm_model({"name": "cifar"})
+    with pytest.raises(ConfigError, match="model.name='cifar'"):
+        EDMConfig(name="cifar").build("cpu")

@@ -13,7 +13,7 @@ pytest.importorskip("torch_fidelity")
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase  # noqa: E402
 from torch_fidelity.metric_fid import fid_statistics_to_metric  # noqa: E402
 
-from specsamp.images import save_images, save_shard, to_uint8  # noqa: E402
+from specsamp.images import save_images, to_uint8  # noqa: E402
 from specsamp.metrics import fid as fid_mod  # noqa: E402
 from specsamp.metrics.fid import (  # noqa: E402
     INCEPTION,
@@ -77,8 +77,8 @@ def _images(n, seed, shift=0.0):
 def test_fid_end_to_end_matches_direct_computation(tmp_path):
     a, b = _images(40, seed=0), _images(36, seed=1, shift=0.2)
     ua, ub = to_uint8(a), to_uint8(b)
-    save_shard(tmp_path / "run", 0, ua[:25])
-    save_shard(tmp_path / "run", 25, ua[25:])
+    save_images(ua[:25], tmp_path / "run")
+    save_images(ua[25:], tmp_path / "run", start_index=25)
     save_images(b, tmp_path / "ref_png")
     res = compute_fid(tmp_path / "run", tmp_path / "ref_png", feature_extractor=TinyExtractor, device="cpu", batch_size=16)
     fa = tiny_features(torch.from_numpy(ua).permute(0, 3, 1, 2)).numpy()
@@ -198,13 +198,11 @@ def test_low_rank_distance_equals_the_general_one():
 def test_extractor_from_a_config_string_an_instance_or_a_class(tmp_path):
     """A config names an extractor by registered name or by ``package.module:Class``; instances,
     classes and callables work from Python; bad names and layers are refused."""
-    from specsamp.metrics.fid import compute_statistics
-
     imgs = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
     want = tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy()
     np.testing.assert_allclose(extract_features(imgs, "test_fid:TinyExtractor", device="cpu"), want, rtol=1e-12)
     np.testing.assert_allclose(extract_features(imgs, TinyExtractor("specsamp-test-tiny", ["tiny"]), device="cpu"), want, rtol=1e-12)
-    st = compute_statistics(imgs, feature_extractor=TinyExtractor, device="cpu")
+    st = feature_statistics(extract_features(imgs, feature_extractor=TinyExtractor, device="cpu"))
     assert st.n == 5 and st.mu.shape == (8,)
     gray = imgs[..., :1]  # one channel: repeated to three, as torch-fidelity expects
     np.testing.assert_allclose(extract_features(gray, tiny_features, device="cpu"),
@@ -226,7 +224,7 @@ def test_extractor_from_a_config_string_an_instance_or_a_class(tmp_path):
 
 
 def test_compute_fid_references_and_saved_features(tmp_path, monkeypatch):
-    from specsamp.models.edm import CheckpointTrustError, file_sha256
+    from specsamp.hub import CheckpointTrustError, file_sha256
 
     imgs = np.random.default_rng(2).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
     feats = tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy()
@@ -248,17 +246,3 @@ def test_compute_fid_references_and_saved_features(tmp_path, monkeypatch):
         compute_fid(imgs, tmp_path / "missing.npz", **kw)
     with pytest.raises(ValueError, match="feature dimension 8.*3"):
         compute_fid(imgs, (np.zeros(3), np.eye(3)), **kw)
-
-
-def test_fid_command_line(tmp_path, capsys):
-    """``python -m specsamp.metrics.fid SAMPLES --ref REF --out JSON`` prints and writes the same dict."""
-    imgs = np.random.default_rng(3).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
-    save_images(imgs, tmp_path / "png")
-    ref = Statistics(np.zeros(8), np.eye(8) * 0.01, 10).save(tmp_path / "ref.npz")
-    assert fid_mod.main([str(tmp_path / "png"), "--ref", str(ref), "--extractor", "test_fid:TinyExtractor",
-                         "--device", "cpu", "--batch", "4", "--out", str(tmp_path / "fid.json")]) == 0
-    import json
-
-    printed = json.loads(capsys.readouterr().out)
-    assert printed == json.loads((tmp_path / "fid.json").read_text())
-    assert isinstance(printed["fid"], float) and printed["n_samples"] == 6 and printed["feature_layer"] == "tiny"

@@ -1,4 +1,4 @@
-"""uint8 conversion, grids, index-named files and atomic shards."""
+"""uint8 conversion, grids and index-named files."""
 
 from __future__ import annotations
 
@@ -7,18 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from specsamp.images import (
-    MissingShardsError,
-    list_shards,
-    load_images,
-    make_grid,
-    merge_shards,
-    save_grid,
-    save_images,
-    save_shard,
-    shard_name,
-    to_uint8,
-)
+from specsamp.images import load_images, make_grid, save_grid, save_images, to_uint8
 
 
 def _samples(n, seed=0, hw=4):
@@ -52,42 +41,6 @@ def test_grid_and_index_named_pngs(tmp_path):
     assert [f.name for f in files] == ["000998.png", "000999.png", "001000.png", "001001.png", "001002.png"]
     np.testing.assert_array_equal(np.asarray(Image.open(files[2])), u[2])
     np.testing.assert_array_equal(load_images(tmp_path / "png"), u)
-
-
-def test_shards_atomic_merge_and_missing(tmp_path):
-    x = _samples(10, seed=1)
-    u = to_uint8(x)
-    d = tmp_path / "shards"
-    assert save_shard(d, 0, x[:4]).name == shard_name(0, 4) == "shard_0000000_00004.npz"
-    save_shard(d, 8, u[8:])
-    (d / ".shard_0000004_00004.npz.abc.tmp").write_bytes(b"partial")  # a killed writer's leftover
-    assert [(s, c) for s, c, _ in list_shards(d)] == [(0, 4), (8, 2)]
-    with pytest.raises(MissingShardsError) as e:
-        merge_shards(d, 10)
-    assert e.value.missing == [(4, 7)]
-    assert "indices 4-7" in str(e.value) and "shard_0000004_00004.npz" in str(e.value)
-    save_shard(d, 4, x[4:8])
-    save_shard(d, 4, x[4:8])  # a rerun overwrites the same shard atomically
-    merged = merge_shards(d, 10, out=tmp_path / "all.npz")
-    np.testing.assert_array_equal(merged, u)
-    np.testing.assert_array_equal(load_images(tmp_path / "all.npz"), u)
-    np.testing.assert_array_equal(load_images(d), u)
-    with pytest.raises(MissingShardsError, match="10-11"):
-        merge_shards(d, 12)
-    assert not [p for p in d.iterdir() if p.name.endswith(".tmp") and "abc" not in p.name]
-
-
-def test_shard_errors(tmp_path):
-    with pytest.raises(ValueError, match="start_index=-1"):
-        save_shard(tmp_path, -1, _samples(1))
-    with pytest.raises(ValueError, match="empty"):
-        save_shard(tmp_path, 0, np.zeros((0, 4, 4, 3), np.uint8))
-    with pytest.raises(ValueError, match="total=0"):
-        merge_shards(tmp_path, 0)
-    save_shard(tmp_path / "a", 0, _samples(2, seed=2))
-    save_shard(tmp_path / "a", 1, _samples(2, seed=3))  # overlaps index 1 with other pixels
-    with pytest.raises(ValueError, match="overlaps"):
-        merge_shards(tmp_path / "a", 3)
 
 
 def test_as_pixels_is_the_one_convention_at_the_metric_boundary():
@@ -126,11 +79,10 @@ def test_image_argument_errors(tmp_path):
         make_grid(np.zeros((2, 2, 2, 3), dtype=np.uint8), nrow=0)
     with pytest.raises(ValueError, match="indices has 1 entries for 2 images"):
         save_images(_samples(2), tmp_path / "x", indices=[0])
-    assert list_shards(tmp_path / "nothing") == []
     with pytest.raises(FileNotFoundError, match="no images at"):
         load_images(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no shards or index-named PNG"):
+    with pytest.raises(FileNotFoundError, match="no index-named PNG"):
         load_images(tmp_path / "empty")
     save_images(_samples(1, hw=4), tmp_path / "mixed")
     save_images(_samples(1, hw=6), tmp_path / "mixed", start_index=1)
@@ -139,21 +91,6 @@ def test_image_argument_errors(tmp_path):
     gray = np.zeros((1, 3, 3, 1), dtype=np.uint8)
     save_images(gray, tmp_path / "gray")
     assert load_images(tmp_path / "gray").shape == (1, 3, 3, 1)
-
-
-def test_merge_shards_checks_names_and_shapes(tmp_path):
-    d = tmp_path / "s"
-    save_shard(d, 0, _samples(2))
-    save_shard(d, 5, _samples(1))  # beyond total=2: ignored
-    assert merge_shards(d, 2).shape == (2, 4, 4, 3)
-    (d / shard_name(2, 3)).write_bytes((d / shard_name(0, 2)).read_bytes())  # contents disagree with the name
-    with pytest.raises(ValueError, match="its name says 3 from 2"):
-        merge_shards(d, 5)
-    e = tmp_path / "t"
-    save_shard(e, 0, _samples(1, hw=4))
-    save_shard(e, 1, _samples(1, hw=6))
-    with pytest.raises(ValueError, match="has images of shape"):
-        merge_shards(e, 2)
 
 
 def test_load_images_by_indices(tmp_path):

@@ -12,12 +12,13 @@ pytest.importorskip("diffusers")
 
 from helpers import two_sample_pvalues  # noqa: E402
 
+from specsamp.errors import ConfigError  # noqa: E402
 from specsamp.models.gmm import GaussianMixture  # noqa: E402
 from specsamp.models.sd3 import (  # noqa: E402
     TIMESTEP_SCALE,
+    SD3Config,
     SD3UnavailableError,
     SD3Velocity,
-    build_sd3_model,
     decode_latents,
     load_sd3,
 )
@@ -241,11 +242,8 @@ def test_tiny_sd3_speculative_generation(tiny):
         assert res.batch_calls + 1 <= len(calls) == model.calls <= res.batch_calls + 2
         images = decode_latents(vae, res.samples, chunk=1)
         assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32
-        assert torch.isfinite(images).all() and images.min() >= 0 and images.max() <= 1
-        u8 = decode_latents(vae, res.samples, chunk=1, output="uint8")
-        assert u8.dtype == torch.uint8 and torch.equal(u8, (images * 255).round().to(torch.uint8))
-        signed = decode_latents(vae, res.samples, output="signed")
-        torch.testing.assert_close(signed, images * 2 - 1)
+        assert torch.isfinite(images).all() and images.min() >= -1 and images.max() <= 1
+        torch.testing.assert_close(decode_latents(vae, res.samples), images)  # chunking changes nothing
         # the standard sampler makes exactly one call per step
         calls.clear()
         model.calls = 0
@@ -295,7 +293,7 @@ def test_adapter_errors(tiny):
 
 
 class FakePipeline:
-    """What :func:`build_sd3_model` uses of ``StableDiffusion3Pipeline``: modules and ``encode_prompt``."""
+    """What :meth:`SD3Config.build` uses of ``StableDiffusion3Pipeline``: modules and ``encode_prompt``."""
 
     def __init__(self, transformer, vae):
         self.transformer, self.vae = transformer, vae
@@ -309,33 +307,28 @@ class FakePipeline:
         return torch.cat([r[0] for r in rows]), None, torch.cat([r[1] for r in rows]), None
 
 
-def test_build_sd3_model_from_config(tiny):
+def test_sd3_config_builds_a_target(tiny):
     transformer, vae = tiny
     pipe = FakePipeline(transformer, vae)
-    cfg = {
-        "name": "sd3",
-        "device": "cpu",
-        "resolution": 16,  # tiny VAE factor 2 -> latent 4 x 8 x 8
-        "net_dtype": "float32",
-        "guidance": 3.0,
-        "decode_chunk": 1,
-        "prompts": {"source": "demo", "n": 2},
-    }
-    target = build_sd3_model(cfg, pipeline=pipe)
+    cfg = SD3Config(resolution=16, net_dtype="float32", guidance=3.0, decode_chunk=1)  # tiny VAE factor 2 -> latent 4x8x8
+    cfg.prompts.source, cfg.prompts.n = "demo", 2
+    target = cfg.build("cpu", pipeline=pipe)
     assert target.model.event_shape == (4, 8, 8)
-    assert len(target.prompts) == 2 and pipe.encoded == list(target.prompts) + [""]
+    texts = target.prompts_for(torch.arange(2))
+    assert len(texts) == 2 and pipe.encoded == texts + [""]
     assert pipe.text_encoder is None and pipe.text_encoder_3 is None  # freed after encoding
-    assert target.cond["prompt"].tolist() == [0, 1] and target.indices.tolist() == [0, 1]
-    res = sample_standard(target.model, Schedule.make(4, 0.8, shift=3.0), **target.sampler_kwargs())
+    assert target.cond_for(torch.arange(2), 0)["prompt"].tolist() == [0, 1] and target.indices.tolist() == [0, 1]
+    assert target.clip["model_name"] == "ViT-L-14-quickgelu" and target.max_batch is None
+    res = sample_standard(target.model, Schedule.make(4, 0.8, shift=3.0), indices=target.indices,
+                          cond=target.cond_for(target.indices, 0))
     images = target.decode(res.samples)
     assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
-    assert target.config["latent_shape"] == [4, 8, 8]
-    with pytest.raises(ValueError, match="unknown keys \\['guidence'\\]"):
-        build_sd3_model({**cfg, "guidence": 7.0}, pipeline=FakePipeline(transformer, vae))
-    with pytest.raises(ValueError, match="model.resolution"):
-        build_sd3_model({**cfg, "resolution": 18}, pipeline=FakePipeline(transformer, vae))
-    with pytest.raises(ValueError, match="model.net_dtype"):
-        build_sd3_model({**cfg, "net_dtype": "float8"}, pipeline=FakePipeline(transformer, vae))
+    with pytest.raises(ConfigError, match="n_samples is invalid: the prompt plan has 2 images"):
+        target.cond_for(torch.arange(3), 0)
+    for key, value, match in (("resolution", 18, "model.resolution"), ("net_dtype", "float8", "model.net_dtype"),
+                              ("max_batch", 0, "model.max_batch=0"), ("guidance", float("nan"), "model.guidance")):
+        with pytest.raises(ConfigError, match=match):
+            SD3Config(**{**cfg.__dict__, key: value}).build("cpu", pipeline=FakePipeline(transformer, vae))
 
 
 def test_load_sd3_fails_fast_and_clearly(tmp_path):

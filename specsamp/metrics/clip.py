@@ -8,9 +8,8 @@ and the plain ``ViT-L-14`` config builds exact-GELU blocks, so loading the OpenA
 a silently different network (and different scores). :func:`load_clip` refuses that combination.
 
 Scores are per image, so two sampling rules run on the same (prompt, noise) pairs
-(:mod:`specsamp.prompts`) can be compared pairwise (:func:`paired_difference`, :func:`compare_rules`);
-Table 1 reports the mean and the standard error of the mean over the 100 prompts
-(:func:`summarize`). Images follow the package's one convention (:mod:`specsamp.images`): uint8
+(:mod:`specsamp.models.sd3.prompts`) can be compared image by image; Table 1 reports the mean and the
+standard error of the mean over the 100 prompts (:func:`summarize`). Images follow the package's one convention (:mod:`specsamp.images`): uint8
 pixels, or floats in ``[-1, 1]`` quantised with :func:`specsamp.images.to_uint8` before scoring, so
 scoring a target's decoded tensors in memory and scoring the PNGs the runner saved give the same
 numbers.
@@ -20,12 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
+
+from ..hub import hub_offline, hub_offline_reason
 
 DEFAULT_MODEL = "ViT-L-14-quickgelu"
 DEFAULT_PRETRAINED = "openai"
@@ -37,22 +37,6 @@ class CLIPUnavailableError(OSError):
 
 # ----------------------------------------------------------------------------------------------
 # Loading
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the Hugging Face Hub opens within ``timeout`` s (True behind a proxy)."""
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _cached_weights(tag_cfg: Mapping, cache_dir: str | None) -> str | None:
@@ -255,12 +239,11 @@ def load_clip(
             )
         path = _cached_weights(tag_cfg, cache_dir)
         if path is None:
-            offline = bool(local_files_only) if local_files_only is not None else (_env_true("HF_HUB_OFFLINE") or not _hub_reachable())
             source = tag_cfg.get("hf_hub") or tag_cfg.get("url")
-            if offline:
+            if hub_offline(local_files_only):
                 raise CLIPUnavailableError(
                     f"CLIP weights {model_name}/{pretrained} ({source}) are not in the cache (cache_dir={cache_dir!r}) and "
-                    "this machine is offline: download them once on a connected machine (same call, or "
+                    f"offline ({hub_offline_reason(local_files_only)}): download them once where the hub is reachable (same call, or "
                     "huggingface-cli download) into that cache, or pass checkpoint=<local weights file>"
                 )
             try:
@@ -370,7 +353,7 @@ def clip_scores(
 
 
 # ----------------------------------------------------------------------------------------------
-# Summaries and paired comparisons
+# Summaries
 
 
 def _as_1d(name: str, x) -> np.ndarray:
@@ -381,7 +364,7 @@ def _as_1d(name: str, x) -> np.ndarray:
 
 
 def summarize(scores) -> dict:
-    """Mean, std (ddof = 1) and standard error of the mean of per-image (or per-prompt) scores.
+    """Mean, std (ddof = 1) and standard error of the mean of per-image scores.
 
     Args:
         scores: ``[n]`` numbers.
@@ -395,57 +378,3 @@ def summarize(scores) -> dict:
     a = _as_1d("scores", scores)
     std = float(a.std(ddof=1)) if a.size > 1 else math.nan
     return {"mean": float(a.mean()), "std": std, "sem": std / math.sqrt(a.size) if a.size > 1 else math.nan, "n": int(a.size)}
-
-
-def average_by_prompt(scores, prompt_index) -> np.ndarray:
-    """Mean score per prompt (for several images per prompt): ``[num_prompts]``, prompts in index order.
-
-    Raises:
-        ValueError: lengths differ.
-    """
-    a = _as_1d("scores", scores)
-    idx = np.asarray(prompt_index, dtype=np.int64).reshape(-1)
-    if idx.size != a.size:
-        raise ValueError(f"scores has {a.size} entries but prompt_index has {idx.size}")
-    uniq, inv = np.unique(idx, return_inverse=True)
-    return np.bincount(inv, weights=a) / np.bincount(inv)
-
-
-def paired_difference(a, b) -> dict:
-    """Paired comparison of two rules on the same (prompt, noise) pairs: statistics of ``a - b``.
-
-    The pairing removes the prompt-to-prompt variance, so the standard error of the difference is much
-    smaller than that of either mean.
-
-    Args:
-        a: ``[n]`` scores of one rule.
-        b: ``[n]`` scores of the other, same order.
-
-    Returns:
-        ``{"mean", "std", "sem", "n"}`` of ``a - b`` (:func:`summarize`).
-
-    Raises:
-        ValueError: empty or of different lengths.
-    """
-    x, y = _as_1d("a", a), _as_1d("b", b)
-    if x.size != y.size:
-        raise ValueError(f"paired scores must have equal lengths, got {x.size} and {y.size}")
-    return summarize(x - y)
-
-
-def compare_rules(scores: Mapping[str, object], baseline: str) -> dict[str, dict]:
-    """Every rule against ``baseline``, pairwise: ``{rule: paired_difference(scores[rule], scores[baseline])}``.
-
-    Args:
-        scores: rule name -> ``[n]`` per-image (or per-prompt) scores, all in the same order.
-        baseline: the reference rule's name (e.g. ``"standard"``, the target sampler).
-
-    Returns:
-        one entry per rule other than ``baseline``.
-
-    Raises:
-        ValueError: ``baseline`` missing, or lengths that differ.
-    """
-    if baseline not in scores:
-        raise ValueError(f"baseline={baseline!r} is not among the rules {sorted(scores)}")
-    return {k: paired_difference(v, scores[baseline]) for k, v in scores.items() if k != baseline}

@@ -1,7 +1,7 @@
 """Frechet Inception Distance over saved samples, with torch-fidelity's feature extractors.
 
 Scoring is a separate step from generation (NVlabs/edm ``fid.py`` style): samples are read from what
-:mod:`specsamp.images` wrote (a shard folder, a merged ``.npz`` or a folder of index-named PNGs),
+:mod:`specsamp.images` wrote (a folder of index-named PNGs),
 features come from a torch-fidelity extractor (default ``inception-v3-compat``, the 2048-d pool3
 features of the TF Inception graph that TTUR and EDM use), and the reference is either precomputed
 statistics (an ``.npz`` with ``mu`` and ``sigma``, e.g. EDM's ``fid-refs``) or a second image set.
@@ -20,15 +20,14 @@ identical. Compare methods with one extractor and one reference file.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..hub import offline, resolve_path, verify_sha256
 
 INCEPTION = "inception-v3-compat"
 # torch-fidelity's Inception weights (torch_fidelity.feature_extractor_inceptionv3.URL_INCEPTION_V3)
@@ -162,10 +161,8 @@ def load_statistics(
     Raises:
         FileNotFoundError: missing file (message: URL and path looked in).
         KeyError: the file lacks ``mu`` or ``sigma``.
-        specsamp.models.edm.CheckpointTrustError: ``sha256`` given and different.
+        specsamp.hub.CheckpointTrustError: ``sha256`` given and different.
     """
-    from ..models.edm import resolve_path, verify_sha256
-
     src = REFERENCE_STATS.get(os.fspath(reference), os.fspath(reference))
     path = resolve_path(src, cache_dir=cache_dir, download=download, sha256=sha256, subdir="fid-refs")
     if sha256 is not None:
@@ -240,12 +237,11 @@ def _check_inception_weights(weights_path, allow_download: bool) -> None:
             raise FileNotFoundError(f"weights_path={str(weights_path)!r} does not exist (Inception weights .pth)")
         return
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(INCEPTION_URL).name
-    offline = os.environ.get("SPECSAMP_OFFLINE", "").lower() in ("1", "true", "yes")
-    if not cached.is_file() and (not allow_download or offline):
+    if not cached.is_file() and (not allow_download or offline()):
         raise FileNotFoundError(
             f"Inception weights for FID are not available offline: not in the torch hub cache "
-            f"({str(cached)!r}) and downloads are disabled. Download {INCEPTION_URL} on a machine with "
-            f"network access and put it at that path (or set $TORCH_HOME), or pass weights_path=<file>."
+            f"({str(cached)!r}) and downloads are disabled. Download {INCEPTION_URL} where the network is "
+            f"reachable and put it at that path (or set $TORCH_HOME), or pass weights_path=<file>."
         )
 
 
@@ -345,8 +341,8 @@ def make_extractor(
             raise
         cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(INCEPTION_URL).name
         raise RuntimeError(
-            f"could not download the Inception weights from {INCEPTION_URL} ({err}). Fetch the file on a "
-            f"machine with network access and put it at {str(cached)!r}, or pass weights_path=<file>."
+            f"could not download the Inception weights from {INCEPTION_URL} ({err}). Fetch the file where "
+            f"the network is reachable and put it at {str(cached)!r}, or pass weights_path=<file>."
         ) from err
     return ext, layer, cuda
 
@@ -395,11 +391,6 @@ def _features(ext, layer: str, cuda: bool, images, batch_size: int, verbose: boo
     return feats[layer].double().numpy()
 
 
-def compute_statistics(images, **kwargs) -> Statistics:
-    """:func:`feature_statistics` of :func:`extract_features` (same keyword arguments)."""
-    return feature_statistics(extract_features(images, **kwargs))
-
-
 def compute_fid(
     samples,
     reference,
@@ -418,7 +409,7 @@ def compute_fid(
     """FID between saved samples and a reference.
 
     Args:
-        samples: what :func:`extract_features` accepts (typically the run's shard folder).
+        samples: what :func:`extract_features` accepts (typically the run's ``images`` folder).
         reference: precomputed statistics (a :data:`REFERENCE_STATS` name, URL or ``.npz`` path with
             ``mu``/``sigma``; a :class:`Statistics`; a ``(mu, sigma)`` pair), or images (a folder /
             array), whose statistics are computed with the same extractor.
@@ -483,31 +474,3 @@ def _is_stats_reference(reference) -> bool:
         return True  # load_statistics reports the missing file
     with np.load(p, allow_pickle=False) as z:
         return "mu" in z.files and "sigma" in z.files
-
-
-def main(argv=None) -> int:
-    """``python -m specsamp.metrics.fid SAMPLES --ref REF [--weights W] [--device D] [--out JSON]``."""
-    p = argparse.ArgumentParser(description="FID of saved samples against reference statistics or images.")
-    p.add_argument("samples", help="shard folder, merged .npz, or folder of index-named PNGs")
-    p.add_argument("--ref", required=True, help=f"{sorted(REFERENCE_STATS)}, a URL, an .npz with mu/sigma, or images")
-    p.add_argument("--extractor", default=INCEPTION)
-    p.add_argument("--layer", default=None)
-    p.add_argument("--weights", default=None, help="local Inception weights (.pth)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--no-download", action="store_true")
-    p.add_argument("--out", default=None, help="write the result as JSON here (atomically)")
-    a = p.parse_args(argv)
-    res = compute_fid(a.samples, a.ref, feature_extractor=a.extractor, feature_layer=a.layer, weights_path=a.weights,
-                      batch_size=a.batch, device=a.device, allow_download=not a.no_download)
-    text = json.dumps(res, indent=2)
-    if a.out:
-        from ..io import atomic_write as _atomic_write
-
-        _atomic_write(Path(a.out), lambda f: f.write(text.encode()))
-    print(text, file=sys.stdout)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

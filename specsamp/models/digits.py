@@ -66,7 +66,7 @@ def load_classifier(path: str | Path | None = None, *, sha256: str | None = None
     copy of the shipped file loads anywhere and any other file needs its hash or ``trust=True``).
 
     Raises:
-        FileNotFoundError, specsamp.models.edm.CheckpointTrustError: see :func:`load_edm`.
+        FileNotFoundError, specsamp.hub.CheckpointTrustError: see :func:`load_edm`.
     """
     from .edm import load_edm
 

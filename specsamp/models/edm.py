@@ -27,20 +27,19 @@ SHA-256 matches a configured value (or ``trust_checkpoint=True``), before anythi
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import pickle
-import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .. import rng
+from ..errors import ConfigError
+from ..hub import is_url, resolve_path, verify_sha256
 from . import nvlabs_compat
+from .base import Target, TargetConfig, check_positive, parse_dtype
 
 SIGMA_CLIP = (1e-3, 80.0)  # EDM noise levels s the network is evaluated at (paper section 5.2)
 
@@ -74,9 +73,8 @@ class Checkpoint:
 _EDM_CDN = "https://nvlabs-fi-cdn.nvidia.com/edm/pretrained/"
 
 # Karras et al. (2022), NVlabs/edm README ("Pre-trained models"). NVIDIA publishes no checksums for
-# these files and we could not establish them from a public source offline, so sha256 is None: loading
-# them needs either sha256=<hash you computed from a copy you trust> or trust_checkpoint=true. Fill in
-# the hash here once it has been verified.
+# these files, so sha256 is None: loading them needs either sha256=<hash of a copy you trust> or
+# trust_checkpoint=true.
 CHECKPOINTS: dict[str, Checkpoint] = {
     "edm-cifar10-32x32-cond-vp": Checkpoint(_EDM_CDN + "edm-cifar10-32x32-cond-vp.pkl", None, 10, 32),
     "edm-ffhq-64x64-uncond-vp": Checkpoint(_EDM_CDN + "edm-ffhq-64x64-uncond-vp.pkl", None, 0, 64),
@@ -87,150 +85,8 @@ CHECKPOINTS: dict[str, Checkpoint] = {
 }
 
 
-class CheckpointTrustError(ValueError):
-    """A checkpoint's SHA-256 differs from the configured one, or no hash is configured."""
-
-
 class CheckpointFormatError(ValueError):
     """A (trusted) checkpoint file that is not a loadable EDM network pickle: empty, truncated, a zip."""
-
-
-# ----------------------------------------------------------------------------------------------
-# files: cache, download, checksum (shared with specsamp.metrics.fid)
-
-
-def default_cache_dir() -> Path:
-    """Cache directory: ``$SPECSAMP_CACHE``, else ``$XDG_CACHE_HOME/specsamp``, else ``~/.cache/specsamp``."""
-    env = os.environ.get("SPECSAMP_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "specsamp"
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _is_url(s: str) -> bool:
-    return urllib.parse.urlparse(str(s)).scheme in ("http", "https", "ftp", "file")
-
-
-def _offline() -> bool:
-    return os.environ.get("SPECSAMP_OFFLINE", "").lower() in ("1", "true", "yes")
-
-
-def _download(url: str, dest: Path, sha256: str | None, timeout: float = 60.0) -> None:
-    """Stream ``url`` to ``dest`` through a temporary file and an atomic rename."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
-    h = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310
-            for block in iter(lambda: resp.read(1 << 20), b""):
-                out.write(block)
-                h.update(block)
-        if sha256 is not None and h.hexdigest() != sha256.lower():
-            raise CheckpointTrustError(
-                f"download of {url} has SHA-256 {h.hexdigest()}, expected {sha256}; file discarded"
-            )
-        os.replace(tmp, dest)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-
-
-def resolve_path(
-    path_or_url: str | os.PathLike,
-    *,
-    cache_dir: str | os.PathLike | None = None,
-    download: bool = True,
-    sha256: str | None = None,
-    subdir: str = "",
-) -> Path:
-    """Local file for a path or URL; a URL maps to ``<cache_dir>/<subdir>/<basename>``.
-
-    A URL whose cache file is absent is downloaded when ``download`` is true and ``SPECSAMP_OFFLINE``
-    is not set (written to a temporary file, checked against ``sha256`` when given, then renamed).
-
-    Args:
-        path_or_url: local path, or ``http(s)://`` / ``file://`` URL.
-        cache_dir: cache root (default :func:`default_cache_dir`).
-        download: allow a download attempt.
-        sha256: expected hash, checked on download only (callers check cached files themselves).
-        subdir: folder under the cache root.
-
-    Returns:
-        Path of an existing file.
-
-    Raises:
-        FileNotFoundError: the file is absent and could not be downloaded; the message gives the URL
-            and the path looked in.
-    """
-    s = os.fspath(path_or_url)
-    if not _is_url(s):
-        p = Path(s).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"no file at path={str(p)!r}")
-        return p
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    name = Path(urllib.parse.urlparse(s).path).name or hashlib.sha256(s.encode()).hexdigest()[:16]
-    dest = root / subdir / name
-    if dest.is_file():
-        return dest
-    if urllib.parse.urlparse(s).scheme == "file":
-        p = Path(urllib.request.url2pathname(urllib.parse.urlparse(s).path))
-        if p.is_file():
-            return p
-        raise FileNotFoundError(f"no file at {s!r}")
-    why = "downloads are disabled (download=False)" if not download else "SPECSAMP_OFFLINE is set"
-    if download and not _offline():
-        try:
-            _download(s, dest, sha256)
-            return dest
-        except (urllib.error.URLError, OSError, TimeoutError) as err:
-            why = f"download failed: {err}"
-    raise FileNotFoundError(
-        f"{s} is not in the cache (looked for {str(dest)!r}) and {why}. Fetch the file on a machine with "
-        f"network access and copy it to that path, or pass its local path instead of the URL (model.path=...) "
-        f"(cache root: cache_dir= or $SPECSAMP_CACHE)."
-    )
-
-
-def verify_sha256(path: str | os.PathLike, sha256: str | None, *, trust: bool = False, what: str = "checkpoint") -> str:
-    """Check a file's SHA-256 before it is used; return the actual hash.
-
-    Args:
-        path: the file.
-        sha256: expected hex digest (case-insensitive), or ``None`` when unknown.
-        trust: accept a mismatching or unknown hash (the user vouches for the file).
-        what: noun for messages.
-
-    Raises:
-        CheckpointTrustError: hash unknown or different, and ``trust`` is false.
-    """
-    actual = file_sha256(path)
-    if trust:
-        return actual
-    if sha256 is None:
-        raise CheckpointTrustError(
-            f"refusing to load {what} {str(path)!r}: no expected SHA-256 is configured and a pickle runs "
-            f"code when loaded. Its SHA-256 is {actual}; if this copy came from a source you trust, pin it "
-            f"with model.sha256={actual} (Python: sha256='{actual}'), or load it once unpinned with "
-            f"model.trust_checkpoint=true (Python: trust_checkpoint=True)."
-        )
-    if actual != str(sha256).lower():
-        raise CheckpointTrustError(
-            f"refusing to load {what} {str(path)!r}: SHA-256 {actual} != expected model.sha256={sha256}. The "
-            f"file is corrupt, truncated or not the one configured; nothing was unpickled. Pass "
-            f"model.trust_checkpoint=true (Python: trust_checkpoint=True) only if you know where this file comes from."
-        )
-    return actual
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,7 +97,7 @@ def _lookup(path_or_url: str) -> Checkpoint | None:
     s = os.fspath(path_or_url)
     if s in CHECKPOINTS:
         return CHECKPOINTS[s]
-    base = Path(urllib.parse.urlparse(s).path).name if _is_url(s) else Path(s).name
+    base = Path(urllib.parse.urlparse(s).path).name if is_url(s) else Path(s).name
     for ck in CHECKPOINTS.values():
         if ck.filename == base:
             return ck
@@ -337,23 +193,6 @@ def _unpickle(path: Path):
 # the velocity adapter
 
 
-def _resolve_dtype(name: str, value) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    table = {
-        "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-        "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
-        "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    }
-    key = str(value).removeprefix("torch.").lower()
-    if key in ("none", "null", ""):
-        return None
-    if key not in table:
-        raise ValueError(f"{name}={value!r} is invalid; valid: {sorted(table)} or null")
-    return table[key]
-
-
 class EDMVelocity:
     """An EDM denoiser (``EDMPrecond.forward(x, sigma, class_labels=None)``) as a velocity field.
 
@@ -394,12 +233,8 @@ class EDMVelocity:
         device: str | torch.device | None = None,
         sigma_clip: tuple[float, float] = SIGMA_CLIP,
     ):
-        self.dtype = _resolve_dtype("dtype", dtype)
-        if self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype={dtype!r} is invalid: sampler states must be float32 or float64")
-        self.net_dtype = _resolve_dtype("net_dtype", net_dtype)
-        if self.net_dtype not in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"net_dtype={net_dtype!r} is invalid: use float16, bfloat16 or null")
+        self.dtype = parse_dtype(dtype, "dtype", ("float32", "float64"))  # sampler states
+        self.net_dtype = parse_dtype(net_dtype, "net_dtype")
         net_label_dim = getattr(net, "label_dim", None)
         if label_dim is None:
             label_dim = int(net_label_dim or 0)
@@ -533,71 +368,90 @@ class EDMVelocity:
         )
 
 
-BUILD_KEYS = ("name", "url", "path", "sha256", "cache_dir", "trust_checkpoint", "download", "dtype", "net_dtype",
-              "device", "label_dim", "key")
-"""Keys :func:`build_edm_model` reads."""
+def uniform_labels(ids: torch.Tensor, seed: int, classes: int) -> torch.Tensor:
+    """Class label of each image, uniform over ``classes``, keyed by ``(seed, image index)``.
 
-
-def build_edm_model(cfg: Mapping) -> EDMVelocity:
-    """Build an :class:`EDMVelocity` from a config mapping (e.g. Hydra ``conf/model/cifar10.yaml``).
-
-    Keys (all optional except one of ``name``/``url``/``path``):
-
-    - ``name``: key of :data:`CHECKPOINTS` (gives the URL and, when known, the SHA-256).
-    - ``url``: download address (overrides the table's).
-    - ``path``: local file; takes precedence over the cache location of ``name``/``url``.
-    - ``sha256``: expected hash (overrides the table's).
-    - ``cache_dir``: cache root (default ``$SPECSAMP_CACHE`` or ``~/.cache/specsamp``).
-    - ``trust_checkpoint``: load without a matching hash (default false).
-    - ``download``: allow downloading a missing URL (default true).
-    - ``dtype``: sampler state dtype (default ``float32``).
-    - ``net_dtype``: autocast dtype of the network (``float16``/``bfloat16``/null).
-    - ``device``: e.g. ``cuda`` or ``cpu`` (default: ``cuda`` when available).
-    - ``label_dim``: override/check of the net's number of classes.
-    - ``key``: entry of the pickled dict (default ``ema``).
-
-    ``_target_`` and ``kind`` are ignored; any other key is refused, so that a misspelt key cannot be
-    silently dropped.
-
-    Raises:
-        ValueError: an unknown key, none of ``name``/``url``/``path`` given, or an unknown ``name``.
-        FileNotFoundError, CheckpointTrustError: see :func:`load_edm`.
+    So an image keeps its label whatever the batch or shard it runs in, and every rule sees the same
+    (label, noise) pairs. ``ids`` long ``[m]`` -> long ``[m]`` in ``[0, classes)``.
     """
-    cfg = dict(cfg)
-    unknown = sorted(set(cfg) - set(BUILD_KEYS) - {"_target_", "kind"})
-    if unknown:
-        raise ValueError(f"model.{unknown[0]}={cfg[unknown[0]]!r} is not a key of an EDM model; valid: {', '.join(BUILD_KEYS)}")
-    name, url, path = cfg.get("name"), cfg.get("url"), cfg.get("path")
-    known = None
-    if name is not None and (url is None and path is None):
-        if name not in CHECKPOINTS:
-            raise ValueError(f"model.name={name!r} is not a known EDM checkpoint; valid: {sorted(CHECKPOINTS)} "
-                             f"(or give model.url / model.path)")
-    if name is not None and name in CHECKPOINTS:
-        known = CHECKPOINTS[name]
-    source = path or url or (known.url if known else None)
-    if source is None:
-        raise ValueError("model config needs one of name, url or path; got none")
-    sha = cfg.get("sha256") or (known.sha256 if known else None)
-    device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device={device!r} is invalid: CUDA is not available here; use cpu")
-    for flag, default in (("trust_checkpoint", False), ("download", True)):
-        if not isinstance(cfg.get(flag, default), bool):
-            raise ValueError(f"model.{flag}={cfg.get(flag)!r} is invalid: must be true or false")
-    net = load_edm(
-        source,
-        sha256=sha,
-        cache_dir=cfg.get("cache_dir"),
-        trust_checkpoint=cfg.get("trust_checkpoint", False),
-        download=cfg.get("download", True),
-        key=cfg.get("key", "ema"),
-        map_location=device,
-    )
-    return EDMVelocity(
-        net,
-        label_dim=cfg.get("label_dim"),
-        dtype=cfg.get("dtype") or torch.float32,
-        net_dtype=cfg.get("net_dtype"),
-        device=device,
-    )
+    u = rng.uniform(rng.base_key(seed, ids, "label", device=ids.device), 1)[:, 0]
+    return (u * classes).long().clamp(max=classes - 1)
+
+
+@dataclass
+class EDMConfig(TargetConfig):
+    """``conf/model/cifar10.yaml``, ``ffhq.yaml``, ``digits.yaml``: an EDM checkpoint as a target (section 5.2).
+
+    Attributes:
+        name: key of :data:`CHECKPOINTS` (gives the URL and, when known, the SHA-256).
+        url: download address (overrides the table's).
+        path: local file; takes precedence over the cache location of ``name``/``url``.
+        sha256: expected hash of the pickle (overrides the table's).
+        cache_dir: cache root (default ``$SPECSAMP_CACHE`` or ``~/.cache/specsamp``).
+        trust_checkpoint: load without a matching hash.
+        download: allow downloading a missing URL.
+        key: entry of the pickled dict (``ema``).
+        net_dtype: autocast dtype of the network (``float16``/``bfloat16``/null).
+        label_dim: check of the net's number of classes (null: the net's).
+        labels: ``uniform`` (one class per image, :func:`uniform_labels`) for a conditional net, ``none``
+            for an unconditional one.
+        fid_ref: FID reference statistics (a :data:`specsamp.metrics.fid.REFERENCE_STATS` name, URL or path).
+        fid_extractor, fid_layer, fid_weights: :func:`specsamp.metrics.fid.compute_fid`'s
+            ``feature_extractor``, ``feature_layer``, ``weights_path`` (null: its defaults).
+        max_batch: rows per forward pass (null: all at once).
+    """
+
+    _target_: str = "specsamp.models.edm.EDMConfig"
+    url: str | None = None
+    path: str | None = None
+    sha256: str | None = None
+    cache_dir: str | None = None
+    trust_checkpoint: bool = False
+    download: bool = True
+    key: str | None = "ema"
+    net_dtype: str | None = None
+    label_dim: int | None = None
+    labels: str | None = "none"
+    fid_ref: str | None = None
+    fid_extractor: str | None = None
+    fid_layer: str | None = None
+    fid_weights: str | None = None
+    max_batch: int | None = None
+
+    def fid_settings(self) -> dict:
+        """:func:`specsamp.metrics.fid.compute_fid` keyword arguments from ``fid_extractor``/``fid_layer``/``fid_weights``."""
+        pairs = (("feature_extractor", self.fid_extractor), ("feature_layer", self.fid_layer),
+                 ("weights_path", self.fid_weights))
+        return {arg: v for arg, v in pairs if v is not None}
+
+    def build(self, device: str) -> Target:
+        """Load the checkpoint (checksum first, :func:`load_edm`) and wrap it in :class:`EDMVelocity`.
+
+        Raises:
+            ConfigError: a bad ``dtype``, ``net_dtype``, ``labels`` or ``max_batch``, an unknown ``name``
+                without ``url``/``path``, labels that do not fit the net.
+            FileNotFoundError, CheckpointTrustError, CheckpointFormatError: see :func:`load_edm`.
+        """
+        dtype = self.torch_dtype("dtype", ("float32", "float64"))
+        net_dtype = self.torch_dtype("net_dtype")
+        check_positive("max_batch", self.max_batch, optional=True)
+        if self.labels not in ("uniform", "none", None):
+            raise ConfigError(f"model.labels={self.labels!r} is invalid: valid values are uniform, none.")
+        known = CHECKPOINTS.get(self.name)
+        if known is None and self.url is None and self.path is None:
+            raise ConfigError(f"model.name={self.name!r} is not a known EDM checkpoint; valid: {', '.join(sorted(CHECKPOINTS))} "
+                              "(or give model.url / model.path).")
+        net = load_edm(self.path or self.url or known.url, sha256=self.sha256 or (known.sha256 if known else None),
+                       cache_dir=self.cache_dir, trust_checkpoint=self.trust_checkpoint, download=self.download,
+                       key=self.key, map_location=device)
+        model = EDMVelocity(net, label_dim=self.label_dim, dtype=dtype, net_dtype=net_dtype, device=device)
+        cond_for = None
+        if self.labels == "uniform" and not model.label_dim:
+            raise ConfigError("model.labels='uniform' is invalid for an unconditional net (label_dim=0): use none.")
+        if model.label_dim:
+            if self.labels != "uniform":
+                raise ConfigError(f"model.labels={self.labels!r} is invalid for a class-conditional net "
+                                  f"(label_dim={model.label_dim}): use uniform.")
+            cond_for = lambda ids, seed: {"class_labels": uniform_labels(ids, seed, model.label_dim)}  # noqa: E731
+        return Target(model, cond_for=cond_for, decode=lambda x: x.float().clamp(-1, 1), fid_ref=self.fid_ref,
+                      fid=self.fid_settings(), max_batch=self.max_batch)

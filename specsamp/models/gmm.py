@@ -12,8 +12,12 @@ with posterior weights ``r_i`` computed in log space.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from ..errors import ConfigError
+from .base import Target, TargetConfig
 
 
 class GaussianMixture:
@@ -114,3 +118,22 @@ class GaussianMixture:
         z = torch.randn(n, self.event_shape[0], generator=generator, dtype=torch.float64).to(self.device, self.dtype)
         c = c.to(self.device)
         return self.means[c] + self.stds[c, None] * z
+
+
+@dataclass
+class GMMConfig(TargetConfig):
+    """``conf/model/gmm.yaml``: the section 5.1 mixture (keys as :class:`GaussianMixture`'s arguments)."""
+
+    _target_: str = "specsamp.models.gmm.GMMConfig"
+    dim: int = 500
+    components: int = 5
+    layout_seed: int = 0
+    dtype: str = "float64"
+
+    def build(self, device: str) -> Target:
+        """The mixture on ``device``; ConfigError for a bad ``dim``, ``components`` or ``dtype``."""
+        try:
+            return Target(GaussianMixture(self.dim, self.components, self.layout_seed, dtype=self.torch_dtype(),
+                                          device=device))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

@@ -8,8 +8,6 @@ the pair ``(prompt_index[i], noise_id[i])``. Pass ``noise_id`` as the sampler's 
 initial noise and every later random number are keyed by ``(seed, noise_id)``, :mod:`specsamp.rng`)
 and ``prompt_index`` as conditioning, with the same run seed for every rule, and each rule sees
 identical pairs: per-image scores can then be compared pairwise.
-
-The module is pure Python and numpy (no torch), so it can be used by any layer.
 """
 
 from __future__ import annotations
@@ -226,40 +224,30 @@ class ImagePlan:
     def __len__(self) -> int:
         return int(self.prompt_index.size)
 
-    def records(self) -> list[dict]:
-        """One dict per image, ``{"image", "prompt_index", "noise_id", "prompt"}``, for result records."""
-        return [
-            {"image": i, "prompt_index": int(p), "noise_id": int(z), "prompt": self.prompts[p]}
-            for i, (p, z) in enumerate(zip(self.prompt_index, self.noise_id))
-        ]
 
-
-def image_plan(prompts: Sequence[str], images_per_prompt: int = 1, first_noise_id: int = 0) -> ImagePlan:
+def image_plan(prompts: Sequence[str], images_per_prompt: int = 1) -> ImagePlan:
     """Lay out ``len(prompts) * images_per_prompt`` images, prompt-major.
 
-    Image ``i`` gets prompt ``i // images_per_prompt`` and noise id ``first_noise_id + i``. With one
+    Image ``i`` gets prompt ``i // images_per_prompt`` and noise id ``i``. With one
     image per prompt (the paper), image ``i`` is ``(prompt i, noise i)``.
 
     Args:
         prompts: the prompt strings.
         images_per_prompt: images per prompt, ``>= 1``.
-        first_noise_id: offset of the noise ids (to extend a run without reusing noise).
 
     Returns:
         :class:`ImagePlan`.
 
     Raises:
-        ValueError: no prompts, ``images_per_prompt < 1`` or ``first_noise_id < 0``.
+        ValueError: no prompts or ``images_per_prompt < 1``.
     """
     prompts = tuple(prompts)
     if not prompts:
         raise ValueError("prompts must be non-empty")
     r = _check_count("images_per_prompt", images_per_prompt)
-    if isinstance(first_noise_id, bool) or not isinstance(first_noise_id, (int, np.integer)) or first_noise_id < 0:
-        raise ValueError(f"first_noise_id={first_noise_id!r} is invalid: must be an integer >= 0")
     n = len(prompts) * r
     return ImagePlan(
         prompts=prompts,
         prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int64), r),
-        noise_id=np.arange(first_noise_id, first_noise_id + n, dtype=np.int64),
+        noise_id=np.arange(n, dtype=np.int64),
     )
