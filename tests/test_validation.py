@@ -44,12 +44,12 @@ def done(tmp_path_factory):
 
 
 BAD = [
-    (["save_samples=maybe"], ["save_samples='maybe'", "Boolean"]),
-    (["skip_existing=maybe"], ["skip_existing='maybe'", "Boolean"]),
+    (["save_samples=maybe"], ["save_samples=maybe", "Boolean"]),
+    (["skip_existing=maybe"], ["skip_existing=maybe", "Boolean"]),
     (["threads=0"], ["threads=0", ">= 1"]),
     (["progress=maybe"], ["progress='maybe'", "auto"]),
     (["seed=-1"], ["seed=-1", "2**59"]),
-    (["K=abc"], ["K='abc'", "Integer"]),
+    (["K=abc"], ["K=abc", "Integer"]),
     ([f"seed={2**70}"], [f"seed={2**70}", "2**59"]),
     (["device=mps"], ["device='mps'", "cpu, cuda"]),
     (["model.dtype=foo"], ["model.dtype='foo'", "float32"]),
@@ -58,7 +58,7 @@ BAD = [
     (["+Kk=3"], ["Kk=3", "did you mean K?"]),
     (["sampler.nme=x"], ["sampler.nme", "did you mean sampler.name?"]),
     (["model.dtpye=float32"], ["model.dtpye", "did you mean model.dtype?"]),
-    (["evaluate_leaves=sure"], ["evaluate_leaves='sure'"]),
+    (["evaluate_leaves=sure"], ["evaluate_leaves=sure"]),
     (["tree=optimal", "max_width=0"], ["max_width=0"]),
 ]
 

@@ -347,11 +347,11 @@ def closest_key(name: str, valid: Sequence[str]) -> str | None:
     return tail[hit[0]] if hit else None
 
 
-def unknown_key_message(key: str, value: Any = MISSING) -> str:
-    """One paragraph for a key that no config has, naming the closest valid key."""
+def unknown_key_message(key: str, shown: str | None = None) -> str:
+    """One paragraph for a key that no config has (``shown``: as the user typed it), naming the closest valid key."""
     valid = valid_keys(key)
     guess = closest_key(key, valid)
-    shown = f"{key}={value!r}" if value is not MISSING else repr(key)
+    shown = shown or repr(key)
     return (f"{shown} is not a key of specsamp's config" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
             + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml and the README)." if valid else "."))
 
@@ -370,10 +370,8 @@ def explain(error: BaseException, value: Any = MISSING) -> str | None:
     if seen is None:
         return None
     key = str(seen.full_key)
-    appended = re.search(r"use \+" + re.escape(key) + r"=(\S*)", str(error))  # Hydra's advice names the value
-    if appended and value is MISSING:
-        value = appended.group(1)
+    typed = re.search(r"(?:use \+|override )" + re.escape(key) + r"=(\S*)", str(error))  # the override as typed
+    shown = f"{key}={typed.group(1)}" if typed else key if value is MISSING else f"{key}={value!r}"
     if isinstance(seen, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_key_message(key, value)
-    first = str(seen).splitlines()[0]
-    return f"{key}{'' if value is MISSING else '=' + repr(value)} is invalid: {first}."
+        return unknown_key_message(key, shown=shown)
+    return f"{shown} is invalid: {str(seen).splitlines()[0]}."

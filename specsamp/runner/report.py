@@ -411,6 +411,15 @@ class SweepReport(Callback):
                 print(f"warning: merging shards under {sweep_dir} failed: {e}", file=sys.stderr)
 
 
+def launched(sweep_dir: str | os.PathLike) -> bool:
+    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer)."""
+    root = Path(sweep_dir)
+    launch = _mtime(root / "multirun.yaml")
+    if launch is None:
+        return False
+    return any((_mtime(j / ".hydra" / "overrides.yaml") or 0) >= launch for j in job_dirs(root))
+
+
 # ----------------------------------------------------------------------------------------------
 # command line
 
