@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             rows.append({
                 "execution": name, "K": shape[0] if shape else None, "L": shape[1] if shape else None,
                 "budget": rec["budget"], "n_images": a.n, "seconds_per_image": sec / a.n,
-                "nfe_speedup": rec["speedup"]["mean"], "batch_calls": res.batch_calls,
+                "nfe_speedup": rec["speedup"]["mean"], "batch_calls": res.batch_nfe,
                 "rows_per_image": float(res.target_rows.double().mean()),
             })
             print(f"{name:10s} {str(shape or ''):8s} {sec / a.n * 1e3:8.1f} ms/image  NFE speedup {rec['speedup']['mean']:.2f}x  "

@@ -122,8 +122,8 @@ def calibration_cost(d: dict) -> dict:
     v = validate(d)
     r = calibration_run(build_target(d["model"], v["device"]), Schedule.make(v["steps"], v["eps"],
                         shift=float(d["model"].get("shift", 1.0))), v)
-    m = r.nfe.numel()
-    return {"trajectories": m, "calls": int(r.nfe.sum()), "rows": int(r.target_rows.sum())}
+    m = r.nfe_total.numel()
+    return {"trajectories": m, "calls": int(r.nfe_total.sum()), "rows": int(r.target_rows.sum())}
 
 
 def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
