@@ -1,14 +1,8 @@
-"""Exact couplings of drafted children with a Gaussian target kernel ("Verify" in Algorithm 1).
+"""Exact couplings of drafted children with a Gaussian target kernel ("Verify" in Algorithm 1, line 17).
 
-Every rule has one contract::
-
-    verify(children, mean_p, mean_q, sigma, generator=None) -> Verdict(sample, accepted, index)
-
-with ``children [n, K, *event]`` drawn i.i.d. from ``N(mean_p, sigma^2 I)``, ``mean_p, mean_q
-[n, *event]`` and ``sigma [n]`` (or a scalar). It returns ``sample [n, *event]`` distributed exactly
-as ``N(mean_q, sigma^2 I)``; ``accepted [n]`` says the sample *is* ``children[i, index[i]]``;
-``index [n]`` is ``K`` where the residual was drawn. ``generator`` is a ``torch.Generator``, an
-object with ``uniform(m) -> [n, m]`` (see :mod:`specsamp.rng`), or ``None`` (global generator).
+A rule is a :class:`Coupling`: a name, a ``verify`` function with the contract written there, and the
+widest node it serves. Rules are found by name in :data:`COUPLINGS`; new ones register with
+:func:`register_coupling`, and :func:`specsamp.testing.check_exactness` tests their output law.
 
 All rules work through the rank-1 projection of section 3.1 (eqs. 12--15): only the scalar
 projection of each child on the displacement direction ``e`` differs between draft and target.
@@ -19,8 +13,6 @@ widened to float32 for float16 and bfloat16 states, whose range cannot hold a sh
 ``sigma * delta / sqrt(d)`` at small ``sigma``; no float64 copy of the children is made. Inputs the
 rules cannot serve are refused: non-finite children or means (:class:`NonFiniteError`) and float16
 states at a ``sigma`` below their resolution.
-
-New rules register with :func:`register_coupling` and are found by name in :data:`COUPLINGS`.
 """
 
 from __future__ import annotations
@@ -31,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ConfigError
+from .registry import Registry
 from .rng import GeneratorRows
 
 LOG_TINY = -745.0  # log of the smallest positive float64, the floor of every log-probability here
@@ -81,45 +75,88 @@ class Projection:
     sigma: torch.Tensor
 
 
-CouplingFn = Callable[..., Verdict]
-COUPLINGS: dict[str, CouplingFn] = {}
+@dataclass(frozen=True)
+class Coupling:
+    """A verification rule: ``Verify`` of Algorithm 1 (line 17), with the contract of section 3.1.
+
+    ``verify(children, mean_p, mean_q, sigma, generator=None) -> Verdict``:
+
+    - ``children``: ``[n, K, *event]``, for each of ``n`` parent nodes ``K >= 1`` i.i.d. draws from
+      the draft kernel ``N(mean_p, sigma^2 I)``, in drafting order;
+    - ``mean_p``, ``mean_q``: ``[n, *event]`` draft and target kernel means (eq. 8);
+    - ``sigma``: ``[n]`` or a scalar, the shared kernel std (> 0; eq. 37);
+    - ``generator``: a ``torch.Generator``, a per-row uniform source (``uniform(m) -> [n, m]``,
+      see :func:`uniform_rows`, which wraps either) or ``None`` (the global generator). The sampler
+      passes a :class:`specsamp.rng.KeyedRows`, so a rule must draw every random number through it.
+
+    It returns a :class:`Verdict` whose ``sample`` is distributed exactly as ``N(mean_q, sigma^2 I)``
+    per row, whatever ``delta``; ``accepted[i]`` says the sample *is* ``children[i, index[i]]``, and
+    ``index[i] == K`` where something else (a residual draw) was returned. It raises ``ValueError`` on
+    bad shapes or scales (:func:`check_inputs`) and :class:`NonFiniteError` on NaN or inf inputs.
+
+    Attributes:
+        name: registry key (``sampler.coupling`` in configs).
+        verify: the rule.
+        max_children: widest node the rule serves (``None``: any ``K``; 1: a chain rule).
+    """
+
+    name: str
+    verify: Callable[..., Verdict]
+    max_children: int | None = None
+
+    def __call__(self, children, mean_p, mean_q, sigma, generator=None) -> Verdict:
+        verdict = self.verify(children, mean_p, mean_q, sigma, generator)
+        if not isinstance(verdict, Verdict):
+            raise TypeError(f"coupling {self.name!r} returned {type(verdict).__name__}; "
+                            "a coupling must return a specsamp.coupling.Verdict")
+        return verdict
+
+    def check_tree(self, tree) -> None:
+        """Refuse a :class:`specsamp.trees.DraftTree` with a node wider than ``max_children`` (``None``: no tree).
+
+        Raises:
+            ConfigError: the tree has a wider node (a ``K = 1`` rule needs a chain, ``DraftTree.chain``).
+        """
+        if tree is None or self.max_children is None or len(tree) < 2:
+            return
+        widest = int(tree.num_children.max())
+        if widest > self.max_children:
+            raise ConfigError(
+                f"coupling {self.name!r} accepts at most K={self.max_children} children per node, but the tree "
+                f"has a node with {widest}" + ("; a K=1 rule runs a chain" if self.max_children == 1 else "")
+            )
 
 
-def register_coupling(name: str, max_children: int | None = None):
-    """Register a coupling under ``name`` (decorator).
+COUPLINGS: Registry[Coupling] = Registry("coupling")
 
-    Args:
-        name: registry key used by configs (``sampler=<name>``).
-        max_children: largest ``K`` the rule accepts (``None``: any).
+
+def register_coupling(name: str, max_children: int | None = None) -> Callable[[Callable[..., Verdict]], Coupling]:
+    """Decorator: register a ``verify`` function (contract: :class:`Coupling`) as coupling ``name``.
 
     Returns:
-        The decorator; it stores ``max_children`` on the function and returns it unchanged.
+        A decorator that returns the registered :class:`Coupling` (callable like the function).
 
     Raises:
         ValueError: ``name`` is already registered.
     """
 
-    def deco(fn: CouplingFn) -> CouplingFn:
-        if name in COUPLINGS:
-            raise ValueError(f"coupling {name!r} is already registered")
-        fn.max_children = max_children
-        fn.coupling_name = name
-        COUPLINGS[name] = fn
-        return fn
+    def deco(fn: Callable[..., Verdict]) -> Coupling:
+        return COUPLINGS.register(name, Coupling(name, fn, max_children))
 
     return deco
 
 
-def get_coupling(name: str) -> CouplingFn:
-    """Look up a registered coupling.
+def get_coupling(name: str | Coupling | Callable) -> Coupling:
+    """A registered coupling by name; a :class:`Coupling` as is; a bare ``verify`` function wrapped (any ``K``).
 
     Raises:
-        ValueError: unknown name; the message lists the registered ones.
+        ConfigError: (a ``ValueError``) unknown name; the message lists the registered ones.
     """
-    try:
-        return COUPLINGS[name]
-    except KeyError:
-        raise ValueError(f"coupling={name!r} is not registered; valid: {sorted(COUPLINGS)}") from None
+    if isinstance(name, Coupling):
+        return name
+    if callable(name):
+        return Coupling(getattr(name, "__name__", repr(name)), name)
+    return COUPLINGS.get(name)
 
 
 def uniform_rows(generator, n: int, device):
@@ -396,20 +433,8 @@ def dgrs(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     Children are examined in drafting order; child ``k`` is accepted with probability
     ``min(1, (rho_k - lambda_{k-1})_+ / G_k)``; if all are rejected the output's projection is drawn
     from the residual of eq. 17 and its orthogonal part is child 0's (eq. 15). Acceptance
-    probability ``1 - G_{K+1}`` (eq. 19). Exact for every ``delta >= 0`` (Theorem 1).
-
-    Args:
-        children: ``[n, K, *event]`` i.i.d. draws from ``N(mean_p, sigma^2 I)``.
-        mean_p: ``[n, *event]``.
-        mean_q: ``[n, *event]``.
-        sigma: ``[n]`` or scalar, > 0.
-        generator: ``torch.Generator``, per-row uniform source, or ``None``.
-
-    Returns:
-        :class:`Verdict`.
-
-    Raises:
-        ValueError: bad shapes or scales.
+    probability ``1 - G_{K+1}`` (eq. 19). Exact for every ``delta >= 0`` (Theorem 1). Contract:
+    :class:`Coupling`.
     """
     proj = project(children, mean_p, mean_q, sigma)
     rows = uniform_rows(generator, children.shape[0], children.device)
@@ -423,20 +448,8 @@ def rmc(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """Reflection maximal coupling (Algorithm 2; De Bortoli et al., 2025), ``K = 1`` only.
 
     Accept the child with probability ``min(1, phi(s - delta) / phi(s))``; otherwise reflect its
-    projection about ``delta / 2``. Acceptance probability ``2 Phibar(delta / 2)`` (eq. 20).
-
-    Args:
-        children: ``[n, 1, *event]``.
-        mean_p: ``[n, *event]``.
-        mean_q: ``[n, *event]``.
-        sigma: ``[n]`` or scalar, > 0.
-        generator: ``torch.Generator``, per-row uniform source, or ``None``.
-
-    Returns:
-        :class:`Verdict`.
-
-    Raises:
-        ValueError: ``K != 1`` or bad shapes or scales.
+    projection about ``delta / 2``. Acceptance probability ``2 Phibar(delta / 2)`` (eq. 20). Contract:
+    :class:`Coupling`; raises ``ValueError`` for ``K != 1``.
     """
     if children.ndim >= 2 and children.shape[1] != 1:
         raise ValueError(

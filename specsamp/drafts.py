@@ -19,15 +19,16 @@ from typing import Callable
 
 import torch
 
-from .schedule import Schedule
+from .registry import Registry
+from .schedule import Schedule, per_row
 
 
 @dataclass(frozen=True)
 class Draft:
-    """A draft rule.
+    """A draft rule, registered in :data:`DRAFTS`.
 
     Attributes:
-        name: registry key.
+        name: registry key (``sampler.draft`` in configs).
         freeze: ``(x_root [M, *e], v_root [M, *e], n_root [M] long, schedule) -> frozen [M, *e]``.
         mean: ``(frozen [M, *e], x [M, m, *e], n [M] long, schedule) -> [M, m, *e]`` proposal means
             of the children of nodes ``x`` (all of one depth, at step ``n``).
@@ -38,69 +39,41 @@ class Draft:
     mean: Callable[..., torch.Tensor]
 
 
-DRAFTS: dict[str, Draft] = {}
-
-
-def register_draft(draft: Draft) -> Draft:
-    """Add a draft to :data:`DRAFTS`.
-
-    Raises:
-        ValueError: the name is taken.
-    """
-    if draft.name in DRAFTS:
-        raise ValueError(f"draft {draft.name!r} is already registered")
-    DRAFTS[draft.name] = draft
-    return draft
+DRAFTS: Registry[Draft] = Registry("draft")
 
 
 def get_draft(name: str) -> Draft:
     """Look up a draft by name.
 
     Raises:
-        ValueError: unknown name (the message lists the valid ones).
+        ConfigError: (a ``ValueError``) unknown name; the message lists the valid ones.
     """
-    try:
-        return DRAFTS[name]
-    except KeyError:
-        raise ValueError(f"draft={name!r} is invalid; valid: {sorted(DRAFTS)}") from None
-
-
-def _bcast(n: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Repeat per-trajectory step indices over the node axis of ``x [M, m, *e]``."""
-    return n[:, None].expand(x.shape[0], x.shape[1]).reshape(-1)
+    return DRAFTS.get(name)
 
 
 def _flat_mean(schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Kernel means (eq. 36) of nodes ``x [M, m, *e]`` with velocities ``v`` like ``x``, all at step ``n [M]``."""
     m, k = x.shape[:2]
-    out = schedule.mean(x.reshape(m * k, *x.shape[2:]), v.reshape(m * k, *x.shape[2:]), _bcast(n, x))
+    out = schedule.mean(x.reshape(m * k, *x.shape[2:]), v.reshape(m * k, *x.shape[2:]), n.repeat_interleave(k))
     return out.reshape(x.shape)
 
 
-register_draft(
+def _x0_freeze(x_r, v_r, n_r, sch: Schedule):
+    return x_r - per_row(sch.sigmas.to(x_r.device)[n_r].to(x_r.dtype), x_r) * v_r
+
+
+def _x0_mean(fr, x, n, sch: Schedule):
+    s = per_row(sch.sigmas.to(x.device)[n].to(x.dtype), x)
+    return _flat_mean(sch, x, (x - fr[:, None]) / s, n)
+
+
+for _draft in (
     Draft(
         "velocity",
         freeze=lambda x_r, v_r, n_r, sch: v_r,
         mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
-    )
-)
-
-register_draft(
-    Draft(
-        "drift",
-        freeze=lambda x_r, v_r, n_r, sch: sch.mean(x_r, v_r, n_r) - x_r,
-        mean=lambda fr, x, n, sch: x + fr[:, None],
-    )
-)
-
-
-def _x0_freeze(x_r, v_r, n_r, sch: Schedule):
-    s = sch.sigmas.to(x_r.device)[n_r].to(x_r.dtype).reshape((-1,) + (1,) * (x_r.ndim - 1))
-    return x_r - s * v_r
-
-
-def _x0_mean(fr, x, n, sch: Schedule):
-    s = sch.sigmas.to(x.device)[n].to(x.dtype).reshape((-1, 1) + (1,) * (x.ndim - 2))
-    return _flat_mean(sch, x, (x - fr[:, None]) / s, n)
-
-
-register_draft(Draft("x0", freeze=_x0_freeze, mean=_x0_mean))
+    ),
+    Draft("drift", freeze=lambda x_r, v_r, n_r, sch: sch.mean(x_r, v_r, n_r) - x_r, mean=lambda fr, x, n, sch: x + fr[:, None]),
+    Draft("x0", freeze=_x0_freeze, mean=_x0_mean),
+):
+    DRAFTS.register(_draft.name, _draft)

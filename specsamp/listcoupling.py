@@ -612,20 +612,8 @@ def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     ``delta``); elsewhere (small ``delta``) it stays within 0.009 (K = 2), 0.005 (K = 4), 0.002 (K = 8)
     and 0.0007 (K = 16) of it, where D-GRS is up to 0.13 below. Never below D-GRS: rows where D-GRS
     accepts more (and ``delta < 1e-6``) are handed to D-GRS. The accepted
-    index is not in drafting order; see :func:`markmax_positional`.
-
-    Args:
-        children: ``[n, K, *event]`` i.i.d. draws from ``N(mean_p, sigma^2 I)``.
-        mean_p: ``[n, *event]``.
-        mean_q: ``[n, *event]``.
-        sigma: ``[n]`` or scalar, > 0.
-        generator: ``torch.Generator``, per-row uniform source, or ``None``.
-
-    Returns:
-        :class:`specsamp.coupling.Verdict`.
-
-    Raises:
-        ValueError: bad shapes or scales (see :func:`specsamp.coupling.check_inputs`).
+    index is not in drafting order; see :func:`markmax_positional`. Contract:
+    :class:`specsamp.coupling.Coupling`.
     """
     proj = project(children, mean_p, mean_q, sigma)
     n, K = proj.s_hat.shape

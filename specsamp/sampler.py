@@ -12,9 +12,10 @@ a trajectory ran in, and the two executions of the speculative sampler draw iden
 They share the drafting, verification walk, prefetch and accounting code below; they differ only in
 how a node's state and velocity are obtained (:class:`_TreeNodes` and :class:`_PathNodes`).
 
-Accounting (the paper's protocol, section 5): ``calls`` counts batched target calls on the speculative steps ``1..T-2``,
-the warm-up call at the first root included; ``speedup = (T - 2) / calls``. ``nfe`` adds the two
-deterministic endpoint steps. ``target_rows`` counts the states the speculative calls evaluated.
+Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
+calls on the speculative steps ``1..T-2``, the warm-up call at the first root included;
+``speedup = (T - 2) / nfe``. ``nfe_total`` adds the two deterministic endpoint steps. ``target_rows``
+counts the states the speculative calls evaluated.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rng
-from .coupling import NonFiniteError, Verdict, get_coupling
-from .drafts import get_draft
+from .coupling import Coupling, NonFiniteError, get_coupling
+from .drafts import Draft, get_draft
+from .errors import ConfigError
 from .models.base import batched
-from .schedule import Schedule
+from .schedule import Schedule, per_row
 from .trees import DraftTree
 
 PREFETCH = ("nearest", "parent", "none")
@@ -42,43 +44,43 @@ class SampleResult:
 
     Attributes:
         samples: ``[M, *event]`` final states (sigma = 0).
-        calls: ``[M]`` batched target calls on the speculative steps (warm-up included).
-        nfe: ``[M]`` all batched target calls, endpoints included.
+        nfe: ``[M]`` batched target calls on the speculative steps ``1..T-2`` (warm-up included).
+        nfe_total: ``[M]`` all batched target calls, the two endpoint steps included.
         target_rows: ``[M]`` states evaluated by the speculative calls.
         rounds: ``[M]`` speculative rounds.
         committed: ``[M, R]`` steps committed by each round (0-padded).
         attempts: ``[M, L]`` verifications attempted at each depth.
         accepts: ``[M, L]`` verifications that accepted a child at each depth.
         speculative_steps: ``T - 2``.
-        batch_calls: batched calls the whole batch spent on speculative steps (its slowest member).
+        batch_nfe: batched calls the whole batch spent on speculative steps (its slowest member).
     """
 
     samples: torch.Tensor
-    calls: torch.Tensor
     nfe: torch.Tensor
+    nfe_total: torch.Tensor
     target_rows: torch.Tensor
     rounds: torch.Tensor
     committed: torch.Tensor
     attempts: torch.Tensor
     accepts: torch.Tensor
     speculative_steps: int
-    batch_calls: int = 0
+    batch_nfe: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
     def speedup(self) -> torch.Tensor:
-        """Per-trajectory NFE speedup ``(T - 2) / calls`` (float64 ``[M]``)."""
-        return self.speculative_steps / self.calls.double()
+        """Per-trajectory NFE speedup ``(T - 2) / nfe`` (float64 ``[M]``)."""
+        return self.speculative_steps / self.nfe.double()
 
     @property
     def batch_speedup(self) -> float:
-        """Speedup of the batch as a whole: ``(T - 2) / batch_calls``."""
-        return self.speculative_steps / max(self.batch_calls, 1)
+        """Speedup of the batch as a whole: ``(T - 2) / batch_nfe``."""
+        return self.speculative_steps / max(self.batch_nfe, 1)
 
 
 def _check_choice(name: str, value, valid) -> str:
     if value not in valid:
-        raise ValueError(f"{name}={value!r} is invalid; valid: {list(valid)}")
+        raise ConfigError(f"{name}={value!r} is invalid; valid: {list(valid)}")
     return value
 
 
@@ -143,7 +145,7 @@ def sample_standard(
             speculative range ``1..T-2`` done, summed over trajectories; for progress bars).
 
     Returns:
-        :class:`SampleResult` with ``calls = T - 2`` for every trajectory.
+        :class:`SampleResult` with ``nfe = T - 2`` for every trajectory.
 
     Raises:
         ValueError: ``n_samples < 1`` or bad indices.
@@ -158,7 +160,7 @@ def sample_standard(
     for n in range(schedule.steps):
         nn = torch.full((m,), n, dtype=torch.long, device=dev)
         mean = schedule.mean(x, velocity(x, nn, traj), nn)
-        std = schedule.std(nn).to(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
+        std = per_row(schedule.std(nn).to(x.dtype), x)
         noise = rng.normal(rng.fold(step_keys, n), model.event_shape, dtype=x.dtype)
         x = mean + std * noise
         if callback is not None:
@@ -167,15 +169,15 @@ def sample_standard(
     z = torch.zeros(m, dtype=torch.long, device=dev)
     return SampleResult(
         samples=x,
-        calls=z + (T - 2),
-        nfe=z + T,
+        nfe=z + (T - 2),
+        nfe_total=z + T,
         target_rows=z + (T - 2),
         rounds=z + (T - 2),
         committed=torch.ones(m, T - 2, dtype=torch.long, device=dev),
         attempts=torch.zeros(m, 0, dtype=torch.long, device=dev),
         accepts=torch.zeros(m, 0, dtype=torch.long, device=dev),
         speculative_steps=T - 2,
-        batch_calls=T - 2,
+        batch_nfe=T - 2,
     )
 
 
@@ -218,7 +220,7 @@ class _Nodes:
         return self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
 
     def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, out=None):
-        """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, phase 1).
+        """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, line 7).
 
         Args:
             sub: ``[s]`` rows of the round.
@@ -235,7 +237,7 @@ class _Nodes:
         """
         mean = self.ctx.draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
         e = x_parents.shape[2:]
-        std = self.ctx.schedule.std(step).to(x_parents.dtype).reshape((-1, 1) + (1,) * len(e))
+        std = per_row(self.ctx.schedule.std(step).to(x_parents.dtype), x_parents)
         if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
             keys = rng.fold(self.r.draft_keys[sub][None], self.r.n[sub][None], ids.reshape(-1, 1))  # [C, s]
             rng.normal(keys, e, out=out)
@@ -301,9 +303,9 @@ class _TreeNodes(_Nodes):
             if nodes_.numel():
                 step = (rnd.n[traj] + tensors["depth"][nodes_]).clamp(max=ctx.schedule.steps - 1)
                 vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
-            vel[0] = torch.where(_bc(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
+            vel[0] = torch.where(per_row(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
             self.vel = vel
-        self.rows_evaluated = mask.sum(1)
+        self.call_rows = mask.sum(1)
 
     def children(self, sub, x_u, u, k, step):
         ids = self.child_ids(u, k)
@@ -325,9 +327,9 @@ class _PathNodes(_Nodes):
 
     def __init__(self, tree, tensors, rnd, ctx):
         super().__init__(tree, tensors, rnd, ctx)
-        internal_rows, all_rows = tree.rows_by_depth
+        internal_rows, all_rows = tree.call_rows_by_depth
         table = torch.as_tensor(all_rows if ctx.evaluate_leaves else internal_rows, device=rnd.x.device)
-        self.rows_evaluated = table[rnd.depth_limit] - rnd.root_exact.long()
+        self.call_rows = table[rnd.depth_limit] - rnd.root_exact.long()
 
     def children(self, sub, x_u, u, k, step):
         ids = self.child_ids(u, k)
@@ -343,23 +345,19 @@ class _PathNodes(_Nodes):
         return out
 
 
-def _bc(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return mask.reshape((-1,) + (1,) * (like.ndim - 1))
-
-
 @dataclass
 class _Context:
     schedule: Schedule
-    coupling: Callable
-    draft: object
+    coupling: Coupling
+    draft: Draft
     prefetch: str
     evaluate_leaves: bool
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
 
 
-def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
-    """Phase 3 of Algorithm 1 plus root-velocity prefetch for the next round.
+def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
+    """Phase 3 of Algorithm 1 (lines 14--23) plus root-velocity prefetch for the next round.
 
     Returns:
         ``(committed_state [m, *e], steps [m], v_next [m, *e], exact_next [m])``.
@@ -375,7 +373,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
     out = rnd.x.clone()
     rejected_parent = torch.full((m,), -1, dtype=torch.long, device=dev)
     sib_states = {}  # rejected rows -> (ids, states) of the siblings at the committed depth
-    for l in range(1, nodes.tree.max_depth + 1):
+    for l in range(1, nodes.tree.max_depth + 1):  # line 16
         act = walking & (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
         walking = walking & act
         if not bool(act.any()):
@@ -390,7 +388,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
             sigma = ctx.schedule.std(step).to(kids.dtype)
             keys = rng.fold(rnd.verify_keys[sub], rnd.n[sub], u)
             try:
-                verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))
+                verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))  # line 17
             except NonFiniteError as err:
                 r0 = err.rows[0]
                 raise NonFiniteError(
@@ -400,20 +398,17 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, attempts, accepts):
                     "at this depth); no coupling can serve them",
                     [int(ctx.ids[rnd.rows[sub[r]]]) for r in err.rows],
                 ) from None
-            if not isinstance(verdict, Verdict):
-                raise TypeError(f"coupling {getattr(ctx.coupling, 'coupling_name', ctx.coupling)!r} returned "
-                                f"{type(verdict).__name__}; a coupling must return a specsamp.coupling.Verdict")
-            attempts[rnd.rows[sub], l - 1] += 1
-            accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
+            tally.attempts[rnd.rows[sub], l - 1] += 1
+            tally.accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
             steps[sub] += 1
             acc, rej = sub[verdict.accepted], sub[~verdict.accepted]
-            if rej.numel():
+            if rej.numel():  # lines 18--20: commit the residual draw and stop
                 rmask = ~verdict.accepted
                 out[rej] = verdict.sample[rmask]
                 rejected_parent[rej] = u[rmask]
                 walking[rej] = False
                 sib_states[l] = sib_states.get(l, []) + [(rej, ids[rmask], kids[rmask])]
-            if acc.numel():
+            if acc.numel():  # line 22: move down to the accepted child
                 amask = verdict.accepted
                 cur[acc] = ids[amask, verdict.index[amask]]
                 x_cur[acc] = verdict.sample[amask]
@@ -489,8 +484,8 @@ def sample_speculative(
     Args:
         model: velocity model.
         schedule: time grid and kernel (:class:`specsamp.schedule.Schedule`).
-        tree: draft tree; the rule's ``max_children`` must admit its widths.
-        coupling: registered name or a function with the coupling contract.
+        tree: draft tree; the rule's ``max_children`` must admit its widths (:meth:`Coupling.check_tree`).
+        coupling: registered name, a :class:`specsamp.coupling.Coupling`, or a bare ``verify`` function.
         n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
         draft: registered draft name (``velocity``, ``drift``, ``x0``).
         prefetch: ``nearest``, ``parent`` or ``none``.
@@ -500,9 +495,9 @@ def sample_speculative(
         indices: explicit trajectory ids ``[M]``.
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass of one batched call.
-        callback: called after each round with ``{"round", "live", "calls", "steps_done"}``
+        callback: called after each round with ``{"round", "live", "batch_nfe", "steps_done"}``
             (``steps_done``: speculative steps committed so far, summed over trajectories).
-        warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``calls``) or
+        warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``nfe``) or
             ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
 
     Returns:
@@ -511,22 +506,17 @@ def sample_speculative(
     Raises:
         NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the
             message names the trajectory, step and node, ``rows`` the trajectory ids.
-        ValueError: unknown coupling, draft, prefetch or execution; a tree wider than the coupling
-            allows; bad ``n_samples``.
+        ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree
+            wider than the coupling allows.
+        ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
     """
-    coupling_fn = get_coupling(coupling) if isinstance(coupling, str) else coupling
-    max_k = getattr(coupling_fn, "max_children", None)
-    widest = int(tree.num_children.max()) if len(tree) > 1 else 0
-    if max_k is not None and widest > max_k:
-        raise ValueError(
-            f"coupling {getattr(coupling_fn, 'coupling_name', coupling_fn)!r} accepts at most K={max_k} "
-            f"children per node, but the tree has a node with {widest}"
-        )
+    coupling = get_coupling(coupling)
+    coupling.check_tree(tree)
     if len(tree) < 2:
         raise ValueError("the draft tree must draft at least one state (L >= 1)")
     ctx = _Context(
         schedule=schedule,
-        coupling=coupling_fn,
+        coupling=coupling,
         draft=get_draft(draft),
         prefetch=_check_choice("prefetch", prefetch, PREFETCH),
         evaluate_leaves=bool(evaluate_leaves),
@@ -535,107 +525,135 @@ def sample_speculative(
     _check_choice("execution", execution, EXECUTIONS)
     _check_choice("warmup", warmup, WARMUPS)
     dev = _model_device(model)
-    ids = _trajectory_ids(n_samples, indices, dev)
-    ctx.ids = ids
-    M = ids.numel()
-    T = schedule.steps
-    end = schedule.end_speculative
+    ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
+    M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
     tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
-    L = tree.max_depth
-    tensors = {
-        k: torch.as_tensor(getattr(tree, k), device=dev)
-        for k in ("parent", "depth", "num_children", "first_child")
-    }
-    Nodes = _TreeNodes if execution == "tree" else _PathNodes
+    tensors = {k: torch.as_tensor(getattr(tree, k), device=dev) for k in ("parent", "depth", "num_children", "first_child")}
+    nodes_cls = _TreeNodes if execution == "tree" else _PathNodes
+    tally = _Tally.zeros(M, T, tree.max_depth, dev)
 
-    zeros = torch.zeros(M, dtype=torch.long, device=dev)
-    calls, rows_used, rounds, nfe = zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone()
-    committed = torch.zeros(M, T - 2, dtype=torch.long, device=dev)
-    attempts = torch.zeros(M, L, dtype=torch.long, device=dev)
-    accepts = torch.zeros(M, L, dtype=torch.long, device=dev)
-    draft_keys = rng.base_key(seed, ids, "draft", device=dev)
-    verify_keys = rng.base_key(seed, ids, "verify", device=dev)
-    all_rows = torch.arange(M, device=dev)
-
-    # step 0: deterministic Euler step from sigma = 1
-    x = initial_noise(seed, ids, model.event_shape, model.dtype)
-    n = zeros.clone()
-    v0 = ctx.velocity(x, n, all_rows)
-    x = schedule.mean(x, v0, n)
-    nfe += 1
-    n += 1
-    # the first round's draft velocity: an exact warm-up call at its root (the paper's protocol), or the step-0
-    # velocity at sigma = 1 reused as an approximate prefetch (no warm-up call)
-    v_root = v0 if warmup == "step0" else torch.zeros_like(x)
-    root_exact = torch.zeros(M, dtype=torch.bool, device=dev)
-    have_velocity = torch.full((M,), warmup == "step0", dtype=torch.bool, device=dev)
-    batch_calls = 0
+    st = _first_step(ctx, model, seed, ids, warmup, tally)
     r = 0
-    while True:
-        live = (n < end).nonzero(as_tuple=True)[0]
+    while True:  # line 2
+        live = (st.n < end).nonzero(as_tuple=True)[0]
         if live.numel() == 0:
             break
-        # the root's exact velocity is computed in an extra call at the first round (warm-up) and,
-        # with prefetch=none, at every round
-        need = ~have_velocity[live] if ctx.prefetch != "none" else torch.ones_like(live, dtype=torch.bool)
-        if bool(need.any()):
-            w = live[need]
-            v_root[w] = ctx.velocity(x[w], n[w], w)
-            root_exact[w] = True
-            have_velocity[w] = True
-            calls[w] += 1
-            rows_used[w] += 1
-            batch_calls += 1
-        rnd = _Round(
-            rows=live,
-            x=x[live],
-            n=n[live],
-            depth_limit=(end - n[live]).clamp(max=L),
-            frozen=ctx.draft.freeze(x[live], v_root[live], n[live], schedule),
-            v_root=v_root[live],
-            root_exact=root_exact[live],
-            draft_keys=draft_keys[live],
-            verify_keys=verify_keys[live],
-        )
-        nodes = Nodes(tree, tensors, rnd, ctx)
-        new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, attempts, accepts)
-        # a round whose batch is empty (root velocity known, nothing else to evaluate) costs no call
-        rows_evaluated = nodes.rows_evaluated
-        del nodes  # free this round's node states before the next round allocates its own
-        charged = rows_evaluated > 0
-        calls[live] += charged.long()
-        rows_used[live] += rows_evaluated
-        batch_calls += int(bool(charged.any()))
-        committed[live, rounds[live]] = steps
-        rounds[live] += 1
-        x[live] = new_x
-        n[live] += steps
-        v_root[live] = v_next
-        root_exact[live] = exact_next
+        if prefetch == "none" or (r == 0 and warmup == "call"):
+            _root_call(ctx, st, live, tally)
+        _round(ctx, tree, tensors, nodes_cls, st, live, tally)
         r += 1
         if callback is not None:
-            callback({"round": r, "live": int(live.numel()), "calls": batch_calls,
-                      "steps_done": int((n - schedule.first_speculative).clamp(min=0).sum())})
+            callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
+                      "steps_done": int((st.n - schedule.first_speculative).clamp(min=0).sum())})
+    return tally.result(_final_step(ctx, st, tally), T)
 
-    # step T-1: deterministic Euler step to sigma = 0; reuse an exact velocity when the last round left one
-    last = torch.full((M,), T - 1, dtype=torch.long, device=dev)
-    need = ~root_exact
-    v_last = v_root.clone()
+
+@dataclass
+class _Tally:
+    """Per-trajectory accounting of :func:`sample_speculative` (section 5's protocol); becomes the
+    :class:`SampleResult`."""
+
+    nfe: torch.Tensor  # [M] batched calls on the speculative steps (warm-up included)
+    endpoint_nfe: torch.Tensor  # [M] calls of the two deterministic endpoint steps (1 or 2)
+    call_rows: torch.Tensor  # [M] states the speculative calls evaluated
+    rounds: torch.Tensor  # [M]
+    committed: torch.Tensor  # [M, T - 2] steps committed by each round
+    attempts: torch.Tensor  # [M, L] verifications per depth
+    accepts: torch.Tensor  # [M, L] accepted verifications per depth
+    batch_nfe: int = 0  # calls of the batch as a whole
+
+    @classmethod
+    def zeros(cls, M: int, T: int, L: int, dev) -> _Tally:
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
+        return cls(z(M), z(M), z(M), z(M), z(M, T - 2), z(M, L), z(M, L))
+
+    def charge(self, rows: torch.Tensor, call_rows: torch.Tensor) -> None:
+        """One batched call in which trajectories ``rows`` had ``call_rows`` states each (0: not in it)."""
+        charged = call_rows > 0
+        self.nfe[rows] += charged.long()
+        self.call_rows[rows] += call_rows
+        self.batch_nfe += int(bool(charged.any()))
+
+    def result(self, samples: torch.Tensor, T: int) -> SampleResult:
+        return SampleResult(
+            samples=samples, nfe=self.nfe, nfe_total=self.endpoint_nfe + self.nfe, target_rows=self.call_rows,
+            rounds=self.rounds, committed=self.committed, attempts=self.attempts, accepts=self.accepts,
+            speculative_steps=T - 2, batch_nfe=self.batch_nfe,
+        )
+
+
+@dataclass
+class _Chains:
+    """The ``M`` trajectories between rounds."""
+
+    x: torch.Tensor  # [M, *e] current states Y_n
+    n: torch.Tensor  # [M] their state index
+    v_root: torch.Tensor  # [M, *e] velocity the next round drafts from
+    root_exact: torch.Tensor  # [M] bool: v_root is x's own exact velocity
+    draft_keys: torch.Tensor  # [M]
+    verify_keys: torch.Tensor  # [M]
+
+
+def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally) -> _Chains:
+    """Step 0, a deterministic Euler step from sigma = 1 (Algorithm 1, line 1: the chain's first state)."""
+    dev = ids.device
+    M = ids.numel()
+    x = initial_noise(seed, ids, model.event_shape, model.dtype)
+    n = torch.zeros(M, dtype=torch.long, device=dev)
+    v0 = ctx.velocity(x, n, torch.arange(M, device=dev))
+    tally.endpoint_nfe += 1
+    # warmup=step0 drafts the first round from the step-0 velocity (at sigma = 1, so not exact at the root)
+    return _Chains(
+        x=ctx.schedule.mean(x, v0, n),
+        n=n + 1,
+        v_root=v0 if warmup == "step0" else torch.zeros_like(x),
+        root_exact=torch.zeros(M, dtype=torch.bool, device=dev),
+        draft_keys=rng.base_key(seed, ids, "draft", device=dev),
+        verify_keys=rng.base_key(seed, ids, "verify", device=dev),
+    )
+
+
+def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
+    """The roots' exact velocities in a call of their own: the warm-up at the first round (warmup=call,
+    charged to ``nfe``), and every round with prefetch=none."""
+    st.v_root[live] = ctx.velocity(st.x[live], st.n[live], live)
+    st.root_exact[live] = True
+    tally.charge(live, torch.ones_like(live))
+
+
+def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
+    """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
+    # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
+    rnd = _Round(
+        rows=live,
+        x=st.x[live],
+        n=st.n[live],
+        depth_limit=(ctx.schedule.end_speculative - st.n[live]).clamp(max=tree.max_depth),
+        frozen=ctx.draft.freeze(st.x[live], st.v_root[live], st.n[live], ctx.schedule),
+        v_root=st.v_root[live],
+        root_exact=st.root_exact[live],
+        draft_keys=st.draft_keys[live],
+        verify_keys=st.verify_keys[live],
+    )
+    nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
+    new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
+    tally.charge(live, nodes.call_rows)  # a round with nothing to evaluate costs no call
+    tally.committed[live, tally.rounds[live]] = steps
+    tally.rounds[live] += 1
+    st.x[live] = new_x
+    st.n[live] += steps  # line 24
+    st.v_root[live] = v_next
+    st.root_exact[live] = exact_next
+
+
+def _final_step(ctx: _Context, st: _Chains, tally: _Tally) -> torch.Tensor:
+    """Step ``T - 1``, a deterministic Euler step to sigma = 0; reuses an exact velocity the last round left."""
+    M = st.x.shape[0]
+    last = torch.full((M,), ctx.schedule.steps - 1, dtype=torch.long, device=st.x.device)
+    v_last = st.v_root.clone()
+    need = ~st.root_exact
     if bool(need.any()):
         w = need.nonzero(as_tuple=True)[0]
-        v_last[w] = ctx.velocity(x[w], last[w], w)
-        nfe[w] += 1
-    x = schedule.mean(x, v_last, last)
-    nfe += calls
-    return SampleResult(
-        samples=x,
-        calls=calls,
-        nfe=nfe,
-        target_rows=rows_used,
-        rounds=rounds,
-        committed=committed,
-        attempts=attempts,
-        accepts=accepts,
-        speculative_steps=T - 2,
-        batch_calls=batch_calls,
-    )
+        v_last[w] = ctx.velocity(st.x[w], last[w], w)
+        tally.endpoint_nfe[w] += 1
+    return ctx.schedule.mean(st.x, v_last, last)

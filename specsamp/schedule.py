@@ -22,6 +22,11 @@ from dataclasses import dataclass
 import torch
 
 
+def per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """View ``t [m]`` as ``[m, 1, ..., 1]`` with ``like.ndim`` dimensions, to scale the rows of ``like``."""
+    return t.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
 def check_churn(eps: float) -> float:
     """Validate the churn ``eps`` in (0, 1].
 
@@ -127,7 +132,5 @@ class Schedule:
         # v - eps^2 g^2 s / 2 = v + eps^2 (x + (1 - sigma) v) / (1 - sigma) = (1 + eps^2) v + eps^2 x / (1 - sigma)
         a = torch.where(stochastic, torch.full_like(s0, 1.0 + self.eps**2), torch.ones_like(s0))
         b = torch.where(stochastic, self.eps**2 / torch.where(stochastic, 1.0 - s0, torch.ones_like(s0)), torch.zeros_like(s0))
-        dt = s1 - s0
-        shape = (-1,) + (1,) * (x.ndim - 1)
-        dt, a, b = (t.to(x.dtype).reshape(shape) for t in (dt, a, b))
+        dt, a, b = (per_row(t.to(x.dtype), x) for t in (s1 - s0, a, b))
         return x + dt * (a * v + b * x)

@@ -135,8 +135,9 @@ class DraftTree:
         """Drafted states ``|V| - 1`` (``K + K^2 + ... + K^L`` for the uniform tree)."""
         return len(self) - 1
 
-    def verification_budget(self, evaluate_leaves: bool = True) -> int:
-        """Target rows of one round: ``|V|`` with leaves, ``|I(T)|`` without (section 3.1)."""
+    def call_rows(self, evaluate_leaves: bool = True) -> int:
+        """States the target evaluates in one round's batched call: ``|V|`` with leaves, ``|I(T)|``
+        without (section 3.1, eq. 16; the warm-up and prefetch savings aside)."""
         return len(self) if evaluate_leaves else int(self.internal.size)
 
     def restrict(self, m: int) -> DraftTree:
@@ -152,8 +153,8 @@ class DraftTree:
         return DraftTree(self.parent[: self.layer_end[m]])
 
     @cached_property
-    def rows_by_depth(self) -> tuple[np.ndarray, np.ndarray]:
-        """Target rows of ``T|_m`` for every ``m = 0..L``, without and with leaves.
+    def call_rows_by_depth(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`call_rows` of ``T|_m`` for every ``m = 0..L``, without and with leaves.
 
         Returns:
             ``(internal_rows [L+1], all_rows [L+1])``: ``internal_rows[m] = |I(T|_m)|`` and

@@ -1,34 +1,10 @@
-"""Shared statistical checks for exactness tests."""
+"""Two-sample statistical checks shared by the sampler and model tests (one-sample ones: :mod:`specsamp.testing`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 from scipy import stats
-
-
-def law_pvalues(sample: torch.Tensor, mean_q: torch.Tensor, sigma, e: torch.Tensor, seed: int = 0) -> dict:
-    """p-values that ``sample ~ N(mean_q, sigma^2 I)``.
-
-    Three KS tests: the standardised projection on ``e`` against N(0, 1) (i.e. the output projection
-    against N(delta, 1) once the target mean is removed), the projection on a fixed random unit vector
-    orthogonal to ``e`` against N(0, 1), and the squared norm of the orthogonal part against
-    chi^2(d - 1).
-    """
-    z = ((sample.double() - mean_q.double()) / torch.as_tensor(sigma, dtype=torch.float64).reshape(-1, *([1] * (sample.ndim - 1)))).reshape(sample.shape[0], -1)
-    e = e.double().reshape(-1)
-    d = z.shape[1]
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(d, generator=g, dtype=torch.float64)
-    w = w - (w @ e) * e
-    w = w / w.norm()
-    par = z @ e
-    orth = z - par[:, None] * e[None]
-    return {
-        "parallel": stats.kstest(par.numpy(), "norm").pvalue,
-        "orthogonal": stats.kstest((orth @ w).numpy(), "norm").pvalue,
-        "orth_norm": stats.kstest((orth**2).sum(1).numpy(), stats.chi2(d - 1).cdf).pvalue,
-    }
 
 
 def two_sample_pvalues(a: torch.Tensor, b: torch.Tensor, directions: int = 3, seed: int = 0) -> list[float]:

@@ -1,9 +1,11 @@
 """Exactness of every registered coupling over delta in [0, 300], K up to 32, float32 and float64.
 
-Each case: seed 1234, n = 3000 parent nodes in d = 8; KS tests of the output's projection on the
-displacement direction (against N(delta, 1) after standardising), of a projection orthogonal to it,
-and of the orthogonal part's squared norm (chi^2_7). Tolerance: every p-value > 1e-4 (with ~400
-tests, a false alarm has probability ~4%, and the seed is fixed so the run is deterministic).
+The law test is :func:`specsamp.testing.check_exactness` with its defaults: seed 1234, n = 3000
+parent nodes in d = 8, deltas 0, 1e-9, 0.1, 1, 3, 10, 50, 300, K in 1, 2, 7, 32 (up to the rule's
+``max_children``); KS tests of the output's projection on the displacement direction, of a
+projection orthogonal to it, and of the orthogonal part's squared norm (chi^2_7). Tolerance: every
+p-value > 1e-4 (with ~400 tests, a false alarm has probability ~4%, and the seed is fixed so the run
+is deterministic). The other tests compare acceptance rates with theory within 4 standard errors.
 """
 
 import math
@@ -11,56 +13,48 @@ import math
 import pytest
 import torch
 
-from helpers import law_pvalues
 from specsamp import theory
-from specsamp.coupling import COUPLINGS, dgrs, get_coupling, rmc
+from specsamp.coupling import COUPLINGS, Coupling, dgrs, get_coupling, register_coupling, rmc
+from specsamp.testing import check_exactness, law_pvalues, make_problem
 
-DELTAS = [0.0, 1e-9, 0.1, 1.0, 3.0, 10.0, 50.0, 300.0]
 P_MIN = 1e-4
 
 
-def make_problem(delta, K, dtype, n=3000, d=8, seed=1234):
-    g = torch.Generator().manual_seed(seed)
-    sigma = 0.37
-    mean_p = torch.randn(n, d, generator=g, dtype=torch.float64)
-    e = torch.randn(d, generator=g, dtype=torch.float64)
-    e = e / e.norm()
-    mean_q = mean_p + sigma * delta * e
-    children = mean_p[:, None] + sigma * torch.randn(n, K, d, generator=g, dtype=torch.float64)
-    return children.to(dtype), mean_p.to(dtype), mean_q.to(dtype), sigma, e, g
+@pytest.mark.parametrize("name", list(COUPLINGS))
+def test_output_law_is_target(name):
+    check_exactness(name).raise_if_failed()
 
 
-def rule_cases():
-    for name, fn in sorted(COUPLINGS.items()):
-        ks = [1, 2, 7, 32]
-        if fn.max_children is not None:
-            ks = [k for k in ks if k <= fn.max_children]
-        for K in ks:
-            yield name, K
+def test_check_exactness_detects_a_biased_rule():
+    # D-GRS with its residual's projection moved by 0.2: the KS test of the projection fails
+    def biased(children, mean_p, mean_q, sigma, generator=None):
+        v = dgrs(children, mean_p, mean_q, sigma, generator)
+        shift = (mean_q - mean_p) / (mean_q - mean_p).norm(dim=1, keepdim=True).clamp_min(1e-30)
+        v.sample = torch.where(v.accepted[:, None], v.sample, v.sample + 0.2 * 0.37 * shift)
+        return v
+
+    report = check_exactness(biased, deltas=(1.0, 3.0), Ks=(2,), dtypes=(torch.float64,))
+    assert not report.ok and all("parallel" in f for f in report.failures())
+    with pytest.raises(AssertionError, match="failed 2 of 2 cases"):
+        report.raise_if_failed()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("delta", DELTAS)
-@pytest.mark.parametrize("name,K", list(rule_cases()))
-def test_output_law_is_target(name, K, delta, dtype):
-    children, mean_p, mean_q, sigma, e, g = make_problem(delta, K, dtype)
-    v = get_coupling(name)(children, mean_p, mean_q, sigma, generator=g)
-    assert v.sample.dtype == dtype and v.sample.shape == mean_p.shape
-    assert torch.isfinite(v.sample).all()
-    # contract: an accepted sample *is* the chosen child; the residual index is K
-    acc = v.accepted
-    assert torch.equal(v.sample[acc], children[acc, v.index[acc]])
-    assert torch.all(v.index[~acc] == K)
-    # the direction is only defined for delta > 0; for delta = 0 any direction is a valid check
-    p = law_pvalues(v.sample, mean_q, sigma, e)
-    assert min(p.values()) > P_MIN, p
+def test_registry_and_contract_object():
+    assert isinstance(dgrs, Coupling) and COUPLINGS["rmc"] is rmc and rmc.max_children == 1
+    with pytest.raises(ValueError, match="already registered"):
+        register_coupling("dgrs")(dgrs.verify)
+    rmc.check_tree(None)
+    from specsamp.trees import DraftTree
+    rmc.check_tree(DraftTree.chain(3))
+    with pytest.raises(ValueError, match=r"'rmc' accepts at most K=1 .* node with 2; a K=1 rule runs a chain"):
+        rmc.check_tree(DraftTree.uniform(2, 2))
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 7, 16])
 @pytest.mark.parametrize("delta", [0.05, 0.5, 1.0, 2.0, 4.0])
 def test_dgrs_acceptance_matches_eq19(K, delta):
     # seed 7, n = 20000: |measured - (1 - G_{K+1})| < 4 standard errors
-    children, mean_p, mean_q, sigma, _, g = make_problem(delta, K, torch.float64, n=20000, d=3, seed=7)
+    children, mean_p, mean_q, sigma, _, g = make_problem(delta, K, torch.float64, n=20000, dim=3, seed=7)
     acc = dgrs(children, mean_p, mean_q, sigma, generator=g).accepted.double().mean().item()
     ref = float(theory.dgrs_acceptance(delta, K))
     se = math.sqrt(max(ref * (1 - ref), 1e-12) / 20000)
@@ -71,7 +65,7 @@ def test_dgrs_acceptance_matches_eq19(K, delta):
 def test_dgrs_positional_probabilities(K):
     # seed 11, n = 40000, delta = 1: each P(J = k) within 4 standard errors
     n = 40000
-    children, mean_p, mean_q, sigma, _, g = make_problem(1.0, K, torch.float64, n=n, d=3, seed=11)
+    children, mean_p, mean_q, sigma, _, g = make_problem(1.0, K, torch.float64, n=n, dim=3, seed=11)
     v = dgrs(children, mean_p, mean_q, sigma, generator=g)
     ref = theory.dgrs_positional(1.0, K)
     for k in range(K):
@@ -87,9 +81,9 @@ def test_rmc_acceptance_matches_eq20_and_dgrs_k1(delta):
     ref = float(theory.rmc_acceptance(delta))
     se = math.sqrt(ref * (1 - ref) / n)
     for rule in (rmc, dgrs):
-        children, mean_p, mean_q, sigma, _, g = make_problem(delta, 1, torch.float64, n=n, d=3, seed=3)
+        children, mean_p, mean_q, sigma, _, g = make_problem(delta, 1, torch.float64, n=n, dim=3, seed=3)
         acc = rule(children, mean_p, mean_q, sigma, generator=g).accepted.double().mean().item()
-        assert abs(acc - ref) < 4 * se, rule.coupling_name
+        assert abs(acc - ref) < 4 * se, rule.name
 
 
 def test_delta_zero_accepts_first_child():
@@ -124,7 +118,7 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         dgrs(children, mean_p, mean_q, -1.0)
     with pytest.raises(ValueError, match="K=0"):
         dgrs(children[:, :0], mean_p, mean_q, sigma)
-    with pytest.raises(ValueError, match="not registered"):
+    with pytest.raises(ValueError, match=r"coupling='nope' is not registered; valid: \[.*'dgrs'"):
         get_coupling("nope")
 
 

@@ -1,7 +1,8 @@
 """Tests of the marked-maximum list coupling (:mod:`specsamp.listcoupling`, registered as ``markmax``).
 
-Exactness: ``specsamp`` registers ``markmax``, so ``tests/test_coupling.py`` runs its full KS matrix
-(delta 0..300, K up to 32, float32/float64) like every other rule's. Here, a 1-D check of the scalar
+Exactness: ``specsamp`` registers ``markmax``, so ``tests/test_coupling.py`` runs
+:func:`specsamp.testing.check_exactness` on it (delta 0..300, K up to 32, float32/float64) like on
+every other rule. Here, a 1-D check of the scalar
 rule (n = 200000) also asserts that each of its four branches was taken and the output is exact. Acceptance and positional
 probabilities are compared with theory within 4 standard errors (fixed seeds, n stated per test).
 """
@@ -17,7 +18,9 @@ from specsamp import listcoupling as lc
 from specsamp import theory
 from specsamp.coupling import COUPLINGS, get_coupling
 from specsamp.rng import KeyedRows, base_key
-from test_coupling import P_MIN, make_problem
+from specsamp.testing import make_problem
+
+P_MIN = 1e-4
 
 markmax = lc.markmax
 
@@ -55,7 +58,7 @@ def test_scalar_rule_exact_in_every_branch(K, delta):
 def test_acceptance_matches_theory(K, delta):
     # seed 7, n = 20000: |measured - markmax_acceptance| < 4 standard errors
     n = 20000
-    children, mean_p, mean_q, sigma, _, g = make_problem(delta, K, torch.float64, n=n, d=3, seed=7)
+    children, mean_p, mean_q, sigma, _, g = make_problem(delta, K, torch.float64, n=n, dim=3, seed=7)
     acc = markmax(children, mean_p, mean_q, sigma, generator=g).accepted.double().mean().item()
     ref = float(lc.markmax_acceptance(delta, K))
     se = math.sqrt(max(ref * (1 - ref), 1e-12) / n)
@@ -66,7 +69,7 @@ def test_acceptance_matches_theory(K, delta):
 def test_positional_probabilities(K, delta):
     # seed 11, n = 40000: each P(J = k) within 4 standard errors of markmax_positional
     n = 40000
-    children, mean_p, mean_q, sigma, _, g = make_problem(delta, K, torch.float64, n=n, d=3, seed=11)
+    children, mean_p, mean_q, sigma, _, g = make_problem(delta, K, torch.float64, n=n, dim=3, seed=11)
     v = markmax(children, mean_p, mean_q, sigma, generator=g)
     ref = lc.markmax_positional(delta, K)
     for k in range(K):

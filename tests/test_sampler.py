@@ -155,7 +155,7 @@ def test_law_test_detects_biased_coupling(rule, spec, reference):
 
 # --- tree and path executions ----------------------------------------------------------------------
 
-COUNT_FIELDS = ("calls", "nfe", "target_rows", "rounds", "committed", "attempts", "accepts")
+COUNT_FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
 
 EQUIV_CASES = [
     (("chain", 3), "rmc", "velocity", "nearest", True),
@@ -182,7 +182,7 @@ def test_tree_and_path_executions_agree(case):
     b = sample_speculative(MODEL, SCHED, tree_of(spec), coupling, 40, execution="path", **kw)
     for f in COUNT_FIELDS:
         assert torch.equal(getattr(a, f), getattr(b, f)), f
-    assert a.batch_calls == b.batch_calls
+    assert a.batch_nfe == b.batch_nfe
     torch.testing.assert_close(a.samples, b.samples, rtol=0, atol=1e-9)
 
 
@@ -265,8 +265,8 @@ def run_counted(T, spec, coupling="dgrs", m=6, **kw):
 
 def check_counts_match_invocations(r, model, m):
     calls, rows = model.per_trajectory(m)
-    final = r.nfe - 1 - r.calls  # the endpoint step to sigma = 0 when it needed its own call
-    assert torch.equal(calls, r.nfe)
+    final = r.nfe_total - 1 - r.nfe  # the endpoint step to sigma = 0 when it needed its own call
+    assert torch.equal(calls, r.nfe_total)
     assert torch.equal(rows - 1 - final, r.target_rows)
 
 
@@ -274,7 +274,7 @@ def check_counts_match_invocations(r, model, m):
 @pytest.mark.parametrize("prefetch", ["nearest", "parent", "none"])
 @pytest.mark.parametrize("spec", [("uniform", (1, 1)), ("uniform", (2, 3)), ("chain", 3), ("parent", IRREGULAR)], ids=lambda s: tree_of(s).describe())
 def test_recorded_counts_equal_model_invocations_leaves(T, prefetch, spec):
-    # tree execution, B = |V| protocol: recorded nfe = target invocations each trajectory took part in,
+    # tree execution, B = |V| protocol: recorded nfe_total = target invocations each trajectory took part in,
     # recorded target_rows = rows it sent to the speculative calls
     r, model = run_counted(T, spec, prefetch=prefetch, evaluate_leaves=True)
     check_counts_match_invocations(r, model, 6)
@@ -306,13 +306,13 @@ def test_recorded_counts_equal_model_invocations_empty_batches(spec, prefetch):
 @pytest.mark.parametrize("draft", ["velocity", "drift", "x0"])
 @pytest.mark.parametrize("prefetch", ["nearest", "parent"])
 def test_no_speculation_costs_one_call_per_step(T, coupling, draft, prefetch):
-    """(K, L) = (1, 1) with the B = |V| protocol costs exactly what the standard sampler costs: nfe = T.
+    """(K, L) = (1, 1) with the B = |V| protocol costs exactly what the standard sampler costs: nfe_total = T.
 
     The warm-up call at state 1 is the call the standard sampler makes there; each of the T - 2 rounds
     then evaluates its single drafted child (the root's exact velocity is already known, so delta = 0 and
     the child is always accepted), and the last round's leaf evaluation, at state T - 1, serves the final
-    Euler step. So speculative calls = 1 + (T - 2) = T - 1 (the paper's protocol charges the warm-up to
-    speculation), target_rows = T - 1, and nfe = 1 (step 0) + (T - 1) = T.
+    Euler step. So nfe = 1 + (T - 2) = T - 1 (the paper's protocol charges the warm-up to
+    speculation), target_rows = T - 1, and nfe_total = 1 (step 0) + (T - 1) = T.
     """
     m = 5
     model = CountingModel(MODEL)
@@ -320,27 +320,27 @@ def test_no_speculation_costs_one_call_per_step(T, coupling, draft, prefetch):
         model, Schedule.make(T, 1.0), DraftTree.uniform(1, 1), coupling, m, draft=draft, prefetch=prefetch,
         evaluate_leaves=True, execution="tree", cond={"tid": torch.arange(m)}, seed=4,
     )
-    assert torch.all(r.nfe == T)
-    assert torch.all(r.calls == T - 1)
+    assert torch.all(r.nfe_total == T)
+    assert torch.all(r.nfe == T - 1)
     assert torch.all(r.target_rows == T - 1)
     assert torch.all(r.rounds == T - 2)
     assert torch.all(r.committed == 1)
     assert torch.equal(r.accepts, r.attempts) and torch.all(r.attempts == T - 2)
-    assert r.batch_calls == T - 1
+    assert r.batch_nfe == T - 1
     # every target invocation after step 0 evaluates exactly one row per trajectory
     assert len(model.log) == T
     for t in model.log:
         assert torch.equal(torch.sort(t).values, torch.arange(m))
     check_counts_match_invocations(r, model, m)
     std = sample_standard(MODEL, Schedule.make(T, 1.0), m)
-    assert torch.all(std.nfe == T) and torch.all(std.calls == T - 2)
+    assert torch.all(std.nfe_total == T) and torch.all(std.nfe == T - 2)
 
 
 def test_no_speculation_prefetch_none_pays_the_root_each_round():
-    # prefetch = none: every round pays a root call plus its batch -> calls = 2 (T - 2), and the final step its own call
+    # prefetch = none: every round pays a root call plus its batch -> nfe = 2 (T - 2), and the final step its own call
     T = 8
     r = sample_speculative(MODEL, SCHED, DraftTree.uniform(1, 1), "dgrs", 5, prefetch="none", seed=4)
-    assert torch.all(r.calls == 2 * (T - 2)) and torch.all(r.nfe == 2 * T - 2)
+    assert torch.all(r.nfe == 2 * (T - 2)) and torch.all(r.nfe_total == 2 * T - 2)
     assert torch.all(r.target_rows == 2 * (T - 2))
 
 
@@ -367,7 +367,7 @@ def test_accounting_identities(case):
     assert r.committed.shape == (M, T - 2) and r.attempts.shape == (M, L) and r.accepts.shape == (M, L)
     # rounds commit T - 2 steps in total, each between 1 and L_n
     assert torch.all(r.committed.sum(1) == T - 2)
-    internal_rows, all_rows = tree.restrict(T - 2).rows_by_depth
+    internal_rows, all_rows = tree.restrict(T - 2).call_rows_by_depth
     table = all_rows if leaves else internal_rows
     empty_rounds = torch.zeros(M, dtype=torch.long)
     for i in range(M):
@@ -394,7 +394,7 @@ def test_accounting_identities(case):
         else:
             rejections = (T - 2) - int(r.accepts[i].sum())
             clean = R - rejections  # rounds that walked to a leaf, whose exact velocity is reused
-            last_clean = int(r.nfe[i] == 1 + r.calls[i])
+            last_clean = int(r.nfe_total[i] == 1 + r.nfe[i])
             exact_roots = 1 + clean - last_clean
             assert int(r.target_rows[i]) == 1 + rows - exact_roots
     # acceptance per depth: a verification per committed step, accepts <= attempts,
@@ -403,27 +403,27 @@ def test_accounting_identities(case):
     assert torch.all(r.accepts <= r.attempts) and torch.all(r.accepts >= 0)
     assert torch.equal(r.attempts[:, 0], r.rounds)
     assert torch.all(r.attempts[:, 1:] <= r.accepts[:, :-1])
-    # calls: warm-up + one per round, or two per round without prefetch; a round with an empty batch is free
+    # nfe: warm-up + one per round, or two per round without prefetch; a round with an empty batch is free
     if prefetch == "none":
-        assert torch.all(r.calls == 2 * r.rounds - empty_rounds)
+        assert torch.all(r.nfe == 2 * r.rounds - empty_rounds)
     else:
-        assert torch.all(r.calls == 1 + r.rounds - empty_rounds)
-    # nfe = step 0 + calls + the final step when no exact velocity was left for it
-    final = r.nfe - 1 - r.calls
+        assert torch.all(r.nfe == 1 + r.rounds - empty_rounds)
+    # nfe_total = step 0 + nfe + the final step when no exact velocity was left for it
+    final = r.nfe_total - 1 - r.nfe
     assert torch.all((final == 0) | (final == 1))
     if prefetch == "none" or not leaves:
         assert torch.all(final == 1)
-    torch.testing.assert_close(r.speedup, (T - 2) / r.calls.double())
-    # the batch moves in lockstep: its calls are those of its most expensive member
-    assert r.batch_calls == int(r.calls.max())
-    assert r.batch_speedup == pytest.approx((T - 2) / r.batch_calls)
+    torch.testing.assert_close(r.speedup, (T - 2) / r.nfe.double())
+    # the batch moves in lockstep: its nfe is those of its most expensive member
+    assert r.batch_nfe == int(r.nfe.max())
+    assert r.batch_speedup == pytest.approx((T - 2) / r.batch_nfe)
 
 
 def test_callback_reports_rounds():
     seen = []
     r = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 2), "dgrs", 10, seed=2, callback=seen.append)
     assert [s["round"] for s in seen] == list(range(1, int(r.rounds.max()) + 1))
-    assert seen[-1]["calls"] == r.batch_calls
+    assert seen[-1]["batch_nfe"] == r.batch_nfe
     assert seen[0]["live"] == 10 and all(s["live"] >= 1 for s in seen)
 
 
@@ -489,7 +489,7 @@ def test_coupling_bad_sigma(name, sigma):
     "kwargs,pattern",
     [
         ({"coupling": "nope"}, r"coupling='nope' is not registered; valid: \[.*'dgrs'.*'rmc'"),
-        ({"draft": "nope"}, r"draft='nope' is invalid; valid: \['drift', 'velocity', 'x0'\]"),
+        ({"draft": "nope"}, r"draft='nope' is not registered; valid: \['drift', 'velocity', 'x0'\]"),
         ({"prefetch": "nope"}, r"prefetch='nope' is invalid; valid: \['nearest', 'parent', 'none'\]"),
         ({"execution": "nope"}, r"execution='nope' is invalid; valid: \['tree', 'path'\]"),
         ({"n_samples": 0}, r"n_samples=0 is invalid.*>= 1"),
@@ -542,13 +542,13 @@ def test_gmm_section_5_1_speedup(tree, coupling, lo, hi):
 @pytest.mark.parametrize("spec,coupling", [(("uniform", (2, 3)), "dgrs"), (("chain", 4), "rmc")])
 def test_warmup_step0_keeps_the_law_and_saves_the_warmup_call(spec, coupling, reference):
     # seed 300, 2000 trajectories against the standard sampler's 4000 (p > 1e-3 on every statistic);
-    # the first round drafts from the sigma = 1 velocity, so the warm-up call disappears: calls = rounds
+    # the first round drafts from the sigma = 1 velocity, so the warm-up call disappears: nfe = rounds
     tree = tree_of(spec)
     r = sample_speculative(MODEL, SCHED, tree, coupling, N_SPEC, warmup="step0", seed=300)
     assert min(law_pvalues(r.samples, reference)) > P_MIN
-    assert torch.equal(r.calls, r.rounds)
+    assert torch.equal(r.nfe, r.rounds)
     base = sample_speculative(MODEL, SCHED, tree, coupling, 50, seed=300)
-    assert torch.equal(base.calls, base.rounds + 1)
+    assert torch.equal(base.nfe, base.rounds + 1)
     with pytest.raises(ValueError, match="warmup"):
         sample_speculative(MODEL, SCHED, tree, coupling, 2, warmup="nope")
 

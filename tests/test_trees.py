@@ -63,8 +63,8 @@ def test_from_widths_non_uniform():
     assert t.children(4).tolist() == [7, 8]
     assert t.children(6).tolist() == [11, 12]
     assert t.internal.tolist() == list(range(7))
-    assert t.verification_budget(True) == 13
-    assert t.verification_budget(False) == 7
+    assert t.call_rows(True) == 13
+    assert t.call_rows(False) == 7
     np.testing.assert_array_equal(t.depth, brute_depth(t.parent))
 
 
@@ -83,8 +83,8 @@ def test_uniform_structure_eq10():
     assert t.layer(3).tolist() == list(range(7, 15))
     assert t.layer(4).size == 0 and t.layer(-1).size == 0
     assert t.internal.tolist() == list(range(7))
-    assert t.verification_budget() == 15 == sum(K**l for l in range(L + 1))
-    assert t.verification_budget(evaluate_leaves=False) == 7 == sum(K**l for l in range(L))
+    assert t.call_rows() == 15 == sum(K**l for l in range(L + 1))
+    assert t.call_rows(evaluate_leaves=False) == 7 == sum(K**l for l in range(L))
     np.testing.assert_array_equal(t.depth, brute_depth(t.parent))
 
 
@@ -112,7 +112,7 @@ def test_internal_nodes_irregular():
     assert t.children(2).tolist() == [6]
     assert t.widths is None
     assert t.describe() == "tree(|V|=9, L=3)"
-    assert t.verification_budget(False) == 4 and t.verification_budget(True) == 9
+    assert t.call_rows(False) == 4 and t.call_rows(True) == 9
 
 
 # --- restriction (eq. 11) -----------------------------------------------------------------------
@@ -156,17 +156,17 @@ def test_restrict_negative_raises():
     [DraftTree.uniform(2, 3), DraftTree.uniform(5, 3), DraftTree.from_widths([3, 1, 2]), DraftTree.chain(6), DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4])],
     ids=lambda t: t.describe(),
 )
-def test_rows_by_depth(tree):
-    internal_rows, all_rows = tree.rows_by_depth
+def test_call_rows_by_depth(tree):
+    internal_rows, all_rows = tree.call_rows_by_depth
     assert internal_rows.shape == all_rows.shape == (tree.max_depth + 1,)
     for m in range(tree.max_depth + 1):
         sub = tree.restrict(m)
-        assert all_rows[m] == sub.verification_budget(True) == len(sub)
-        assert internal_rows[m] == sub.verification_budget(False)
+        assert all_rows[m] == sub.call_rows(True) == len(sub)
+        assert internal_rows[m] == sub.call_rows(False)
 
 
-def test_rows_by_depth_uniform_values():
-    internal_rows, all_rows = DraftTree.uniform(2, 3).rows_by_depth
+def test_call_rows_by_depth_uniform_values():
+    internal_rows, all_rows = DraftTree.uniform(2, 3).call_rows_by_depth
     assert internal_rows.tolist() == [0, 1, 3, 7]
     assert all_rows.tolist() == [1, 3, 7, 15]
 
