@@ -44,8 +44,8 @@ def done(tmp_path_factory):
 
 
 BAD = [
-    (["save_samples=maybe"], ["save_samples=maybe", "Boolean"]),
-    (["skip_existing=maybe"], ["skip_existing=maybe", "Boolean"]),
+    (["save_samples=maybe"], ["save_samples=maybe", "not a valid bool"]),
+    (["skip_existing=maybe"], ["skip_existing=maybe", "not a valid bool"]),
     (["threads=0"], ["threads=0", ">= 1"]),
     (["progress=maybe"], ["progress='maybe'", "auto"]),
     (["seed=-1"], ["seed=-1", "2**59"]),

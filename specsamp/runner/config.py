@@ -203,18 +203,28 @@ def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
     """
     from omegaconf.errors import OmegaConfBaseException
 
+    def refuse(e: OmegaConfBaseException, node: Mapping, prefix: str = "") -> ConfigError:
+        key = str(getattr(e, "full_key", "") or "")
+        value = OmegaConf.select(OmegaConf.create(node), key, default=MISSING) if key else MISSING
+        if key:
+            e.full_key = prefix + key
+        return ConfigError(explain(e, value) or str(e))
+
     try:
         plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-        plain = {k: v for k, v in plain.items() if k not in RUNNER_KEYS or k == "sweep_name"}
-        model = plain.get("model")
-        schema = _model_schema(model)
-        typed = OmegaConf.merge(OmegaConf.structured(RunConfig),
-                                {**plain, "model": OmegaConf.merge(OmegaConf.structured(schema), model) if schema else model})
-        run = OmegaConf.to_object(typed)
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve
+        raise ConfigError(f"the configuration does not resolve: {e}") from None
+    plain = {k: v for k, v in plain.items() if k not in RUNNER_KEYS or k == "sweep_name"}
+    model = plain.get("model")
+    schema = _model_schema(model)
+    try:
+        model = OmegaConf.merge(OmegaConf.structured(schema), model) if schema else model
     except OmegaConfBaseException as e:
-        key = str(getattr(e, "full_key", "") or "")
-        value = OmegaConf.select(OmegaConf.create(plain), key, default=MISSING) if key else MISSING
-        raise ConfigError(explain(e, value) or str(e)) from None
+        raise refuse(e, model, "model.") from None
+    try:
+        run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {**plain, "model": model}))
+    except OmegaConfBaseException as e:
+        raise refuse(e, plain) from None
     check_values(run)
     recorded = OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
     recorded = {k: v for k, v in recorded.items() if k not in RUNNER_KEYS}
