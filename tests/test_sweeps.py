@@ -45,8 +45,13 @@ def results(sweep: Path) -> dict[str, float]:
     return {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/result.json")}
 
 
-def compose_cfg(overrides):
-    return compose(overrides)
+def compose_cfg(overrides, hydra=False):
+    if not hydra:
+        return compose(overrides)
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +253,7 @@ def test_run_config_indices_reproduce_the_full_run(tiny_cfg):
     _, full = run_config(tiny_cfg)
     parts = [run_config(tiny_cfg, indices=shards.shard_indices(6, k, 2, 2))[1] for k in range(2)]
     assert torch.equal(full.samples, torch.cat([p.samples for p in parts]))  # batch-aligned: bitwise
-    assert torch.equal(full.calls, torch.cat([p.calls for p in parts]))
+    assert torch.equal(full.nfe, torch.cat([p.nfe for p in parts]))
     one_batch = {**tiny_cfg, "batch_size": None}
     _, whole = run_config(one_batch)
     _, tail = run_config(one_batch, indices=[3, 4, 5])
