@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     df["torch"] = torch.__version__
     print(df.drop(columns=["cpu", "torch"]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if a.out:
-        from specsamp.runner.io import atomic_write
+        from specsamp.io import atomic_write
 
         atomic_write(Path(a.out), lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")
         print(f"wrote {a.out}")

@@ -32,8 +32,8 @@ def read_csv(path: Path) -> pd.DataFrame:
 
 
 def write_csv(df: pd.DataFrame, path: Path) -> Path:
-    """Write a table atomically (:func:`specsamp.runner.io.atomic_write`)."""
-    from specsamp.runner.io import atomic_write
+    """Write a table atomically (:func:`specsamp.io.atomic_write`)."""
+    from specsamp.io import atomic_write
 
     return atomic_write(path, lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")
 

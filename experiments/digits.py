@@ -173,7 +173,7 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
 
     from specsamp.models.edm import uniform_labels
     from specsamp.images import load_images
-    from specsamp.runner.io import atomic_write
+    from specsamp.io import atomic_write
     from specsamp.metrics.fid import load_statistics
     from specsamp.models.digits import load_digits_data
 

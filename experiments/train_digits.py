@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specsamp.runner.io import atomic_write
+from specsamp.io import atomic_write
 from specsamp.metrics.fid import feature_statistics
 from specsamp.models.digits import (
     CLASSES, CLASSIFIER_FILE, CHANNELS, DENOISER_FILE, REFERENCE_FILE, RESOLUTION, load_digits_data, network_module,

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from specsamp.runner.io import atomic_write, torch_save_atomic, write_json_atomic
+from specsamp.io import atomic_write, torch_save_atomic, write_json_atomic
 
 
 def _leftovers(d):

@@ -128,7 +128,7 @@ def test_markmax_sampler_runs(tmp_path):
 def test_atomic_writes_respect_the_umask(tmp_path):
     import stat
 
-    from specsamp.runner.io import write_json_atomic
+    from specsamp.io import write_json_atomic
 
     old = os.umask(0o022)
     try:

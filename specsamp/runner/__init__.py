@@ -13,7 +13,7 @@ Layers, top down (each module imports only from those below it and from the core
   :mod:`~specsamp.runner.records`: statistics, provenance, config hash, resume, the printed line;
   :mod:`~specsamp.runner.loggers`: optional wandb;
 - :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
-  :mod:`~specsamp.runner.jobs`: job directories and liveness; :mod:`~specsamp.runner.io`: atomic writes.
+  :mod:`~specsamp.runner.jobs`: job directories and liveness (atomic writes: :mod:`specsamp.io`).
 
 Library use::
 

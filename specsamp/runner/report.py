@@ -268,8 +268,8 @@ def collect(sweep_dir: str | os.PathLike):
 
 
 def write_csv_atomic(df, path: str | os.PathLike) -> None:
-    """Write ``df`` to CSV through a temporary file and an atomic rename (:func:`specsamp.runner.io.atomic_write`)."""
-    from .io import atomic_write
+    """Write ``df`` to CSV through a temporary file and an atomic rename (:func:`specsamp.io.atomic_write`)."""
+    from ..io import atomic_write
 
     atomic_write(path, lambda f: df.to_csv(f, index=False), mode="w")
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import torch_save_atomic, write_json_atomic
+from ..io import torch_save_atomic, write_json_atomic
 from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE
 
 SAMPLES_FILE = "samples.pt"

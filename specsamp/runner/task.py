@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from ..errors import ConfigError
 from .exits import INFRASTRUCTURE, USAGE, infrastructure_message, is_infrastructure
-from .io import torch_save_atomic, write_json_atomic
+from ..io import torch_save_atomic, write_json_atomic
 from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
 from .loop import record_hash, run_config
 from .outputs import MetricError, compute_metrics, save_images
