@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, ROOT, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "pixel"
@@ -69,12 +69,10 @@ def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
 def model_fid_settings(dataset: str) -> tuple[str, dict]:
     """The FID reference and extractor settings of ``conf/model/<dataset>.yaml`` (``fid_ref``, ``fid_*``),
     so that this command scores exactly as ``run.py ... 'metrics=[fid]'`` does."""
-    from omegaconf import OmegaConf
+    from specsamp.runner import compose, load_config
 
-    from specsamp.runner import fid_settings
-
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{dataset}.yaml")
-    return str(cfg.fid_ref), fid_settings(cfg)
+    model = load_config(compose([f"model={dataset}"]))[0].model
+    return str(model.fid_ref), model.fid_settings()
 
 
 def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None, *, table_path=None,

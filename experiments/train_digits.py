@@ -36,7 +36,7 @@ from specsamp.metrics.fid import feature_statistics
 from specsamp.models.digits import (
     CLASSES, CLASSIFIER_FILE, CHANNELS, DENOISER_FILE, REFERENCE_FILE, RESOLUTION, load_digits_data, network_module,
 )
-from specsamp.models.edm import file_sha256
+from specsamp.hub import file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMA_DATA = 0.75  # standard deviation of the digits' pixels in [-1, 1] (0.752)

@@ -35,12 +35,14 @@ def leaf_keys(node: dict, prefix="") -> list[str]:
 
 
 def yaml_keys(model: str) -> list[str]:
-    return leaf_keys(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml"), resolve=False))
+    node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml"), resolve=False)
+    node.pop("defaults", None)  # Hydra's directive (the schema), not a key
+    return leaf_keys(node)
 
 
 # (model, key) -> (context overrides, perturbed value); "{...}" names are filled from the fixtures
 EDM_COMMON = {
-    "kind": ([], "nope"),
+    "_target_": ([], "specsamp.models.nope.Config"),
     "name": ([], "another-name"),
     "url": (["model.path=null", "model.url=file://{ckpt}"], "file://{missing}"),
     "path": ([], "{missing}"),
@@ -64,7 +66,7 @@ EDM_COMMON = {
 }
 PROBES = {
     "gmm": {
-        "kind": ([], "nope"),
+        "_target_": ([], "specsamp.models.nope.Config"),
         "name": ([], "another-name"),
         "dim": ([], 5),
         "components": ([], 3),
@@ -79,7 +81,7 @@ PROBES = {
     "digits": {**{k: v for k, v in EDM_COMMON.items() if k not in ("cache_dir", "download")},
                "label_dim": ([], 5), "labels": ([], "none")},
     "sd3": {
-        "kind": ([], "nope"),
+        "_target_": ([], "specsamp.models.nope.Config"),
         "name": ([], "another-name"),
         "model_id": ([], "{missing}"),
         "local_files_only": ([], True),
@@ -177,9 +179,11 @@ def _fill(value, model, files, sd3_dir):
 
 
 def _compose(model, overrides):
-    from specsamp.runner.config import compose, load_config
+    from specsamp.runner.config import compose
 
-    return load_config(compose([f"model={model}", *overrides]))[1]
+    cfg = OmegaConf.to_container(compose([f"model={model}", *overrides]), resolve=True)
+    cfg.pop("sweep_name")  # a timestamp
+    return cfg
 
 
 class LoaderSpy:

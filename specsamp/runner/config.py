@@ -182,7 +182,7 @@ def _model_schema(model: Mapping) -> type | None:
 
         cls = get_class(target)
     except Exception as e:
-        raise ConfigError(f"model._target_={target!r} is invalid: {e}") from None
+        raise ConfigError(f"model._target_={target!r} is invalid: {' '.join(str(e).split())}") from None
     return cls if dataclasses.is_dataclass(cls) else None
 
 
