@@ -4,7 +4,7 @@ A draft freezes something computed at the root of a round (``freeze``) and rebui
 mean at any drafted node and step from it (``mean``). The proposal std is always the target kernel's
 (eq. 37), so every draft fits the rank-1 coupling. Registered drafts (:data:`DRAFTS`):
 
-- ``velocity`` (default, the authors' code): freeze the root velocity ``v_r`` and use the kernel
+- ``velocity`` (default; section 5, "Protocol"): freeze the root velocity ``v_r`` and use the kernel
   mean of eq. 36 with ``v_r`` at the node's own state and step.
 - ``drift``: freeze the whole increment ``m_n(x_r) - x_r`` of the root step and add it at every depth
   (appendix C.1 read literally, eq. 7).

@@ -459,7 +459,7 @@ def share(delta: torch.Tensor, K: int) -> MarkMaxParams:
         ck = crossing(dk, K)
         tk = _largest_feasible(dk, K, ck, log_bound_gap(dk, K, ck), torch.ones_like(dk))
         tk = tk.reshape(3, -1).amin(0)
-        _SHARE_CACHE.update({(K, k): v for k, v in zip(todo, tk.tolist())})
+        _SHARE_CACHE.update({(K, k): t_k for k, t_k in zip(todo, tk.tolist())})
     t = torch.tensor([_SHARE_CACHE[(K, k)] for k in keys], dtype=torch.float64, device=delta.device)
     ok = feasible(make_params(delta, K, t, c, log_R))
     if not bool(ok.all()):

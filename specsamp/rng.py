@@ -46,13 +46,6 @@ MAX_SEED = (1 << SEED_BITS) - 1  # valid seeds: 0 <= seed <= MAX_SEED (2**60 - 1
 _CHUNK = 1 << 15  # elements per in-place block of :func:`uniform` and :func:`normal` (cache sized)
 
 
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns."""
-    out = x >> s
-    out &= (1 << (64 - s)) - 1
-    return out
-
-
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """SplitMix64 finaliser on int64 bit patterns (a bijection of 64-bit words).
 

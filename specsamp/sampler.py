@@ -100,14 +100,14 @@ def _model_device(model) -> torch.device:
 
 
 class _Velocity:
-    """Counts and performs target evaluations: ``v(x, sigma_n)`` for rows of given trajectories."""
+    """Target evaluations ``v(x, sigma_n)`` for rows of given trajectories, with their conditioning."""
 
     def __init__(self, model, schedule: Schedule, cond: dict | None, max_batch: int | None):
         self.model, self.schedule, self.cond, self.max_batch = model, schedule, cond or {}, max_batch
 
     def __call__(self, x: torch.Tensor, n: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         sigma = self.schedule.sigmas.to(x.device)[n]
-        cond = {k: v[traj] for k, v in self.cond.items()}
+        cond = {k: c[traj] for k, c in self.cond.items()}
         return batched(self.model, x, sigma, self.max_batch, **cond).to(x.dtype)
 
 

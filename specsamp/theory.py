@@ -21,7 +21,7 @@ import torch
 from scipy import special  # optimize and stats are imported where used: they cost ~1 s at start-up
 
 from .coupling import grs_levels
-from .trees import DraftTree
+from .trees import DraftTree, check_int
 
 
 def _delta(delta) -> np.ndarray:
@@ -32,9 +32,7 @@ def _delta(delta) -> np.ndarray:
 
 
 def _k(K) -> int:
-    if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
-        raise ValueError(f"K={K!r} is invalid: must be an integer >= 1")
-    return int(K)
+    return check_int("K", K)
 
 
 def rmc_acceptance(delta) -> np.ndarray:
@@ -158,8 +156,3 @@ def chain_steps(alpha: float, L: int) -> float:
     appendix C.2.) Tends to ``1 / (1 - alpha)``.
     """
     return float(sum(alpha**i for i in range(L)))
-
-
-def normal_sf(x) -> np.ndarray:
-    """Standard normal survival function (convenience for plots)."""
-    return special.ndtr(-np.asarray(x, dtype=np.float64))

@@ -14,7 +14,8 @@ from functools import cached_property
 import numpy as np
 
 
-def _check_positive_int(name: str, value, lo: int = 1) -> int:
+def check_int(name: str, value, lo: int = 1) -> int:
+    """``value`` as an ``int`` if it is an integer ``>= lo`` (bools refused); else ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {lo}")
     return int(value)
@@ -71,7 +72,7 @@ class DraftTree:
         Raises:
             ValueError: a width below 1.
         """
-        widths = [_check_positive_int(f"widths[{i}]", w) for i, w in enumerate(widths)]
+        widths = [check_int(f"widths[{i}]", w) for i, w in enumerate(widths)]
         parts = [np.array([-1], dtype=np.int64)]
         start, size = 0, 1  # current layer: nodes start .. start + size - 1
         for w in widths:
@@ -86,8 +87,8 @@ class DraftTree:
         Raises:
             ValueError: ``K < 1`` or ``L < 1``.
         """
-        K = _check_positive_int("K", K)
-        L = _check_positive_int("L", L)
+        K = check_int("K", K)
+        L = check_int("L", L)
         return cls.from_widths([K] * L)
 
     @classmethod
@@ -97,7 +98,7 @@ class DraftTree:
         Raises:
             ValueError: ``L < 1``.
         """
-        L = _check_positive_int("L", L)
+        L = check_int("L", L)
         return cls(np.arange(-1, L))
 
     # --- structure ---------------------------------------------------------------------------
@@ -196,6 +197,6 @@ class DraftTree:
 
 def budget(K: int, L: int) -> int:
     """``B = K + K^2 + ... + K^L`` drafted states of the uniform ``(K, L)`` tree."""
-    K = _check_positive_int("K", K)
-    L = _check_positive_int("L", L)
+    K = check_int("K", K)
+    L = check_int("L", L)
     return L if K == 1 else (K ** (L + 1) - K) // (K - 1)

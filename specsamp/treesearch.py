@@ -36,16 +36,10 @@ from functools import lru_cache
 import numpy as np
 
 from . import theory
-from .trees import DraftTree
+from .trees import DraftTree, check_int
 
 PositionalFn = Callable[[int, int], np.ndarray]
 _TIE = 1e-12  # a larger subtree must beat a smaller one by this much (no nodes added on rounding noise)
-
-
-def _check_int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {lo}")
-    return int(value)
 
 
 class _Positional:
@@ -281,9 +275,9 @@ def tree_from_nested(children: list) -> DraftTree:
 
 
 def _prepare(budget, positional, max_depth, max_width, max_pairs):
-    budget = _check_int("budget", budget, 1)
-    max_depth = _check_int("max_depth", max_depth, 1)
-    max_width = budget if max_width is None else _check_int("max_width", max_width, 1)
+    budget = check_int("budget", budget, 1)
+    max_depth = check_int("max_depth", max_depth, 1)
+    max_width = budget if max_width is None else check_int("max_width", max_width, 1)
     max_width = min(max_width, budget)
     if max_pairs is not None:
         check_search(budget, max_depth, max_width, True, max_pairs)  # optimistic: refuses the hopeless at once
@@ -414,7 +408,7 @@ def deltas_from_acceptance(acceptance: Sequence[float], K: int, coupling="dgrs",
     a = np.asarray(acceptance, dtype=np.float64).reshape(-1)
     if a.size == 0 or np.any(~np.isfinite(a)) or np.any((a < 0) | (a > 1)):
         raise ValueError(f"acceptance={acceptance!r} is invalid: need rates in [0, 1]")
-    K = _check_int("K", K, 1)
+    K = check_int("K", K, 1)
     fn = _coupling_positional(coupling)
     lo, up = np.zeros_like(a), np.full_like(a, float(hi))
     for _ in range(60):
@@ -442,9 +436,9 @@ def search_limits(budget: int, v: dict, cfg=None) -> tuple[int, int]:
     """
     horizon = max(int(v.get("steps", 3)) - 2, 1)
     max_depth = _cfg_get(cfg, "max_depth")
-    max_depth = horizon if max_depth is None else min(_check_int("max_depth", max_depth, 1), horizon)
+    max_depth = horizon if max_depth is None else min(check_int("max_depth", max_depth, 1), horizon)
     max_width = _cfg_get(cfg, "max_width")
-    max_width = 32 if max_width is None else _check_int("max_width", max_width, 1)
+    max_width = 32 if max_width is None else check_int("max_width", max_width, 1)
     return min(max_depth, budget), min(max_width, budget)
 
 

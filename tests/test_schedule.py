@@ -77,7 +77,7 @@ def test_kernel_eq36_eq37(T, eps, shift):
         assert torch.all(std > 0)
 
 
-def test_kernel_matches_design_score_form():
+def test_kernel_matches_score_form():
     # the kernel of eqs. 36-37: mean = x + (sigma_{n+1} - sigma_n)(v - eps^2 g^2 s / 2), s = -(x + (1 - sigma) v) / sigma,
     # g^2 = 2 sigma / (1 - sigma)
     s = Schedule.make(20, 0.6)
