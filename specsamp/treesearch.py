@@ -24,14 +24,13 @@ numpy max-plus products with ``O(L cap)`` memory; :func:`search_cost` estimates 
 
 Also here: :func:`profile_positional` turns a per-depth displacement profile (``delta`` measured in a
 calibration run, or fitted by :func:`deltas_from_acceptance` to per-depth acceptance rates) into the
-``positional`` callable for ``dgrs``, ``markmax`` or ``rmc``; :func:`tree_for_config` serves the
-runner's ``tree=optimal``.
+``positional`` callable for ``dgrs``, ``markmax`` or ``rmc``. The runner's ``tree=optimal``
+(:mod:`specsamp.runner.build`) calibrates a profile, checks the search's cost, then calls :func:`optimal_tree`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
 import numpy as np
 
@@ -417,74 +416,3 @@ def deltas_from_acceptance(acceptance: Sequence[float], K: int, coupling="dgrs",
         right = acc > a  # still accepting more than measured: delta is larger
         lo, up = np.where(right, mid, lo), np.where(right, up, mid)
     return 0.5 * (lo + up)
-
-
-def _cfg_get(cfg, key):
-    if cfg is None:
-        return None
-    return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
-
-
-def search_limits(budget: int, v: dict, cfg=None) -> tuple[int, int]:
-    """``(max_depth, max_width)`` of the runner's ``tree=optimal`` search.
-
-    ``max_depth`` defaults to, and is capped at, the speculative horizon ``steps - 2`` (no round uses a
-    deeper node, eq. 11); ``max_width`` defaults to ``min(budget, 32)`` and is capped at ``budget``.
-
-    Raises:
-        ValueError: ``max_depth`` or ``max_width`` not an integer >= 1.
-    """
-    horizon = max(int(v.get("steps", 3)) - 2, 1)
-    max_depth = _cfg_get(cfg, "max_depth")
-    max_depth = horizon if max_depth is None else min(check_int("max_depth", max_depth, 1), horizon)
-    max_width = _cfg_get(cfg, "max_width")
-    max_width = 32 if max_width is None else check_int("max_width", max_width, 1)
-    return min(max_depth, budget), min(max_width, budget)
-
-
-def check_config_search(budget: int, v: dict, cfg=None, free_bytes: int | None = None) -> dict:
-    """:func:`check_search` for the runner's ``tree=optimal``, before its calibration run.
-
-    Raises:
-        ValueError: invalid limits, or a search too slow or too large (message with the numbers).
-    """
-    max_depth, max_width = search_limits(budget, v, cfg)
-    shared = v.get("coupling") == "dgrs"
-    return check_search(budget, max_depth, max_width, shared, MAX_PAIRS, free_bytes)
-
-
-def tree_for_config(budget: int, v: dict, cfg=None, callback: Callable[[int, int], None] | None = None,
-                    free_bytes: int | None = None) -> DraftTree:
-    """The runner's ``tree=optimal``: optimal tree for the run's coupling and displacement profile.
-
-    Reads from ``cfg``: ``delta_profile`` (required: per-depth ``delta``, e.g. from
-    :func:`deltas_from_acceptance` on a calibration run), ``max_depth`` and ``max_width``
-    (:func:`search_limits`).
-
-    Args:
-        budget: drafted-state budget ``B``.
-        v: validated config (:func:`specsamp.experiment.validate`): ``coupling`` and ``steps`` are used.
-        cfg: the raw config.
-        callback: progress, as in :func:`optimal_tree`.
-        free_bytes: memory available to the search (None: not checked).
-
-    Returns:
-        :class:`DraftTree`.
-
-    Raises:
-        ValueError: no ``delta_profile`` given, any invalid value (named in the message), or a search too
-            slow or too large (:func:`check_search`).
-    """
-    profile = _cfg_get(cfg, "delta_profile")
-    if profile is None:
-        raise ValueError(
-            "tree=optimal needs delta_profile=[d_0, d_1, ...]: the displacement delta per depth, e.g. from "
-            "specsamp.treesearch.deltas_from_acceptance on a calibration run's per-depth acceptance"
-        )
-    try:
-        profile = _profile(list(profile))
-    except (TypeError, ValueError):
-        raise ValueError(f"delta_profile={profile!r} is invalid: need a non-empty list of finite values >= 0") from None
-    check_config_search(budget, v, cfg, free_bytes)
-    max_depth, max_width = search_limits(budget, v, cfg)
-    return optimal_tree(budget, profile_positional(profile, v["coupling"]), max_depth, max_width, callback=callback)

@@ -154,7 +154,7 @@ def test_speculative_matches_standard_law_under_guidance():
     std = sample_standard(model, sched, m, seed=1, cond=cond)
     spec = sample_speculative(model, sched, DraftTree.uniform(2, 2), "dgrs", m, execution="tree", seed=2, cond=cond)
     assert torch.isfinite(spec.samples).all()
-    assert spec.calls.double().mean() < sched.steps - 2  # speculation accepted something
+    assert spec.nfe.double().mean() < sched.steps - 2  # speculation accepted something
 
     def along_u(res, k):
         return (res.samples[k::2].reshape(m // 2, -1).double() @ net.u).numpy()
@@ -239,7 +239,7 @@ def test_tiny_sd3_speculative_generation(tiny):
         res = sample_speculative(model, sched, DraftTree.uniform(2, 2), "dgrs", 2, execution="tree", cond=cond)
         assert res.samples.shape == (2, 4, 8, 8) and torch.isfinite(res.samples).all()
         # one NFE = one transformer call: step 0, the speculative calls, and at most one final call
-        assert res.batch_calls + 1 <= len(calls) == model.calls <= res.batch_calls + 2
+        assert res.batch_nfe + 1 <= len(calls) == model.calls <= res.batch_nfe + 2
         images = decode_latents(vae, res.samples, chunk=1)
         assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32
         assert torch.isfinite(images).all() and images.min() >= -1 and images.max() <= 1

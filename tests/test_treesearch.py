@@ -121,16 +121,18 @@ def test_deltas_from_acceptance_round_trip():
         np.testing.assert_allclose(ts.deltas_from_acceptance(rates, K, coupling), deltas, atol=1e-6)
 
 
-def test_tree_for_config():
-    v = {"coupling": "dgrs", "steps": 30}
-    tree = ts.tree_for_config(14, v, {"delta_profile": [0.5, 1.0]})
-    assert tree.budget <= 14 and tree.max_depth <= 14
-    with pytest.raises(ValueError, match="delta_profile"):
-        ts.tree_for_config(14, v, {})
-    with pytest.raises(ValueError, match="delta_profile"):
-        ts.tree_for_config(14, v, {"delta_profile": [0.5, -1.0]})
-    with pytest.raises(ValueError, match="max_width=0"):
-        ts.tree_for_config(14, v, {"delta_profile": [0.5], "max_width": 0})
+def test_tree_for_the_runner():
+    from specsamp.errors import ConfigError
+    from specsamp.runner import build, compose, load_config
+
+    run, _ = load_config(compose(["tree=optimal", "budget=14"]))
+    coupling = build.build_coupling(run)
+    tree, B = build.build_tree(run, coupling, 28, [0.5, 1.0])
+    assert B == 14 and tree.budget <= 14 and tree.max_depth <= 14
+    with pytest.raises(ConfigError, match="delta"):
+        build.build_tree(run, coupling, 28, [0.5, -1.0])
+    with pytest.raises(ConfigError, match="max_width=0"):
+        load_config(compose(["tree=optimal", "max_width=0"]))
 
 
 def test_bad_arguments_raise_value_error():
