@@ -86,14 +86,9 @@ def coupling_throughput(n: int, K: int = 7, event=(16, 64, 64), repeats: int = 2
 
 def digits_velocity():
     """The shipped, trained digits denoiser behind the velocity interface, built as ``model=digits`` builds it."""
-    from pathlib import Path
+    from specsamp.runner import build_target, compose, load_config
 
-    from omegaconf import OmegaConf
-
-    from specsamp.models.edm import BUILD_KEYS, build_edm_model
-
-    cfg = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "digits.yaml"))
-    return build_edm_model({k: v for k, v in cfg.items() if k in BUILD_KEYS})
+    return build_target(load_config(compose(["model=digits"]))[0]).model
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ import time
 import torch
 
 from benchmarks.stand_in import STAND_INS, StandInPrecond  # noqa: F401  (re-exported for callers)
-from specsamp.models.edm import EDMVelocity, build_edm_model
+from specsamp.models.edm import CHECKPOINTS, EDMVelocity, load_edm
 from specsamp.sampler import sample_speculative, sample_standard
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree, budget
@@ -329,9 +329,10 @@ def main(argv=None) -> int:
     configs = a.configs or ([(2, 3)] if a.tiny else list(PAPER_CONFIGS))
     preset = "tiny" if a.tiny else a.arch
     if a.network:
-        model = build_edm_model({"name" if not any(c in a.network for c in "/.") else "path": a.network,
-                                 "sha256": a.sha256, "trust_checkpoint": a.trust_checkpoint,
-                                 "device": a.device, "net_dtype": a.net_dtype})
+        known = CHECKPOINTS.get(a.network)
+        net = load_edm(known.url if known else a.network, sha256=a.sha256 or (known.sha256 if known else None),
+                       trust_checkpoint=a.trust_checkpoint, map_location=a.device)
+        model = EDMVelocity(net, net_dtype=a.net_dtype, device=a.device)
         what = f"EDM checkpoint {a.network}"
         net = model.net if hasattr(model, "net") else None
     else:

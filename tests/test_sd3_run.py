@@ -217,7 +217,7 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
 
     from specsamp.images import as_pixels, load_images
     from specsamp.metrics.clip import clip_scores, load_clip
-    from specsamp.prompts import demo_prompts
+    from specsamp.models.sd3.prompts import demo_prompts
 
     r = runs["clip_ok"]
     p = r.result()
@@ -275,7 +275,7 @@ def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monk
     and the subprocess runs reproduce the in-process samples."""
     from specsamp.models.base import Target
     from specsamp.runner import run_config
-    from specsamp.prompts import demo_prompts
+    from specsamp.models.sd3.prompts import demo_prompts
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = _compose(f"model.model_id={sd3_dir}")
@@ -310,7 +310,7 @@ def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monk
 def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
     """Hand-written tokenizer files tokenize as the in-memory tokenizer; a directory saved without T5
     loads with and without drop_t5; the embedding table is what StableDiffusion3Pipeline.__call__ uses."""
-    from specsamp.models.sd3 import build_sd3_model, load_sd3
+    from specsamp.models.sd3 import SD3Config, load_sd3
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pipe = load_sd3(str(sd3_dir), device="cpu", dtype="float32")
@@ -321,12 +321,8 @@ def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
             kw = dict(padding="max_length", max_length=77, truncation=True)
             assert tok(text, **kw).input_ids == ref(text, **kw).input_ids
     prompts = ["a red bicycle", "the sea"]
-    target = build_sd3_model(
-        {"device": "cpu", "resolution": RESOLUTION, "net_dtype": "float32", "guidance": 7.0, "free_text_encoders": False,
-         "max_sequence_length": 16},
-        pipeline=pipe,
-        prompts=prompts,
-    )
+    target = SD3Config(resolution=RESOLUTION, net_dtype="float32", guidance=7.0, free_text_encoders=False,
+                       max_sequence_length=16).build("cpu", pipeline=pipe, prompts=prompts)
     assert target.model.event_shape == (16, RESOLUTION // 8, RESOLUTION // 8)
     with torch.no_grad():
         pe, ne, pp, npool = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
