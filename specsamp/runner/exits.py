@@ -13,8 +13,8 @@
 
 A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 2.
 
-:func:`main` wraps the Hydra entry point and applies this policy; :class:`specsamp.runner.report.SweepReport`
-fills :data:`SWEEP_STATE` at the end of a sweep.
+:func:`main` wraps the Hydra entry point and applies this policy to what happened: an exception, or the
+sweep's outcome that :class:`specsamp.runner.report.SweepReport` leaves in ``report.SWEEP_STATE``.
 """
 
 from __future__ import annotations
@@ -87,8 +87,6 @@ def infrastructure_message(error: BaseException) -> str:
             f"the configuration: {hint}, then rerun the same command (finished records are kept and skipped).")
 
 
-# the outcome of the sweep this process launched (SweepReport.on_multirun_end fills it)
-SWEEP_STATE: dict[str, Any] = {}
 
 def sweep_exit_status(state: dict | None = None) -> int:
     """The exit status of a finished sweep (this module): the most serious of its jobs.
@@ -98,6 +96,8 @@ def sweep_exit_status(state: dict | None = None) -> int:
     exception or was killed; 2 when the only failures are bad per-job values or configs that do not
     compose; 0 otherwise.
     """
+    from .report import SWEEP_STATE
+
     state = SWEEP_STATE if state is None else state
     kinds = list(state.get("kinds") or [])
     if state.get("interrupted"):
@@ -121,7 +121,7 @@ def _one_paragraph(error: BaseException) -> str:
 
 
 def _summary_if_swept() -> None:
-    from .report import launched, print_sweep_summary
+    from .report import SWEEP_STATE, launched, print_sweep_summary
 
     sweep_dir = SWEEP_STATE.get("sweep_dir")
     if sweep_dir and launched(sweep_dir):
@@ -140,6 +140,8 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     """
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+
+    from .report import SWEEP_STATE
 
     os.environ.setdefault("WANDB_MODE", "offline")
     # submitit jobs unpickle the task in a fresh interpreter: let them import specsamp from this checkout

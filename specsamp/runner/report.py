@@ -32,10 +32,11 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from .exits import SWEEP_STATE
 from .jobs import FAILED, RESULT, SHARD, _mtime, _read_json, job_dirname, job_liveness
 
 STATUSES = ("ok", "failed", "running", "killed", "missing")
+# the outcome of the sweep this process launched: SweepReport.on_multirun_end fills it, exits.main reads it
+SWEEP_STATE: dict[str, Any] = {}
 
 # Columns every table has, in this order; swept keys that are not among them follow as their own columns.
 COLUMNS = [
