@@ -2,7 +2,7 @@
 
 ``python -m experiments.train_digits`` (``make train-digits``; about four minutes on one CPU thread):
 
-1. the class-conditional EDM denoiser (:class:`specsamp.models.digits_net.EDMPrecond`) with EDM's loss
+1. the class-conditional EDM denoiser (:class:`experiments.digits_net.EDMPrecond`) with EDM's loss
    (Karras et al. 2022, eq. 2 and Table 1: ``ln sigma ~ N(-1.2, 1.2^2)``, weight
    ``(sigma^2 + sd^2) / (sigma sd)^2``), Adam, an exponential moving average of the weights;
    saved as ``{'ema': net, ...}`` in ``specsamp/data/edm-digits-8x8-cond.pkl``;
@@ -34,13 +34,24 @@ import torch
 from specsamp.io import atomic_write
 from specsamp.metrics.fid import feature_statistics
 from specsamp.models.digits import (
-    CLASSES, CLASSIFIER_FILE, CHANNELS, DENOISER_FILE, REFERENCE_FILE, RESOLUTION, load_digits_data, network_module,
+    CLASSES, CLASSIFIER_FILE, CHANNELS, DENOISER_FILE, REFERENCE_FILE, RESOLUTION, load_digits_data,
 )
 from specsamp.hub import file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMA_DATA = 0.75  # standard deviation of the digits' pixels in [-1, 1] (0.752)
 P_MEAN, P_STD = -1.2, 1.2  # EDM's training noise distribution, ln sigma ~ N(P_MEAN, P_STD^2)
+
+
+def network_module():
+    """``experiments/digits_net.py``, imported with the ``torch_utils`` stand-in registered (its classes are
+    NVIDIA persistent classes: a pickled instance carries this file's source)."""
+    import importlib
+
+    from specsamp.models import nvlabs_compat
+
+    nvlabs_compat.install()
+    return importlib.import_module("experiments.digits_net")
 
 
 def _save_pickle(obj: dict, path: Path) -> str:

@@ -10,19 +10,16 @@ Data. ``sklearn.datasets.load_digits``: 1,797 grey 8x8 images, 10 classes, pixel
 copy lies on a 64-d subspace of the larger state (the extra directions hold only noise the network
 must learn to remove), and every network call would cost four times more for no new information.
 
-The networks (source: :mod:`specsamp.models.digits_net`) are trained by ``experiments/train_digits.py``
-(``make train-digits``).
+The networks are trained by ``experiments/train_digits.py`` (``make train-digits``); their source,
+``experiments/digits_net.py``, travels inside the pickles, so loading them needs no import of it.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import numpy as np
 import torch
-
-from . import nvlabs_compat
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DENOISER_FILE = DATA_DIR / "edm-digits-8x8-cond.pkl"
@@ -49,12 +46,6 @@ def load_digits_data() -> tuple[torch.Tensor, torch.Tensor]:
     d = load_digits()
     x = torch.from_numpy(np.asarray(d.images, np.float32) / 8.0 - 1.0)[:, None]
     return x, torch.from_numpy(np.asarray(d.target, np.int64))
-
-
-def network_module():
-    """The module :mod:`specsamp.models.digits_net`, imported with the ``torch_utils`` stand-in registered."""
-    nvlabs_compat.install()
-    return importlib.import_module("specsamp.models.digits_net")
 
 
 def load_classifier(path: str | Path | None = None, *, sha256: str | None = None, trust: bool = False,

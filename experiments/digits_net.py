@@ -4,7 +4,7 @@ This module is the *embedded source* of ``specsamp/data/edm-digits-8x8-cond.pkl`
 ``specsamp/data/digits-classifier-8x8.pkl``: pickling an instance stores this file's text, and
 unpickling executes that text (``torch_utils.persistence`` format, see :mod:`specsamp.models.nvlabs_compat`).
 It therefore imports only ``torch`` and ``torch_utils.persistence``, like NVlabs/edm ``training/networks.py``.
-Import it through :func:`specsamp.models.digits.network_module`, which registers the ``torch_utils``
+Import it through :func:`experiments.train_digits.network_module`, which registers the ``torch_utils``
 stand-in first.
 
 - :class:`EDMPrecond`: ``D(x; sigma) = c_skip x + c_out F(c_in x; c_noise, labels)`` with Karras et al.
