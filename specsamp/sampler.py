@@ -53,6 +53,9 @@ class SampleResult:
         accepts: ``[M, L]`` verifications that accepted a child at each depth.
         speculative_steps: ``T - 2``.
         batch_nfe: batched calls the whole batch spent on speculative steps (its slowest member).
+        attempts_by_root: ``[T, L]`` verifications attempted at each depth by rounds rooted at each state
+            index ``n``, summed over trajectories (per-step calibration; None from the standard sampler).
+        accepts_by_root: ``[T, L]`` accepted verifications, likewise.
     """
 
     samples: torch.Tensor
@@ -66,6 +69,8 @@ class SampleResult:
     speculative_steps: int
     batch_nfe: int = 0
     extra: dict = field(default_factory=dict)
+    attempts_by_root: torch.Tensor | None = None
+    accepts_by_root: torch.Tensor | None = None
 
     @property
     def speedup(self) -> torch.Tensor:
@@ -400,6 +405,9 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
                 ) from None
             tally.attempts[rnd.rows[sub], l - 1] += 1
             tally.accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
+            at = (rnd.n[sub], torch.full_like(sub, l - 1))
+            tally.root_attempts.index_put_(at, torch.ones_like(sub), accumulate=True)
+            tally.root_accepts.index_put_(at, verdict.accepted.long(), accumulate=True)
             steps[sub] += 1
             acc, rej = sub[verdict.accepted], sub[~verdict.accepted]
             if rej.numel():  # lines 18--20: commit the residual draw and stop
@@ -456,10 +464,31 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
     return v_next, exact
 
 
+TreeRule = DraftTree | Callable[[int], DraftTree]
+
+
+def _trees_by_root(tree: TreeRule, first: int, end: int, coupling: Coupling) -> dict[int, DraftTree]:
+    """``{n: T_n restricted to the steps left}`` for every root state index ``first <= n < end``.
+
+    A callable ``tree(n)`` is called once per root index, before any sampling: the tree of a round
+    depends on its root index only, so it is fixed before drafting and the coupling stays exact.
+    """
+    out = {}
+    for n in range(first, end):
+        t = tree(n) if callable(tree) else tree
+        if not isinstance(t, DraftTree):
+            raise ValueError(f"tree({n}) returned {type(t).__name__}, not a DraftTree")
+        coupling.check_tree(t)
+        if len(t) < 2:
+            raise ValueError(f"the draft tree{f' of root {n}' if callable(tree) else ''} must draft at least one state (L >= 1)")
+        out[n] = t.restrict(end - n)
+    return out
+
+
 def sample_speculative(
     model,
     schedule: Schedule,
-    tree: DraftTree,
+    tree: TreeRule,
     coupling: str | Callable = "dgrs",
     n_samples: int | None = None,
     *,
@@ -485,6 +514,10 @@ def sample_speculative(
         model: velocity model.
         schedule: time grid and kernel (:class:`specsamp.schedule.Schedule`).
         tree: draft tree; the rule's ``max_children`` must admit its widths (:meth:`Coupling.check_tree`).
+            Or a callable ``tree(n) -> DraftTree`` giving the tree of rounds rooted at state index ``n``
+            (step-dependent trees, called once per ``n`` before sampling; exact, since a round's tree is
+            fixed before it drafts). Rows with different trees in one round share one batched call in the
+            accounting (``batch_nfe``), as one call over their concatenated rows would.
         coupling: registered name, a :class:`specsamp.coupling.Coupling`, or a bare ``verify`` function.
         n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
         draft: registered draft name (``velocity``, ``drift``, ``x0``).
@@ -511,9 +544,10 @@ def sample_speculative(
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
     """
     coupling = get_coupling(coupling)
-    coupling.check_tree(tree)
-    if len(tree) < 2:
-        raise ValueError("the draft tree must draft at least one state (L >= 1)")
+    if isinstance(tree, DraftTree):
+        coupling.check_tree(tree)
+        if len(tree) < 2:
+            raise ValueError("the draft tree must draft at least one state (L >= 1)")
     ctx = _Context(
         schedule=schedule,
         coupling=coupling,
@@ -527,10 +561,16 @@ def sample_speculative(
     dev = _model_device(model)
     ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
-    tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
-    tensors = {k: torch.as_tensor(getattr(tree, k), device=dev) for k in ("parent", "depth", "num_children", "first_child")}
     nodes_cls = _TreeNodes if execution == "tree" else _PathNodes
-    tally = _Tally.zeros(M, T, tree.max_depth, dev)
+    fields = ("parent", "depth", "num_children", "first_child")
+    if isinstance(tree, DraftTree):
+        tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
+        tensors = {k: torch.as_tensor(getattr(tree, k), device=dev) for k in fields}
+        tally = _Tally.zeros(M, T, tree.max_depth, dev)
+    else:  # step-dependent trees: T_n per root index n, each with its tensors
+        by_root = _trees_by_root(tree, schedule.first_speculative, end, coupling)
+        per_root = {n: (t, {k: torch.as_tensor(getattr(t, k), device=dev) for k in fields}) for n, t in by_root.items()}
+        tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
     r = 0
@@ -540,7 +580,14 @@ def sample_speculative(
             break
         if prefetch == "none" or (r == 0 and warmup == "call"):
             _root_call(ctx, st, live, tally)
-        _round(ctx, tree, tensors, nodes_cls, st, live, tally)
+        if isinstance(tree, DraftTree):
+            _round(ctx, tree, tensors, nodes_cls, st, live, tally)
+        else:  # one group per root index (the groups' rows would share one batched call: charged once)
+            calls = tally.batch_nfe
+            roots = st.n[live]
+            for n in torch.unique(roots).tolist():
+                _round(ctx, *per_root[n], nodes_cls, st, live[roots == n], tally)
+            tally.batch_nfe = calls + int(tally.batch_nfe > calls)
         r += 1
         if callback is not None:
             callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
@@ -560,12 +607,14 @@ class _Tally:
     committed: torch.Tensor  # [M, T - 2] steps committed by each round
     attempts: torch.Tensor  # [M, L] verifications per depth
     accepts: torch.Tensor  # [M, L] accepted verifications per depth
+    root_attempts: torch.Tensor  # [T, L] verifications per (root state index, depth), summed over trajectories
+    root_accepts: torch.Tensor  # [T, L] accepted ones
     batch_nfe: int = 0  # calls of the batch as a whole
 
     @classmethod
     def zeros(cls, M: int, T: int, L: int, dev) -> _Tally:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
-        return cls(z(M), z(M), z(M), z(M), z(M, T - 2), z(M, L), z(M, L))
+        return cls(z(M), z(M), z(M), z(M), z(M, T - 2), z(M, L), z(M, L), z(T, L), z(T, L))
 
     def charge(self, rows: torch.Tensor, call_rows: torch.Tensor) -> None:
         """One batched call in which trajectories ``rows`` had ``call_rows`` states each (0: not in it)."""
@@ -578,7 +627,8 @@ class _Tally:
         return SampleResult(
             samples=samples, nfe=self.nfe, nfe_total=self.endpoint_nfe + self.nfe, target_rows=self.call_rows,
             rounds=self.rounds, committed=self.committed, attempts=self.attempts, accepts=self.accepts,
-            speculative_steps=T - 2, batch_nfe=self.batch_nfe,
+            speculative_steps=T - 2, batch_nfe=self.batch_nfe, attempts_by_root=self.root_attempts,
+            accepts_by_root=self.root_accepts,
         )
 
 

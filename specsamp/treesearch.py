@@ -184,7 +184,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.2g} days"
 
 
-def _solve(budget: int, pos: _Positional, max_depth: int, max_width: int, callback=None):
+def _solve(budget: int, pos: _Positional, max_depth: int, max_width: int, callback=None, gains=None):
     cap = _caps(budget, max_depth, max_width)
     F = [None] * (max_depth + 1)
     choice = [None] * (max_depth + 1)
@@ -203,7 +203,7 @@ def _solve(budget: int, pos: _Positional, max_depth: int, max_width: int, callba
             else:
                 h, _ = _children_knapsack(pos(d, K), F[d + 1], n)
             val = np.full(n, -np.inf)
-            val[K:] = 1.0 + h[: n - K]
+            val[K:] = (1.0 if gains is None else gains[d]) + h[: n - K]
             better = val > best + _TIE
             best = np.where(better, val, best)
             width = np.where(better, K, width)
@@ -287,7 +287,8 @@ def _prepare(budget, positional, max_depth, max_width, max_pairs):
 
 
 def optimal_tree(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None, *,
-                 max_pairs: float | None = MAX_PAIRS, callback: Callable[[int, int], None] | None = None) -> DraftTree:
+                 max_pairs: float | None = MAX_PAIRS, callback: Callable[[int, int], None] | None = None,
+                 gains: Sequence[float] | None = None) -> DraftTree:
     """The draft tree with at most ``budget`` drafted states maximising :func:`theory.expected_steps`.
 
     Exact dynamic program (module docstring). Ties go to the smaller tree, so the result may draft
@@ -304,6 +305,10 @@ def optimal_tree(budget: int, positional: PositionalFn, max_depth: int, max_widt
             prefix-consistent rules (D-GRS) and as ``max_width^2`` otherwise.
         max_pairs: refuse searches estimated above this many max-plus updates (None: no limit).
         callback: ``callback(depths_done, max_depth)`` after each depth of the program (progress).
+        gains: ``gains[d]`` = worth of reaching an internal node of depth ``d`` (default 1 for every
+            depth: the expected committed steps). A round that commits ``c`` steps is then worth
+            ``gains[0] + ... + gains[c - 1]``; :func:`optimal_trees_by_root` sets them to the drop in
+            the expected rounds left, so each tree minimises the rounds to the end, not the next round's length.
 
     Returns:
         A valid breadth-first :class:`DraftTree`.
@@ -314,15 +319,24 @@ def optimal_tree(budget: int, positional: PositionalFn, max_depth: int, max_widt
             estimated above ``max_pairs`` (the message gives the estimate and a budget that fits).
     """
     budget, pos, max_depth, max_width = _prepare(budget, positional, max_depth, max_width, max_pairs)
-    F, choice = _solve(budget, pos, max_depth, max_width, callback)
+    F, choice = _solve(budget, pos, max_depth, max_width, callback, _gains(gains, max_depth))
     return DraftTree(_build_parent(budget, F, choice, pos))
 
 
+def _gains(gains, max_depth: int):
+    if gains is None:
+        return None
+    g = np.asarray(gains, dtype=np.float64).reshape(-1)
+    if g.size < max_depth or not np.all(np.isfinite(g)):
+        raise ValueError(f"gains={gains!r} is invalid: need {max_depth} finite values (one per depth 0..max_depth-1)")
+    return g
+
+
 def optimal_value(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None, *,
-                  max_pairs: float | None = MAX_PAIRS) -> float:
-    """``F_0(budget)``: the expected steps of :func:`optimal_tree` (same arguments and errors)."""
+                  max_pairs: float | None = MAX_PAIRS, gains: Sequence[float] | None = None) -> float:
+    """``F_0(budget)``: the expected steps (or worth, with ``gains``) of :func:`optimal_tree` (same arguments and errors)."""
     budget, pos, max_depth, max_width = _prepare(budget, positional, max_depth, max_width, max_pairs)
-    F, _ = _solve(budget, pos, max_depth, max_width)
+    F, _ = _solve(budget, pos, max_depth, max_width, gains=_gains(gains, max_depth))
     return float(F[0][-1])
 
 
@@ -416,3 +430,139 @@ def deltas_from_acceptance(acceptance: Sequence[float], K: int, coupling="dgrs",
         right = acc > a  # still accepting more than measured: delta is larger
         lo, up = np.where(right, mid, lo), np.where(right, up, mid)
     return 0.5 * (lo + up)
+
+
+def deltas_by_root(attempts, accepts, K: int, coupling="dgrs", min_attempts: int = 24) -> np.ndarray:
+    """Per-(root state index, depth) ``delta`` table from a calibration run's per-root acceptance counts.
+
+    Rounds rooted at one state index are few (a 64-trajectory run has about 10-40 per index at depth 1,
+    fewer deeper), so each cell pools the counts of the root indices ``n - h .. n + h`` at the same
+    depth, with the smallest ``h`` that gives at least ``min_attempts`` attempts (a kernel estimate
+    with an adaptive window; the rate's standard error is then at most ``0.5 / sqrt(min_attempts)``).
+    A depth never attempted at all takes the next shallower depth's value, as
+    :func:`profile_positional` does beyond the profile.
+
+    Args:
+        attempts, accepts: ``[T, L]`` counts, e.g. ``SampleResult.attempts_by_root`` and
+            ``accepts_by_root`` (row ``n``: rounds rooted at state index ``n``; column ``d``: depth ``d + 1``).
+        K: width of the calibration tree's nodes.
+        coupling: as in :func:`profile_positional`.
+        min_attempts: attempts each cell pools at least (when the run has that many at its depth).
+
+    Returns:
+        float64 ``[T, L]``: row ``n`` is the profile of rounds rooted at ``n``.
+
+    Raises:
+        ValueError: counts of different shapes, negative, or accepts above attempts; bad ``K``.
+    """
+    att = np.asarray(attempts, dtype=np.float64)
+    acc = np.asarray(accepts, dtype=np.float64)
+    if att.ndim != 2 or att.shape != acc.shape or np.any(acc < 0) or np.any(acc > att):
+        raise ValueError(f"attempts {att.shape} and accepts {acc.shape} must be [T, L] counts with 0 <= accepts <= attempts")
+    min_attempts = check_int("min_attempts", min_attempts, 1)
+    T, L = att.shape
+    # cumulative sums over root indices: window sums in O(1)
+    ca = np.concatenate([np.zeros((1, L)), np.cumsum(att, 0)])
+    cc = np.concatenate([np.zeros((1, L)), np.cumsum(acc, 0)])
+    rates = np.full((T, L), np.nan)
+    for d in range(L):
+        if ca[-1, d] == 0:
+            continue
+        for n in range(T):
+            for h in range(T):
+                lo, hi = max(0, n - h), min(T, n + h + 1)
+                a = ca[hi, d] - ca[lo, d]
+                if a >= min_attempts or (lo == 0 and hi == T):
+                    rates[n, d] = (cc[hi, d] - cc[lo, d]) / a
+                    break
+    out = np.zeros((T, L))
+    for d in range(L):
+        if np.isnan(rates[0, d]):
+            out[:, d] = out[:, d - 1] if d > 0 else 0.0
+        else:
+            out[:, d] = deltas_from_acceptance(rates[:, d], K, coupling)
+    return out
+
+
+def optimal_trees_by_root(budget: int, table, first: int, end: int, max_depth: int, max_width: int | None = None,
+                          coupling="dgrs", *, max_pairs: float | None = MAX_PAIRS,
+                          callback: Callable[[int, int], None] | None = None) -> dict[int, DraftTree]:
+    """Step-dependent optimal trees: for each root state index ``n``, :func:`optimal_tree` at the same
+    ``budget`` for row ``n`` of ``table`` and depth ``min(max_depth, end - n)`` (the steps left).
+
+    Equal (profile row, depth) pairs are searched once.
+
+    Args:
+        budget, max_width, max_pairs: as in :func:`optimal_tree` (each tree has at most ``budget`` drafted states).
+        table: ``[T, L']`` per-root profile (:func:`deltas_by_root`), or one profile ``[L']`` for every root
+            (then the trees differ only through the steps left).
+        first, end: root state indices ``first <= n < end`` (``Schedule.first_speculative``, ``end_speculative``).
+        max_depth: deepest level of any tree.
+        coupling: as in :func:`profile_positional`.
+        callback: ``callback(roots_done, roots)`` after each root's search.
+
+    Returns:
+        ``{n: DraftTree}``.
+
+    Raises:
+        ValueError: as :func:`optimal_tree` and :func:`profile_positional`; a table without a row for some ``n``.
+    """
+    tab = np.asarray(table, dtype=np.float64)
+    if tab.ndim == 1:
+        tab = np.broadcast_to(tab, (end, tab.size))
+    if tab.ndim != 2 or tab.shape[0] < end:
+        raise ValueError(f"table of shape {tab.shape} is invalid: need one profile row per root index 0..{end - 1}")
+    rounds_left = np.zeros(end + 1)  # V(n): expected rounds from root n to the end (V(end) = 0)
+    out = {}
+    for i, n in enumerate(range(end - 1, first - 1, -1)):
+        depth = max(1, min(max_depth, end - n))
+        pos = profile_positional(tab[n], coupling)
+        # a round from n that commits c steps leaves V(n + c) rounds: worth of passing depth d >= 1 is
+        # V(n + d) - V(n + d + 1); depth 0 is always passed (worth 1, so the value is 1 + V(n + 1) - E V(n + C))
+        gains = np.concatenate([[1.0], rounds_left[n + 1 : n + depth] - rounds_left[n + 2 : n + depth + 1]])
+        out[n] = optimal_tree(budget, pos, depth, max_width, max_pairs=max_pairs, gains=gains)
+        value = optimal_value(budget, pos, depth, max_width, max_pairs=max_pairs, gains=gains)
+        rounds_left[n] = 2.0 + rounds_left[n + 1] - value
+        if callback is not None:
+            callback(i + 1, end - first)
+    return dict(sorted(out.items()))
+
+
+class TreesByRoot:
+    """Step-dependent trees: ``self(n)`` is the tree of rounds rooted at state index ``n``.
+
+    What :func:`specsamp.sampler.sample_speculative` accepts as ``tree`` for step-dependent trees, plus
+    what a record needs (a description, the largest tree for memory checks, the parent arrays).
+
+    Args:
+        trees: ``{n: DraftTree}`` for every root index of the run (:func:`optimal_trees_by_root`).
+    """
+
+    def __init__(self, trees: dict[int, DraftTree]):
+        if not trees:
+            raise ValueError("TreesByRoot needs at least one tree")
+        self.trees = dict(sorted(trees.items()))
+
+    def __call__(self, n: int) -> DraftTree:
+        return self.trees[int(n)]
+
+    @property
+    def largest(self) -> DraftTree:
+        """The tree with the most nodes (memory checks size a round by it)."""
+        return max(self.trees.values(), key=len)
+
+    @property
+    def max_depth(self) -> int:
+        return max(t.max_depth for t in self.trees.values())
+
+    def call_rows(self, evaluate_leaves: bool = True) -> int:
+        """The most target rows any round's call evaluates (:meth:`DraftTree.call_rows` of each tree)."""
+        return max(t.call_rows(evaluate_leaves) for t in self.trees.values())
+
+    def describe(self) -> str:
+        sizes = [len(t) - 1 for t in self.trees.values()]
+        return f"per-root({len(sizes)} trees, B<={max(sizes)}, L<={self.max_depth})"
+
+    def parents(self) -> dict[int, list[int]]:
+        """``{n: parent array}`` of each root index's tree."""
+        return {n: t.parent.tolist() for n, t in self.trees.items()}

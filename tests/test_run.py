@@ -120,6 +120,48 @@ def test_optimal_tree_calibrates_and_records_its_profile(tmp_path):
     assert bad.returncode == 2 and "delta_profile" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(tmp_path):
+    p = run([*TINY, "tree=optimal_per_step", "budget=6", "draft=x0"], tmp_path)
+    assert "per-root(6 trees" in p.stdout
+    rec = json.loads((tmp_path / "result.json").read_text())
+    assert rec["budget"] == 6 and len(rec["delta_profile"]) == 6 and len(rec["delta_profile"][0]) == 6
+    assert set(rec["trees_by_root"]) == {str(n) for n in range(1, 7)}
+    for n, parent in rec["trees_by_root"].items():  # <= B drafted states, no deeper than the steps left
+        assert 2 <= len(parent) <= 7
+    cal = rec["calibration"]
+    assert cal["trajectories"] == 8 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
+    assert 0 < rec["speedup_with_calibration"] < rec["speedup"]["mean"]
+    # a given table (rows per root step 1..T-2) or one profile for every root: no calibration
+    table = "[" + ",".join(["[0.3,0.6,0.9]"] * 6) + "]"
+    for i, prof in enumerate([table, "[0.3,0.6,0.9]"]):
+        (tmp_path / str(i)).mkdir()
+        run([*TINY, "tree=optimal_per_step", "budget=6", f"delta_profile={prof}"], tmp_path / str(i))
+        r = json.loads((tmp_path / str(i) / "result.json").read_text())
+        assert "calibration" not in r and len(r["trees_by_root"]) == 6
+    # a shipped profile is found by name; its 28 rows do not fit T=8's 6 root steps
+    (tmp_path / "bad").mkdir()
+    bad = run([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=gmm_x0"], tmp_path / "bad", check=False)
+    assert bad.returncode == 2 and "root step" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run([*TINY, "tree=optimal", "budget=6", f"delta_profile={table}"], tmp_path / "bad", check=False)
+    assert bad.returncode == 2 and "optimal_per_step" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "prof.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", *TINY, "draft=x0", "threads=1", f"out={out}",
+                        "trajectories=16"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("delta_profile=[")
+    data = json.loads(out.read_text())
+    assert data["config"]["steps"] == 8 and data["calibration"]["trajectories"] == 16 and len(data["per_root"]) == 6
+    (tmp_path / "r").mkdir()
+    run([*TINY, "tree=optimal_per_step", "budget=6", f"delta_profile={out}"], tmp_path / "r")
+    assert "calibration" not in json.loads((tmp_path / "r" / "result.json").read_text())
+
+
 def test_markmax_sampler_runs(tmp_path):
     p = run([*TINY, "sampler=markmax", "K=3", "L=2"], tmp_path)
     assert p.stdout.startswith("model=gmm sampler=markmax K=3 L=2")

@@ -21,6 +21,7 @@ from specsamp.coupling import Verdict, dgrs, rmc
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative, sample_standard
 from specsamp.schedule import Schedule
+from specsamp.treesearch import TreesByRoot
 from specsamp.trees import DraftTree
 
 
@@ -33,6 +34,9 @@ REF_SEED = 10_000
 MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
 SCHED = Schedule.make(8, 1.0)
 IRREGULAR = [-1, 0, 0, 0, 1, 1, 2, 4, 4]  # widths 3 / (2, 1, 0) / (2, 0, 0) / leaves
+# step-dependent trees (tree=optimal_per_step's kind): a different shape per root state index 1..6
+BY_ROOT = {1: DraftTree.uniform(2, 3), 2: DraftTree.from_widths([3, 1, 2]), 3: DraftTree.chain(2), 4: DraftTree(IRREGULAR),
+           5: DraftTree.uniform(1, 1), 6: DraftTree.uniform(3, 2)}
 
 
 def tree_of(spec) -> DraftTree:
@@ -43,6 +47,8 @@ def tree_of(spec) -> DraftTree:
         return DraftTree.chain(arg)
     if kind == "widths":
         return DraftTree.from_widths(arg)
+    if kind == "by_root":
+        return TreesByRoot(arg)
     return DraftTree(arg)
 
 
@@ -82,6 +88,10 @@ LAW_CASES = [
     (("uniform", (2, 3)), "markmax", "x0", "nearest", True, "path"),
     (("parent", [-1, 0, 0, 1, 1, 3, 5]), "markmax", "velocity", "nearest", True, "path"),
     (("parent", [-1, 0, 0, 1, 1, 3, 5]), "dgrs", "x0", "nearest", True, "tree"),
+    # step-dependent trees (tree=optimal_per_step): the tree of a round depends on its root step
+    (("by_root", BY_ROOT), "dgrs", "x0", "nearest", True, "path"),
+    (("by_root", BY_ROOT), "dgrs", "velocity", "parent", False, "tree"),
+    (("by_root", BY_ROOT), "markmax", "x0", "nearest", True, "path"),
 ]
 
 
@@ -103,7 +113,7 @@ def test_output_law_equals_standard_sampler(i, case, reference):
     p = law_pvalues(r.samples, reference)
     assert min(p) > P_MIN, p
     # (1, 1) with an exact root velocity in every round (leaves evaluated, or prefetch = none) never rejects
-    exact_root_every_round = tree.budget == 1 and (leaves or prefetch == "none")
+    exact_root_every_round = getattr(tree, "budget", 0) == 1 and (leaves or prefetch == "none")
     if not exact_root_every_round:
         # residuals were drawn: the test exercises the rejection branch, not only accepted drafts
         assert (r.accepts < r.attempts).any()
@@ -170,6 +180,8 @@ EQUIV_CASES = [
     (("parent", IRREGULAR), "dgrs", "velocity", "nearest", True),
     (("parent", IRREGULAR), "dgrs", "x0", "parent", False),
     (("uniform", (2, 7)), "dgrs", "velocity", "nearest", True),  # deeper than the 6 speculative steps
+    (("by_root", BY_ROOT), "dgrs", "x0", "nearest", True),
+    (("by_root", BY_ROOT), "dgrs", "velocity", "parent", False),
 ]
 
 
@@ -572,3 +584,27 @@ def test_non_finite_velocity_is_refused_naming_trajectory_step_and_node(executio
     with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step [3-7], children of node \d+ \(depth \d\)") as err:
         sample_speculative(_NaNBelow(), SCHED, DraftTree.uniform(2, 2), "dgrs", 8, execution=execution, seed=4)
     assert err.value.rows and all(0 <= r < 8 for r in err.value.rows)
+
+
+@pytest.mark.parametrize("execution", ["path", "tree"])
+def test_one_tree_for_every_root_equals_the_plain_tree(execution):
+    # the per-root grouping changes nothing when every root gets the same tree: same numbers, same counts
+    tree = DraftTree.from_widths([3, 1, 2])
+    kw = dict(draft="x0", seed=5, execution=execution)
+    a = sample_speculative(MODEL, SCHED, tree, "dgrs", 30, **kw)
+    b = sample_speculative(MODEL, SCHED, TreesByRoot({n: tree for n in range(1, 7)}), "dgrs", 30, **kw)
+    for f in COUNT_FIELDS + ("attempts_by_root", "accepts_by_root"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert a.batch_nfe == b.batch_nfe
+    assert torch.equal(a.samples, b.samples)
+    # per-root counts add up to the per-depth ones
+    assert torch.equal(a.attempts_by_root.sum(0), a.attempts.sum(0)) and torch.equal(a.accepts_by_root.sum(0), a.accepts.sum(0))
+
+
+def test_step_dependent_tree_errors():
+    with pytest.raises(ValueError, match="not a DraftTree"):
+        sample_speculative(MODEL, SCHED, lambda n: None, "dgrs", 4)
+    with pytest.raises(ValueError, match="root 2"):
+        sample_speculative(MODEL, SCHED, lambda n: DraftTree([-1]) if n == 2 else DraftTree.chain(1), "dgrs", 4)
+    with pytest.raises(ValueError, match="children"):
+        sample_speculative(MODEL, SCHED, lambda n: DraftTree.uniform(2, 1), "rmc", 4)

@@ -153,3 +153,44 @@ def test_bad_arguments_raise_value_error():
         ts.profile_positional([1.0], "rmc")(0, 2)
     with pytest.raises(ValueError, match="acceptance"):
         ts.deltas_from_acceptance([1.5], 2)
+
+
+# --- step-dependent trees (tree=optimal_per_step) ------------------------------------------------
+
+
+def test_deltas_by_root_pools_neighbours_and_inverts():
+    from specsamp.treesearch import deltas_by_root
+
+    att = np.zeros((6, 3))
+    acc = np.zeros((6, 3))
+    att[2, 0], acc[2, 0] = 30, 24  # enough alone at root 2
+    att[3, 0], acc[3, 0] = 5, 5  # too few: pools roots 2..4
+    att[4, 0], acc[4, 0] = 10, 2
+    att[:, 1], acc[:, 1] = 10, 5  # depth 2 everywhere; depth 3 never attempted
+    tab = deltas_by_root(att, acc, K=2, min_attempts=24)
+    assert tab.shape == (6, 3)
+    want = ts.deltas_from_acceptance([24 / 30, 31 / 45], 2)
+    np.testing.assert_allclose([tab[2, 0], tab[3, 0]], want)
+    np.testing.assert_allclose(tab[:, 2], tab[:, 1])  # unattempted depth: the shallower depth's value
+    with pytest.raises(ValueError, match="accepts"):
+        deltas_by_root(att, att + 1, K=2)
+
+
+def test_optimal_trees_by_root_budget_horizon_and_gains():
+    from specsamp.treesearch import TreesByRoot, optimal_trees_by_root
+
+    prof = [0.4, 0.6, 0.9, 1.2]
+    trees = optimal_trees_by_root(20, prof, 1, 7, max_depth=6, max_width=8)
+    assert sorted(trees) == [1, 2, 3, 4, 5, 6]
+    for n, t in trees.items():
+        assert 2 <= len(t) <= 21 and t.max_depth <= 7 - n
+    # unit gains are the plain objective (expected committed steps)
+    pos = ts.profile_positional(prof)
+    a = ts.optimal_tree(20, pos, 4, 8)
+    b = ts.optimal_tree(20, pos, 4, 8, gains=[1.0] * 4)
+    assert np.array_equal(a.parent, b.parent)
+    with pytest.raises(ValueError, match="gains"):
+        ts.optimal_tree(20, pos, 4, 8, gains=[1.0])
+    tb = TreesByRoot(trees)
+    assert tb(3) is trees[3] and tb.call_rows() == max(len(t) for t in trees.values())
+    assert tb.describe().startswith("per-root(6 trees") and tb.largest in trees.values()

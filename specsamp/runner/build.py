@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import json
+from pathlib import Path
+
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
@@ -19,7 +23,7 @@ from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
-from .config import CALIBRATION_SEED_OFFSET, RunConfig
+from .config import CALIBRATION_SEED_OFFSET, PROFILE_DIR, RunConfig
 from .memory import available_bytes, check_tree_nodes
 
 
@@ -75,18 +79,27 @@ def search_limits(run: RunConfig, budget: int) -> tuple[int, int]:
 
 
 def check_search(run: RunConfig, coupling: Coupling, budget: int) -> None:
-    """Refuse a ``tree=optimal`` search too slow or too large, before the calibration run."""
+    """Refuse a ``tree=optimal`` search too slow or too large, before the calibration run
+    (``optimal_per_step``: its ``T - 2`` searches together, each at the depth its root has left)."""
     from .. import treesearch
 
+    depth, width = search_limits(run, budget)
     try:
-        treesearch.check_search(budget, *search_limits(run, budget), coupling.name == "dgrs", treesearch.MAX_PAIRS,
+        if run.tree == "optimal_per_step":  # two programs per root (tree and value) at depth min(D, steps left)
+            pairs = sum(2 * treesearch.search_cost(budget, min(depth, h), width, coupling.name == "dgrs")["pairs"]
+                        for h in range(1, run.steps - 1))
+            if pairs > treesearch.MAX_PAIRS:
+                raise ValueError(f"tree=optimal_per_step with budget={budget}, max_depth={depth}, max_width={width} needs "
+                                 f"about {pairs:.2g} max-plus updates for its {run.steps - 2} searches (the limit is "
+                                 f"{treesearch.MAX_PAIRS:.2g}); lower budget, max_width or max_depth, or use tree=optimal.")
+        treesearch.check_search(budget, depth, width, coupling.name == "dgrs", treesearch.MAX_PAIRS,
                                 available_bytes("cpu"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_profile=None,
-               callback: Callable[[int, int], None] | None = None) -> tuple[DraftTree | None, int]:
+               callback: Callable[[int, int], None] | None = None):
     """The round tree and its nominal drafted-state budget ``B``.
 
     A one-child rule (``rmc``) runs a chain: of length ``B = K + ... + K^L`` with ``match=budget``, or
@@ -98,11 +111,14 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         run: the typed config.
         coupling: the built coupling, or None (the standard sampler: no tree).
         horizon: ``T - 2``.
-        delta_profile: ``tree=optimal``'s displacement per depth (given or calibrated).
-        callback: progress of ``tree=optimal``'s search, ``callback(depths_done, depths)``.
+        delta_profile: ``tree=optimal``'s displacement per depth (given or calibrated); for
+            ``optimal_per_step``, rows per root state index ``1..T-2`` (one row: the same for every root).
+        callback: progress of the search, ``callback(done, total)`` (depths, or roots for ``optimal_per_step``).
 
     Returns:
-        ``(tree, budget)``; ``(None, 0)`` for the standard sampler.
+        ``(tree, budget)``; ``(None, 0)`` for the standard sampler; for ``optimal_per_step`` the tree is a
+        :class:`specsamp.treesearch.TreesByRoot` (each root's tree drafts at most ``budget`` states and is
+        searched at the depth its root has left, minimising the expected rounds to the end).
 
     Raises:
         ConfigError: a tree that does not fit in memory, or a search refused up front.
@@ -127,10 +143,33 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         budget = run.budget or uniform_budget(K, L)
         check_search(run, coupling, budget)
         try:
+            if np.ndim(delta_profile) != 1:
+                raise ValueError(f"delta_profile is invalid for tree=optimal: need one list (delta per depth), got "
+                                 f"{np.ndim(delta_profile)} levels of lists (per-root tables are for tree=optimal_per_step)")
             positional = treesearch.profile_positional(delta_profile, coupling.name)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         tree = treesearch.optimal_tree(budget, positional, *search_limits(run, budget), callback=callback)
+    elif run.tree == "optimal_per_step":
+        from .. import treesearch
+
+        budget = run.budget or uniform_budget(K, L)
+        check_search(run, coupling, budget)
+        first, end = 1, horizon + 1  # roots 1..T-2 (Schedule.first_speculative, end_speculative)
+        try:
+            table = np.asarray(delta_profile, dtype=np.float64)
+            if table.ndim == 2:
+                if table.shape[0] not in (1, horizon):
+                    raise ValueError(f"delta_profile has {table.shape[0]} rows: tree=optimal_per_step needs one per "
+                                     f"root step 1..{horizon} (T-2 = {horizon} rows), or a single profile")
+                table = np.concatenate([table[:1], table]) if table.shape[0] == horizon else table[0]
+            trees = treesearch.optimal_trees_by_root(budget, table, first, end, *search_limits(run, budget),
+                                                     coupling.name, callback=callback)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for t in trees.values():
+            coupling.check_tree(t)
+        return treesearch.TreesByRoot(trees), budget
     else:
         tree, budget = DraftTree.uniform(K, min(L, horizon)), uniform_budget(K, L)
     coupling.check_tree(tree)
@@ -163,6 +202,75 @@ def calibration_run(target: Target, schedule: Schedule, run: RunConfig, n: int =
                               max_batch=run.max_batch or target.max_batch, warmup=run.warmup)
 
 
+def calibrate(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8,
+              min_attempts: int = 24) -> tuple[dict, SampleResult]:
+    """Both calibrated profiles from one :func:`calibration_run`.
+
+    ``profile``: ``delta`` per depth ``1..L`` from each depth's pooled acceptance (``tree=optimal``).
+    ``per_root``: one such profile per root state index ``1..T-2`` (``tree=optimal_per_step``), each
+    cell pooling the counts of neighbouring root indices until it has ``min_attempts`` attempts
+    (:func:`specsamp.treesearch.deltas_by_root`).
+
+    Returns:
+        ``(profiles, result)``: ``profiles = {"profile": [...], "per_root": [[...], ...]}`` and the
+        calibration's :class:`SampleResult` (its calls: :func:`calibration_cost`).
+    """
+    from ..treesearch import deltas_by_root, deltas_from_acceptance
+
+    r = calibration_run(target, schedule, run, n, K, L)
+    rates = (r.accepts.sum(0).double() / r.attempts.sum(0).double().clamp_min(1)).cpu().numpy()
+    table = deltas_by_root(r.attempts_by_root.cpu().numpy(), r.accepts_by_root.cpu().numpy(), K, "dgrs", min_attempts)
+    first, end = schedule.first_speculative, schedule.end_speculative
+    return {"profile": [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")],
+            "per_root": [[float(d) for d in row] for row in table[first:end]]}, r
+
+
+def calibration_cost(r: SampleResult) -> dict:
+    """What a calibration run cost, for the record: ``{trajectories, nfe, nfe_total, target_rows}`` summed over
+    its trajectories (``nfe_total`` adds the endpoint calls; ``target_rows``: states the target evaluated)."""
+    return {"trajectories": int(r.nfe.numel()), "nfe": int(r.nfe.sum()), "nfe_total": int(r.nfe_total.sum()),
+            "target_rows": int(r.target_rows.sum())}
+
+
+def load_profile(value) -> dict:
+    """A shipped or saved profile file: ``value`` names ``conf/profiles/<value>.json`` or is a ``.json`` path.
+
+    Returns:
+        The file's mapping: ``profile`` (per depth), ``per_root`` (per root index ``1..T-2``, then per
+        depth) and ``config`` (what it was calibrated for).
+
+    Raises:
+        ConfigError: the file is missing or not such a mapping.
+    """
+    path = Path(value) if str(value).endswith(".json") else PROFILE_DIR / f"{value}.json"
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "profile" not in data or "per_root" not in data:
+            raise ValueError("needs keys 'profile' and 'per_root'")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"delta_profile={value!r} is invalid: {path} could not be read as a profile file ({e}).") from None
+    return data
+
+
+def given_profile(run: RunConfig):
+    """The profile the config gives for its searched tree (a list, a list of lists, or a profile file's entry
+    for ``run.tree``), or None (calibrate). A profile file calibrated for another model, draft, T or eps is
+    used as given, with a note on stderr (a profile steers only efficiency; the law stays exact)."""
+    v = run.delta_profile
+    if not isinstance(v, str):
+        return v
+    data = load_profile(v)
+    cfg = data.get("config", {})
+    mine = {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps}
+    differ = {k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x}
+    if differ:
+        import sys
+
+        print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
+              + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)
+    return data["per_root"] if run.tree == "optimal_per_step" else data["profile"]
+
+
 def calibrate_profile(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> list[float]:
     """Displacement ``delta`` per depth for ``tree=optimal``, from :func:`calibration_run`: each depth's
     measured acceptance inverted into ``delta`` (:func:`specsamp.treesearch.deltas_from_acceptance`).
@@ -170,8 +278,4 @@ def calibrate_profile(target: Target, schedule: Schedule, run: RunConfig, n: int
     Returns:
         ``delta`` per depth ``1..L``.
     """
-    from ..treesearch import deltas_from_acceptance
-
-    r = calibration_run(target, schedule, run, n, K, L)
-    rates = (r.accepts.sum(0).double() / r.attempts.sum(0).double().clamp_min(1)).cpu().numpy()
-    return [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")]
+    return calibrate(target, schedule, run, n, K, L)[0]["profile"]

@@ -41,7 +41,10 @@ SEED_BOUND = 2**59
 CALIBRATION_SEED_OFFSET = 1_000_003
 assert SEED_BOUND + CALIBRATION_SEED_OFFSET <= rng.MAX_SEED
 
-TREES = ("uniform", "widths", "optimal")
+TREES = ("uniform", "widths", "optimal", "optimal_per_step")
+# trees searched from a displacement profile (given, shipped, or calibrated)
+SEARCHED_TREES = ("optimal", "optimal_per_step")
+PROFILE_DIR = CONF_DIR / "profiles"
 MATCH = ("budget", "verification")
 METRICS = ("fid", "clip")
 # keys that steer the runner, not the run: never part of the record's config or its hash
@@ -68,6 +71,17 @@ def one_of(valid: Sequence | Callable[[], Sequence], default: Any = MISSING) -> 
     pool = valid if callable(valid) else (lambda: valid)
     return field(default=default, metadata={"text": lambda: "one of " + ", ".join(map(str, pool())),
                                             "ok": lambda v: v in pool()})
+
+
+def _finite_list(v) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
+
+
+def _profile_ok(v) -> bool:
+    if isinstance(v, str):
+        return (Path(v) if v.endswith(".json") else PROFILE_DIR / f"{v}.json").is_file()
+    return _finite_list(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_finite_list(r) for r in v))
 
 
 def _drafts():
@@ -121,9 +135,11 @@ class RunConfig:
     widths: Optional[list[int]] = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
                                        lambda v: len(v) > 0 and all(w >= 1 for w in v), None)
     budget: Optional[int] = at_least(1, None)
-    delta_profile: Optional[list[float]] = rule(
-        "a non-empty list of finite values >= 0, or null (calibrate)",
-        lambda v: len(v) > 0 and all(math.isfinite(x) and x >= 0 for x in v), None)
+    delta_profile: Any = rule(
+        "a non-empty list of finite values >= 0 (one per depth), a list of such lists (one per root step "
+        "1..T-2, tree=optimal_per_step), the name of a shipped profile (" + ", ".join(
+            sorted(p.stem for p in PROFILE_DIR.glob("*.json"))) + ") or a .json path, or null (calibrate)",
+        lambda v: _profile_ok(v), None)
     max_depth: Optional[int] = at_least(1, None)
     max_width: Optional[int] = at_least(1, None)
     draft: str = one_of(_drafts, "velocity")
@@ -305,7 +321,7 @@ def unused_keys(run: RunConfig, coupling) -> dict:
         keys = list(search)
     else:
         keys = ["match"] + {"uniform": list(search), "widths": ["K", "L", *search[1:]],
-                            "optimal": ["widths"] + (["K", "L"] if run.budget is not None else [])}[run.tree]
+                            **{t: ["widths"] + (["K", "L"] if run.budget is not None else []) for t in SEARCHED_TREES}}[run.tree]
     return {k: default[k] for k in keys}
 
 

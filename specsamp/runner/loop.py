@@ -21,8 +21,8 @@ from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
 from ..models.base import Target
 from ..trees import budget as uniform_budget
-from .build import build_coupling, build_target, build_tree, calibrate_profile, check_search
-from .config import RunConfig, load_config, unused_keys
+from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, check_search, given_profile
+from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
 from .memory import check_tree_memory, check_tree_nodes
 from .records import config_hash, summarize_result, versions
 
@@ -133,7 +133,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     horizon = schedule.steps - 2
     coupling = build_coupling(run)
     # sizes that follow from the config alone are refused before the model is loaded or calibrated
-    optimal = coupling is not None and run.tree == "optimal" and coupling.max_children != 1
+    optimal = coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
     if optimal:
         check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
     else:
@@ -144,14 +144,21 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
             need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
             raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not have.")
-    calibrated = calibrate_profile(target, schedule, run) if optimal and run.delta_profile is None else None
-    with _Progress(run.progress, "tree search", "depth", min_seconds=2.0) as search_bar:
-        tree, B = build_tree(run, coupling, horizon, calibrated or run.delta_profile, callback=search_bar.to)
+    calibrated = calibration = None
+    if optimal and run.delta_profile is None:
+        profiles, cal = calibrate(target, schedule, run)
+        calibrated = profiles["per_root" if run.tree == "optimal_per_step" else "profile"]
+        calibration = {**calibration_cost(cal), "charged": False}
+    per_step = run.tree == "optimal_per_step"
+    with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
+        tree, B = build_tree(run, coupling, horizon, calibrated or (given_profile(run) if optimal else None),
+                             callback=search_bar.to)
+    largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
     ids = torch.arange(run.n_samples) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= run.n_samples:
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
     bs = run.batch_size or ids.numel()
-    check_tree_memory(tree.restrict(min(tree.max_depth, horizon)) if tree is not None else None, min(bs, ids.numel()),
+    check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, ids.numel()),
                       target.model, run.device, execution=run.execution, n_total=ids.numel(), steps=schedule.steps)
     unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
     if unused:
@@ -194,8 +201,13 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         "budget": B,
         "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
         **({"unused": unused} if unused else {}),
-        **({"delta_profile": calibrated, "tree_parent": tree.parent.tolist()} if optimal else {}),
+        **({"delta_profile": calibrated} if optimal else {}),
+        **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
+        # the calibration run's calls, paid by this run but not in its speedup (README "Trees")
+        **({"calibration": calibration,
+            "speedup_with_calibration": float(res.speculative_steps * res.nfe.numel()
+                                              / (res.nfe.sum() + calibration["nfe_total"]))} if calibration else {}),
         "wall_seconds": time.perf_counter() - t0,
         "versions": versions(),
     }
