@@ -27,7 +27,7 @@ import torch
 
 from . import rng
 from .coupling import Coupling, NonFiniteError, get_coupling
-from .drafts import Draft, get_draft
+from .drafts import Draft, DraftRoot, data_prediction, get_draft
 from .errors import ConfigError
 from .models.base import batched
 from .schedule import Schedule, per_row
@@ -203,6 +203,8 @@ class _Round:
     root_exact: torch.Tensor  # [m] bool: v_root is the root's own exact velocity
     draft_keys: torch.Tensor  # [m]
     verify_keys: torch.Tensor  # [m]
+    hist_x0: torch.Tensor | None = None  # [m, H, *e] the draft's history (DraftRoot.hist_x0); None when H = 0
+    hist_n: torch.Tensor | None = None  # [m, H]
 
 
 class _Nodes:
@@ -373,6 +375,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
     cur = torch.zeros(m, dtype=torch.long, device=dev)
     x_cur = rnd.x.clone()
     v_cur = nodes.velocity(torch.arange(m, device=dev), cur, x_cur)
+    _record(ctx, rnd, torch.arange(m, device=dev), x_cur, v_cur, rnd.n)  # the root, verified below
     walking = torch.ones(m, dtype=torch.bool, device=dev)
     steps = torch.zeros(m, dtype=torch.long, device=dev)
     out = rnd.x.clone()
@@ -425,9 +428,27 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
         if bool(need.any()):
             idx = need.nonzero(as_tuple=True)[0]
             v_cur[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+            _record(ctx, rnd, idx, x_cur[idx], v_cur[idx], rnd.n[idx] + l)
     finished = rejected_parent < 0  # walked to a leaf of T|_{L_n}
     out[finished] = x_cur[finished]
     return out, steps, _prefetch(nodes, rnd, ctx, finished, cur, x_cur, v_cur, sib_states, out)
+
+
+def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
+    """Push exact data predictions of committed-trajectory states (``x, v [r, *e]`` at state ``n [r]``) to the
+    front of rows ``rows`` of the round's draft history; no-op for drafts without history."""
+    if rnd.hist_x0 is None:
+        return
+    _push_history(rnd.hist_x0, rnd.hist_n, rows, data_prediction(x, v, n, ctx.schedule), n)
+
+
+def _push_history(hist_x0: torch.Tensor, hist_n: torch.Tensor, rows: torch.Tensor, x0: torch.Tensor, n: torch.Tensor) -> None:
+    """Shift rows ``rows`` of ``hist_x0 [M, H, *e]`` / ``hist_n [M, H]`` back one slot and write ``x0``, ``n`` in front."""
+    if hist_x0.shape[1] > 1:
+        hist_x0[rows, 1:] = hist_x0[rows, :-1].clone()
+        hist_n[rows, 1:] = hist_n[rows, :-1].clone()
+    hist_x0[rows, 0] = x0
+    hist_n[rows, 0] = n
 
 
 def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
@@ -520,7 +541,7 @@ def sample_speculative(
             accounting (``batch_nfe``), as one call over their concatenated rows would.
         coupling: registered name, a :class:`specsamp.coupling.Coupling`, or a bare ``verify`` function.
         n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
-        draft: registered draft name (``velocity``, ``drift``, ``x0``).
+        draft: registered draft name (``velocity``, ``drift``, ``x0``, ``x0_extrap``, ...; :mod:`specsamp.drafts`).
         prefetch: ``nearest``, ``parent`` or ``none``.
         evaluate_leaves: the B=|V| protocol (True) or internal nodes only (False).
         execution: ``tree`` or ``path``.
@@ -642,6 +663,8 @@ class _Chains:
     root_exact: torch.Tensor  # [M] bool: v_root is x's own exact velocity
     draft_keys: torch.Tensor  # [M]
     verify_keys: torch.Tensor  # [M]
+    hist_x0: torch.Tensor | None = None  # [M, H, *e] exact data predictions along the trajectory (drafts with history)
+    hist_n: torch.Tensor | None = None  # [M, H] their state indices, -1 = empty
 
 
 def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally) -> _Chains:
@@ -653,7 +676,7 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
     v0 = ctx.velocity(x, n, torch.arange(M, device=dev))
     tally.endpoint_nfe += 1
     # warmup=step0 drafts the first round from the step-0 velocity (at sigma = 1, so not exact at the root)
-    return _Chains(
+    st = _Chains(
         x=ctx.schedule.mean(x, v0, n),
         n=n + 1,
         v_root=v0 if warmup == "step0" else torch.zeros_like(x),
@@ -661,6 +684,12 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
         draft_keys=rng.base_key(seed, ids, "draft", device=dev),
         verify_keys=rng.base_key(seed, ids, "verify", device=dev),
     )
+    H = ctx.draft.history
+    if H > 0:  # the step-0 state's exact data prediction opens the trajectory's history
+        st.hist_x0 = x.new_zeros((M, H) + tuple(x.shape[1:]))
+        st.hist_n = torch.full((M, H), -1, dtype=torch.long, device=dev)
+        _push_history(st.hist_x0, st.hist_n, torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n)
+    return st
 
 
 def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
@@ -674,16 +703,21 @@ def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) ->
 def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
     """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
     # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
+    hist_x0 = None if st.hist_x0 is None else st.hist_x0[live]
+    hist_n = None if st.hist_n is None else st.hist_n[live]
+    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], hist_x0=hist_x0, hist_n=hist_n)
     rnd = _Round(
         rows=live,
         x=st.x[live],
         n=st.n[live],
         depth_limit=(ctx.schedule.end_speculative - st.n[live]).clamp(max=tree.max_depth),
-        frozen=ctx.draft.freeze(st.x[live], st.v_root[live], st.n[live], ctx.schedule),
-        v_root=st.v_root[live],
-        root_exact=st.root_exact[live],
+        frozen=ctx.draft.freeze(root, ctx.schedule),
+        v_root=root.v,
+        root_exact=root.exact,
         draft_keys=st.draft_keys[live],
         verify_keys=st.verify_keys[live],
+        hist_x0=None if hist_x0 is None else hist_x0.clone(),  # the walk records into its own copy
+        hist_n=None if hist_n is None else hist_n.clone(),
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
     new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
@@ -694,6 +728,9 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     st.n[live] += steps  # line 24
     st.v_root[live] = v_next
     st.root_exact[live] = exact_next
+    if st.hist_x0 is not None:
+        st.hist_x0[live] = rnd.hist_x0
+        st.hist_n[live] = rnd.hist_n
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally) -> torch.Tensor:

@@ -92,6 +92,13 @@ LAW_CASES = [
     (("by_root", BY_ROOT), "dgrs", "x0", "nearest", True, "path"),
     (("by_root", BY_ROOT), "dgrs", "velocity", "parent", False, "tree"),
     (("by_root", BY_ROOT), "markmax", "x0", "nearest", True, "path"),
+    # drafts that read the trajectory's history of exact data predictions, under every prefetch
+    (("uniform", (2, 3)), "dgrs", "x0_extrap", "nearest", True, "path"),
+    (("chain", 4), "rmc", "x0_extrap", "none", False, "tree"),
+    (("widths", [3, 1, 2]), "dgrs", "x0_extrap", "parent", False, "path"),
+    (("uniform", (3, 2)), "dgrs", "x0_extrap_gated", "nearest", True, "tree"),
+    (("parent", IRREGULAR), "dgrs", "x0_extrap_gated", "parent", True, "path"),
+    (("chain", 5), "rmc", "x0_extrap_gated", "none", True, "path"),
 ]
 
 
@@ -182,6 +189,12 @@ EQUIV_CASES = [
     (("uniform", (2, 7)), "dgrs", "velocity", "nearest", True),  # deeper than the 6 speculative steps
     (("by_root", BY_ROOT), "dgrs", "x0", "nearest", True),
     (("by_root", BY_ROOT), "dgrs", "velocity", "parent", False),
+    (("uniform", (2, 3)), "dgrs", "x0_extrap", "nearest", True),
+    (("chain", 6), "rmc", "x0_extrap", "none", False),
+    (("parent", IRREGULAR), "dgrs", "x0_extrap", "parent", False),
+    (("widths", [3, 1, 2]), "dgrs", "x0_extrap_gated", "nearest", False),
+    (("uniform", (3, 2)), "dgrs", "x0_extrap_gated", "parent", True),
+    (("uniform", (2, 7)), "dgrs", "x0_extrap_gated", "none", True),
 ]
 
 
@@ -315,7 +328,7 @@ def test_recorded_counts_equal_model_invocations_empty_batches(spec, prefetch):
 
 @pytest.mark.parametrize("T", [3, 5, 8])
 @pytest.mark.parametrize("coupling", ["dgrs", "rmc"])
-@pytest.mark.parametrize("draft", ["velocity", "drift", "x0"])
+@pytest.mark.parametrize("draft", ["velocity", "drift", "x0", "x0_extrap", "x0_extrap_gated"])
 @pytest.mark.parametrize("prefetch", ["nearest", "parent"])
 def test_no_speculation_costs_one_call_per_step(T, coupling, draft, prefetch):
     """(K, L) = (1, 1) with the B = |V| protocol costs exactly what the standard sampler costs: nfe_total = T.
@@ -501,7 +514,7 @@ def test_coupling_bad_sigma(name, sigma):
     "kwargs,pattern",
     [
         ({"coupling": "nope"}, r"coupling='nope' is not registered; valid: \[.*'dgrs'.*'rmc'"),
-        ({"draft": "nope"}, r"draft='nope' is not registered; valid: \['drift', 'velocity', 'x0'\]"),
+        ({"draft": "nope"}, r"draft='nope' is not registered; valid: \['drift', 'velocity', 'x0', 'x0_extrap', 'x0_extrap_gated'\]"),
         ({"prefetch": "nope"}, r"prefetch='nope' is invalid; valid: \['nearest', 'parent', 'none'\]"),
         ({"execution": "nope"}, r"execution='nope' is invalid; valid: \['tree', 'path'\]"),
         ({"n_samples": 0}, r"n_samples=0 is invalid.*>= 1"),
@@ -608,3 +621,79 @@ def test_step_dependent_tree_errors():
         sample_speculative(MODEL, SCHED, lambda n: DraftTree([-1]) if n == 2 else DraftTree.chain(1), "dgrs", 4)
     with pytest.raises(ValueError, match="children"):
         sample_speculative(MODEL, SCHED, lambda n: DraftTree.uniform(2, 1), "rmc", 4)
+
+
+# --- drafts with a history of exact data predictions --------------------------------------------
+
+
+def test_x0_extrap_rebuilds_a_data_prediction_linear_in_log_snr():
+    # records of D(lambda) = A + B lambda at states 3 and 4, an exact root at 5: the drafted velocity at
+    # step 7 is (x - D(lambda_7)) / sigma_7, fed to the kernel mean; a record at step 0 gives slope 0
+    from specsamp.drafts import DraftRoot, get_draft
+
+    draft = get_draft("x0_extrap")
+    lam = lambda n: torch.log1p(-SCHED.sigmas[n]) - torch.log(SCHED.sigmas[n])  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    A, B, x_r, x_u = (torch.randn(2, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    D = lambda n: A + B * lam(n)  # noqa: E731
+    n_r = torch.tensor([5, 5])
+    s_r = SCHED.sigmas[5]
+    root = DraftRoot(x=x_r, v=(x_r - D(5)) / s_r, n=n_r, exact=torch.tensor([True, True]),
+                     hist_x0=torch.stack([D(4), D(3)], 1), hist_n=torch.tensor([[4, 3], [4, 3]]))
+    n_u = torch.tensor([6, 6])
+    want = SCHED.mean(x_u, (x_u - D(6)) / SCHED.sigmas[6], n_u)
+    torch.testing.assert_close(draft.mean(draft.freeze(root, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want)
+    # root not exact: the slope comes from the two records (same line), the anchor from the root's v
+    root2 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), hist_x0=root.hist_x0, hist_n=root.hist_n)
+    torch.testing.assert_close(draft.mean(draft.freeze(root2, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want)
+    # a pair reaching back to step 0 (lambda = -inf) or an empty slot: slope 0, the x0 draft
+    x0 = get_draft("x0")
+    want0 = x0.mean(x0.freeze(root, SCHED), x_u[:, None], n_u, SCHED)
+    for hist_n in ([[4, 0], [4, -1]], [[0, -1], [-1, -1]]):
+        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), hist_x0=root.hist_x0, hist_n=torch.tensor(hist_n))
+        torch.testing.assert_close(draft.mean(draft.freeze(r3, SCHED), x_u[:, None], n_u, SCHED), want0)
+
+
+@pytest.mark.parametrize("prefetch", ["nearest", "parent", "none"])
+@pytest.mark.parametrize("warmup", ["call", "step0"])
+def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
+    # a probe draft (the x0 draft plus history=3) sees, at every root: records at earlier states, most
+    # recent first, strictly decreasing; the state just before the root where the root's own velocity is
+    # not exact; the step-0 record at the first round; and each record equals the model's data prediction
+    from specsamp.drafts import DRAFTS, Draft, data_prediction, get_draft
+
+    seen = []
+    x0 = get_draft("x0")
+
+    def freeze(root, sch):
+        seen.append((root.x.clone(), root.n.clone(), root.exact.clone(), root.hist_x0.clone(), root.hist_n.clone()))
+        return x0.freeze(root, sch)
+
+    DRAFTS.register("_probe", Draft("_probe", freeze, x0.mean, history=3))
+    try:
+        r = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 12, draft="_probe", prefetch=prefetch, warmup=warmup, seed=8)
+        base = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 12, draft="x0", prefetch=prefetch, warmup=warmup, seed=8)
+    finally:
+        del DRAFTS._entries["_probe"]
+    torch.testing.assert_close(r.samples, base.samples, rtol=0, atol=0)  # history changes no number
+    first = seen[0][4]
+    assert torch.all(first[:, 0] == 0) and torch.all(first[:, 1:] == -1)
+    for x, n, exact, hx, hn in seen:
+        assert torch.all(hn[:, 0] < n) and torch.all(hn[:, 0] >= 0)
+        assert torch.all((hn[:, 1:] < hn[:, :-1]) | (hn[:, 1:] == -1))
+        assert torch.all(exact | (hn[:, 0] == n - 1))
+        assert torch.all(hx[hn == -1] == 0)
+    assert len(seen) >= 3
+    # the records' values: step 0's at the first round, the first root's at the second (all rows live)
+    from specsamp.sampler import initial_noise
+
+    sig = SCHED.sigmas
+    x_init = initial_noise(8, torch.arange(12), MODEL.event_shape, MODEL.dtype)
+    torch.testing.assert_close(seen[0][3][:, 0], x_init - MODEL(x_init, sig[torch.zeros(12, dtype=torch.long)]))
+    x1, n1 = seen[0][0], seen[0][1]
+    d1 = data_prediction(x1, MODEL(x1, sig[n1]), n1, SCHED)
+    hx, hn = seen[1][3], seen[1][4]
+    assert seen[1][1].numel() == 12 and (hn == 1).any()
+    for j in range(hx.shape[1]):
+        at1 = hn[:, j] == 1
+        torch.testing.assert_close(hx[at1, j], d1[at1])
