@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--levers", action="store_true",
+                    help="also time the levers beyond the paper at B=62 (x0 draft + optimal tree from the shipped "
+                         "profile, and the paper's D-GRS (2,5) beside it)")
     ap.add_argument("--out", default=None, help="write the table as CSV here")
     a = ap.parse_args(argv)
     try:
@@ -57,6 +60,10 @@ def main(argv=None) -> int:
     for K, L in shapes:
         arms.append(("dgrs tree", (K, L), ["sampler=dgrs", f"K={K}", f"L={L}", "execution=tree"]))
         arms.append(("dgrs path", (K, L), ["sampler=dgrs", f"K={K}", f"L={L}", "execution=path"]))
+    if a.levers:  # the shipped profile: no calibration run inside the timing; the tree search is timed
+        lever = ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=62", "delta_profile=edm-digits-8x8-cond_x0"]
+        for execution in ("tree", "path"):
+            arms.append((f"x0+optimal {execution}", (None, None), [*lever, f"execution={execution}"]))
     rows, target = [], None
     for name, shape, ov in arms:
         d = compose(base + ov)

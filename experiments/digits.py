@@ -41,6 +41,9 @@ LEVERS = {  # arm: overrides (K, L, budget filled per budget), as in experiments
     "markmax coupling": ["sampler=markmax"],
     "optimal tree": ["sampler=dgrs", "tree=optimal"],
     "x0 + optimal tree + markmax": ["sampler=markmax", "draft=x0", "tree=optimal"],
+    "x0 + optimal tree": ["sampler=dgrs", "draft=x0", "tree=optimal"],
+    "x0 extrapolated + optimal tree": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal"],
+    "x0 extrapolated + tree per step": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step"],
 }
 
 
@@ -88,6 +91,7 @@ ARMS = {  # label in the tables: (sampler, seed) of the digits_fid sweep (conf/f
     "standard, 2nd run": ("standard", 1),
     "rmc": ("rmc", 2),
     "dgrs": ("dgrs", 3),
+    "lever": ("dgrs", 4),  # conf/fid_arm/lever_seed4.yaml: the best exact lever beyond the paper
 }
 
 
@@ -190,7 +194,7 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
         correct = logits.argmax(1) == labels
         outs[arm] = (logits, labels)
         pics[arm] = images[:100]
-        rows.append({"arm": arm, "sampler": r["sampler"], "seed": int(r["seed"]), "K": 2, "L": 3, "eps": 0.3,
+        rows.append({"arm": arm, "sampler": r["sampler"], "seed": int(r["seed"]), "tree": r["tree"], "eps": 0.3,
                      "n_images": n, "fid": fid, "fid_se": se, "fid_runner": r.get("fid", np.nan),
                      "label_accuracy": correct.mean(), "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n),
                      "speedup_mean": r["speedup_mean"], "speedup_sem": r["speedup_sem"], "nfe_mean": r["nfe_mean"]})
@@ -212,7 +216,7 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     write_csv(fid_df, OUT / "fid.csv")
 
     tests = []
-    for arm in ("standard, 2nd run", "rmc", "dgrs"):
+    for arm in ("standard, 2nd run", "rmc", "dgrs", "lever"):
         tests += two_sample_tests(outs["standard"], outs[arm], f"standard vs {arm}")
     tests_df = pd.DataFrame(tests)
     write_csv(tests_df, OUT / "two_sample.csv")

@@ -1,4 +1,4 @@
-"""Block verification of chains (specsamp.blockverify): the law of the committed path, acceptance, the sampler.
+"""Block verification of chains (experiments.blockverify): the law of the committed path, acceptance, the sampler.
 
 Law test: chains of ``L = 4`` nodes in ``d = 3`` with linear target kernels ``mq(x) = 0.8 x + b_i`` (so the
 target chain's law is Gaussian in closed form) and a *nonlinear* draft whose displacement length depends on
@@ -19,7 +19,7 @@ import torch
 from helpers import chi2_same_counts, two_sample_pvalues
 from scipy import stats
 
-from specsamp.blockverify import (
+from experiments.blockverify import (
     block_verify_chain,
     chain_acceptance,
     gmm_rows,
@@ -100,7 +100,7 @@ def test_committed_path_has_the_target_chain_law(rule, delta):
 
 def test_law_test_catches_a_residual_that_ignores_the_running_weight(monkeypatch):
     """Power: clamping ln w at 0 (the node-wise residual and stop masses, as if w_tau = 1) is caught."""
-    import specsamp.blockverify as bv
+    import experiments.blockverify as bv
 
     monkeypatch.setattr(bv, "LOG_W_FLOOR", 0.0)
     root, kids, mps, mqs, g = draft_chains(4000, 0.3, seed=103)

@@ -56,21 +56,22 @@ With constant ``delta`` node-wise gives ``P(tau >= j) = alpha^j``, ``alpha = 2 P
 Entry points: :func:`block_verify_chain` (the rule, coupling-like contract on a whole chain),
 :func:`chain_acceptance` (conditional tails of both rules), :func:`sample_block_chain` (a standalone exact
 speculative sampler on chains, block or node-wise), :func:`synthetic_rows` and :func:`gmm_rows` (tables;
-``python -m specsamp.blockverify`` prints them as CSV).
+``python -m experiments.blockverify`` prints them as CSV).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from . import rng
-from .coupling import grs_remaining_mass, project, sample_grs_residual, uniform_rows
-from .drafts import get_draft
-from .models.base import batched
-from .schedule import Schedule, per_row
+from specsamp import rng
+from specsamp.coupling import grs_remaining_mass, project, sample_grs_residual, uniform_rows
+from specsamp.drafts import DraftRoot, get_draft
+from specsamp.models.base import batched
+from specsamp.schedule import Schedule, per_row
 
 LOG_W_FLOOR = -700.0  # residual levels 1/w are computed from max(ln w, this): a residual after a prefix
 # with w < e^-700 has probability < e^-700 of being needed
@@ -254,7 +255,7 @@ def node_verify_chain(children, mean_p, mean_q, sigma, generator=None) -> ChainV
     Node ``i`` is verified only if ``1..i-1`` were accepted; the first rejection commits RMC's reflected
     residual. ``weights`` holds ``prod_{i <= j} min(1, r_i)`` (``j = 0..L``).
     """
-    from .coupling import rmc
+    from specsamp.coupling import rmc
 
     proj = project_chain(children, mean_p, mean_q, sigma)
     n, L = proj.delta.shape
@@ -329,7 +330,7 @@ def sample_block_chain(model, schedule: Schedule, L: int, n_samples: int, *, rul
     Raises:
         ValueError: ``L < 1``, ``n_samples < 1``, an unknown ``rule`` or ``anchor``; ConfigError: unknown draft.
     """
-    from .sampler import initial_noise
+    from specsamp.sampler import initial_noise
 
     if L < 1 or n_samples < 1:
         raise ValueError(f"need L >= 1 and n_samples >= 1, got L={L}, n_samples={n_samples}")
@@ -365,7 +366,7 @@ def sample_block_chain(model, schedule: Schedule, L: int, n_samples: int, *, rul
         for Ln in torch.unique(depth).tolist():
             r = live[depth == Ln]
             xr, nr = x[r], n[r]
-            frozen = dr.freeze(x_anchor[r] if anchor == "node" else xr, v_root[r], nr, schedule)
+            frozen = dr.freeze(DraftRoot(x_anchor[r] if anchor == "node" else xr, v_root[r], nr, torch.ones_like(nr, dtype=torch.bool)), schedule)
             nodes, mps = [xr], []
             for i in range(Ln):
                 step = nr + i
@@ -449,7 +450,7 @@ def gmm_chain_tails(model, schedule: Schedule, L: int, n_roots: int = 200, draft
     ``seed``) at every speculative step ``n``; each drafts ``L_n = min(L, T - 1 - n)`` nodes with ``draft``
     from its exact velocity. Returns ``{n: (block [n_roots, L_n], node [n_roots, L_n], delta [n_roots, L_n])}``.
     """
-    from .sampler import initial_noise
+    from specsamp.sampler import initial_noise
 
     dev = torch.device(getattr(model, "device", "cpu"))
     sig = schedule.sigmas.to(dev)
@@ -466,7 +467,7 @@ def gmm_chain_tails(model, schedule: Schedule, L: int, n_roots: int = 200, draft
         v = vel(x, nn)
         if schedule.first_speculative <= step < schedule.end_speculative:
             Ln = min(L, schedule.end_speculative - step)
-            frozen = dr.freeze(x, v, nn, schedule)
+            frozen = dr.freeze(DraftRoot(x, v, nn, torch.ones_like(nn, dtype=torch.bool)), schedule)
             cur, vcur, log_r, deltas = x, v, [], []
             for i in range(Ln):
                 si = nn + i
@@ -510,7 +511,7 @@ def gmm_rows(lengths=(4, 8, 14, 28), n_roots: int = 200, n_samples: int = 0, see
     ``(T - 2) / implied_nfe``. With ``n_samples > 0`` also runs :func:`sample_block_chain` for both rules and
     reports the measured mean speedup (prefetched, not exact, root velocities after a residual).
     """
-    from .models import GaussianMixture
+    from specsamp.models import GaussianMixture
 
     model = GaussianMixture(dim=dim)
     sch = Schedule.make(30, 0.1)
@@ -536,7 +537,7 @@ def gmm_rows(lengths=(4, 8, 14, 28), n_roots: int = 200, n_samples: int = 0, see
 
 
 def main(argv=None) -> None:
-    """Print the synthetic and GMM tables as CSV (``python -m specsamp.blockverify [--quick]``)."""
+    """Print the synthetic and GMM tables as CSV (``python -m experiments.blockverify [--quick]``)."""
     import argparse
     import csv
     import sys
@@ -544,14 +545,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small Monte Carlo sizes")
     ap.add_argument("--n-samples", type=int, default=300, help="trajectories per rule for the sampler runs (0: none)")
+    ap.add_argument("--out", default=None, help="also write both tables to this folder (blockverify_synthetic.csv, "
+                                                  "blockverify_gmm.csv), e.g. results/gmm")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    for rows in (synthetic_rows(n=20_000 if a.quick else 200_000),
-                 gmm_rows(n_roots=50 if a.quick else 200, n_samples=min(a.n_samples, 50) if a.quick else a.n_samples)):
+    tables = {"synthetic": synthetic_rows(n=20_000 if a.quick else 200_000),
+              "gmm": gmm_rows(n_roots=50 if a.quick else 200, n_samples=min(a.n_samples, 50) if a.quick else a.n_samples)}
+    for name, rows in tables.items():
         w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].keys()))
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+        if a.out:
+            import pandas as pd
+
+            from experiments.common import write_csv
+
+            write_csv(pd.DataFrame(rows), Path(a.out) / f"blockverify_{name}.csv")
 
 
 if __name__ == "__main__":
