@@ -32,9 +32,13 @@ gmm:  ## section 5.1: the 84-cell grid (Hydra multirun, two processes), its CSV 
 	$(PYTHON) -m experiments.gmm collect
 	$(PYTHON) -m experiments.gmm acceptance
 
-beyond:  ## levers beyond the paper on the GMM (x0 draft, markmax, optimal trees) and the headline rows: results/gmm/beyond.csv, headline.csv
+beyond:  ## levers beyond the paper: GMM table and headline rows (results/gmm/beyond.csv, headline.csv, blockverify_*.csv), the digits network's levers table and figure (results/digits/levers.csv, levers_frontier.png)
 	$(PYTHON) -m experiments.beyond run
 	$(PYTHON) -m experiments.beyond headline
+	$(PYTHON) -m experiments.blockverify --out results/gmm
+	$(PYTHON) -m experiments.digits levers
+	$(PYTHON) -m experiments.beyond figures
+	$(PYTHON) -m experiments.digits figures
 
 train-digits:  ## retrain the digits denoiser and classifier (seeded, ~5 min on one thread) into specsamp/data/
 	$(PYTHON) -m experiments.train_digits

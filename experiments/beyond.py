@@ -38,6 +38,9 @@ ARMS = {  # name: overrides (K, L are filled per budget)
     "x0 + RMC chain": ["sampler=rmc", "draft=x0"],
     "x0 + optimal tree": ["sampler=dgrs", "draft=x0", "tree=optimal"],
     "x0 + optimal tree + markmax": ["sampler=markmax", "draft=x0", "tree=optimal"],
+    "x0 + tree per step": ["sampler=dgrs", "draft=x0", "tree=optimal_per_step"],
+    "x0 extrapolated + optimal tree": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal"],
+    "x0 extrapolated + tree per step": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step"],
 }
 
 
