@@ -21,8 +21,19 @@ the target at drafted nodes of the current round. Registered drafts (:data:`DRAF
 - ``x0_extrap_gated``: ``x0_extrap`` where the slope of the previous pair of records would have
   predicted the last increment better than no slope; ``x0`` elsewhere (the data prediction is
   noise-driven early in sampling, where extrapolating hurts).
+- ``x0_affine`` (beyond the paper): the data prediction moves with the drafted state as it does for one
+  isotropic Gaussian ``N(mu, s^2 I)`` on the linear path, ``E[x0 | x] = mu + c(sigma) (x - (1 - sigma) mu)``
+  with ``c = (1 - sigma) s^2 / ((1 - sigma)^2 s^2 + sigma^2)`` (in ``[0, 1 / (1 - sigma)]``). Per trajectory,
+  ``s^2`` is fitted by least squares through the two most recent exact records (state and data
+  prediction; :func:`_fit_s2`) and ``mu`` solved from the most recent one; the drafted velocity at node
+  ``x_u`` is ``(x_u - x0_hat(x_u, sigma_u)) / sigma_u``. Where a record lies at ``sigma = 1`` (the
+  posterior is the prior there, not one component), a slot is empty, or the fit predicts the older
+  record no better than a frozen data prediction would, it drafts like ``x0_extrap_gated``. Motivated by
+  the Gaussian posterior form: on the section 5.1 mixture, whose posterior commits to one component
+  within a few steps, it is exact after that; on image networks the form holds only locally.
 
-History (``Draft.history > 0``): the sampler records the exact data predictions ``x - sigma v`` at the
+History (``Draft.history > 0``): the sampler records the exact data predictions ``x - sigma v`` (and the
+states ``x`` they were computed at) at the
 states of the committed trajectory whose exact velocity it computed: the step-0 state (``sigma = 1``)
 and every node a round's walk verified (the root and each accepted internal node). The committed state
 that ends a round is recorded by the round it roots. With ``prefetch`` ``nearest``/``parent`` the
@@ -57,6 +68,8 @@ class DraftRoot:
         hist_x0: ``[m, H, *e]`` exact data predictions ``x - sigma v`` at earlier states of the committed
             trajectory, most recent first (``None`` when the draft asks for no history, ``H = 0``).
         hist_n: ``[m, H]`` long, their state indices; ``-1`` marks an empty slot (then ``hist_x0`` is 0).
+        hist_x: ``[m, H, *e]`` the states at which those data predictions were computed (``None`` with
+            ``hist_x0``; 0 in empty slots).
     """
 
     x: torch.Tensor
@@ -65,6 +78,7 @@ class DraftRoot:
     exact: torch.Tensor
     hist_x0: torch.Tensor | None = None
     hist_n: torch.Tensor | None = None
+    hist_x: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,7 @@ class Draft:
         mean: ``(frozen [M, ...], x [M, m, *e], n [M] long, schedule) -> [M, m, *e]`` proposal means
             of the children of nodes ``x`` (all of one depth, at step ``n``).
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
-            (``DraftRoot.hist_x0``); 0: none are kept.
+            (``DraftRoot.hist_x0``, with their states ``hist_x``); 0: none are kept.
     """
 
     name: str
@@ -188,11 +202,103 @@ def _x0_extrap(feature: Callable[[torch.Tensor], torch.Tensor], damp: float = 1.
     return freeze, mean
 
 
+def _gauss_gain(s2: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b, c)`` of one isotropic Gaussian ``N(mu, s2 I)`` on the linear path: ``E[x0 | x] = b mu + c x`` with
+    ``v = (1 - sigma)^2 s2 + sigma^2``, ``b = sigma^2 / v``, ``c = (1 - sigma) s2 / v`` (broadcasting shapes)."""
+    a = 1.0 - sigma
+    v = a * a * s2 + sigma * sigma
+    return sigma * sigma / v, a * s2 / v
+
+
+def _fit_s2(dA, xA, sA, dB, xB, sB, grid: int = 241, rounds: int = 5):
+    """Least-squares ``s^2`` of the one-Gaussian posterior through two exact records, per row.
+
+    Anchored at record A (``mu = (d_A - c_A x_A) / b_A``), record B's data prediction is predicted as
+    ``alpha d_A + beta x_A + gamma x_B`` with ``alpha = b_B / b_A``, ``beta = -b_B c_A / b_A``, ``gamma = c_B``;
+    the squared residual is a quadratic form in the Gram matrix of ``(d_B, d_A, x_A, x_B)``, scanned on a
+    log grid of ``s^2`` in ``[1e-6, 1e2]`` and refined ``rounds`` times around the best point.
+
+    Args: ``dA, xA, dB, xB [m, *e]``; ``sA, sB [m]`` noise levels in ``(0, 1)``.
+    Returns: ``(s2 [m], residual [m])`` (residual: ``||d_B - prediction||^2`` at ``s2``).
+    """
+    m = dA.shape[0]
+    V = torch.stack([t.reshape(m, -1) for t in (dB, dA, xA, xB)], 1).double()  # [m, 4, D]
+    G = V @ V.transpose(1, 2)  # [m, 4, 4]
+    sA, sB = sA.double()[:, None], sB.double()[:, None]
+
+    def resid(s2):  # s2 [m, g] -> [m, g]
+        bA, cA = _gauss_gain(s2, sA)
+        bB, cB = _gauss_gain(s2, sB)
+        w = torch.stack([-torch.ones_like(s2), bB / bA, -bB * cA / bA, cB], -1)  # [m, g, 4]
+        return torch.einsum("mgi,mij,mgj->mg", w, G, w)
+
+    lo = torch.full((m, 1), -6.0, dtype=torch.float64, device=dA.device)
+    hi = torch.full((m, 1), 2.0, dtype=torch.float64, device=dA.device)
+    t = torch.linspace(0, 1, grid, dtype=torch.float64, device=dA.device)[None]
+    for _ in range(rounds):
+        e = lo + (hi - lo) * t
+        r = resid(10.0 ** e)
+        best = r.argmin(1, keepdim=True)
+        step = (hi - lo) / (grid - 1)
+        c = e.gather(1, best)
+        lo, hi = c - step, c + step
+    s2 = 10.0 ** c[:, 0]
+    return s2, resid(s2[:, None])[:, 0].clamp(min=0)
+
+
+def _x0_affine():
+    """``(freeze, mean)`` of the local-affine data-prediction draft (``x0_affine``).
+
+    Frozen: ``[m, 4, *e]`` = ``(a, s, mu, s2)``: the ``x0_extrap_gated`` fallback ``a + s lambda(sigma)``, the
+    fitted component mean ``mu`` and its variance ``s2`` broadcast over the event (``-1``: use the fallback).
+    """
+    fb_freeze, fb_mean = _x0_extrap(_lsnr_feature, gate=True)
+
+    def freeze(root: DraftRoot, sch: Schedule):
+        sig = sch.sigmas.to(root.x.device)
+        fb = fb_freeze(root, sch)  # [m, 2, *e]
+        d_r = data_prediction(root.x, root.v, root.n, sch)
+        ex = root.exact
+        pe = lambda t: per_row(ex, t)
+        # the two most recent exact records (the root where its velocity is exact, then the history)
+        dA = torch.where(pe(d_r), d_r, root.hist_x0[:, 0])
+        xA = torch.where(pe(d_r), root.x, root.hist_x[:, 0])
+        nA = torch.where(ex, root.n, root.hist_n[:, 0])
+        dB = torch.where(pe(d_r), root.hist_x0[:, 0], root.hist_x0[:, 1])
+        xB = torch.where(pe(d_r), root.hist_x[:, 0], root.hist_x[:, 1])
+        nB = torch.where(ex, root.hist_n[:, 0], root.hist_n[:, 1])
+        usable = (nA >= 1) & (nB >= 1) & (nA != nB)  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
+        sA, sB = sig[nA.clamp(min=0)], sig[nB.clamp(min=0)]
+        s2, res = _fit_s2(dA, xA, sA, dB, xB, sB)
+        red = lambda t: t.reshape(t.shape[0], -1).double().square().sum(1)
+        # reliable: the fit predicts record B better than a frozen data prediction (the x0 draft) would
+        ok = usable & (res < red(dB - dA)) & torch.isfinite(s2)
+        s2 = torch.where(ok, s2, torch.full_like(s2, -1.0))
+        bA, cA = _gauss_gain(s2.clamp(min=0), sA.double())
+        mu = (dA.double() - per_row(cA, dA) * xA.double()) / per_row(torch.where(ok, bA, torch.ones_like(bA)), dA)
+        mu = torch.where(per_row(ok, mu), mu, torch.zeros_like(mu)).to(d_r.dtype)
+        return torch.cat([fb, mu[:, None], per_row(s2.to(d_r.dtype), d_r)[:, None].expand_as(mu[:, None])], 1)
+
+    def mean(fr, x, n, sch: Schedule):
+        sig = sch.sigmas.to(x.device)[n].to(x.dtype)  # [M]
+        use = fr[:, 3].reshape(fr.shape[0], -1)[:, 0] >= 0  # [M]
+        s2 = fr[:, 3].reshape(fr.shape[0], -1)[:, 0].clamp(min=0)
+        b, c = _gauss_gain(s2, sig)
+        c = torch.minimum(c, 1.0 / (1.0 - sig))  # clip to [0, 1 / (1 - sigma)]
+        x0_aff = per_row(b, fr[:, 2])[:, None] * fr[:, 2:3] + per_row(c, x) * x  # [M, m, *e]
+        x0_fb = (fr[:, 0] + per_row(_lsnr_feature(sig), fr[:, 0]) * fr[:, 1])[:, None]
+        x0 = torch.where(per_row(use, x), x0_aff, x0_fb)
+        return _flat_mean(sch, x, (x - x0) / per_row(sig, x), n)
+
+    return freeze, mean
+
+
 for _draft in (
     Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n)),
     Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None]),
     Draft("x0", freeze=_x0_freeze, mean=_x0_mean),
     Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2),
     Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3),
+    Draft("x0_affine", *_x0_affine(), history=3),
 ):
     DRAFTS.register(_draft.name, _draft)

@@ -205,6 +205,7 @@ class _Round:
     verify_keys: torch.Tensor  # [m]
     hist_x0: torch.Tensor | None = None  # [m, H, *e] the draft's history (DraftRoot.hist_x0); None when H = 0
     hist_n: torch.Tensor | None = None  # [m, H]
+    hist_x: torch.Tensor | None = None  # [m, H, *e] the states of those records (DraftRoot.hist_x)
 
 
 class _Nodes:
@@ -439,16 +440,20 @@ def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: 
     front of rows ``rows`` of the round's draft history; no-op for drafts without history."""
     if rnd.hist_x0 is None:
         return
-    _push_history(rnd.hist_x0, rnd.hist_n, rows, data_prediction(x, v, n, ctx.schedule), n)
+    _push_history(rnd.hist_x0, rnd.hist_n, rnd.hist_x, rows, data_prediction(x, v, n, ctx.schedule), n, x)
 
 
-def _push_history(hist_x0: torch.Tensor, hist_n: torch.Tensor, rows: torch.Tensor, x0: torch.Tensor, n: torch.Tensor) -> None:
-    """Shift rows ``rows`` of ``hist_x0 [M, H, *e]`` / ``hist_n [M, H]`` back one slot and write ``x0``, ``n`` in front."""
+def _push_history(hist_x0: torch.Tensor, hist_n: torch.Tensor, hist_x: torch.Tensor, rows: torch.Tensor, x0: torch.Tensor,
+                  n: torch.Tensor, x: torch.Tensor) -> None:
+    """Shift rows ``rows`` of ``hist_x0 [M, H, *e]``, ``hist_n [M, H]``, ``hist_x [M, H, *e]`` back one slot and
+    write ``x0``, ``n``, ``x`` in front."""
     if hist_x0.shape[1] > 1:
         hist_x0[rows, 1:] = hist_x0[rows, :-1].clone()
         hist_n[rows, 1:] = hist_n[rows, :-1].clone()
+        hist_x[rows, 1:] = hist_x[rows, :-1].clone()
     hist_x0[rows, 0] = x0
     hist_n[rows, 0] = n
+    hist_x[rows, 0] = x
 
 
 def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
@@ -665,6 +670,7 @@ class _Chains:
     verify_keys: torch.Tensor  # [M]
     hist_x0: torch.Tensor | None = None  # [M, H, *e] exact data predictions along the trajectory (drafts with history)
     hist_n: torch.Tensor | None = None  # [M, H] their state indices, -1 = empty
+    hist_x: torch.Tensor | None = None  # [M, H, *e] the states of those records
 
 
 def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally) -> _Chains:
@@ -688,7 +694,8 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
     if H > 0:  # the step-0 state's exact data prediction opens the trajectory's history
         st.hist_x0 = x.new_zeros((M, H) + tuple(x.shape[1:]))
         st.hist_n = torch.full((M, H), -1, dtype=torch.long, device=dev)
-        _push_history(st.hist_x0, st.hist_n, torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n)
+        st.hist_x = x.new_zeros((M, H) + tuple(x.shape[1:]))
+        _push_history(st.hist_x0, st.hist_n, st.hist_x, torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n, x)
     return st
 
 
@@ -705,7 +712,9 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
     hist_x0 = None if st.hist_x0 is None else st.hist_x0[live]
     hist_n = None if st.hist_n is None else st.hist_n[live]
-    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], hist_x0=hist_x0, hist_n=hist_n)
+    hist_x = None if st.hist_x is None else st.hist_x[live]
+    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], hist_x0=hist_x0, hist_n=hist_n,
+                     hist_x=hist_x)
     rnd = _Round(
         rows=live,
         x=st.x[live],
@@ -718,6 +727,7 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         verify_keys=st.verify_keys[live],
         hist_x0=None if hist_x0 is None else hist_x0.clone(),  # the walk records into its own copy
         hist_n=None if hist_n is None else hist_n.clone(),
+        hist_x=None if hist_x is None else hist_x.clone(),
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
     new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
@@ -731,6 +741,7 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     if st.hist_x0 is not None:
         st.hist_x0[live] = rnd.hist_x0
         st.hist_n[live] = rnd.hist_n
+        st.hist_x[live] = rnd.hist_x
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally) -> torch.Tensor:

@@ -99,6 +99,11 @@ LAW_CASES = [
     (("uniform", (3, 2)), "dgrs", "x0_extrap_gated", "nearest", True, "tree"),
     (("parent", IRREGULAR), "dgrs", "x0_extrap_gated", "parent", True, "path"),
     (("chain", 5), "rmc", "x0_extrap_gated", "none", True, "path"),
+    # the local-affine draft (reads the records' states too), under every prefetch and both executions
+    (("uniform", (2, 3)), "dgrs", "x0_affine", "nearest", True, "path"),
+    (("parent", IRREGULAR), "dgrs", "x0_affine", "parent", False, "tree"),
+    (("chain", 5), "rmc", "x0_affine", "none", True, "path"),
+    (("by_root", BY_ROOT), "markmax", "x0_affine", "nearest", True, "tree"),
 ]
 
 
@@ -195,6 +200,10 @@ EQUIV_CASES = [
     (("widths", [3, 1, 2]), "dgrs", "x0_extrap_gated", "nearest", False),
     (("uniform", (3, 2)), "dgrs", "x0_extrap_gated", "parent", True),
     (("uniform", (2, 7)), "dgrs", "x0_extrap_gated", "none", True),
+    (("uniform", (2, 3)), "dgrs", "x0_affine", "nearest", True),
+    (("parent", IRREGULAR), "dgrs", "x0_affine", "parent", False),
+    (("chain", 6), "rmc", "x0_affine", "none", True),
+    (("by_root", BY_ROOT), "dgrs", "x0_affine", "nearest", False),
 ]
 
 
@@ -328,7 +337,7 @@ def test_recorded_counts_equal_model_invocations_empty_batches(spec, prefetch):
 
 @pytest.mark.parametrize("T", [3, 5, 8])
 @pytest.mark.parametrize("coupling", ["dgrs", "rmc"])
-@pytest.mark.parametrize("draft", ["velocity", "drift", "x0", "x0_extrap", "x0_extrap_gated"])
+@pytest.mark.parametrize("draft", ["velocity", "drift", "x0", "x0_extrap", "x0_extrap_gated", "x0_affine"])
 @pytest.mark.parametrize("prefetch", ["nearest", "parent"])
 def test_no_speculation_costs_one_call_per_step(T, coupling, draft, prefetch):
     """(K, L) = (1, 1) with the B = |V| protocol costs exactly what the standard sampler costs: nfe_total = T.
@@ -514,7 +523,7 @@ def test_coupling_bad_sigma(name, sigma):
     "kwargs,pattern",
     [
         ({"coupling": "nope"}, r"coupling='nope' is not registered; valid: \[.*'dgrs'.*'rmc'"),
-        ({"draft": "nope"}, r"draft='nope' is not registered; valid: \['drift', 'velocity', 'x0', 'x0_extrap', 'x0_extrap_gated'\]"),
+        ({"draft": "nope"}, r"draft='nope' is not registered; valid: \['drift', 'velocity', 'x0', 'x0_affine', 'x0_extrap', 'x0_extrap_gated'\]"),
         ({"prefetch": "nope"}, r"prefetch='nope' is invalid; valid: \['nearest', 'parent', 'none'\]"),
         ({"execution": "nope"}, r"execution='nope' is invalid; valid: \['tree', 'path'\]"),
         ({"n_samples": 0}, r"n_samples=0 is invalid.*>= 1"),
@@ -662,11 +671,12 @@ def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
     # not exact; the step-0 record at the first round; and each record equals the model's data prediction
     from specsamp.drafts import DRAFTS, Draft, data_prediction, get_draft
 
-    seen = []
+    seen, states = [], []
     x0 = get_draft("x0")
 
     def freeze(root, sch):
         seen.append((root.x.clone(), root.n.clone(), root.exact.clone(), root.hist_x0.clone(), root.hist_n.clone()))
+        states.append(root.hist_x.clone())
         return x0.freeze(root, sch)
 
     DRAFTS.register("_probe", Draft("_probe", freeze, x0.mean, history=3))
@@ -684,6 +694,11 @@ def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
         assert torch.all(exact | (hn[:, 0] == n - 1))
         assert torch.all(hx[hn == -1] == 0)
     assert len(seen) >= 3
+    # each record's state: empty slots 0, else the state whose exact data prediction the record holds
+    for (_, _, _, hx, hn), hs in zip(seen, states):
+        assert torch.all(hs[hn == -1] == 0)
+        ok = hn >= 0
+        torch.testing.assert_close(data_prediction(hs[ok], MODEL(hs[ok], SCHED.sigmas[hn[ok]]), hn[ok], SCHED), hx[ok])
     # the records' values: step 0's at the first round, the first root's at the second (all rows live)
     from specsamp.sampler import initial_noise
 
@@ -697,3 +712,44 @@ def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
     for j in range(hx.shape[1]):
         at1 = hn[:, j] == 1
         torch.testing.assert_close(hx[at1, j], d1[at1])
+
+
+def test_x0_affine_is_exact_for_one_gaussian_and_falls_back_otherwise():
+    # records of one isotropic Gaussian N(mu, s^2 I) at states 3 and 4 (E[x0|x] = mu + c (x - (1-sigma) mu)):
+    # the draft recovers s^2 and mu, so its mean at any node and later step is the target kernel's mean,
+    # whether the root's own velocity is exact (records: root, 4) or not (records: 4, 3)
+    from specsamp.drafts import DraftRoot, get_draft
+
+    draft = get_draft("x0_affine")
+    g = torch.Generator().manual_seed(0)
+    mu = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    s2 = torch.tensor([0.04, 0.3], dtype=torch.float64)[:, None]
+    sig = SCHED.sigmas
+
+    def D(x, n):
+        a, sg = 1 - sig[n], sig[n]
+        c = a * s2 / (a * a * s2 + sg * sg)
+        return mu + c * (x - a * mu)
+
+    xs = {n: torch.randn(2, 6, generator=g, dtype=torch.float64) for n in (3, 4, 5)}
+    x_u = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    n_u = torch.tensor([6, 6])
+    want = SCHED.mean(x_u, (x_u - D(x_u, 6)) / sig[6], n_u)
+    x_r, n_r = xs[5], torch.tensor([5, 5])
+    hist = dict(hist_x0=torch.stack([D(xs[4], 4), D(xs[3], 3), D(xs[3], 3) * 0], 1),
+                hist_x=torch.stack([xs[4], xs[3], xs[3] * 0], 1), hist_n=torch.tensor([[4, 3, -1], [4, 3, -1]]))
+    root = DraftRoot(x=x_r, v=(x_r - D(x_r, 5)) / sig[5], n=n_r, exact=torch.tensor([True, True]), **hist)
+    fr = draft.freeze(root, SCHED)
+    torch.testing.assert_close(fr[:, 3, 0], s2[:, 0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(draft.mean(fr, x_u[:, None], n_u, SCHED)[:, 0], want, rtol=1e-6, atol=1e-9)
+    wrong_v = DraftRoot(x=x_r, v=torch.zeros_like(x_r), n=n_r, exact=torch.tensor([False, False]), **hist)
+    torch.testing.assert_close(draft.mean(draft.freeze(wrong_v, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want, rtol=1e-6, atol=1e-9)
+    # a record at step 0 (sigma = 1) or an empty slot: no fit, the x0_extrap_gated draft exactly
+    gated = get_draft("x0_extrap_gated")
+    for hist_n in ([[4, 0, -1], [4, -1, -1]], [[0, -1, -1], [-1, -1, -1]]):
+        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), hist_x0=hist["hist_x0"],
+                       hist_x=hist["hist_x"], hist_n=torch.tensor(hist_n))
+        fr3 = draft.freeze(r3, SCHED)
+        assert torch.all(fr3[:, 3] == -1)
+        want3 = gated.mean(gated.freeze(r3, SCHED), x_u[:, None], n_u, SCHED)
+        torch.testing.assert_close(draft.mean(fr3, x_u[:, None], n_u, SCHED), want3, rtol=0, atol=0)
