@@ -41,6 +41,8 @@ ARMS = {  # name: overrides (K, L are filled per budget)
     "x0 + tree per step": ["sampler=dgrs", "draft=x0", "tree=optimal_per_step"],
     "x0 extrapolated + optimal tree": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal"],
     "x0 extrapolated + tree per step": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step"],
+    "x0 affine + optimal tree": ["sampler=dgrs", "draft=x0_affine", "tree=optimal"],
+    "x0 affine + tree per step": ["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step"],
 }
 
 
