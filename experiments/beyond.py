@@ -47,9 +47,9 @@ ARMS = {  # name: overrides (K, L are filled per budget)
 
 
 def arm_trajectories(arm: str) -> int:
-    """Trajectories of an arm, enough for a standard error below 0.01: the ``x0`` arms vary most
-    (per-trajectory std ~0.4, so 2,000), the others ~0.13 (400)."""
-    return 2000 if "x0" in arm else 400
+    """Trajectories of an arm, enough for a standard error below 0.01: the ``x0 affine`` arms vary most
+    (per-trajectory std ~1, so 10,000), the other ``x0`` arms ~0.4 (2,000), the rest ~0.13 (400)."""
+    return 10_000 if "affine" in arm else 2000 if "x0" in arm else 400
 
 
 def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.DataFrame:
@@ -98,27 +98,19 @@ HEADLINE = {  # name: (overrides, trajectories); the README's headline table
     "D-GRS (6,6), B=55,986": (["sampler=dgrs", "K=6", "L=6"], 1000),
     "D-GRS (7,6), B=137,256": (["sampler=dgrs", "K=7", "L=6"], 1000),
     "x0 draft + optimal tree + D-GRS, B=155": (["sampler=dgrs", "draft=x0", "tree=optimal", "budget=155"], 2000),
+    "x0 extrapolated + tree per step + D-GRS, B=62": (
+        ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=62"], 2000),
+    "x0 extrapolated + tree per step + D-GRS, B=155": (
+        ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=155"], 2000),
+    "x0 affine + tree per step + D-GRS, B=62": (["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step", "budget=62"], 10_000),
+    "x0 affine + tree per step + D-GRS, B=155": (["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step", "budget=155"], 10_000),
 }
-
-
-def calibration_cost(d: dict) -> dict:
-    """Target calls of the ``tree=optimal`` calibration run of config ``d`` (the run :func:`calibrate_profile` makes).
-
-    Returns:
-        ``{"trajectories", "calls", "rows"}``: trajectories, batched target calls summed over them
-        (speculative steps and endpoints, i.e. NFE) and target rows.
-    """
-    from specsamp.runner import build_target, calibration_run, load_config
-    from specsamp.schedule import Schedule
-
-    run, _ = load_config(d)
-    r = calibration_run(build_target(run), Schedule.make(run.steps, run.eps, shift=run.model.shift), run)
-    return {"trajectories": r.nfe.numel(), "calls": int(r.nfe_total.sum()), "rows": int(r.target_rows.sum())}
 
 
 def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
     """The README's headline rows at sample sizes whose standard error is below 0.01, plus the
-    ``tree=optimal`` calibration cost and the speedup with it amortised over 100 and 1,000 samples.
+    ``tree=optimal*`` calibration cost (from the record) and the speedup with it amortised over 100 and
+    1,000 samples.
 
     Amortised speedup over ``n`` samples: ``n (T - 2) / (n * mean calls + calibration calls)``, with
     the calibration's calls counted like the run's (its endpoint calls included, a slight overcharge).
@@ -135,13 +127,13 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
         rec, _ = run_config(d)
         row = {"row": name, "n_samples": n, "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
                "nfe_mean": rec["nfe"]["mean"]}
-        if d["tree"] == "optimal":
-            cal = calibration_cost(d)
+        cal = rec.get("calibration")  # the tree=optimal* calibration run's cost, recorded by the runner
+        if cal:
             calls = rec["nfe"]["mean"]
-            row.update({"calibration_trajectories": cal["trajectories"], "calibration_calls": cal["calls"],
-                        "calibration_rows": cal["rows"]})
+            row.update({"calibration_trajectories": cal["trajectories"], "calibration_calls": cal["nfe_total"],
+                        "calibration_rows": cal["target_rows"]})
             for k in (100, 1000):
-                row[f"speedup_amortised_{k}"] = k * (d["steps"] - 2) / (k * calls + cal["calls"])
+                row[f"speedup_amortised_{k}"] = k * (d["steps"] - 2) / (k * calls + cal["nfe_total"])
         print(f"{name:40s} {row['speedup_mean']:.3f} ± {row['speedup_sem']:.3f} (n={n})", flush=True)
         rows.append(row)
     df = pd.DataFrame(rows)
