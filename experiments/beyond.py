@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, plt, read_csv, save, write_csv
+from experiments.common import profile_text, RESULTS, plt, read_csv, save, write_csv
 from specsamp import theory
 
 OUT = RESULTS / "gmm"
@@ -84,7 +84,7 @@ def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.Da
                          "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
                          "nfe_mean": rec["nfe"]["mean"], "target_rows_mean": rec["target_rows"]["mean"],
                          "acceptance_pooled": rec["acceptance_pooled"],
-                         "delta_profile": "/".join(f"{x:.3f}" for x in rec.get("delta_profile") or []),
+                         "delta_profile": profile_text(rec.get("delta_profile")),
                          "n_samples": n})
     df = pd.DataFrame(rows)
     write_csv(df, out)

@@ -53,3 +53,12 @@ def ok_records(sweep_dir: str, experiment: str) -> pd.DataFrame:
         print(f"error: {e}; run `python run.py +experiment={experiment}` first", file=sys.stderr)
         raise SystemExit(2) from None
     return df[df["status"] == "ok"].copy()
+
+
+def profile_text(profile) -> str:
+    """A recorded ``delta_profile`` for a table cell: ``0.492/1.749/...`` per depth, or ``per-root (R rows)``."""
+    if not profile:
+        return ""
+    if isinstance(profile[0], list):
+        return f"per-root ({len(profile)} rows)"
+    return "/".join(f"{x:.3f}" for x in profile)

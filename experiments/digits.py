@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from experiments.common import profile_text, RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "digits"
@@ -44,6 +44,7 @@ LEVERS = {  # arm: overrides (K, L, budget filled per budget), as in experiments
     "x0 + optimal tree": ["sampler=dgrs", "draft=x0", "tree=optimal"],
     "x0 extrapolated + optimal tree": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal"],
     "x0 extrapolated + tree per step": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step"],
+    "x0 affine + optimal tree": ["sampler=dgrs", "draft=x0_affine", "tree=optimal"],
 }
 
 
@@ -262,7 +263,7 @@ def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
                          "draft": cfg.draft, "speedup_mean": rec["speedup"]["mean"],
                          "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
                          "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
-                         "delta_profile": "/".join(f"{x:.3f}" for x in rec.get("delta_profile") or []),
+                         "delta_profile": profile_text(rec.get("delta_profile")),
                          "n_samples": n_samples})
     df = pd.DataFrame(rows)
     write_csv(df, OUT / "levers.csv")
