@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specsamp.errors import ConfigError
+from specsamp.io import atomic_write
 from specsamp.runner.build import build_target, calibrate, calibration_cost
 from specsamp.runner.config import PROFILE_DIR, compose, load_config
 from specsamp.schedule import Schedule
@@ -50,13 +51,12 @@ def main(argv: list[str]) -> Path:
     profiles, r = calibrate(build_target(run), schedule, run, n=n)
     data = {"config": {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps,
                        "seed": run.seed, "prefetch": run.prefetch, "warmup": run.warmup},
-            "calibration": {**calibration_cost(r), "tree": "uniform(2, 8)", "coupling": "dgrs",
-                            "seconds": round(time.perf_counter() - t0, 1)},
-            **profiles}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+            "calibration": {**calibration_cost(r), "tree": "uniform(2, 8)", "coupling": "dgrs"},
+            **profiles}  # no timings: a rerun writes the same file
+    atomic_write(out, lambda f: f.write(json.dumps(data, indent=1) + "\n"), mode="w")
     print("delta_profile=[" + ",".join(f"{d:.4f}" for d in profiles["profile"]) + "]")
-    print(f"per-root profiles ({len(profiles['per_root'])} root steps) and cost {data['calibration']} -> {out}")
+    print(f"per-root profiles ({len(profiles['per_root'])} root steps) and cost {data['calibration']} "
+          f"({time.perf_counter() - t0:.1f} s) -> {out}")
     print(f"use: python run.py ... tree=optimal_per_step delta_profile={out.stem if out.parent == PROFILE_DIR else out}")
     return out
 
