@@ -274,11 +274,12 @@ def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
 def _levers_figure():
     df = read_csv(OUT / "levers.csv")
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     for i, (arm, s) in enumerate(df.groupby("arm", sort=False)):
         s = s.sort_values("budget")
-        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + ("--" if arm.startswith("paper") else "-"),
-                    ms=4, capsize=3, color=cmap(i), label=arm)
+        style = "--" if arm.startswith("paper") else ":" if "affine" in arm else "-"
+        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + style, ms=4, capsize=3,
+                    color=cmap(i), label=arm + (" (mixture-specific)" if "affine" in arm else ""))
     ax.set_xscale("log")
     ax.set_xticks(sorted(df["budget"].unique()), [str(b) for b in sorted(df["budget"].unique())])
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
