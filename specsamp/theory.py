@@ -53,7 +53,7 @@ def dgrs_levels(delta, K: int) -> tuple[np.ndarray, np.ndarray]:
     Raises:
         ValueError: bad ``delta`` or ``K``.
     """
-    d = torch.as_tensor(_delta(delta))
+    d = torch.tensor(_delta(delta))  # a copy: the caller's array may be read-only
     lam, g = grs_levels(d, _k(K))
     return lam.numpy(), g.numpy()
 
