@@ -133,21 +133,17 @@ def _x0_mean(fr, x, n, sch: Schedule):
     return _flat_mean(sch, x, (x - fr[:, None]) / s, n)
 
 
-def _sigma_feature(sigma: torch.Tensor) -> torch.Tensor:
-    return sigma
-
-
 def _lsnr_feature(sigma: torch.Tensor) -> torch.Tensor:
     """Half log-SNR ``log((1 - sigma) / sigma)`` of the linear path; ``-inf`` at ``sigma = 1``."""
     return torch.log1p(-sigma) - torch.log(sigma)
 
 
-def _x0_extrap(feature: Callable[[torch.Tensor], torch.Tensor], damp: float = 1.0, gate: bool = False):
+def _x0_extrap(feature: Callable[[torch.Tensor], torch.Tensor], gate: bool = False):
     """``(freeze, mean)`` of the extrapolating data-prediction draft in the coordinate ``feature(sigma)``.
 
     Frozen: ``[m, 2, *e]`` = ``(a, s)`` with ``x0_hat(sigma) = a + s feature(sigma)``, anchored at the root's
     ``x0_r`` (``a = x0_r - s feature(sigma_r)``). The slope comes from the two most recent exact records
-    (the root itself first where its velocity is exact, then the history); ``damp`` scales it. With
+    (the root itself first where its velocity is exact, then the history). With
     ``gate``, a row extrapolates only if the slope of its previous pair of records would have predicted
     the last increment better than no slope (``|d1 - p| < |d1|``; needs a third record). With fewer
     records, or a pair whose feature difference is not finite (a record at ``sigma = 1`` in log-SNR), the
@@ -190,7 +186,7 @@ def _x0_extrap(feature: Callable[[torch.Tensor], torch.Tensor], damp: float = 1.
             pred = older * per_row((f[0] - f[1]).to(d_r.dtype), d_r)
             red = lambda t: t.reshape(t.shape[0], -1).square().sum(1)
             ok = ok & ok1 & (red(d1 - pred) < red(d1))
-        slope = slope * per_row((ok * damp).to(d_r.dtype), d_r)
+        slope = slope * per_row(ok.to(d_r.dtype), d_r)
         f_r = feature(sig[root.n]).to(d_r.dtype)
         return torch.stack([d_r - per_row(f_r, d_r) * slope, slope], dim=1)
 
