@@ -49,7 +49,8 @@ BAD = [
     (["threads=0"], ["threads=0", ">= 1"]),
     (["progress=maybe"], ["progress='maybe'", "auto"]),
     (["seed=-1"], ["seed=-1", "2**59"]),
-    (["K=abc"], ["K=abc", "Integer"]),
+    (["K=abc"], ["K=abc", "Integer", "must be an integer >= 1"]),
+    (["model.guidance=2"], ["model.guidance=2", "is not a key of GMMConfig"]),  # an sd3 key on the gmm target
     ([f"seed={2**70}"], [f"seed={2**70}", "2**59"]),
     (["device=mps"], ["device='mps'", "cpu, cuda"]),
     (["model.dtype=foo"], ["model.dtype='foo'", "float32"]),
@@ -128,6 +129,16 @@ def test_a_plain_dict_is_checked_like_a_composed_config():
         load_config({**plain, "Kk": 3})
     with pytest.raises(ConfigError, match="model.dtpye.*did you mean model.dtype"):
         load_config({**plain, "model": {**plain["model"], "dtpye": "float32"}})
+
+
+def test_a_key_of_another_model_is_not_suggested_back():
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(_cfg(), resolve=True)
+    with pytest.raises(ConfigError) as err:
+        load_config({**plain, "model": {**plain["model"], "guidance": 2.0}})
+    msg = str(err.value)
+    assert "not a key of GMMConfig" in msg and "did you mean" not in msg and "model.guidance" not in msg.split("Valid keys")[1]
 
 
 def test_threads_default_is_one():

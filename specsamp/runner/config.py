@@ -330,34 +330,32 @@ def unused_keys(run: RunConfig, coupling) -> dict:
 
 
 def _keys(schema, prefix: str = "") -> list[str]:
+    from typing import get_type_hints
+
+    hints = get_type_hints(schema)
     out = []
     for f in dataclasses.fields(schema):
         if f.name.startswith("_"):
             continue
         out.append(prefix + f.name)
-        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
-            out += _keys(f.type, f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(hints.get(f.name)):
+            out += _keys(hints[f.name], f"{prefix}{f.name}.")
     return out
 
 
-def valid_keys(path: str) -> list[str]:
-    """The keys a user may set at ``path``'s level: top-level (with the groups ``shape``, ``experiment``),
-    or under ``model`` / ``sampler`` / ``logger`` (the model keys of every model config)."""
+def valid_keys(path: str, schema: type | None = None) -> list[str]:
+    """The keys a user may set at ``path``'s level: the keys of ``schema`` (the config class the key was
+    set on) under ``path``'s parent; without it, top-level keys (with the groups ``shape``, ``experiment``),
+    or those under ``model`` (of every model config), ``sampler`` or ``logger``."""
     head = path.split(".")[0]
+    if dataclasses.is_dataclass(schema) and "." in path:
+        return sorted(_keys(schema, path.rsplit(".", 1)[0] + "."))
     if "." not in path:
-        return sorted(set(_keys(RunConfig)) | {"shape", "experiment"})
+        return sorted({f.name for f in dataclasses.fields(RunConfig)} | {"shape", "experiment"})
     if head == "model":
-        from typing import get_type_hints
-
         from ..models import MODEL_SCHEMAS
 
-        keys: set[str] = set()
-        for schema in MODEL_SCHEMAS.values():
-            keys |= {f"model.{f.name}" for f in dataclasses.fields(schema) if not f.name.startswith("_")}
-            for f, t in get_type_hints(schema).items():
-                if dataclasses.is_dataclass(t):
-                    keys |= {f"model.{f}.{g.name}" for g in dataclasses.fields(t)}
-        return sorted(keys)
+        return sorted({k for sch in MODEL_SCHEMAS.values() for k in _keys(sch, "model.")})
     schema = {"sampler": SamplerConfig, "logger": LoggerConfig}.get(head)
     return sorted(f"{head}.{k}" for k in _keys(schema)) if schema else []
 
@@ -373,20 +371,36 @@ def closest_key(name: str, valid: Sequence[str]) -> str | None:
     return tail[hit[0]] if hit else None
 
 
-def unknown_key_message(key: str, shown: str | None = None) -> str:
-    """One paragraph for a key that no config has (``shown``: as the user typed it), naming the closest valid key."""
-    valid = valid_keys(key)
+def unknown_key_message(key: str, shown: str | None = None, schema: type | None = None) -> str:
+    """One paragraph for a key that the config does not have (``shown``: as the user typed it), naming the
+    closest valid key; under ``model``, the keys of the chosen model's config class ``schema``."""
+    valid = valid_keys(key, schema)
     guess = closest_key(key, valid)
     shown = shown or repr(key)
-    return (f"{shown} is not a key of specsamp's config" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
-            + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml and the README)." if valid else "."))
+    where = (f"{schema.__name__} (the config of {key.rsplit('.', 1)[0]})" if "." in key and dataclasses.is_dataclass(schema)
+             else "specsamp's config")
+    return (f"{shown} is not a key of {where}" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
+            + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml, conf/model/ and the README)." if valid else "."))
+
+
+def _rule_text(key: str) -> str | None:
+    """What is valid for ``key``: its field's rule, else its type (top-level keys of :class:`RunConfig`)."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    f = fields.get(key)
+    if f is None:
+        return None
+    if f.metadata:
+        text = f.metadata["text"]
+        return text() if callable(text) else text
+    return {bool: "true or false", "bool": "true or false", str: "a string", "str": "a string"}.get(f.type)
 
 
 def explain(error: BaseException, value: Any = MISSING) -> str | None:
     """One paragraph for an OmegaConf/Hydra composition error about a key (unknown key, wrong type), or None.
 
-    The key comes from the error's ``full_key``; an unknown key names the closest valid one instead of
-    Hydra's advice to append it with ``+``.
+    The key comes from the error's ``full_key``; an unknown key names the closest valid key of the config
+    class it was set on (``object_type``) instead of Hydra's advice to append it with ``+``; a value of the
+    wrong type says what is valid.
     """
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -399,5 +413,6 @@ def explain(error: BaseException, value: Any = MISSING) -> str | None:
     typed = re.search(r"(?:use \+|override )" + re.escape(key) + r"=(\S*)", str(error))  # the override as typed
     shown = f"{key}={typed.group(1)}" if typed else key if value is MISSING else f"{key}={value!r}"
     if isinstance(seen, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_key_message(key, shown=shown)
-    return f"{shown} is invalid: {str(seen).splitlines()[0]}."
+        return unknown_key_message(key, shown=shown, schema=getattr(seen, "object_type", None))
+    valid = _rule_text(key)
+    return f"{shown} is invalid: {str(seen).splitlines()[0].rstrip('.')}" + (f"; must be {valid}." if valid else ".")

@@ -143,7 +143,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     for m in run.metrics:  # refuse before sampling what no scoring step could serve
         if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
             need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
-            raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not have.")
+            raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not "
+                              "have (fid: model=digits, cifar10 or ffhq; clip: model=sd3).")
     calibrated = calibration = None
     if optimal and run.delta_profile is None:
         profiles, cal = calibrate(target, schedule, run)
