@@ -64,10 +64,12 @@ def _int(v) -> bool:
 
 
 def at_least(lo: int, default: Any = MISSING) -> Any:
+    """A dataclass field holding an integer ``>= lo`` (:func:`rule`)."""
     return rule(f"an integer >= {lo}", lambda v: _int(v) and v >= lo, default)
 
 
 def one_of(valid: Sequence | Callable[[], Sequence], default: Any = MISSING) -> Any:
+    """A dataclass field holding one of ``valid`` (a sequence, or a callable giving one: a registry's names)."""
     pool = valid if callable(valid) else (lambda: valid)
     return field(default=default, metadata={"text": lambda: "one of " + ", ".join(map(str, pool())),
                                             "ok": lambda v: v in pool()})

@@ -22,6 +22,7 @@ from .jobs import RESULT
 
 
 def stats(x: torch.Tensor) -> dict:
+    """``{mean, std, sem}`` of a per-trajectory tensor ``[M]`` (float64; ``std``, ``sem`` 0 for one value)."""
     x = x.double().cpu()
     n = x.numel()
     std = float(x.std()) if n > 1 else 0.0
