@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import profile_text, RESULTS, plt, read_csv, save, write_csv
+from experiments.common import levers_frontier, profile_text, RESULTS, plt, read_csv, save, write_csv
 from specsamp import theory
 
 OUT = RESULTS / "gmm"
@@ -143,23 +143,9 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
 
 
 def _frontier(df: pd.DataFrame):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    cmap = plt.get_cmap("tab20")
-    for i, (arm, s) in enumerate(df.groupby("arm", sort=False)):
-        s = s.sort_values("budget")
-        style = "--" if arm.startswith("paper") else ":" if "affine" in arm else "-"
-        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + style, ms=4, capsize=3,
-                    color=cmap(i), label=arm + (" (mixture-specific)" if "affine" in arm else ""))
-    ax.axhline(2.34, color="0.4", lw=0.8, ls=":", label="paper's best (2.34x at B=137,256)")
-    ax.set_xscale("log")
-    ax.set_xticks(sorted(df["budget"].unique()), [str(b) for b in sorted(df["budget"].unique())])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
-    ax.set_xlabel("proposal budget B (drafted states)")
-    ax.set_ylabel("expected speedup (400-10,000 trajectories, ±1 s.e.)")
-    ax.set_title("Gaussian mixture: levers beyond the paper, all exact")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return fig
+    return levers_frontier(df, title="Gaussian mixture: levers beyond the paper, all exact",
+                           ylabel="expected speedup (400-10,000 trajectories, ±1 s.e.)",
+                           hline=(2.34, "paper's best (2.34x at B=137,256)"))
 
 
 def _acceptance_vs_bound():

@@ -62,3 +62,28 @@ def profile_text(profile) -> str:
     if isinstance(profile[0], list):
         return f"per-root ({len(profile)} rows)"
     return "/".join(f"{x:.3f}" for x in profile)
+
+
+def levers_frontier(df: pd.DataFrame, *, title: str, ylabel: str, figsize=(7, 4.5), hline=None):
+    """Speedup vs budget, one line per lever arm of a ``levers``/``beyond`` table (``arm``, ``budget``,
+    ``speedup_mean``, ``speedup_sem``): the paper's arms dashed, the mixture-specific ``x0_affine`` arms
+    dotted. ``hline``: ``(y, label)`` of a reference line (e.g. the paper's best)."""
+    fig, ax = plt.subplots(figsize=figsize)
+    cmap = plt.get_cmap("tab20")
+    for i, (arm, s) in enumerate(df.groupby("arm", sort=False)):
+        s = s.sort_values("budget")
+        style = "--" if arm.startswith("paper") else ":" if "affine" in arm else "-"
+        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + style, ms=4, capsize=3,
+                    color=cmap(i), label=arm + (" (mixture-specific)" if "affine" in arm else ""))
+    if hline is not None:
+        ax.axhline(hline[0], color="0.4", lw=0.8, ls=":", label=hline[1])
+    budgets = sorted(df["budget"].unique())
+    ax.set_xscale("log")
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_xlabel("proposal budget B (drafted states)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import profile_text, RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
+from experiments.common import levers_frontier, profile_text, RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
 from specsamp.trees import budget
 
 OUT = RESULTS / "digits"
@@ -273,22 +273,8 @@ def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
 
 def _levers_figure():
     df = read_csv(OUT / "levers.csv")
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    cmap = plt.get_cmap("tab20")
-    for i, (arm, s) in enumerate(df.groupby("arm", sort=False)):
-        s = s.sort_values("budget")
-        style = "--" if arm.startswith("paper") else ":" if "affine" in arm else "-"
-        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + style, ms=4, capsize=3,
-                    color=cmap(i), label=arm + (" (mixture-specific)" if "affine" in arm else ""))
-    ax.set_xscale("log")
-    ax.set_xticks(sorted(df["budget"].unique()), [str(b) for b in sorted(df["budget"].unique())])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
-    ax.set_xlabel("proposal budget B (drafted states)")
-    ax.set_ylabel("speedup (100 images, ±1 s.e.)")
-    ax.set_title(f"digits (trained EDM net), eps={df['eps'].iloc[0]:g}: levers beyond the paper, all exact")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return fig
+    return levers_frontier(df, title=f"digits (trained EDM net), eps={df['eps'].iloc[0]:g}: levers beyond the paper, all exact",
+                           ylabel="speedup (100 images, ±1 s.e.)", figsize=(7, 4.2))
 
 
 def figures() -> list:
