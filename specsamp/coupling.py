@@ -18,7 +18,9 @@ states at a ``sigma`` below their resolution.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,58 @@ class NonFiniteError(ValueError):
     def __init__(self, message: str, rows: list[int]):
         super().__init__(message)
         self.rows = rows
+
+
+class DeferredChecks:
+    """Value checks of the couplings, collected on the device instead of raised at once.
+
+    Checking a value (a NaN child, a ``sigma`` out of range) asks the host a question and so stalls
+    an accelerator. Inside :func:`deferred_checks` the checks of :func:`check_inputs` and
+    :func:`project` (and of any rule that calls :meth:`flag`) run as device operations and OR their
+    outcome into :attr:`bad`; shape checks still raise at once (they read no values). The caller
+    reads :attr:`bad` once, when it next synchronises anyway, and where it is set repeats the same
+    verifications outside the context to raise the precise error (keyed random numbers make the
+    repetition draw the same numbers).
+
+    Attributes:
+        bad: 0-dim bool tensor on the inputs' device, True once any deferred check failed; ``None``
+            while no check has run.
+    """
+
+    def __init__(self) -> None:
+        self.bad: torch.Tensor | None = None
+
+    def flag(self, failed: torch.Tensor) -> None:
+        """OR ``failed.any()`` (a bool tensor of any shape, on any device) into :attr:`bad` (no sync)."""
+        failed = failed.any()
+        self.bad = failed if self.bad is None else self.bad | failed
+
+    def failed(self) -> bool:
+        """Whether any deferred check failed (one host synchronisation; False where none ran)."""
+        return self.bad is not None and bool(self.bad)
+
+
+_ACTIVE = threading.local()
+
+
+@contextmanager
+def deferred_checks() -> Iterator[DeferredChecks]:
+    """Context in which the couplings' value checks are collected, not raised (see :class:`DeferredChecks`).
+
+    Yields:
+        The :class:`DeferredChecks` that collects them; contexts nest, the innermost collects.
+    """
+    outer = getattr(_ACTIVE, "checks", None)
+    _ACTIVE.checks = checks = DeferredChecks()
+    try:
+        yield checks
+    finally:
+        _ACTIVE.checks = outer
+
+
+def active_checks() -> DeferredChecks | None:
+    """The innermost active :class:`DeferredChecks`, or ``None`` (checks raise at once)."""
+    return getattr(_ACTIVE, "checks", None)
 
 
 @dataclass
@@ -216,10 +270,15 @@ def check_inputs(children, mean_p, mean_q, sigma) -> torch.Tensor:
         sigma = sigma.expand(n)
     if sigma.shape != (n,):
         raise ValueError(f"sigma has shape {tuple(sigma.shape)}; expected a scalar or [{n}]")
+    dim = math.prod(children.shape[2:])
+    floor = min_sigma(children.dtype, dim) if children.dtype.is_floating_point else 0.0
+    checks = active_checks()
+    if checks is not None:
+        checks.flag(~(torch.isfinite(sigma) & (sigma > 0) & (sigma >= floor)))
+        return sigma
     if not bool(torch.all(torch.isfinite(sigma) & (sigma > 0))):
         raise ValueError(f"sigma must be finite and > 0, got min {float(sigma.min())}")
-    dim = math.prod(children.shape[2:])
-    if children.dtype.is_floating_point and float(sigma.min()) < min_sigma(children.dtype, dim):
+    if float(sigma.min()) < floor:
         name = str(children.dtype).replace("torch.", "")
         raise ValueError(
             f"sigma={float(sigma.min()):.4g} is below what {name} states of {dim} coordinates resolve "
@@ -266,7 +325,10 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
     del d_j
     s_hat /= sigma[:, None]
     bad = ~(torch.isfinite(delta) & torch.isfinite(s_hat).all(1))
-    if bool(bad.any()):
+    checks = active_checks()
+    if checks is not None:
+        checks.flag(bad)
+    elif bool(bad.any()):
         rows = bad.nonzero(as_tuple=True)[0].tolist()
         raise NonFiniteError(
             f"NaN or infinite children or means in row(s) {rows[:10]}{' ...' if len(rows) > 10 else ''} of {n}: "

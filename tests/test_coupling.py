@@ -185,3 +185,27 @@ def test_non_finite_inputs_are_refused_naming_the_rows(where, bad):
     with pytest.raises(NonFiniteError, match=r"row\(s\) \[3\]") as err:
         dgrs(children, mean_p, mean_q, sigma)
     assert err.value.rows == [3]
+
+
+def test_deferred_checks_collect_instead_of_raising():
+    """Inside deferred_checks a NaN child or a bad sigma sets the flag (no exception); outside it raises."""
+    from specsamp.coupling import NonFiniteError, active_checks, deferred_checks, dgrs
+
+    gen = torch.Generator().manual_seed(0)
+    children = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)
+    mp, mq = torch.zeros(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    with deferred_checks() as checks:
+        dgrs(children, mp, mq, 0.5, gen)
+        assert not checks.failed()
+        bad = children.clone()
+        bad[1, 0, 2] = float("nan")
+        dgrs(bad, mp, mq, 0.5, gen)
+        assert checks.failed()
+    assert active_checks() is None
+    with deferred_checks() as checks:
+        dgrs(children, mp, mq, torch.tensor([0.5, -1.0, 0.5], dtype=torch.float64), gen)
+        assert checks.failed()
+    with pytest.raises(NonFiniteError):
+        dgrs(bad, mp, mq, 0.5, gen)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        dgrs(children, mp, mq, -1.0, gen)
