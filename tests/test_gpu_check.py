@@ -165,3 +165,30 @@ def test_cuda_vs_cpu_comparison_sees_a_perturbed_run():
     assert bool(same.all()) and float(diff.max()) == 0.0
     same, diff = gpu_check._compare(a, gpu_check.run_arm(gpu_check._Scaled(gmm, 1e-3), arm, sched, 32, 0))
     assert float(diff.max()) > 1e-6
+
+
+def test_stand_in_preset_of_edms_layout_needs_no_diffusers():
+    from benchmarks.stand_in import stand_in_velocity
+
+    model, params = stand_in_velocity("ddpmpp-cifar10")
+    assert params == sum(p.numel() for p in model.net.parameters()) and abs(params / 55.7e6 - 1) < 0.05
+    assert model.event_shape == (3, 32, 32) and model.label_dim == 10
+
+
+def test_sampler_compile_keyword_is_used_when_the_sampler_takes_it(monkeypatch):
+    # another module may add sample_speculative(..., compile=...): the check then times both settings
+    from benchmarks import gpu_check
+
+    seen = []
+
+    def with_compile(*args, compile=False, **kw):
+        seen.append(compile)
+        return real(*args, **kw)
+
+    real = gpu_check.sample_speculative
+    monkeypatch.setattr(gpu_check, "sample_speculative", with_compile)
+    ctx = gpu_check.Context(gpu_check._args(["--device", "cpu", "--tiny"]))
+    rows = gpu_check._sampler_compiled(ctx)
+    assert [r["variant"] for r in rows] == ["sampler compile=False", "sampler compile=True"]
+    assert rows[1]["counts_equal"] is True and rows[1]["speedup_vs_eager"] > 0
+    assert sorted(set(seen)) == [False, True] and len(seen) == 2 * (1 + ctx.repeats)
