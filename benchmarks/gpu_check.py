@@ -428,9 +428,13 @@ def projection(ctx: Context) -> dict:
                         "projected_speedup": base[r["batch"]] / wall if r["batch"] in base else None,
                         "nfe_speedup": r["nfe_speedup"], "max_rows": max(hist),
                         "beyond_measured": max(hist) > max(c["rows"] for c in curve if "seconds" in c)})
-    lines = [f"projection (EDM CIFAR-10 layout, {r['dtype']}) {r['arm']:<16} x{r['batch']:<3}: "
-             f"{r['projected_wall_s']:.3g} s, projected speedup {r['projected_speedup'] or float('nan'):.2f} "
-             f"(NFE {r['nfe_speedup']:.2f})" for r in out if r["arm"] != "standard"]
+    lines = []
+    for dtype in dict.fromkeys(r["dtype"] for r in out):
+        for arm in dict.fromkeys(r["arm"] for r in out if r["arm"] != "standard"):
+            cells = [r for r in out if r["dtype"] == dtype and r["arm"] == arm]
+            lines.append(f"projection (EDM CIFAR-10 layout, {dtype}) {arm:<16} projected speedup "
+                         + ", ".join(f"x{r['batch']} {r['projected_speedup'] or float('nan'):.2f} (NFE {r['nfe_speedup']:.2f})"
+                                     for r in cells))
     return {"what": "projection, not a measurement: digits calls priced at the CIFAR-10 layout's measured call "
                     "cost, plus the digits runs' non-network time", "rows": out, "summary": lines, "passed": True}
 
@@ -495,7 +499,7 @@ def cuda_vs_cpu(ctx: Context) -> dict:
     try:
         targets = [("gmm d=500 float64", lambda d: GaussianMixture(500, 5, 0, dtype=torch.float64, device=d), 64),
                    ("digits float32", lambda d: digits_velocity(d), 16)]
-        tree = arms(T)[1]
+        tree = {"name": "dgrs (2,3)", "tree": DraftTree.uniform(2, min(3, T - 2)), "coupling": "dgrs", "draft": "velocity"}
         for name, make, n in targets:
             if ctx.left() < 0:
                 out.append({"target": name, "skipped": "soft budget spent"})
