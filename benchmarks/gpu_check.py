@@ -257,6 +257,20 @@ class Context:
             print(line, flush=True)
 
 
+def _gflop_per_row(model) -> float | None:
+    """Floating-point operations of one row's call, in GFLOP (torch's operation counter: convolutions and
+    matrix products, 2 per multiply-add), or None where the counter fails."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        cond = {"class_labels": torch.zeros(1, dtype=torch.long, device=model.device)} if model.label_dim else {}
+        with FlopCounterMode(display=False) as counter:
+            model(torch.randn(1, *model.event_shape).to(model.device), torch.full((1,), 0.5, device=model.device), **cond)
+        return counter.get_total_flops() / 1e9
+    except Exception:  # noqa: BLE001  (a count is a convenience, not a measurement)
+        return None
+
+
 def call_cost(ctx: Context) -> dict:
     """Seconds of one call against rows ``1, 2, 4, ..., max_rows`` for both networks, float32 and bfloat16.
 
@@ -264,8 +278,8 @@ def call_cost(ctx: Context) -> dict:
     fresh standard-normal inputs at ``sigma = 0.5``; a size that runs out of memory ends that curve.
 
     Returns:
-        ``{"networks": {name: {params, curves: {dtype: [{rows, seconds: {median, min, max, n}, per_row_s,
-        peak_mib}]}}}}``; the curves are kept for the projection section.
+        ``{"networks": {name: {params, gflop_per_row, curves: {dtype: [{rows, seconds: {median, min, max, n},
+        per_row_s, peak_mib, tflop_per_s}]}}}}``; the curves are kept for the projection section.
     """
     dev, clock = ctx.device, ctx.clock
     sizes = [2**i for i in range(int(math.log2(ctx.max_rows)) + 1)]
@@ -279,6 +293,8 @@ def call_cost(ctx: Context) -> dict:
                 entry["params"] = sum(p.numel() for p in model.net.parameters())
             else:
                 model, entry["params"] = cifar_velocity(dev, ctx.tiny, nd, ctx.seed)
+            if "gflop_per_row" not in entry:
+                entry["gflop_per_row"] = _gflop_per_row(model)
             g = torch.Generator().manual_seed(ctx.seed)
             curve = []
             for b in sizes:
@@ -303,7 +319,9 @@ def call_cost(ctx: Context) -> dict:
                     torch.cuda.empty_cache()
                     break
                 s = _stats(times)
-                curve.append({"rows": b, "seconds": s, "per_row_s": s["median"] / b, "peak_mib": _peak_mib(dev)})
+                gf = entry["gflop_per_row"]
+                curve.append({"rows": b, "seconds": s, "per_row_s": s["median"] / b, "peak_mib": _peak_mib(dev),
+                              "tflop_per_s": gf * b / s["median"] / 1e3 if gf else None})
                 del xs
             entry["curves"][dtype] = curve
             ok = [c for c in curve if "seconds" in c]
@@ -320,8 +338,10 @@ def call_cost(ctx: Context) -> dict:
         for dtype, curve in e["curves"].items():
             ok = [c for c in curve if "seconds" in c]
             if ok:
+                rate = ok[-1]["tflop_per_s"]
                 lines.append(f"call_cost {name} {dtype}: 1 row {_fmt(ok[0]['seconds'])}, {ok[-1]['rows']} rows "
-                             f"{_fmt(ok[-1]['seconds'])} ({ok[-1]['seconds']['median'] / ok[0]['seconds']['median']:.1f}x)")
+                             f"{_fmt(ok[-1]['seconds'])} ({ok[-1]['seconds']['median'] / ok[0]['seconds']['median']:.1f}x"
+                             + (f", {rate:.3g} TFLOP/s)" if rate else ")"))
     return {"networks": out, "summary": lines, "passed": True}
 
 
