@@ -8,8 +8,9 @@ Runs from the working tree with torch, numpy and scipy only (nothing installed, 
 Output folder: ``--out``, else ``$OUT``, else ``./gpu_check/``. Each section writes ``<section>.json``
 (atomically) as soon as it ends, with ``status`` ``ok`` (it ran; its checks are in ``passed``),
 ``error`` (the traceback is recorded and the next section still runs) or ``skipped`` (no time left in
-``--budget-s``); ``summary.txt`` is rewritten after every section. Exit status: 0 when every section ran,
-1 otherwise, 2 for a bad argument.
+``--budget-s``); ``summary.txt`` is rewritten after every section. A SIGTERM (``timeout``) ends the
+running section with what it had finished (under ``partial``) and marks the rest skipped. Exit status:
+0 when every section ran, 1 otherwise, 2 for a bad argument.
 
 Sections, in order of value:
 
@@ -48,6 +49,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -240,6 +242,7 @@ class Context:
         self.shared: dict = {}
         self.budget_s = a.budget_s
         self.section_t0 = self.t0
+        self.partial: dict = {}  # what the running section has finished (kept if the run is terminated)
         self.quiet = False
 
     def left(self) -> float:
@@ -283,7 +286,7 @@ def call_cost(ctx: Context) -> dict:
     """
     dev, clock = ctx.device, ctx.clock
     sizes = [2**i for i in range(int(math.log2(ctx.max_rows)) + 1)]
-    out = {}
+    out = ctx.partial.setdefault("networks", {})
     for name in ("digits", "cifar10_ddpmpp"):
         entry = {"curves": {}}
         for dtype in ("float32", "bfloat16"):
@@ -359,7 +362,7 @@ def wallclock(ctx: Context) -> dict:
     t = time.perf_counter()
     the_arms = arms(ctx.steps)
     search_s = time.perf_counter() - t
-    rows, calls = [], {}
+    rows, calls = ctx.partial.setdefault("rows", []), {}
     for n in ctx.batches:
         base = None
         for arm in the_arms:
@@ -817,6 +820,14 @@ def _args(argv):
     return a
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (``timeout`` ending the run); not an ``Exception``, so no section swallows it."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     """Command line entry (module docstring): 0 when every section ran, 1 otherwise, 2 for a bad argument."""
     a = _args(argv)
@@ -829,30 +840,41 @@ def main(argv=None) -> int:
     summary = [head]
     print(head, flush=True)
     statuses = {}
-    for name in a.sections:
-        t = ctx.section_t0 = time.perf_counter()
-        record = {"section": name, "env": env, "tiny": a.tiny, "seed": a.seed}
-        if ctx.left() < 0:
-            record.update(status="skipped", reason=f"soft budget of {a.budget_s:g} s spent before it began")
-            lines = [f"{name}: skipped (budget)"]
-        else:
-            try:
-                result = SECTION_FNS[name](ctx)
-                lines = result.pop("summary", [])
-                record.update(status="ok", passed=bool(result.get("passed", True)), result=result)
-            except Exception as e:  # noqa: BLE001  (recorded; the next section still runs)
-                record.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-                lines = [f"{name}: ERROR {type(e).__name__}: {str(e)[:300]}"]
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
-        record["seconds"] = time.perf_counter() - t
-        record["elapsed_s"] = time.perf_counter() - ctx.t0
-        statuses[name] = record["status"] + ("" if record.get("passed", True) else " (check failed)")
-        write_atomic(out / f"{name}.json", json.dumps(record, indent=1, default=_json_default))
-        tail = f"## {name}: {statuses[name]} in {record['seconds']:.1f} s; elapsed {record['elapsed_s']:.1f} s"
-        summary += lines + [tail]
-        print("\n".join(lines + [tail]), flush=True)
-        write_atomic(out / "summary.txt", "\n".join(summary) + "\n")
+    terminated = None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)  # `timeout` ends the run: record what it cut
+    try:
+        for name in a.sections:
+            t = ctx.section_t0 = time.perf_counter()
+            record = {"section": name, "env": env, "tiny": a.tiny, "seed": a.seed}
+            ctx.partial = {}
+            if terminated or ctx.left() < 0:
+                why = terminated or f"soft budget of {a.budget_s:g} s spent before it began"
+                record.update(status="skipped", reason=why)
+                lines = [f"{name}: skipped ({why})"]
+            else:
+                try:
+                    result = SECTION_FNS[name](ctx)
+                    lines = result.pop("summary", [])
+                    record.update(status="ok", passed=bool(result.get("passed", True)), result=result)
+                except Exception as e:  # noqa: BLE001  (recorded; the next section still runs)
+                    record.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+                    lines = [f"{name}: ERROR {type(e).__name__}: {str(e)[:300]}"]
+                except Terminated:
+                    terminated = "terminated (SIGTERM) before it began"
+                    record.update(status="error", error="terminated (SIGTERM) while it ran", partial=ctx.partial)
+                    lines = [f"{name}: terminated while it ran; its finished measurements are under 'partial'"]
+                if ctx.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            record["seconds"] = time.perf_counter() - t
+            record["elapsed_s"] = time.perf_counter() - ctx.t0
+            statuses[name] = record["status"] + ("" if record.get("passed", True) else " (check failed)")
+            write_atomic(out / f"{name}.json", json.dumps(record, indent=1, default=_json_default))
+            tail = f"## {name}: {statuses[name]} in {record['seconds']:.1f} s; elapsed {record['elapsed_s']:.1f} s"
+            summary += lines + [tail]
+            print("\n".join(lines + [tail]), flush=True)
+            write_atomic(out / "summary.txt", "\n".join(summary) + "\n")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     ran = all(s.startswith("ok") for s in statuses.values())
     final = f"# {'every section ran' if ran else 'some sections did not run'}: " + ", ".join(
         f"{k} {v}" for k, v in statuses.items())

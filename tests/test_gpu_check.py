@@ -192,3 +192,24 @@ def test_sampler_compile_keyword_is_used_when_the_sampler_takes_it(monkeypatch):
     assert [r["variant"] for r in rows] == ["sampler compile=False", "sampler compile=True"]
     assert rows[1]["counts_equal"] is True and rows[1]["speedup_vs_eager"] > 0
     assert sorted(set(seen)) == [False, True] and len(seen) == 2 * (1 + ctx.repeats)
+
+
+def test_a_terminated_run_keeps_what_the_running_section_finished(tmp_path, monkeypatch):
+    # `timeout` sends SIGTERM: the running section's finished measurements are written, the rest marked skipped
+    import os
+    import signal
+
+    from benchmarks import gpu_check
+
+    def cut(ctx):
+        ctx.partial.setdefault("rows", []).append({"arm": "standard", "batch": 1})
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("not reached")
+
+    monkeypatch.setitem(gpu_check.SECTION_FNS, "wallclock", cut)
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--sections", "wallclock,compile", "--out", str(tmp_path)])
+    wc, comp = (json.loads((tmp_path / f"{s}.json").read_text()) for s in ("wallclock", "compile"))
+    assert rc == 1 and wc["status"] == "error" and "SIGTERM" in wc["error"]
+    assert wc["partial"]["rows"] == [{"arm": "standard", "batch": 1}]
+    assert comp["status"] == "skipped" and "SIGTERM" in comp["reason"]
+    assert signal.getsignal(signal.SIGTERM) is not gpu_check._on_sigterm
