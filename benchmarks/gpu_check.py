@@ -24,7 +24,8 @@ Sections, in order of value:
    B = 62 (searched from the shipped profile ``edm-digits-8x8-cond_x0``, as ``tree=optimal`` does).
    Every arm runs once untimed at each batch (the timed runs repeat its shapes exactly), then
    ``--repeats`` timed runs: median [min-max] seconds, the network's share (CUDA events around every
-   call) and the rest, peak GPU memory, NFE and wall-clock speedups.
+   call) and the rest, peak GPU memory, NFE and wall-clock speedups; then the host's waits on the
+   device per round at batch 16, by source line (:func:`host_syncs`).
 3. ``projection``: the digits runs' calls (rows of every call, recorded per arm and batch) priced at
    the CIFAR-10 network's measured call cost, plus the digits runs' non-network time: a *projected*
    wall clock and speedup for EDM's network, assuming its trees accept as the digits network's do.
@@ -397,13 +398,59 @@ def wallclock(ctx: Context) -> dict:
                 "calls": {str(k): v for k, v in sorted(hist.items())}, "runs_with_other_calls": differ,
             })
             ctx.log(f"  wallclock {arm['name']:<16} x{n:<3}: {_fmt(w)}, NFE speedup {rows[-1]['nfe_speedup']:.2f}")
+    syncs = {}
+    n_sync = 16 if 16 in ctx.batches else max(ctx.batches)
+    for arm in the_arms:
+        if dev.type != "cuda" or ctx.over_share(SHARES["wallclock"]):
+            break
+        syncs[arm["name"]] = host_syncs(model, arm, schedule, n_sync, ctx.seed)
+        ctx.log(f"  host syncs {arm['name']:<16} x{n_sync}: {syncs[arm['name']]['total']} "
+                f"({syncs[arm['name']]['per_round']:.1f} per round)")
     ctx.shared["wallclock"] = {"rows": rows, "calls": calls}
     lines = [f"wallclock {r['arm']:<16} x{r['batch']:<3}: {_fmt(r['wall_s'])} (network {_fmt(r['network_s'])}), "
              f"NFE speedup {r['nfe_speedup']:.2f}, wall speedup {r['wall_speedup'] or float('nan'):.2f}"
              for r in rows if "wall_s" in r]
     trees = {a["name"]: (a["tree"].parent.tolist() if a["tree"] is not None else None) for a in the_arms}
+    lines += [f"host syncs {k:<16} x{n_sync}: {v['total']} in all, {v['per_round']:.1f} per round; most at "
+              + ", ".join(f"{w} ({c})" for w, c in v["where"][:3]) for k, v in syncs.items()]
     return {"network": DIGITS, "steps": ctx.steps, "eps": EPS, "execution": "tree", "repeats": ctx.repeats,
-            "tree_search_s": search_s, "trees": trees, "rows": rows, "summary": lines, "passed": True}
+            "tree_search_s": search_s, "trees": trees, "rows": rows, "host_syncs": syncs,
+            "host_syncs_batch": n_sync if syncs else None, "summary": lines, "passed": True}
+
+
+def host_syncs(model, arm: dict, schedule: Schedule, n: int, seed: int) -> dict:
+    """Synchronising CUDA operations (the host waiting on the device) in one run of ``arm``, by source line.
+
+    Counted with ``torch.cuda.set_sync_debug_mode("warn")``, whose warning names the Python line that
+    asked; a round that is a fixed dataflow with no host round-trips has none.
+
+    Returns:
+        ``{"total", "per_round" (over the run's rounds, the slowest image's), "where": [[file:line, count], ...]}``
+        (most frequent first, at most 20).
+    """
+    import warnings
+
+    counts: dict[str, int] = {}
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            res = run_arm(model, arm, schedule, n, seed)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    for w in caught:
+        if "synchroniz" not in str(w.message):
+            continue
+        try:
+            where = f"{Path(w.filename).resolve().relative_to(ROOT)}:{w.lineno}"
+        except ValueError:
+            where = f"{Path(w.filename).name}:{w.lineno}"
+        counts[where] = counts.get(where, 0) + 1
+    total = sum(counts.values())
+    rounds = max(int(res.rounds.max()), 1) if arm["tree"] is not None else schedule.steps
+    return {"total": total, "per_round": total / rounds,
+            "where": sorted(([k, v] for k, v in counts.items()), key=lambda kv: -kv[1])[:20]}
 
 
 def _interp(curve: list[dict], rows: int) -> float:

@@ -213,3 +213,28 @@ def test_a_terminated_run_keeps_what_the_running_section_finished(tmp_path, monk
     assert wc["partial"]["rows"] == [{"arm": "standard", "batch": 1}]
     assert comp["status"] == "skipped" and "SIGTERM" in comp["reason"]
     assert signal.getsignal(signal.SIGTERM) is not gpu_check._on_sigterm
+
+
+def test_host_syncs_are_counted_by_source_line(monkeypatch):
+    # torch's sync debug mode (CUDA only) warns at each synchronising operation; here a model warns the same
+    # words at every call, so the count is the number of calls, all at one line of this file
+    import warnings
+
+    from benchmarks import gpu_check
+    from specsamp.models.gmm import GaussianMixture
+    from specsamp.schedule import Schedule
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    class Syncing(gpu_check.TimedModel):
+        def __call__(self, x, sigma, **cond):
+            warnings.warn("called a synchronizing CUDA operation")
+            return super().__call__(x, sigma, **cond)
+
+    model = Syncing(GaussianMixture(4, 2, 0))
+    arm = {"name": "dgrs", "tree": gpu_check.DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"}
+    out = gpu_check.host_syncs(model, arm, Schedule.make(10, 0.3), 3, 0)
+    assert out["total"] == len(model.rows) > 0 and modes == ["warn", 0]
+    assert len(out["where"]) == 1 and out["where"][0][0].startswith("tests/test_gpu_check.py:")
