@@ -11,7 +11,8 @@ from bare_env import DEVICE_LACKS, NOT_CORE, run_blocked
 
 CORE = ("specsamp", "specsamp.sampler", "specsamp.coupling", "specsamp.listcoupling", "specsamp.drafts", "specsamp.trees",
         "specsamp.treesearch", "specsamp.schedule", "specsamp.rng", "specsamp.theory", "specsamp.testing",
-        "specsamp.models", "specsamp.models.edm", "specsamp.models.gmm", "benchmarks.stand_in", "benchmarks.ddpmpp")
+        "specsamp.models", "specsamp.models.edm", "specsamp.models.gmm", "benchmarks.stand_in", "benchmarks.ddpmpp",
+        "benchmarks.gpu_check")
 
 
 def test_core_edm_adapter_and_stand_ins_import_with_torch_numpy_scipy_only():
