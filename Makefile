@@ -18,9 +18,8 @@ test-all:  ## every test, slow ones included
 bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), about 90 s; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
 
-gpu-check:  ## GPU check on the CIFAR-sized stand-in, then on the trained digits network; JSON in gpu_check.json, gpu_check_digits.json (CPU smoke: ARGS="--device cpu --tiny")
-	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
-	$(PYTHON) -m benchmarks.gpu_check --network edm-digits-8x8-cond --json gpu_check_digits.json $(ARGS)
+gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
+	python3 -m benchmarks.gpu_check $(ARGS)
 
 bench-gpu: gpu-check  ## alias of gpu-check
 

@@ -1,7 +1,10 @@
 """Networks of realistic size with random weights, built offline (diffusers ``UNet2DModel``).
 
 They time a target call and everything around it faithfully; their acceptance rates (hence NFE
-counts) are not a trained model's.
+counts) are not a trained model's. The diffusers presets only approximate EDM's layouts; the preset
+``ddpmpp-cifar10`` is EDM's CIFAR-10 network itself (:mod:`benchmarks.ddpmpp`, plain torch, 55.7M
+parameters). Importing this module needs torch alone; diffusers is imported when a diffusers preset
+is built.
 """
 
 from __future__ import annotations
@@ -77,10 +80,24 @@ class StandInPrecond(torch.nn.Module):
         return c_skip * x + c_out * f.to(torch.float32)
 
 
+DDPMPP = "ddpmpp-cifar10"  # EDM's CIFAR-10 layout (benchmarks.ddpmpp), no diffusers
+
+
 def stand_in_velocity(preset: str = "cifar10", device="cpu", net_dtype=None, seed: int = 0):
-    """The stand-in behind :class:`specsamp.models.edm.EDMVelocity` (the sampler's interface); returns ``(model, params)``."""
+    """The stand-in behind :class:`specsamp.models.edm.EDMVelocity` (the sampler's interface); returns ``(model, params)``.
+
+    ``preset``: a key of :data:`STAND_INS` (diffusers) or ``"ddpmpp-cifar10"`` (plain torch).
+
+    Raises:
+        ValueError: an unknown preset.
+    """
     from specsamp.models.edm import EDMVelocity
 
-    net = StandInPrecond(preset, seed=seed).eval()
+    if preset == DDPMPP:
+        from benchmarks.ddpmpp import ddpmpp_cifar10
+
+        net = ddpmpp_cifar10(seed=seed)
+    else:
+        net = StandInPrecond(preset, seed=seed).eval()
     params = sum(q.numel() for q in net.parameters())
     return EDMVelocity(net, net_dtype=net_dtype, device=torch.device(device)), params

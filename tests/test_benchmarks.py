@@ -12,51 +12,6 @@ import torch
 from specsamp.models import GaussianMixture
 
 
-def test_gpu_check_run_rows_on_analytic_denoiser():
-    from benchmarks import gpu_check
-    from specsamp.models.edm import EDMVelocity
-    from test_edm import GMMPrecond
-
-    gmm = GaussianMixture(dim=6, components=2, layout_seed=2)
-    model = EDMVelocity(GMMPrecond(gmm, (6,)), event_shape=(6,))
-    rows = gpu_check.run(model, batch_sizes=(3,), configs=((2, 3),), steps=10, eps=0.3, max_batch=5)
-    assert [(r["method"], r["budget"]) for r in rows] == [("standard", 1), ("dgrs", 14), ("rmc", 14)]
-    std, dgrs, rmc = rows
-    assert std["calls_mean"] == 8 and std["nfe_speedup"] == 1.0 and std["wall_speedup"] == 1.0
-    assert dgrs["rows_per_image"] > dgrs["calls_mean"] and all(r["wall_s"] > 0 for r in rows)
-    assert all(math.isclose(r["realised_fraction"], r["wall_speedup"] / r["batch_speedup"]) for r in rows)
-    assert gpu_check._configs("2x3, 4x4") == [(2, 3), (4, 4)]
-    cost = gpu_check.batch_cost(model, (1, 4))
-    assert [c["rows"] for c in cost] == [1, 4] and cost[0]["relative"] == 1.0
-
-
-def test_gpu_check_tiny_cpu_mode_writes_every_section(tmp_path, capsys):
-    # the check `make gpu-check` runs on a GPU, in its tiny CPU mode: one table, JSON with the four
-    # sections, exit 0 (every exactness p-value > 1e-4)
-    pytest.importorskip("diffusers")
-    from benchmarks import gpu_check
-
-    out = tmp_path / "g.json"
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
-    rep = json.loads(out.read_text())
-    assert {"wallclock", "batch_cost", "exactness_f32", "exactness_bf16"} <= set(rep)
-    assert {r["method"] for r in rep["wallclock"]} == {"standard", "dgrs", "rmc"}
-    assert {r["rule"] for r in rep["exactness_f32"]} >= {"dgrs", "rmc"}
-    assert len(rep["exactness_bf16"]) == 2
-    text = capsys.readouterr().out
-    assert "exactness_bf16" in text and "batch_cost" in text
-
-
-def test_gpu_check_tiny_cpu_mode_on_the_trained_digits_network(tmp_path):
-    # `make gpu-check`'s second run: the shipped, trained network loaded by its table hash
-    from benchmarks import gpu_check
-
-    out = tmp_path / "d.json"
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--network", "edm-digits-8x8-cond", "--json", str(out)]) == 0
-    rep = json.loads(out.read_text())
-    assert {r["method"] for r in rep["wallclock"]} == {"standard", "dgrs", "rmc"} and len(rep["exactness_bf16"]) == 2
-
-
 def test_numpy_baseline_matches_our_protocol_in_law():
     # seed 0, 300 trajectories each of the (2, 2) D-GRS cell on the section 5.1 mixture: mean speedups
     # agree within 4 combined standard errors (the baseline draws its own random numbers)

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from omegaconf import MISSING
 
 from ..errors import ConfigError
+
+# OmegaConf's marker of a mandatory value (``omegaconf.MISSING`` is this very string): written out so that
+# the models import without omegaconf (torch, numpy and scipy only); the runner's schemas read it as MISSING.
+MISSING = "???"
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
