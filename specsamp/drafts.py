@@ -92,12 +92,19 @@ class Draft:
             of the children of nodes ``x`` (all of one depth, at step ``n``).
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
             (``DraftRoot.hist_x0``, with their states ``hist_x``); 0: none are kept.
+        affine: optional ``(frozen [M, ...], n [M, L] long, tables, dtype) -> (a [M, L], c [M, L, *e])``
+            with ``mean(frozen, x, n[:, l]) = a[:, l] x + c[:, l]`` (to rounding) for every state ``x``:
+            the same proposal mean written as an affine map of the parent state, for the steps of all
+            ``L`` depths of a round at once (``tables``: :meth:`specsamp.schedule.Schedule.tables`).
+            With it the tree execution drafts a whole round in one batched product; without it
+            (``None``), layer by layer through ``mean``.
     """
 
     name: str
     freeze: Callable[..., torch.Tensor]
     mean: Callable[..., torch.Tensor]
     history: int = 0
+    affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 DRAFTS: Registry[Draft] = Registry("draft")
@@ -289,10 +296,33 @@ def _x0_affine():
     return freeze, mean
 
 
+def _per_event(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """View ``t [M, L]`` as ``[M, L, 1, ..., 1]`` against ``like [M, *e]`` (one trailing 1 per event dimension)."""
+    return t.reshape(t.shape + (1,) * (like.ndim - 1))
+
+
+def _velocity_affine(fr, n, tab, dtype):
+    # x + dt (a v_r + b x) = (1 + dt b) x + dt a v_r
+    dt, a, b = tab["dt"][n], tab["a"][n], tab["b"][n]
+    return (1.0 + dt * b).to(dtype), _per_event((dt * a).to(dtype), fr) * fr[:, None]
+
+
+def _drift_affine(fr, n, tab, dtype):
+    return torch.ones(n.shape, dtype=dtype, device=fr.device), fr[:, None].expand(fr.shape[0], n.shape[1], *fr.shape[1:])
+
+
+def _x0_affine_form(fr, n, tab, dtype):
+    # v = (x - x0) / s, so x + dt (a v + b x) = (1 + dt (a / s + b)) x - (dt a / s) x0
+    dt, a, b, s = tab["dt"][n], tab["a"][n], tab["b"][n], tab["sigma"][n]
+    return (1.0 + dt * (a / s + b)).to(dtype), _per_event((-dt * a / s).to(dtype), fr) * fr[:, None]
+
+
 for _draft in (
-    Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n)),
-    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None]),
-    Draft("x0", freeze=_x0_freeze, mean=_x0_mean),
+    Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
+          affine=_velocity_affine),
+    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
+          affine=_drift_affine),
+    Draft("x0", freeze=_x0_freeze, mean=_x0_mean, affine=_x0_affine_form),
     Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2),
     Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3),
     Draft("x0_affine", *_x0_affine(), history=3),

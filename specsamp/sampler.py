@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rng
-from .coupling import Coupling, NonFiniteError, get_coupling
+from .coupling import Coupling, NonFiniteError, Verdict, deferred_checks, get_coupling
 from .drafts import Draft, DraftRoot, data_prediction, get_draft
 from .errors import ConfigError
 from .models.base import batched
@@ -362,6 +362,8 @@ class _Context:
     evaluate_leaves: bool
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
+    tables: dict | None = None  # Schedule.tables on the model's device
+    check_contract: bool = False  # check every verdict against the coupling contract
 
 
 def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
@@ -407,6 +409,10 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
                     "at this depth); no coupling can serve them",
                     [int(ctx.ids[rnd.rows[sub[r]]]) for r in err.rows],
                 ) from None
+            if ctx.check_contract:
+                check_verdict_contract(ctx.coupling, verdict, kids, lambda r: (
+                    f"trajectory {int(ctx.ids[rnd.rows[sub[r]]])}, step {int(step[r])}, node {int(u[r])} (depth {l - 1}) "
+                    f"of the round rooted at state {int(rnd.n[sub[r]])}"))
             tally.attempts[rnd.rows[sub], l - 1] += 1
             tally.accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
             at = (rnd.n[sub], torch.full_like(sub, l - 1))
@@ -490,6 +496,225 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
     return v_next, exact
 
 
+# ----------------------------------------------------------------------------------------------
+# The lean round of the tree execution: a fixed tree, an affine draft (Draft.affine), every row of the
+# batch kept in every round (finished rows padded), so each round is a fixed sequence of tensor
+# operations and the host waits once per round, in the loop's "are we done" test.
+
+
+class _LeanTree:
+    """Static index tensors of one fixed :class:`DraftTree` for :func:`_lean_round` (built once per run).
+
+    Attributes (``N`` nodes, depth ``L``): ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]``
+    long; ``anc [N, N]`` ``anc[v, w] = 1`` where ``w`` is ``v`` or an ancestor of ``v`` (states' dtype);
+    ``dw, dv [N, N]`` the depths of ``w`` and ``v``; ``upper [L+1, L+1]`` bool ``i > j``; ``groups``:
+    ``(K, internal nodes [g], their children [g, K])`` per distinct width; ``child_pad [N, Kmax]`` children
+    (clamped) and ``child_ok [N, Kmax]`` which of them exist.
+    """
+
+    def __init__(self, tree: DraftTree, dev, dtype):
+        N, L = len(tree), tree.max_depth
+        self.N, self.L = N, L
+        t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+        self.depth, self.parent = t(tree.depth), t(tree.parent)
+        self.first_child, self.num_children = t(tree.first_child), t(tree.num_children)
+        anc = torch.eye(N, dtype=dtype)
+        for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
+            anc[v] += anc[int(tree.parent[v])]
+        self.anc = anc.to(dev)
+        self.dw = self.depth[None, :].expand(N, N)
+        self.dv = self.depth[:, None].expand(N, N)
+        r = torch.arange(L + 1, device=dev)
+        self.upper = r[None, :] > r[:, None]
+        self.ids = torch.arange(1, N, device=dev)
+        self.groups = []
+        for k in sorted({int(c) for c in tree.num_children if c > 0}):
+            u = [v for v in range(N) if int(tree.num_children[v]) == k]
+            self.groups.append((k, t(u), t([[int(tree.first_child[v]) + j for j in range(k)] for v in u])))
+        kmax = int(tree.num_children.max())
+        j = torch.arange(kmax, device=dev)
+        self.child_ok = j[None] < self.num_children[:, None]
+        self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
+        self.internal = self.num_children > 0
+        self.edge_slot = self.ids - self.first_child[self.parent[1:]]  # each child's place among its siblings
+
+
+def _lean_supported(tree, execution: str, draft: Draft) -> bool:
+    return isinstance(tree, DraftTree) and execution == "tree" and draft.affine is not None and draft.history == 0
+
+
+def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: the verdict breaks the contract (an accepted sample that is not the child its index
+    names, or ``accepted`` that disagrees with ``index < K``); device operations only."""
+    n, k = kids.shape[:2]
+    flat = kids.reshape(n, k, -1)
+    index = verdict.index.reshape(n)
+    in_range = (index >= 0) & (index <= k)
+    pick = flat[torch.arange(n, device=flat.device), index.clamp(0, k - 1)]
+    same = (verdict.sample.reshape(n, -1) == pick).all(1)
+    return ~in_range | (verdict.accepted.reshape(n) != (index < k)) | (verdict.accepted.reshape(n) & ~same)
+
+
+def check_verdict_contract(coupling: Coupling, verdict: Verdict, kids: torch.Tensor, describe: Callable[[int], str]) -> None:
+    """Raise if ``verdict`` breaks the contract of :class:`specsamp.coupling.Coupling` for ``kids [n, K, *e]``.
+
+    Args:
+        describe: row -> where it happened (step and node), for the message.
+
+    Raises:
+        ContractError: (a ``ValueError``) naming the coupling and the first offending row's step and node.
+    """
+    bad = _contract_violation(verdict, kids)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        k = kids.shape[1]
+        raise ContractError(
+            f"coupling {coupling.name!r} broke its contract at {describe(r)}: it returned accepted="
+            f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])} (K={k}), but an accepted "
+            "sample must be exactly the child its index names and index < K must hold exactly where accepted "
+            "(specsamp.coupling.Coupling); check the rule with specsamp.testing.check_exactness"
+        )
+
+
+class ContractError(ValueError):
+    """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
+
+
+def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_calls: list):
+    """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
+
+    Drafting: the children of a depth-``l`` node are ``a_l x + c_l + s_l z`` (``Draft.affine``, ``s_l`` the
+    kernel std, ``z`` keyed by ``(trajectory, root, node)`` as in :meth:`_Nodes.draft`), so every node is an
+    affine function of the root and the noise along its ancestor path: all states come from one batched
+    product with the ancestor matrix weighted by products of the ``a_l``. Then one batched target call over
+    all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
+    own, so the numbers are those the walk would draw); the walk is a gather (a node is on the accepted path
+    iff every edge above it was the accepted one). Value checks are deferred (:func:`coupling.deferred_checks`).
+
+    Returns:
+        ``(commit, n_new, exact_new, flags)``: ``commit()`` writes the round into ``st`` and ``tally``;
+        ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
+        a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
+        discards the round and repeats it with :func:`_round`, which raises the precise error).
+    """
+    sch, tab, draft = ctx.schedule, ctx.tables, ctx.draft
+    x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
+    M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
+    end = sch.end_speculative
+    ar = torch.arange(M, device=dev)
+    live = n < end
+    dl = (end - n).clamp(min=0, max=L)  # L_n (0 for finished rows)
+    v_root, root_exact = st.v_root, st.root_exact
+    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact), sch)
+    step = (n[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
+    a, c = draft.affine(frozen, step[:, :L], tab, dtype)  # children of depth-l nodes: a[:, l] x + c[:, l] + s z
+    s = tab["std"][step[:, :L]].to(dtype)
+    # one keyed draw for the whole round: node v's noise is keyed (trajectory, root, v) as in _Nodes.draft
+    keys = rng.fold(st.draft_keys[:, None], n[:, None], lt.ids[None])  # [M, N-1]
+    z = rng.normal(keys, e, dtype=dtype).reshape(M, N - 1, -1)
+    dm1 = lt.depth[1:] - 1
+    terms = torch.cat([x.reshape(M, 1, -1), c.reshape(M, L, -1)[:, dm1] + s[:, dm1, None] * z], 1)  # [M, N, D]
+    a_full = torch.cat([torch.ones(M, 1, dtype=dtype, device=dev), a], 1)  # [M, L+1], depth 0 unused
+    prod = torch.cumprod(torch.where(lt.upper, a_full[:, None, :], torch.ones((), dtype=dtype, device=dev)), 2)  # [M, j, l]
+    weights = prod[:, lt.dw, lt.dv] * lt.anc  # [M, v, w] = prod_{i=d(w)+1..d(v)} a_i on the ancestor path
+    states = torch.bmm(weights, terms)  # [M, N, D]
+    del terms, z
+    # the batched target call: every node of every row (static shape)
+    node_step = step[:, lt.depth]  # [M, N]
+    vel = ctx.velocity(states.reshape(M * N, *e), node_step.reshape(-1), ar[:, None].expand(M, N).reshape(-1))
+    vel = vel.reshape(M, N, -1)
+    vel[:, 0] = torch.where(root_exact[:, None], v_root.reshape(M, -1), vel[:, 0])
+    # verdicts of every internal node
+    internal_r = lt.internal[None] & (lt.depth[None] < dl[:, None])  # [M, N]: verified if visited
+    acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
+    idx = torch.zeros(M, N, dtype=torch.long, device=dev)
+    res = torch.empty_like(states)
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    with deferred_checks() as checks:
+        for k, u, ch in lt.groups:
+            g = u.numel()
+            du = lt.depth[u]
+            xu, vu = states[:, u], vel[:, u]  # [M, g, D]
+            su = step[:, du]  # [M, g]
+            mean_p = a[:, du, None] * xu + c.reshape(M, L, -1)[:, du]
+            dt_, a_, b_ = (tab[name][su].to(dtype)[..., None] for name in ("dt", "a", "b"))
+            mean_q = xu + dt_ * (a_ * vu + b_ * xu)
+            need = live[:, None] & internal_r[:, u]
+            sigma = torch.where(need, tab["std"][su].to(dtype), torch.ones((), dtype=dtype, device=dev))
+            kids = states[:, ch].reshape(M * g, k, *e)
+            vkeys = rng.fold(st.verify_keys[:, None], n[:, None], u[None])
+            verdict = ctx.coupling(kids, mean_p.reshape(M * g, *e), mean_q.reshape(M * g, *e), sigma.reshape(-1),
+                                   rng.KeyedRows(vkeys.reshape(-1)))  # line 17, every internal node at once
+            acc[:, u] = verdict.accepted.reshape(M, g)
+            idx[:, u] = verdict.index.reshape(M, g)
+            res[:, u] = verdict.sample.reshape(M, g, -1).to(dtype)
+            if ctx.check_contract:
+                bad = bad | (_contract_violation(verdict, kids).reshape(M, g) & need).any()
+    if checks.bad is not None:
+        bad = bad | checks.bad
+    # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
+    p = lt.parent[1:]
+    taken = acc[:, p] & (idx[:, p] == lt.edge_slot[None]) & internal_r[:, p] & live[:, None]  # [M, N-1]
+    missed = torch.cat([torch.zeros(M, 1, dtype=dtype, device=dev), (~taken).to(dtype)], 1)
+    on_path = (missed @ lt.anc.T) == 0  # [M, N]
+    ustar = torch.argmax(on_path.long() * (lt.depth[None] + 1), 1)  # the last node the walk reached
+    rejected = internal_r[ar, ustar] & live  # it was verified and rejected (lines 18--20)
+    finished = live & ~rejected  # walked to a leaf of T|_{L_n}
+    steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
+    out = torch.where(rejected[:, None], res[ar, ustar], states[ar, ustar])
+    v_cur = torch.where(rejected[:, None], vel[ar, ustar], vel[ar, lt.parent[ustar].clamp(min=0)])
+    # prefetch (same rules as _prefetch)
+    evaluated = (lt.depth[None] <= dl[:, None]) & (internal_r | ctx.evaluate_leaves)
+    v_next, exact = v_cur, torch.zeros_like(live)
+    if ctx.prefetch != "none":
+        exact = finished & evaluated[ar, ustar]
+        v_next = torch.where(exact[:, None], vel[ar, ustar], v_next)
+        if ctx.prefetch == "nearest":
+            ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
+            ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rejected[:, None]
+            dist = torch.linalg.vector_norm(states[ar[:, None], ch] - out[:, None], dim=-1)
+            best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
+            v_next = torch.where(ok.any(1)[:, None], vel[ar, ch[ar, best]], v_next)
+    verified = on_path & internal_r & live[:, None]
+    call_rows = torch.where(live, (evaluated & live[:, None]).sum(1) - root_exact.long(), torch.zeros_like(n))
+    n_new = n + steps
+    exact_new = torch.where(live, exact, root_exact)
+
+    def commit():
+        dcol = lt.depth[None].expand(M, N).clamp(max=tally.attempts.shape[1] - 1)
+        ver = verified.long()
+        tally.attempts.scatter_add_(1, dcol, ver)
+        tally.accepts.scatter_add_(1, dcol, ver * acc.long())
+        at = (n[:, None].expand(M, N).clamp(max=tally.root_attempts.shape[0] - 1), dcol)
+        tally.root_attempts.index_put_(at, ver, accumulate=True)
+        tally.root_accepts.index_put_(at, ver * acc.long(), accumulate=True)
+        charged = call_rows > 0
+        tally.nfe += charged.long()
+        tally.call_rows += call_rows
+        acc_calls.append(charged.any())
+        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
+        tally.committed.scatter_add_(1, col, steps[:, None])
+        tally.rounds += live.long()
+        st.x = torch.where(live.reshape((-1,) + (1,) * len(e)), out.reshape(x.shape), x)
+        st.n = n_new
+        st.v_root = torch.where(live.reshape((-1,) + (1,) * len(e)), v_next.reshape(x.shape), v_root)
+        st.root_exact = exact_new
+
+    return commit, n_new, exact_new, bad
+
+
+def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, acc_calls: list) -> None:
+    """:func:`_root_call` for every row (finished rows padded, charged only where live); no host sync."""
+    M = st.x.shape[0]
+    live = st.n < ctx.schedule.end_speculative
+    v = ctx.velocity(st.x, st.n.clamp(max=ctx.schedule.steps - 1), torch.arange(M, device=st.x.device))
+    st.v_root = torch.where(per_row(live, st.x), v, st.v_root)
+    st.root_exact = st.root_exact | live
+    tally.nfe += live.long()
+    tally.call_rows += live.long()
+    acc_calls.append(live.any())
+
+
 TreeRule = DraftTree | Callable[[int], DraftTree]
 
 
@@ -528,6 +753,7 @@ def sample_speculative(
     max_batch: int | None = None,
     callback: Callable[[dict], None] | None = None,
     warmup: str = "call",
+    check_contract: bool | None = None,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
 
@@ -558,6 +784,18 @@ def sample_speculative(
             (``steps_done``: speculative steps committed so far, summed over trajectories).
         warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``nfe``) or
             ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
+        check_contract: check every verdict at run time against the coupling contract (an accepted sample
+            is exactly the child its index names; ``accepted`` exactly where ``index < K``). ``None``
+            (default): on for couplings defined outside the library (a ``verify`` whose module is not
+            under ``specsamp.``), off for the library's own, whose law is tested. The check is device
+            operations folded into the round's one host synchronisation.
+
+    The tree execution of a fixed tree with a draft that has an affine form (``Draft.affine``: ``velocity``,
+    ``drift``, ``x0``) runs the lean round (:func:`_lean_round`): every row of the batch in every round
+    (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
+    states, one coupling call per node width, a walk by gathers, and one host synchronisation per round
+    (the loop's test). Other configurations run the reference round (:func:`_round`), which the lean one
+    repeats exactly where a deferred check fails, to raise the precise error.
 
     Returns:
         :class:`SampleResult`.
@@ -567,6 +805,8 @@ def sample_speculative(
             message names the trajectory, step and node, ``rows`` the trajectory ids.
         ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree
             wider than the coupling allows.
+        ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
+            message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
     """
     coupling = get_coupling(coupling)
@@ -581,6 +821,7 @@ def sample_speculative(
         prefetch=_check_choice("prefetch", prefetch, PREFETCH),
         evaluate_leaves=bool(evaluate_leaves),
         velocity=_Velocity(model, schedule, cond, max_batch),
+        check_contract=_contract_default(coupling) if check_contract is None else bool(check_contract),
     )
     _check_choice("execution", execution, EXECUTIONS)
     _check_choice("warmup", warmup, WARMUPS)
@@ -599,6 +840,10 @@ def sample_speculative(
         tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
+    if _lean_supported(tree, execution, ctx.draft):
+        ctx.tables = schedule.tables(dev)
+        lt = _LeanTree(tree, dev, st.x.dtype)
+        return tally.result(_lean_loop(ctx, lt, tree, tensors, st, tally, warmup, callback), T)
     r = 0
     while True:  # line 2
         live = (st.n < end).nonzero(as_tuple=True)[0]
@@ -619,6 +864,48 @@ def sample_speculative(
             callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
                       "steps_done": int((st.n - schedule.first_speculative).clamp(min=0).sum())})
     return tally.result(_final_step(ctx, st, tally), T)
+
+
+def _contract_default(coupling: Coupling) -> bool:
+    """``check_contract``'s default: on for a coupling whose ``verify`` is defined outside ``specsamp``."""
+    module = getattr(coupling.verify, "__module__", None) or ""
+    return not (module == "specsamp" or module.startswith("specsamp."))
+
+
+def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st: _Chains, tally: _Tally, warmup: str,
+               callback) -> torch.Tensor:
+    """The rounds of :func:`sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
+
+    One host synchronisation per round: it reads whether a deferred check failed, whether any row is
+    still live and whether the final step will need a call. Where a check failed, the round is discarded
+    and repeated by the reference :func:`_round` on the live rows (same keys, so the same numbers), which
+    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
+    """
+    end = ctx.schedule.end_speculative
+    acc_calls: list[torch.Tensor] = []
+    r = 0
+    need_final = True
+    while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
+        if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
+            _lean_root_call(ctx, st, tally, acc_calls)
+        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, tally, acc_calls)
+        failed, more, need_final = torch.stack([bad, (n_new < end).any(), (~exact_new).any()]).tolist()  # the one sync
+        if failed:
+            live = (st.n < end).nonzero(as_tuple=True)[0]
+            _round(ctx, tree, tensors, _TreeNodes, st, live, tally)
+            more = bool((st.n < end).any())
+            need_final = bool((~st.root_exact).any())
+        else:
+            commit()
+        r += 1
+        if callback is not None:
+            callback({"round": r, "live": int((st.n < end).sum()), "batch_nfe": tally.batch_nfe + int(sum(acc_calls)),
+                      "steps_done": int((st.n - ctx.schedule.first_speculative).clamp(min=0).sum())})
+        if not more:
+            break
+    if acc_calls:
+        tally.batch_nfe += int(torch.stack(acc_calls).sum())
+    return _final_step(ctx, st, tally, need_final)
 
 
 @dataclass
@@ -744,12 +1031,21 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         st.hist_x[live] = rnd.hist_x
 
 
-def _final_step(ctx: _Context, st: _Chains, tally: _Tally) -> torch.Tensor:
-    """Step ``T - 1``, a deterministic Euler step to sigma = 0; reuses an exact velocity the last round left."""
+def _final_step(ctx: _Context, st: _Chains, tally: _Tally, any_need: bool | None = None) -> torch.Tensor:
+    """Step ``T - 1``, a deterministic Euler step to sigma = 0; reuses an exact velocity the last round left.
+
+    ``any_need``: whether some row lacks an exact velocity, when the caller already read it (then the
+    rows' velocities come from one call over every row, used where needed: no further host sync)."""
     M = st.x.shape[0]
     last = torch.full((M,), ctx.schedule.steps - 1, dtype=torch.long, device=st.x.device)
     v_last = st.v_root.clone()
     need = ~st.root_exact
+    if any_need is not None:
+        if any_need:
+            v = ctx.velocity(st.x, last, torch.arange(M, device=st.x.device))
+            v_last = torch.where(per_row(need, st.x), v, v_last)
+            tally.endpoint_nfe += need.long()
+        return ctx.schedule.mean(st.x, v_last, last)
     if bool(need.any()):
         w = need.nonzero(as_tuple=True)[0]
         v_last[w] = ctx.velocity(st.x[w], last[w], w)

@@ -176,7 +176,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
             base = start * per_traj
             common = dict(seed=run.seed, indices=chunk, max_batch=max_batch,
                           cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {},
-                          callback=lambda info, base=base: bar.to(base + info["steps_done"]))
+                          # no callback without a bar: its progress counts would cost the sampler host syncs
+                          callback=(lambda info, base=base: bar.to(base + info["steps_done"])) if bar.enabled else None)
             if tree is None:
                 r = sample_standard(target.model, schedule, **common)
             else:
