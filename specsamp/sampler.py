@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import rng
@@ -362,7 +363,9 @@ class _Context:
     evaluate_leaves: bool
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
-    tables: dict | None = None  # Schedule.tables on the model's device
+    tables: dict | None = None  # Schedule.tables on the model's device (float64)
+    tables_dtype: dict | None = None  # the same, cast to the states' dtype
+    key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
     check_contract: bool = False  # check every verdict against the coupling contract
 
 
@@ -518,15 +521,23 @@ class _LeanTree:
         t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
         self.depth, self.parent = t(tree.depth), t(tree.parent)
         self.first_child, self.num_children = t(tree.first_child), t(tree.num_children)
-        anc = torch.eye(N, dtype=dtype)
+        anc = np.eye(N)
         for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
             anc[v] += anc[int(tree.parent[v])]
-        self.anc = anc.to(dev)
+        self.anc = torch.as_tensor(anc, dtype=dtype, device=dev)
+        self.anc_t = self.anc[:, 1:].T.contiguous()  # [N-1, N]: which nodes each non-root edge lies above
+        self.depth_row, self.depth1_row = self.depth[None], (self.depth + 1)[None]
+        self.dm1 = self.depth[1:] - 1
+        self.dcol = self.depth.clamp(max=max(L - 1, 0))[None]  # the depth column of a node's verification
+        self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
+        self.levels = torch.arange(L + 1, device=dev)[None]
+        self.one = torch.ones((), dtype=dtype, device=dev)
         self.dw = self.depth[None, :].expand(N, N)
         self.dv = self.depth[:, None].expand(N, N)
         r = torch.arange(L + 1, device=dev)
         self.upper = r[None, :] > r[:, None]
         self.ids = torch.arange(1, N, device=dev)
+        self.nodes = torch.arange(N, device=dev)
         self.groups = []
         for k in sorted({int(c) for c in tree.num_children if c > 0}):
             u = [v for v in range(N) if int(tree.num_children[v]) == k]
@@ -535,8 +546,9 @@ class _LeanTree:
         j = torch.arange(kmax, device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
         self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
-        self.internal = self.num_children > 0
-        self.edge_slot = self.ids - self.first_child[self.parent[1:]]  # each child's place among its siblings
+        self.internal = (self.num_children > 0)[None]
+        self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
+        self.groups = [(k, u, ch, self.depth[u]) for k, u, ch in self.groups]
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
@@ -606,16 +618,21 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
     dl = (end - n).clamp(min=0, max=L)  # L_n (0 for finished rows)
     v_root, root_exact = st.v_root, st.root_exact
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact), sch)
-    step = (n[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
-    a, c = draft.affine(frozen, step[:, :L], tab, dtype)  # children of depth-l nodes: a[:, l] x + c[:, l] + s z
-    s = tab["std"][step[:, :L]].to(dtype)
-    # one keyed draw for the whole round: node v's noise is keyed (trajectory, root, v) as in _Nodes.draft
-    keys = rng.fold(st.draft_keys[:, None], n[:, None], lt.ids[None])  # [M, N-1]
+    step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
+    parent_step = step[:, :L]
+    a, c = draft.affine(frozen, parent_step, tab, dtype)  # children of depth-l nodes: a[:, l] x + c[:, l] + s z
+    c = c.reshape(M, L, -1)
+    tabd = ctx.tables_dtype
+    s = tabd["std"][parent_step]
+    # one keyed draw for the whole round: node v's noise is keyed (trajectory, root, v) as in _Nodes.draft;
+    # fold(k, n, v) = fold(fold(k, n), v), and fold(k, n) is a per-run table
+    draft_keys, verify_keys = ctx.key_tables
+    keys = rng.fold(draft_keys[ar, n][:, None], lt.ids[None])  # [M, N-1]
     z = rng.normal(keys, e, dtype=dtype).reshape(M, N - 1, -1)
-    dm1 = lt.depth[1:] - 1
-    terms = torch.cat([x.reshape(M, 1, -1), c.reshape(M, L, -1)[:, dm1] + s[:, dm1, None] * z], 1)  # [M, N, D]
-    a_full = torch.cat([torch.ones(M, 1, dtype=dtype, device=dev), a], 1)  # [M, L+1], depth 0 unused
-    prod = torch.cumprod(torch.where(lt.upper, a_full[:, None, :], torch.ones((), dtype=dtype, device=dev)), 2)  # [M, j, l]
+    dm1 = lt.dm1
+    terms = torch.cat([x.reshape(M, 1, -1), c[:, dm1] + s[:, dm1, None] * z], 1)  # [M, N, D]
+    a_full = torch.cat([a[:, :1], a], 1)  # [M, L+1]; column 0 (depth 0) is never used
+    prod = torch.cumprod(torch.where(lt.upper, a_full[:, None, :], lt.one), 2)  # [M, j, l]
     weights = prod[:, lt.dw, lt.dv] * lt.anc  # [M, v, w] = prod_{i=d(w)+1..d(v)} a_i on the ancestor path
     states = torch.bmm(weights, terms)  # [M, N, D]
     del terms, z
@@ -625,24 +642,25 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
     vel = vel.reshape(M, N, -1)
     vel[:, 0] = torch.where(root_exact[:, None], v_root.reshape(M, -1), vel[:, 0])
     # verdicts of every internal node
-    internal_r = lt.internal[None] & (lt.depth[None] < dl[:, None])  # [M, N]: verified if visited
+    dl_col = dl[:, None]
+    internal_r = lt.internal & (lt.depth_row < dl_col)  # [M, N]: verified if visited (never for finished rows)
     acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
     idx = torch.zeros(M, N, dtype=torch.long, device=dev)
     res = torch.empty_like(states)
     bad = torch.zeros((), dtype=torch.bool, device=dev)
+    vkeys_all = rng.fold(verify_keys[ar, n][:, None], lt.nodes[None])  # [M, N]: the keys of every node's verification
     with deferred_checks() as checks:
-        for k, u, ch in lt.groups:
+        for k, u, ch, du in lt.groups:
             g = u.numel()
-            du = lt.depth[u]
             xu, vu = states[:, u], vel[:, u]  # [M, g, D]
             su = step[:, du]  # [M, g]
-            mean_p = a[:, du, None] * xu + c.reshape(M, L, -1)[:, du]
-            dt_, a_, b_ = (tab[name][su].to(dtype)[..., None] for name in ("dt", "a", "b"))
+            mean_p = a[:, du, None] * xu + c[:, du]
+            dt_, a_, b_ = (tabd[name][su][..., None] for name in ("dt", "a", "b"))
             mean_q = xu + dt_ * (a_ * vu + b_ * xu)
-            need = live[:, None] & internal_r[:, u]
-            sigma = torch.where(need, tab["std"][su].to(dtype), torch.ones((), dtype=dtype, device=dev))
+            need = internal_r[:, u]
+            sigma = torch.where(need, tabd["std"][su], lt.one)
             kids = states[:, ch].reshape(M * g, k, *e)
-            vkeys = rng.fold(st.verify_keys[:, None], n[:, None], u[None])
+            vkeys = vkeys_all[:, u]
             verdict = ctx.coupling(kids, mean_p.reshape(M * g, *e), mean_q.reshape(M * g, *e), sigma.reshape(-1),
                                    rng.KeyedRows(vkeys.reshape(-1)))  # line 17, every internal node at once
             acc[:, u] = verdict.accepted.reshape(M, g)
@@ -653,45 +671,44 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
     if checks.bad is not None:
         bad = bad | checks.bad
     # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
-    p = lt.parent[1:]
-    taken = acc[:, p] & (idx[:, p] == lt.edge_slot[None]) & internal_r[:, p] & live[:, None]  # [M, N-1]
-    missed = torch.cat([torch.zeros(M, 1, dtype=dtype, device=dev), (~taken).to(dtype)], 1)
-    on_path = (missed @ lt.anc.T) == 0  # [M, N]
-    ustar = torch.argmax(on_path.long() * (lt.depth[None] + 1), 1)  # the last node the walk reached
-    rejected = internal_r[ar, ustar] & live  # it was verified and rejected (lines 18--20)
+    p = lt.parent1
+    taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
+    on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
+    ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
+    rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
     out = torch.where(rejected[:, None], res[ar, ustar], states[ar, ustar])
-    v_cur = torch.where(rejected[:, None], vel[ar, ustar], vel[ar, lt.parent[ustar].clamp(min=0)])
+    rej_col = rejected[:, None]
+    v_cur = torch.where(rej_col, vel[ar, ustar], vel[ar, lt.parent_c[ustar]])
     # prefetch (same rules as _prefetch)
-    evaluated = (lt.depth[None] <= dl[:, None]) & (internal_r | ctx.evaluate_leaves)
+    evaluated = (lt.depth_row <= dl_col) & (internal_r | ctx.evaluate_leaves)
     v_next, exact = v_cur, torch.zeros_like(live)
     if ctx.prefetch != "none":
         exact = finished & evaluated[ar, ustar]
         v_next = torch.where(exact[:, None], vel[ar, ustar], v_next)
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
-            ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rejected[:, None]
+            ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
             dist = torch.linalg.vector_norm(states[ar[:, None], ch] - out[:, None], dim=-1)
             best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vel[ar, ch[ar, best]], v_next)
-    verified = on_path & internal_r & live[:, None]
-    call_rows = torch.where(live, (evaluated & live[:, None]).sum(1) - root_exact.long(), torch.zeros_like(n))
+    verified = on_path & internal_r
+    call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
+    charged = call_rows > 0
 
     def commit():
-        dcol = lt.depth[None].expand(M, N).clamp(max=tally.attempts.shape[1] - 1)
-        ver = verified.long()
+        dcol = lt.dcol.expand(M, N)
+        ver, ver_acc = verified.long(), (verified & acc).long()
         tally.attempts.scatter_add_(1, dcol, ver)
-        tally.accepts.scatter_add_(1, dcol, ver * acc.long())
-        at = (n[:, None].expand(M, N).clamp(max=tally.root_attempts.shape[0] - 1), dcol)
+        tally.accepts.scatter_add_(1, dcol, ver_acc)
+        at = (n[:, None].expand(M, N), dcol)
         tally.root_attempts.index_put_(at, ver, accumulate=True)
-        tally.root_accepts.index_put_(at, ver * acc.long(), accumulate=True)
-        charged = call_rows > 0
+        tally.root_accepts.index_put_(at, ver_acc, accumulate=True)
         tally.nfe += charged.long()
         tally.call_rows += call_rows
-        acc_calls.append(charged.any())
         col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
         tally.committed.scatter_add_(1, col, steps[:, None])
         tally.rounds += live.long()
@@ -700,6 +717,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
         st.v_root = torch.where(live.reshape((-1,) + (1,) * len(e)), v_next.reshape(x.shape), v_root)
         st.root_exact = exact_new
 
+    commit.calls = charged.any().long()  # the round's batched call, if any row had something to evaluate
     return commit, n_new, exact_new, bad
 
 
@@ -842,6 +860,9 @@ def sample_speculative(
     st = _first_step(ctx, model, seed, ids, warmup, tally)
     if _lean_supported(tree, execution, ctx.draft):
         ctx.tables = schedule.tables(dev)
+        ctx.tables_dtype = {k: v.to(st.x.dtype) for k, v in ctx.tables.items()}
+        steps_all = torch.arange(T, device=dev)[None]
+        ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
         lt = _LeanTree(tree, dev, st.x.dtype)
         return tally.result(_lean_loop(ctx, lt, tree, tensors, st, tally, warmup, callback), T)
     r = 0
@@ -883,28 +904,35 @@ def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st:
     """
     end = ctx.schedule.end_speculative
     acc_calls: list[torch.Tensor] = []
+    calls = torch.zeros((), dtype=torch.long, device=st.x.device)  # the batch's calls so far, read at the round's sync
     r = 0
     need_final = True
+    batch_calls = 0
     while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
         if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
             _lean_root_call(ctx, st, tally, acc_calls)
         commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, tally, acc_calls)
-        failed, more, need_final = torch.stack([bad, (n_new < end).any(), (~exact_new).any()]).tolist()  # the one sync
+        round_calls = calls + torch.stack(acc_calls).sum() if acc_calls else calls
+        flags = torch.stack([bad.long(), (n_new < end).any().long(), (~exact_new).any().long(), round_calls + commit.calls])
+        failed, more, need_final, batch_calls = flags.tolist()  # the one sync of the round
         if failed:
             live = (st.n < end).nonzero(as_tuple=True)[0]
             _round(ctx, tree, tensors, _TreeNodes, st, live, tally)
             more = bool((st.n < end).any())
             need_final = bool((~st.root_exact).any())
+            calls = round_calls
+            batch_calls = int(calls)
         else:
             commit()
+            calls = round_calls + commit.calls
+        acc_calls = []
         r += 1
         if callback is not None:
-            callback({"round": r, "live": int((st.n < end).sum()), "batch_nfe": tally.batch_nfe + int(sum(acc_calls)),
+            callback({"round": r, "live": int((st.n < end).sum()), "batch_nfe": tally.batch_nfe + batch_calls,
                       "steps_done": int((st.n - ctx.schedule.first_speculative).clamp(min=0).sum())})
         if not more:
             break
-    if acc_calls:
-        tally.batch_nfe += int(torch.stack(acc_calls).sum())
+    tally.batch_nfe += batch_calls
     return _final_step(ctx, st, tally, need_final)
 
 
