@@ -92,19 +92,20 @@ class Draft:
             of the children of nodes ``x`` (all of one depth, at step ``n``).
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
             (``DraftRoot.hist_x0``, with their states ``hist_x``); 0: none are kept.
-        affine: optional ``(frozen [M, ...], n [M, L] long, tables, dtype) -> (a [M, L], c [M, L, *e])``
-            with ``mean(frozen, x, n[:, l]) = a[:, l] x + c[:, l]`` (to rounding) for every state ``x``:
-            the same proposal mean written as an affine map of the parent state, for the steps of all
-            ``L`` depths of a round at once (``tables``: :meth:`specsamp.schedule.Schedule.tables`).
-            With it the tree execution drafts a whole round in one batched product; without it
-            (``None``), layer by layer through ``mean``.
+        table_mean: optional ``(frozen [M, D], x [M, g, D], coef) -> [M, g, D]``: the proposal means of nodes
+            ``x`` (event flattened to ``D``), computed with the same operations as ``mean`` (so the same bits)
+            from coefficients already gathered for each node's step: ``coef`` maps ``dt``, ``a``, ``b``,
+            ``sigma`` (:meth:`specsamp.schedule.Schedule.tables`, in ``x``'s dtype) to tensors that broadcast
+            against ``x``. With it the tree execution runs its lean round (no coefficient recomputed per call);
+            the same bits matter because the couplings project on ``mean_q - mean_p``, small where the draft
+            is good, so a last-bit change of a state can turn the residual's direction.
     """
 
     name: str
     freeze: Callable[..., torch.Tensor]
     mean: Callable[..., torch.Tensor]
     history: int = 0
-    affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    table_mean: Callable[..., torch.Tensor] | None = None
 
 
 DRAFTS: Registry[Draft] = Registry("draft")
@@ -296,33 +297,23 @@ def _x0_affine():
     return freeze, mean
 
 
-def _per_event(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """View ``t [M, L]`` as ``[M, L, 1, ..., 1]`` against ``like [M, *e]`` (one trailing 1 per event dimension)."""
-    return t.reshape(t.shape + (1,) * (like.ndim - 1))
+def _velocity_table_mean(fr, x, coef):
+    # Schedule.mean with the frozen root velocity: x + dt (a v_r + b x)
+    return x + coef["dt"] * (coef["a"] * fr[:, None] + coef["b"] * x)
 
 
-def _velocity_affine(fr, n, tab, dtype):
-    # x + dt (a v_r + b x) = (1 + dt b) x + dt a v_r
-    dt, a, b = tab["dt"][n], tab["a"][n], tab["b"][n]
-    return (1.0 + dt * b).to(dtype), _per_event((dt * a).to(dtype), fr) * fr[:, None]
-
-
-def _drift_affine(fr, n, tab, dtype):
-    return torch.ones(n.shape, dtype=dtype, device=fr.device), fr[:, None].expand(fr.shape[0], n.shape[1], *fr.shape[1:])
-
-
-def _x0_affine_form(fr, n, tab, dtype):
-    # v = (x - x0) / s, so x + dt (a v + b x) = (1 + dt (a / s + b)) x - (dt a / s) x0
-    dt, a, b, s = tab["dt"][n], tab["a"][n], tab["b"][n], tab["sigma"][n]
-    return (1.0 + dt * (a / s + b)).to(dtype), _per_event((-dt * a / s).to(dtype), fr) * fr[:, None]
+def _x0_table_mean(fr, x, coef):
+    # _x0_mean: the velocity (x - x0_hat) / sigma, then Schedule.mean
+    v = (x - fr[:, None]) / coef["sigma"]
+    return x + coef["dt"] * (coef["a"] * v + coef["b"] * x)
 
 
 for _draft in (
     Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
-          affine=_velocity_affine),
+          table_mean=_velocity_table_mean),
     Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
-          affine=_drift_affine),
-    Draft("x0", freeze=_x0_freeze, mean=_x0_mean, affine=_x0_affine_form),
+          table_mean=lambda fr, x, coef: x + fr[:, None]),
+    Draft("x0", freeze=_x0_freeze, mean=_x0_mean, table_mean=_x0_table_mean),
     Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2),
     Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3),
     Draft("x0_affine", *_x0_affine(), history=3),

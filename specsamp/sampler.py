@@ -500,7 +500,7 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
 
 
 # ----------------------------------------------------------------------------------------------
-# The lean round of the tree execution: a fixed tree, an affine draft (Draft.affine), every row of the
+# The lean round of the tree execution: a fixed tree, a draft with a table form (Draft.table_mean), every row of the
 # batch kept in every round (finished rows padded), so each round is a fixed sequence of tensor
 # operations and the host waits once per round, in the loop's "are we done" test.
 
@@ -510,7 +510,7 @@ class _LeanTree:
 
     Attributes (``N`` nodes, depth ``L``): ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]``
     long; ``anc [N, N]`` ``anc[v, w] = 1`` where ``w`` is ``v`` or an ancestor of ``v`` (states' dtype);
-    ``dw, dv [N, N]`` the depths of ``w`` and ``v``; ``upper [L+1, L+1]`` bool ``i > j``; ``groups``:
+    ``layer_sizes`` and ``layer_parents`` (the parent of each node of depth ``l``); ``groups``:
     ``(K, internal nodes [g], their children [g, K])`` per distinct width; ``child_pad [N, Kmax]`` children
     (clamped) and ``child_ok [N, Kmax]`` which of them exist.
     """
@@ -532,10 +532,8 @@ class _LeanTree:
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
         self.levels = torch.arange(L + 1, device=dev)[None]
         self.one = torch.ones((), dtype=dtype, device=dev)
-        self.dw = self.depth[None, :].expand(N, N)
-        self.dv = self.depth[:, None].expand(N, N)
-        r = torch.arange(L + 1, device=dev)
-        self.upper = r[None, :] > r[:, None]
+        self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
+        self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
         self.ids = torch.arange(1, N, device=dev)
         self.nodes = torch.arange(N, device=dev)
         self.groups = []
@@ -552,7 +550,7 @@ class _LeanTree:
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
-    return isinstance(tree, DraftTree) and execution == "tree" and draft.affine is not None and draft.history == 0
+    return isinstance(tree, DraftTree) and execution == "tree" and draft.table_mean is not None and draft.history == 0
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
@@ -595,10 +593,10 @@ class ContractError(ValueError):
 def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_calls: list):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
-    Drafting: the children of a depth-``l`` node are ``a_l x + c_l + s_l z`` (``Draft.affine``, ``s_l`` the
-    kernel std, ``z`` keyed by ``(trajectory, root, node)`` as in :meth:`_Nodes.draft`), so every node is an
-    affine function of the root and the noise along its ancestor path: all states come from one batched
-    product with the ancestor matrix weighted by products of the ``a_l``. Then one batched target call over
+    Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
+    :meth:`_Nodes.draft`), the kernel coefficients of every depth gathered once from the schedule's tables,
+    then per layer a gather of the parents, the draft's mean (``Draft.table_mean``) and one add: the path
+    execution's operations, so both executions draft the same bits. Then one batched target call over
     all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
     own, so the numbers are those the walk would draw); the walk is a gather (a node is on the accepted path
     iff every edge above it was the accepted one). Value checks are deferred (:func:`coupling.deferred_checks`).
@@ -620,22 +618,25 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact), sch)
     step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
     parent_step = step[:, :L]
-    a, c = draft.affine(frozen, parent_step, tab, dtype)  # children of depth-l nodes: a[:, l] x + c[:, l] + s z
-    c = c.reshape(M, L, -1)
     tabd = ctx.tables_dtype
-    s = tabd["std"][parent_step]
+    # per-depth kernel coefficients, gathered once: [M, 1, 1] views per depth for the layers below
+    coef = {k: tabd[k][parent_step].reshape(M, L, 1, 1).unbind(1) for k in ("dt", "a", "b", "sigma")}
     # one keyed draw for the whole round: node v's noise is keyed (trajectory, root, v) as in _Nodes.draft;
     # fold(k, n, v) = fold(fold(k, n), v), and fold(k, n) is a per-run table
     draft_keys, verify_keys = ctx.key_tables
     keys = rng.fold(draft_keys[ar, n][:, None], lt.ids[None])  # [M, N-1]
-    z = rng.normal(keys, e, dtype=dtype).reshape(M, N - 1, -1)
-    dm1 = lt.dm1
-    terms = torch.cat([x.reshape(M, 1, -1), c[:, dm1] + s[:, dm1, None] * z], 1)  # [M, N, D]
-    a_full = torch.cat([a[:, :1], a], 1)  # [M, L+1]; column 0 (depth 0) is never used
-    prod = torch.cumprod(torch.where(lt.upper, a_full[:, None, :], lt.one), 2)  # [M, j, l]
-    weights = prod[:, lt.dw, lt.dv] * lt.anc  # [M, v, w] = prod_{i=d(w)+1..d(v)} a_i on the ancestor path
-    states = torch.bmm(weights, terms)  # [M, N, D]
-    del terms, z
+    noise = rng.normal(keys, e, dtype=dtype).reshape(M, N - 1, -1)
+    noise *= tabd["std"][parent_step][:, lt.dm1, None]  # std z, as _Nodes.draft scales it
+    # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
+    # are the same bits; each layer is a gather, the draft's mean and one add into the states
+    frozen_flat = frozen.reshape(M, -1)
+    states = x.new_empty(M, N, x[0].numel())
+    layers = states.split(lt.layer_sizes, 1)
+    layers[0].copy_(x.reshape(M, 1, -1))
+    for l, (parents, sz) in enumerate(zip(lt.layer_parents, noise.split(lt.layer_sizes[1:], 1)), start=1):
+        c_l = {k: v[l - 1] for k, v in coef.items()}
+        torch.add(sz, draft.table_mean(frozen_flat, states[:, parents], c_l), out=layers[l])
+    del noise
     # the batched target call: every node of every row (static shape)
     node_step = step[:, lt.depth]  # [M, N]
     vel = ctx.velocity(states.reshape(M * N, *e), node_step.reshape(-1), ar[:, None].expand(M, N).reshape(-1))
@@ -654,8 +655,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
             g = u.numel()
             xu, vu = states[:, u], vel[:, u]  # [M, g, D]
             su = step[:, du]  # [M, g]
-            mean_p = a[:, du, None] * xu + c[:, du]
-            dt_, a_, b_ = (tabd[name][su][..., None] for name in ("dt", "a", "b"))
+            cu = {k: tabd[k][su][..., None] for k in ("dt", "a", "b", "sigma")}
+            mean_p = draft.table_mean(frozen_flat, xu, cu)  # the path execution's operations (same bits)
+            dt_, a_, b_ = cu["dt"], cu["a"], cu["b"]
             mean_q = xu + dt_ * (a_ * vu + b_ * xu)
             need = internal_r[:, u]
             sigma = torch.where(need, tabd["std"][su], lt.one)
@@ -808,7 +810,7 @@ def sample_speculative(
             under ``specsamp.``), off for the library's own, whose law is tested. The check is device
             operations folded into the round's one host synchronisation.
 
-    The tree execution of a fixed tree with a draft that has an affine form (``Draft.affine``: ``velocity``,
+    The tree execution of a fixed tree with a draft that has a table form (``Draft.table_mean``: ``velocity``,
     ``drift``, ``x0``) runs the lean round (:func:`_lean_round`): every row of the batch in every round
     (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
     states, one coupling call per node width, a walk by gathers, and one host synchronisation per round
