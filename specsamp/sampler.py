@@ -544,9 +544,27 @@ class _LeanTree:
         j = torch.arange(kmax, device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
         self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
+        depth, internal = np.asarray(tree.depth), np.asarray(tree.num_children) > 0
+        d = np.arange(L + 1)[:, None]
+        self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
+            leaves: (depth[None] <= d) & ((internal[None] & (depth[None] < d)) | leaves) for leaves in (False, True)}
         self.internal = (self.num_children > 0)[None]
         self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
         self.groups = [(k, u, ch, self.depth[u]) for k, u, ch in self.groups]
+
+
+def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool) -> np.ndarray:
+    """Flat indices ``row * N + node`` of the states a round's batched call evaluates, from host copies of
+    the rows' state indices ``n [M]`` and root flags ``exact [M]``: the nodes of ``T|_{L_n}`` the protocol
+    evaluates (:meth:`_Nodes.evaluated`), without a root whose velocity is known, for live rows only."""
+    dl = np.clip(end - n, 0, self.L)
+    mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
+    mask[:, 0] &= ~exact
+    mask &= (n < end)[:, None]
+    return np.flatnonzero(mask)
+
+
+_LeanTree.plan = _plan
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
@@ -590,7 +608,7 @@ class ContractError(ValueError):
     """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
 
 
-def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_calls: list):
+def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
     Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
@@ -601,8 +619,12 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
     own, so the numbers are those the walk would draw); the walk is a gather (a node is on the accepted path
     iff every edge above it was the accepted one). Value checks are deferred (:func:`coupling.deferred_checks`).
 
+    Args:
+        plan: long ``[P]`` flat indices ``row * N + node`` of the states the batched call evaluates
+            (:meth:`_LeanTree.plan`; the rest of ``vel`` stays 0 and is never used).
+
     Returns:
-        ``(commit, n_new, exact_new, flags)``: ``commit()`` writes the round into ``st`` and ``tally``;
+        ``(commit, n_new, exact_new, flags)``: ``commit(tally)`` writes the round into ``st`` and ``tally``;
         ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
         a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
         discards the round and repeats it with :func:`_round`, which raises the precise error).
@@ -637,9 +659,12 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
         c_l = {k: v[l - 1] for k, v in coef.items()}
         torch.add(sz, draft.table_mean(frozen_flat, states[:, parents], c_l), out=layers[l])
     del noise
-    # the batched target call: every node of every row (static shape)
-    node_step = step[:, lt.depth]  # [M, N]
-    vel = ctx.velocity(states.reshape(M * N, *e), node_step.reshape(-1), ar[:, None].expand(M, N).reshape(-1))
+    # the batched target call over the planned rows (what the reference round evaluates)
+    flat = states.reshape(M * N, -1)
+    vel = torch.zeros_like(flat)
+    if plan.numel():
+        node_step = step[:, lt.depth].reshape(-1)
+        vel[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step[plan], plan // N).reshape(plan.numel(), -1)
     vel = vel.reshape(M, N, -1)
     vel[:, 0] = torch.where(root_exact[:, None], v_root.reshape(M, -1), vel[:, 0])
     # verdicts of every internal node
@@ -699,9 +724,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
     call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
-    charged = call_rows > 0
+    charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
 
-    def commit():
+    def commit(tally: _Tally):
         dcol = lt.dcol.expand(M, N)
         ver, ver_acc = verified.long(), (verified & acc).long()
         tally.attempts.scatter_add_(1, dcol, ver)
@@ -719,20 +744,16 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, tally: _Tally, acc_ca
         st.v_root = torch.where(live.reshape((-1,) + (1,) * len(e)), v_next.reshape(x.shape), v_root)
         st.root_exact = exact_new
 
-    commit.calls = charged.any().long()  # the round's batched call, if any row had something to evaluate
     return commit, n_new, exact_new, bad
 
 
-def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, acc_calls: list) -> None:
-    """:func:`_root_call` for every row (finished rows padded, charged only where live); no host sync."""
-    M = st.x.shape[0]
-    live = st.n < ctx.schedule.end_speculative
-    v = ctx.velocity(st.x, st.n.clamp(max=ctx.schedule.steps - 1), torch.arange(M, device=st.x.device))
-    st.v_root = torch.where(per_row(live, st.x), v, st.v_root)
-    st.root_exact = st.root_exact | live
-    tally.nfe += live.long()
-    tally.call_rows += live.long()
-    acc_calls.append(live.any())
+def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tensor) -> None:
+    """:func:`_root_call` for the live ``rows`` the host already knows (no host sync)."""
+    st.v_root[rows] = ctx.velocity(st.x[rows], st.n[rows], rows)
+    st.root_exact[rows] = True
+    tally.nfe[rows] += 1
+    tally.call_rows[rows] += 1
+    tally.batch_nfe += 1
 
 
 TreeRule = DraftTree | Callable[[int], DraftTree]
@@ -899,43 +920,43 @@ def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st:
                callback) -> torch.Tensor:
     """The rounds of :func:`sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
 
-    One host synchronisation per round: it reads whether a deferred check failed, whether any row is
-    still live and whether the final step will need a call. Where a check failed, the round is discarded
-    and repeated by the reference :func:`_round` on the live rows (same keys, so the same numbers), which
-    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
+    One host synchronisation per round: it reads whether a deferred check failed and the rows' new
+    state indices and root flags. From those the host knows, before the next round, which rows are live
+    and which nodes its batched call must evaluate (the same rows the reference round sends; finished
+    rows and known velocities are not evaluated). Where a check failed, the round is discarded and repeated
+    by the reference :func:`_round` on the live rows (same keys, so the same numbers), which raises the
+    precise error (or, where only nodes off the walk's path were bad, commits the same round).
     """
     end = ctx.schedule.end_speculative
-    acc_calls: list[torch.Tensor] = []
-    calls = torch.zeros((), dtype=torch.long, device=st.x.device)  # the batch's calls so far, read at the round's sync
+    dev = st.x.device
+    M = st.x.shape[0]
+    n_host = np.full(M, ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
+    exact_host = np.zeros(M, dtype=bool)
     r = 0
-    need_final = True
-    batch_calls = 0
     while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
+        live_host = n_host < end
         if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
-            _lean_root_call(ctx, st, tally, acc_calls)
-        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, tally, acc_calls)
-        round_calls = calls + torch.stack(acc_calls).sum() if acc_calls else calls
-        flags = torch.stack([bad.long(), (n_new < end).any().long(), (~exact_new).any().long(), round_calls + commit.calls])
-        failed, more, need_final, batch_calls = flags.tolist()  # the one sync of the round
-        if failed:
+            _lean_root_call(ctx, st, tally, torch.as_tensor(np.flatnonzero(live_host), device=dev))
+            exact_host = exact_host | live_host
+        plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves)
+        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, torch.as_tensor(plan, device=dev))
+        payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
+        if payload[0]:
             live = (st.n < end).nonzero(as_tuple=True)[0]
             _round(ctx, tree, tensors, _TreeNodes, st, live, tally)
-            more = bool((st.n < end).any())
-            need_final = bool((~st.root_exact).any())
-            calls = round_calls
-            batch_calls = int(calls)
+            n_host, exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
-            commit()
-            calls = round_calls + commit.calls
-        acc_calls = []
+            commit(tally)
+            tally.batch_nfe += int(plan.size > 0)  # a round with nothing to evaluate costs no call
+            n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
+            exact_host = np.asarray(payload[M + 1 :], dtype=bool)
         r += 1
         if callback is not None:
-            callback({"round": r, "live": int((st.n < end).sum()), "batch_nfe": tally.batch_nfe + batch_calls,
-                      "steps_done": int((st.n - ctx.schedule.first_speculative).clamp(min=0).sum())})
-        if not more:
+            callback({"round": r, "live": int((n_host < end).sum()), "batch_nfe": tally.batch_nfe,
+                      "steps_done": int((n_host - ctx.schedule.first_speculative).clip(min=0).sum())})
+        if not (n_host < end).any():
             break
-    tally.batch_nfe += batch_calls
-    return _final_step(ctx, st, tally, need_final)
+    return _final_step(ctx, st, tally, torch.as_tensor(np.flatnonzero(~exact_host), device=dev))
 
 
 @dataclass
@@ -961,7 +982,7 @@ class _Tally:
 
     def charge(self, rows: torch.Tensor, call_rows: torch.Tensor) -> None:
         """One batched call in which trajectories ``rows`` had ``call_rows`` states each (0: not in it)."""
-        charged = call_rows > 0
+        charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
         self.nfe[rows] += charged.long()
         self.call_rows[rows] += call_rows
         self.batch_nfe += int(bool(charged.any()))
@@ -1061,23 +1082,21 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         st.hist_x[live] = rnd.hist_x
 
 
-def _final_step(ctx: _Context, st: _Chains, tally: _Tally, any_need: bool | None = None) -> torch.Tensor:
+def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Step ``T - 1``, a deterministic Euler step to sigma = 0; reuses an exact velocity the last round left.
 
-    ``any_need``: whether some row lacks an exact velocity, when the caller already read it (then the
-    rows' velocities come from one call over every row, used where needed: no further host sync)."""
+    ``need_rows``: the rows without an exact velocity, when the caller already knows them (no host sync)."""
     M = st.x.shape[0]
     last = torch.full((M,), ctx.schedule.steps - 1, dtype=torch.long, device=st.x.device)
     v_last = st.v_root.clone()
     need = ~st.root_exact
-    if any_need is not None:
-        if any_need:
-            v = ctx.velocity(st.x, last, torch.arange(M, device=st.x.device))
-            v_last = torch.where(per_row(need, st.x), v, v_last)
-            tally.endpoint_nfe += need.long()
-        return ctx.schedule.mean(st.x, v_last, last)
-    if bool(need.any()):
+    if need_rows is not None:
+        w = need_rows
+    elif bool(need.any()):
         w = need.nonzero(as_tuple=True)[0]
+    else:
+        w = None
+    if w is not None and w.numel():
         v_last[w] = ctx.velocity(st.x[w], last[w], w)
         tally.endpoint_nfe[w] += 1
     return ctx.schedule.mean(st.x, v_last, last)
