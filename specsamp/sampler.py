@@ -364,7 +364,7 @@ class _Context:
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
     tables: dict | None = None  # Schedule.tables on the model's device (float64)
-    tables_dtype: dict | None = None  # the same, cast to the states' dtype
+    coef_table: torch.Tensor | None = None  # [T, 5] the COEFS columns of the tables, in the states' dtype
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
     check_contract: bool = False  # check every verdict against the coupling contract
 
@@ -532,6 +532,7 @@ class _LeanTree:
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
         self.levels = torch.arange(L + 1, device=dev)[None]
         self.one = torch.ones((), dtype=dtype, device=dev)
+        self.num_children_np = np.asarray(tree.num_children)
         self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
         self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
         self.ids = torch.arange(1, N, device=dev)
@@ -565,6 +566,46 @@ def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: boo
 
 
 _LeanTree.plan = _plan
+
+COEFS = ("dt", "a", "b", "sigma", "std")  # the kernel coefficients a lean round gathers per step
+
+
+@dataclass
+class _LeanBuffers:
+    """Per-run buffers of the lean round (``states [M, N, D]``, ``noise [M, N-1, D]``) and, per layer ``l``,
+    ``(parents, parent_view, K, out_view, noise_view)``: ``parents`` None where the layer's parents are the
+    whole previous layer with ``K`` children each (``parent_view`` that layer, ``out_view`` and ``noise_view``
+    shaped ``[M, P, K, D]``, or ``[M, P, D]`` for ``K = 1`` with ``K`` None), else their node ids (then
+    ``parent_view`` is None, ``K`` None and the views are ``[M, C, D]``)."""
+
+    states: torch.Tensor
+    noise: torch.Tensor
+    layers: list
+
+
+def _bind(self, M: int, D: int) -> None:
+    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``)."""
+    states = torch.empty(M, self.N, D, dtype=self.anc.dtype, device=self.anc.device)
+    noise = torch.empty(M, self.N - 1, D, dtype=states.dtype, device=states.device)
+    bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)])
+    layers = []
+    for l in range(1, self.L + 1):
+        a, b = int(bounds[l]), int(bounds[l + 1])
+        pa, pb = int(bounds[l - 1]), int(bounds[l])
+        kids = self.num_children_np[pa:pb]
+        out, sz = states[:, a:b], noise[:, a - 1 : b - 1]
+        if (kids == kids[0]).all() and kids[0] > 0:
+            k = int(kids[0])
+            if k == 1:
+                layers.append((None, states[:, pa:pb], None, out, sz))
+            else:
+                layers.append((None, states[:, pa:pb], k, out.view(M, pb - pa, k, D), sz.view(M, pb - pa, k, D)))
+        else:
+            layers.append((self.layer_parents[l - 1], None, None, out, sz))
+    self.buffers = _LeanBuffers(states, noise, layers)
+
+
+_LeanTree.bind = _bind
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
@@ -640,25 +681,26 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact), sch)
     step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
     parent_step = step[:, :L]
-    tabd = ctx.tables_dtype
-    # per-depth kernel coefficients, gathered once: [M, 1, 1] views per depth for the layers below
-    coef = {k: tabd[k][parent_step].reshape(M, L, 1, 1).unbind(1) for k in ("dt", "a", "b", "sigma")}
+    # every kernel coefficient of every depth in one gather: [M, L, 5] (dt, a, b, sigma, std)
+    coefs = ctx.coef_table[parent_step]
+    per_depth = coefs.permute(1, 2, 0).reshape(L * 5, M, 1, 1).unbind(0)  # [M, 1, 1] views, depth-major
     # one keyed draw for the whole round: node v's noise is keyed (trajectory, root, v) as in _Nodes.draft;
     # fold(k, n, v) = fold(fold(k, n), v), and fold(k, n) is a per-run table
     draft_keys, verify_keys = ctx.key_tables
+    buf = lt.buffers
     keys = rng.fold(draft_keys[ar, n][:, None], lt.ids[None])  # [M, N-1]
-    noise = rng.normal(keys, e, dtype=dtype).reshape(M, N - 1, -1)
-    noise *= tabd["std"][parent_step][:, lt.dm1, None]  # std z, as _Nodes.draft scales it
+    rng.normal(keys, e, out=buf.noise)
+    buf.noise *= coefs[:, lt.dm1, 4:5]  # std z, as _Nodes.draft scales it
     # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
-    # are the same bits; each layer is a gather, the draft's mean and one add into the states
-    frozen_flat = frozen.reshape(M, -1)
-    states = x.new_empty(M, N, x[0].numel())
-    layers = states.split(lt.layer_sizes, 1)
-    layers[0].copy_(x.reshape(M, 1, -1))
-    for l, (parents, sz) in enumerate(zip(lt.layer_parents, noise.split(lt.layer_sizes[1:], 1)), start=1):
-        c_l = {k: v[l - 1] for k, v in coef.items()}
-        torch.add(sz, draft.table_mean(frozen_flat, states[:, parents], c_l), out=layers[l])
-    del noise
+    # are the same bits; a layer whose parents all have K children is the draft's mean of the parent layer
+    # and one broadcast add (no gather), other layers gather their parents first
+    frozen_col = frozen.reshape(M, 1, -1)
+    states = buf.states
+    states[:, 0] = x.reshape(M, -1)
+    for l, (parents, parent_view, k, out_view, sz) in enumerate(buf.layers, start=1):
+        c_l = dict(zip(COEFS, per_depth[5 * (l - 1) : 5 * l]))
+        mean = draft.table_mean(frozen_col, parent_view if parents is None else states[:, parents], c_l)
+        torch.add(sz, mean if k is None else mean[:, :, None], out=out_view)
     # the batched target call over the planned rows (what the reference round evaluates)
     flat = states.reshape(M * N, -1)
     vel = torch.zeros_like(flat)
@@ -680,12 +722,12 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
             g = u.numel()
             xu, vu = states[:, u], vel[:, u]  # [M, g, D]
             su = step[:, du]  # [M, g]
-            cu = {k: tabd[k][su][..., None] for k in ("dt", "a", "b", "sigma")}
-            mean_p = draft.table_mean(frozen_flat, xu, cu)  # the path execution's operations (same bits)
+            cu = dict(zip(COEFS, coefs[:, du, None].unbind(3)))  # [M, g, 1] each
+            mean_p = draft.table_mean(frozen_col, xu, cu)  # the path execution's operations (same bits)
             dt_, a_, b_ = cu["dt"], cu["a"], cu["b"]
             mean_q = xu + dt_ * (a_ * vu + b_ * xu)
             need = internal_r[:, u]
-            sigma = torch.where(need, tabd["std"][su], lt.one)
+            sigma = torch.where(need, cu["std"][..., 0], lt.one)
             kids = states[:, ch].reshape(M * g, k, *e)
             vkeys = vkeys_all[:, u]
             verdict = ctx.coupling(kids, mean_p.reshape(M * g, *e), mean_q.reshape(M * g, *e), sigma.reshape(-1),
@@ -883,10 +925,11 @@ def sample_speculative(
     st = _first_step(ctx, model, seed, ids, warmup, tally)
     if _lean_supported(tree, execution, ctx.draft):
         ctx.tables = schedule.tables(dev)
-        ctx.tables_dtype = {k: v.to(st.x.dtype) for k, v in ctx.tables.items()}
+        ctx.coef_table = torch.stack([ctx.tables[k] for k in COEFS], 1).to(st.x.dtype)  # [T, 5]
         steps_all = torch.arange(T, device=dev)[None]
         ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
         lt = _LeanTree(tree, dev, st.x.dtype)
+        lt.bind(M, st.x[0].numel())
         return tally.result(_lean_loop(ctx, lt, tree, tensors, st, tally, warmup, callback), T)
     r = 0
     while True:  # line 2
