@@ -15,7 +15,7 @@ Python is seen once, whatever the backend) while a sampler runs, and splits them
 A host synchronisation is an operation whose result size or value the host must read before it can go
 on (on CUDA each one waits for the device queue to drain): ``aten::_local_scalar_dense`` (``item()``,
 ``bool()``, ``int()``, ``float()`` of a tensor), ``aten::nonzero`` (also what boolean-mask indexing
-dispatches), ``aten::unique*``, ``aten::masked_select``, ``aten::repeat_interleave`` without an output
+dispatches on some backends), ``aten::unique*``, ``aten::masked_select``, ``aten::repeat_interleave`` without an output
 size, and the Python-level ``Tensor.tolist()`` and ``Tensor.numpy()`` (which bypass the dispatcher and
 are counted by wrapping them while counting). ``torch.cuda.set_sync_debug_mode`` reports the same
 events on CUDA only; this counter works on any device, the CPU included.
@@ -41,6 +41,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
             "unique_consecutive", "masked_select", "repeat_interleave")
 """ATen operator base names that make the host wait (see the module docstring)."""
+
+
+MASK_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
+"""Indexing operators that synchronise when an index is a boolean mask (its size is its number of True)."""
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return isinstance(indices, (list, tuple)) and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 def _base(func) -> str:
@@ -83,6 +92,9 @@ class OpCounter(TorchDispatchMode):
         self.counts.by_op[(reg, name)] += 1
         if name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None):
             self.counts.syncs[reg] += 1
+        elif name in MASK_OPS and _has_bool_index(args):
+            self.counts.syncs[reg] += 1
+            self.counts.by_op[(reg, name + "[bool mask]")] += 1
         return func(*args, **(kwargs or {}))
 
     def sync(self, what: str) -> None:
