@@ -183,6 +183,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
             else:
                 r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
                                        evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
+                                       check_contract=None if run.check_contract == "auto" else run.check_contract,
                                        **common)
             results.append(r)
             bar.to(base + chunk.numel() * per_traj)
