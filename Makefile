@@ -15,7 +15,7 @@ test:  ## default test run (slow tests excluded), with the line coverage of spec
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""
 
-bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), about 90 s; full size: make bench ARGS=--full
+bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, ops and syncs per round), about 90 s; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
 
 gpu-check:  ## GPU check on the CIFAR-sized stand-in, then on the trained digits network; JSON in gpu_check.json, gpu_check_digits.json (CPU smoke: ARGS="--device cpu --tiny")

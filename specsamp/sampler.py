@@ -533,14 +533,18 @@ class _LeanTree:
         self.levels = torch.arange(L + 1, device=dev)[None]
         self.one = torch.ones((), dtype=dtype, device=dev)
         self.num_children_np = np.asarray(tree.num_children)
+        self.depth_np = np.asarray(tree.depth)
         self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
         self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
         self.ids = torch.arange(1, N, device=dev)
+        self.key_cache = None
         self.nodes = torch.arange(N, device=dev)
-        self.groups = []
+        self.groups, self.groups_np = [], []
         for k in sorted({int(c) for c in tree.num_children if c > 0}):
             u = [v for v in range(N) if int(tree.num_children[v]) == k]
-            self.groups.append((k, t(u), t([[int(tree.first_child[v]) + j for j in range(k)] for v in u])))
+            ch = [[int(tree.first_child[v]) + j for j in range(k)] for v in u]
+            self.groups.append((k, t(u), t(ch)))
+            self.groups_np.append((k, u, ch))
         kmax = int(tree.num_children.max())
         j = torch.arange(kmax, device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
@@ -555,14 +559,14 @@ class _LeanTree:
 
 
 def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool) -> np.ndarray:
-    """Flat indices ``row * N + node`` of the states a round's batched call evaluates, from host copies of
+    """Flat indices ``node * M + row`` of the states a round's batched call evaluates, from host copies of
     the rows' state indices ``n [M]`` and root flags ``exact [M]``: the nodes of ``T|_{L_n}`` the protocol
     evaluates (:meth:`_Nodes.evaluated`), without a root whose velocity is known, for live rows only."""
     dl = np.clip(end - n, 0, self.L)
     mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
     mask[:, 0] &= ~exact
     mask &= (n < end)[:, None]
-    return np.flatnonzero(mask)
+    return np.flatnonzero(mask.T)
 
 
 _LeanTree.plan = _plan
@@ -572,37 +576,62 @@ COEFS = ("dt", "a", "b", "sigma", "std")  # the kernel coefficients a lean round
 
 @dataclass
 class _LeanBuffers:
-    """Per-run buffers of the lean round (``states [M, N, D]``, ``noise [M, N-1, D]``) and, per layer ``l``,
-    ``(parents, parent_view, K, out_view, noise_view)``: ``parents`` None where the layer's parents are the
-    whole previous layer with ``K`` children each (``parent_view`` that layer, ``out_view`` and ``noise_view``
-    shaped ``[M, P, K, D]``, or ``[M, P, D]`` for ``K = 1`` with ``K`` None), else their node ids (then
-    ``parent_view`` is None, ``K`` None and the views are ``[M, C, D]``)."""
+    """Per-run buffers of the lean round, node-major: ``states [N, M, D]``, ``residual [I, M, D]`` (the verdict
+    samples of the internal nodes). ``layers``: per depth ``l``, ``(parents, parent_view, K, out_view)``:
+    ``parents`` None where the layer's parents are the whole previous layer with ``K`` children each
+    (``parent_view`` that layer, ``out_view`` shaped ``[P, K, M, D]``, or ``[P, M, D]`` with ``K`` None for one
+    child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
+    verification calls, ``(K, nodes [c], their slice or None, children [c, K], their slice or None, depths [c],
+    whether node 0 is among them, their rows of residual)``, at most :data:`VERIFY_MEMORY` of the states' size
+    of temporaries each (at least one node)."""
 
     states: torch.Tensor
-    noise: torch.Tensor
+    residual: torch.Tensor
     layers: list
+    chunks: list
+
+
+KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
+VERIFY_MEMORY = 0.25  # a verification chunk's temporaries, as a fraction of the states block (or 2**20 elements)
+
+
+def _as_slice(ids: list[int]) -> slice | None:
+    return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
 
 
 def _bind(self, M: int, D: int) -> None:
     """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``)."""
-    states = torch.empty(M, self.N, D, dtype=self.anc.dtype, device=self.anc.device)
-    noise = torch.empty(M, self.N - 1, D, dtype=states.dtype, device=states.device)
+    dev = self.anc.device
+    N = self.N
+    states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
     bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)])
     layers = []
     for l in range(1, self.L + 1):
-        a, b = int(bounds[l]), int(bounds[l + 1])
-        pa, pb = int(bounds[l - 1]), int(bounds[l])
+        a, b, pa, pb = int(bounds[l]), int(bounds[l + 1]), int(bounds[l - 1]), int(bounds[l])
         kids = self.num_children_np[pa:pb]
-        out, sz = states[:, a:b], noise[:, a - 1 : b - 1]
         if (kids == kids[0]).all() and kids[0] > 0:
             k = int(kids[0])
-            if k == 1:
-                layers.append((None, states[:, pa:pb], None, out, sz))
-            else:
-                layers.append((None, states[:, pa:pb], k, out.view(M, pb - pa, k, D), sz.view(M, pb - pa, k, D)))
+            out = states[a:b] if k == 1 else states[a:b].view(pb - pa, k, M, D)
+            layers.append((None, states[pa:pb], None if k == 1 else k, out))
         else:
-            layers.append((self.layer_parents[l - 1], None, None, out, sz))
-    self.buffers = _LeanBuffers(states, noise, layers)
+            layers.append((self.layer_parents[l - 1], None, None, states[a:b]))
+    t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+    chunks, pos, node_pos = [], 0, np.zeros(N, dtype=np.int64)
+    budget = max(VERIFY_MEMORY * N * M * D, 2**20)
+    for k, u_np, ch_np in self.groups_np:
+        per_node = (k + 8) * M * D  # children copy, parents, means and the coupling's work rows
+        step = max(1, int(budget // per_node))
+        for i in range(0, len(u_np), step):
+            uc, cc = u_np[i : i + step], ch_np[i : i + step]
+            flat_ch = [c for row in cc for c in row]
+            node_pos[uc] = np.arange(pos, pos + len(uc))
+            chunks.append((k, t(uc), _as_slice(uc), t(cc), _as_slice(flat_ch), t(self.depth_np[uc]), bool(uc[0] == 0),
+                           slice(pos, pos + len(uc))))
+            pos += len(uc)
+    residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev)
+    self.pos_c = t(node_pos)
+    self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
+    self.buffers = _LeanBuffers(states, residual, layers, chunks)
 
 
 _LeanTree.bind = _bind
@@ -649,7 +678,7 @@ class ContractError(ValueError):
     """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
 
 
-def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
+def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some"):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
     Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
@@ -661,8 +690,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
     iff every edge above it was the accepted one). Value checks are deferred (:func:`coupling.deferred_checks`).
 
     Args:
-        plan: long ``[P]`` flat indices ``row * N + node`` of the states the batched call evaluates
-            (:meth:`_LeanTree.plan`; the rest of ``vel`` stays 0 and is never used).
+        plan: long ``[P]`` flat indices ``node * M + row`` of the states the batched call evaluates
+            (:meth:`_LeanTree.plan`; the velocities of the others stay 0 and are never used).
+        plan_kind: ``rest`` (every non-root node of every row; the roots' velocities are known), ``all``
+            (every node of every row) or ``some``: the first two read the states in place.
 
     Returns:
         ``(commit, n_new, exact_new, flags)``: ``commit(tally)`` writes the round into ``st`` and ``tally``;
@@ -682,61 +713,78 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
     step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
     parent_step = step[:, :L]
     # every kernel coefficient of every depth in one gather: [M, L, 5] (dt, a, b, sigma, std)
-    coefs = ctx.coef_table[parent_step]
-    per_depth = coefs.permute(1, 2, 0).reshape(L * 5, M, 1, 1).unbind(0)  # [M, 1, 1] views, depth-major
-    # one keyed draw for the whole round: node v's noise is keyed (trajectory, root, v) as in _Nodes.draft;
-    # fold(k, n, v) = fold(fold(k, n), v), and fold(k, n) is a per-run table
+    coefs = ctx.coef_table[parent_step].permute(1, 2, 0)[..., None]  # [L, 5, M, 1], node-major
+    per_depth = coefs.reshape(L * 5, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
+    # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
+    # (trajectory, root, v) as in _Nodes.draft; fold(k, n, v) = fold(fold(k, n), v), fold(k, n) a per-run table
     draft_keys, verify_keys = ctx.key_tables
     buf = lt.buffers
-    keys = rng.fold(draft_keys[ar, n][:, None], lt.ids[None])  # [M, N-1]
-    rng.normal(keys, e, out=buf.noise)
-    buf.noise *= coefs[:, lt.dm1, 4:5]  # std z, as _Nodes.draft scales it
+    states = buf.states  # [N, M, D]
+    if lt.key_cache is not None:  # per-run tables of every (row, root, node) key
+        keys, vkeys_all = lt.key_cache[0][ar, n].T, lt.key_cache[1][ar, n].T  # [N-1, M], [N, M]
+    else:
+        keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
+        vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
+    rng.normal(keys, e, out=states[1:])
+    states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+    states[0] = x.reshape(M, -1)
     # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
-    # are the same bits; a layer whose parents all have K children is the draft's mean of the parent layer
-    # and one broadcast add (no gather), other layers gather their parents first
-    frozen_col = frozen.reshape(M, 1, -1)
-    states = buf.states
-    states[:, 0] = x.reshape(M, -1)
-    for l, (parents, parent_view, k, out_view, sz) in enumerate(buf.layers, start=1):
+    # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
+    # (no gather), other layers gather their parents first
+    frozen_col = frozen.reshape(1, M, -1)
+    for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
         c_l = dict(zip(COEFS, per_depth[5 * (l - 1) : 5 * l]))
-        mean = draft.table_mean(frozen_col, parent_view if parents is None else states[:, parents], c_l)
-        torch.add(sz, mean if k is None else mean[:, :, None], out=out_view)
-    # the batched target call over the planned rows (what the reference round evaluates)
-    flat = states.reshape(M * N, -1)
-    vel = torch.zeros_like(flat)
-    if plan.numel():
-        node_step = step[:, lt.depth].reshape(-1)
-        vel[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step[plan], plan // N).reshape(plan.numel(), -1)
-    vel = vel.reshape(M, N, -1)
-    vel[:, 0] = torch.where(root_exact[:, None], v_root.reshape(M, -1), vel[:, 0])
-    # verdicts of every internal node
+        mean = draft.table_mean(frozen_col, parent_view if parents is None else states[parents], c_l)
+        out_view += mean if k is None else mean[:, None]
+    # the batched target call over the planned rows (what the reference round evaluates); where they are
+    # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
+    flat = states.reshape(N * M, -1)
+    node_step = step[:, lt.depth].T  # [N, M]
+    if plan_kind == "rest":
+        v0 = v_root.reshape(M, -1)
+        vrest = ctx.velocity(states[1:].reshape(-1, *e), node_step[1:].reshape(-1), lt.rows[M:]).reshape(N - 1, M, -1)
+    elif plan_kind == "all":
+        out_all = ctx.velocity(flat.reshape(-1, *e), node_step.reshape(-1), lt.rows).reshape(N, M, -1)
+        v0, vrest = out_all[0], out_all[1:]
+    else:
+        full = torch.zeros_like(flat)
+        if plan.numel():
+            full[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step.reshape(-1)[plan], plan % M).reshape(plan.numel(), -1)
+        v0 = torch.where(root_exact[:, None], v_root.reshape(M, -1), full[:M])
+        vrest = full[M:].view(N - 1, M, -1)
+
+    # verdicts of every internal node, in chunks of nodes sized to the states' memory
     dl_col = dl[:, None]
     internal_r = lt.internal & (lt.depth_row < dl_col)  # [M, N]: verified if visited (never for finished rows)
     acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
     idx = torch.zeros(M, N, dtype=torch.long, device=dev)
-    res = torch.empty_like(states)
+    res = buf.residual  # [I, M, D]: each internal node's verdict sample
     bad = torch.zeros((), dtype=torch.bool, device=dev)
-    vkeys_all = rng.fold(verify_keys[ar, n][:, None], lt.nodes[None])  # [M, N]: the keys of every node's verification
     with deferred_checks() as checks:
-        for k, u, ch, du in lt.groups:
-            g = u.numel()
-            xu, vu = states[:, u], vel[:, u]  # [M, g, D]
-            su = step[:, du]  # [M, g]
-            cu = dict(zip(COEFS, coefs[:, du, None].unbind(3)))  # [M, g, 1] each
+        for k, u, u_sl, ch, ch_sl, du, has_root, pos in buf.chunks:
+            c = u.numel()
+            xu = states[u_sl] if u_sl is not None else states[u]  # [c, M, D]
+            if has_root:
+                vu = torch.cat([v0[None], vrest[u[1:] - 1]]) if c > 1 else v0[None]
+            else:
+                vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
+            cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
             mean_p = draft.table_mean(frozen_col, xu, cu)  # the path execution's operations (same bits)
-            dt_, a_, b_ = cu["dt"], cu["a"], cu["b"]
-            mean_q = xu + dt_ * (a_ * vu + b_ * xu)
-            need = internal_r[:, u]
+            mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
+            need = internal_r[:, u].T  # [c, M]
             sigma = torch.where(need, cu["std"][..., 0], lt.one)
-            kids = states[:, ch].reshape(M * g, k, *e)
-            vkeys = vkeys_all[:, u]
-            verdict = ctx.coupling(kids, mean_p.reshape(M * g, *e), mean_q.reshape(M * g, *e), sigma.reshape(-1),
-                                   rng.KeyedRows(vkeys.reshape(-1)))  # line 17, every internal node at once
-            acc[:, u] = verdict.accepted.reshape(M, g)
-            idx[:, u] = verdict.index.reshape(M, g)
-            res[:, u] = verdict.sample.reshape(M, g, -1).to(dtype)
+            if k == 1 and ch_sl is not None:
+                kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
+            else:
+                kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
+            verdict = ctx.coupling(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
+                                   rng.KeyedRows(vkeys_all[u].reshape(-1)))  # line 17, every internal node at once
+            acc[:, u] = verdict.accepted.reshape(c, M).T
+            idx[:, u] = verdict.index.reshape(c, M).T
+            res[pos] = verdict.sample.reshape(c, M, -1)
             if ctx.check_contract:
-                bad = bad | (_contract_violation(verdict, kids).reshape(M, g) & need).any()
+                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & need).any()
+            del kids, verdict, mean_p, mean_q, xu, vu
     if checks.bad is not None:
         bad = bad | checks.bad
     # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
@@ -747,21 +795,23 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor):
     rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
-    out = torch.where(rejected[:, None], res[ar, ustar], states[ar, ustar])
+    out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
     rej_col = rejected[:, None]
-    v_cur = torch.where(rej_col, vel[ar, ustar], vel[ar, lt.parent_c[ustar]])
+    last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
+    v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
+    v_leaf = vrest[(ustar - 1).clamp(min=0), ar]  # where finished, u* is a leaf of depth >= 1
     # prefetch (same rules as _prefetch)
     evaluated = (lt.depth_row <= dl_col) & (internal_r | ctx.evaluate_leaves)
     v_next, exact = v_cur, torch.zeros_like(live)
     if ctx.prefetch != "none":
         exact = finished & evaluated[ar, ustar]
-        v_next = torch.where(exact[:, None], vel[ar, ustar], v_next)
+        v_next = torch.where(exact[:, None], v_leaf, v_next)
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
             ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
-            dist = torch.linalg.vector_norm(states[ar[:, None], ch] - out[:, None], dim=-1)
+            dist = torch.linalg.vector_norm(states[ch, ar[:, None]] - out[:, None], dim=-1)
             best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
-            v_next = torch.where(ok.any(1)[:, None], vel[ar, ch[ar, best]], v_next)
+            v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
     call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
     n_new = n + steps
@@ -930,6 +980,9 @@ def sample_speculative(
         ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
         lt = _LeanTree(tree, dev, st.x.dtype)
         lt.bind(M, st.x[0].numel())
+        if M * T * lt.N <= KEY_CACHE:
+            lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                            rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
         return tally.result(_lean_loop(ctx, lt, tree, tensors, st, tally, warmup, callback), T)
     r = 0
     while True:  # line 2
@@ -982,7 +1035,8 @@ def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st:
             _lean_root_call(ctx, st, tally, torch.as_tensor(np.flatnonzero(live_host), device=dev))
             exact_host = exact_host | live_host
         plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves)
-        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, torch.as_tensor(plan, device=dev))
+        kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
+        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, torch.as_tensor(plan, device=dev), kind)
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
         if payload[0]:
             live = (st.n < end).nonzero(as_tuple=True)[0]
