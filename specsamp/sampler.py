@@ -366,6 +366,7 @@ class _Context:
     tables: dict | None = None  # Schedule.tables on the model's device (float64)
     coef_table: torch.Tensor | None = None  # [T, 5] the COEFS columns of the tables, in the states' dtype
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
+    x_event: tuple = ()  # event shape of the states
     check_contract: bool = False  # check every verdict against the coupling contract
 
 
@@ -591,8 +592,10 @@ class _LeanBuffers:
     chunks: list
 
 
+RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
 KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
-VERIFY_MEMORY = 0.25  # a verification chunk's temporaries, as a fraction of the states block (or 2**20 elements)
+VERIFY_MEMORY = 0.1  # a verification chunk's temporaries, as a fraction of the states block ...
+VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
 
 def _as_slice(ids: list[int]) -> slice | None:
@@ -617,7 +620,7 @@ def _bind(self, M: int, D: int) -> None:
             layers.append((self.layer_parents[l - 1], None, None, states[a:b]))
     t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
     chunks, pos, node_pos = [], 0, np.zeros(N, dtype=np.int64)
-    budget = max(VERIFY_MEMORY * N * M * D, 2**20)
+    budget = max(VERIFY_MEMORY * N * M * D, VERIFY_FLOOR)
     for k, u_np, ch_np in self.groups_np:
         per_node = (k + 8) * M * D  # children copy, parents, means and the coupling's work rows
         step = max(1, int(budget // per_node))
@@ -628,7 +631,10 @@ def _bind(self, M: int, D: int) -> None:
             chunks.append((k, t(uc), _as_slice(uc), t(cc), _as_slice(flat_ch), t(self.depth_np[uc]), bool(uc[0] == 0),
                            slice(pos, pos + len(uc))))
             pos += len(uc)
-    residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev)
+    # the verdict samples of every internal node, kept where small; else the walk's residuals are drawn
+    # again for the one node per row that needs them (same keys, so the same numbers)
+    residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev) if pos * M * D <= RESIDUAL_CACHE else None
+    self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
     self.pos_c = t(node_pos)
     self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
     self.buffers = _LeanBuffers(states, residual, layers, chunks)
@@ -781,7 +787,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                                    rng.KeyedRows(vkeys_all[u].reshape(-1)))  # line 17, every internal node at once
             acc[:, u] = verdict.accepted.reshape(c, M).T
             idx[:, u] = verdict.index.reshape(c, M).T
-            res[pos] = verdict.sample.reshape(c, M, -1)
+            if res is not None:
+                res[pos] = verdict.sample.reshape(c, M, -1)
             if ctx.check_contract:
                 bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & need).any()
             del kids, verdict, mean_p, mean_q, xu, vu
@@ -795,7 +802,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
-    out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
+    if res is not None:
+        out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
+    else:
+        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, ustar, rejected)
     rej_col = rejected[:, None]
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
     v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
@@ -837,6 +847,30 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         st.root_exact = exact_new
 
     return commit, n_new, exact_new, bad
+
+
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, ustar, rejected) -> torch.Tensor:
+    """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
+    at a rejection, the verification of that node drawn again (one coupling call per node width, over every
+    row: the node's own keys, so the same numbers as the first call); elsewhere the reached leaf."""
+    N, M = states.shape[:2]
+    e = ctx.x_event
+    ar = torch.arange(M, device=states.device)
+    out = states[ustar, ar]
+    for k, rep, of_width in lt.width_groups:
+        mine = of_width[ustar]
+        w = torch.where(mine, ustar, rep)  # rows whose node has another width verify a stand-in
+        xw = states[w, ar]
+        vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
+        cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
+        mean_p = ctx.draft.table_mean(frozen.reshape(M, -1), xw, cw)
+        mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
+        kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
+        sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
+        verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
+                               rng.KeyedRows(vkeys_all[w, ar]))
+        out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
+    return out
 
 
 def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tensor) -> None:
@@ -975,6 +1009,7 @@ def sample_speculative(
     st = _first_step(ctx, model, seed, ids, warmup, tally)
     if _lean_supported(tree, execution, ctx.draft):
         ctx.tables = schedule.tables(dev)
+        ctx.x_event = tuple(st.x.shape[1:])
         ctx.coef_table = torch.stack([ctx.tables[k] for k in COEFS], 1).to(st.x.dtype)  # [T, 5]
         steps_all = torch.arange(T, device=dev)[None]
         ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
