@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
+.PHONY: help install test test-all bench bench-latency gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,6 +17,9 @@ test-all:  ## every test, slow ones included
 
 bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, ops and syncs per round), about 90 s; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
+
+bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv (about 6 min)
+	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.latency --out results/digits/latency.csv $(ARGS)
 
 gpu-check:  ## GPU check on the CIFAR-sized stand-in, then on the trained digits network; JSON in gpu_check.json, gpu_check_digits.json (CPU smoke: ARGS="--device cpu --tiny")
 	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
