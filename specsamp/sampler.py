@@ -9,8 +9,11 @@ a trajectory ran in, and the two executions of the speculative sampler draw iden
   (what runs on a GPU);
 - ``path``: draft and evaluate only what the acceptance walk visits (cheap sweeps on analytic targets).
 
-They share the drafting, verification walk, prefetch and accounting code below; they differ only in
-how a node's state and velocity are obtained (:class:`_TreeNodes` and :class:`_PathNodes`).
+The reference round (:func:`_round`) serves both, differing only in how a node's state and velocity are
+obtained (:class:`_TreeNodes` and :class:`_PathNodes`). The tree execution of a fixed tree runs the lean
+round instead (:func:`_lean_round`): the same policy (drafts, keys, verifications, walk, prefetch,
+accounting) as a fixed sequence of tensor operations over every row of the batch, with one host
+synchronisation per round; tests hold it to identical counts and the same drafted bits as ``path``.
 
 Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
 calls on the speculative steps ``1..T-2``, the warm-up call at the first root included;
