@@ -1050,6 +1050,14 @@ def _contract_default(coupling: Coupling) -> bool:
     return not (module == "specsamp" or module.startswith("specsamp."))
 
 
+def _upload(a: np.ndarray, dev) -> torch.Tensor:
+    """Host indices to the device without waiting for it (pinned, non-blocking copy on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if torch.device(dev).type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
 def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st: _Chains, tally: _Tally, warmup: str,
                callback) -> torch.Tensor:
     """The rounds of :func:`sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
@@ -1070,11 +1078,12 @@ def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st:
     while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
         live_host = n_host < end
         if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
-            _lean_root_call(ctx, st, tally, torch.as_tensor(np.flatnonzero(live_host), device=dev))
+            _lean_root_call(ctx, st, tally, _upload(np.flatnonzero(live_host), dev))
             exact_host = exact_host | live_host
         plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves)
         kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
-        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, torch.as_tensor(plan, device=dev), kind)
+        plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
+        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, plan_t, kind)
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
         if payload[0]:
             live = (st.n < end).nonzero(as_tuple=True)[0]
@@ -1091,7 +1100,7 @@ def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st:
                       "steps_done": int((n_host - ctx.schedule.first_speculative).clip(min=0).sum())})
         if not (n_host < end).any():
             break
-    return _final_step(ctx, st, tally, torch.as_tensor(np.flatnonzero(~exact_host), device=dev))
+    return _final_step(ctx, st, tally, _upload(np.flatnonzero(~exact_host), dev))
 
 
 @dataclass
