@@ -40,3 +40,35 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
         assert torch.equal(getattr(got, f), getattr(path, f)), f
     assert torch.equal(got.samples, ref.samples)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_schedule_tables_equal_the_kernel_bit_for_bit(dtype):
+    # Schedule.tables: per-step coefficients that give exactly Schedule.mean and Schedule.std (T = 12, eps = 0.4)
+    sch = Schedule.make(12, 0.4)
+    tab = sch.tables("cpu")
+    n = torch.arange(sch.steps)
+    assert torch.equal(tab["std"], sch.std(n))
+    g = torch.Generator().manual_seed(0)
+    x, v = torch.randn(sch.steps, 5, generator=g, dtype=dtype), torch.randn(sch.steps, 5, generator=g, dtype=dtype)
+    dt, a, b = (tab[k].to(dtype)[:, None] for k in ("dt", "a", "b"))
+    assert torch.equal(x + dt * (a * v + b * x), sch.mean(x, v, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", ["velocity", "drift", "x0"])
+def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
+    # Draft.table_mean (the lean round's form) against Draft.mean, 3 rows x 4 nodes of 6 coordinates, seed 1
+    from specsamp.drafts import DraftRoot, get_draft
+
+    draft, sch = get_draft(name), Schedule.make(10, 0.7)
+    g = torch.Generator().manual_seed(1)
+    M, m, D = 3, 4, 6
+    root = DraftRoot(x=torch.randn(M, D, generator=g, dtype=dtype), v=torch.randn(M, D, generator=g, dtype=dtype),
+                     n=torch.tensor([1, 4, 8]), exact=torch.ones(M, dtype=torch.bool))
+    fr = draft.freeze(root, sch)
+    x = torch.randn(M, m, D, generator=g, dtype=dtype)
+    step = torch.tensor([2, 5, 8])
+    tab = torch.stack([sch.tables("cpu")[k] for k in sampler.COEFS], 1).to(dtype)[step]  # [M, 5]
+    coef = dict(zip(sampler.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
+    assert torch.equal(draft.table_mean(fr.reshape(M, 1, D), x, coef), draft.mean(fr, x, step, sch))
