@@ -19,7 +19,7 @@ Sections, each printed as soon as it is measured (timings are best-of-``repeats`
    ``x0`` draft with the optimal tree at B = 14 and 62 from the shipped profiles), tree execution, at
    1 and 16 trajectories, on the digits network and the GMM (:mod:`benchmarks.opcount`).
 
-The default sizes run in about two minutes under 2 GB; ``--full`` runs every grid cell, 16
+The default sizes run in about three minutes under 2 GB; ``--full`` runs every grid cell, 16
 trajectories in the scaling table and a 1024-node coupling batch (several GB, several minutes).
 """
 
