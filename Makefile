@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
+.PHONY: help install test test-all bench bench-latency gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -15,8 +15,11 @@ test:  ## default test run (slow tests excluded), with the line coverage of spec
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""
 
-bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling), about 90 s; full size: make bench ARGS=--full
+bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, ops and syncs per round), about 3 min; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
+
+bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv (about 6 min)
+	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.latency --out results/digits/latency.csv $(ARGS)
 
 gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
 	python3 -m benchmarks.gpu_check $(ARGS)

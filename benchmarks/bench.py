@@ -14,8 +14,12 @@ Sections, each printed as soon as it is measured (timings are best-of-``repeats`
    and their ratio, and both mean speedups (equal in law, not bit for bit).
 4. **memory**: peak memory of a B = 155 round and of one coupling call (:mod:`benchmarks.memory`).
 5. **coupling**: parent nodes per second of D-GRS (K = 7) and RMC at SD3's latent size (16x64x64).
+6. **opcount** (load-free): ATen operations and host synchronisations per round outside the network,
+   the coupling's own counted apart, per arm (standard; D-GRS (2,3), (2,5); RMC chains 14 and 62; the
+   ``x0`` draft with the optimal tree at B = 14 and 62 from the shipped profiles), tree execution, at
+   1 and 16 trajectories, on the digits network and the GMM (:mod:`benchmarks.opcount`).
 
-The default sizes run in about two minutes under 2 GB; ``--full`` runs every grid cell, 16
+The default sizes run in about three minutes under 2 GB; ``--full`` runs every grid cell, 16
 trajectories in the scaling table and a 1024-node coupling batch (several GB, several minutes).
 """
 
@@ -96,11 +100,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="full sizes: every grid cell, bigger batches (several GB)")
     p.add_argument("--preset", default="cifar10", help="stand-in network of the overhead table (benchmarks.stand_in)")
-    p.add_argument("--only", default=None, help="comma-separated sections: overhead,scaling,grid,memory,coupling")
+    p.add_argument("--only", default=None, help="comma-separated sections: overhead,scaling,grid,memory,coupling,opcount")
     p.add_argument("--json", default=None, help="also write every row here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    sections = a.only.split(",") if a.only else ["overhead", "scaling", "grid", "memory", "coupling"]
+    sections = a.only.split(",") if a.only else ["overhead", "scaling", "grid", "memory", "coupling", "opcount"]
     t0 = time.perf_counter()
     print(f"specsamp benchmarks: torch {torch.__version__}, 1 thread, {'full' if a.full else 'default'} sizes", flush=True)
     out = {}
@@ -143,6 +147,12 @@ def main(argv=None) -> int:
         out["coupling"] = coupling_throughput(n)
         print(table(out["coupling"], [("rule", "rule", "s"), ("K", "K", "d"), ("n", "n", "d"), ("seconds", "seconds", ".3f"),
                                       ("nodes_per_s", "nodes/s", ".1f"), ("acceptance", "acceptance", ".3f")]), flush=True)
+    if "opcount" in sections:
+        from benchmarks.opcount import COLUMNS, table_rows
+
+        log("[opcount] ATen ops and host syncs per round outside the network (counted, load-free), tree execution")
+        out["opcount"] = table_rows(progress=None)
+        print(table(out["opcount"], COLUMNS), flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s, peak memory {peak_rss_mib():.0f} MiB (this process)", flush=True)
     if a.json:
         with open(a.json, "w") as f:

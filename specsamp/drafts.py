@@ -92,12 +92,20 @@ class Draft:
             of the children of nodes ``x`` (all of one depth, at step ``n``).
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
             (``DraftRoot.hist_x0``, with their states ``hist_x``); 0: none are kept.
+        table_mean: optional ``(frozen [M, 1, D], x [M, g, D], coef) -> [M, g, D]``: the proposal means of
+            nodes ``x`` (event flattened to ``D``; ``frozen`` likewise, with a node axis of 1), computed with the
+            same operations as ``mean`` (so the same bits) from coefficients already gathered for each node's
+            step: ``coef`` maps ``dt``, ``a``, ``b``, ``sigma``, ``std`` (:meth:`specsamp.schedule.Schedule.tables`,
+            in ``x``'s dtype) to tensors that broadcast against ``x``. With it the tree execution runs its lean round (no coefficient recomputed per call);
+            the same bits matter because the couplings project on ``mean_q - mean_p``, small where the draft
+            is good, so a last-bit change of a state can turn the residual's direction.
     """
 
     name: str
     freeze: Callable[..., torch.Tensor]
     mean: Callable[..., torch.Tensor]
     history: int = 0
+    table_mean: Callable[..., torch.Tensor] | None = None
 
 
 DRAFTS: Registry[Draft] = Registry("draft")
@@ -289,10 +297,23 @@ def _x0_affine():
     return freeze, mean
 
 
+def _velocity_table_mean(fr, x, coef):
+    # Schedule.mean with the frozen root velocity: x + dt (a v_r + b x)
+    return x + coef["dt"] * (coef["a"] * fr + coef["b"] * x)
+
+
+def _x0_table_mean(fr, x, coef):
+    # _x0_mean: the velocity (x - x0_hat) / sigma, then Schedule.mean
+    v = (x - fr) / coef["sigma"]
+    return x + coef["dt"] * (coef["a"] * v + coef["b"] * x)
+
+
 for _draft in (
-    Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n)),
-    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None]),
-    Draft("x0", freeze=_x0_freeze, mean=_x0_mean),
+    Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
+          table_mean=_velocity_table_mean),
+    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
+          table_mean=lambda fr, x, coef: x + fr),
+    Draft("x0", freeze=_x0_freeze, mean=_x0_mean, table_mean=_x0_table_mean),
     Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2),
     Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3),
     Draft("x0_affine", *_x0_affine(), history=3),

@@ -114,6 +114,22 @@ class Schedule:
         out = self.eps * torch.sqrt(g2 * (s0 - s1))
         return torch.where(stochastic, out, torch.zeros_like(out))
 
+    def tables(self, device) -> dict[str, torch.Tensor]:
+        """Per-step coefficient tables of the kernel, float64 ``[T]`` on ``device``, indexed by step ``n``.
+
+        Keys: ``sigma`` (``sigma_n``), ``dt`` (``sigma_{n+1} - sigma_n``), ``a`` and ``b`` (the mean is
+        ``x + dt (a v + b x)``, eq. 36), ``std`` (eq. 37). Each entry equals, bit for bit, what
+        :meth:`mean` and :meth:`std` compute for that step, so a sampler can gather a round's
+        coefficients once instead of recomputing them per call.
+        """
+        n = torch.arange(self.steps, device=device)
+        sig = self.sigmas.to(device)
+        s0, s1 = sig[n], sig[n + 1]
+        stochastic = (n >= 1) & (n <= self.steps - 2)
+        a = torch.where(stochastic, torch.full_like(s0, 1.0 + self.eps**2), torch.ones_like(s0))
+        b = torch.where(stochastic, self.eps**2 / torch.where(stochastic, 1.0 - s0, torch.ones_like(s0)), torch.zeros_like(s0))
+        return {"sigma": s0, "dt": s1 - s0, "a": a, "b": b, "std": self.std(n)}
+
     def mean(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """Kernel mean of step ``n`` at state ``x`` with velocity ``v`` (eq. 36); Euler at the endpoints.
 

@@ -50,7 +50,7 @@ METRICS = ("fid", "clip")
 # keys that steer the runner, not the run: never part of the record's config or its hash
 RUNNER_KEYS = ("hydra", "sweep_name")
 # keys that cannot change a result: recorded, but left out of the config hash
-UNHASHED_KEYS = ("progress", "skip_existing", "logger", "threads")
+UNHASHED_KEYS = ("progress", "skip_existing", "logger", "threads", "check_contract")
 
 
 def rule(text: str, ok: Callable[[Any], bool], default: Any = MISSING, factory: Callable | None = None) -> Any:
@@ -148,6 +148,8 @@ class RunConfig:
     prefetch: str = one_of(_sampler_const("PREFETCH"), "nearest")
     warmup: str = one_of(_sampler_const("WARMUPS"), "call")
     evaluate_leaves: bool = True
+    check_contract: Any = rule("one of auto (on for couplings defined outside specsamp), true, false",
+                               lambda v: v == "auto" or isinstance(v, bool), "auto")
     match: str = one_of(MATCH, "budget")
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
     batch_size: Optional[int] = at_least(1, None)

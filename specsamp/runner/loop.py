@@ -176,12 +176,14 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
             base = start * per_traj
             common = dict(seed=run.seed, indices=chunk, max_batch=max_batch,
                           cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {},
-                          callback=lambda info, base=base: bar.to(base + info["steps_done"]))
+                          # no callback without a bar: its progress counts would cost the sampler host syncs
+                          callback=(lambda info, base=base: bar.to(base + info["steps_done"])) if bar.enabled else None)
             if tree is None:
                 r = sample_standard(target.model, schedule, **common)
             else:
                 r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
                                        evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
+                                       check_contract=None if run.check_contract == "auto" else run.check_contract,
                                        **common)
             results.append(r)
             bar.to(base + chunk.numel() * per_traj)

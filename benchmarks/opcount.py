@@ -1,0 +1,283 @@
+"""Load-free cost of a sampler round: ATen operations and host synchronisations, counted, not timed.
+
+``python -m benchmarks.opcount [--models digits,gmm] [--n 1,16] [--json PATH]`` (a section of ``make bench``).
+
+Wall-clock numbers move with whatever else the machine runs; the number of tensor operations a round
+dispatches and the number of times it makes the host wait for a value do not. This module counts
+both with a :class:`torch.utils._python_dispatch.TorchDispatchMode` (every ATen operator call below
+Python is seen once, whatever the backend) while a sampler runs, and splits them into three regions:
+
+- ``network``: inside the target's forward pass (``sampler._Velocity.__call__``); excluded from the
+  round's cost, reported as ops per call for scale;
+- ``coupling``: inside a :class:`specsamp.coupling.Coupling` call (the verification rule itself);
+- ``round``: everything else the sampler does (drafting, noise, walk, commit, prefetch, bookkeeping).
+
+A host synchronisation is an operation whose result size or value the host must read before it can go
+on (on CUDA each one waits for the device queue to drain): ``aten::_local_scalar_dense`` (``item()``,
+``bool()``, ``int()``, ``float()`` of a tensor), ``aten::nonzero`` (also what boolean-mask indexing
+dispatches on some backends), ``aten::unique*``, ``aten::masked_select``, ``aten::repeat_interleave`` without an output
+size, and the Python-level ``Tensor.tolist()`` and ``Tensor.numpy()`` (which bypass the dispatcher and
+are counted by wrapping them while counting). ``torch.cuda.set_sync_debug_mode`` reports the same
+events on CUDA only; this counter works on any device, the CPU included.
+
+Per round: totals divided by the batch's rounds (the sampler loop's iterations, ``max(result.rounds)``),
+so the first and last deterministic steps and the setup are amortised into the rounds; the standard
+sampler's cost is per step (``T`` steps). The counts are deterministic for a given configuration,
+torch version and seed: the tests assert them (``tests/test_opcount.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "masked_select", "repeat_interleave")
+"""ATen operator base names that make the host wait (see the module docstring)."""
+
+
+MASK_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
+"""Indexing operators that synchronise when an index is a boolean mask (its size is its number of True)."""
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return isinstance(indices, (list, tuple)) and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+def _base(func) -> str:
+    name = func.__name__ if hasattr(func, "__name__") else str(func)
+    return name.split(".")[0]
+
+
+@dataclass
+class OpCounts:
+    """Operator calls and host synchronisations of one counted run, by region.
+
+    Attributes:
+        ops: ``{region: ATen operator calls}`` (``round``, ``coupling``, ``network``).
+        syncs: ``{region: host synchronisations}``.
+        by_op: ``{(region, op name): calls}``, for profiling where a count comes from.
+        network_calls: target forward passes seen.
+    """
+
+    ops: Counter = field(default_factory=Counter)
+    syncs: Counter = field(default_factory=Counter)
+    by_op: Counter = field(default_factory=Counter)
+    network_calls: int = 0
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen call (and every host synchronisation) into the current region of :class:`OpCounts`.
+
+    Use :func:`counting`, which also installs the region markers and the ``tolist``/``numpy`` hooks.
+    """
+
+    def __init__(self, counts: OpCounts):
+        super().__init__()
+        self.counts = counts
+        self.region = ["round"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = _base(func._overloadpacket if hasattr(func, "_overloadpacket") else func)
+        reg = self.region[-1]
+        self.counts.ops[reg] += 1
+        self.counts.by_op[(reg, name)] += 1
+        if name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None):
+            self.counts.syncs[reg] += 1
+        elif name in MASK_OPS and _has_bool_index(args):
+            self.counts.syncs[reg] += 1
+            self.counts.by_op[(reg, name + "[bool mask]")] += 1
+        return func(*args, **(kwargs or {}))
+
+    def sync(self, what: str) -> None:
+        """Count a synchronisation the dispatcher does not see (``tolist``, ``numpy``)."""
+        reg = self.region[-1]
+        self.counts.syncs[reg] += 1
+        self.counts.by_op[(reg, what)] += 1
+
+    @contextlib.contextmanager
+    def enter(self, region: str):
+        """Attribute what runs inside to ``region``."""
+        self.region.append(region)
+        try:
+            yield
+        finally:
+            self.region.pop()
+
+
+@contextlib.contextmanager
+def counting():
+    """Count ATen calls and host syncs of everything run inside; yields the :class:`OpCounts`.
+
+    The target's forward passes are counted as region ``network`` and coupling calls as ``coupling``,
+    by wrapping ``specsamp.sampler._Velocity.__call__`` and ``specsamp.coupling.Coupling.__call__`` for
+    the duration (restored on exit).
+    """
+    from specsamp import coupling as cmod
+    from specsamp import sampler as smod
+
+    counts = OpCounts()
+    mode = OpCounter(counts)
+    vel_call, coup_call = smod._Velocity.__call__, cmod.Coupling.__call__
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+
+    def velocity(self, *a, **k):
+        counts.network_calls += 1
+        with mode.enter("network"):
+            return vel_call(self, *a, **k)
+
+    def coupling(self, *a, **k):
+        with mode.enter("coupling"):
+            return coup_call(self, *a, **k)
+
+    def tolist_(self, *a, **k):
+        mode.sync("tolist")
+        return tolist(self, *a, **k)
+
+    def numpy_(self, *a, **k):
+        mode.sync("numpy")
+        return numpy(self, *a, **k)
+
+    smod._Velocity.__call__, cmod.Coupling.__call__ = velocity, coupling
+    torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
+    try:
+        with mode:
+            yield counts
+    finally:
+        smod._Velocity.__call__, cmod.Coupling.__call__ = vel_call, coup_call
+        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+
+
+# ----------------------------------------------------------------------------------------------
+# The arms of the wall-clock question, as config overrides of the runner.
+
+ARMS = {
+    "standard": ["sampler=standard"],
+    "dgrs 2x3": ["sampler=dgrs", "K=2", "L=3"],
+    "dgrs 2x5": ["sampler=dgrs", "K=2", "L=5"],
+    "rmc chain14": ["sampler=rmc", "K=1", "L=14"],
+    "rmc chain62": ["sampler=rmc", "K=1", "L=62"],
+    "x0+optimal B14": ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=14"],
+    "x0+optimal B62": ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=62"],
+}
+"""Arm name -> overrides (on top of the model's paper protocol); the x0 arms add the model's shipped profile."""
+
+PROFILES = {"digits": "edm-digits-8x8-cond_x0", "gmm": "gmm_x0"}
+"""Shipped ``delta_profile`` of the ``x0+optimal`` arms per model (no calibration run)."""
+
+
+def arm_overrides(model: str, arm: str, n: int, execution: str = "tree") -> list[str]:
+    """Full override list of ``arm`` on ``model`` (``digits`` or ``gmm``) with ``n`` trajectories.
+
+    Raises:
+        KeyError: unknown arm.
+    """
+    ov = [f"model={model}", f"n_samples={n}", "progress=false", *ARMS[arm]]
+    if arm != "standard":
+        ov.append(f"execution={execution}")
+    if "tree=optimal" in ARMS[arm]:
+        ov.append(f"delta_profile={PROFILES[model]}")
+    return ov
+
+
+def count_config(overrides: list[str], target=None) -> dict:
+    """Run one configuration (``specsamp.runner.run_config``) and count its sampling.
+
+    Only the sampler call is counted (the tree search, the record and the statistics are not).
+
+    Returns:
+        ``{"rounds", "network_calls", "ops_round", "syncs_round", "ops_coupling", "syncs_coupling",
+        "ops_network_call", "batch_nfe", "counts"}``; per-round values are floats (totals / rounds).
+    """
+    from specsamp.runner import build_target, compose, load_config
+    from specsamp.runner import loop
+
+    d = compose(overrides)
+    target = target or build_target(load_config(d)[0])
+    box = {}
+    spec, std = loop.sample_speculative, loop.sample_standard
+
+    def wrap(fn):
+        def inner(*a, **k):
+            with counting() as c:
+                res = fn(*a, **k)
+            box["counts"], box["res"] = c, res
+            return res
+        return inner
+
+    loop.sample_speculative, loop.sample_standard = wrap(spec), wrap(std)
+    try:
+        loop.run_config(d, target=target)
+    finally:
+        loop.sample_speculative, loop.sample_standard = spec, std
+    c, res = box["counts"], box["res"]
+    standard = res.attempts.shape[1] == 0 and res.attempts_by_root is None
+    rounds = res.speculative_steps + 2 if standard else int(res.rounds.max())
+    return {
+        "rounds": rounds, "network_calls": c.network_calls, "batch_nfe": res.batch_nfe,
+        "ops_round": c.ops["round"] / rounds, "syncs_round": c.syncs["round"] / rounds,
+        "ops_coupling": c.ops["coupling"] / rounds, "syncs_coupling": c.syncs["coupling"] / rounds,
+        "ops_network_call": c.ops["network"] / max(c.network_calls, 1), "counts": c,
+    }
+
+
+def table_rows(models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=print) -> list[dict]:
+    """Counted rows for every ``model x n x arm`` (tree execution), one target built per model."""
+    from specsamp.runner import build_target, compose, load_config
+
+    rows = []
+    for model in models:
+        target = build_target(load_config(compose([f"model={model}"]))[0])
+        for n in ns:
+            for arm in arms:
+                r = count_config(arm_overrides(model, arm, n), target=target)
+                r.pop("counts")
+                rows.append({"model": model, "n": n, "arm": arm, **r})
+                if progress:
+                    progress(f"  {model} n={n} {arm}: {r['ops_round']:.0f} ops/round + {r['ops_coupling']:.0f} in the coupling, "
+                             f"{r['syncs_round']:.2f} + {r['syncs_coupling']:.2f} syncs/round, {r['rounds']} rounds")
+    return rows
+
+
+COLUMNS = [("model", "model", "s"), ("n", "n", "d"), ("arm", "arm", "s"), ("rounds", "rounds", "d"),
+           ("ops_round", "ops/round", ".0f"), ("ops_coupling", "coupling ops", ".0f"),
+           ("syncs_round", "syncs/round", ".2f"), ("syncs_coupling", "coupling syncs", ".2f"),
+           ("ops_network_call", "ops/net call", ".0f")]
+
+
+def main(argv=None) -> int:
+    """CLI (see the module docstring); returns the exit status."""
+    from benchmarks.common import table
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.opcount", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="digits,gmm", help="comma-separated: digits, gmm")
+    p.add_argument("--n", default="1,16", help="comma-separated trajectory counts")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of: {', '.join(ARMS)}")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args(argv)
+    arms = [s.strip() for s in a.arms.split(",")]
+    bad = [s for s in arms if s not in ARMS]
+    models = a.models.split(",")
+    if bad or any(m not in PROFILES for m in models):
+        print(f"error: --arms/--models invalid ({bad or models}); valid arms: {', '.join(ARMS)}; models: digits, gmm",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    rows = table_rows(models, [int(v) for v in a.n.split(",")], arms)
+    print(table(rows, COLUMNS), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Load-free cost of a sampler round (benchmarks.opcount): ATen operations and host syncs, counted.
+
+The counts are deterministic for a configuration, a seed and a torch version (no timing), so they are
+asserted exactly against the targets of the lean round: on the trained digits network at one
+trajectory, every arm's round (outside the network and the coupling) makes at most one host
+synchronisation, D-GRS (2,3) costs at most 300 ATen operations per round and the x0 draft with the
+optimal B=14 tree at most 400.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import opcount
+
+DIGITS_ARMS = ["dgrs 2x3", "dgrs 2x5", "rmc chain14", "rmc chain62", "x0+optimal B14", "x0+optimal B62"]
+
+
+@pytest.fixture(scope="module")
+def digits_rows():
+    return {r["arm"]: r for r in opcount.table_rows(("digits",), (1,), ["standard", *DIGITS_ARMS], progress=None)}
+
+
+def test_counter_sees_ops_syncs_and_regions():
+    t = torch.arange(6.0)
+    with opcount.counting() as c:
+        u = t * 2 + 1
+        float(u.sum())  # _local_scalar_dense
+        u[u > 3]  # boolean mask: nonzero
+        torch.nonzero(u)
+        u.tolist()
+        torch.unique(u)
+    assert c.syncs["round"] == 5, dict(c.by_op)
+    assert c.ops["round"] >= 8 and c.ops["coupling"] == 0 and c.network_calls == 0
+
+
+def test_every_arm_syncs_at_most_once_per_round(digits_rows):
+    for arm in DIGITS_ARMS:
+        assert digits_rows[arm]["syncs_round"] <= 1.0, (arm, digits_rows[arm])
+    assert digits_rows["standard"]["syncs_round"] == 0
+
+
+def test_round_ops_targets(digits_rows):
+    assert digits_rows["dgrs 2x3"]["ops_round"] <= 300, digits_rows["dgrs 2x3"]
+    assert digits_rows["x0+optimal B14"]["ops_round"] <= 400, digits_rows["x0+optimal B14"]
+    # the lean round (not the layer-by-layer reference) ran: the ops outside the network stay within
+    # a few times the standard sampler's per step, whatever the budget
+    assert digits_rows["x0+optimal B62"]["ops_round"] <= 8 * digits_rows["standard"]["ops_round"]
+
+
+def test_chain_cost_grows_by_a_few_ops_per_drafted_layer(digits_rows):
+    # drafting stays layer by layer (the path execution's operations, so both draw the same bits):
+    # each further layer of the chain costs at most 7 operations (the draft's mean, the add of the noise)
+    extra = digits_rows["rmc chain62"]["ops_round"] - digits_rows["rmc chain14"]["ops_round"]
+    assert 0 < extra <= 7 * (62 - 14), extra
+
+
+@pytest.mark.xfail(strict=True, reason="layer-by-layer drafting with the path's operations costs ~6 ops per layer; "
+                                       "bit-equal tree and path states (tested in test_sampler) rule out a one-product draft")
+def test_chain62_within_one_and_a_half_chain14(digits_rows):
+    assert digits_rows["rmc chain62"]["ops_round"] <= 1.5 * digits_rows["rmc chain14"]["ops_round"]
