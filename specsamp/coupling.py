@@ -11,8 +11,11 @@ whatever the input dtype, so ``delta`` from 0 to several hundred gives no NaN, n
 The d-dimensional work (differences, dot products, the residual's shift) runs in the input dtype,
 widened to float32 for float16 and bfloat16 states, whose range cannot hold a shift of
 ``sigma * delta / sqrt(d)`` at small ``sigma``; no float64 copy of the children is made. Inputs the
-rules cannot serve are refused: non-finite children or means (:class:`NonFiniteError`) and float16
-states at a ``sigma`` below their resolution.
+rules cannot serve are refused: non-finite children or means (:class:`NonFiniteError`), float16
+states at a ``sigma`` below their resolution, and finite states whose differences overflow.
+``delta`` is computed scale-free (:func:`project`), so any ``sigma`` from :func:`min_sigma` up to that
+overflow is served exactly. On valid inputs inside :func:`deferred_checks`, ``dgrs`` and ``rmc`` ask the
+host for no value: every row is computed with static shapes and chosen with ``torch.where``.
 """
 
 from __future__ import annotations
@@ -494,7 +497,8 @@ def _log_residual_survival(s, delta, log_lam):
     return a + torch.log(-torch.expm1(torch.clamp(b - a, max=-1e-300)))
 
 
-def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS, grid_levels: int = GRID_LEVELS) -> torch.Tensor:
+def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
+                        grid_levels: int = GRID_LEVELS) -> torch.Tensor:
     """Draw ``S`` from the normalised residual of eq. 17 by inverting its survival function at ``u``.
 
     The residual density is ``r(s) / G`` with ``r(s) = (phi(s - delta) - lam phi(s))_+ =
@@ -575,7 +579,8 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS, g
     target = torch.where(cdf_side, log_1mu, log_u)
     sign = torch.where(cdf_side, -1.0, 1.0)  # sign * (phi - target) > 0 iff the root lies above s
     # G (1 - S(c + x)) = delta phi(c - delta) x^2 / 2 (1 + O(x (|c - delta| + delta))): near u = 1 a start
-    x_q = torch.exp(0.5 * (math.log(2.0) + log_mass + log_1mu - torch.log(delta) + 0.5 * (c - delta) ** 2 + _LOG_SQRT_2PI))
+    log_x_q = math.log(2.0) + log_mass + log_1mu - torch.log(delta) + 0.5 * (c - delta) ** 2 + _LOG_SQRT_2PI
+    x_q = torch.exp(0.5 * log_x_q)
     s = torch.where(cdf_side, torch.minimum(torch.maximum(c + x_q, lo), hi), 0.5 * (lo + hi))
     slack = 8.0 * torch.finfo(torch.float64).eps * hi.abs()  # a step this far outside is rounding: clamp it
     neg_delta = -delta

@@ -53,7 +53,8 @@ def _grid(seed):
         lv, g = grs_levels(deltas, K)
         d.append(deltas), lam.append(lv[:, K]), mass.append(g[:, K])
     d, lam, mass = torch.cat(d), torch.cat(lam), torch.cat(mass)
-    fixed = [1e-300, 1e-100, 1e-30, 1e-10, 1e-3, 0.1, 0.5, 0.9, 0.99, 0.995, 1 - 1e-6, 1 - 1e-10, 1 - 2.0**-52, 1 - 2.0**-53]
+    fixed = [1e-300, 1e-100, 1e-30, 1e-10, 1e-3, 0.1, 0.5, 0.9, 0.99, 0.995,
+             1 - 1e-6, 1 - 1e-10, 1 - 2.0**-52, 1 - 2.0**-53]
     u = torch.cat([torch.tensor(fixed, dtype=torch.float64),
                    torch.rand(40, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))])
     D = d[:, None].expand(-1, len(u)).reshape(-1)
