@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from opcount import OpCounter
+from benchmarks.opcount import OpCounter
 
 from specsamp import theory
 from specsamp.coupling import (
@@ -178,3 +178,11 @@ def test_finite_states_whose_differences_overflow_are_refused_naming_sigma_and_d
     with deferred_checks() as checks:
         dgrs(children, mean_p, mean_q, 1e300)
     assert checks.failed()
+
+
+def test_coupling_ops_benchmark_counts_what_the_test_above_bounds():
+    from benchmarks.coupling_ops import count
+
+    ops, syncs = count("dgrs", 1, 2)
+    assert syncs == 0 and ops <= 620
+    assert count("rmc", 1, 1, deferred=False)[1] == 2  # eager: one sync for sigma, one for the values

@@ -1,10 +1,11 @@
-"""Counting ATen operations and host synchronisations (a ``TorchDispatchMode``), for op-count tests.
+"""Counting ATen operations and host synchronisations (a ``TorchDispatchMode``): load-free costs.
 
 Every ATen call made while :class:`OpCounter` is active counts once in :attr:`OpCounter.ops` (calls
 made by a kernel's own implementation are not seen: the mode sees what Python asks for). The calls
 that make the host wait for a value (:data:`SYNC_OPS`, and indexing with a boolean mask, whose output
 shape depends on the mask's values) count in :attr:`OpCounter.syncs` as well. Counts are
-deterministic for a fixed program and input shape, so tests can assert them.
+deterministic for a fixed program and input shape, so tests can assert them and benchmarks report
+them without depending on the machine's load.
 """
 
 from __future__ import annotations
