@@ -532,8 +532,8 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     ``[1e-8, 300]``, ``lambda_K`` and ``G_{K+1}`` of ``K = 1..32`` and ``u`` from ``1e-300`` to
     ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps |s|`` where ``nu <= eps
     max(1, |s|)``, and ``3.4 nu`` beyond ``4 eps |s|`` elsewhere. Cost: about 245 ATen operations
-    whatever ``n`` (the bisection took about 1110), and ``2 (GRID - 1) + 2 RESIDUAL_STEPS`` = 132
-    ``log_ndtr`` evaluations per row (the bisection 128). ``nu`` is large only at small
+    whatever ``n`` (the bisection took about 1110), but ``2 (GRID_LEVELS (GRID - 1) + RESIDUAL_STEPS)
+    = 258`` ``log_ndtr`` evaluations per row (the bisection 128): fewer launches, twice the arithmetic. ``nu`` is large only at small
     ``delta`` (``G ~ delta``) and for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``). Within
     ``2^-36`` of ``u = 1`` the expansion above is returned as is where its relative error
     ``x (|c - delta| + delta)`` is below ``1e-3`` (there ``1 - S`` is mostly rounding).
