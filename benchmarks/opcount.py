@@ -73,6 +73,16 @@ class OpCounts:
     by_op: Counter = field(default_factory=Counter)
     network_calls: int = 0
 
+    @property
+    def total_ops(self) -> int:
+        """ATen operator calls over every region."""
+        return sum(self.ops.values())
+
+    @property
+    def total_syncs(self) -> int:
+        """Host synchronisations over every region."""
+        return sum(self.syncs.values())
+
 
 class OpCounter(TorchDispatchMode):
     """Counts every ATen call (and every host synchronisation) into the current region of :class:`OpCounts`.

@@ -1,0 +1,43 @@
+"""ATen operations and host synchronisations per coupling call (load-free; ``python -m benchmarks.coupling_ops``).
+
+One verification of ``n`` parents with ``K`` children in ``D = 64`` coordinates (float32 states,
+``sigma = 0.37``, ``delta = 30`` so that every row is rejected and the residual is drawn), counted with
+:func:`benchmarks.opcount.counting`: eagerly (value checks raise at once) and inside
+:func:`specsamp.coupling.deferred_checks` (value checks flag on the device), as a sampler round runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.opcount import counting
+from specsamp.coupling import deferred_checks, get_coupling
+from specsamp.testing import make_problem
+
+CASES = [("dgrs", 1), ("dgrs", 2), ("dgrs", 5), ("rmc", 1)]
+
+
+def count(name: str, n: int, K: int, dim: int = 64, deferred: bool = True) -> tuple[int, int]:
+    """``(ops, syncs)`` of one ``name`` verification of ``n`` parents with ``K`` children in ``dim`` coordinates."""
+    children, mean_p, mean_q, sigma, _, g = make_problem(30.0, K, torch.float32, n=n, dim=dim, seed=1)
+    coupling = get_coupling(name)
+    if deferred:
+        with deferred_checks(), counting() as c:
+            coupling(children, mean_p, mean_q, sigma, g)
+    else:
+        with counting() as c:
+            coupling(children, mean_p, mean_q, sigma, g)
+    return c.total_ops, c.total_syncs
+
+
+def main() -> None:
+    print(f"{'coupling':>8} {'K':>2} {'n':>3} {'ops':>6} {'syncs':>5} {'ops eager':>9} {'syncs eager':>11}")
+    for name, K in CASES:
+        for n in (1, 16):
+            ops, syncs = count(name, n, K)
+            ops_e, syncs_e = count(name, n, K, deferred=False)
+            print(f"{name:>8} {K:>2} {n:>3} {ops:>6} {syncs:>5} {ops_e:>9} {syncs_e:>11}")
+
+
+if __name__ == "__main__":
+    main()
