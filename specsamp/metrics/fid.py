@@ -64,20 +64,62 @@ class Statistics:
         return path
 
 
+def _psd_eigvalsh(m: np.ndarray) -> tuple[np.ndarray, float]:
+    """Eigenvalues of the symmetric part of ``m`` with their rounding removed, and the rounding bound.
+
+    A symmetric eigensolver returns each eigenvalue to within about ``n * eps * ||m||_2`` (``n`` the
+    order, ``eps`` float64's machine epsilon; Golub and Van Loan, "Matrix Computations", sec. 8.1).
+    An eigenvalue whose magnitude is below that bound is rounding of a null direction, whatever its
+    sign; it is set to 0 before any square root is taken, since ``sqrt`` would turn rounding of size
+    ``eps`` into an error of size ``sqrt(eps)`` (a null eigenvalue computed as 1.6e-18 contributes
+    1.3e-9 to a trace of square roots).
+
+    Returns:
+        ``(w, tol)``: float64 eigenvalues ``[n]``, all ``>= 0``, and ``tol``.
+    """
+    w = np.linalg.eigvalsh((m + m.T) / 2)
+    tol = ROUNDING_FACTOR * m.shape[0] * np.finfo(np.float64).eps * (float(np.abs(w).max()) if w.size else 0.0)
+    return np.where(w > tol, w, 0.0), tol
+
+
+# the constant in front of n * eps * ||m|| in _psd_eigvalsh's bound (LAPACK's dsyevd stays well inside it)
+ROUNDING_FACTOR = 8.0
+
+
+def fid_rounding_bound(sigma1, sigma2, mu1=None, mu2=None) -> float:
+    """An upper bound on the float64 rounding of :func:`frechet_distance` for these inputs.
+
+    ``ROUNDING_FACTOR * F * eps * (tr sigma1 + tr sigma2 + ||mu1||^2 + ||mu2||^2)``: each term of the
+    distance is a sum of ``F`` (or ``N``) float64 numbers no larger than that scale, the eigenvalues
+    carry the solver's ``F * eps * ||.||`` error, and the square roots of the rounding are removed
+    (:func:`_psd_eigvalsh`). The FID of a set with itself is within this bound of 0 (and never negative).
+    """
+    s1, s2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
+    scale = abs(np.trace(s1)) + abs(np.trace(s2))
+    for mu in (mu1, mu2):
+        if mu is not None:
+            mu = np.asarray(mu, np.float64)
+            scale += float(mu @ mu)
+    return ROUNDING_FACTOR * s1.shape[0] * np.finfo(np.float64).eps * scale
+
+
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """Frechet distance between ``N(mu1, sigma1)`` and ``N(mu2, sigma2)``.
 
     ``||mu1 - mu2||^2 + tr(sigma1) + tr(sigma2) - 2 tr((sigma1 sigma2)^{1/2})``, with the trace of the
     matrix square root computed as ``sum sqrt(eig(A^{1/2} sigma2 A^{1/2}))``, ``A = sigma1`` (same
     eigenvalues as ``sigma1 sigma2``, but a symmetric PSD problem: no complex parts, no ``sqrtm``
-    failures on singular covariances).
+    failures on singular covariances). Eigenvalues within the solver's rounding of 0 count as 0
+    before their square roots are taken (:func:`_psd_eigvalsh`), and a total below 0 (rounding of
+    equal inputs) is returned as 0: the FID of a set with itself is 0 to within
+    :func:`fid_rounding_bound`, on any BLAS, and never negative.
 
     Args:
         mu1, mu2: ``[F]`` means.
         sigma1, sigma2: ``[F, F]`` symmetric PSD covariances.
 
     Returns:
-        The distance (float, >= 0 up to rounding).
+        The distance (float64, ``>= 0``).
 
     Raises:
         ValueError: shapes that do not match ``[F]`` / ``[F, F]``.
@@ -92,11 +134,11 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     s1 = (s1 + s1.T) / 2
     s2 = (s2 + s2.T) / 2
     w, v = np.linalg.eigh(s1)
-    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    m = root @ s2 @ root
-    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    tol = ROUNDING_FACTOR * f * np.finfo(np.float64).eps * (float(np.abs(w).max()) if w.size else 0.0)
+    root = (v * np.sqrt(np.where(w > tol, w, 0.0))) @ v.T
+    tr_covmean = np.sqrt(_psd_eigvalsh(root @ s2 @ root)[0]).sum()
     diff = mu1 - mu2
-    return float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_covmean)
+    return max(0.0, float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_covmean))
 
 
 def frechet_distance_to_features(features, mu2, sigma2) -> float:
@@ -105,7 +147,8 @@ def frechet_distance_to_features(features, mu2, sigma2) -> float:
     Exact, and cheap when ``N <= F``: with ``X`` the centred features, ``sigma1 = X^T X / (N - 1)``, and
     ``sigma1 sigma2`` has the nonzero eigenvalues of the ``[N, N]`` matrix ``X sigma2 X^T / (N - 1)``
     (``AB`` and ``BA`` share them), so no ``[F, F]`` eigenproblem is solved. With ``N > F`` this is
-    :func:`frechet_distance` of :func:`feature_statistics`.
+    :func:`frechet_distance` of :func:`feature_statistics`. Rounding is handled as there: never
+    negative, 0 to within :func:`fid_rounding_bound` for a set against its own statistics.
 
     Raises:
         ValueError: not ``[N, F]`` with ``N >= 2``, or shapes that do not match.
@@ -124,10 +167,9 @@ def frechet_distance_to_features(features, mu2, sigma2) -> float:
     mu1 = x.mean(0)
     xc = (x - mu1) / np.sqrt(n - 1)
     s2 = (s2 + s2.T) / 2
-    m = xc @ s2 @ xc.T
-    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    tr_covmean = np.sqrt(_psd_eigvalsh(xc @ s2 @ xc.T)[0]).sum()
     diff = mu1 - mu2
-    return float(diff @ diff + (xc * xc).sum() + np.trace(s2) - 2.0 * tr_covmean)
+    return max(0.0, float(diff @ diff + (xc * xc).sum() + np.trace(s2) - 2.0 * tr_covmean))
 
 
 def feature_statistics(features) -> Statistics:
