@@ -129,7 +129,7 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
     for n, parent in rec["trees_by_root"].items():  # <= B drafted states, no deeper than the steps left
         assert 2 <= len(parent) <= 7
     cal = rec["calibration"]
-    assert cal["trajectories"] == 8 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
+    assert cal["trajectories"] == 64 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
     assert 0 < rec["speedup_with_calibration"] < rec["speedup"]["mean"]
     # a given table (rows per root step 1..T-2) or one profile for every root: no calibration
     table = "[" + ",".join(["[0.3,0.6,0.9]"] * 6) + "]"

@@ -34,7 +34,7 @@ def test_headline_writer_is_deterministic_and_charges_calibration(tmp_path):
         beyond.HEADLINE = old
     assert a.read_bytes() == b.read_bytes()
     row = df.iloc[0]
-    assert row["calibration_trajectories"] == 4 and row["calibration_calls"] > 0
+    assert row["calibration_trajectories"] == 64 and row["calibration_calls"] > 0
     # amortising the calibration over more samples can only help
     assert row["speedup_amortised_100"] < row["speedup_amortised_1000"]
 

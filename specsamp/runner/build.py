@@ -186,16 +186,16 @@ def _widths_budget(widths) -> int:
 
 def calibration_run(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> SampleResult:
     """The short run that calibrates ``tree=optimal``: D-GRS with the configured draft on a uniform
-    ``(K, L)`` tree (``L`` capped at ``T - 2``) for ``min(n, n_samples)`` trajectories, under its own seed
-    (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the tree it gets is
-    independent of its samples and exactness is kept).
+    ``(K, L)`` tree (``L`` capped at ``T - 2``) for ``n`` trajectories (ids ``0..n-1``), under its own
+    seed (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the tree it gets
+    is independent of its samples and exactness is kept). ``n`` does not depend on ``n_samples``, so
+    trajectory ``i`` of a run gets the same tree, counts and sample whatever the run's size or shard.
 
     Returns:
         The run's :class:`SampleResult` (its ``nfe`` and ``target_rows`` are the calibration's cost).
     """
-    m = min(n, run.n_samples)
     tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
-    ids = torch.arange(m, device=torch.device(getattr(target.model, "device", "cpu")))
+    ids = torch.arange(n, device=torch.device(getattr(target.model, "device", "cpu")))
     cond = target.cond_for(ids, run.seed) if target.cond_for is not None else None
     return sample_speculative(target.model, schedule, tree, "dgrs", seed=run.seed + CALIBRATION_SEED_OFFSET, indices=ids,
                               cond=cond, draft=run.draft, prefetch=run.prefetch, evaluate_leaves=run.evaluate_leaves,
