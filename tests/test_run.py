@@ -227,3 +227,33 @@ def test_concurrent_runs_never_share_a_directory(tmp_path):
     seeds = sorted(json.loads(f.read_text())["config"]["seed"] for f in (tmp_path / "o").glob("t*/result.json"))
     assert seeds == [0, 1, 2]
     assert fresh_dir(str(tmp_path / "o" / "t")) == str(tmp_path / "o" / "t_4")  # the next free one
+
+
+def test_missing_profile_file_is_named_with_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    """A .json delta_profile that does not exist says so, with the absolute path looked at; a relative one
+    is read from the launch directory, and the message names it."""
+    from specsamp.errors import ConfigError
+    from specsamp.runner.config import load_config
+
+    with pytest.raises(ConfigError, match=r"/nope/prof\.json does not exist\. "):
+        load_config(compose([*TINY, "tree=optimal", "delta_profile=/nope/prof.json"]))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"{tmp_path}/rel/prof.json does not exist, relative paths are read from {tmp_path}"):
+        load_config(compose([*TINY, "tree=optimal", "delta_profile=rel/prof.json"]))
+
+
+def test_per_root_profile_for_another_T_is_refused_before_the_model_is_built(monkeypatch, capsys):
+    """gmm_x0 holds 28 root steps (T=30): a T=8 run with tree=optimal_per_step is refused, naming both T,
+    before the target is built, and without announcing the profile as used."""
+    from specsamp.errors import ConfigError
+    from specsamp.runner import loop
+
+    def no_build(run):
+        raise AssertionError("the target was built before the profile was checked")
+
+    monkeypatch.setattr(loop, "build_target", no_build)
+    with pytest.raises(ConfigError, match=r"calibrated for steps=30 \(28 root steps\).*6 root steps"):
+        loop.run_config(compose([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=gmm_x0"]))
+    with pytest.raises(ConfigError, match="it has 3 rows.*one per root step 1..6"):
+        loop.run_config(compose([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=[[0.3],[0.4],[0.5]]"]))
+    assert "used as given" not in capsys.readouterr().err

@@ -80,9 +80,29 @@ def _finite_list(v) -> bool:
         isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
 
 
+def launch_dir() -> Path:
+    """The directory the command was launched from: Hydra's original working directory inside a Hydra
+    run (``hydra.job.chdir=true`` moves the process into the output directory), else the current one."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.cwd)
+    except Exception:  # not inside a Hydra run
+        return Path.cwd()
+
+
+def profile_path(value: str) -> Path:
+    """The file a ``delta_profile`` string names: ``conf/profiles/<value>.json`` for a name, else the
+    ``.json`` path itself, a relative one read from :func:`launch_dir`."""
+    if not value.endswith(".json"):
+        return PROFILE_DIR / f"{value}.json"
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else launch_dir() / path
+
+
 def _profile_ok(v) -> bool:
     if isinstance(v, str):
-        return (Path(v) if v.endswith(".json") else PROFILE_DIR / f"{v}.json").is_file()
+        return profile_path(v).is_file()
     return _finite_list(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_finite_list(r) for r in v))
 
 
@@ -258,6 +278,12 @@ def check_values(run: RunConfig) -> None:
     Raises:
         ConfigError: names the key, its value and what is valid.
     """
+    v = run.delta_profile
+    if isinstance(v, str) and v.endswith(".json") and not profile_path(v).is_file():
+        where = "" if Path(v).expanduser().is_absolute() else f", relative paths are read from {launch_dir()}"
+        raise ConfigError(f"delta_profile={v!r} is invalid: the profile file {profile_path(v)} does not exist{where}. "
+                          "Give an existing .json (python -m experiments.calibrate writes one), the name of a shipped "
+                          "profile, a list of values, or null (calibrate).")
     for f in dataclasses.fields(RunConfig):
         meta, v = f.metadata, getattr(run, f.name)
         if meta and v is not None and not meta["ok"](v):

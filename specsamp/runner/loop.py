@@ -134,8 +134,10 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     coupling = build_coupling(run)
     # sizes that follow from the config alone are refused before the model is loaded or calibrated
     optimal = coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
+    given = None
     if optimal:
         check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
+        given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
     else:
         check_tree_nodes(run, coupling, horizon)
     target = target if target is not None else build_target(run)
@@ -152,7 +154,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         calibration = {**calibration_cost(cal), "charged": False}
     per_step = run.tree == "optimal_per_step"
     with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
-        tree, B = build_tree(run, coupling, horizon, calibrated or (given_profile(run) if optimal else None),
+        tree, B = build_tree(run, coupling, horizon, calibrated or given,
                              callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
     ids = torch.arange(run.n_samples) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
