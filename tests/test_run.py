@@ -257,3 +257,18 @@ def test_per_root_profile_for_another_T_is_refused_before_the_model_is_built(mon
     with pytest.raises(ConfigError, match="it has 3 rows.*one per root step 1..6"):
         loop.run_config(compose([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=[[0.3],[0.4],[0.5]]"]))
     assert "used as given" not in capsys.readouterr().err
+
+
+def test_reused_run_directory_with_another_config_is_refused_untouched(tmp_path):
+    """A second config in the same hydra.run.dir exits 2 naming the directory and the differing key;
+    the first run's record, samples, images and grid stay byte for byte; the same config is skipped."""
+    run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert {"result.json", "samples.pt", "grid.png"} <= {p.name for p in files} and (tmp_path / "images").is_dir()
+    p = run(["model=digits", "steps=7", "n_samples=3", "save_samples=true", "progress=false"], tmp_path, check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and "Traceback" not in err and "\n" not in err, err
+    assert f"{tmp_path} already holds the record of another configuration" in err and "steps: 6 -> 7" in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts} == files
+    again = run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
+    assert again.stdout.startswith("skipped (done")

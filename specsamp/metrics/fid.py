@@ -237,11 +237,51 @@ class _Uint8Images(torch.utils.data.Dataset):
         return img[:3].contiguous()
 
 
+def run_images(path: str | os.PathLike):
+    """What a path of saved samples holds, as something :func:`extract_features` reads.
+
+    * a folder of index-named PNGs (a run's ``images/``): the folder;
+    * a run's (or a merged sharded run's) directory: its ``images/`` when present, else its ``samples.pt``;
+    * a ``samples.pt`` (float ``[N, C, H, W]`` in ``[-1, 1]``, what ``save_samples=true`` and
+      ``python -m specsamp.runner.shards merge`` write): its tensor, clamped to ``[-1, 1]`` (the pixel
+      models' decode).
+
+    Returns:
+        A folder path or a float tensor ``[N, C, H, W]``.
+
+    Raises:
+        FileNotFoundError: nothing of the above at ``path``.
+        ValueError: a ``samples.pt`` that does not hold images (``[N, 1 or 3, H, W]``; latents of a
+            latent model are decoded by the run, into ``images/``).
+    """
+    p = Path(path)
+    if p.is_dir():
+        if (p / "images").is_dir():
+            return p / "images"
+        if any(f.suffix.lower() == ".png" and f.stem.isdigit() for f in p.iterdir()):
+            return p
+        if (p / "samples.pt").is_file():
+            p = p / "samples.pt"
+        else:
+            raise FileNotFoundError(f"no images at {str(path)!r}: neither index-named PNGs, an images/ folder nor a samples.pt")
+    if p.suffix == ".pt" and p.is_file():
+        x = torch.load(p, map_location="cpu", weights_only=True)
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] not in (1, 3) or not x.is_floating_point():
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{str(p)!r} holds {shape}, not float images [N, 1 or 3, H, W] in [-1, 1]: score the run's "
+                             "images/ folder instead (a latent model's samples are decoded into it by the run)")
+        return x.float().clamp(-1, 1)
+    if not p.exists():
+        raise FileNotFoundError(f"no images at {str(path)!r}")
+    return p
+
+
 def _as_images(images) -> np.ndarray:
     from ..images import as_pixels, load_images
 
     if isinstance(images, (str, os.PathLike)):
-        return load_images(images)
+        found = run_images(images)
+        return load_images(found) if isinstance(found, Path) else as_pixels(found)
     return as_pixels(images)
 
 
@@ -403,7 +443,7 @@ def extract_features(
     """Per-image features, in index order (so scores can be paired image by image).
 
     Args:
-        images: a path :func:`specsamp.images.load_images` reads, or images in the package's one
+        images: a path (:func:`run_images`: a PNG folder, a run directory or a ``samples.pt``), or images in the package's one
             convention (:func:`specsamp.images.as_pixels`: uint8 pixels, or float ``[N, C, H, W]`` in
             ``[-1, 1]``).
         feature_extractor, feature_layer, weights_path, device, allow_download, verbose: see
@@ -451,7 +491,8 @@ def compute_fid(
     """FID between saved samples and a reference.
 
     Args:
-        samples: what :func:`extract_features` accepts (typically the run's ``images`` folder).
+        samples: what :func:`extract_features` accepts: images, or a path (a run's directory, its
+            ``images`` folder, a merged sharded run's directory, a ``samples.pt``; :func:`run_images`).
         reference: precomputed statistics (a :data:`REFERENCE_STATS` name, URL or ``.npz`` path with
             ``mu``/``sigma``; a :class:`Statistics`; a ``(mu, sigma)`` pair), or images (a folder /
             array), whose statistics are computed with the same extractor.
@@ -468,6 +509,8 @@ def compute_fid(
         FileNotFoundError: samples, reference or weights missing (messages say where to put them).
         ValueError: feature dimensions of samples and reference differ; fewer than 2 samples.
     """
+    if isinstance(samples, (str, os.PathLike)):
+        samples = run_images(samples)  # a missing or unreadable path is named before any weights are loaded
     ext, layer, cuda = make_extractor(
         feature_extractor, feature_layer, weights_path=weights_path, device=device,
         allow_download=allow_download, verbose=verbose,
@@ -516,3 +559,90 @@ def _is_stats_reference(reference) -> bool:
         return True  # load_statistics reports the missing file
     with np.load(p, allow_pickle=False) as z:
         return "mu" in z.files and "sigma" in z.files
+
+
+# ----------------------------------------------------------------------------------------------
+# command line: python -m specsamp.metrics.fid PATH --ref REF
+
+
+def _run_record(path: Path) -> dict | None:
+    """The ``result.json`` of the run ``path`` belongs to (``path`` itself, or the folder holding its
+    ``images/`` or ``samples.pt``), or None."""
+    import json
+
+    path = Path(path)
+    for d in (path, path.parent) if path.is_dir() else (path.parent,):
+        f = d / "result.json"
+        if f.is_file():
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, ValueError):
+                return None
+            return rec if isinstance(rec, dict) else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specsamp.metrics.fid PATH [--ref REF] [...]``: score saved samples, print the FID.
+
+    ``PATH`` is a run's directory, its ``images/`` folder, a merged sharded run's directory or a
+    ``samples.pt`` (:func:`run_images`). Settings not given on the command line come from the run's
+    record when one is found beside ``PATH`` (``model.fid_ref``, ``model.fid_extractor``,
+    ``model.fid_layer``, ``model.fid_weights``), else the defaults (Inception, pool3).
+
+    Prints one line, ``FID 3.512  (1000 samples; reference REF; extractor NAME, layer L)``, and with
+    ``--json FILE`` writes :func:`compute_fid`'s fields there. Exit status 0; 2 with one paragraph when
+    an input is wrong or missing (path, reference, weights, extractor); 3 when the output cannot be written.
+    """
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m specsamp.metrics.fid",
+                                 description="FID of saved samples against reference statistics or images.")
+    ap.add_argument("path", help="a run directory, its images/ folder, a merged run's directory, or a samples.pt")
+    ap.add_argument("--ref", default=None, help="reference: a name (cifar10-32x32, ffhq-64x64, digits-8x8), URL, .npz "
+                                                "with mu/sigma, or a folder of images (default: the run's model.fid_ref)")
+    ap.add_argument("--feature-extractor", default=None, help="torch-fidelity extractor name or package.module:Class "
+                                                              "(default: the run's model.fid_extractor, else inception-v3-compat)")
+    ap.add_argument("--feature-layer", default=None, help="feature name (default: the extractor's FID feature)")
+    ap.add_argument("--weights", default=None, help="local extractor weights (default: the run's model.fid_weights)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
+    ap.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    ap.add_argument("--offline", action="store_true", help="never download (weights, reference statistics)")
+    ap.add_argument("--json", default=None, help="also write the result fields to this JSON file")
+    a = ap.parse_args(argv)
+    model = ((_run_record(Path(a.path)) or {}).get("config") or {}).get("model") or {}
+    ref = a.ref or model.get("fid_ref")
+    if not ref:
+        print(f"error: --ref is missing: {a.path!r} is not beside a run record naming model.fid_ref; give --ref "
+              f"(a name of {sorted(REFERENCE_STATS)}, a URL, an .npz with mu and sigma, or a folder of images).", file=sys.stderr)
+        return 2
+    extractor = a.feature_extractor or model.get("fid_extractor") or INCEPTION
+    layer = a.feature_layer or (model.get("fid_layer") if not a.feature_extractor else None)
+    weights = a.weights or (model.get("fid_weights") if not a.feature_extractor else None)
+    try:
+        res = compute_fid(a.path, ref, feature_extractor=extractor, feature_layer=layer, weights_path=weights,
+                          batch_size=a.batch_size, device=a.device, allow_download=not a.offline)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:  # hub.CheckpointTrustError is a ValueError
+        if isinstance(e, RuntimeError) and not str(e).startswith("could not download"):
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"FID {res['fid']:.4f}  ({res['n_samples']} samples; reference {res['reference']}; extractor "
+          f"{res['feature_extractor']}, layer {res['feature_layer']})", flush=True)
+    if a.json:
+        from ..io import write_json_atomic
+
+        try:
+            write_json_atomic(Path(a.json), {**res, "samples": str(a.path)})
+        except OSError as e:
+            print(f"error: could not write {a.json}: {e}", file=sys.stderr)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    import sys as _sys
+
+    _sys.exit(main())

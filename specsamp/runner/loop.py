@@ -157,12 +157,15 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         tree, B = build_tree(run, coupling, horizon, calibrated or given,
                              callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
-    ids = torch.arange(run.n_samples) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= run.n_samples:
+    given_ids = None if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if given_ids is not None and (given_ids.numel() == 0 or int(given_ids.min()) < 0 or int(given_ids.max()) >= run.n_samples):
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
-    bs = run.batch_size or ids.numel()
-    check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, ids.numel()),
-                      target.model, run.device, execution=run.execution, n_total=ids.numel(), steps=schedule.steps)
+    n_total = run.n_samples if given_ids is None else given_ids.numel()
+    bs = run.batch_size or n_total
+    # every per-trajectory array (the ids included) is sized here, before the first one is allocated
+    check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, n_total),
+                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps)
+    ids = torch.arange(run.n_samples) if given_ids is None else given_ids
     unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
     if unused:
         print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "

@@ -12,7 +12,9 @@ next jobs run, and :class:`specsamp.runner.report.SweepReport` lists the failure
 overrides do not compose (``hydra_plugins/specsamp_sweeper``) is recorded the same way. While it runs a
 job keeps ``running.json`` (host, pid, a heartbeat) so that ``report collect`` tells a live job from a
 killed one. A job whose ``result.json`` holds the same config hash is skipped; a job killed mid-run has
-no ``result.json`` and runs again.
+no ``result.json`` and runs again. A directory whose ``result.json`` is the complete record of another
+config is never written into: the run (or the sweep job) is refused as a config error naming the
+directory and the keys that differ, so one directory never mixes two runs' files.
 
 With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.runner.shards`) and writes
 ``shard.pt`` before ``result.json``.
@@ -38,7 +40,7 @@ from .loop import record_hash, run_config
 from .outputs import MetricError, compute_metrics, save_images
 from .shards import save_shard, shard_indices
 from .loggers import log_record
-from .records import existing_record, scores_text, summary_line, versions
+from .records import existing_record, refuse_other_record, scores_text, summary_line, versions
 
 def _hydra_cfg():
     try:
@@ -129,6 +131,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
             _clear_failure(out_dir)
             print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
             return rec["speedup"]["mean"]
+    refuse_other_record(out_dir, h, recorded)  # a second config's files never mix with the first's
     _clear_failure(out_dir)
     indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size) if sharded else None
     record, result = run_config(cfg, indices=indices)
