@@ -290,6 +290,9 @@ def check_values(run: RunConfig) -> None:
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
             raise ConfigError(f"{f.name}={v!r} is invalid: must be {text}.")
     check_device(run.device)
+    from .loggers import check_logger
+
+    check_logger(run.logger)
     if run.tree == "widths" and run.widths is None:
         raise ConfigError("widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
     if not 0 <= run.shard < run.num_shards:

@@ -16,6 +16,9 @@ no ``result.json`` and runs again. A directory whose ``result.json`` is the comp
 config is never written into: the run (or the sweep job) is refused as a config error naming the
 directory and the keys that differ, so one directory never mixes two runs' files.
 
+A logger that fails after the record is written (``logger=wandb`` without network) leaves ``logger_error``
+in the record; the relaunch skips the sampling and retries the logging (:func:`_log`).
+
 With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.runner.shards`) and writes
 ``shard.pt`` before ``result.json``.
 """
@@ -130,6 +133,8 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
         if rec is not None and (not sharded or (out_dir / SHARD).exists()):
             _clear_failure(out_dir)
             print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
+            if rec.get("logger_error") and run.logger._target_ is not None:  # the logging failed last time: retry it
+                _log(run, recorded, rec, out_dir, multirun, retry=True)
             return rec["speedup"]["mean"]
     refuse_other_record(out_dir, h, recorded)  # a second config's files never mix with the first's
     _clear_failure(out_dir)
@@ -162,7 +167,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
         write_json_atomic(out_dir / RESULT, record)
         if scores_text(record):  # the result line was printed before scoring: the scores get their own
             print(f"{tag}{scores_text(record)}  record: {shown(out_dir / RESULT)}", flush=True)
-    log_record(run.logger, recorded, record, out_dir, run.sweep_name if multirun else None)
+    logged = _log(run, recorded, record, out_dir, multirun, exit_on_failure=False)
     if metric_error is not None:
         message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
                    "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
@@ -173,7 +178,38 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
             print(f"error: {message}", file=sys.stderr)
             sys.exit(1)
         raise RuntimeError(message)
+    if not logged and not multirun:
+        sys.exit(INFRASTRUCTURE)
     return record["speedup"]["mean"]
+
+
+def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, retry: bool = False,
+         exit_on_failure: bool = True) -> bool:
+    """Send the record to the configured logger; on failure keep the record, say so in it and on stderr.
+
+    A failure is recorded as ``logger_error`` in ``result.json`` (the numbers are kept as they are); the
+    next launch of the same command finds the record, skips the sampling and retries the logging, and a
+    retry that succeeds removes ``logger_error``. A single run whose logging failed exits with status 3
+    (the configuration was checked at the start: what failed is the logger's service or the network);
+    a sweep job reports it and counts as done.
+
+    Returns:
+        True when the record was logged (or no logger is configured).
+    """
+    try:
+        log_record(run.logger, recorded, record, out_dir, run.sweep_name if multirun else None)
+    except Exception as e:  # noqa: BLE001 - whatever the logger raised, the record stays and says so
+        record["logger_error"] = f"logger={run.logger.name} failed: {type(e).__name__}: {' '.join(str(e).split())}"
+        write_json_atomic(out_dir / RESULT, record)
+        print(f"error: {record['logger_error']}. The record is saved in {shown(out_dir / RESULT)} with logger_error "
+              "set; rerun the same command to retry the logging (the sampling is skipped).", file=sys.stderr, flush=True)
+        if exit_on_failure and not multirun:
+            sys.exit(INFRASTRUCTURE)
+        return False
+    if record.pop("logger_error", None) is not None:
+        write_json_atomic(out_dir / RESULT, record)
+        print(f"logged (retried): logger={run.logger.name}  record: {shown(out_dir / RESULT)}", flush=True)
+    return True
 
 
 class _Liveness:
