@@ -131,6 +131,10 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
     cal = rec["calibration"]
     assert cal["trajectories"] == 64 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
     assert 0 < rec["speedup_with_calibration"] < rec["speedup"]["mean"]
+    # like with like: the calibration's speculative calls added to the run's (both without the endpoints)
+    n, spec = rec["n_samples"], rec["steps"] - 2
+    assert rec["speedup_with_calibration"] == pytest.approx(n * spec / (n * rec["nfe"]["mean"] + cal["nfe"]), rel=1e-12)
+    assert cal["nfe_total"] > cal["nfe"]
     # a given table (rows per root step 1..T-2) or one profile for every root: no calibration
     table = "[" + ",".join(["[0.3,0.6,0.9]"] * 6) + "]"
     for i, prof in enumerate([table, "[0.3,0.6,0.9]"]):

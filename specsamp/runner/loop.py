@@ -210,10 +210,11 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         **({"delta_profile": calibrated} if optimal else {}),
         **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
-        # the calibration run's calls, paid by this run but not in its speedup (README "Trees")
+        # the calibration run's calls, paid by this run but not in its speedup (README "Trees"); charged like
+        # with like: its calls on the speculative steps, as the run's own nfe counts (endpoints excluded)
         **({"calibration": calibration,
             "speedup_with_calibration": float(res.speculative_steps * res.nfe.numel()
-                                              / (res.nfe.sum() + calibration["nfe_total"]))} if calibration else {}),
+                                              / (int(res.nfe.sum()) + calibration["nfe"]))} if calibration else {}),
         "wall_seconds": time.perf_counter() - t0,
         "versions": versions(),
     }
