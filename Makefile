@@ -63,7 +63,7 @@ clean:  ## remove run outputs (not results/)
 	rm -rf outputs multirun
 
 SWEEP_NAME ?= local-demo
-# d=16, T=16, 16 trajectories: four cells that differ (about 1.67, 1.87, 1.70, 2.08x), a few seconds each
+# d=16, T=16, 16 trajectories: four cells that differ (K=1,2 x L=2,3: about 1.69, 1.91, 1.66, 1.97x), a few seconds each
 SWEEP_ARGS ?= model.dim=16 steps=16 n_samples=16 K=1,2 L=2,3
 JOBS ?= 2
 sweep-local:  ## submitit sweep on this machine, then its table: make sweep-local SWEEP_NAME=demo SWEEP_ARGS="K=2,3 L=2,3" JOBS=2
