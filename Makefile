@@ -40,10 +40,10 @@ beyond:  ## levers beyond the paper: GMM table and headline rows (results/gmm/be
 	$(PYTHON) -m experiments.beyond figures
 	$(PYTHON) -m experiments.digits figures
 
-train-digits:  ## retrain the digits denoiser and classifier (seeded, ~5 min on one thread) into specsamp/data/
+train-digits:  ## retrain the digits denoiser and classifier (seeded, one thread; the denoiser took 489 s on a loaded core) into specsamp/data/
 	$(PYTHON) -m experiments.train_digits
 
-digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (about 5 min)
+digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (18.5 min measured on 2 shared cores)
 	$(PYTHON) run.py +experiment=digits_fig4
 	$(PYTHON) run.py +experiment=digits_fid
 	$(PYTHON) -m experiments.digits collect

@@ -184,11 +184,26 @@ class RunConfig:
     shard: int = at_least(0, 0)
 
 
+def cell_seed(*values) -> int:
+    """A seed of its own for one cell of a grid: ``SHA-256`` of the cell's values (their text), reduced to
+    ``[0, 2**59)``. Resolver ``specsamp.cell_seed``: ``'seed=${specsamp.cell_seed:${sampler.name},${K},${L}}'``
+    gives every (sampler, K, L) cell independent randomness (by default every cell runs trajectory ids
+    ``0..n-1`` under one seed, so cells share their Monte Carlo error). Deterministic: a rerun of a cell
+    draws the same numbers, and the record holds the resolved seed."""
+    import hashlib
+
+    text = "\x1f".join(str(v) for v in values).encode()
+    return int.from_bytes(hashlib.sha256(b"specsamp.cell_seed\x00" + text).digest()[:8], "big") % SEED_BOUND
+
+
 def register() -> None:
     """Register the schemas with Hydra's ConfigStore (``run_schema``; ``model/<kind>_schema``) and the
     ``specsamp.*`` resolvers; idempotent. Importing this module calls it."""
     from ..models import MODEL_SCHEMAS
     from . import jobs  # noqa: F401  (registers specsamp.job_dir and specsamp.fresh_dir)
+
+    if not OmegaConf.has_resolver("specsamp.cell_seed"):
+        OmegaConf.register_new_resolver("specsamp.cell_seed", cell_seed)
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
