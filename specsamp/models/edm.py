@@ -432,6 +432,10 @@ class EDMConfig(TargetConfig):
                 without ``url``/``path``, labels that do not fit the net.
             FileNotFoundError, CheckpointTrustError, CheckpointFormatError: see :func:`load_edm`.
         """
+        if str(self.dtype).removeprefix("torch.") in ("float16", "bfloat16"):
+            raise ConfigError(f"model.dtype={self.dtype!r} is invalid for an EDM network: model.dtype is the sampler's "
+                              "state dtype, float32 or float64; to run the network "
+                              f"itself in half precision, keep model.dtype=float32 and set model.net_dtype={self.dtype}.")
         dtype = self.torch_dtype("dtype", ("float32", "float64"))
         net_dtype = self.torch_dtype("net_dtype")
         check_positive("max_batch", self.max_batch, optional=True)

@@ -98,6 +98,37 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+HYDRA_FILES = frozenset({".hydra", "run.log", "run_task.log"})  # what Hydra writes into a run's directory itself
+
+
+def discard_refused_dir(out_dir: Path) -> bool:
+    """Remove the directory of a refused single run when this process created it (``specsamp.fresh_dir``,
+    the default ``outputs/DATE/TIME/``) and it holds only Hydra's own files: a refused command leaves no
+    empty run directory behind. The date folder above goes too when that leaves it empty. A directory the
+    user named (``hydra.run.dir=DIR``) or one holding anything else is left as it is.
+
+    Returns:
+        True when the directory was removed.
+    """
+    import shutil
+
+    from .jobs import _CLAIMED
+
+    out_dir = Path(out_dir)
+    if str(out_dir) not in _CLAIMED.values() and str(out_dir.absolute()) not in {str(Path(v).absolute()) for v in _CLAIMED.values()}:
+        return False
+    try:
+        if any(p.name not in HYDRA_FILES for p in out_dir.iterdir()):
+            return False
+        shutil.rmtree(out_dir)
+        out_dir.parent.rmdir()  # the date folder, when this was its only run
+        if out_dir.parent.parent.name == "outputs":
+            out_dir.parent.parent.rmdir()
+    except OSError:
+        pass
+    return not out_dir.exists()
+
+
 def _clear_failure(out_dir: Path) -> None:
     (out_dir / FAILED).unlink(missing_ok=True)
 
@@ -288,6 +319,7 @@ def run_task(cfg: DictConfig) -> float | None:
         raise
     except ConfigError as e:
         if not multirun:
+            discard_refused_dir(out_dir)
             fail(str(e))
         err: Exception = e
     except Exception as e:
