@@ -147,6 +147,43 @@ def sweep_without_multirun(error: BaseException) -> str | None:
             f"the sweep (python run.py -m {line}){one}.")
 
 
+def per_job_model_overrides(argv: list[str]) -> list[str]:
+    """A sweep over models checks each job's ``model.*`` overrides against its own model.
+
+    Hydra composes a sweep's primary config with the overrides that are not swept, before any job, so
+    ``-m model=digits,cifar10 model.fid_extractor=X`` would check ``model.fid_extractor`` against the
+    default model (the GMM, which has no such key) and refuse the whole sweep. When ``model`` itself is
+    swept, each plain ``model.KEY=VALUE`` is passed as the one-value sweep ``model.KEY=choice(VALUE)``:
+    the same value for every job, applied when that job composes, so a job whose model has the key runs
+    and one whose model lacks it is recorded as failed (kind ``config``) while the others run. Anything
+    else (no ``-m``, no sweep over ``model``) is returned unchanged.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+
+    def parse(a: str):
+        try:
+            return parser.parse_override(a)
+        except Exception:  # a flag, or an override Hydra will report itself
+            return None
+
+    parsed = [parse(a) for a in argv]
+    if not any(o is not None and o.key_or_group == "model" and o.is_sweep_override() for o in parsed):
+        return argv
+    out = []
+    for a, o in zip(argv, parsed):
+        if o is not None and not o.is_sweep_override() and o.key_or_group.startswith("model.") and o.is_add() is False:
+            key, _, value = a.partition("=")
+            swept = parse(f"{key}=choice({value})")
+            if swept is not None and swept.is_sweep_override() and list(swept.value().list) == [o.value()]:
+                a = f"{key}=choice({value})"
+        out.append(a)
+    return out
+
+
 def _summary_if_swept() -> None:
     from .report import SWEEP_STATE, launched, print_sweep_summary
 
@@ -204,6 +241,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         _help_without_schemas()
+    sys.argv[1:] = per_job_model_overrides(sys.argv[1:])
     try:
         hydra_main()
     except KeyboardInterrupt:
