@@ -124,7 +124,9 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         target: an already-built :class:`~specsamp.models.base.Target` to use instead of ``cfg.model``'s
             (notebooks, benchmarks: build once, run many configs).
         indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
-            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run bitwise.
+            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run's counts
+            bitwise and its samples to the rounding of the model's batched evaluation (bitwise when the
+            batches are the same; README, "What is equal across splits").
 
     Returns:
         The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
