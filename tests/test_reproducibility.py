@@ -34,8 +34,7 @@ def _committed(res, i):
 def test_trajectory_results_do_not_depend_on_n_samples(rule):
     """Seed 0, GMM d=8, T=8: trajectories 0..2 of n_samples=3 and of n_samples=11 (batch_size=5, so the
     batches differ too) have bitwise equal counts and committed steps, the same calibrated profile
-    and trees, and samples equal to float64 rounding carried through T steps (atol 1e-12 on samples of
-    scale 1; the measured differences are at most a few 1e-16)."""
+    and trees, and samples within 16 T eps of float64 (README, "What is equal across splits")."""
     small_rec, small = run_config(compose([*BASE, *RULES[rule], "n_samples=3"]))
     big_rec, big = run_config(compose([*BASE, *RULES[rule], "n_samples=11", "batch_size=5"]))
     for f in COUNTS:
@@ -46,7 +45,7 @@ def test_trajectory_results_do_not_depend_on_n_samples(rule):
         assert small_rec.get(key) == big_rec.get(key), key
     if "calibration" in small_rec:
         assert small_rec["calibration"] == big_rec["calibration"]
-    torch.testing.assert_close(small.samples, big.samples[:3], rtol=0, atol=1e-12)
+    torch.testing.assert_close(small.samples, big.samples[:3], rtol=0, atol=_bound(torch.float64, 8, big.samples))
 
 
 def _bound(dtype, steps, samples):
