@@ -6,8 +6,9 @@
   2    the input was wrong: a config key or value, an override that does not compose, a path given
        by the user; one paragraph names the key, its value and what is valid
   3    the machine failed, not the input: the disk is full, the output directory is read-only or
-       cannot be created, a launcher's command (``sbatch``/``srun``) is missing; one paragraph
-       names the path or the command. Rerunning the same command once it is fixed resumes
+       cannot be created, a launcher's command (``sbatch``/``srun``) is missing, a logger failed
+       after the record was written; one paragraph names the path, the command or the logger.
+       Rerunning the same command once it is fixed resumes (and retries the logging)
  130   interrupted (Ctrl-C, SIGINT): one line, and for a sweep its summary; finished records stay
 =====  ==========================================================================================
 
