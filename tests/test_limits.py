@@ -45,6 +45,8 @@ RESOURCE = [
     # the trajectory ids alone would be 8 TB: refused before they are allocated
     (["n_samples=1000000000000"], ["n_samples=1000000000000", "GiB", "num_shards"]),
     (["n_samples=1000000000000", "sampler=standard"], ["n_samples=1000000000000", "GiB", "num_shards"]),
+    (["steps=1000000000000"], ["steps=1000000000000", "GiB", "lower steps"]),  # the schedule's arrays
+    (["model.dim=1000000000000"], ["model.dim=1000000000000", "GiB", "the mixture's means"]),
 ]
 
 

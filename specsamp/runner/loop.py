@@ -23,7 +23,7 @@ from ..models.base import Target
 from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, check_search, given_profile
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
-from .memory import check_tree_memory, check_tree_nodes
+from .memory import check_memory, check_tree_memory, check_tree_nodes
 from .records import config_hash, summarize_result, versions
 
 
@@ -88,6 +88,23 @@ class _Progress:
         return False
 
 
+STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root tables of a run (generous)
+
+
+def check_config_sizes(run: RunConfig) -> None:
+    """Refuse, before anything is allocated, what ``steps`` and the model's own keys size alone (the schedule,
+    the per-step tables; the GMM's means). Per-trajectory sizes are checked once the model's state shape is
+    known (:func:`specsamp.runner.memory.check_tree_memory`).
+
+    Raises:
+        ConfigError: names the key, the bytes needed and available.
+    """
+    check_memory(f"steps={run.steps} (the schedule and the per-step tables)", run.steps * STEP_BYTES, "cpu", "lower steps.")
+    size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
+    if size is not None:
+        check_memory(size[0], size[1], run.device, "lower them.")
+
+
 def half_precision_note(dtype: torch.dtype) -> None:
     """One line on stderr when the sampler's states are half precision: rounding then enters every kernel mean
     and lowers the acceptance, so the speedup is not that of float32 (measured on the GMM's default cell,
@@ -139,6 +156,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     if run.threads is not None:
         torch.set_num_threads(run.threads)
     t0 = time.perf_counter()
+    check_config_sizes(run)
     try:
         schedule = Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
     except ValueError as e:
