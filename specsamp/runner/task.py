@@ -165,7 +165,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
             _clear_failure(out_dir)
             print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
             if rec.get("logger_error") and run.logger._target_ is not None:  # the logging failed last time: retry it
-                _log(run, recorded, rec, out_dir, multirun, retry=True)
+                _log(run, recorded, rec, out_dir, multirun)
             return rec["speedup"]["mean"]
     refuse_other_record(out_dir, h, recorded)  # a second config's files never mix with the first's
     _clear_failure(out_dir)
@@ -214,8 +214,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     return record["speedup"]["mean"]
 
 
-def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, retry: bool = False,
-         exit_on_failure: bool = True) -> bool:
+def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, exit_on_failure: bool = True) -> bool:
     """Send the record to the configured logger; on failure keep the record, say so in it and on stderr.
 
     A failure is recorded as ``logger_error`` in ``result.json`` (the numbers are kept as they are); the
