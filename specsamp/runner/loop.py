@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig
 
@@ -132,7 +132,8 @@ def record_hash(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict, str]:
     return run, recorded, config_hash(recorded, unused_keys(run, build_coupling(run)))
 
 
-def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None) -> tuple[dict, SampleResult]:
+def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None,
+               before_sampling: Callable[[], None] | None = None) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``.
 
     Args:
@@ -144,6 +145,9 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
             ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run's counts
             bitwise and its samples to the rounding of the model's batched evaluation (bitwise when the
             batches are the same; README, "What is equal across splits").
+        before_sampling: called once every value and size is checked, the target built and the tree found,
+            just before the first trajectory is sampled (the runner refuses a used output directory there,
+            so that a bad value is still reported as such).
 
     Returns:
         The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
@@ -204,6 +208,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
               f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
               + (f" with tree={run.tree}" if coupling is not None else "")
               + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
+    if before_sampling is not None:
+        before_sampling()
     dev = torch.device(getattr(target.model, "device", run.device))
     results = []
     per_traj = horizon  # the bar counts trajectory-steps of the speculative range, per round or step

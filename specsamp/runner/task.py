@@ -167,10 +167,10 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
             if rec.get("logger_error") and run.logger._target_ is not None:  # the logging failed last time: retry it
                 _log(run, recorded, rec, out_dir, multirun)
             return rec["speedup"]["mean"]
-    refuse_other_record(out_dir, h, recorded)  # a second config's files never mix with the first's
     _clear_failure(out_dir)
     indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size) if sharded else None
-    record, result = run_config(cfg, indices=indices)
+    # a second config's files never mix with the first's: refused once every value is checked, before sampling
+    record, result = run_config(cfg, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded))
     record["output_dir"] = str(out_dir)
     record["overrides"] = _job_overrides()
     if multirun and run.sweep_name is not None:
