@@ -276,3 +276,19 @@ def test_reused_run_directory_with_another_config_is_refused_untouched(tmp_path)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts} == files
     again = run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
     assert again.stdout.startswith("skipped (done")
+
+
+def test_relative_profile_path_is_read_from_the_launch_directory_under_chdir(tmp_path):
+    """hydra.job.chdir=true moves the job into its output directory; a relative delta_profile is still read
+    from where the command was launched."""
+    import shutil
+
+    shutil.copy(CONF / "profiles" / "gmm_x0.json", tmp_path / "prof.json")
+    out = tmp_path / "out"
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, "tree=optimal", "budget=6", "draft=x0",
+                        "delta_profile=prof.json", "hydra.job.chdir=true", f"hydra.run.dir={out}"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rec = json.loads((out / "result.json").read_text())
+    assert "calibration" not in rec and rec["config"]["delta_profile"] == "prof.json"
