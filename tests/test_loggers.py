@@ -80,3 +80,21 @@ def test_a_logger_failure_is_recorded_and_the_relaunch_retries_it(tmp_path):
     third = _run(args, out)  # logged once: a further launch logs nothing again
     assert third.returncode == 0 and "logged (retried)" not in third.stdout
     assert (out / "logged.txt").read_text().count("\n") == 1
+
+
+def test_a_logger_failure_in_a_sweep_is_listed_exits_3_and_is_retried(tmp_path):
+    """In a sweep the jobs keep their records (each with logger_error), the summary lists them as not logged
+    and the sweep exits 3; the relaunch skips the sampling, logs each job once and exits 0."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, str(ROOT / "run.py"), "-m", "logger._target_=helpers.FlakyLogger", "logger.name=flaky",
+           *TINY[:-2], "K=1,2", "L=2", "progress=false", "sweep_name=lg"]
+    p = subprocess.run(cmd, cwd=tmp_path, env={**env, "FLAKY_LOGGER_DOWN": "1"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert p.stdout.count("not logged: ") == 2 and "Traceback" not in p.stderr
+    jobs = [d for d in (tmp_path / "multirun" / "lg").iterdir() if (d / "result.json").exists()]
+    assert len(jobs) == 2 and all("logger_error" in json.loads((d / "result.json").read_text()) for d in jobs)
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.count("logged (retried)") == 2 and "not logged" not in again.stdout
+    assert all((d / "logged.txt").read_text().count("\n") == 1 for d in jobs)
