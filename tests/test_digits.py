@@ -181,5 +181,7 @@ def test_sharded_fid_route_end_to_end(tmp_path):
         assert f.stdout.startswith("FID ") and "digits-classifier" in f.stdout  # the extractor comes from the record
         got = json.loads((tmp_path / "f.json").read_text())
         assert got["fid"] == pytest.approx(want, rel=1e-12) and got["n_samples"] == 6
+    bare = sh("-m", "specsamp.metrics.fid", str(merged), "--device", "cpu")  # the reference, too, from the record
+    assert bare.returncode == 0 and f"{want:.4f}" in bare.stdout and "reference digits-8x8" in bare.stdout, bare.stderr
     bad = sh("-m", "specsamp.metrics.fid", str(tmp_path / "nope"), "--ref", "digits-8x8")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
