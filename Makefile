@@ -42,10 +42,10 @@ beyond:  ## levers beyond the paper: GMM table and headline rows (results/gmm/be
 	$(PYTHON) -m experiments.beyond figures
 	$(PYTHON) -m experiments.digits figures
 
-train-digits:  ## retrain the digits denoiser and classifier (seeded, ~5 min on one thread) into specsamp/data/
+train-digits:  ## retrain the digits denoiser and classifier (seeded, one thread; the denoiser took 489 s on a loaded core) into specsamp/data/
 	$(PYTHON) -m experiments.train_digits
 
-digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (about 5 min)
+digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (18.5 min measured on 2 shared cores)
 	$(PYTHON) run.py +experiment=digits_fig4
 	$(PYTHON) run.py +experiment=digits_fid
 	$(PYTHON) -m experiments.digits collect
@@ -65,7 +65,7 @@ clean:  ## remove run outputs (not results/)
 	rm -rf outputs multirun
 
 SWEEP_NAME ?= local-demo
-# d=16, T=16, 16 trajectories: four cells that differ (about 1.67, 1.87, 1.70, 2.08x), a few seconds each
+# d=16, T=16, 16 trajectories: four cells that differ (K=1,2 x L=2,3: about 1.69, 1.91, 1.66, 1.97x), a few seconds each
 SWEEP_ARGS ?= model.dim=16 steps=16 n_samples=16 K=1,2 L=2,3
 JOBS ?= 2
 sweep-local:  ## submitit sweep on this machine, then its table: make sweep-local SWEEP_NAME=demo SWEEP_ARGS="K=2,3 L=2,3" JOBS=2

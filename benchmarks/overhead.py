@@ -131,3 +131,18 @@ def scaling_table(dims=(500, 3072, 16384), budgets=(14, 340), trajectories: int 
                 if progress:
                     progress(f"  scaling d={d} B={B} {ex}: {r['overhead_s'] * 1e3:.2f} ms/round")
     return rows
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.overhead [--preset P] [--json F]``: the overhead and scaling tables of
+    ``make bench`` (:func:`benchmarks.bench.main` with ``--only overhead,scaling``)."""
+    from benchmarks.bench import main as bench_main
+
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    return bench_main(["--only", "overhead,scaling", *argv])
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -301,6 +301,25 @@ class ChainRun:
         return self.speculative_steps / self.nfe.double()
 
 
+def _memoryless_draft(name: str):
+    """The registered draft ``name``, refused when it reads the trajectory's history of exact data
+    predictions (``Draft.history > 0``): the chains here draft from the root alone and keep no history.
+
+    Raises:
+        ConfigError: (a ``ValueError``) unknown name, or a draft that needs a history; the message
+            lists the drafts that work here.
+    """
+    from specsamp.drafts import DRAFTS
+    from specsamp.errors import ConfigError
+
+    dr = get_draft(name)
+    if dr.history:
+        valid = sorted(n for n in DRAFTS.names() if not get_draft(n).history)
+        raise ConfigError(f"draft={name!r} is invalid for block verification: it reads the trajectory's last "
+                          f"{dr.history} exact data predictions, which these chains do not keep; valid: {valid}.")
+    return dr
+
+
 def sample_block_chain(model, schedule: Schedule, L: int, n_samples: int, *, rule: str = "block", draft: str = "x0",
                        anchor: str = "root", seed: int = 0, max_batch: int | None = None) -> ChainRun:
     """Speculative sampling on a chain of ``L`` drafted states with block or node-wise verification.
@@ -328,7 +347,8 @@ def sample_block_chain(model, schedule: Schedule, L: int, n_samples: int, *, rul
         max_batch: rows per forward pass.
 
     Raises:
-        ValueError: ``L < 1``, ``n_samples < 1``, an unknown ``rule`` or ``anchor``; ConfigError: unknown draft.
+        ValueError: ``L < 1``, ``n_samples < 1``, an unknown ``rule`` or ``anchor``; ConfigError: unknown draft,
+            or one that reads a history (``x0_extrap``, ``x0_extrap_gated``, ``x0_affine``).
     """
     from specsamp.sampler import initial_noise
 
@@ -339,7 +359,7 @@ def sample_block_chain(model, schedule: Schedule, L: int, n_samples: int, *, rul
         raise ValueError(f"rule={rule!r} is invalid; valid: ['block', 'node']")
     if anchor not in ("node", "root"):
         raise ValueError(f"anchor={anchor!r} is invalid; valid: ['node', 'root']")
-    dr = get_draft(draft)
+    dr = _memoryless_draft(draft)
     dev = torch.device(getattr(model, "device", "cpu"))
     sig = schedule.sigmas.to(dev)
     vel = lambda x, n: batched(model, x, sig[n], max_batch).to(x.dtype)
@@ -456,7 +476,7 @@ def gmm_chain_tails(model, schedule: Schedule, L: int, n_roots: int = 200, draft
     sig = schedule.sigmas.to(dev)
     vel = lambda x, n: model(x, sig[n]).to(x.dtype)
     ids = torch.arange(n_roots, device=dev)
-    dr = get_draft(draft)
+    dr = _memoryless_draft(draft)
     x = initial_noise(seed, ids, model.event_shape, model.dtype)
     keys = rng.base_key(seed, ids, "step", device=dev)
     dkeys = rng.base_key(seed, ids, "draft", device=dev)

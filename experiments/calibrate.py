@@ -46,8 +46,6 @@ def main(argv: list[str]) -> Path:
     out = out or PROFILE_DIR / f"{run.model.name}_{run.draft}.json"
     schedule = Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
     t0 = time.perf_counter()
-    # the run's calibration serves min(trajectories, n_samples) trajectories: ask for all of them here
-    run.n_samples = max(run.n_samples, n)
     profiles, r = calibrate(build_target(run), schedule, run, n=n)
     data = {"config": {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps,
                        "seed": run.seed, "prefetch": run.prefetch, "warmup": run.warmup},

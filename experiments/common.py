@@ -64,17 +64,12 @@ def profile_text(profile) -> str:
     return "/".join(f"{x:.3f}" for x in profile)
 
 
-def levers_frontier(df: pd.DataFrame, *, title: str, ylabel: str, figsize=(7, 4.5), hline=None):
-    """Speedup vs budget, one line per lever arm of a ``levers``/``beyond`` table (``arm``, ``budget``,
-    ``speedup_mean``, ``speedup_sem``): the paper's arms dashed, the mixture-specific ``x0_affine`` arms
-    dotted. ``hline``: ``(y, label)`` of a reference line (e.g. the paper's best)."""
-    fig, ax = plt.subplots(figsize=figsize)
-    cmap = plt.get_cmap("tab20")
-    for i, (arm, s) in enumerate(df.groupby("arm", sort=False)):
+def _frontier_panel(ax, df: pd.DataFrame, colors: dict, hline=None) -> None:
+    for arm, s in df.groupby("arm", sort=False):
         s = s.sort_values("budget")
         style = "--" if arm.startswith("paper") else ":" if "affine" in arm else "-"
         ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + style, ms=4, capsize=3,
-                    color=cmap(i), label=arm + (" (mixture-specific)" if "affine" in arm else ""))
+                    color=colors[arm], label=arm + (" (mixture-specific)" if "affine" in arm else ""))
     if hline is not None:
         ax.axhline(hline[0], color="0.4", lw=0.8, ls=":", label=hline[1])
     budgets = sorted(df["budget"].unique())
@@ -82,8 +77,39 @@ def levers_frontier(df: pd.DataFrame, *, title: str, ylabel: str, figsize=(7, 4.
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("proposal budget B (drafted states)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def levers_frontier(df: pd.DataFrame, *, title: str, ylabel: str, figsize=(7, 4.5), hline=None):
+    """Speedup vs budget, one line per lever arm of a ``levers``/``beyond`` table (``arm``, ``budget``,
+    ``speedup_mean``, ``speedup_sem``): the paper's arms dashed, the mixture-specific ``x0_affine`` arms
+    dotted and, when there are any, on a panel of their own (with the paper's D-GRS arm for reference),
+    so that their much higher speedups do not squeeze the general levers into a sliver of the axis.
+    ``hline``: ``(y, label)`` of a reference line (e.g. the paper's best), drawn on both panels."""
+    cmap = plt.get_cmap("tab20")
+    colors = {arm: cmap(i) for i, arm in enumerate(df["arm"].drop_duplicates())}
+    specific = df["arm"].str.contains("affine")
+    if not specific.any():
+        fig, ax = plt.subplots(figsize=figsize)
+        _frontier_panel(ax, df, colors, hline)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        return fig
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(figsize[0] * 1.45, figsize[1]), gridspec_kw={"width_ratios": [2, 1]})
+    _frontier_panel(ax, df[~specific], colors, hline)
+    reference = df[df["arm"].str.startswith("paper D-GRS")]
+    _frontier_panel(ax2, pd.concat([reference, df[specific]]), colors, hline)
+    ax.set_ylabel(ylabel)
+    ax.set_title("general levers", fontsize=10)
+    ax2.set_title("mixture-specific (x0_affine)", fontsize=10)
+    fig.suptitle(title)
+    handles, labels = {}, []
+    for a in (ax, ax2):
+        for h, lab in zip(*a.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend([handles[lab] for lab in labels], labels, fontsize=7, loc="upper left", bbox_to_anchor=(0.99, 0.93))
+    fig.tight_layout()
     return fig

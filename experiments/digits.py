@@ -227,16 +227,34 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     return fid_df, tests_df
 
 
+SAMPLE_TITLES = {  # the FID arms' settings (conf/experiment/digits_fid.yaml): eps=0.3, T=100, (K, L)=(2, 3)
+    "standard": "standard sampler",
+    "rmc": "RMC, chain of B=14",
+    "dgrs": "D-GRS, (K, L)=(2, 3) tree, B=14",
+}
+TILE_PAD, PAD_GREY = 2, 96  # pixels of mid grey between the 8x8 digits, so that each reads as one image
+
+
+def sample_grid(images: np.ndarray, pad: int = TILE_PAD, fill: int = PAD_GREY) -> np.ndarray:
+    """Tile uint8 grey images ``[N, 8, 8]`` into a square grid ``[k (8 + pad) - pad]^2`` (``k = floor(sqrt N)``),
+    separated by ``pad`` pixels of grey ``fill``."""
+    k = int(np.sqrt(len(images)))
+    h, w = images.shape[1:3]
+    grid = np.full((k * (h + pad) - pad, k * (w + pad) - pad), fill, dtype=np.uint8)
+    for i in range(k * k):
+        r, c = divmod(i, k)
+        grid[r * (h + pad): r * (h + pad) + h, c * (w + pad): c * (w + pad) + w] = images[i]
+    return grid
+
+
 def _samples_figure():
     z = np.load(OUT / "samples.npz")
-    fig, axes = plt.subplots(1, len(RULES), figsize=(3.2 * len(RULES), 3.4), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(RULES), figsize=(3.4 * len(RULES), 3.7), constrained_layout=True)
     for ax, rule in zip(axes, RULES):
-        imgs = z[rule][:100, :, :, 0]
-        k = int(np.sqrt(len(imgs)))
-        grid = imgs[: k * k].reshape(k, k, 8, 8).transpose(0, 2, 1, 3).reshape(8 * k, 8 * k)
-        ax.imshow(grid, cmap="gray", vmin=0, vmax=255)
-        ax.set_title(RULE_LABELS.get(rule, rule) + " (K=2, L=3, eps=0.3)", fontsize=8)
+        ax.imshow(sample_grid(z[rule][:100, :, :, 0]), cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+        ax.set_title(SAMPLE_TITLES.get(rule, RULE_LABELS.get(rule, rule)), fontsize=9)
         ax.axis("off")
+    fig.suptitle("digits network: the first 100 of the 1,000 FID images per rule (eps=0.3, T=100)", fontsize=9)
     return fig
 
 

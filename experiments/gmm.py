@@ -208,7 +208,7 @@ def paper_table(df: pd.DataFrame) -> str:
     lines = [
         "| quantity | paper | ours (mean ± s.e., 100 trajectories) |",
         "|---|---|---|",
-        f"| RMC plateau over the grid | 1.96–2.00x | {rmc['speedup_mean'].min():.2f}–{rmc['speedup_mean'].max():.2f}x |",
+        f"| RMC plateau over the grid | 1.96–2.00x | {_plateau(df)} |",
         f"| RMC, B=155 (chain of 155) | 1.96x | {_fmt(_cell(df, 'rmc', 5, 3))} |",
         f"| D-GRS, (K,L)=(5,3), B=155 | 2.14x | {_fmt(_cell(df, 'dgrs', 5, 3))} |",
         f"| RMC at the (6,6) budget | 1.99x | {_fmt(_cell(df, 'rmc', 6, 6))} |",
@@ -228,12 +228,31 @@ def paper_table(df: pd.DataFrame) -> str:
 
 
 def _first_win(df) -> str:
-    rmc_best = df[df["sampler"] == "rmc"]["speedup_mean"].max()
-    wins = df[(df["sampler"] == "dgrs") & (df["speedup_mean"] > rmc_best)].sort_values("budget")
-    if wins.empty:
+    """The smallest-budget D-GRS *tree* (K >= 2) above RMC's best cell, as the paper reads it; a K=1
+    D-GRS chain is RMC's chain with another rule, within Monte Carlo error of it, so it is reported beside."""
+    rmc = df[df["sampler"] == "rmc"]
+    rmc_best = rmc["speedup_mean"].max()
+    dg = df[(df["sampler"] == "dgrs") & (df["speedup_mean"] > rmc_best)].sort_values("budget")
+    trees, chains = dg[dg["K"] >= 2], dg[dg["K"] == 1]
+    if trees.empty:
         return "never"
-    r = wins.iloc[0]
-    return f"({int(r['K'])},{int(r['L'])}), B={int(r['budget'])}"
+    r = trees.iloc[0]
+    text = f"({int(r['K'])},{int(r['L'])}), B={int(r['budget'])}, among trees ({_fmt(r)}"
+    if not chains.empty:
+        c = chains.iloc[0]
+        text += f"; the K=1 chain ({int(c['K'])},{int(c['L'])}) at {_fmt(c)} ties RMC's {rmc_best:.2f}"
+    return text + ")"
+
+
+def _plateau(df) -> str:
+    """RMC's range over the grid for B >= 4, and its cells below (where a chain of 2 or 3 is still short)."""
+    rmc = df[df["sampler"] == "rmc"]
+    big = rmc[rmc["budget"] >= 4]["speedup_mean"]
+    small = rmc[rmc["budget"] < 4].groupby("budget")["speedup_mean"].mean()
+    text = f"{big.min():.2f}–{big.max():.2f}x for B ≥ 4" if len(big) else "—"
+    if len(small):
+        text += " (" + ", ".join(f"{v:.2f} at B={int(b)}" for b, v in small.items()) + ")"
+    return text
 
 
 def main(argv=None) -> int:

@@ -57,6 +57,9 @@ def mark_fig1(fig):
     return fig
 
 
+PAPER_LABEL_SIZE = 8  # points: the paper's values in Figure 3's cells, as large as our own (7)
+
+
 def mark_fig3(fig):
     """Figure 3 (heatmaps over (K, L)): the paper's D-GRS cells outlined with their value; the RMC
     plateau stated on the RMC panel."""
@@ -75,7 +78,11 @@ def mark_fig3(fig):
             if K in Ks and L in Ls:
                 i, j = Ks.index(K), Ls.index(L)
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.6))
-                ax.text(j, i - 0.32, f"paper {v:.2f}", ha="center", va="center", fontsize=5.5, color="red")
+                for t in ax.texts:  # our value moves up to make room for the paper's below it
+                    if tuple(t.get_position()) == (j, i):
+                        t.set_position((j, i + 0.2))
+                ax.text(j, i - 0.22, f"paper {v:.2f}", ha="center", va="center", fontsize=PAPER_LABEL_SIZE, color="red",
+                        fontweight="bold", bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
         ax.set_title(f"{title}\nred boxes: the paper's cells; paper's best at L=2: 1.876x", fontsize=10)
     suptitle = getattr(fig, "_suptitle", None)
     if suptitle is not None:  # room for the two-line panel titles

@@ -82,7 +82,7 @@ def record_fid(dataset: str, sampler: str, images: str, reference: str | None = 
     Args:
         dataset: ``cifar10`` or ``ffhq`` (its model config gives the reference and the extractor).
         sampler: the row's rule (``standard``, ``rmc``, ``dgrs``).
-        images: the merged run's ``images/`` folder (or any folder of PNGs, a shard folder, an ``.npz``).
+        images: the merged run's directory, its ``images/`` folder or ``samples.pt`` (any folder of PNGs).
         reference: overrides the model config's ``fid_ref`` (EDM's published statistics).
         table_path: the table to fill (default ``results/pixel/fid.csv``).
         **fid_kwargs: override the config's extractor settings (``feature_extractor``,
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dataset", choices=DATASETS, default="cifar10")
     ap.add_argument("--sweep", default=None)
     ap.add_argument("--sampler", choices=("standard", "rmc", "dgrs"), help="fid: the rule whose images are scored")
-    ap.add_argument("--images", help="fid: folder of the rule's merged 50k images")
+    ap.add_argument("--images", help="fid: the rule's merged run directory, its images/ folder or its samples.pt")
     ap.add_argument("--ref", default=None, help="fid: reference statistics (default: the model config's fid_ref)")
     ap.add_argument("--weights", default=None, help="fid: local extractor weights (default: the model config's fid_weights)")
     ap.add_argument("--device", default=None, help="fid: cpu | cuda (default: CUDA when available)")
@@ -169,7 +169,9 @@ def main(argv=None) -> int:
         extra = {k: v for k, v in (("weights_path", a.weights), ("device", a.device)) if v is not None}
         try:
             record_fid(a.dataset, a.sampler, a.images, a.ref, table_path=a.table, **extra)
-        except (OSError, ValueError, KeyError, ImportError) as e:
+        except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not str(e).startswith("could not download"):
+                raise  # a bug, not missing weights
             print(f"error: fid --dataset {a.dataset} --sampler {a.sampler} --images {a.images}: {e}", file=sys.stderr)
             return 2
         return 0

@@ -2,8 +2,11 @@
 
 Both are plain functions of ``(model, schedule, ...)`` in the k-diffusion style. Trajectories are
 batched: one batched target call serves every live trajectory of a round. All randomness is keyed by
-``(seed, trajectory index, step, node)`` (:mod:`specsamp.rng`), so results do not depend on the batch
-a trajectory ran in, and the two executions of the speculative sampler draw identical numbers:
+``(seed, trajectory index, step, node)`` (:mod:`specsamp.rng`), so the random numbers of a trajectory do
+not depend on the batch it ran in, and the two executions of the speculative sampler draw identical
+numbers. A trajectory's counts are then equal bitwise across executions, ``max_batch``, batches and index
+subsets; its sample is equal to the rounding of the model's batched evaluation (a row's output may
+differ in the last bits with its batch), not bitwise (README, "What is equal across splits"):
 
 - ``tree``: draft every node of ``T|_{L_n}``, evaluate all of them in one batched target call, then walk
   (what runs on a GPU);

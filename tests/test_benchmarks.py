@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +48,17 @@ def test_overhead_and_memory_benchmarks_report_rows():
 def test_make_targets_point_at_the_benchmarks():
     out = subprocess.run(["make", "-n", "bench", "gpu-check"], capture_output=True, text=True, check=True).stdout
     assert "benchmarks.bench" in out and "benchmarks.gpu_check" in out
+
+
+def test_overhead_module_has_a_command_line(monkeypatch):
+    """``python -m benchmarks.overhead`` runs the overhead and scaling sections of ``make bench`` (it used
+    to define no entry point and print nothing); checked without running them."""
+    import benchmarks.bench
+    from benchmarks import overhead
+
+    seen = []
+    monkeypatch.setattr(benchmarks.bench, "main", lambda argv: seen.append(argv) or 0)
+    assert overhead.main(["--preset", "tiny"]) == 0
+    assert seen == [["--only", "overhead,scaling", "--preset", "tiny"]]
+    src = (Path(overhead.__file__)).read_text()
+    assert 'if __name__ == "__main__":' in src

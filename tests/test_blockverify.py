@@ -167,3 +167,16 @@ def test_implied_nfe_without_speculation_is_one_call_per_step():
     sch = Schedule.make(10, 0.5)
     tails = {n: (torch.zeros(1, 1), torch.zeros(1, 1)) for n in range(1, 9)}
     assert implied_nfe(sch, tails, 0) == pytest.approx(1 + 8)
+
+
+@pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0_affine"])
+def test_drafts_that_read_a_history_are_refused(draft):
+    """The chains draft from the root alone: a draft that reads earlier exact data predictions is refused
+    by name (a ValueError listing the valid drafts), not an AttributeError halfway through."""
+    import experiments.blockverify as bv
+    from specsamp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"draft='{draft}' is invalid for block verification.*'x0'"):
+        bv.sample_block_chain(MODEL, SCHED, 3, 4, draft=draft)
+    with pytest.raises(ConfigError, match=f"draft='{draft}' is invalid"):
+        bv.gmm_chain_tails(MODEL, SCHED, 3, n_roots=4, draft=draft)

@@ -156,3 +156,32 @@ def test_training_script_writes_checked_loadable_files(tmp_path):
     assert clf(torch.zeros(2, 1, 8, 8))[1].shape == (2, 10)
     assert (tmp_path / digits.REFERENCE_FILE.name).is_file()
     assert train_digits.main(["--steps", "0"]) == 2  # bad input: exit status 2, nothing written
+
+
+def test_sharded_fid_route_end_to_end(tmp_path):
+    """Two shard jobs of the digits network (save_samples=true), merged at the end of the sweep, are scored by
+    ``python -m specsamp.metrics.fid MERGED_DIR --ref digits-8x8`` and by its samples.pt; both equal the FID
+    an unsharded run scores for itself (batch_size=3: the shards run the unsharded run's batches, so the images
+    are the same bytes and the FIDs are equal to float64 rounding of one computation, 1e-12 relative)."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    common = ["model=digits", "steps=6", "n_samples=6", "batch_size=3", "save_samples=true", "progress=false"]
+    sh = lambda *a: subprocess.run([sys.executable, *a], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)  # noqa: E731
+    single = sh(str(ROOT / "run.py"), *common, "metrics=[fid]", f"hydra.run.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    want = json.loads((tmp_path / "single" / "result.json").read_text())["fid"]
+    p = sh(str(ROOT / "run.py"), "-m", *common, "num_shards=2", "shard=0,1", "sweep_name=fd")
+    assert p.returncode == 0, p.stderr
+    merged = next(d for d in (tmp_path / "multirun" / "fd").iterdir() if (d / "samples.pt").is_file())
+    assert sorted(f.name for f in (merged / "images").iterdir()) == [f"{i:06d}.png" for i in range(6)]
+    assert (merged / "grid.png").read_bytes() == (tmp_path / "single" / "grid.png").read_bytes()
+    for target in (merged, merged / "images", merged / "samples.pt"):
+        f = sh("-m", "specsamp.metrics.fid", str(target), "--ref", "digits-8x8", "--device", "cpu", "--json", str(tmp_path / "f.json"))
+        assert f.returncode == 0, f.stderr
+        assert f.stdout.startswith("FID ") and "digits-classifier" in f.stdout  # the extractor comes from the record
+        got = json.loads((tmp_path / "f.json").read_text())
+        assert got["fid"] == pytest.approx(want, rel=1e-12) and got["n_samples"] == 6
+    bare = sh("-m", "specsamp.metrics.fid", str(merged), "--device", "cpu")  # the reference, too, from the record
+    assert bare.returncode == 0 and f"{want:.4f}" in bare.stdout and "reference digits-8x8" in bare.stdout, bare.stderr
+    bad = sh("-m", "specsamp.metrics.fid", str(tmp_path / "nope"), "--ref", "digits-8x8")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr

@@ -306,3 +306,27 @@ def test_missing_file_names_url_and_path(tmp_path, monkeypatch):
         load_edm(tmp_path / "nope.pkl")
     with pytest.raises(ConfigError, match="model.name='cifar'"):
         EDMConfig(name="cifar").build("cpu")
+
+
+def test_cuda_tagged_pickle_loads_on_a_cpu_host(tmp_path, monkeypatch):
+    """A pickle saved from GPU memory tags its storages ``cuda:0``; on a host where torch sees no CUDA device
+    it loads onto the CPU (it used to be reported as not a loadable EDM pickle, to be fetched again)."""
+    import io
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    buf = io.BytesIO()
+    torch.save(torch.arange(3.0), buf, _use_new_zipfile_serialization=False)
+    raw = buf.getvalue()
+    assert raw.count(b"X\x03\x00\x00\x00cpu") == 1
+    tagged = raw.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+
+    class OnCuda:
+        def __reduce__(self):
+            return (torch.storage._load_from_bytes, (tagged,))
+
+    path = tmp_path / "cuda-tagged.pkl"
+    path.write_bytes(pickle.dumps({"ema": OnCuda()}))
+    with pytest.raises(RuntimeError, match="CUDA"):  # what plain unpickling does on this host
+        pickle.loads(path.read_bytes())
+    got = load_edm(path, trust_checkpoint=True)
+    assert isinstance(got, torch.Tensor) and got.device.type == "cpu" and torch.equal(got, torch.arange(3.0))

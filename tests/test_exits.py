@@ -256,3 +256,57 @@ def test_liveness_on_another_host_follows_the_heartbeat(tmp_path):
     assert jobs.job_liveness(job) == "killed"
     (job / jobs.RUNNING).write_text(json.dumps(jobs.running_marker()))  # this very process: alive
     assert jobs.job_liveness(job) == "running"
+
+
+def _bare(args, cwd):
+    """run.py with its default output directory (outputs/DATE/TIME under ``cwd``)."""
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          env=_env(), timeout=300)
+
+
+@pytest.mark.parametrize("args, needles, absent", [
+    (["K=2,3"], ["K=2,3 is a sweep over K", "python run.py -m K=2,3", "(K=2)"], "key=[value1"),
+    (["L=range(2,4)"], ["L=range(2,4) is a sweep over L", "-m"], "key=[value1"),
+    (["widths=3,2"], ["widths takes a list, written widths=[3,2]", "-m"], "key=[value1"),
+    (["model=digits", "model.dtype=float16"], ["model.dtype='float16' is invalid for an EDM network",
+                                               "model.net_dtype=float16"], "valid values are float32, float64."),
+    (["K=0"], ["K=0 is invalid"], "Traceback"),
+    ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),
+])
+def test_refused_commands_say_what_to_do_and_leave_no_run_directory(tmp_path, args, needles, absent):
+    """A refused single run exits 2 with one paragraph (a sweep override without -m says to add -m, not
+    Hydra's key=[value1,value2]), and leaves no outputs/DATE/TIME/ holding only Hydra's own files."""
+    p = _bare(args, tmp_path)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and err.startswith("error: ") and "\n" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert absent not in err
+    assert not list(tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+
+
+def test_a_refused_run_keeps_a_directory_that_holds_a_record(tmp_path):
+    """Only a directory this process created and that holds nothing but Hydra's files is removed."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("precious")
+    p = _bare(["K=0", f"hydra.run.dir={tmp_path / 'mine'}"], tmp_path)
+    assert p.returncode == 2 and (tmp_path / "mine" / "keep.txt").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    assert _bare(["K=0", f"hydra.run.dir={tmp_path / 'empty'}"], tmp_path).returncode == 2
+    assert (tmp_path / "empty").is_dir()  # named by the user: left where it is
+
+
+def test_help_lists_models_not_their_schemas(tmp_path):
+    p = _bare(["--help"], tmp_path)
+    assert p.returncode == 0
+    line = next(x for x in p.stdout.splitlines() if x.startswith("model: "))
+    assert "_schema" not in p.stdout and {"gmm", "digits", "cifar10", "ffhq", "sd3"} <= set(line[7:].split(", "))
+
+
+def test_half_precision_states_get_a_note(capsys):
+    from specsamp.runner import compose, run_config
+
+    run_config(compose(["model.dim=4", "steps=5", "n_samples=2", "model.dtype=bfloat16", "progress=false"]))
+    assert "note: model.dtype=bfloat16 holds the states and velocities with 8 significant bits" in capsys.readouterr().err
+    run_config(compose(["model.dim=4", "steps=5", "n_samples=2", "progress=false"]))
+    assert "note: model.dtype" not in capsys.readouterr().err

@@ -80,3 +80,48 @@ def test_sd3_init_collect_figures(tmp_path, record, monkeypatch, capsys):
     assert std["clip_mean"] == 31.1 and math.isclose(std["clip_sem"], 0.5)
     assert sd3.main(["figures"]) == 0 and (tmp_path / "sd3" / "fig5_speedup_vs_K.png").is_file()
     capsys.readouterr()
+
+
+def test_gmm_table_printed_claims_equal_the_readme_rows():
+    """``python -m experiments.gmm table`` (from the committed grid.csv) and the README's section 5.1 table say
+    the same: for every quantity in both, the README's value starts with the printed one (the README may
+    add the 1,000-trajectory reruns after it)."""
+    from pathlib import Path
+
+    from experiments import gmm
+    from experiments.common import read_csv
+
+    def rows(text):
+        out = {}
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 3 and cells[0] not in ("quantity", "---"):
+                out[cells[0]] = cells[2]
+        return out
+
+    printed = rows(gmm.paper_table(read_csv(gmm.GRID_CSV)))
+    readme = rows((Path(__file__).resolve().parents[1] / "README.md").read_text())
+    common = set(printed) & set(readme)
+    assert {"D-GRS first beats RMC from", "RMC plateau over the grid"} <= common
+    for q in common:
+        assert readme[q].startswith(printed[q]), (q, printed[q], readme[q])
+
+
+def test_make_sweep_local_comment_gives_the_cells_speedups():
+    """The Makefile's comment on SWEEP_ARGS gives the four cells' speedups (seed 0, 16 trajectories) to the
+    two decimals it prints; they are deterministic counts, so they must equal a run of those cells."""
+    import re
+    from pathlib import Path
+
+    from specsamp.runner import compose, run_config
+
+    make = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    said = [float(x) for x in re.search(r"about ([\d., ]+)x\)", make).group(1).split(", ")]
+    args = re.search(r"^SWEEP_ARGS \?= model.dim=(\d+) steps=(\d+) n_samples=(\d+) K=1,2 L=2,3$", make, re.M).groups()
+    got = []
+    for K in (1, 2):
+        for L in (2, 3):
+            rec, _ = run_config(compose([f"model.dim={args[0]}", f"steps={args[1]}", f"n_samples={args[2]}",
+                                         f"K={K}", f"L={L}", "progress=false"]))
+            got.append(round(rec["speedup"]["mean"], 2))
+    assert got == said

@@ -66,6 +66,43 @@ def test_gmm_figure_3_outlines_the_papers_cells(grid):
     assert at == {(5, 3), (6, 6), (7, 6)}
     texts = {t.get_text() for t in dgrs_ax.texts}
     assert {"paper 2.14", "paper 2.33", "paper 2.34"} <= texts
+    # the paper's labels are as large as our values (they were 5.5 pt) and do not overlap them
+    ours = [t for t in dgrs_ax.texts if not t.get_text().startswith("paper")]
+    for t in dgrs_ax.texts:
+        if t.get_text().startswith("paper"):
+            assert t.get_fontsize() >= max(o.get_fontsize() for o in ours)
+            x, y = t.get_position()
+            above = [o for o in ours if o.get_position()[0] == x and abs(o.get_position()[1] - y) < 0.5]
+            assert len(above) == 1 and above[0].get_position()[1] - y >= 0.4
+    plt.close(fig)
+
+
+def test_beyond_frontier_gives_the_mixture_specific_arms_their_own_panel():
+    """The x0_affine arms (5-6x) on a panel of their own, so that the general levers (2-3.2x) fill theirs."""
+    from experiments import beyond
+
+    fig = beyond._frontier(read_csv(beyond.CSV))
+    general, specific = [a for a in fig.axes if a.get_title()]
+    names = lambda ax: {lab for lab in ax.get_legend_handles_labels()[1]}  # noqa: E731
+    assert not any("affine" in n for n in names(general))
+    assert {n for n in names(specific) if "affine" in n} == {"x0 affine + optimal tree (mixture-specific)",
+                                                            "x0 affine + tree per step (mixture-specific)"}
+    lo, hi = general.get_ylim()
+    assert hi < 3.5  # the general levers span most of their axis
+    plt.close(fig)
+
+
+def test_digits_sample_grid_separates_the_digits_and_titles_each_rule():
+    """Each 8x8 digit is framed by grey padding (no stripes), and the standard panel names no (K, L)."""
+    from experiments import digits
+
+    imgs = np.full((100, 8, 8), 255, dtype=np.uint8)
+    grid = digits.sample_grid(imgs)
+    assert grid.shape == (10 * 10 - 2, 10 * 10 - 2)
+    assert (grid[8:10, :] == digits.PAD_GREY).all() and (grid[:, 8:10] == digits.PAD_GREY).all()
+    fig = digits._samples_figure()
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[0] == "standard sampler" and "K" not in titles[0] and "B=14" in titles[1] and "(2, 3)" in titles[2]
     plt.close(fig)
 
 

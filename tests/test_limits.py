@@ -42,6 +42,11 @@ RESOURCE = [
     (["tree=optimal", "budget=137256", "steps=30"], ["budget=137256", "max_width=32", "max-plus updates"]),
     (["K=7", "L=100", "steps=30"], ["K=7, L=100", "GiB", "lower K or L"]),
     (["n_samples=100000", "model.dim=500"], ["n_samples=100000", "GiB", "batch_size="]),
+    # the trajectory ids alone would be 8 TB: refused before they are allocated
+    (["n_samples=1000000000000"], ["n_samples=1000000000000", "GiB", "num_shards"]),
+    (["n_samples=1000000000000", "sampler=standard"], ["n_samples=1000000000000", "GiB", "num_shards"]),
+    (["steps=1000000000000"], ["steps=1000000000000", "GiB", "lower steps"]),  # the schedule's arrays
+    (["model.dim=1000000000000"], ["model.dim=1000000000000", "GiB", "the mixture's means"]),
 ]
 
 

@@ -56,7 +56,7 @@ def test_bad_values_name_the_key():
         GMMConfig(name="gmm", dtype="float8").build("cpu")
     with pytest.raises(ConfigError, match="model.dim=0"):
         GMMConfig(name="gmm", dim=0).build("cpu")
-    with pytest.raises(ConfigError, match="model.dtype='bfloat16' is invalid: valid values are float32, float64"):
+    with pytest.raises(ConfigError, match="model.dtype='bfloat16' is invalid for an EDM network: .*float32 or float64.*model.net_dtype=bfloat16"):
         EDMConfig(name="edm-digits-8x8-cond", dtype="bfloat16").build("cpu")
     with pytest.raises(ConfigError, match="model.labels='some'"):
         EDMConfig(name="edm-digits-8x8-cond", labels="some").build("cpu")

@@ -325,3 +325,32 @@ def test_metric_the_model_cannot_serve_is_refused_before_sampling(tmp_path, chec
     err = capsys.readouterr()
     assert e.value.code == 2 and f"metrics=[{metric}] is invalid" in err.err and need in err.err
     assert err.out == "" and not (tmp_path / "result.json").exists()  # nothing sampled
+
+
+def test_pixel_fid_without_reachable_inception_weights_is_one_paragraph(tmp_path, monkeypatch, capsys):
+    """Downloads allowed but the weights' URL unreachable: exit 2 with the URL and where to put the file
+    (it was a RuntimeError traceback, exit 1); a RuntimeError of another kind is still a bug."""
+    import numpy as np
+
+    from experiments import pixel
+    from specsamp.images import save_images
+    from specsamp.metrics import fid as fid_mod
+
+    save_images(np.zeros((2, 8, 8, 3), dtype=np.uint8), tmp_path / "images")
+
+    def offline(*a, **k):
+        raise RuntimeError(f"could not download the Inception weights from {fid_mod.INCEPTION_URL} (no network).")
+
+    monkeypatch.setattr(fid_mod, "make_extractor", offline)
+    args = ["fid", "--sampler", "dgrs", "--images", str(tmp_path / "images"), "--ref", "cifar10-32x32",
+            "--table", str(tmp_path / "fid.csv")]
+    assert pixel.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: fid") and "could not download the Inception weights" in err and "\n" not in err
+
+    def bug(*a, **k):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(fid_mod, "make_extractor", bug)
+    with pytest.raises(RuntimeError, match="something else"):
+        pixel.main(args)

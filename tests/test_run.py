@@ -129,8 +129,12 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
     for n, parent in rec["trees_by_root"].items():  # <= B drafted states, no deeper than the steps left
         assert 2 <= len(parent) <= 7
     cal = rec["calibration"]
-    assert cal["trajectories"] == 8 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
+    assert cal["trajectories"] == 64 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
     assert 0 < rec["speedup_with_calibration"] < rec["speedup"]["mean"]
+    # like with like: the calibration's speculative calls added to the run's (both without the endpoints)
+    n, spec = rec["n_samples"], rec["steps"] - 2
+    assert rec["speedup_with_calibration"] == pytest.approx(n * spec / (n * rec["nfe"]["mean"] + cal["nfe"]), rel=1e-12)
+    assert cal["nfe_total"] > cal["nfe"]
     # a given table (rows per root step 1..T-2) or one profile for every root: no calibration
     table = "[" + ",".join(["[0.3,0.6,0.9]"] * 6) + "]"
     for i, prof in enumerate([table, "[0.3,0.6,0.9]"]):
@@ -227,3 +231,64 @@ def test_concurrent_runs_never_share_a_directory(tmp_path):
     seeds = sorted(json.loads(f.read_text())["config"]["seed"] for f in (tmp_path / "o").glob("t*/result.json"))
     assert seeds == [0, 1, 2]
     assert fresh_dir(str(tmp_path / "o" / "t")) == str(tmp_path / "o" / "t_4")  # the next free one
+
+
+def test_missing_profile_file_is_named_with_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    """A .json delta_profile that does not exist says so, with the absolute path looked at; a relative one
+    is read from the launch directory, and the message names it."""
+    from specsamp.errors import ConfigError
+    from specsamp.runner.config import load_config
+
+    with pytest.raises(ConfigError, match=r"/nope/prof\.json does not exist\. "):
+        load_config(compose([*TINY, "tree=optimal", "delta_profile=/nope/prof.json"]))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"{tmp_path}/rel/prof.json does not exist, relative paths are read from {tmp_path}"):
+        load_config(compose([*TINY, "tree=optimal", "delta_profile=rel/prof.json"]))
+
+
+def test_per_root_profile_for_another_T_is_refused_before_the_model_is_built(monkeypatch, capsys):
+    """gmm_x0 holds 28 root steps (T=30): a T=8 run with tree=optimal_per_step is refused, naming both T,
+    before the target is built, and without announcing the profile as used."""
+    from specsamp.errors import ConfigError
+    from specsamp.runner import loop
+
+    def no_build(run):
+        raise AssertionError("the target was built before the profile was checked")
+
+    monkeypatch.setattr(loop, "build_target", no_build)
+    with pytest.raises(ConfigError, match=r"calibrated for steps=30 \(28 root steps\).*6 root steps"):
+        loop.run_config(compose([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=gmm_x0"]))
+    with pytest.raises(ConfigError, match="it has 3 rows.*one per root step 1..6"):
+        loop.run_config(compose([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=[[0.3],[0.4],[0.5]]"]))
+    assert "used as given" not in capsys.readouterr().err
+
+
+def test_reused_run_directory_with_another_config_is_refused_untouched(tmp_path):
+    """A second config in the same hydra.run.dir exits 2 naming the directory and the differing key;
+    the first run's record, samples, images and grid stay byte for byte; the same config is skipped."""
+    run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert {"result.json", "samples.pt", "grid.png"} <= {p.name for p in files} and (tmp_path / "images").is_dir()
+    p = run(["model=digits", "steps=7", "n_samples=3", "save_samples=true", "progress=false"], tmp_path, check=False)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and "Traceback" not in err and "\n" not in err, err
+    assert f"{tmp_path} already holds the record of another configuration" in err and "steps: 6 -> 7" in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts} == files
+    again = run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
+    assert again.stdout.startswith("skipped (done")
+
+
+def test_relative_profile_path_is_read_from_the_launch_directory_under_chdir(tmp_path):
+    """hydra.job.chdir=true moves the job into its output directory; a relative delta_profile is still read
+    from where the command was launched."""
+    import shutil
+
+    shutil.copy(CONF / "profiles" / "gmm_x0.json", tmp_path / "prof.json")
+    out = tmp_path / "out"
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, "tree=optimal", "budget=6", "draft=x0",
+                        "delta_profile=prof.json", "hydra.job.chdir=true", f"hydra.run.dir={out}"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rec = json.loads((out / "result.json").read_text())
+    assert "calibration" not in rec and rec["config"]["delta_profile"] == "prof.json"

@@ -487,3 +487,41 @@ def test_sweep_local_demo_cells_differ(tmp_path):
     df = report.collect(tmp_path / "multirun" / "demo")
     cells = [f"{m:.3f} ± {s:.3f}" for m, s in zip(df["speedup_mean"], df["speedup_sem"])]
     assert len(cells) == 4 and len(set(cells)) == 4, cells
+
+
+def test_cell_seed_gives_each_cell_its_own_deterministic_seed():
+    """``+cell_seed=independent``: cells of a grid get distinct seeds (independent Monte Carlo errors), the
+    same cell always the same one (a rerun skips or reproduces it), within the seed's valid range; the
+    resolved seed is what the record holds."""
+    from specsamp.runner.config import SEED_BOUND, compose, load_config
+
+    seeds = {}
+    for sampler in ("rmc", "dgrs"):
+        for K, L in ((2, 3), (3, 2), (5, 3)):
+            run, rec = load_config(compose([f"sampler={sampler}", f"K={K}", f"L={L}", "+cell_seed=independent"]))
+            assert rec["seed"] == run.seed and 0 <= run.seed < SEED_BOUND
+            seeds[sampler, K, L] = run.seed
+    assert len(set(seeds.values())) == len(seeds)
+    again, _ = load_config(compose(["sampler=rmc", "K=2", "L=3", "+cell_seed=independent", "n_samples=7"]))
+    assert again.seed == seeds["rmc", 2, 3]  # n_samples does not name the cell: the same trajectories, more of them
+    plain, _ = load_config(compose(["sampler=rmc", "K=2", "L=3"]))
+    assert plain.seed == 0
+
+
+def test_sweep_over_models_checks_each_jobs_overrides_against_its_own_model(tmp_path):
+    """``-m model=gmm,digits model.fid_extractor=...``: the key exists for the digits network, not for the GMM.
+    The sweep is not refused as a whole: the digits job runs, the GMM job is recorded as failed (kind config,
+    naming the key and GMMConfig), and the sweep exits 2."""
+    from specsamp.runner.exits import per_job_model_overrides
+
+    p = run(["-m", "model=gmm,digits", "model.fid_extractor=digits-classifier", "steps=4", "n_samples=2",
+             "progress=false", "sweep_name=models"], tmp_path, check=False)
+    assert p.returncode == 2, p.out
+    sweep = tmp_path / "multirun" / "models"
+    ok = json.loads((sweep / "model.fid_extractor=digits-classifier,model=digits,n_samples=2,steps=4" / "result.json").read_text())
+    assert ok["status"] == "ok" and ok["config"]["model"]["fid_extractor"] == "digits-classifier"
+    bad = json.loads((sweep / "model.fid_extractor=digits-classifier,model=gmm,n_samples=2,steps=4" / "failed.json").read_text())
+    assert bad["kind"] == "config" and "model.fid_extractor=digits-classifier is not a key of GMMConfig" in bad["error"]
+    # only a sweep over the model group is rewritten; everything else reaches Hydra as typed
+    assert per_job_model_overrides(["model=digits", "model.dim=3"]) == ["model=digits", "model.dim=3"]
+    assert per_job_model_overrides(["-m", "K=1,2", "model.dim=3"]) == ["-m", "K=1,2", "model.dim=3"]

@@ -48,6 +48,17 @@ def _one_paragraph(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _explained(error: BaseException) -> str | None:
+    """specsamp's paragraph for a key the job's config does not have (the key, its config class, the
+    valid keys: :func:`specsamp.runner.config.explain`), instead of Hydra's advice to append it with ``+``."""
+    try:
+        from specsamp.runner.config import explain
+
+        return explain(error)
+    except Exception:  # noqa: BLE001 - the plain message is still recorded
+        return None
+
+
 def failed_job_config(master: DictConfig, overrides: Sequence[str], error: BaseException) -> DictConfig:
     """The config a job that does not compose runs with: Hydra's settings only, its own directory, and
     the error in ``hydra.job.env_set`` (read by :func:`specsamp.runner.task.run_task`)."""
@@ -62,7 +73,7 @@ def failed_job_config(master: DictConfig, overrides: Sequence[str], error: BaseE
         cfg.hydra.sweep.subdir = subdir
         cfg.hydra.job.override_dirname = subdir
         cfg.hydra.overrides.task = [str(o) for o in overrides]
-        cfg.hydra.job.env_set[COMPOSE_ERROR_ENV] = _one_paragraph(str(error)) or type(error).__name__
+        cfg.hydra.job.env_set[COMPOSE_ERROR_ENV] = _explained(error) or _one_paragraph(str(error)) or type(error).__name__
         cfg.hydra.job.env_set[COMPOSE_ERROR_KIND_ENV] = _kind(error)
     return cfg
 

@@ -9,17 +9,6 @@ floats in ``[-1, 1]``). Optional dependencies (torch-fidelity, open_clip) are im
 metric is computed.
 """
 
-from .fid import (
-    REFERENCE_STATS,
-    Statistics,
-    compute_fid,
-    extract_features,
-    feature_statistics,
-    frechet_distance,
-    frechet_distance_to_features,
-    load_statistics,
-)
-
 __all__ = [
     "REFERENCE_STATS",
     "Statistics",
@@ -30,3 +19,13 @@ __all__ = [
     "frechet_distance_to_features",
     "load_statistics",
 ]
+
+
+def __getattr__(name):
+    """The FID names, imported from :mod:`specsamp.metrics.fid` on first use (so that
+    ``python -m specsamp.metrics.fid`` runs the module once, as ``__main__``)."""
+    if name in __all__:
+        from . import fid
+
+        return getattr(fid, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

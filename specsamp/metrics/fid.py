@@ -64,20 +64,62 @@ class Statistics:
         return path
 
 
+def _psd_eigvalsh(m: np.ndarray) -> tuple[np.ndarray, float]:
+    """Eigenvalues of the symmetric part of ``m`` with their rounding removed, and the rounding bound.
+
+    A symmetric eigensolver returns each eigenvalue to within about ``n * eps * ||m||_2`` (``n`` the
+    order, ``eps`` float64's machine epsilon; Golub and Van Loan, "Matrix Computations", sec. 8.1).
+    An eigenvalue whose magnitude is below that bound is rounding of a null direction, whatever its
+    sign; it is set to 0 before any square root is taken, since ``sqrt`` would turn rounding of size
+    ``eps`` into an error of size ``sqrt(eps)`` (a null eigenvalue computed as 1.6e-18 contributes
+    1.3e-9 to a trace of square roots).
+
+    Returns:
+        ``(w, tol)``: float64 eigenvalues ``[n]``, all ``>= 0``, and ``tol``.
+    """
+    w = np.linalg.eigvalsh((m + m.T) / 2)
+    tol = ROUNDING_FACTOR * m.shape[0] * np.finfo(np.float64).eps * (float(np.abs(w).max()) if w.size else 0.0)
+    return np.where(w > tol, w, 0.0), tol
+
+
+# the constant in front of n * eps * ||m|| in _psd_eigvalsh's bound (LAPACK's dsyevd stays well inside it)
+ROUNDING_FACTOR = 8.0
+
+
+def fid_rounding_bound(sigma1, sigma2, mu1=None, mu2=None) -> float:
+    """An upper bound on the float64 rounding of :func:`frechet_distance` for these inputs.
+
+    ``ROUNDING_FACTOR * F * eps * (tr sigma1 + tr sigma2 + ||mu1||^2 + ||mu2||^2)``: each term of the
+    distance is a sum of ``F`` (or ``N``) float64 numbers no larger than that scale, the eigenvalues
+    carry the solver's ``F * eps * ||.||`` error, and the square roots of the rounding are removed
+    (:func:`_psd_eigvalsh`). The FID of a set with itself is within this bound of 0 (and never negative).
+    """
+    s1, s2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
+    scale = abs(np.trace(s1)) + abs(np.trace(s2))
+    for mu in (mu1, mu2):
+        if mu is not None:
+            mu = np.asarray(mu, np.float64)
+            scale += float(mu @ mu)
+    return ROUNDING_FACTOR * s1.shape[0] * np.finfo(np.float64).eps * scale
+
+
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """Frechet distance between ``N(mu1, sigma1)`` and ``N(mu2, sigma2)``.
 
     ``||mu1 - mu2||^2 + tr(sigma1) + tr(sigma2) - 2 tr((sigma1 sigma2)^{1/2})``, with the trace of the
     matrix square root computed as ``sum sqrt(eig(A^{1/2} sigma2 A^{1/2}))``, ``A = sigma1`` (same
     eigenvalues as ``sigma1 sigma2``, but a symmetric PSD problem: no complex parts, no ``sqrtm``
-    failures on singular covariances).
+    failures on singular covariances). Eigenvalues within the solver's rounding of 0 count as 0
+    before their square roots are taken (:func:`_psd_eigvalsh`), and a total below 0 (rounding of
+    equal inputs) is returned as 0: the FID of a set with itself is 0 to within
+    :func:`fid_rounding_bound`, on any BLAS, and never negative.
 
     Args:
         mu1, mu2: ``[F]`` means.
         sigma1, sigma2: ``[F, F]`` symmetric PSD covariances.
 
     Returns:
-        The distance (float, >= 0 up to rounding).
+        The distance (float64, ``>= 0``).
 
     Raises:
         ValueError: shapes that do not match ``[F]`` / ``[F, F]``.
@@ -92,11 +134,11 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     s1 = (s1 + s1.T) / 2
     s2 = (s2 + s2.T) / 2
     w, v = np.linalg.eigh(s1)
-    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    m = root @ s2 @ root
-    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    tol = ROUNDING_FACTOR * f * np.finfo(np.float64).eps * (float(np.abs(w).max()) if w.size else 0.0)
+    root = (v * np.sqrt(np.where(w > tol, w, 0.0))) @ v.T
+    tr_covmean = np.sqrt(_psd_eigvalsh(root @ s2 @ root)[0]).sum()
     diff = mu1 - mu2
-    return float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_covmean)
+    return max(0.0, float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_covmean))
 
 
 def frechet_distance_to_features(features, mu2, sigma2) -> float:
@@ -105,7 +147,8 @@ def frechet_distance_to_features(features, mu2, sigma2) -> float:
     Exact, and cheap when ``N <= F``: with ``X`` the centred features, ``sigma1 = X^T X / (N - 1)``, and
     ``sigma1 sigma2`` has the nonzero eigenvalues of the ``[N, N]`` matrix ``X sigma2 X^T / (N - 1)``
     (``AB`` and ``BA`` share them), so no ``[F, F]`` eigenproblem is solved. With ``N > F`` this is
-    :func:`frechet_distance` of :func:`feature_statistics`.
+    :func:`frechet_distance` of :func:`feature_statistics`. Rounding is handled as there: never
+    negative, 0 to within :func:`fid_rounding_bound` for a set against its own statistics.
 
     Raises:
         ValueError: not ``[N, F]`` with ``N >= 2``, or shapes that do not match.
@@ -124,10 +167,9 @@ def frechet_distance_to_features(features, mu2, sigma2) -> float:
     mu1 = x.mean(0)
     xc = (x - mu1) / np.sqrt(n - 1)
     s2 = (s2 + s2.T) / 2
-    m = xc @ s2 @ xc.T
-    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    tr_covmean = np.sqrt(_psd_eigvalsh(xc @ s2 @ xc.T)[0]).sum()
     diff = mu1 - mu2
-    return float(diff @ diff + (xc * xc).sum() + np.trace(s2) - 2.0 * tr_covmean)
+    return max(0.0, float(diff @ diff + (xc * xc).sum() + np.trace(s2) - 2.0 * tr_covmean))
 
 
 def feature_statistics(features) -> Statistics:
@@ -195,11 +237,51 @@ class _Uint8Images(torch.utils.data.Dataset):
         return img[:3].contiguous()
 
 
+def run_images(path: str | os.PathLike):
+    """What a path of saved samples holds, as something :func:`extract_features` reads.
+
+    * a folder of index-named PNGs (a run's ``images/``): the folder;
+    * a run's (or a merged sharded run's) directory: its ``images/`` when present, else its ``samples.pt``;
+    * a ``samples.pt`` (float ``[N, C, H, W]`` in ``[-1, 1]``, what ``save_samples=true`` and
+      ``python -m specsamp.runner.shards merge`` write): its tensor, clamped to ``[-1, 1]`` (the pixel
+      models' decode).
+
+    Returns:
+        A folder path or a float tensor ``[N, C, H, W]``.
+
+    Raises:
+        FileNotFoundError: nothing of the above at ``path``.
+        ValueError: a ``samples.pt`` that does not hold images (``[N, 1 or 3, H, W]``; latents of a
+            latent model are decoded by the run, into ``images/``).
+    """
+    p = Path(path)
+    if p.is_dir():
+        if (p / "images").is_dir():
+            return p / "images"
+        if any(f.suffix.lower() == ".png" and f.stem.isdigit() for f in p.iterdir()):
+            return p
+        if (p / "samples.pt").is_file():
+            p = p / "samples.pt"
+        else:
+            raise FileNotFoundError(f"no images at {str(path)!r}: neither index-named PNGs, an images/ folder nor a samples.pt")
+    if p.suffix == ".pt" and p.is_file():
+        x = torch.load(p, map_location="cpu", weights_only=True)
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] not in (1, 3) or not x.is_floating_point():
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{str(p)!r} holds {shape}, not float images [N, 1 or 3, H, W] in [-1, 1]: score the run's "
+                             "images/ folder instead (a latent model's samples are decoded into it by the run)")
+        return x.float().clamp(-1, 1)
+    if not p.exists():
+        raise FileNotFoundError(f"no images at {str(path)!r}")
+    return p
+
+
 def _as_images(images) -> np.ndarray:
     from ..images import as_pixels, load_images
 
     if isinstance(images, (str, os.PathLike)):
-        return load_images(images)
+        found = run_images(images)
+        return load_images(found) if isinstance(found, Path) else as_pixels(found)
     return as_pixels(images)
 
 
@@ -361,7 +443,7 @@ def extract_features(
     """Per-image features, in index order (so scores can be paired image by image).
 
     Args:
-        images: a path :func:`specsamp.images.load_images` reads, or images in the package's one
+        images: a path (:func:`run_images`: a PNG folder, a run directory or a ``samples.pt``), or images in the package's one
             convention (:func:`specsamp.images.as_pixels`: uint8 pixels, or float ``[N, C, H, W]`` in
             ``[-1, 1]``).
         feature_extractor, feature_layer, weights_path, device, allow_download, verbose: see
@@ -409,7 +491,8 @@ def compute_fid(
     """FID between saved samples and a reference.
 
     Args:
-        samples: what :func:`extract_features` accepts (typically the run's ``images`` folder).
+        samples: what :func:`extract_features` accepts: images, or a path (a run's directory, its
+            ``images`` folder, a merged sharded run's directory, a ``samples.pt``; :func:`run_images`).
         reference: precomputed statistics (a :data:`REFERENCE_STATS` name, URL or ``.npz`` path with
             ``mu``/``sigma``; a :class:`Statistics`; a ``(mu, sigma)`` pair), or images (a folder /
             array), whose statistics are computed with the same extractor.
@@ -426,6 +509,8 @@ def compute_fid(
         FileNotFoundError: samples, reference or weights missing (messages say where to put them).
         ValueError: feature dimensions of samples and reference differ; fewer than 2 samples.
     """
+    if isinstance(samples, (str, os.PathLike)):
+        samples = run_images(samples)  # a missing or unreadable path is named before any weights are loaded
     ext, layer, cuda = make_extractor(
         feature_extractor, feature_layer, weights_path=weights_path, device=device,
         allow_download=allow_download, verbose=verbose,
@@ -474,3 +559,90 @@ def _is_stats_reference(reference) -> bool:
         return True  # load_statistics reports the missing file
     with np.load(p, allow_pickle=False) as z:
         return "mu" in z.files and "sigma" in z.files
+
+
+# ----------------------------------------------------------------------------------------------
+# command line: python -m specsamp.metrics.fid PATH --ref REF
+
+
+def _run_record(path: Path) -> dict | None:
+    """The ``result.json`` of the run ``path`` belongs to (``path`` itself, or the folder holding its
+    ``images/`` or ``samples.pt``), or None."""
+    import json
+
+    path = Path(path)
+    for d in (path, path.parent) if path.is_dir() else (path.parent,):
+        f = d / "result.json"
+        if f.is_file():
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, ValueError):
+                return None
+            return rec if isinstance(rec, dict) else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specsamp.metrics.fid PATH [--ref REF] [...]``: score saved samples, print the FID.
+
+    ``PATH`` is a run's directory, its ``images/`` folder, a merged sharded run's directory or a
+    ``samples.pt`` (:func:`run_images`). Settings not given on the command line come from the run's
+    record when one is found beside ``PATH`` (``model.fid_ref``, ``model.fid_extractor``,
+    ``model.fid_layer``, ``model.fid_weights``), else the defaults (Inception, pool3).
+
+    Prints one line, ``FID 3.512  (1000 samples; reference REF; extractor NAME, layer L)``, and with
+    ``--json FILE`` writes :func:`compute_fid`'s fields there. Exit status 0; 2 with one paragraph when
+    an input is wrong or missing (path, reference, weights, extractor); 3 when the output cannot be written.
+    """
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m specsamp.metrics.fid",
+                                 description="FID of saved samples against reference statistics or images.")
+    ap.add_argument("path", help="a run directory, its images/ folder, a merged run's directory, or a samples.pt")
+    ap.add_argument("--ref", default=None, help="reference: a name (cifar10-32x32, ffhq-64x64, digits-8x8), URL, .npz "
+                                                "with mu/sigma, or a folder of images (default: the run's model.fid_ref)")
+    ap.add_argument("--feature-extractor", default=None, help="torch-fidelity extractor name or package.module:Class "
+                                                              "(default: the run's model.fid_extractor, else inception-v3-compat)")
+    ap.add_argument("--feature-layer", default=None, help="feature name (default: the extractor's FID feature)")
+    ap.add_argument("--weights", default=None, help="local extractor weights (default: the run's model.fid_weights)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
+    ap.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    ap.add_argument("--offline", action="store_true", help="never download (weights, reference statistics)")
+    ap.add_argument("--json", default=None, help="also write the result fields to this JSON file")
+    a = ap.parse_args(argv)
+    model = ((_run_record(Path(a.path)) or {}).get("config") or {}).get("model") or {}
+    ref = a.ref or model.get("fid_ref")
+    if not ref:
+        print(f"error: --ref is missing: {a.path!r} is not beside a run record naming model.fid_ref; give --ref "
+              f"(a name of {sorted(REFERENCE_STATS)}, a URL, an .npz with mu and sigma, or a folder of images).", file=sys.stderr)
+        return 2
+    extractor = a.feature_extractor or model.get("fid_extractor") or INCEPTION
+    layer = a.feature_layer or (model.get("fid_layer") if not a.feature_extractor else None)
+    weights = a.weights or (model.get("fid_weights") if not a.feature_extractor else None)
+    try:
+        res = compute_fid(a.path, ref, feature_extractor=extractor, feature_layer=layer, weights_path=weights,
+                          batch_size=a.batch_size, device=a.device, allow_download=not a.offline)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:  # hub.CheckpointTrustError is a ValueError
+        if isinstance(e, RuntimeError) and not str(e).startswith("could not download"):
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"FID {res['fid']:.4f}  ({res['n_samples']} samples; reference {res['reference']}; extractor "
+          f"{res['feature_extractor']}, layer {res['feature_layer']})", flush=True)
+    if a.json:
+        from ..io import write_json_atomic
+
+        try:
+            write_json_atomic(Path(a.json), {**res, "samples": str(a.path)})
+        except OSError as e:
+            print(f"error: could not write {a.json}: {e}", file=sys.stderr)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    import sys as _sys
+
+    _sys.exit(main())

@@ -133,6 +133,12 @@ class TargetConfig:
         """
         raise NotImplementedError
 
+    def size_from_config(self) -> tuple[str, float] | None:
+        """``(what, bytes)`` that building this target allocates, when its config alone decides it (the keys
+        named in ``what``), so the runner can refuse it before :meth:`build`; None when it does not (a
+        checkpoint's own size)."""
+        return None
+
     def torch_dtype(self, key: str = "dtype", valid=DTYPES) -> torch.dtype | None:
         """The config value ``key`` as a torch dtype (:func:`parse_dtype`, the message naming ``model.<key>``)."""
         return parse_dtype(getattr(self, key), f"model.{key}", valid)

@@ -164,6 +164,24 @@ def load_edm(
     return obj
 
 
+def _load_storage_bytes(b: bytes):
+    """``torch.storage._load_from_bytes`` with the storages mapped to the CPU when torch sees no CUDA device:
+    a pickle saved from GPU memory tags its storages ``cuda:N``, which would otherwise refuse to load here
+    (the network then moves to the run's device, ``load_edm(map_location=...)``)."""
+    import io
+
+    return torch.load(io.BytesIO(b), weights_only=False, map_location=None if torch.cuda.is_available() else "cpu")
+
+
+class _CpuMappingUnpickler(pickle.Unpickler):
+    """An unpickler whose tensor storages load on the CPU when no CUDA device is available (:func:`_load_storage_bytes`)."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.storage" and name == "_load_from_bytes":
+            return _load_storage_bytes
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path):
     """Unpickle a verified (or trusted) EDM pickle; every way it can fail becomes one CheckpointFormatError."""
     import zipfile
@@ -180,7 +198,7 @@ def _unpickle(path: Path):
         )
     try:
         with nvlabs_compat.installed(), open(path, "rb") as f:
-            return pickle.load(f)  # noqa: S301 - checksum verified (or explicitly trusted) by the caller
+            return _CpuMappingUnpickler(f).load()  # checksum verified (or explicitly trusted) by the caller
     except Exception as err:  # noqa: BLE001 - a pickle can raise anything; all mean "not a loadable network"
         cause = "truncated (it ends before the pickle does)" if isinstance(err, EOFError) else "not a loadable EDM network pickle"
         raise CheckpointFormatError(
@@ -432,6 +450,10 @@ class EDMConfig(TargetConfig):
                 without ``url``/``path``, labels that do not fit the net.
             FileNotFoundError, CheckpointTrustError, CheckpointFormatError: see :func:`load_edm`.
         """
+        if str(self.dtype).removeprefix("torch.") in ("float16", "bfloat16"):
+            raise ConfigError(f"model.dtype={self.dtype!r} is invalid for an EDM network: model.dtype is the sampler's "
+                              "state dtype, float32 or float64; to run the network "
+                              f"itself in half precision, keep model.dtype=float32 and set model.net_dtype={self.dtype}.")
         dtype = self.torch_dtype("dtype", ("float32", "float64"))
         net_dtype = self.torch_dtype("net_dtype")
         check_positive("max_batch", self.max_batch, optional=True)

@@ -130,6 +130,13 @@ class GMMConfig(TargetConfig):
     layout_seed: int = 0
     dtype: str = "float64"
 
+    def size_from_config(self) -> tuple[str, float] | None:
+        """The mixture's means and their construction: about four float64 ``[components, dim]`` arrays."""
+        if isinstance(self.dim, int) and isinstance(self.components, int) and self.dim > 0 and self.components > 0:
+            return (f"model.dim={self.dim}, model.components={self.components} (the mixture's means)",
+                    4.0 * 8 * self.dim * self.components)
+        return None
+
     def build(self, device: str) -> Target:
         """The mixture on ``device``; ConfigError for a bad ``dim``, ``components`` or ``dtype``."""
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import json
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +22,7 @@ from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
-from .config import CALIBRATION_SEED_OFFSET, PROFILE_DIR, RunConfig
+from .config import CALIBRATION_SEED_OFFSET, RunConfig, profile_path
 from .memory import available_bytes, check_tree_nodes
 
 
@@ -186,16 +185,16 @@ def _widths_budget(widths) -> int:
 
 def calibration_run(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> SampleResult:
     """The short run that calibrates ``tree=optimal``: D-GRS with the configured draft on a uniform
-    ``(K, L)`` tree (``L`` capped at ``T - 2``) for ``min(n, n_samples)`` trajectories, under its own seed
-    (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the tree it gets is
-    independent of its samples and exactness is kept).
+    ``(K, L)`` tree (``L`` capped at ``T - 2``) for ``n`` trajectories (ids ``0..n-1``), under its own
+    seed (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the tree it gets
+    is independent of its samples and exactness is kept). ``n`` does not depend on ``n_samples``, so
+    trajectory ``i`` of a run gets the same tree, counts and sample whatever the run's size or shard.
 
     Returns:
         The run's :class:`SampleResult` (its ``nfe`` and ``target_rows`` are the calibration's cost).
     """
-    m = min(n, run.n_samples)
     tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
-    ids = torch.arange(m, device=torch.device(getattr(target.model, "device", "cpu")))
+    ids = torch.arange(n, device=torch.device(getattr(target.model, "device", "cpu")))
     cond = target.cond_for(ids, run.seed) if target.cond_for is not None else None
     return sample_speculative(target.model, schedule, tree, "dgrs", seed=run.seed + CALIBRATION_SEED_OFFSET, indices=ids,
                               cond=cond, draft=run.draft, prefetch=run.prefetch, evaluate_leaves=run.evaluate_leaves,
@@ -242,7 +241,7 @@ def load_profile(value) -> dict:
     Raises:
         ConfigError: the file is missing or not such a mapping.
     """
-    path = Path(value) if str(value).endswith(".json") else PROFILE_DIR / f"{value}.json"
+    path = profile_path(str(value))
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or "profile" not in data or "per_root" not in data:
@@ -254,13 +253,35 @@ def load_profile(value) -> dict:
 
 def given_profile(run: RunConfig):
     """The profile the config gives for its searched tree (a list, a list of lists, or a profile file's entry
-    for ``run.tree``), or None (calibrate). A profile file calibrated for another model, draft, T or eps is
-    used as given, with a note on stderr (a profile steers only efficiency; the law stays exact)."""
+    for ``run.tree``), or None (calibrate). Called before the model is built, so that a profile that cannot
+    serve this run is refused up front.
+
+    A profile file calibrated for another model, draft or eps is used as given, with a note on stderr (a
+    profile steers only efficiency; the law stays exact). ``tree=optimal_per_step`` needs one row per root
+    step ``1..T-2`` (or a single row): a per-root table made for another T is refused, naming both T.
+
+    Raises:
+        ConfigError: the file cannot be read, or a per-root table whose rows do not match ``T - 2``.
+    """
     v = run.delta_profile
+    if v is None:
+        return None
+    horizon = run.steps - 2
     if not isinstance(v, str):
+        if run.tree == "optimal_per_step" and np.ndim(v) == 2 and len(v) not in (1, horizon):
+            raise ConfigError(f"delta_profile is invalid for tree=optimal_per_step with steps={run.steps}: it has {len(v)} "
+                              f"rows, but the tree per root step needs one per root step 1..{horizon} (T-2 = {horizon} rows), "
+                              "or a single row used for every root.")
         return v
     data = load_profile(v)
     cfg = data.get("config", {})
+    rows = data["per_root"]
+    if run.tree == "optimal_per_step" and len(rows) not in (1, horizon):
+        made = f"steps={cfg['steps']}" if "steps" in cfg else f"{len(rows) + 2} steps"
+        raise ConfigError(f"delta_profile={v!r} is invalid for tree=optimal_per_step with steps={run.steps}: it was "
+                          f"calibrated for {made} ({len(rows)} root steps), and this run has {horizon} root steps "
+                          f"(T-2). Calibrate one for steps={run.steps} (python -m experiments.calibrate ... "
+                          f"steps={run.steps}), use tree=optimal (one profile per depth), or delta_profile=null.")
     mine = {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps}
     differ = {k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x}
     if differ:
@@ -268,7 +289,7 @@ def given_profile(run: RunConfig):
 
         print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
               + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)
-    return data["per_root"] if run.tree == "optimal_per_step" else data["profile"]
+    return rows if run.tree == "optimal_per_step" else data["profile"]
 
 
 def calibrate_profile(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> list[float]:

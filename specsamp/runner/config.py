@@ -80,9 +80,29 @@ def _finite_list(v) -> bool:
         isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
 
 
+def launch_dir() -> Path:
+    """The directory the command was launched from: Hydra's original working directory inside a Hydra
+    run (``hydra.job.chdir=true`` moves the process into the output directory), else the current one."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.cwd)
+    except Exception:  # not inside a Hydra run
+        return Path.cwd()
+
+
+def profile_path(value: str) -> Path:
+    """The file a ``delta_profile`` string names: ``conf/profiles/<value>.json`` for a name, else the
+    ``.json`` path itself, a relative one read from :func:`launch_dir`."""
+    if not value.endswith(".json"):
+        return PROFILE_DIR / f"{value}.json"
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else launch_dir() / path
+
+
 def _profile_ok(v) -> bool:
     if isinstance(v, str):
-        return (Path(v) if v.endswith(".json") else PROFILE_DIR / f"{v}.json").is_file()
+        return profile_path(v).is_file()
     return _finite_list(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_finite_list(r) for r in v))
 
 
@@ -166,11 +186,26 @@ class RunConfig:
     shard: int = at_least(0, 0)
 
 
+def cell_seed(*values) -> int:
+    """A seed of its own for one cell of a grid: ``SHA-256`` of the cell's values (their text), reduced to
+    ``[0, 2**59)``. Resolver ``specsamp.cell_seed``: ``'seed=${specsamp.cell_seed:${sampler.name},${K},${L}}'``
+    gives every (sampler, K, L) cell independent randomness (by default every cell runs trajectory ids
+    ``0..n-1`` under one seed, so cells share their Monte Carlo error). Deterministic: a rerun of a cell
+    draws the same numbers, and the record holds the resolved seed."""
+    import hashlib
+
+    text = "\x1f".join(str(v) for v in values).encode()
+    return int.from_bytes(hashlib.sha256(b"specsamp.cell_seed\x00" + text).digest()[:8], "big") % SEED_BOUND
+
+
 def register() -> None:
     """Register the schemas with Hydra's ConfigStore (``run_schema``; ``model/<kind>_schema``) and the
     ``specsamp.*`` resolvers; idempotent. Importing this module calls it."""
     from ..models import MODEL_SCHEMAS
     from . import jobs  # noqa: F401  (registers specsamp.job_dir and specsamp.fresh_dir)
+
+    if not OmegaConf.has_resolver("specsamp.cell_seed"):
+        OmegaConf.register_new_resolver("specsamp.cell_seed", cell_seed)
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -260,12 +295,21 @@ def check_values(run: RunConfig) -> None:
     Raises:
         ConfigError: names the key, its value and what is valid.
     """
+    v = run.delta_profile
+    if isinstance(v, str) and v.endswith(".json") and not profile_path(v).is_file():
+        where = "" if Path(v).expanduser().is_absolute() else f", relative paths are read from {launch_dir()}"
+        raise ConfigError(f"delta_profile={v!r} is invalid: the profile file {profile_path(v)} does not exist{where}. "
+                          "Give an existing .json (python -m experiments.calibrate writes one), the name of a shipped "
+                          "profile, a list of values, or null (calibrate).")
     for f in dataclasses.fields(RunConfig):
         meta, v = f.metadata, getattr(run, f.name)
         if meta and v is not None and not meta["ok"](v):
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
             raise ConfigError(f"{f.name}={v!r} is invalid: must be {text}.")
     check_device(run.device)
+    from .loggers import check_logger
+
+    check_logger(run.logger)
     if run.tree == "widths" and run.widths is None:
         raise ConfigError("widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
     if not 0 <= run.shard < run.num_shards:

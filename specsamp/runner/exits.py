@@ -6,8 +6,9 @@
   2    the input was wrong: a config key or value, an override that does not compose, a path given
        by the user; one paragraph names the key, its value and what is valid
   3    the machine failed, not the input: the disk is full, the output directory is read-only or
-       cannot be created, a launcher's command (``sbatch``/``srun``) is missing; one paragraph
-       names the path or the command. Rerunning the same command once it is fixed resumes
+       cannot be created, a launcher's command (``sbatch``/``srun``) is missing, a logger failed
+       after the record was written; one paragraph names the path, the command or the logger.
+       Rerunning the same command once it is fixed resumes (and retries the logging)
  130   interrupted (Ctrl-C, SIGINT): one line, and for a sweep its summary; finished records stay
 =====  ==========================================================================================
 
@@ -120,6 +121,70 @@ def _one_paragraph(error: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(error).__name__
 
 
+LIST_KEYS = ("widths", "metrics", "delta_profile")  # keys whose value may be a list, written key=[a,b]
+
+
+def sweep_without_multirun(error: BaseException) -> str | None:
+    """One paragraph for a sweep override (``K=2,3``, ``L=range(2,5)``) given to a single run, or None.
+
+    Hydra's own hint offers ``key=[value1,value2]`` first, which is wrong for a key that takes one value
+    (``K``, ``L``, ``eps``, ...): the comma means a sweep, and a sweep needs ``-m``. For a key that takes a
+    list (:data:`LIST_KEYS`) both readings are named.
+    """
+    import re
+
+    text = str(error)
+    m = re.search(r"Ambiguous value for argument '([^']+)'", text) or re.search(r"Sweep parameters '([^']+)' requires --multirun", text)
+    if m is None:
+        return None
+    line = m.group(1)
+    key = line.partition("=")[0].lstrip("+~")
+    if key in LIST_KEYS:
+        return (f"{line} is ambiguous: {key} takes a list, written {key}=[{line.partition('=')[2]}]; to sweep over "
+                f"values instead (one job each), add -m: python run.py -m {line}.")
+    value = line.partition("=")[2]
+    one = f", or give one value ({key}={value.split(',')[0]})" if "(" not in value else ", or give one value"
+    return (f"{line} is a sweep over {key} (one job per value), and a single run takes one value of {key}: add -m to run "
+            f"the sweep (python run.py -m {line}){one}.")
+
+
+def per_job_model_overrides(argv: list[str]) -> list[str]:
+    """A sweep over models checks each job's ``model.*`` overrides against its own model.
+
+    Hydra composes a sweep's primary config with the overrides that are not swept, before any job, so
+    ``-m model=digits,cifar10 model.fid_extractor=X`` would check ``model.fid_extractor`` against the
+    default model (the GMM, which has no such key) and refuse the whole sweep. When ``model`` itself is
+    swept, each plain ``model.KEY=VALUE`` is passed as the one-value sweep ``model.KEY=choice(VALUE)``:
+    the same value for every job, applied when that job composes, so a job whose model has the key runs
+    and one whose model lacks it is recorded as failed (kind ``config``) while the others run. Anything
+    else (no ``-m``, no sweep over ``model``) is returned unchanged.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+
+    def parse(a: str):
+        try:
+            return parser.parse_override(a)
+        except Exception:  # a flag, or an override Hydra will report itself
+            return None
+
+    parsed = [parse(a) for a in argv]
+    if not any(o is not None and o.key_or_group == "model" and o.is_sweep_override() for o in parsed):
+        return argv
+    out = []
+    for a, o in zip(argv, parsed):
+        if o is not None and not o.is_sweep_override() and o.key_or_group.startswith("model.") and o.is_add() is False:
+            key, _, value = a.partition("=")
+            swept = parse(f"{key}=choice({value})")
+            if swept is not None and swept.is_sweep_override() and list(swept.value().list) == [o.value()]:
+                a = f"{key}=choice({value})"
+        out.append(a)
+    return out
+
+
 def _summary_if_swept() -> None:
     from .report import SWEEP_STATE, launched, print_sweep_summary
 
@@ -129,6 +194,32 @@ def _summary_if_swept() -> None:
             print_sweep_summary(sweep_dir, file=sys.stderr)
         except Exception as e:  # the summary must not hide the real error
             print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
+
+
+def _help_without_schemas() -> None:
+    """``--help`` lists the config groups' options; the model group also holds the structured schemas that
+    the model YAMLs extend (``edm_schema``, ``gmm_schema``, ...), which are not models to choose. Hydra has
+    no setting to hide them, so its listing is filtered here, for ``--help`` only."""
+    from hydra._internal.hydra import Hydra
+
+    listing = Hydra.format_config_groups
+    if getattr(listing, "_specsamp", False):
+        return
+
+    def without_schemas(self, predicate, compact: bool = True) -> str:
+        lines = []
+        for line in listing(self, predicate, compact).splitlines():
+            group, sep, options = line.partition(": ")
+            if sep:
+                kept = [o for o in options.split(", ") if not o.endswith("_schema")]
+                line = f"{group}: {', '.join(kept)}"
+            elif line.strip().endswith("_schema"):
+                continue
+            lines.append(line)
+        return "\n".join(lines) + ("\n" if lines else "")
+
+    without_schemas._specsamp = True
+    Hydra.format_config_groups = without_schemas
 
 
 def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
@@ -149,6 +240,9 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     # Hydra would print its own errors and exit 1 whatever they are; let them reach us to sort them out
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        _help_without_schemas()
+    sys.argv[1:] = per_job_model_overrides(sys.argv[1:])
     try:
         hydra_main()
     except KeyboardInterrupt:
@@ -174,7 +268,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
 
             if full_error:
                 traceback.print_exception(e, file=sys.stderr)
-            print(f"error: {explain(e) or _one_paragraph(e)}", file=sys.stderr)
+            print(f"error: {sweep_without_multirun(e) or explain(e) or _one_paragraph(e)}", file=sys.stderr)
             _summary_if_swept()
             sys.exit(USAGE)
         # a bug, or a launcher that gave up after jobs started (e.g. SLURM killed one): say where things stand

@@ -1,7 +1,11 @@
 """Optional experiment loggers: ``logger=none`` (default) or ``logger=wandb`` (``conf/logger/``).
 
 A logger group's YAML names its class with ``_target_``; :func:`log_record` instantiates it once a run's
-record is written. A missing logger package is reported and skipped, never fatal.
+record is written. A missing logger package is reported and skipped, never fatal. Values are checked at
+the start (:func:`check_logger`: ``logger=wandb`` needs a mode wandb knows, and credentials for the modes
+that upload), so a bad one exits 2 before any sampling; a logger that fails at run time leaves the record
+intact with ``logger_error`` set, and the next launch of the same command retries the logging
+(:mod:`specsamp.runner.task`).
 """
 
 from __future__ import annotations
@@ -9,6 +13,50 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb.Settings.mode
+UPLOADING_MODES = ("online", "shared", "run")
+
+
+def _wandb_credentials() -> bool:
+    """True when W&B credentials are configured locally: ``WANDB_API_KEY``, or a ``netrc`` entry for the
+    API host (what ``wandb login`` writes). Nothing is contacted."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_logger(node) -> None:
+    """Refuse, before a run starts, a logger configuration that cannot log.
+
+    ``logger=wandb``: ``logger.mode`` (or ``WANDB_MODE`` when it is null) must be one of
+    :data:`WANDB_MODES`; a mode that uploads (:data:`UPLOADING_MODES`) needs credentials
+    (:func:`_wandb_credentials`). Other loggers are not checked here.
+
+    Raises:
+        ConfigError: names the key, its value and what is valid.
+    """
+    from ..errors import ConfigError
+
+    if getattr(node, "_target_", None) != "specsamp.runner.loggers.WandbLogger":
+        return
+    mode = node.mode or os.environ.get("WANDB_MODE", "offline")
+    if mode not in WANDB_MODES:
+        raise ConfigError(f"logger.mode={mode!r} is invalid: must be one of {', '.join(WANDB_MODES)} (wandb's modes; "
+                          "offline writes the run under the output directory for a later `wandb sync`).")
+    if mode in UPLOADING_MODES and not _wandb_credentials():
+        raise ConfigError(f"logger.mode={mode!r} is invalid here: it uploads to W&B, and no credentials are configured "
+                          "(WANDB_API_KEY unset, no netrc entry from `wandb login`). Log in, or use logger.mode=offline "
+                          "and `wandb sync` the run later.")
 
 
 @dataclass

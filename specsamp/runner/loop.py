@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig
 
@@ -23,7 +23,7 @@ from ..models.base import Target
 from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, check_search, given_profile
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
-from .memory import check_tree_memory, check_tree_nodes
+from .memory import check_memory, check_tree_memory, check_tree_nodes
 from .records import config_hash, summarize_result, versions
 
 
@@ -88,6 +88,34 @@ class _Progress:
         return False
 
 
+STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root tables of a run (generous)
+
+
+def check_config_sizes(run: RunConfig) -> None:
+    """Refuse, before anything is allocated, what ``steps`` and the model's own keys size alone (the schedule,
+    the per-step tables; the GMM's means). Per-trajectory sizes are checked once the model's state shape is
+    known (:func:`specsamp.runner.memory.check_tree_memory`).
+
+    Raises:
+        ConfigError: names the key, the bytes needed and available.
+    """
+    check_memory(f"steps={run.steps} (the schedule and the per-step tables)", run.steps * STEP_BYTES, "cpu", "lower steps.")
+    size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
+    if size is not None:
+        check_memory(size[0], size[1], run.device, "lower them.")
+
+
+def half_precision_note(dtype: torch.dtype) -> None:
+    """One line on stderr when the sampler's states are half precision: rounding then enters every kernel mean
+    and lowers the acceptance, so the speedup is not that of float32 (measured on the GMM's default cell,
+    ``python run.py model.dtype=D``: 2.03x in float64 and float32, 2.01x in float16, 1.75x in bfloat16)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        bits = 11 if dtype == torch.float16 else 8
+        print(f"note: model.dtype={str(dtype).removeprefix('torch.')} holds the states and velocities with {bits} significant "
+              "bits; that rounding enters every kernel mean and lowers the acceptance, so speedups are below float32's "
+              "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
+
+
 def _concat(results: list[SampleResult]) -> SampleResult:
     if len(results) == 1:
         return results[0]
@@ -104,7 +132,8 @@ def record_hash(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict, str]:
     return run, recorded, config_hash(recorded, unused_keys(run, build_coupling(run)))
 
 
-def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None) -> tuple[dict, SampleResult]:
+def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None,
+               before_sampling: Callable[[], None] | None = None) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``.
 
     Args:
@@ -113,7 +142,12 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         target: an already-built :class:`~specsamp.models.base.Target` to use instead of ``cfg.model``'s
             (notebooks, benchmarks: build once, run many configs).
         indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
-            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run bitwise.
+            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run's counts
+            bitwise and its samples to the rounding of the model's batched evaluation (bitwise when the
+            batches are the same; README, "What is equal across splits").
+        before_sampling: called once every value and size is checked, the target built and the tree found,
+            just before the first trajectory is sampled (the runner refuses a used output directory there,
+            so that a bad value is still reported as such).
 
     Returns:
         The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
@@ -126,6 +160,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     if run.threads is not None:
         torch.set_num_threads(run.threads)
     t0 = time.perf_counter()
+    check_config_sizes(run)
     try:
         schedule = Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
     except ValueError as e:
@@ -134,11 +169,14 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     coupling = build_coupling(run)
     # sizes that follow from the config alone are refused before the model is loaded or calibrated
     optimal = coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
+    given = None
     if optimal:
         check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
+        given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
     else:
         check_tree_nodes(run, coupling, horizon)
     target = target if target is not None else build_target(run)
+    half_precision_note(target.model.dtype)
     max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
     for m in run.metrics:  # refuse before sampling what no scoring step could serve
         if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
@@ -152,21 +190,26 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         calibration = {**calibration_cost(cal), "charged": False}
     per_step = run.tree == "optimal_per_step"
     with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
-        tree, B = build_tree(run, coupling, horizon, calibrated or (given_profile(run) if optimal else None),
+        tree, B = build_tree(run, coupling, horizon, calibrated or given,
                              callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
-    ids = torch.arange(run.n_samples) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= run.n_samples:
+    given_ids = None if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if given_ids is not None and (given_ids.numel() == 0 or int(given_ids.min()) < 0 or int(given_ids.max()) >= run.n_samples):
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
-    bs = run.batch_size or ids.numel()
-    check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, ids.numel()),
-                      target.model, run.device, execution=run.execution, n_total=ids.numel(), steps=schedule.steps)
+    n_total = run.n_samples if given_ids is None else given_ids.numel()
+    bs = run.batch_size or n_total
+    # every per-trajectory array (the ids included) is sized here, before the first one is allocated
+    check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, n_total),
+                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps)
+    ids = torch.arange(run.n_samples) if given_ids is None else given_ids
     unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
     if unused:
         print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
               f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
               + (f" with tree={run.tree}" if coupling is not None else "")
               + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
+    if before_sampling is not None:
+        before_sampling()
     dev = torch.device(getattr(target.model, "device", run.device))
     results = []
     per_traj = horizon  # the bar counts trajectory-steps of the speculative range, per round or step
@@ -207,10 +250,11 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         **({"delta_profile": calibrated} if optimal else {}),
         **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
-        # the calibration run's calls, paid by this run but not in its speedup (README "Trees")
+        # the calibration run's calls, paid by this run but not in its speedup (README "Trees"); charged like
+        # with like: its calls on the speculative steps, as the run's own nfe counts (endpoints excluded)
         **({"calibration": calibration,
             "speedup_with_calibration": float(res.speculative_steps * res.nfe.numel()
-                                              / (res.nfe.sum() + calibration["nfe_total"]))} if calibration else {}),
+                                              / (int(res.nfe.sum()) + calibration["nfe"]))} if calibration else {}),
         "wall_seconds": time.perf_counter() - t0,
         "versions": versions(),
     }

@@ -151,7 +151,7 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
         per_traj = (2 * widest + 16) * numel * max(elem, 8)
     n_total = batch if n_total is None else n_total
     depth = tree.max_depth if tree is not None else 0
-    fixed = n_total * (2 * numel * elem + 8 * 3 * ((steps or 0) + 2 * depth))
+    fixed = n_total * (2 * numel * elem + 8 + 8 * 3 * ((steps or 0) + 2 * depth))  # samples, ids, counters
     free = available_bytes(device)
     need = fixed + batch * per_traj
     if free is None or need <= 0.8 * free:

@@ -103,6 +103,54 @@ def existing_record(out_dir: str | os.PathLike, cfg_hash: str) -> dict | None:
     return None
 
 
+def _flat(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_difference(old: Mapping, new: Mapping, limit: int = 8) -> list[str]:
+    """``key: old -> new`` for every key (dotted) whose value differs between two recorded configs,
+    keys that cannot change a result (:data:`~specsamp.runner.config.UNHASHED_KEYS`) left out."""
+    a = {k: v for k, v in _flat(old).items() if k.split(".")[0] not in UNHASHED_KEYS}
+    b = {k: v for k, v in _flat(new).items() if k.split(".")[0] not in UNHASHED_KEYS}
+    keys = sorted(k for k in set(a) | set(b) if a.get(k, "(absent)") != b.get(k, "(absent)"))
+    shown = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in keys[:limit]]
+    return shown + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+def refuse_other_record(out_dir: str | os.PathLike, cfg_hash: str, recorded: Mapping) -> None:
+    """Refuse to run in a directory that already holds the complete record of another configuration.
+
+    A run's files (``result.json``, ``samples.pt``, ``images/``, ``grid.png``, ``shard.pt``) are one set;
+    writing a second configuration's set over the first would leave a mix (a new record beside the old
+    samples or images). Nothing already written is touched: the run is refused instead.
+
+    Raises:
+        ConfigError: ``out_dir/result.json`` is a complete record whose config hash is not ``cfg_hash``;
+            the message names the directory, both hashes and the keys that differ.
+    """
+    from ..errors import ConfigError
+
+    p = Path(out_dir) / RESULT
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if not isinstance(rec, dict) or rec.get("status") != "ok" or rec.get("config_hash") in (None, cfg_hash):
+        return
+    diff = config_difference(rec.get("config") or {}, recorded)
+    raise ConfigError(
+        f"the output directory {p.parent} already holds the record of another configuration (config "
+        f"{rec['config_hash']}; this run is {cfg_hash}" + (f"; differing: {'; '.join(diff)}" if diff else "") + "). "
+        "Its files stay as they are: run in another directory (hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR "
+        "or sweep_name=NAME for a sweep), or remove that directory to replace its results.")
+
+
 def summary_line(rec: dict) -> str:
     """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``."""
     if rec["sampler"] == "standard":

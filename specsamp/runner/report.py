@@ -329,7 +329,8 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
     Returns:
         ``{"sweep_dir", "table" (DataFrame of this launch's jobs), "ran", "skipped", "failed"
         (list of rows), "running", "killed", "missing", "config_errors_only" (bool), "kinds" (the
-        ``kind`` of every failure: ``config``, ``exception``, ``infrastructure``)}``.
+        ``kind`` of every failure: ``config``, ``exception``, ``infrastructure``), "unlogged" (``(path,
+        logger_error)`` of the ok jobs whose logging failed)}``.
     """
     root = Path(sweep_dir)
     df = _collect(root)
@@ -346,7 +347,9 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
     skipped = [p for p in ok["path"] if launch is not None and (_mtime(Path(p) / RESULT) or 0) < launch]
     failed = mine[mine["status"] == "failed"]
     kinds = [(_read_json(Path(p) / FAILED) or {}).get("kind") for p in failed["path"]]
+    unlogged = [(p, rec["logger_error"]) for p in ok["path"] if (rec := _read_json(Path(p) / RESULT) or {}).get("logger_error")]
     return {
+        "unlogged": unlogged,
         "sweep_dir": str(root),
         "table": mine.drop(columns="_key"),
         "ran": len(ok) - len(skipped),
@@ -373,6 +376,8 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
     print(f"sweep {s['sweep_dir']}: {n} jobs, " + ", ".join(parts), file=file)
     for row in s["failed"]:
         print(f"  failed: {row['job'] or '.'}: {row['error']}  ({Path(row['path']) / FAILED})", file=file)
+    for path, error in s["unlogged"]:  # the record is there, its logging is not: a relaunch retries it
+        print(f"  not logged: {Path(path).name}: {error} (relaunch to retry)", file=file)
     print(f"  table: python -m specsamp.runner.report collect {s['sweep_dir']}", file=file, flush=True)
     return s
 
@@ -402,6 +407,8 @@ class SweepReport(Callback):
             return
         SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"],
                            kinds=s["kinds"], killed=s["killed"])
+        if s["unlogged"]:  # a logger failed after the records were written: status 3, as for a single run
+            SWEEP_STATE["infrastructure"] = True
         if self.merge_shards and any(sweep_dir.rglob(SHARD)):
             from .shards import merge
 

@@ -10,10 +10,13 @@ to run every block as its own job::
 
 ``merge`` groups the shard files under a directory by their unsharded configuration, checks that every
 shard ``0 .. S-1`` of a group is present (a missing one is named and the group is left unmerged), and
-writes ``samples.pt`` and ``result.json`` of the whole run into the directory an unsharded job of the
+writes ``samples.pt``, the shards' images (``images/``, hard-linked where possible, and ``grid.png``) and
+``result.json`` of the whole run into the directory an unsharded job of the
 same sweep would use (the one its overrides, those of the shards without ``num_shards``/``shard``, name:
 :func:`specsamp.runner.jobs.job_dirname`). The merged record
-has the configuration hash of the unsharded run, so a later unsharded launch finds it and skips.
+has the configuration hash of the unsharded run, so a later unsharded launch finds it and skips. Score
+the merged run with ``python -m specsamp.metrics.fid MERGED_DIR --ref REF`` (its images, or its
+``samples.pt`` when no shard saved images).
 
 Trajectory ``i``'s randomness is keyed by ``(seed, i)``, so the merged samples are those of one
 unsharded run. They are equal *bitwise* when every batch is the same in both runs: with ``batch_size``
@@ -216,7 +219,7 @@ def _pad_cat(tensors: list):
 
 
 def merge_group(group: ShardGroup, out_dir: Path) -> dict:
-    """Merge a complete group into ``out_dir`` (``samples.pt`` then ``result.json``, both atomic).
+    """Merge a complete group into ``out_dir`` (``samples.pt``, the images, then ``result.json``; each atomic).
 
     The record is the one an unsharded run writes (same keys, same statistics over all trajectories);
     ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches.
@@ -270,8 +273,54 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     if "sweep" in first:
         record["sweep"] = first["sweep"]
     torch_save_atomic(out_dir / SAMPLES_FILE, cat["samples"])
-    write_json_atomic(out_dir / RESULT_FILE, record)
+    merge_images([group.found[k] for k in range(group.num_shards)], out_dir)
+    write_json_atomic(out_dir / RESULT_FILE, record)  # last: a record means every file of the set is there
     return record
+
+
+IMAGES_DIR = "images"
+
+
+def merge_images(shard_dirs: Sequence[Path], out_dir: Path) -> int:
+    """Gather the shards' ``images/NNNNNN.png`` into ``out_dir/images`` (hard links where the file system
+    allows, else copies, each file placed atomically) and write ``out_dir/grid.png`` of the first 64, as an
+    unsharded run does. Shards that saved no images contribute none.
+
+    Returns:
+        The number of images gathered (0: no shard had images; nothing is written).
+
+    Raises:
+        ValueError: two shards hold an image of the same index.
+    """
+    import shutil
+
+    from .. import images as img
+
+    files = {}
+    for d in shard_dirs:
+        folder = Path(d) / IMAGES_DIR
+        if not folder.is_dir():
+            continue
+        for f in folder.iterdir():
+            if f.suffix.lower() == ".png" and f.stem.isdigit():
+                if f.name in files:
+                    raise ValueError(f"image {f.name} is in two shards: {files[f.name].parent} and {folder}")
+                files[f.name] = f
+    if not files:
+        return 0
+    dest = out_dir / IMAGES_DIR
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, src in sorted(files.items()):
+        tmp = dest / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copy2(src, tmp)
+        os.replace(tmp, dest / name)
+    first = sorted(files, key=lambda n: int(Path(n).stem))[:64]
+    img.save_grid(img.load_images(dest, indices=[int(Path(n).stem) for n in first]), out_dir / "grid.png")
+    return len(files)
 
 
 @dataclass

@@ -12,7 +12,12 @@ next jobs run, and :class:`specsamp.runner.report.SweepReport` lists the failure
 overrides do not compose (``hydra_plugins/specsamp_sweeper``) is recorded the same way. While it runs a
 job keeps ``running.json`` (host, pid, a heartbeat) so that ``report collect`` tells a live job from a
 killed one. A job whose ``result.json`` holds the same config hash is skipped; a job killed mid-run has
-no ``result.json`` and runs again.
+no ``result.json`` and runs again. A directory whose ``result.json`` is the complete record of another
+config is never written into: the run (or the sweep job) is refused as a config error naming the
+directory and the keys that differ, so one directory never mixes two runs' files.
+
+A logger that fails after the record is written (``logger=wandb`` without network) leaves ``logger_error``
+in the record; the relaunch skips the sampling and retries the logging (:func:`_log`).
 
 With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.runner.shards`) and writes
 ``shard.pt`` before ``result.json``.
@@ -38,7 +43,7 @@ from .loop import record_hash, run_config
 from .outputs import MetricError, compute_metrics, save_images
 from .shards import save_shard, shard_indices
 from .loggers import log_record
-from .records import existing_record, scores_text, summary_line, versions
+from .records import existing_record, refuse_other_record, scores_text, summary_line, versions
 
 def _hydra_cfg():
     try:
@@ -93,6 +98,37 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+HYDRA_FILES = frozenset({".hydra", "run.log", "run_task.log"})  # what Hydra writes into a run's directory itself
+
+
+def discard_refused_dir(out_dir: Path) -> bool:
+    """Remove the directory of a refused single run when this process created it (``specsamp.fresh_dir``,
+    the default ``outputs/DATE/TIME/``) and it holds only Hydra's own files: a refused command leaves no
+    empty run directory behind. The date folder above goes too when that leaves it empty. A directory the
+    user named (``hydra.run.dir=DIR``) or one holding anything else is left as it is.
+
+    Returns:
+        True when the directory was removed.
+    """
+    import shutil
+
+    from .jobs import _CLAIMED
+
+    out_dir = Path(out_dir)
+    if str(out_dir) not in _CLAIMED.values() and str(out_dir.absolute()) not in {str(Path(v).absolute()) for v in _CLAIMED.values()}:
+        return False
+    try:
+        if any(p.name not in HYDRA_FILES for p in out_dir.iterdir()):
+            return False
+        shutil.rmtree(out_dir)
+        out_dir.parent.rmdir()  # the date folder, when this was its only run
+        if out_dir.parent.parent.name == "outputs":
+            out_dir.parent.parent.rmdir()
+    except OSError:
+        pass
+    return not out_dir.exists()
+
+
 def _clear_failure(out_dir: Path) -> None:
     (out_dir / FAILED).unlink(missing_ok=True)
 
@@ -128,10 +164,13 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
         if rec is not None and (not sharded or (out_dir / SHARD).exists()):
             _clear_failure(out_dir)
             print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
+            if rec.get("logger_error") and run.logger._target_ is not None:  # the logging failed last time: retry it
+                _log(run, recorded, rec, out_dir, multirun)
             return rec["speedup"]["mean"]
     _clear_failure(out_dir)
     indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size) if sharded else None
-    record, result = run_config(cfg, indices=indices)
+    # a second config's files never mix with the first's: refused once every value is checked, before sampling
+    record, result = run_config(cfg, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded))
     record["output_dir"] = str(out_dir)
     record["overrides"] = _job_overrides()
     if multirun and run.sweep_name is not None:
@@ -159,7 +198,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
         write_json_atomic(out_dir / RESULT, record)
         if scores_text(record):  # the result line was printed before scoring: the scores get their own
             print(f"{tag}{scores_text(record)}  record: {shown(out_dir / RESULT)}", flush=True)
-    log_record(run.logger, recorded, record, out_dir, run.sweep_name if multirun else None)
+    logged = _log(run, recorded, record, out_dir, multirun, exit_on_failure=False)
     if metric_error is not None:
         message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
                    "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
@@ -170,7 +209,37 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
             print(f"error: {message}", file=sys.stderr)
             sys.exit(1)
         raise RuntimeError(message)
+    if not logged and not multirun:
+        sys.exit(INFRASTRUCTURE)
     return record["speedup"]["mean"]
+
+
+def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, exit_on_failure: bool = True) -> bool:
+    """Send the record to the configured logger; on failure keep the record, say so in it and on stderr.
+
+    A failure is recorded as ``logger_error`` in ``result.json`` (the numbers are kept as they are); the
+    next launch of the same command finds the record, skips the sampling and retries the logging, and a
+    retry that succeeds removes ``logger_error``. A single run whose logging failed exits with status 3
+    (the configuration was checked at the start: what failed is the logger's service or the network);
+    a sweep job reports it and counts as done.
+
+    Returns:
+        True when the record was logged (or no logger is configured).
+    """
+    try:
+        log_record(run.logger, recorded, record, out_dir, run.sweep_name if multirun else None)
+    except Exception as e:  # noqa: BLE001 - whatever the logger raised, the record stays and says so
+        record["logger_error"] = f"logger={run.logger.name} failed: {type(e).__name__}: {' '.join(str(e).split())}"
+        write_json_atomic(out_dir / RESULT, record)
+        print(f"error: {record['logger_error']}. The record is saved in {shown(out_dir / RESULT)} with logger_error "
+              "set; rerun the same command to retry the logging (the sampling is skipped).", file=sys.stderr, flush=True)
+        if exit_on_failure and not multirun:
+            sys.exit(INFRASTRUCTURE)
+        return False
+    if record.pop("logger_error", None) is not None:
+        write_json_atomic(out_dir / RESULT, record)
+        print(f"logged (retried): logger={run.logger.name}  record: {shown(out_dir / RESULT)}", flush=True)
+    return True
 
 
 class _Liveness:
@@ -249,6 +318,7 @@ def run_task(cfg: DictConfig) -> float | None:
         raise
     except ConfigError as e:
         if not multirun:
+            discard_refused_dir(out_dir)
             fail(str(e))
         err: Exception = e
     except Exception as e:
