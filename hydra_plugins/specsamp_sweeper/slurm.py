@@ -360,6 +360,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 if state:
                     counts[state] = counts.get(state, 0) + 1
             if not counts:
+                self._settle(ids)
                 return
             now = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
             if now != last:
@@ -367,6 +368,18 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 print(f"array job {array}: {now}; {len(ids) - left} of {len(ids)} finished", flush=True)
                 last = now
             time.sleep(self.poll_s)
+
+    def _settle(self, ids: Sequence[str], limit_s: float = 60.0) -> None:
+        """After the queue emptied, wait (at most ``limit_s``) until ``sacct`` has every task's final state,
+        so that the summary does not read a state the accounting has not caught up with yet."""
+        if shutil.which("sacct") is None:
+            return
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            st = queue.states(ids)
+            if all(j in st and st[j][0] not in queue.ALIVE for j in ids):
+                return
+            time.sleep(min(self.poll_s, 1.0))
 
     def _outcome(self, job: Any, overrides: Sequence[str]) -> JobReturn:
         """What one finished task left: its ``JobReturn``, or a failed one naming SLURM's state."""

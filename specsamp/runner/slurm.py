@@ -79,6 +79,25 @@ def _run(cmd: list[str]) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
+OOM_LOG_LINES = ("exceeded job memory limit", "exceeded memory limit", "oom-kill", "out of memory")
+
+
+def memory_killed(stderr_path: str | os.PathLike | None) -> bool:
+    """True when a task's stderr log holds SLURM's memory-kill line (``slurmstepd: error: Exceeded job
+    memory limit`` under ``JobAcctGatherParams=OverMemoryKill``, ``oom-kill`` under cgroups): polling
+    enforcement records such a task as ``FAILED``, so the log is what tells it from a crash."""
+    if not stderr_path:
+        return False
+    try:
+        with open(stderr_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read().decode("utf-8", "replace").lower()
+    except OSError:
+        return False
+    return any(line in tail for line in OOM_LOG_LINES)
+
+
 def states(job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
     """``{job id: (STATE, reason)}`` for the given ``A_T`` (or plain) ids that SLURM knows.
 
