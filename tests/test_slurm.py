@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +27,7 @@ from specsamp.runner import slurm as queue
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
+from hydra_plugins.specsamp_sweeper.slurm import CellTimedOut, SpecsampSlurmLauncher, explain_refusal  # noqa: E402
 
 TINY = ["model.dim=16", "steps=16", "n_samples=8", "threads=1"]
 LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
@@ -67,10 +67,10 @@ def squeue(array: str) -> dict[str, str]:
     return dict(line.split("|", 1) for line in p.stdout.split() if "|" in line)
 
 
-def sacct(array: str) -> dict[str, str]:
-    """``{A_T: STATE}`` from SLURM's accounting (one row per task, the latest attempt)."""
-    p = subprocess.run(["sacct", "-n", "-X", "-P", "-j", array, "-o", "JobID,State"], capture_output=True, text=True, timeout=30)
-    return {a: b.split()[0] for a, b in (line.split("|", 1) for line in p.stdout.split("\n") if "|" in line)}
+def sacct(array: str, n: int) -> dict[str, str]:
+    """``{A_T: STATE}`` of the array's ``n`` tasks as the scheduler reports them (queue, then accounting;
+    a never-started range such as ``A_[0-1%2]`` expanded)."""
+    return {j: st for j, (st, _) in queue.states([f"{array}_{t}" for t in range(n)]).items()}
 
 
 def queue_empty(array: str) -> None:
@@ -79,7 +79,7 @@ def queue_empty(array: str) -> None:
 
 def accounted(array: str, n: int) -> dict[str, str]:
     """The final states of the array's ``n`` tasks once the accounting has them all."""
-    final = lambda: (s := sacct(array)) and len(s) == n and not set(s.values()) & queue.ALIVE and s  # noqa: E731
+    final = lambda: (s := sacct(array, n)) and len(s) == n and not set(s.values()) & queue.ALIVE and s  # noqa: E731
     return wait_until(f"sacct to record the {n} tasks of array {array}", final)
 
 
@@ -96,6 +96,19 @@ def gate(tmp_path: Path) -> tuple[list[str], Path]:
     """Overrides that hold every task in its sbatch script until ``tmp_path/go`` exists, and that path."""
     go = tmp_path / "go"
     return [f"hydra.launcher.setup=['while [ ! -e {go} ]; do sleep 0.2; done']"], go
+
+
+@pytest.fixture(autouse=True)
+def _no_task_left_behind(request, tmp_path):
+    """After a `slurm` test, whatever happened: open its gate and cancel the arrays it submitted."""
+    yield
+    if request.node.get_closest_marker("slurm") is None:
+        return
+    (tmp_path / "go").touch()
+    arrays = {str((json.loads(p.read_text()) or {}).get("array_job_id") or "") for p in tmp_path.rglob("slurm.json")}
+    arrays.discard("")
+    if arrays:
+        subprocess.run(["scancel", *sorted(arrays)], check=False, timeout=30)
 
 
 NUMBERS = ("config_hash", "speedup", "nfe", "acceptance_per_depth", "K", "L", "budget")
@@ -190,6 +203,32 @@ def test_relaunch_while_the_array_runs_after_the_launcher_died_submits_nothing_a
     assert sorted(p.name for p in (sweep / ".submitit").iterdir() if not p.name.startswith(".")) == [array, f"{array}_0", f"{array}_1"]
     done = run(args, tmp_path)
     assert "2 of 2 cells already done" in done.stdout and "2 jobs, 0 ran, 2 skipped" in done.stdout
+
+
+@slurm
+def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it_when_asked(tmp_path):
+    held, go = gate(tmp_path)
+    log = tmp_path / "launch.log"
+    arrays = []
+    for name, extra in (("keep", []), ("cancel", ["hydra.launcher.cancel_on_interrupt=true"])):
+        proc = start(["-m", *LAUNCH, *held, *extra, *TINY, "K=1,2", f"sweep_name={name}"], tmp_path)
+        array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+        # the first array holds both CPUs: the second one's tasks stay pending, which Ctrl-C cancels as well
+        wait_until("both tasks queued", lambda: len(squeue(array)) == 2 and (extra or set(squeue(array).values()) == {"RUNNING"}))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=WAIT_S) == 130
+        out = log.read_text()
+        if not extra:
+            assert f"SLURM array job {array} keeps running on the cluster" in out and f"scancel {array}" in out, out
+            assert list(squeue(array).values()) == ["RUNNING", "RUNNING"]  # Ctrl-C cancelled nothing
+        else:
+            assert f"cancelled SLURM array job {array}" in out, out
+            queue_empty(array)
+            assert set(accounted(array, 2).values()) == {"CANCELLED"}
+        arrays.append(array)
+    go.touch()
+    queue_empty(arrays[0])
+    assert len(records(tmp_path / "multirun/keep")) == 2 and not records(tmp_path / "multirun/cancel")
 
 
 @slurm
@@ -295,3 +334,23 @@ def test_job_identity_names_the_array_task_as_squeue_does():
     assert queue.job_identity(env) == {"job_id": "37_4", "array_job_id": "37", "array_task_id": "4", "raw_job_id": "41",
                                        "host": "n1", "restart_count": 1}
     assert queue.job_identity({}) is None
+
+
+def test_the_timeout_signal_stops_the_cell_and_its_record_says_timed_out(tmp_path, monkeypatch):
+    """submitit's USR2 (``signal_delay_s`` before the limit) raises inside the cell, whose failed.json
+    then has kind ``timed_out``; the handler is removed once the cell returns."""
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+    from specsamp.runner.task import write_failure
+
+    def cell(self, *args):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        raise AssertionError("the signal should have stopped the cell")
+
+    monkeypatch.setattr(SlurmLauncher, "__call__", cell)
+    launcher = SpecsampSlurmLauncher(submitit_folder=str(tmp_path), timeout_min=10, signal_delay_s=120)
+    before = signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(CellTimedOut, match="signal_delay_s=120 s before timeout_min=10") as e:
+        launcher(["K=1"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    assert signal.getsignal(signal.SIGUSR2) is before
+    assert write_failure(tmp_path, e.value, None, None)["kind"] == "timed_out"
