@@ -354,3 +354,10 @@ def test_the_timeout_signal_stops_the_cell_and_its_record_says_timed_out(tmp_pat
         launcher(["K=1"], "hydra.sweep.dir", 0, "job_id_for_0", {})
     assert signal.getsignal(signal.SIGUSR2) is before
     assert write_failure(tmp_path, e.value, None, None)["kind"] == "timed_out"
+
+
+def test_a_timed_out_cell_makes_the_sweep_exit_1_like_a_killed_one():
+    from specsamp.runner import exits
+
+    assert exits.sweep_exit_status({"kinds": ["config", "timed_out"]}) == exits.BUG
+    assert exits.sweep_exit_status({"kinds": ["config"]}) == exits.USAGE
