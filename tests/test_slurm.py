@@ -27,7 +27,7 @@ from specsamp.runner import slurm as queue
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hydra_plugins.specsamp_sweeper.slurm import CellTimedOut, SpecsampSlurmLauncher, explain_refusal  # noqa: E402
+from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
 
 TINY = ["model.dim=16", "steps=16", "n_samples=8", "threads=1"]
 LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
@@ -232,6 +232,27 @@ def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it
 
 
 @slurm
+def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(tmp_path):
+    held, go = gate(tmp_path)
+    proc = start(["-m", *LAUNCH, *held, *TINY, "K=1,2", "sweep_name=node"], tmp_path)
+    log = tmp_path / "launch.log"
+    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
+    try:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=specsamp-test"], check=True)
+        wait_until("the tasks to be requeued", lambda: set(squeue(array).values()) <= {"PENDING", "REQUEUED"} and squeue(array))
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)  # ReturnToService=2 may have
+    go.touch()
+    assert proc.wait(timeout=WAIT_S) == 0, log.read_text()
+    assert "2 jobs, 2 ran, 0 skipped (done before), 0 failed" in log.read_text()
+    recs = records(tmp_path / "multirun/node")
+    assert len(recs) == 2 and all(r["slurm"]["restart_count"] >= 1 for r in recs.values())  # the requeued attempt wrote them
+    assert set(accounted(array, 2).values()) == {"COMPLETED"}
+
+
+@slurm
 def test_an_out_of_memory_kill_is_recorded_by_slurm_and_reruns_on_relaunch(tmp_path):
     args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=oom"]
     small = ["+hydra.launcher.additional_parameters.mem=64M"]  # below one Python interpreter with torch
@@ -339,15 +360,17 @@ def test_job_identity_names_the_array_task_as_squeue_does():
 def test_the_timeout_signal_stops_the_cell_and_its_record_says_timed_out(tmp_path, monkeypatch):
     """submitit's USR2 (``signal_delay_s`` before the limit) raises inside the cell, whose failed.json
     then has kind ``timed_out``; the handler is removed once the cell returns."""
-    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-
     from specsamp.runner.task import write_failure
 
-    def cell(self, *args):
-        os.kill(os.getpid(), signal.SIGUSR2)
+    # Hydra's plugin scan reloads the plugin modules: take the classes of the module as it is now
+    mod = sys.modules["hydra_plugins.specsamp_sweeper.slurm"]
+    SpecsampSlurmLauncher, CellTimedOut = mod.SpecsampSlurmLauncher, mod.CellTimedOut
+
+    def cell(self, *args):  # the handler SLURM's signal would run, called as the interpreter calls it
+        signal.getsignal(signal.SIGUSR2)(signal.SIGUSR2, None)
         raise AssertionError("the signal should have stopped the cell")
 
-    monkeypatch.setattr(SlurmLauncher, "__call__", cell)
+    monkeypatch.setattr(SpecsampSlurmLauncher.__bases__[0], "__call__", cell)  # hydra-submitit-launcher's job body
     launcher = SpecsampSlurmLauncher(submitit_folder=str(tmp_path), timeout_min=10, signal_delay_s=120)
     before = signal.getsignal(signal.SIGUSR2)
     with pytest.raises(CellTimedOut, match="signal_delay_s=120 s before timeout_min=10") as e:
