@@ -82,6 +82,8 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# job credentials live 20 s (default 120): a requeued job becomes eligible again that much sooner
+AuthInfo=cred_expire=20
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool
 SlurmctldPidFile=$D/slurmctld.pid
