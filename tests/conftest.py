@@ -35,7 +35,8 @@ def slurm_cluster_missing() -> str | None:
         else:
             try:
                 p = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
-                why = None if p.returncode == 0 and "UP" in p.stdout else f"no SLURM controller answers ({p.stdout.strip() or p.stderr.strip()})"
+                said = (p.stdout.strip() or p.stderr.strip() or "no answer").splitlines()[0]
+                why = None if p.returncode == 0 and "UP" in p.stdout else f"no SLURM controller answers ({said})"
             except (OSError, subprocess.TimeoutExpired) as e:
                 why = f"no SLURM controller answers ({e})"
         _CLUSTER.append(None if why is None else f"{why}: start the test cluster with `tests/slurm/cluster.sh start` (root), then `python -m pytest -m slurm`")
