@@ -252,9 +252,12 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             if sub and not (d / jobs.RESULT).exists():
                 ids[d] = str(sub.get("job_id"))
         st = queue.states(ids.values()) if ids else {}
+        if ids and not st:
+            print(f"warning: neither squeue nor sacct knows the {len(ids)} earlier SLURM task(s) of this sweep (or they do "
+                  "not answer): those cells are judged by their running.json", file=sys.stderr, flush=True)
         live = {d: f"SLURM job {j} {st[j][0]}" for d, j in ids.items() if j in st and st[j][0] in queue.ALIVE}
         for _, d in cells:
-            if d in live or (d / jobs.RESULT).exists() or (d / jobs.FAILED).exists() or d in ids:
+            if d in live or (d / jobs.RESULT).exists() or (d / jobs.FAILED).exists() or (d in ids and ids[d] in st):
                 continue
             if (d / jobs.RUNNING).exists() and jobs.job_liveness(d) == "running":
                 live[d] = "a live process (running.json)"
