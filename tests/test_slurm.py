@@ -253,6 +253,25 @@ def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(t
 
 
 @slurm
+def test_the_time_limit_signal_stops_a_running_cell_which_records_timed_out(tmp_path):
+    # a cell of 100 batches (about 30 s on one core); SLURM's time-limit signal is what `scancel -s USR2`
+    # sends to the task's steps, here as soon as the cell has started instead of signal_delay_s before the limit
+    long = ["model.dim=16", "steps=16", "n_samples=400000", "batch_size=4000", "threads=1"]
+    proc = start(["-m", *LAUNCH, *long, "sweep_name=t"], tmp_path)
+    log = tmp_path / "launch.log"
+    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    cell = next((tmp_path / "multirun/t").glob("*/slurm.json")).parent
+    wait_until("the cell to start", lambda: (cell / "running.json").exists())
+    subprocess.run(["scancel", "-s", "USR2", array], check=True)
+    assert proc.wait(timeout=WAIT_S) == 1, log.read_text()
+    failed = json.loads((cell / "failed.json").read_text())
+    assert failed["kind"] == "timed_out" and "signal_delay_s=120 s before timeout_min=10" in failed["error"]
+    assert not (cell / "result.json").exists() and "1 failed" in log.read_text()
+    final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
+    assert final[0] == "FAILED"  # one cell: a plain job, no array
+
+
+@slurm
 def test_an_out_of_memory_kill_is_recorded_by_slurm_and_reruns_on_relaunch(tmp_path):
     args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=oom"]
     small = ["+hydra.launcher.additional_parameters.mem=64M"]  # below one Python interpreter with torch
