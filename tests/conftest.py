@@ -18,3 +18,34 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_CLUSTER: list[str | None] = []
+
+
+def slurm_cluster_missing() -> str | None:
+    """Why the `slurm`-marked tests cannot run here (None when a SLURM controller answers), asked once."""
+    if not _CLUSTER:
+        import shutil
+        import subprocess
+
+        missing = [c for c in ("sbatch", "squeue", "sacct", "scancel", "scontrol") if shutil.which(c) is None]
+        if missing:
+            why = f"no SLURM commands here ({', '.join(missing)} missing)"
+        else:
+            try:
+                p = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+                said = (p.stdout.strip() or p.stderr.strip() or "no answer").splitlines()[0]
+                why = None if p.returncode == 0 and "UP" in p.stdout else f"no SLURM controller answers ({said})"
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = f"no SLURM controller answers ({e})"
+        _CLUSTER.append(None if why is None else f"{why}: start the test cluster with `tests/slurm/cluster.sh start` (root), then `python -m pytest -m slurm`")
+    return _CLUSTER[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the `slurm`-marked tests, with the reason, when no SLURM cluster is up."""
+    marked = [item for item in items if item.get_closest_marker("slurm") is not None]
+    if marked and (why := slurm_cluster_missing()) is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=why))

@@ -94,6 +94,10 @@ def test_slurm_overrides_reach_the_sbatch_script(tmp_path, monkeypatch):
     cfg = compose_cfg(["hydra/launcher=slurm", "sweep_name=x", *(f"hydra.launcher.{o}" for o in ov)], hydra=True)
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
     params.pop("_target_")
+    from hydra_plugins.specsamp_sweeper.slurm import LAUNCHER_KEYS
+
+    for key in LAUNCHER_KEYS:  # our launcher's own keys, not submitit's
+        params.pop(key)
     params["name"] = "specsamp"
     folder = str(tmp_path / "submitit")
     params.pop("submitit_folder")

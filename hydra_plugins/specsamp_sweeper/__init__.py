@@ -105,7 +105,7 @@ def check_launcher(launcher: Any) -> None:
     """
     from specsamp.runner.exits import InfrastructureError
 
-    if type(launcher).__name__ != "SlurmLauncher":
+    if not _is_slurm(launcher):
         return
     missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
     if missing:
@@ -165,3 +165,10 @@ class SpecsampSweeper(BasicSweeper):
             initial_job_idx += len(batch)
             returns.append(results)
         return returns
+
+
+def _is_slurm(launcher: Any) -> bool:
+    return any(c.__name__ == "SlurmLauncher" for c in type(launcher).__mro__)
+
+
+from . import slurm as _slurm  # noqa: E402,F401  (registers hydra/launcher=specsamp_slurm, the base of conf/hydra/launcher/slurm*.yaml)

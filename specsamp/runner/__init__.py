@@ -13,7 +13,8 @@ Layers, top down (each module imports only from those below it and from the core
   :mod:`~specsamp.runner.records`: statistics, provenance, config hash, resume, the printed line;
   :mod:`~specsamp.runner.loggers`: optional wandb;
 - :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
-  :mod:`~specsamp.runner.jobs`: job directories and liveness (atomic writes: :mod:`specsamp.io`).
+  :mod:`~specsamp.runner.jobs`: job directories and liveness (atomic writes: :mod:`specsamp.io`);
+  :mod:`~specsamp.runner.slurm`: a SLURM task's identity, and the queue's view of it (squeue, sacct).
 
 Library use::
 

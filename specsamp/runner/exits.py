@@ -94,7 +94,8 @@ def sweep_exit_status(state: dict | None = None) -> int:
 
     130 when it was interrupted; 3 when a job met an infrastructure failure (``failed.json`` of kind
     ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
-    exception or was killed; 2 when the only failures are bad per-job values or configs that do not
+    exception, was killed, or was stopped by the scheduler's time limit (``failed.json`` of kind
+    ``timed_out``); 2 when the only failures are bad per-job values or configs that do not
     compose; 0 otherwise.
     """
     from .report import SWEEP_STATE
@@ -105,7 +106,7 @@ def sweep_exit_status(state: dict | None = None) -> int:
         return INTERRUPTED
     if state.get("infrastructure") or "infrastructure" in kinds:
         return INFRASTRUCTURE
-    if "exception" in kinds or state.get("killed"):
+    if "exception" in kinds or "timed_out" in kinds or state.get("killed"):
         return BUG
     if kinds or state.get("failed"):
         return USAGE

@@ -148,11 +148,18 @@ def _process_start(pid: int) -> str | None:
 
 
 def running_marker() -> dict:
-    """What a job writes to ``running.json`` when it starts: host, pid, process start time, SLURM id."""
+    """What a job writes to ``running.json`` when it starts: host, pid, process start time, SLURM id (and,
+    inside a SLURM job, ``slurm``: :func:`specsamp.runner.slurm.job_identity`)."""
+    from .slurm import job_identity
+
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "heartbeat_s": HEARTBEAT_S}
+    marker = {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "heartbeat_s": HEARTBEAT_S}
+    ident = job_identity()
+    if ident:
+        marker["slurm"] = ident
+    return marker
 
 
 def _pid_alive(pid, pid_start) -> bool:

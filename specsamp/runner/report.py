@@ -14,6 +14,10 @@ does not compose, an exception, a full disk), ``running`` (started, no record ye
 ``killed`` (started, no record, its process gone: Ctrl-C, out of memory, a time limit, a lost node; it
 reruns on relaunch) and ``missing`` (planned in ``multirun.yaml``, not started yet). A job is judged
 alive from its ``running.json``: by process id on the same host, by the file's heartbeat elsewhere.
+A cell submitted to SLURM (``slurm.json``, :mod:`specsamp.runner.slurm`) is judged by the scheduler
+where ``squeue``/``sacct`` answer: ``pending`` (queued or requeued), ``running``, or ``killed`` with
+SLURM's state as its error (``OUT_OF_MEMORY``, ``TIMEOUT``, ``NODE_FAIL``, ``CANCELLED``); the ``slurm``
+column shows that state and its reason.
 
 :class:`SweepReport` is a Hydra callback (``hydra.callbacks.sweep_report`` in ``conf/config.yaml``):
 at the end of a sweep it prints what ran, what was skipped and which jobs failed with their errors,
@@ -32,6 +36,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from . import slurm as queue
 from .jobs import FAILED, RESULT, SHARD, _mtime, _read_json, job_dirname, job_liveness
 
 STATUSES = ("ok", "failed", "running", "killed", "missing")
@@ -74,7 +79,7 @@ def job_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "wandb")
         here = Path(dirpath)
-        if RESULT in filenames or FAILED in filenames or (here / ".hydra" / "overrides.yaml").exists():
+        if RESULT in filenames or FAILED in filenames or queue.SLURM_FILE in filenames or (here / ".hydra" / "overrides.yaml").exists():
             out.append(here)
     return out
 
@@ -214,6 +219,12 @@ def job_row(job: Path, sweep_dir: Path) -> dict:
         row["status"] = job_liveness(job)
     if overrides is None and rec is not None:
         overrides = rec.get("overrides")
+    submitted = _read_json(job / queue.SLURM_FILE) if rec is None else None
+    if submitted is not None:
+        row["_slurm_id"] = str(submitted.get("job_id"))
+        row["_slurm_log"] = submitted.get("stderr")
+        if overrides is None:
+            overrides = submitted.get("overrides")
     _fill_from_config(row, _config_of(job, rec))
     row["overrides"] = " ".join(overrides or [])
     row["_key"] = tuple(sorted(overrides or []))
@@ -224,6 +235,33 @@ def job_row(job: Path, sweep_dir: Path) -> dict:
     return row
 
 
+_PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
+def _apply_slurm(rows: list[dict]) -> None:
+    """Judge the rows of SLURM cells without a record by the scheduler's state (one squeue and one sacct
+    call for all), where the commands answer; otherwise keep the local view."""
+    ids = {r["_slurm_id"] for r in rows if r.get("_slurm_id")}
+    if not ids or not queue.available():
+        return
+    st = queue.states(ids)
+    for r in rows:
+        got = st.get(r.get("_slurm_id") or "")
+        if got is None:
+            continue
+        state, reason = got
+        if state in ("FAILED", "CANCELLED") and queue.memory_killed(r.get("_slurm_log")):
+            state, reason = "OUT_OF_MEMORY", "task log: exceeded job memory limit"
+        r["slurm"] = f"{state} ({reason})" if reason and reason != "None" else state
+        if state in _PENDING:
+            r["status"] = "pending"
+        elif state in queue.ALIVE:
+            r["status"] = "running"
+        elif state != "COMPLETED":  # it left the queue without a record: SLURM says why
+            r["status"] = "killed"
+            r["error"] = f"SLURM {r['slurm']} (job {r['_slurm_id']}); reruns on relaunch"
+
+
 def _collect(root: Path):
     """:func:`collect` plus a ``_key`` column (the sorted override tuple) used to match planned jobs."""
     import pandas as pd
@@ -231,6 +269,7 @@ def _collect(root: Path):
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     rows = [job_row(j, root) for j in job_dirs(root)]
+    _apply_slurm(rows)
     started = {r["_key"] for r in rows if r.get("path")}
     for job in planned_jobs(root) or []:
         key = tuple(sorted(job))
@@ -242,6 +281,7 @@ def _collect(root: Path):
             row.setdefault(k, value)
         rows.append(row)
     df = pd.DataFrame(rows, columns=None if rows else ["job", "path", "status", "overrides", "_key"])
+    df = df.drop(columns=[c for c in ("_slurm_id", "_slurm_log") if c in df.columns])
     extra = [c for c in df.columns if c not in COLUMNS and c not in ("path", "_key") and not c.startswith("acc_d")]
     acc = sorted((c for c in df.columns if c.startswith("acc_d")), key=lambda c: int(c[5:]))
     for c in COLUMNS:
@@ -312,6 +352,10 @@ def format_table(df) -> str:
         show = show.drop(columns="error")
     counts = df["status"].value_counts()
     foot = f"{len(df)} jobs: " + ", ".join(f"{int(counts.get(s, 0))} {s}" for s in STATUSES)
+    if counts.get("pending", 0):  # SLURM cells still queued
+        foot += f", {int(counts['pending'])} pending"
+    if "slurm" in df.columns and df["slurm"].notna().any():
+        show.insert(2, "slurm", df["slurm"].fillna("").astype(str))
     return show.to_string(index=False) + "\n" + foot
 
 
@@ -355,7 +399,7 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
         "ran": len(ok) - len(skipped),
         "skipped": len(skipped),
         "failed": failed.to_dict("records"),
-        "running": int((mine["status"] == "running").sum()),
+        "running": int(mine["status"].isin(["running", "pending"]).sum()),
         "killed": int((mine["status"] == "killed").sum()),
         "missing": int((mine["status"] == "missing").sum()),
         "config_errors_only": bool(kinds) and all(k == "config" for k in kinds),

@@ -43,6 +43,7 @@ from .loop import record_hash, run_config
 from .outputs import MetricError, compute_metrics, save_images
 from .shards import save_shard, shard_indices
 from .loggers import log_record
+from .slurm import job_identity
 from .records import existing_record, refuse_other_record, scores_text, summary_line, versions
 
 def _hydra_cfg():
@@ -136,6 +137,7 @@ def _clear_failure(out_dir: Path) -> None:
 def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cfg_hash: str | None) -> dict:
     """Record a failed job atomically in ``out_dir/failed.json`` and return the record."""
     kind = "config" if isinstance(error, ConfigError) else "infrastructure" if is_infrastructure(error) else "exception"
+    kind = getattr(error, "record_kind", None) or kind  # e.g. timed_out (the SLURM launcher's time-limit signal)
     rec = {
         "status": "failed",
         "kind": kind,
@@ -148,11 +150,19 @@ def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cf
         "output_dir": str(out_dir),
         "host": socket.gethostname(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        **slurm_fields(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": versions(),
     }
     write_json_atomic(out_dir / FAILED, rec)
     return rec
+
+
+def slurm_fields() -> dict:
+    """``{"slurm": ...}`` (:func:`specsamp.runner.slurm.job_identity`: array job id, task id, host) inside a
+    SLURM job, else ``{}``; merged into ``result.json`` and ``failed.json``."""
+    ident = job_identity()
+    return {"slurm": ident} if ident else {}
 
 
 def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> float | None:
@@ -173,6 +183,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     record, result = run_config(cfg, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded))
     record["output_dir"] = str(out_dir)
     record["overrides"] = _job_overrides()
+    record.update(slurm_fields())
     if multirun and run.sweep_name is not None:
         record["sweep"] = str(run.sweep_name)
     # the numbers reach the terminal before any file is written: a full disk loses no result

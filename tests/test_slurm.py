@@ -1,0 +1,405 @@
+"""Sweeps on a real SLURM scheduler (``hydra/launcher=slurm_cpu``), and the launcher's pieces without one.
+
+The tests marked ``slurm`` need a cluster (``tests/slurm/cluster.sh start`` brings up a one-node one as
+root; CI does) and are skipped with that reason otherwise. Every cell is a tiny GMM (d=16, T=16, 8
+trajectories, one thread). Nothing waits on a fixed sleep: a test waits for the queue to hold no task
+of an array (``squeue -j``), for a task to be RUNNING, or for ``run.py`` to exit; tasks that must stay
+running while the test acts wait in the sbatch script's ``setup`` for a file the test creates (a gate).
+Each test asserts the records (``result.json``, ``failed.json``, ``slurm.json``), SLURM's accounting
+(``sacct``) and ``run.py``'s exit status and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsamp.runner import report
+from specsamp.runner import slurm as queue
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
+
+TINY = ["model.dim=16", "steps=16", "n_samples=8", "threads=1"]
+LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
+WAIT_S = 240  # the longest any one wait may take before the test fails (a hung scheduler, not a slow one)
+
+
+def run(args, cwd, check=True, env=None, timeout=WAIT_S):
+    """``python run.py ARGS`` in ``cwd``; the CompletedProcess with ``.out`` (stdout + stderr)."""
+    e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", SPECSAMP_OFFLINE="1", **(env or {}))
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=e, timeout=timeout)
+    p.out = p.stdout + p.stderr
+    if check:
+        assert p.returncode == 0, p.out
+    return p
+
+
+def start(args, cwd):
+    """``python run.py ARGS`` in the background (stdout and stderr to ``cwd/launch.log``)."""
+    e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
+    log = open(cwd / "launch.log", "w")
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=e, text=True)
+
+
+def wait_until(what, predicate, timeout=WAIT_S, every=0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def squeue(array: str) -> dict[str, str]:
+    """``{A_T: STATE}`` of the array's tasks still in the queue."""
+    p = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%i|%T"], capture_output=True, text=True, timeout=30)
+    return dict(line.split("|", 1) for line in p.stdout.split() if "|" in line)
+
+
+def sacct(array: str, n: int) -> dict[str, str]:
+    """``{A_T: STATE}`` of the array's ``n`` tasks as the scheduler reports them (queue, then accounting;
+    a never-started range such as ``A_[0-1%2]`` expanded)."""
+    return {j: st for j, (st, _) in queue.states([f"{array}_{t}" for t in range(n)]).items()}
+
+
+def queue_empty(array: str) -> None:
+    wait_until(f"array {array} to leave the queue", lambda: not squeue(array))
+
+
+def accounted(array: str, n: int) -> dict[str, str]:
+    """The final states of the array's ``n`` tasks once the accounting has them all."""
+    final = lambda: (s := sacct(array, n)) and len(s) == n and not set(s.values()) & queue.ALIVE and s  # noqa: E731
+    return wait_until(f"sacct to record the {n} tasks of array {array}", final)
+
+
+def array_of(out: str) -> str:
+    line = next(ln for ln in out.splitlines() if ln.startswith("submitted SLURM array job "))
+    return line.split()[4].rstrip(":")
+
+
+def records(sweep: Path, name: str = "result.json") -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted(sweep.glob(f"*/{name}"))}
+
+
+def gate(tmp_path: Path) -> tuple[list[str], Path]:
+    """Overrides that hold every task in its sbatch script until ``tmp_path/go`` exists, and that path."""
+    go = tmp_path / "go"
+    return [f"hydra.launcher.setup=['while [ ! -e {go} ]; do sleep 0.2; done']"], go
+
+
+@pytest.fixture(autouse=True)
+def _no_task_left_behind(request, tmp_path):
+    """After a `slurm` test, whatever happened: open its gate and cancel the arrays it submitted."""
+    yield
+    if request.node.get_closest_marker("slurm") is None:
+        return
+    (tmp_path / "go").touch()
+    arrays = {str((json.loads(p.read_text()) or {}).get("array_job_id") or "") for p in tmp_path.rglob("slurm.json")}
+    arrays.discard("")
+    if arrays:
+        subprocess.run(["scancel", *sorted(arrays)], check=False, timeout=30)
+
+
+NUMBERS = ("config_hash", "speedup", "nfe", "acceptance_per_depth", "K", "L", "budget")
+
+slurm = pytest.mark.slurm
+
+
+# ------------------------------------------------------------------------------------------------
+# a real scheduler
+
+
+@slurm
+def test_parity_with_the_local_launcher_records_identify_the_task_and_relaunch_submits_nothing(tmp_path):
+    grid = [*TINY, "K=1,2", "L=2,3"]
+    p = run(["-m", *LAUNCH, *grid, "sweep_name=s"], tmp_path)
+    array = array_of(p.stdout)
+    assert f"scancel {array}" in p.stdout and f"squeue -j {array}" in p.stdout and f"sacct -j {array}" in p.stdout
+    assert "4 jobs, 4 ran, 0 skipped (done before), 0 failed" in p.stdout
+    run(["-m", "hydra/launcher=local", *grid, "sweep_name=l"], tmp_path)
+    s, loc = records(tmp_path / "multirun/s"), records(tmp_path / "multirun/l")
+    assert sorted(s) == sorted(loc) and len(s) == 4
+    for name, rec in s.items():
+        assert {k: rec[k] for k in NUMBERS} == {k: loc[name][k] for k in NUMBERS}
+        ident = rec["slurm"]
+        assert ident["array_job_id"] == array and ident["job_id"] == f"{array}_{ident['array_task_id']}" and ident["host"]
+        assert (tmp_path / "multirun/s/.submitit" / ident["job_id"]).is_dir()  # submitit's per-task folder
+        assert "slurm" not in loc[name]
+    assert (tmp_path / f"multirun/s/.submitit/{array}/{array}_submission.sh").is_file()
+    assert set(accounted(array, 4).values()) == {"COMPLETED"}
+    again = run(["-m", *LAUNCH, *grid, "sweep_name=s"], tmp_path)
+    assert "4 of 4 cells already done" in again.stdout and "submitted SLURM array job" not in again.stdout
+    assert "4 jobs, 0 ran, 4 skipped (done before)" in again.stdout
+
+
+@slurm
+def test_a_failing_and_a_non_composing_cell_fail_alone_and_their_tasks_end_failed(tmp_path):
+    p = run(["-m", *LAUNCH, *TINY, "L=2,0", "sampler=dgrs,nope", "sweep_name=bad"], tmp_path, check=False)
+    assert p.returncode == 2, p.out
+    assert "Traceback" not in p.stdout and "4 jobs, 1 ran, 0 skipped (done before), 3 failed" in p.stdout, p.out
+    sweep = tmp_path / "multirun/bad"
+    failed = records(sweep, "failed.json")
+    assert len(failed) == 3 and {f["kind"] for f in failed.values()} == {"config"}
+    assert all(f["slurm"]["array_job_id"] == array_of(p.stdout) for f in failed.values())
+    states = accounted(array_of(p.stdout), 4)
+    ok = next(iter(records(sweep).values()))["slurm"]["job_id"]
+    assert states.pop(ok) == "COMPLETED" and set(states.values()) == {"FAILED"}  # sacct: a failed cell is FAILED
+
+
+@slurm
+def test_scancel_of_one_task_waits_for_the_others_and_the_relaunch_reruns_only_that_one(tmp_path):
+    held, go = gate(tmp_path)
+    proc = start(["-m", *LAUNCH, *held, *TINY, "K=1,2", "sweep_name=c"], tmp_path)
+    log = tmp_path / "launch.log"
+    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
+    subprocess.run(["scancel", f"{array}_1"], check=True)
+    wait_until("the cancelled task to leave the queue", lambda: f"{array}_1" not in squeue(array))
+    go.touch()
+    assert proc.wait(timeout=WAIT_S) == 1  # a killed cell: exit 1 once every task has ended
+    out = log.read_text()
+    assert "2 jobs, 1 ran, 0 skipped (done before), 0 failed, 1 killed (no record; rerun on relaunch)" in out, out
+    sweep = tmp_path / "multirun/c"
+    df = report.collect(sweep)
+    killed = df[df["status"] == "killed"]
+    assert len(killed) == 1 and "CANCELLED" in killed["error"].iloc[0] and "CANCELLED" in killed["slurm"].iloc[0]
+    assert len(records(sweep)) == 1
+    again = run(["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=c"], tmp_path)
+    assert "1 of 2 cells already done" in again.stdout and ": 1 task" in again.stdout
+    assert "2 jobs, 1 ran, 1 skipped (done before), 0 failed" in again.stdout
+
+
+@slurm
+def test_relaunch_while_the_array_runs_after_the_launcher_died_submits_nothing_and_nothing_runs_twice(tmp_path):
+    held, go = gate(tmp_path)
+    args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=r"]
+    proc = start([*args, *held], tmp_path)
+    log = tmp_path / "launch.log"
+    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
+    proc.kill()  # the launching shell dies; the array does not
+    proc.wait()
+    sweep = tmp_path / "multirun/r"
+    assert set(report.collect(sweep)["status"]) == {"running"}
+    again = run(args, tmp_path)
+    assert "2 of 2 cells still pending or running: not submitted again" in again.stdout and "submitted SLURM" not in again.stdout
+    assert "2 not finished" in again.stdout
+    go.touch()
+    queue_empty(array)
+    assert set(accounted(array, 2).values()) == {"COMPLETED"}
+    recs = records(sweep)
+    assert len(recs) == 2 and {r["slurm"]["array_job_id"] for r in recs.values()} == {array}
+    assert sorted(p.name for p in (sweep / ".submitit").iterdir() if not p.name.startswith(".")) == [array, f"{array}_0", f"{array}_1"]
+    done = run(args, tmp_path)
+    assert "2 of 2 cells already done" in done.stdout and "2 jobs, 0 ran, 2 skipped" in done.stdout
+
+
+@slurm
+def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it_when_asked(tmp_path):
+    held, go = gate(tmp_path)
+    log = tmp_path / "launch.log"
+    arrays = []
+    for name, extra in (("keep", []), ("cancel", ["hydra.launcher.cancel_on_interrupt=true"])):
+        proc = start(["-m", *LAUNCH, *held, *extra, *TINY, "K=1,2", f"sweep_name={name}"], tmp_path)
+        array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+        # the first array holds both CPUs: the second one's tasks stay pending, which Ctrl-C cancels as well
+        wait_until("both tasks queued", lambda: len(squeue(array)) == 2 and (extra or set(squeue(array).values()) == {"RUNNING"}))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=WAIT_S) == 130
+        out = log.read_text()
+        if not extra:
+            assert f"SLURM array job {array} keeps running on the cluster" in out and f"scancel {array}" in out, out
+            assert list(squeue(array).values()) == ["RUNNING", "RUNNING"]  # Ctrl-C cancelled nothing
+        else:
+            assert f"cancelled SLURM array job {array}" in out, out
+            queue_empty(array)
+            assert set(accounted(array, 2).values()) == {"CANCELLED"}
+        arrays.append(array)
+    go.touch()
+    queue_empty(arrays[0])
+    assert len(records(tmp_path / "multirun/keep")) == 2 and not records(tmp_path / "multirun/cancel")
+
+
+@slurm
+def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(tmp_path):
+    held, go = gate(tmp_path)
+    proc = start(["-m", *LAUNCH, *held, *TINY, "K=1,2", "sweep_name=node"], tmp_path)
+    log = tmp_path / "launch.log"
+    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
+    try:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=specsamp-test"], check=True)
+        wait_until("the tasks to be requeued", lambda: set(squeue(array).values()) <= {"PENDING", "REQUEUED"} and squeue(array))
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)  # ReturnToService=2 may have
+    go.touch()
+    assert proc.wait(timeout=WAIT_S) == 0, log.read_text()
+    assert "2 jobs, 2 ran, 0 skipped (done before), 0 failed" in log.read_text()
+    recs = records(tmp_path / "multirun/node")
+    assert len(recs) == 2 and all(r["slurm"]["restart_count"] >= 1 for r in recs.values())  # the requeued attempt wrote them
+    assert set(accounted(array, 2).values()) == {"COMPLETED"}
+
+
+@slurm
+def test_the_time_limit_signal_stops_a_running_cell_which_records_timed_out(tmp_path):
+    # a cell of 100 batches (about 30 s on one core); SLURM's time-limit signal is what `scancel -s USR2`
+    # sends to the task's steps, here as soon as the cell has started instead of signal_delay_s before the limit
+    long = ["model.dim=16", "steps=16", "n_samples=400000", "batch_size=4000", "threads=1"]
+    proc = start(["-m", *LAUNCH, *long, "sweep_name=t"], tmp_path)
+    log = tmp_path / "launch.log"
+    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    cell = next((tmp_path / "multirun/t").glob("*/slurm.json")).parent
+    wait_until("the cell to start", lambda: (cell / "running.json").exists())
+    subprocess.run(["scancel", "-s", "USR2", array], check=True)
+    assert proc.wait(timeout=WAIT_S) == 1, log.read_text()
+    failed = json.loads((cell / "failed.json").read_text())
+    assert failed["kind"] == "timed_out" and "signal_delay_s=120 s before timeout_min=10" in failed["error"]
+    assert not (cell / "result.json").exists() and "1 failed" in log.read_text()
+    final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
+    assert final[0] == "FAILED"  # one cell: a plain job, no array
+
+
+@slurm
+def test_an_out_of_memory_kill_is_recorded_by_slurm_and_reruns_on_relaunch(tmp_path):
+    args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=oom"]
+    small = ["+hydra.launcher.additional_parameters.mem=64M"]  # below one Python interpreter with torch
+    p = run([*args, *small], tmp_path, check=False)
+    assert p.returncode == 1, p.out
+    assert "2 killed" in p.stdout, p.out
+    array = array_of(p.stdout)
+    assert set(accounted(array, 2).values()) <= {"OUT_OF_MEMORY", "FAILED"}  # FAILED under polling enforcement (OverMemoryKill)
+    df = report.collect(tmp_path / "multirun/oom")
+    assert list(df["status"]) == ["killed", "killed"] and all("OUT_OF_MEMORY" in e for e in df["error"])
+    again = run(args, tmp_path)
+    assert "2 jobs, 2 ran" in again.stdout and len(records(tmp_path / "multirun/oom")) == 2
+
+
+@slurm
+def test_two_shards_in_an_array_merge_into_one_unsharded_run_bitwise(tmp_path):
+    common = [*TINY, "batch_size=4", "save_samples=true"]
+    run([*common, f"hydra.run.dir={tmp_path / 'single'}"], tmp_path)
+    p = run(["-m", *LAUNCH, *common, "num_shards=2", "shard=0,1", "sweep_name=sh"], tmp_path)
+    assert "shards merged" in p.stdout, p.out
+    merged = next(d for d in (tmp_path / "multirun/sh").iterdir() if d.is_dir() and "shard" not in d.name and not d.name.startswith("."))
+    assert torch.equal(torch.load(tmp_path / "single/samples.pt"), torch.load(merged / "samples.pt"))
+    a, b = (json.loads((d / "result.json").read_text()) for d in (tmp_path / "single", merged))
+    assert a["config_hash"] == b["config_hash"] and a["speedup"] == b["speedup"]
+
+
+@slurm
+def test_the_digits_network_runs_in_an_array_task(tmp_path):
+    p = run(["-m", *LAUNCH, "model=digits", "K=2", "L=2", "steps=8", "n_samples=4", "threads=1", "sweep_name=dig"], tmp_path)
+    (rec,) = records(tmp_path / "multirun/dig").values()
+    assert rec["status"] == "ok" and "digits" in rec["model"] and rec["slurm"]["job_id"] == array_of(p.stdout)  # one cell: a plain job, no array
+
+
+@slurm
+def test_an_sbatch_refusal_names_the_setting_and_an_unreachable_controller_exits_3(tmp_path):
+    p = run(["-m", *LAUNCH, *TINY, "K=1,2", "hydra.launcher.partition=nope", "sweep_name=x"], tmp_path, check=False)
+    assert p.returncode == 2 and "hydra.launcher.partition='nope'" in p.stderr and "Traceback" not in p.out, p.out
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(Path("/etc/slurm/slurm.conf").read_text() + "\nSlurmctldPort=1\n")  # nobody listens there
+    p = run(["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=y"], tmp_path, check=False, env={"SLURM_CONF": str(conf)})
+    assert p.returncode == 3 and "could not reach the SLURM controller" in p.stderr and "Traceback" not in p.out, p.out
+
+
+@slurm
+def test_dry_run_prints_the_sbatch_script_and_submits_nothing(tmp_path):
+    p = run(["-m", *LAUNCH, *TINY, "K=1,2", "hydra.launcher.dry_run=true", "sweep_name=d"], tmp_path)
+    assert "#SBATCH --array=0-1%2" in p.stdout and "#SBATCH --signal=USR2@120" in p.stdout and "#SBATCH --gpus-per-node=0" in p.stdout
+    assert "nothing was submitted" in p.stdout and not list((tmp_path / "multirun/d").glob("*/slurm.json"))
+
+
+# ------------------------------------------------------------------------------------------------
+# without a scheduler
+
+
+def compose_hydra(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def test_slurm_presets_follow_the_device_and_threads():
+    cpu = compose_hydra(["hydra/launcher=slurm", "threads=3"]).hydra.launcher
+    assert (cpu.gpus_per_node, cpu.cpus_per_task) == (0, 3)
+    assert compose_hydra(["hydra/launcher=slurm", "device=cuda"]).hydra.launcher.gpus_per_node == 1
+    gpu = compose_hydra(["hydra/launcher=slurm_gpu"]).hydra.launcher
+    assert (gpu.gpus_per_node, gpu.cpus_per_task, gpu.mem_gb) == (1, 8, 64)
+    assert compose_hydra(["hydra/launcher=slurm_cpu", "device=cuda"]).hydra.launcher.gpus_per_node == 0
+    assert compose_hydra(["hydra/launcher=slurm", "sweep_name=abc"]).hydra.launcher.name == "specsamp-abc"
+
+
+@pytest.mark.parametrize("said, status, needle", [
+    ("sbatch: error: Batch job submission failed: Invalid partition name specified", 2, "hydra.launcher.partition='gpu'"),
+    ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified", 2, "hydra.launcher.account="),
+    ("sbatch: error: Batch job submission failed: Requested node configuration is not available", 2, "hydra.launcher.mem_gb=4"),
+    ("sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification", 2, "hydra.launcher.gpus_per_node=1"),
+    ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)", 3, "scontrol ping"),
+    ("sbatch: error: something new", 2, "dry_run=true"),
+])  # fmt: skip
+def test_sbatch_refusals_are_sorted_into_user_input_and_infrastructure(said, status, needle):
+    got, message = explain_refusal(RuntimeError(f"Could not submit job (exit 1)\n{said}\n"), {"partition": "gpu", "mem_gb": 4, "gpus_per_node": 1, "cpus_per_task": 1})
+    assert got == status and needle in message and "\n" not in message
+
+
+def test_queue_states_parse_pending_ranges_and_accounting(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "squeue").write_text("#!/bin/sh\necho '7_[2-3%2]|PENDING|Resources'\necho '7_1|RUNNING|None'\n")
+    (bindir / "sacct").write_text("#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\n")
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    got = queue.states([f"7_{t}" for t in range(5)] + ["8_0"])
+    assert got == {"7_0": ("OUT_OF_MEMORY", "exit code 0:125"), "7_1": ("RUNNING", "None"), "7_2": ("PENDING", "Resources"),
+                   "7_3": ("PENDING", "Resources"), "7_4": ("CANCELLED", "")}
+
+
+def test_job_identity_names_the_array_task_as_squeue_does():
+    env = {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "37", "SLURM_ARRAY_TASK_ID": "4", "SLURMD_NODENAME": "n1", "SLURM_RESTART_COUNT": "1"}
+    assert queue.job_identity(env) == {"job_id": "37_4", "array_job_id": "37", "array_task_id": "4", "raw_job_id": "41",
+                                       "host": "n1", "restart_count": 1}
+    assert queue.job_identity({}) is None
+
+
+def test_the_timeout_signal_stops_the_cell_and_its_record_says_timed_out(tmp_path, monkeypatch):
+    """submitit's USR2 (``signal_delay_s`` before the limit) raises inside the cell, whose failed.json
+    then has kind ``timed_out``; the handler is removed once the cell returns."""
+    from specsamp.runner.task import write_failure
+
+    # Hydra's plugin scan reloads the plugin modules: take the classes of the module as it is now
+    mod = sys.modules["hydra_plugins.specsamp_sweeper.slurm"]
+    SpecsampSlurmLauncher, CellTimedOut = mod.SpecsampSlurmLauncher, mod.CellTimedOut
+
+    def cell(self, *args):  # the handler SLURM's signal would run, called as the interpreter calls it
+        signal.getsignal(signal.SIGUSR2)(signal.SIGUSR2, None)
+        raise AssertionError("the signal should have stopped the cell")
+
+    monkeypatch.setattr(SpecsampSlurmLauncher.__bases__[0], "__call__", cell)  # hydra-submitit-launcher's job body
+    launcher = SpecsampSlurmLauncher(submitit_folder=str(tmp_path), timeout_min=10, signal_delay_s=120)
+    before = signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(CellTimedOut, match="signal_delay_s=120 s before timeout_min=10") as e:
+        launcher(["K=1"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    assert signal.getsignal(signal.SIGUSR2) is before
+    assert write_failure(tmp_path, e.value, None, None)["kind"] == "timed_out"
+
+
+def test_a_timed_out_cell_makes_the_sweep_exit_1_like_a_killed_one():
+    from specsamp.runner import exits
+
+    assert exits.sweep_exit_status({"kinds": ["config", "timed_out"]}) == exits.BUG
+    assert exits.sweep_exit_status({"kinds": ["config"]}) == exits.USAGE
