@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
+.PHONY: help install test test-all bench gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -49,6 +49,16 @@ digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers an
 	$(PYTHON) -m experiments.digits collect
 	$(PYTHON) -m experiments.digits levers
 	$(PYTHON) -m experiments.digits figures
+
+train-patches:  ## retrain the patches32 denoiser (3x32x32 crops of scikit-learn's photographs; seeded, one thread) into specsamp/data/
+	$(PYTHON) -m experiments.train_patches
+
+patches:  ## the patches32 network: Figure 4, two-sample tests at n=1,000, levers and figures in results/patches32/
+	$(PYTHON) run.py +experiment=patches_fig4
+	$(PYTHON) -m experiments.patches collect
+	$(PYTHON) -m experiments.patches two_sample
+	$(PYTHON) -m experiments.patches levers
+	$(PYTHON) -m experiments.patches figures
 
 bench-digits:  ## wall clock per image on the digits network, standard vs tree execution: results/digits/wallclock.csv
 	$(PYTHON) benchmarks/digits_wallclock.py --out results/digits/wallclock.csv
