@@ -54,7 +54,9 @@ train-patches:  ## retrain the patches32 denoiser (3x32x32 crops of scikit-learn
 	$(PYTHON) -m experiments.train_patches
 
 patches:  ## the patches32 network: Figure 4, two-sample tests at n=1,000, levers and figures in results/patches32/
-	$(PYTHON) run.py +experiment=patches_fig4
+	@# the two rules side by side (one core each); every cell keeps its own directory
+	$(PYTHON) run.py +experiment=patches_fig4 sampler=dgrs & half=$$!; \
+	$(PYTHON) run.py +experiment=patches_fig4 sampler=rmc; status=$$?; wait $$half && test $$status -eq 0
 	$(PYTHON) -m experiments.patches collect
 	$(PYTHON) -m experiments.patches two_sample
 	$(PYTHON) -m experiments.patches levers

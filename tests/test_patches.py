@@ -137,3 +137,18 @@ def test_training_script_writes_a_checked_loadable_pickle(tmp_path):
     assert type(net).__name__ == "EDMPrecond" and net.label_dim == 0 and net.img_resolution == 32
     assert train_patches.main(["--steps", "0"]) == 2
     assert train_patches.main(["--ema", "1.5"]) == 2
+
+
+def test_fig4_sweep_and_collect_at_a_reduced_size(tmp_path, monkeypatch):
+    """`+experiment=patches_fig4` at T=6, 2 images, eps=0.3, (K, L)=(2, 3): both rules run, collect writes the table."""
+    import experiments.patches as px
+
+    env = dict(os.environ, SPECSAMP_OFFLINE="1", WANDB_MODE="offline")
+    cmd = [sys.executable, str(ROOT / "run.py"), "+experiment=patches_fig4", "steps=6", "n_samples=2", "eps=0.3",
+           "shape=k2l3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    monkeypatch.setattr(px, "OUT", tmp_path)
+    df = px.collect_fig4(str(tmp_path / "sweep"))
+    assert sorted(df["sampler"]) == ["dgrs", "rmc"] and (df["budget"] == 14).all() and (df["n_samples"] == 2).all()
+    assert df["acceptance"].str.count("/").ge(0).all() and (tmp_path / "fig4.csv").is_file()

@@ -85,7 +85,7 @@ CHECKPOINTS: dict[str, Checkpoint] = {
     # shipped with the package: trained on crops of scikit-learn's two sample photographs by
     # experiments/train_patches.py (specsamp.models.patches); class-unconditional, CIFAR-10's dimension
     "edm-patches-32x32-uncond": Checkpoint(
-        (Path(__file__).resolve().parents[1] / "data" / "edm-patches-32x32-uncond.pkl").as_uri(), "PENDING", 0, 32
+        (Path(__file__).resolve().parents[1] / "data" / "edm-patches-32x32-uncond.pkl").as_uri(), "d4f51d18f91aa0f03d2eee8efc39b7b462b927d22efdc82afc30e70624402c88", 0, 32
     ),
 }
 
