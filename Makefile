@@ -53,12 +53,13 @@ digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers an
 train-patches:  ## retrain the patches32 denoiser (3x32x32 crops of scikit-learn's photographs; seeded, one thread) into specsamp/data/
 	$(PYTHON) -m experiments.train_patches
 
-patches:  ## the patches32 network: Figure 4, two-sample tests at n=1,000, levers and figures in results/patches32/
+PATCHES_N ?= 300
+patches:  ## the patches32 network: Figure 4, two-sample tests (PATCHES_N images per arm; the committed table: 300), levers and figures in results/patches32/
 	@# the two rules side by side (one core each); every cell keeps its own directory
 	$(PYTHON) run.py +experiment=patches_fig4 sampler=dgrs & half=$$!; \
 	$(PYTHON) run.py +experiment=patches_fig4 sampler=rmc; status=$$?; wait $$half && test $$status -eq 0
 	$(PYTHON) -m experiments.patches collect
-	$(PYTHON) -m experiments.patches two_sample
+	$(PYTHON) -m experiments.patches two_sample --n $(PATCHES_N)
 	$(PYTHON) -m experiments.patches levers
 	$(PYTHON) -m experiments.patches figures
 

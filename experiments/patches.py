@@ -4,7 +4,7 @@ One command regenerates everything (``make patches``)::
 
     python run.py +experiment=patches_fig4      # 24 jobs: eps x (K, L) x {rmc, dgrs}, 100 images each, T=100
     python -m experiments.patches collect       # -> results/patches32/fig4.csv (per-depth acceptance included)
-    python -m experiments.patches two_sample    # -> two_sample.csv, samples.npz (standard, rmc, dgrs; 1,000 images each)
+    python -m experiments.patches two_sample    # -> two_sample.csv, samples.npz (standard twice, rmc, dgrs; --n images each)
     python -m experiments.patches levers        # -> levers.csv (x0 draft, markmax, optimal and per-step trees)
     python -m experiments.patches figures       # -> results/patches32/*.png from the committed tables
 
@@ -210,8 +210,9 @@ def _samples_figure():
               ("dgrs", "D-GRS (K=2, L=3, eps=0.3)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.6), constrained_layout=True)
     for ax, (key, title) in zip(axes, panels):
-        imgs = z[key][:64]  # [64, 3, 32, 32] uint8
-        grid = imgs.reshape(8, 8, 3, 32, 32).transpose(0, 3, 1, 4, 2).reshape(8 * 32, 8 * 32, 3)
+        k = int(np.sqrt(min(64, len(z[key]))))
+        imgs = z[key][: k * k]  # [k^2, 3, 32, 32] uint8
+        grid = imgs.reshape(k, k, 3, 32, 32).transpose(0, 3, 1, 4, 2).reshape(k * 32, k * 32, 3)
         ax.imshow(grid)
         ax.set_title(title, fontsize=8)
         ax.axis("off")
