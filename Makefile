@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench bench-latency gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits
+.PHONY: help install test test-all bench bench-latency gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -51,6 +51,19 @@ digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers an
 	$(PYTHON) -m experiments.digits collect
 	$(PYTHON) -m experiments.digits levers
 	$(PYTHON) -m experiments.digits figures
+
+train-patches:  ## retrain the patches32 denoiser (3x32x32 crops of scikit-learn's photographs; seeded, one thread) into specsamp/data/
+	$(PYTHON) -m experiments.train_patches
+
+PATCHES_N ?= 300
+patches:  ## the patches32 network: Figure 4, two-sample tests (PATCHES_N images per arm; the committed table: 300), levers and figures in results/patches32/
+	@# the two rules side by side (one core each); every cell keeps its own directory
+	$(PYTHON) run.py +experiment=patches_fig4 sampler=dgrs & half=$$!; \
+	$(PYTHON) run.py +experiment=patches_fig4 sampler=rmc; status=$$?; wait $$half && test $$status -eq 0
+	$(PYTHON) -m experiments.patches collect
+	$(PYTHON) -m experiments.patches two_sample --n $(PATCHES_N)
+	$(PYTHON) -m experiments.patches levers
+	$(PYTHON) -m experiments.patches figures
 
 bench-digits:  ## wall clock per image on the digits network, standard vs tree execution: results/digits/wallclock.csv
 	$(PYTHON) benchmarks/digits_wallclock.py --out results/digits/wallclock.csv

@@ -173,13 +173,14 @@ def two_sample_tests(a: tuple, b: tuple, comparison: str) -> list[dict]:
 
 
 def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup per arm), ``two_sample.csv``, ``samples.npz``."""
+    """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup, Inception Score ± s.e. per arm), ``two_sample.csv``, ``samples.npz``."""
     import torch
 
     from specsamp.models.edm import uniform_labels
     from specsamp.images import load_images
     from specsamp.io import atomic_write
     from specsamp.metrics.fid import load_statistics
+    from specsamp.metrics.isc import isc_from_logits
     from specsamp.models.digits import load_digits_data
 
     dirs, recs = _job_dirs(sweep_dir)
@@ -206,6 +207,7 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     n = rows[0]["n_images"]
     pick = rng.integers(0, len(real), n)
     feats, logits = _classifier_outputs(real[pick])
+    real_logits = logits
     fid, se = bootstrap_fid(feats, ref)
     correct = logits.argmax(1) == y.numpy()[pick]
     rows.append({"arm": "data (real digits)", "n_images": n, "fid": fid, "fid_se": se,
@@ -214,6 +216,10 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     base = fid_df.set_index("arm").loc["standard"]
     fid_df["fid_z_vs_standard"] = (fid_df["fid"] - base["fid"]) / np.sqrt(fid_df["fid_se"] ** 2 + base["fid_se"] ** 2)
     fid_df.loc[fid_df["arm"] == "standard", "fid_z_vs_standard"] = np.nan
+    # the Inception Score beside the FID, from the same classifier's logits (specsamp.metrics.isc; 10 splits)
+    scores = [isc_from_logits(lg) for lg in [outs[arm][0] for arm in ARMS] + [real_logits]]
+    fid_df["isc"] = [sc["isc"] for sc in scores]
+    fid_df["isc_se"] = [sc["isc_se"] for sc in scores]
     write_csv(fid_df, OUT / "fid.csv")
 
     tests = []

@@ -80,6 +80,10 @@ PROBES = {
     # the shipped file needs no cache or download: digits.yaml has neither key
     "digits": {**{k: v for k, v in EDM_COMMON.items() if k not in ("cache_dir", "download")},
                "label_dim": ([], 5), "labels": ([], "none")},
+    "patches32": {**{k: v for k, v in EDM_COMMON.items() if k in ("_target_", "name", "url", "path", "sha256", "trust_checkpoint",
+                                                                   "key", "dtype", "net_dtype", "shift", "fid_ref")
+                     or k.startswith("paper.")},
+                  "label_dim": ([], 3), "labels": ([], "uniform")},
     "sd3": {
         "_target_": ([], "specsamp.models.nope.Config"),
         "name": ([], "another-name"),
@@ -118,6 +122,7 @@ BASE = {
     "cifar10": ["model.path={ckpt}", "model.sha256={sha}"],
     "ffhq": ["model.path={ckpt}", "model.sha256={sha}"],
     "digits": ["model.path={ckpt}", "model.sha256={sha}"],
+    "patches32": ["model.path={ckpt}", "model.sha256={sha}"],
     "sd3": ["model.model_id={sd3_dir}", "model.prompts.source=demo", "model.resolution=64", "model.net_dtype=float32",
             "model.max_sequence_length=16", "model.encode_batch=2"],
 }
@@ -149,7 +154,7 @@ def _tiny_net(label_dim):
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("keys")
     out = {"tmp": str(tmp), "missing": str(tmp / "no-such-file")}
-    for model, label_dim in (("cifar10", 10), ("ffhq", 0), ("digits", 10)):
+    for model, label_dim in (("cifar10", 10), ("ffhq", 0), ("digits", 10), ("patches32", 0)):
         path = tmp / f"{model}.pkl"
         out[f"{model}:ckpt"] = str(path)
         out[f"{model}:sha"] = write_persistent_pickle(path, _tiny_net(label_dim), TINY_SRC, "TinyPrecond")
@@ -252,7 +257,7 @@ _OUTCOMES: dict = {}
 CASES = [(m, k) for m in MODELS for k in sorted(PROBES.get(m, {}))]
 
 
-@pytest.mark.parametrize("model,key", [pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits") else (m, k) for m, k in CASES])
+@pytest.mark.parametrize("model,key", [pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits", "patches32") else (m, k) for m, k in CASES])
 def test_model_key_is_used_or_rejected(model, key, files, request, monkeypatch, tmp_path_factory):
     from specsamp.models import sd3 as sd3_mod
 

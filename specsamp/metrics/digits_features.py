@@ -49,7 +49,7 @@ class DigitsClassifierExtractor(FeatureExtractorBase):
 
     @staticmethod
     def get_default_feature_layer_for_metric(metric):
-        return "features"
+        return "logits" if metric == "isc" else "features"
 
     @staticmethod
     def can_be_compiled():

@@ -82,6 +82,11 @@ CHECKPOINTS: dict[str, Checkpoint] = {
     "edm-digits-8x8-cond": Checkpoint(
         (Path(__file__).resolve().parents[1] / "data" / "edm-digits-8x8-cond.pkl").as_uri(), "ee0542d9eb229546125fbc0fa58a689dacf195454034ccd26cae8da09dd53b16", 10, 8
     ),
+    # shipped with the package: trained on crops of scikit-learn's two sample photographs by
+    # experiments/train_patches.py (specsamp.models.patches); class-unconditional, CIFAR-10's dimension
+    "edm-patches-32x32-uncond": Checkpoint(
+        (Path(__file__).resolve().parents[1] / "data" / "edm-patches-32x32-uncond.pkl").as_uri(), "d4f51d18f91aa0f03d2eee8efc39b7b462b927d22efdc82afc30e70624402c88", 0, 32
+    ),
 }
 
 
@@ -398,7 +403,7 @@ def uniform_labels(ids: torch.Tensor, seed: int, classes: int) -> torch.Tensor:
 
 @dataclass
 class EDMConfig(TargetConfig):
-    """``conf/model/cifar10.yaml``, ``ffhq.yaml``, ``digits.yaml``: an EDM checkpoint as a target (section 5.2).
+    """``conf/model/cifar10.yaml``, ``ffhq.yaml``, ``digits.yaml``, ``patches32.yaml``: an EDM checkpoint as a target (section 5.2).
 
     Attributes:
         name: key of :data:`CHECKPOINTS` (gives the URL and, when known, the SHA-256).

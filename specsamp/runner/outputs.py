@@ -59,7 +59,9 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, device:
         device: where the scoring networks run.
 
     Returns:
-        ``fid`` (float) and ``fid_detail`` (``compute_fid``'s other fields); ``clip_score``,
+        ``fid`` (float) and ``fid_detail`` (``compute_fid``'s other fields); beside the FID, when its
+        extractor has class logits and there are at least 10 images, ``isc``, ``isc_se`` and
+        ``isc_detail`` (:func:`specsamp.metrics.isc.inception_score`); ``clip_score``,
         ``clip_score_sem`` and ``clip_scores`` (per image, in index order).
 
     Raises:
@@ -87,6 +89,13 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, device:
                 res["samples"] = str(image_dir)
                 out["fid"] = float(res.pop("fid"))
                 out["fid_detail"] = res
+                from ..metrics.isc import SPLITS, inception_score, isc_layer
+
+                fid_kw = dict(target.fid or {})
+                if isc_layer(fid_kw.get("feature_extractor", "inception-v3-compat")) and len(pixels) >= SPLITS:
+                    fid_kw.pop("feature_layer", None)  # the FID's feature; the score reads the class logits
+                    isc = inception_score(pixels, device=device, **fid_kw)
+                    out.update(isc=isc["isc"], isc_se=isc["isc_se"], isc_detail=isc)
             elif name == "clip":
                 from ..metrics import clip
 

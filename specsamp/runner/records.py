@@ -170,6 +170,8 @@ def summary_line(rec: dict) -> str:
 def scores_text(rec: dict) -> str:
     """The record's metric scores as printed, e.g. ``FID 3.512  CLIP 0.31 ± 0.01``; empty when none."""
     parts = [f"FID {rec['fid']:.3f}"] if isinstance(rec.get("fid"), (int, float)) else []
+    if isinstance(rec.get("isc"), (int, float)):
+        parts.append(f"IS {rec['isc']:.3f} ± {rec.get('isc_se', float('nan')):.3f}")
     if isinstance(rec.get("clip_score"), (int, float)):
         parts.append(f"CLIP {rec['clip_score']:.2f} ± {rec.get('clip_score_sem', float('nan')):.2f}")
     return "  ".join(parts)
