@@ -778,13 +778,14 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     D = states.shape[2]
     if draft.table_frozen is None:
         frozen_col = frozen.reshape(1, M, D)
-        frozen_at = lambda c: frozen_col  # noqa: E731
-    else:  # components on a leading axis, combined per step as the draft's mean combines them
-        frozen_col = frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None]  # [C, 1, M, D]
-        frozen_at = lambda c: draft.table_frozen(frozen_col, c)  # noqa: E731
+        frozen_at = lambda d: frozen_col  # noqa: E731
+    else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
+        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None],
+                                        dict(zip(COEFS, coefs.unbind(1))))  # [L, M, D]: the parents' steps
+        frozen_at = lambda d: frozen_col[d]  # noqa: E731
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
         c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
-        mean = draft.table_mean(frozen_at(c_l), parent_view if parents is None else states[parents], c_l)
+        mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
         out_view += mean if k is None else mean[:, None]
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
@@ -819,7 +820,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
             cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
-            mean_p = draft.table_mean(frozen_at(cu), xu, cu)  # the path execution's operations (same bits)
+            mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
             mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
             need = internal_r[:, u].T  # [c, M]
             sigma = torch.where(need, cu["std"][..., 0], lt.one)
@@ -937,7 +938,7 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, us
         xw = states[w, ar]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
         cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
-        fr = frozen_col[0] if ctx.draft.table_frozen is None else ctx.draft.table_frozen(frozen_col[:, 0], cw)
+        fr = frozen_col[0] if ctx.draft.table_frozen is None else frozen_col[lt.depth[w], ar]
         mean_p = ctx.draft.table_mean(fr, xw, cw)
         mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
@@ -1078,7 +1079,13 @@ def sample_speculative(
         tally = _Tally.zeros(M, T, tree.max_depth, dev)
     else:  # step-dependent trees: T_n per root index n, each with its tensors
         by_root = _trees_by_root(tree, schedule.first_speculative, end, coupling)
-        per_root = {n: (t, {k: torch.as_tensor(getattr(t, k), device=dev) for k in fields}) for n, t in by_root.items()}
+        per_root = {}  # filled where the reference round runs (the lean round keeps its own tensors)
+
+        def reference_trees():
+            if not per_root:
+                per_root.update({n: (t, {k: torch.as_tensor(getattr(t, k), device=dev) for k in fields}) for n, t in by_root.items()})
+            return per_root
+
         tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
@@ -1090,27 +1097,31 @@ def sample_speculative(
         ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
         D = st.x[0].numel()
         if isinstance(tree, DraftTree):
-            lts, lt_of_root = [_LeanTree(tree, dev, st.x.dtype)], np.zeros(T, dtype=np.int64)
-            lts[0].bind(M, D)
+            trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
             reference = lambda live: _round(ctx, tree, tensors, _TreeNodes, st, live, tally)  # noqa: E731
-        else:  # one lean tree per distinct T_n, sharing one set of buffers
-            lts, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
-            for n_root, (t_n, _) in per_root.items():
+        else:  # one lean tree per distinct T_n, built when a round first uses it, sharing one set of buffers
+            trees, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
+            for n_root, t_n in by_root.items():
                 key = tuple(int(p) for p in t_n.parent)
                 if key not in seen:
-                    seen[key] = len(lts)
-                    lts.append(_LeanTree(t_n, dev, st.x.dtype))
+                    seen[key] = len(trees)
+                    trees.append(t_n)
                 lt_of_root[n_root] = seen[key]
-            internal = max(int((np.asarray(lt.num_children_np) > 0).sum()) for lt in lts)
-            pool = {"states": st.x.new_empty(max(lt.N for lt in lts) * M * D), "residual": st.x.new_empty(internal * M * D)}
-            for lt in lts:
+            internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
+            pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
+            reference = lambda live: _reference_groups(ctx, reference_trees(), st, live, tally)  # noqa: E731
+        lts = {}
+
+        def lean_tree(g: int) -> _LeanTree:
+            if g not in lts:
+                lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
                 lt.bind(M, D, pool)
-            reference = lambda live: _reference_groups(ctx, per_root, st, live, tally)  # noqa: E731
-        for lt in lts:
-            if M * T * lt.N <= KEY_CACHE:
-                lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                                rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
-        return tally.result(_lean_loop(ctx, lts, lt_of_root, reference, st, tally, warmup, callback), T)
+                if M * T * lt.N <= KEY_CACHE:
+                    lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                    rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+            return lts[g]
+
+        return tally.result(_lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback), T)
     r = 0
     while True:  # line 2
         live = (st.n < end).nonzero(as_tuple=True)[0]
@@ -1121,7 +1132,7 @@ def sample_speculative(
         if isinstance(tree, DraftTree):
             _round(ctx, tree, tensors, nodes_cls, st, live, tally)
         else:
-            _reference_groups(ctx, per_root, st, live, tally, nodes_cls)
+            _reference_groups(ctx, reference_trees(), st, live, tally, nodes_cls)
         r += 1
         if callback is not None:
             callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
@@ -1160,11 +1171,11 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
     return t.to(dev)
 
 
-def _lean_loop(ctx: _Context, lts: list, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
+def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
                warmup: str, callback) -> torch.Tensor:
     """The rounds of :func:`sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
 
-    ``lts``: the run's :class:`_LeanTree` s, ``lt_of_root [T]`` which one serves a round rooted at each state
+    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
     index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the live
     rows, committed one after the other, charged as one batched call); ``reference(live)`` runs the
     reference round(s) on the live rows.
@@ -1192,7 +1203,7 @@ def _lean_loop(ctx: _Context, lts: list, lt_of_root: np.ndarray, reference: Call
         rounds, called = [], False
         n_new, exact_new = st.n, st.root_exact
         for g in groups:
-            lt = lts[int(g)]
+            lt = lean_tree(int(g))
             mine = which == g
             plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves, None if len(groups) == 1 else mine)
             kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"

@@ -1,4 +1,5 @@
-"""The lean round of the tree execution: its memory-saving variants draw the same numbers.
+"""The lean round of the tree execution: its memory-saving variants draw the same numbers; it serves drafts
+with history and step-dependent trees with the path execution's counts and samples.
 
 Setup: ``GaussianMixture(dim=4, components=3, layout_seed=1)`` in float64 and float32, ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections in most rounds), 40 trajectories, seed 3. Each variant
@@ -26,10 +27,11 @@ TREES = {"2x3": (DraftTree.uniform(2, 3), "dgrs"), "irregular": (DraftTree([-1, 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(TREES))
 @pytest.mark.parametrize("variant", [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0)])
-def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant):
+@pytest.mark.parametrize("draft", ["x0", "x0_extrap_gated"])
+def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant, draft):
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
     tree, coupling = TREES[name]
-    kw = dict(draft="x0", prefetch="nearest", seed=3)
+    kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
     monkeypatch.setattr(sampler, variant[0], variant[1])

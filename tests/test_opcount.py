@@ -14,7 +14,7 @@ import torch
 
 from benchmarks import opcount
 
-DIGITS_ARMS = ["dgrs 2x3", "dgrs 2x5", "rmc chain14", "rmc chain62", "x0+optimal B14", "x0+optimal B62"]
+DIGITS_ARMS = ["dgrs 2x3", "dgrs 2x5", "rmc chain14", "rmc chain62", "x0+optimal B14", "x0+optimal B62", "x0g+per-step B14"]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def test_round_ops_targets(digits_rows):
     # the lean round (not the layer-by-layer reference) ran: the ops outside the network stay within
     # a few times the standard sampler's per step, whatever the budget
     assert digits_rows["x0+optimal B62"]["ops_round"] <= 8 * digits_rows["standard"]["ops_round"]
+    # and for the general lever too (a draft with history, a tree per root step): the lean round, not the reference
+    assert digits_rows["x0g+per-step B14"]["ops_round"] <= 8 * digits_rows["standard"]["ops_round"]
 
 
 def test_chain_cost_grows_by_a_few_ops_per_drafted_layer(digits_rows):
