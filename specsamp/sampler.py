@@ -10,8 +10,8 @@ a trajectory ran in, and the two executions of the speculative sampler draw iden
 - ``path``: draft and evaluate only what the acceptance walk visits (cheap sweeps on analytic targets).
 
 The reference round (:func:`_round`) serves both, differing only in how a node's state and velocity are
-obtained (:class:`_TreeNodes` and :class:`_PathNodes`). The tree execution of a fixed tree runs the lean
-round instead (:func:`_lean_round`): the same policy (drafts, keys, verifications, walk, prefetch,
+obtained (:class:`_TreeNodes` and :class:`_PathNodes`). The tree execution (a fixed tree or a tree per root
+step, a draft with a table form) runs the lean round instead (:func:`_lean_round`): the same policy (drafts, keys, verifications, walk, prefetch,
 accounting) as a fixed sequence of tensor operations over every row of the batch, with one host
 synchronisation per round; tests hold it to identical counts and the same drafted bits as ``path``.
 
@@ -1033,8 +1033,9 @@ def sample_speculative(
             under ``specsamp.``), off for the library's own, whose law is tested. The check is device
             operations folded into the round's one host synchronisation.
 
-    The tree execution of a fixed tree with a draft that has a table form (``Draft.table_mean``: ``velocity``,
-    ``drift``, ``x0``) runs the lean round (:func:`_lean_round`): every row of the batch in every round
+    The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
+    ``x0_extrap``, ``x0_extrap_gated``), on a fixed tree or a tree per root step (one lean round per distinct tree
+    of the live rows), runs the lean round (:func:`_lean_round`): every row of the batch in every round
     (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
     states, one coupling call per node width, a walk by gathers, and one host synchronisation per round
     (the loop's test). Other configurations run the reference round (:func:`_round`), which the lean one
