@@ -103,8 +103,8 @@ class Draft:
         table_frozen: optional ``(frozen [C, ..., D], coef) -> frozen for table_mean``, for a draft whose frozen
             quantity has ``C`` components (``freeze`` returns ``[M, C, *e]``) that combine per step: the
             components on a leading axis (each shaped like ``table_mean``'s ``frozen``), combined with the
-            step's coefficients ``coef`` as ``mean`` combines them (same bits). ``None``: ``table_mean`` takes
-            ``frozen`` itself.
+            step's coefficients ``coef`` as ``mean`` combines them (same bits); a tensor, or a tuple of tensors
+            that all have ``coef``'s leading axes. ``None``: ``table_mean`` takes ``frozen`` itself.
     """
 
     name: str
@@ -320,6 +320,23 @@ def _extrap_table_frozen(fr, coef):
     return fr[0] + coef["lsnr"] * fr[1]
 
 
+def _affine_table_frozen(fr, coef):
+    # _x0_affine's mean, the parts that depend on the step only: (b mu, c, the x0_extrap_gated fallback, use),
+    # each with the coefficients' leading axes (use and c broadcast over the event as [..., 1])
+    s2_raw = fr[3][..., :1]
+    sig = coef["sigma"]
+    b, c = _gauss_gain(s2_raw.clamp(min=0), sig)
+    c = torch.minimum(c, 1.0 / (1.0 - sig))  # clip to [0, 1 / (1 - sigma)]
+    return b * fr[2], c, fr[0] + coef["lsnr"] * fr[1], (s2_raw >= 0).expand_as(c)
+
+
+def _affine_table_mean(fr, x, coef):
+    # _x0_affine's mean from _affine_table_frozen's parts: x0_hat = b mu + c x (or the fallback), then the x0 draft's mean
+    bmu, c, fb, use = fr
+    x0 = torch.where(use, bmu + c * x, fb)
+    return _x0_table_mean(x0, x, coef)
+
+
 for _draft in (
     Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
           table_mean=_velocity_table_mean),
@@ -329,6 +346,6 @@ for _draft in (
     Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
     Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3, table_mean=_x0_table_mean,
           table_frozen=_extrap_table_frozen),
-    Draft("x0_affine", *_x0_affine(), history=3),
+    Draft("x0_affine", *_x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
 ):
     DRAFTS.register(_draft.name, _draft)

@@ -782,7 +782,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
         frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None],
                                         dict(zip(COEFS, coefs.unbind(1))))  # [L, M, D]: the parents' steps
-        frozen_at = lambda d: frozen_col[d]  # noqa: E731
+        if isinstance(frozen_col, tuple):
+            frozen_at = lambda d: tuple(f[d] for f in frozen_col)  # noqa: E731
+        else:
+            frozen_at = lambda d: frozen_col[d]  # noqa: E731
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
         c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
         mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
@@ -938,7 +941,12 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, us
         xw = states[w, ar]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
         cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
-        fr = frozen_col[0] if ctx.draft.table_frozen is None else frozen_col[lt.depth[w], ar]
+        if ctx.draft.table_frozen is None:
+            fr = frozen_col[0]
+        elif isinstance(frozen_col, tuple):
+            fr = tuple(f[lt.depth[w], ar] for f in frozen_col)
+        else:
+            fr = frozen_col[lt.depth[w], ar]
         mean_p = ctx.draft.table_mean(fr, xw, cw)
         mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]

@@ -82,7 +82,7 @@ def _per_step_rule(n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0"])
+@pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0_affine", "x0"])
 @pytest.mark.parametrize("tree", ["fixed", "per_step"])
 def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype, draft, tree):
     # the lean round serves drafts with history and step-dependent trees (the reference round is never
@@ -118,16 +118,19 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("name", ["x0_extrap", "x0_extrap_gated"])
+@pytest.mark.parametrize("name", ["x0_extrap", "x0_extrap_gated", "x0_affine"])
 def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
-    # Draft.table_frozen + table_mean (the lean round's form) against Draft.mean for a two-component frozen
-    # quantity (a, s): 3 rows x 4 nodes of 6 coordinates, seed 1, the sampler's coefficient table (lsnr column)
+    # Draft.table_frozen + table_mean (the lean round's form) against Draft.mean for a frozen quantity of
+    # several components ((a, s); x0_affine adds mu and s2, here s2 = 0.5, -1 (the fallback) and 2 for the
+    # three rows): 3 rows x 4 nodes of 6 coordinates, seed 1, the sampler's coefficient table (lsnr column)
     from specsamp.drafts import get_draft
 
     draft, sch = get_draft(name), Schedule.make(10, 0.7)
     g = torch.Generator().manual_seed(1)
     M, m, D = 3, 4, 6
-    fr = torch.randn(M, 2, D, generator=g, dtype=dtype)
+    fr = torch.randn(M, 4 if name == "x0_affine" else 2, D, generator=g, dtype=dtype)
+    if name == "x0_affine":
+        fr[:, 3] = torch.tensor([0.5, -1.0, 2.0], dtype=dtype)[:, None]
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
     tab = sampler._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
