@@ -27,7 +27,7 @@ TREES = {"2x3": (DraftTree.uniform(2, 3), "dgrs"), "irregular": (DraftTree([-1, 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(TREES))
 @pytest.mark.parametrize("variant", [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0)])
-@pytest.mark.parametrize("draft", ["x0", "x0_extrap_gated"])
+@pytest.mark.parametrize("draft", ["x0", "x0_extrap_gated", "x0_affine"])
 def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant, draft):
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
     tree, coupling = TREES[name]
