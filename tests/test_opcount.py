@@ -4,7 +4,8 @@ The counts are deterministic for a configuration, a seed and a torch version (no
 asserted exactly against the targets of the lean round: on the trained digits network at one
 trajectory, every arm's round (outside the network and the coupling) makes at most one host
 synchronisation, D-GRS (2,3) costs at most 300 ATen operations per round and the x0 draft with the
-optimal B=14 tree at most 400.
+optimal B=14 tree at most 400. The arms include ``x0_extrap_gated`` with a tree per root step (a draft with
+history, step-dependent trees), which the lean round serves too.
 """
 
 from __future__ import annotations
