@@ -16,7 +16,8 @@ Sections, each printed as soon as it is measured (timings are best-of-``repeats`
 5. **coupling**: parent nodes per second of D-GRS (K = 7) and RMC at SD3's latent size (16x64x64).
 6. **opcount** (load-free): ATen operations and host synchronisations per round outside the network,
    the coupling's own counted apart, per arm (standard; D-GRS (2,3), (2,5); RMC chains 14 and 62; the
-   ``x0`` draft with the optimal tree at B = 14 and 62 from the shipped profiles), tree execution, at
+   ``x0`` draft with the optimal tree at B = 14 and 62 from the shipped profiles; ``x0_extrap_gated`` with a
+   tree per root step at B = 14), tree execution, at
    1 and 16 trajectories, on the digits network and the GMM (:mod:`benchmarks.opcount`).
 
 The default sizes run in about three minutes under 2 GB; ``--full`` runs every grid cell, 16

@@ -177,11 +177,16 @@ ARMS = {
     "rmc chain62": ["sampler=rmc", "K=1", "L=62"],
     "x0+optimal B14": ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=14"],
     "x0+optimal B62": ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=62"],
+    "x0g+per-step B14": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=14"],
 }
 """Arm name -> overrides (on top of the model's paper protocol); the x0 arms add the model's shipped profile."""
 
 PROFILES = {"digits": "edm-digits-8x8-cond_x0", "gmm": "gmm_x0"}
-"""Shipped ``delta_profile`` of the ``x0+optimal`` arms per model (no calibration run)."""
+"""Shipped ``delta_profile`` of the ``tree=optimal*`` arms per model (no calibration run)."""
+
+DRAFT_PROFILES = {("gmm", "x0_extrap_gated"): "gmm_x0_extrap_gated"}
+"""Where a model ships a profile of the arm's own draft, it replaces :data:`PROFILES` (the digits network ships
+none for ``x0_extrap_gated``: its arm searches its trees from the ``x0`` profile, which sets the cost, not the law)."""
 
 
 def arm_overrides(model: str, arm: str, n: int, execution: str = "tree") -> list[str]:
@@ -193,8 +198,9 @@ def arm_overrides(model: str, arm: str, n: int, execution: str = "tree") -> list
     ov = [f"model={model}", f"n_samples={n}", "progress=false", *ARMS[arm]]
     if arm != "standard":
         ov.append(f"execution={execution}")
-    if "tree=optimal" in ARMS[arm]:
-        ov.append(f"delta_profile={PROFILES[model]}")
+    if any(o.startswith("tree=optimal") for o in ARMS[arm]):
+        draft = next((o.split("=", 1)[1] for o in ARMS[arm] if o.startswith("draft=")), "velocity")
+        ov.append(f"delta_profile={DRAFT_PROFILES.get((model, draft), PROFILES[model])}")
     return ov
 
 

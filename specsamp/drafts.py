@@ -95,10 +95,16 @@ class Draft:
         table_mean: optional ``(frozen [M, 1, D], x [M, g, D], coef) -> [M, g, D]``: the proposal means of
             nodes ``x`` (event flattened to ``D``; ``frozen`` likewise, with a node axis of 1), computed with the
             same operations as ``mean`` (so the same bits) from coefficients already gathered for each node's
-            step: ``coef`` maps ``dt``, ``a``, ``b``, ``sigma``, ``std`` (:meth:`specsamp.schedule.Schedule.tables`,
+            step: ``coef`` maps ``dt``, ``a``, ``b``, ``sigma``, ``std`` (:meth:`specsamp.schedule.Schedule.tables`) and ``lsnr``
+            (``log((1 - sigma) / sigma)`` of that ``sigma``, both
             in ``x``'s dtype) to tensors that broadcast against ``x``. With it the tree execution runs its lean round (no coefficient recomputed per call);
             the same bits matter because the couplings project on ``mean_q - mean_p``, small where the draft
             is good, so a last-bit change of a state can turn the residual's direction.
+        table_frozen: optional ``(frozen [C, ..., D], coef) -> frozen for table_mean``, for a draft whose frozen
+            quantity has ``C`` components (``freeze`` returns ``[M, C, *e]``) that combine per step: the
+            components on a leading axis (each shaped like ``table_mean``'s ``frozen``), combined with the
+            step's coefficients ``coef`` as ``mean`` combines them (same bits); a tensor, or a tuple of tensors
+            that all have ``coef``'s leading axes. ``None``: ``table_mean`` takes ``frozen`` itself.
     """
 
     name: str
@@ -106,6 +112,7 @@ class Draft:
     mean: Callable[..., torch.Tensor]
     history: int = 0
     table_mean: Callable[..., torch.Tensor] | None = None
+    table_frozen: Callable[..., torch.Tensor] | None = None
 
 
 DRAFTS: Registry[Draft] = Registry("draft")
@@ -308,14 +315,37 @@ def _x0_table_mean(fr, x, coef):
     return x + coef["dt"] * (coef["a"] * v + coef["b"] * x)
 
 
+def _extrap_table_frozen(fr, coef):
+    # _x0_extrap's mean: x0_hat(sigma) = a + lambda(sigma) s, lambda the half log-SNR column of the tables
+    return fr[0] + coef["lsnr"] * fr[1]
+
+
+def _affine_table_frozen(fr, coef):
+    # _x0_affine's mean, the parts that depend on the step only: (b mu, c, the x0_extrap_gated fallback, use),
+    # each with the coefficients' leading axes (use and c broadcast over the event as [..., 1])
+    s2_raw = fr[3][..., :1]
+    sig = coef["sigma"]
+    b, c = _gauss_gain(s2_raw.clamp(min=0), sig)
+    c = torch.minimum(c, 1.0 / (1.0 - sig))  # clip to [0, 1 / (1 - sigma)]
+    return b * fr[2], c, fr[0] + coef["lsnr"] * fr[1], (s2_raw >= 0).expand_as(c)
+
+
+def _affine_table_mean(fr, x, coef):
+    # _x0_affine's mean from _affine_table_frozen's parts: x0_hat = b mu + c x (or the fallback), then the x0 draft's mean
+    bmu, c, fb, use = fr
+    x0 = torch.where(use, bmu + c * x, fb)
+    return _x0_table_mean(x0, x, coef)
+
+
 for _draft in (
     Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
           table_mean=_velocity_table_mean),
     Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
           table_mean=lambda fr, x, coef: x + fr),
     Draft("x0", freeze=_x0_freeze, mean=_x0_mean, table_mean=_x0_table_mean),
-    Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2),
-    Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3),
-    Draft("x0_affine", *_x0_affine(), history=3),
+    Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
+    Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3, table_mean=_x0_table_mean,
+          table_frozen=_extrap_table_frozen),
+    Draft("x0_affine", *_x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
 ):
     DRAFTS.register(_draft.name, _draft)

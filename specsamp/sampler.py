@@ -13,8 +13,8 @@ differ in the last bits with its batch), not bitwise (README, "What is equal acr
 - ``path``: draft and evaluate only what the acceptance walk visits (cheap sweeps on analytic targets).
 
 The reference round (:func:`_round`) serves both, differing only in how a node's state and velocity are
-obtained (:class:`_TreeNodes` and :class:`_PathNodes`). The tree execution of a fixed tree runs the lean
-round instead (:func:`_lean_round`): the same policy (drafts, keys, verifications, walk, prefetch,
+obtained (:class:`_TreeNodes` and :class:`_PathNodes`). The tree execution (a fixed tree or a tree per root
+step, a draft with a table form) runs the lean round instead (:func:`_lean_round`): the same policy (drafts, keys, verifications, walk, prefetch,
 accounting) as a fixed sequence of tensor operations over every row of the batch, with one host
 synchronisation per round; tests hold it to identical counts and the same drafted bits as ``path``.
 
@@ -34,7 +34,7 @@ import torch
 
 from . import rng
 from .coupling import Coupling, NonFiniteError, Verdict, deferred_checks, get_coupling
-from .drafts import Draft, DraftRoot, data_prediction, get_draft
+from .drafts import Draft, DraftRoot, _lsnr_feature, data_prediction, get_draft
 from .errors import ConfigError
 from .models.base import batched
 from .schedule import Schedule, per_row
@@ -563,22 +563,37 @@ class _LeanTree:
         self.internal = (self.num_children > 0)[None]
         self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
         self.groups = [(k, u, ch, self.depth[u]) for k, u, ch in self.groups]
+        up = np.tile(np.arange(N)[:, None], (1, L + 1))  # [N, L+1]: the ancestor of v at depth j (v itself below it)
+        for v in range(N):
+            u = v
+            while u >= 0:
+                up[v, : int(tree.depth[u]) + 1] = u
+                u = int(tree.parent[u])
+        self.anc_at_depth = t(up)
+        self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
 
 
-def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool) -> np.ndarray:
+HISTORY_SLOTS = 16  # most records a draft's history may keep in the lean round (Draft.history)
+
+
+def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
     """Flat indices ``node * M + row`` of the states a round's batched call evaluates, from host copies of
     the rows' state indices ``n [M]`` and root flags ``exact [M]``: the nodes of ``T|_{L_n}`` the protocol
-    evaluates (:meth:`_Nodes.evaluated`), without a root whose velocity is known, for live rows only."""
+    evaluates (:meth:`_Nodes.evaluated`), without a root whose velocity is known, for live rows only (and only
+    rows ``rows``, a bool ``[M]``, where given)."""
     dl = np.clip(end - n, 0, self.L)
     mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
     mask[:, 0] &= ~exact
     mask &= (n < end)[:, None]
+    if rows is not None:
+        mask &= rows[:, None]
     return np.flatnonzero(mask.T)
 
 
 _LeanTree.plan = _plan
 
-COEFS = ("dt", "a", "b", "sigma", "std")  # the kernel coefficients a lean round gathers per step
+COEFS = ("dt", "a", "b", "sigma", "std", "lsnr")  # the coefficients a lean round gathers per step (lsnr: drafts.table_frozen)
+NC = len(COEFS)
 
 
 @dataclass
@@ -608,11 +623,17 @@ def _as_slice(ids: list[int]) -> slice | None:
     return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
 
 
-def _bind(self, M: int, D: int) -> None:
-    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``)."""
+def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
+    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``).
+
+    ``pool``: optional ``{"states": flat, "residual": flat}`` storage shared by the trees of one run (their
+    rounds run one after the other and keep nothing in the buffers), each at least this tree's size."""
     dev = self.anc.device
     N = self.N
-    states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
+    if pool is None:
+        states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
+    else:
+        states = pool["states"][: N * M * D].view(N, M, D)
     bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)])
     layers = []
     for l in range(1, self.L + 1):
@@ -639,7 +660,12 @@ def _bind(self, M: int, D: int) -> None:
             pos += len(uc)
     # the verdict samples of every internal node, kept where small; else the walk's residuals are drawn
     # again for the one node per row that needs them (same keys, so the same numbers)
-    residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev) if pos * M * D <= RESIDUAL_CACHE else None
+    if pos * M * D > RESIDUAL_CACHE:
+        residual = None
+    elif pool is None:
+        residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev)
+    else:
+        residual = pool["residual"][: pos * M * D].view(pos, M, D)
     self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
     self.pos_c = t(node_pos)
     self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
@@ -650,7 +676,7 @@ _LeanTree.bind = _bind
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
-    return isinstance(tree, DraftTree) and execution == "tree" and draft.table_mean is not None and draft.history == 0
+    return execution == "tree" and draft.table_mean is not None
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
@@ -690,7 +716,8 @@ class ContractError(ValueError):
     """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
 
 
-def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some"):
+def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
+                sel: torch.Tensor | None = None):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
     Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
@@ -706,12 +733,16 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             (:meth:`_LeanTree.plan`; the velocities of the others stay 0 and are never used).
         plan_kind: ``rest`` (every non-root node of every row; the roots' velocities are known), ``all``
             (every node of every row) or ``some``: the first two read the states in place.
+        sel: optional bool ``[M]``: the rows whose round uses this tree (step-dependent trees: one lean round
+            per distinct tree of the live rows); the others are padded like finished rows.
 
     Returns:
-        ``(commit, n_new, exact_new, flags)``: ``commit(tally)`` writes the round into ``st`` and ``tally``;
-        ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
+        ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
+        ``tally`` (the other rows are left as they are then, so the rounds of several trees commit one after the
+        other); ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
         a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
-        discards the round and repeats it with :func:`_round`, which raises the precise error).
+        discards the round and repeats it with :func:`_round`, which raises the precise error); ``live [M]``
+        the rows the round served.
     """
     sch, tab, draft = ctx.schedule, ctx.tables, ctx.draft
     x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
@@ -720,13 +751,17 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     ar = torch.arange(M, device=dev)
     live = n < end
     dl = (end - n).clamp(min=0, max=L)  # L_n (0 for finished rows)
+    if sel is not None:
+        live = live & sel
+        dl = torch.where(live, dl, torch.zeros_like(dl))
     v_root, root_exact = st.v_root, st.root_exact
-    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact), sch)
+    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, hist_x0=st.hist_x0, hist_n=st.hist_n,
+                                    hist_x=st.hist_x), sch)
     step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
     parent_step = step[:, :L]
-    # every kernel coefficient of every depth in one gather: [M, L, 5] (dt, a, b, sigma, std)
-    coefs = ctx.coef_table[parent_step].permute(1, 2, 0)[..., None]  # [L, 5, M, 1], node-major
-    per_depth = coefs.reshape(L * 5, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
+    # every kernel coefficient of every depth in one gather: [M, L, NC] (COEFS)
+    coefs = ctx.coef_table[parent_step].permute(1, 2, 0)[..., None]  # [L, NC, M, 1], node-major
+    per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
     # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
     # (trajectory, root, v) as in _Nodes.draft; fold(k, n, v) = fold(fold(k, n), v), fold(k, n) a per-run table
     draft_keys, verify_keys = ctx.key_tables
@@ -743,10 +778,20 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
     # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
     # (no gather), other layers gather their parents first
-    frozen_col = frozen.reshape(1, M, -1)
+    D = states.shape[2]
+    if draft.table_frozen is None:
+        frozen_col = frozen.reshape(1, M, D)
+        frozen_at = lambda d: frozen_col  # noqa: E731
+    else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
+        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None],
+                                        dict(zip(COEFS, coefs.unbind(1))))  # [L, M, D]: the parents' steps
+        if isinstance(frozen_col, tuple):
+            frozen_at = lambda d: tuple(f[d] for f in frozen_col)  # noqa: E731
+        else:
+            frozen_at = lambda d: frozen_col[d]  # noqa: E731
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
-        c_l = dict(zip(COEFS, per_depth[5 * (l - 1) : 5 * l]))
-        mean = draft.table_mean(frozen_col, parent_view if parents is None else states[parents], c_l)
+        c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
+        mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
         out_view += mean if k is None else mean[:, None]
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
@@ -781,7 +826,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
             cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
-            mean_p = draft.table_mean(frozen_col, xu, cu)  # the path execution's operations (same bits)
+            mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
             mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
             need = internal_r[:, u].T  # [c, M]
             sigma = torch.where(need, cu["std"][..., 0], lt.one)
@@ -811,7 +856,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     if res is not None:
         out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
     else:
-        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, ustar, rejected)
+        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected)
     rej_col = rejected[:, None]
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
     v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
@@ -829,6 +874,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
+    if st.hist_x0 is not None:
+        hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
     call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
@@ -847,15 +894,43 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
         tally.committed.scatter_add_(1, col, steps[:, None])
         tally.rounds += live.long()
-        st.x = torch.where(live.reshape((-1,) + (1,) * len(e)), out.reshape(x.shape), x)
-        st.n = n_new
-        st.v_root = torch.where(live.reshape((-1,) + (1,) * len(e)), v_next.reshape(x.shape), v_root)
-        st.root_exact = exact_new
+        live_e = live.reshape((-1,) + (1,) * len(e))
+        st.x = torch.where(live_e, out.reshape(x.shape), st.x)  # st as it is now: another tree's round may have
+        st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
+        st.v_root = torch.where(live_e, v_next.reshape(x.shape), st.v_root)
+        st.root_exact = torch.where(live, exact_new, st.root_exact)
+        if st.hist_x0 is not None:
+            keep = ~live[:, None]
+            keep_e = keep.reshape(M, 1, *(1,) * len(e))
+            st.hist_x0 = torch.where(keep_e, st.hist_x0, hist[0])
+            st.hist_n = torch.where(keep, st.hist_n, hist[1])
+            st.hist_x = torch.where(keep_e, st.hist_x, hist[2])
 
-    return commit, n_new, exact_new, bad
+    return commit, n_new, exact_new, bad, live
 
 
-def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, ustar, rejected) -> torch.Tensor:
+def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
+    """The draft history after a lean round, by gathers: the exact data predictions the reference walk records
+    (:func:`_record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
+    order) pushed in front of ``st``'s records, most recent first. Returns ``(hist_x0, hist_n, hist_x)`` for every
+    row (rows without a verified node keep their records)."""
+    M, H = st.hist_n.shape
+    ar = torch.arange(M, device=n.device)[:, None]
+    nv = verified.sum(1, keepdim=True)  # [M, 1] records of this round
+    j = nv - 1 - lt.slots[:, :H]  # [M, H]: depth of the path node slot s records, where >= 0
+    new = j >= 0
+    node = lt.anc_at_depth[ustar].gather(1, j.clamp(min=0))  # [M, H]
+    xs = states[node, ar]  # [M, H, D]
+    vs = torch.where((node == 0)[..., None], v0[:, None], vrest[(node - 1).clamp(min=0), ar])
+    nn = n[:, None] + lt.depth[node]
+    x0 = xs - ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), 3][..., None] * vs  # data_prediction's operations
+    old = (lt.slots[:, :H] - nv).clamp(min=0, max=H - 1)
+    e = st.hist_x0.shape[2:]
+    pick = lambda h, fresh: torch.where(new.reshape(M, H, *(1,) * len(e)), fresh.reshape(M, H, *e), h[ar, old])  # noqa: E731
+    return pick(st.hist_x0, x0), torch.where(new, nn, st.hist_n[ar, old]), pick(st.hist_x, xs)
+
+
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected) -> torch.Tensor:
     """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
     at a rejection, the verification of that node drawn again (one coupling call per node width, over every
     row: the node's own keys, so the same numbers as the first call); elsewhere the reached leaf."""
@@ -869,7 +944,13 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, ustar,
         xw = states[w, ar]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
         cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
-        mean_p = ctx.draft.table_mean(frozen.reshape(M, -1), xw, cw)
+        if ctx.draft.table_frozen is None:
+            fr = frozen_col[0]
+        elif isinstance(frozen_col, tuple):
+            fr = tuple(f[lt.depth[w], ar] for f in frozen_col)
+        else:
+            fr = frozen_col[lt.depth[w], ar]
+        mean_p = ctx.draft.table_mean(fr, xw, cw)
         mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
@@ -963,8 +1044,9 @@ def sample_speculative(
             under ``specsamp.``), off for the library's own, whose law is tested. The check is device
             operations folded into the round's one host synchronisation.
 
-    The tree execution of a fixed tree with a draft that has a table form (``Draft.table_mean``: ``velocity``,
-    ``drift``, ``x0``) runs the lean round (:func:`_lean_round`): every row of the batch in every round
+    The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
+    ``x0_extrap``, ``x0_extrap_gated``), on a fixed tree or a tree per root step (one lean round per distinct tree
+    of the live rows), runs the lean round (:func:`_lean_round`): every row of the batch in every round
     (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
     states, one coupling call per node width, a walk by gathers, and one host synchronisation per round
     (the loop's test). Other configurations run the reference round (:func:`_round`), which the lean one
@@ -1009,22 +1091,49 @@ def sample_speculative(
         tally = _Tally.zeros(M, T, tree.max_depth, dev)
     else:  # step-dependent trees: T_n per root index n, each with its tensors
         by_root = _trees_by_root(tree, schedule.first_speculative, end, coupling)
-        per_root = {n: (t, {k: torch.as_tensor(getattr(t, k), device=dev) for k in fields}) for n, t in by_root.items()}
+        per_root = {}  # filled where the reference round runs (the lean round keeps its own tensors)
+
+        def reference_trees():
+            if not per_root:
+                per_root.update({n: (t, {k: torch.as_tensor(getattr(t, k), device=dev) for k in fields}) for n, t in by_root.items()})
+            return per_root
+
         tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
     if _lean_supported(tree, execution, ctx.draft):
         ctx.tables = schedule.tables(dev)
         ctx.x_event = tuple(st.x.shape[1:])
-        ctx.coef_table = torch.stack([ctx.tables[k] for k in COEFS], 1).to(st.x.dtype)  # [T, 5]
+        ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
         steps_all = torch.arange(T, device=dev)[None]
         ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
-        lt = _LeanTree(tree, dev, st.x.dtype)
-        lt.bind(M, st.x[0].numel())
-        if M * T * lt.N <= KEY_CACHE:
-            lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                            rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
-        return tally.result(_lean_loop(ctx, lt, tree, tensors, st, tally, warmup, callback), T)
+        D = st.x[0].numel()
+        if isinstance(tree, DraftTree):
+            trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
+            reference = lambda live: _round(ctx, tree, tensors, _TreeNodes, st, live, tally)  # noqa: E731
+        else:  # one lean tree per distinct T_n, built when a round first uses it, sharing one set of buffers
+            trees, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
+            for n_root, t_n in by_root.items():
+                key = tuple(int(p) for p in t_n.parent)
+                if key not in seen:
+                    seen[key] = len(trees)
+                    trees.append(t_n)
+                lt_of_root[n_root] = seen[key]
+            internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
+            pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
+            reference = lambda live: _reference_groups(ctx, reference_trees(), st, live, tally)  # noqa: E731
+        lts = {}
+
+        def lean_tree(g: int) -> _LeanTree:
+            if g not in lts:
+                lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
+                lt.bind(M, D, pool)
+                if M * T * lt.N <= KEY_CACHE:
+                    lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                    rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+            return lts[g]
+
+        return tally.result(_lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback), T)
     r = 0
     while True:  # line 2
         live = (st.n < end).nonzero(as_tuple=True)[0]
@@ -1034,17 +1143,30 @@ def sample_speculative(
             _root_call(ctx, st, live, tally)
         if isinstance(tree, DraftTree):
             _round(ctx, tree, tensors, nodes_cls, st, live, tally)
-        else:  # one group per root index (the groups' rows would share one batched call: charged once)
-            calls = tally.batch_nfe
-            roots = st.n[live]
-            for n in torch.unique(roots).tolist():
-                _round(ctx, *per_root[n], nodes_cls, st, live[roots == n], tally)
-            tally.batch_nfe = calls + int(tally.batch_nfe > calls)
+        else:
+            _reference_groups(ctx, reference_trees(), st, live, tally, nodes_cls)
         r += 1
         if callback is not None:
             callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
                       "steps_done": int((st.n - schedule.first_speculative).clamp(min=0).sum())})
     return tally.result(_final_step(ctx, st, tally), T)
+
+
+def _coef_table(tables: dict, dtype) -> torch.Tensor:
+    """``[T, NC]`` the :data:`COEFS` columns in ``dtype``: the kernel's (:meth:`Schedule.tables`) and the half log-SNR
+    of ``sigma`` in that dtype (what the extrapolating drafts' ``mean`` computes per call)."""
+    cols = [tables[k].to(dtype) for k in COEFS[:-1]]
+    return torch.stack(cols + [_lsnr_feature(cols[COEFS.index("sigma")])], 1)
+
+
+def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls=None) -> None:
+    """The reference rounds of step-dependent trees: one group per root index (the groups' rows would share
+    one batched call: charged once)."""
+    calls = tally.batch_nfe
+    roots = st.n[live]
+    for n in torch.unique(roots).tolist():
+        _round(ctx, *per_root[n], nodes_cls or _TreeNodes, st, live[roots == n], tally)
+    tally.batch_nfe = calls + int(tally.batch_nfe > calls)
 
 
 def _contract_default(coupling: Coupling) -> bool:
@@ -1061,16 +1183,21 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
     return t.to(dev)
 
 
-def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st: _Chains, tally: _Tally, warmup: str,
-               callback) -> torch.Tensor:
+def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
+               warmup: str, callback) -> torch.Tensor:
     """The rounds of :func:`sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
 
+    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
+    index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the live
+    rows, committed one after the other, charged as one batched call); ``reference(live)`` runs the
+    reference round(s) on the live rows.
+
     One host synchronisation per round: it reads whether a deferred check failed and the rows' new
-    state indices and root flags. From those the host knows, before the next round, which rows are live
-    and which nodes its batched call must evaluate (the same rows the reference round sends; finished
-    rows and known velocities are not evaluated). Where a check failed, the round is discarded and repeated
-    by the reference :func:`_round` on the live rows (same keys, so the same numbers), which raises the
-    precise error (or, where only nodes off the walk's path were bad, commits the same round).
+    state indices and root flags. From those the host knows, before the next round, which rows are live,
+    which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
+    round sends; finished rows and known velocities are not evaluated). Where a check failed, the round is
+    discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
+    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
     """
     end = ctx.schedule.end_speculative
     dev = st.x.device
@@ -1083,18 +1210,34 @@ def _lean_loop(ctx: _Context, lt: _LeanTree, tree: DraftTree, tensors: dict, st:
         if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
             _lean_root_call(ctx, st, tally, _upload(np.flatnonzero(live_host), dev))
             exact_host = exact_host | live_host
-        plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves)
-        kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
-        plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
-        commit, n_new, exact_new, bad = _lean_round(ctx, lt, st, plan_t, kind)
+        which = np.where(live_host, lt_of_root[np.minimum(n_host, len(lt_of_root) - 1)], -1)
+        groups = np.unique(which[live_host])
+        rounds, called = [], False
+        n_new, exact_new = st.n, st.root_exact
+        for g in groups:
+            lt = lean_tree(int(g))
+            mine = which == g
+            plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves, None if len(groups) == 1 else mine)
+            kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
+            plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
+            sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
+            commit, n_g, exact_g, bad_g, live_g = _lean_round(ctx, lt, st, plan_t, kind, sel)
+            rounds.append((commit, bad_g))
+            called = called or plan.size > 0
+            if len(groups) == 1:
+                n_new, exact_new, bad = n_g, exact_g, bad_g
+            else:
+                n_new, exact_new = torch.where(live_g, n_g, n_new), torch.where(live_g, exact_g, exact_new)
+        if len(groups) > 1:
+            bad = torch.stack([b for _, b in rounds]).any()
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
         if payload[0]:
-            live = (st.n < end).nonzero(as_tuple=True)[0]
-            _round(ctx, tree, tensors, _TreeNodes, st, live, tally)
+            reference((st.n < end).nonzero(as_tuple=True)[0])
             n_host, exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
-            commit(tally)
-            tally.batch_nfe += int(plan.size > 0)  # a round with nothing to evaluate costs no call
+            for commit, _ in rounds:
+                commit(tally)
+            tally.batch_nfe += int(called)  # a round with nothing to evaluate costs no call
             n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
             exact_host = np.asarray(payload[M + 1 :], dtype=bool)
         r += 1

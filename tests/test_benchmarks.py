@@ -62,3 +62,17 @@ def test_overhead_module_has_a_command_line(monkeypatch):
     assert seen == [["--only", "overhead,scaling", "--preset", "tiny"]]
     src = (Path(overhead.__file__)).read_text()
     assert 'if __name__ == "__main__":' in src
+
+
+def test_gmm_batch1_reports_every_arm_and_refuses_bad_sizes(tmp_path, capsys):
+    # one repeat of the RMC (2,3) cell, one single-trajectory call and a batch of 2: a row per arm (numpy
+    # loop, tree and path at n=1 and n=2) with the numpy loop's ratio 1 and counted ops for the n=1 arms
+    from benchmarks import gmm_batch1
+
+    rows = gmm_batch1.measure(repeats=1, single=1, batch=2, cells=(("rmc", 2, 3),), progress=None)
+    assert [r["arm"] for r in rows] == ["numpy loop", "specsamp tree n=1", "specsamp tree n=2", "specsamp path n=1",
+                                        "specsamp path n=2"]
+    assert rows[0]["ratio"] == 1.0 and all(r["median_s"] > 0 for r in rows)
+    assert all((r["ops_per_traj"] or 0) > 0 for r in rows if r["arm"].endswith("n=1"))
+    assert gmm_batch1.main(["--repeats", "0"]) == 2
+    assert "--repeats=0" in capsys.readouterr().err

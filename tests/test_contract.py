@@ -66,3 +66,19 @@ def test_config_key_check_contract(tmp_path):
     for value in ("auto", "true", "false"):
         rec, _ = run_config(compose([*base, "sampler=dgrs", "K=2", "L=2", "execution=tree", f"check_contract={value}"]))
         assert rec["status"] == "ok"
+
+
+def _per_step(n):
+    return [DraftTree.uniform(2, 3), DraftTree.chain(3)][n % 2]
+
+
+@pytest.mark.parametrize("liar", [shifted_accept, wrong_index])
+def test_a_lying_coupling_raises_with_a_tree_per_step(liar):
+    # the lean round of step-dependent trees flags the broken verdict and repeats the round with the
+    # per-root reference rounds, which raise naming coupling, trajectory, step and node
+    with pytest.raises(ContractError, match=rf"coupling '{liar.__name__}' broke its contract at trajectory \d+, step \d+, "
+                                            r"node \d+ \(depth \d\)"):
+        sample_speculative(MODEL, SCHED, _per_step, liar, 8, execution="tree", seed=0, draft="x0_extrap_gated")
+    a = sample_speculative(MODEL, SCHED, _per_step, honest, 8, execution="tree", seed=0, draft="x0_extrap_gated")
+    b = sample_speculative(MODEL, SCHED, _per_step, "dgrs", 8, execution="path", seed=0, draft="x0_extrap_gated")
+    assert torch.equal(a.nfe, b.nfe) and torch.equal(a.committed, b.committed) and torch.equal(a.samples, b.samples)

@@ -1,4 +1,5 @@
-"""The lean round of the tree execution: its memory-saving variants draw the same numbers.
+"""The lean round of the tree execution: its memory-saving variants draw the same numbers; it serves drafts
+with history and step-dependent trees with the path execution's counts and samples.
 
 Setup: ``GaussianMixture(dim=4, components=3, layout_seed=1)`` in float64 and float32, ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections in most rounds), 40 trajectories, seed 3. Each variant
@@ -26,10 +27,11 @@ TREES = {"2x3": (DraftTree.uniform(2, 3), "dgrs"), "irregular": (DraftTree([-1, 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(TREES))
 @pytest.mark.parametrize("variant", [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0)])
-def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant):
+@pytest.mark.parametrize("draft", ["x0", "x0_extrap_gated", "x0_affine"])
+def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant, draft):
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
     tree, coupling = TREES[name]
-    kw = dict(draft="x0", prefetch="nearest", seed=3)
+    kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
     monkeypatch.setattr(sampler, variant[0], variant[1])
@@ -69,6 +71,69 @@ def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
     fr = draft.freeze(root, sch)
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
-    tab = torch.stack([sch.tables("cpu")[k] for k in sampler.COEFS], 1).to(dtype)[step]  # [M, 5]
+    tab = sampler._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
     coef = dict(zip(sampler.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
     assert torch.equal(draft.table_mean(fr.reshape(M, 1, D), x, coef), draft.mean(fr, x, step, sch))
+
+
+def _per_step_rule(n):
+    # a tree per root index: three shapes in turn, so the rows of one round use different trees
+    return [DraftTree.uniform(2, 3), DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4]), DraftTree.chain(3)][n % 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0_affine", "x0"])
+@pytest.mark.parametrize("tree", ["fixed", "per_step"])
+def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype, draft, tree):
+    # the lean round serves drafts with history and step-dependent trees (the reference round is never
+    # called: no check fails here), with counts identical and samples bitwise equal to the path execution
+    model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
+    rule = DraftTree.uniform(2, 3) if tree == "fixed" else _per_step_rule
+    kw = dict(draft=draft, prefetch="nearest", seed=3)
+    path = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="path", **kw)
+
+    def no_reference(*a, **k):
+        raise AssertionError("the reference round ran")
+
+    monkeypatch.setattr(sampler, "_round", no_reference)
+    got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(path, f)), f
+    assert torch.equal(got.samples, path.samples)
+
+
+def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
+    # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
+    # indices of different trees, so one host round runs more than one lean tree
+    model = GaussianMixture(dim=4, components=3, layout_seed=1)
+    seen, real = [], sampler._lean_round
+
+    def spy(ctx, lt, st, plan, kind="some", sel=None):
+        seen.append(sel is not None)
+        return real(ctx, lt, st, plan, kind, sel)
+
+    monkeypatch.setattr(sampler, "_lean_round", spy)
+    sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)
+    assert any(seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", ["x0_extrap", "x0_extrap_gated", "x0_affine"])
+def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
+    # Draft.table_frozen + table_mean (the lean round's form) against Draft.mean for a frozen quantity of
+    # several components ((a, s); x0_affine adds mu and s2, here s2 = 0.5, -1 (the fallback) and 2 for the
+    # three rows): 3 rows x 4 nodes of 6 coordinates, seed 1, the sampler's coefficient table (lsnr column)
+    from specsamp.drafts import get_draft
+
+    draft, sch = get_draft(name), Schedule.make(10, 0.7)
+    g = torch.Generator().manual_seed(1)
+    M, m, D = 3, 4, 6
+    fr = torch.randn(M, 4 if name == "x0_affine" else 2, D, generator=g, dtype=dtype)
+    if name == "x0_affine":
+        fr[:, 3] = torch.tensor([0.5, -1.0, 2.0], dtype=dtype)[:, None]
+    x = torch.randn(M, m, D, generator=g, dtype=dtype)
+    step = torch.tensor([2, 5, 8])
+    tab = sampler._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
+    coef = dict(zip(sampler.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
+    got = draft.table_mean(draft.table_frozen(fr.permute(1, 0, 2)[:, :, None], coef), x, coef)
+    assert torch.equal(got, draft.mean(fr, x, step, sch))
