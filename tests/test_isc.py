@@ -53,6 +53,18 @@ def test_isc_refuses_what_it_cannot_score():
         inception_score(np.zeros((10, 8, 8, 1), np.uint8), feature_extractor=lambda x: x)
 
 
+def test_one_registry_lookup_serves_the_fid_and_the_inception_score():
+    """`registered_extractor` registers the shipped digits classifier on first use and answers None for an
+    unknown name; make_extractor refuses that name with the registered ones listed."""
+    from specsamp.metrics.fid import make_extractor, registered_extractor
+
+    cls = registered_extractor("digits-classifier")
+    assert cls is not None and "logits" in cls.get_provided_features_list()
+    assert registered_extractor("no-such-extractor") is None and isc_layer("no-such-extractor") is None
+    with pytest.raises(ValueError, match="no-such-extractor.*registered"):
+        make_extractor("no-such-extractor", device="cpu")
+
+
 def test_isc_of_real_digits_is_near_the_number_of_classes():
     """All 1,797 digits through the shipped classifier (98.7% held-out accuracy, classes near balanced):
     p(y|x) is nearly one-hot and p(y) nearly uniform, so IS is close to 10 (above 8); uniform noise
