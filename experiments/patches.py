@@ -24,8 +24,8 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import levers_frontier, profile_text, RESULTS, RULE_COLORS, RULE_LABELS, ok_records, plt, read_csv, save, write_csv
-from specsamp.trees import budget
+from experiments import trained
+from experiments.common import levers_frontier, RESULTS, plt, read_csv, write_csv
 
 OUT = RESULTS / "patches32"
 EPS = (0.1, 0.3, 0.6)
@@ -58,37 +58,17 @@ LEVERS = {  # arm: overrides (K, L, budget filled per budget), as for the digits
 
 def collect_fig4(sweep_dir: str | None = None) -> pd.DataFrame:
     """``results/patches32/fig4.csv`` from the ``patches_fig4`` sweep: one row per (rule, eps, K, L)."""
-    df = ok_records(sweep_dir or "multirun/patches_fig4", "patches_fig4")
-    cols = ["sampler", "eps", "K", "L", "budget", "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean",
-            "target_rows_mean", "acceptance_pooled", "acceptance", "n_samples"]  # no timings: a rerun reproduces the table
-    out = df[cols].sort_values(["sampler", "eps", "budget"]).reset_index(drop=True)
-    write_csv(out, OUT / "fig4.csv")
-    print(out[["sampler", "eps", "budget", "speedup_mean", "speedup_sem", "acceptance"]].to_string(index=False))
-    print(f"wrote {OUT / 'fig4.csv'} ({len(out)} cells)")
-    return out
+    return trained.collect_fig4(sweep_dir or "multirun/patches_fig4", "patches_fig4", OUT / "fig4.csv",
+                                show=["sampler", "eps", "budget", "speedup_mean", "speedup_sem", "acceptance"])
 
 
 def _fig4():
     from experiments.paper import band
 
-    df = read_csv(OUT / "fig4.csv")
-    fig, axes = plt.subplots(1, len(EPS), figsize=(4.2 * len(EPS), 3.6), squeeze=False, constrained_layout=True)
-    for j, eps in enumerate(EPS):
-        ax = axes[0][j]
-        band(ax, *PAPER_CIFAR10, "paper: CIFAR-10 D-GRS from B=62, 2.2–2.6x")
-        for rule, s in df[np.isclose(df["eps"], eps)].groupby("sampler"):
-            s = s.sort_values("budget")
-            ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o-", capsize=3,
-                        color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
-        ax.set_xscale("log")
-        ax.set_xticks([budget(K, L) for K, L in SHAPES], [str(budget(K, L)) for K, L in SHAPES])
-        ax.xaxis.set_minor_formatter(plt.NullFormatter())
-        ax.set_title(f"patches32 (trained EDM net, 3x32x32), eps={eps}", fontsize=9)
-        ax.set_xlabel("budget B")
-        ax.set_ylabel("NFE speedup (mean ± s.e., 100 images)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return fig
+    return trained.fig4_figure(read_csv(OUT / "fig4.csv"), EPS, SHAPES,
+                               title="patches32 (trained EDM net, 3x32x32), eps={eps}", title_fontsize=9,
+                               ylabel="NFE speedup (mean ± s.e., 100 images)", yerr="speedup_sem",
+                               decorate=lambda ax: band(ax, *PAPER_CIFAR10, "paper: CIFAR-10 D-GRS from B=62, 2.2–2.6x"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,25 +222,8 @@ def _denoising_figure():
 
 def levers(n_samples: int = 100, eps: float = 0.3, budgets=None, out_dir=None, extra=()) -> pd.DataFrame:
     """Every arm of :data:`LEVERS` at every budget of :data:`LEVER_BUDGETS`; ``results/patches32/levers.csv``."""
-    import torch
-
-    from specsamp.runner import build_target, compose, load_config, run_config, summary_line
-
-    torch.set_num_threads(1)
-    rows, target = [], None
-    for B, (K, L) in (budgets or LEVER_BUDGETS).items():
-        for arm, ov in LEVERS.items():
-            cfg = compose(["model=patches32", *ov, f"K={K}", f"L={L}", f"budget={B}", f"eps={eps}", f"n_samples={n_samples}",
-                           "execution=path", "progress=false", *extra])
-            target = target or build_target(load_config(cfg)[0])
-            rec, _ = run_config(cfg, target=target)
-            print(f"{arm:32s} {summary_line(rec)}", flush=True)
-            rows.append({"arm": arm, "budget": B, "eps": eps, "tree": rec["tree"], "sampler": rec["sampler"],
-                         "draft": cfg.draft, "speedup_mean": rec["speedup"]["mean"],
-                         "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
-                         "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
-                         "delta_profile": profile_text(rec.get("delta_profile")), "n_samples": n_samples})
-    df = pd.DataFrame(rows)
+    df = trained.levers_table("patches32", LEVERS, budgets or LEVER_BUDGETS, n_samples=n_samples, eps=eps,
+                              tail=("execution=path", "progress=false", *extra), arm_width=32)
     write_csv(df, (OUT if out_dir is None else out_dir) / "levers.csv")
     return df
 
@@ -273,16 +236,9 @@ def _levers_figure():
 
 def figures() -> list:
     """Figure 4, the levers frontier, the sample grids and the denoising curve, from the committed tables (no sampling)."""
-    out = []
-    for name, draw in (("fig4_speedup_vs_budget.png", _fig4), ("levers_frontier.png", _levers_figure),
-                       ("samples.png", _samples_figure), ("denoising.png", _denoising_figure)):
-        try:
-            out.append(save(draw(), OUT / name))
-        except (SystemExit, FileNotFoundError) as e:  # a table not committed yet
-            print(f"experiments.patches: {name} skipped ({e})", file=sys.stderr)
-            continue
-        print(f"wrote {out[-1]}")
-    return out
+    return trained.draw_figures(OUT, (("fig4_speedup_vs_budget.png", _fig4), ("levers_frontier.png", _levers_figure),
+                                      ("samples.png", _samples_figure), ("denoising.png", _denoising_figure)),
+                                "experiments.patches")
 
 
 def main(argv=None) -> int:

@@ -21,80 +21,41 @@ go to ``results/digits/training.json``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import pickle
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from specsamp.io import atomic_write
+from experiments import edm_training
 from specsamp.metrics.fid import feature_statistics
 from specsamp.models.digits import (
     CLASSES, CLASSIFIER_FILE, CHANNELS, DENOISER_FILE, REFERENCE_FILE, RESOLUTION, load_digits_data,
 )
-from specsamp.hub import file_sha256
 
-ROOT = Path(__file__).resolve().parents[1]
 SIGMA_DATA = 0.75  # standard deviation of the digits' pixels in [-1, 1] (0.752)
-P_MEAN, P_STD = -1.2, 1.2  # EDM's training noise distribution, ln sigma ~ N(P_MEAN, P_STD^2)
 
 
 def network_module():
     """``experiments/digits_net.py``, imported with the ``torch_utils`` stand-in registered (its classes are
     NVIDIA persistent classes: a pickled instance carries this file's source)."""
-    import importlib
-
-    from specsamp.models import nvlabs_compat
-
-    nvlabs_compat.install()
-    return importlib.import_module("experiments.digits_net")
-
-
-def _save_pickle(obj: dict, path: Path) -> str:
-    atomic_write(path, lambda f: pickle.dump(obj, f, protocol=4))
-    return file_sha256(path)
+    return edm_training.network_module("digits_net")
 
 
 def train_denoiser(x, y, *, steps: int, batch: int, lr: float, ema_decay: float, seed: int, log_every: int = 250):
-    """EDM training loop; returns ``(ema network, per-interval mean losses)``."""
+    """EDM training loop (:func:`experiments.edm_training.train_edm`) on random draws of the digits ``x [N, 1, 8, 8]``
+    with their one-hot labels ``y``; returns ``(ema network, per-interval mean losses)``."""
     m = network_module()
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    net = m.EDMPrecond(RESOLUTION, CHANNELS, CLASSES, sigma_data=SIGMA_DATA, channels=32, blocks=4, emb_channels=64)
-    ema = copy.deepcopy(net).eval().requires_grad_(False)
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
     onehot = torch.nn.functional.one_hot(y, CLASSES).float()
-    losses, acc = [], []
-    for step in range(steps):
-        # warm-up over the first 5%, linear decay to 0 over the last 30%
-        frac = step / steps
-        scale = min(1.0, (step + 1) / (0.05 * steps)) * min(1.0, (1 - frac) / 0.3)
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
-        idx = torch.randint(0, x.shape[0], (batch,), generator=gen)
-        x0, lab = x[idx], onehot[idx]
-        sigma = (torch.randn(batch, generator=gen) * P_STD + P_MEAN).exp()
-        noise = torch.randn(x0.shape, generator=gen)
-        s4 = sigma[:, None, None, None]
-        d = net(x0 + s4 * noise, sigma, lab)
-        weight = (s4**2 + SIGMA_DATA**2) / (s4 * SIGMA_DATA) ** 2
-        loss = (weight * (d - x0) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p, 1 - ema_decay)
-        acc.append(loss.item())
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            losses.append(float(np.mean(acc)))
-            acc = []
-            print(f"denoiser step {step + 1}/{steps}  EDM loss {losses[-1]:.4f}", flush=True)
-    return ema, losses
+
+    def draw(gen, n):
+        idx = torch.randint(0, x.shape[0], (n,), generator=gen)
+        return x[idx], (onehot[idx],)
+
+    return edm_training.train_edm(
+        lambda: m.EDMPrecond(RESOLUTION, CHANNELS, CLASSES, sigma_data=SIGMA_DATA, channels=32, blocks=4, emb_channels=64),
+        draw, steps=steps, batch=batch, lr=lr, ema_decay=ema_decay, seed=seed, sigma_data=SIGMA_DATA, log_every=log_every)
 
 
 def train_classifier(x, y, *, epochs: int, seed: int, held_out: int = 300):
@@ -152,12 +113,12 @@ def main(argv=None) -> int:
     t_denoiser = time.perf_counter() - t0
     meta = {"data": "sklearn.datasets.load_digits, x / 8 - 1", "sigma_data": SIGMA_DATA, "steps": a.steps,
             "batch": a.batch, "lr": a.lr, "ema": a.ema, "seed": a.seed, "final_loss": losses[-1]}
-    sha_d = _save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
+    sha_d = edm_training.save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
 
     t1 = time.perf_counter()
     clf, accuracy, clf_loss = train_classifier(x, y, epochs=a.classifier_epochs, seed=a.seed)
     t_classifier = time.perf_counter() - t1
-    sha_c = _save_pickle({"classifier": clf, "training_options": {"epochs": a.classifier_epochs, "seed": a.seed,
+    sha_c = edm_training.save_pickle({"classifier": clf, "training_options": {"epochs": a.classifier_epochs, "seed": a.seed,
                                                                  "held_out_accuracy": accuracy}}, out / CLASSIFIER_FILE.name)
     with torch.no_grad():
         feats = clf(x)[0]
@@ -172,8 +133,7 @@ def main(argv=None) -> int:
         "threads": a.threads, "torch": torch.__version__,
     }
     if a.out_dir is None:
-        (ROOT / "results" / "digits").mkdir(parents=True, exist_ok=True)
-        atomic_write(ROOT / "results" / "digits" / "training.json", lambda f: f.write(json.dumps(report, indent=2).encode()))
+        edm_training.write_report(report, "digits")
     print(json.dumps(report, indent=2))
     return 0
 

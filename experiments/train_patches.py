@@ -24,23 +24,17 @@ retrained pickle has a new SHA-256: the one printed at the end goes into
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import pickle
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from specsamp.hub import file_sha256
-from specsamp.io import atomic_write
+from experiments import edm_training
 from specsamp.models.patches import CHANNELS, DENOISER_FILE, RESOLUTION, held_out_crops, training_crops, training_pyramid
 
-ROOT = Path(__file__).resolve().parents[1]
 SIGMA_DATA = 0.5  # EDM's default; the crops' pixel standard deviation is 0.48-0.68 (training.json: data_std)
-P_MEAN, P_STD = -1.2, 1.2  # EDM's training noise distribution, ln sigma ~ N(P_MEAN, P_STD^2)
 WIDTHS = (16, 32, 64, 128)
 EVAL_SIGMAS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0, 80.0)
 
@@ -48,12 +42,7 @@ EVAL_SIGMAS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0, 80.0)
 def network_module():
     """``experiments/patches_net.py``, imported with the ``torch_utils`` stand-in registered (its classes are
     NVIDIA persistent classes: a pickled instance carries this file's source)."""
-    import importlib
-
-    from specsamp.models import nvlabs_compat
-
-    nvlabs_compat.install()
-    return importlib.import_module("experiments.patches_net")
+    return edm_training.network_module("patches_net")
 
 
 def build_network():
@@ -63,38 +52,11 @@ def build_network():
 
 
 def train_denoiser(pyramid, *, steps: int, batch: int, lr: float, ema_decay: float, seed: int, log_every: int = 100):
-    """EDM training loop; returns ``(ema network, per-interval mean losses)``."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    net = build_network()
-    ema = copy.deepcopy(net).eval().requires_grad_(False)
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    losses, acc = [], []
-    for step in range(steps):
-        # warm-up over the first 5%, linear decay to 0 over the last 30%
-        frac = step / steps
-        scale = min(1.0, (step + 1) / (0.05 * steps)) * min(1.0, (1 - frac) / 0.3)
-        for g in opt.param_groups:
-            g["lr"] = lr * scale
-        x0 = training_crops(pyramid, batch, gen)
-        sigma = (torch.randn(batch, generator=gen) * P_STD + P_MEAN).exp()
-        noise = torch.randn(x0.shape, generator=gen)
-        s4 = sigma[:, None, None, None]
-        d = net(x0 + s4 * noise, sigma)
-        weight = (s4**2 + SIGMA_DATA**2) / (s4 * SIGMA_DATA) ** 2
-        loss = (weight * (d - x0) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p, 1 - ema_decay)
-        acc.append(loss.item())
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            losses.append(float(np.mean(acc)))
-            acc = []
-            print(f"denoiser step {step + 1}/{steps}  EDM loss {losses[-1]:.4f}", flush=True)
-    return ema, losses
+    """EDM training loop (:func:`experiments.edm_training.train_edm`) on random crops of ``pyramid``
+    (:func:`specsamp.models.patches.training_crops`); returns ``(ema network, per-interval mean losses)``."""
+    return edm_training.train_edm(build_network, lambda gen, n: (training_crops(pyramid, n, gen), ()), steps=steps,
+                                  batch=batch, lr=lr, ema_decay=ema_decay, seed=seed, sigma_data=SIGMA_DATA,
+                                  log_every=log_every)
 
 
 class GaussianDenoiser:
@@ -132,11 +94,6 @@ def denoising_table(net, gauss: GaussianDenoiser, crops: torch.Tensor, seed: int
     return rows
 
 
-def _save_pickle(obj: dict, path: Path) -> str:
-    atomic_write(path, lambda f: pickle.dump(obj, f, protocol=4))
-    return file_sha256(path)
-
-
 def main(argv=None) -> int:
     """CLI: ``python -m experiments.train_patches [--steps N] [--seed S] [--out-dir D]``."""
     ap = argparse.ArgumentParser(prog="python -m experiments.train_patches", description=__doc__,
@@ -168,7 +125,7 @@ def main(argv=None) -> int:
                     "of columns 0-511 at scales 1 and 1/2, left-right flips", "sigma_data": SIGMA_DATA,
             "widths": list(WIDTHS), "steps": a.steps, "batch": a.batch, "lr": a.lr, "ema": a.ema, "seed": a.seed,
             "final_loss": losses[-1]}
-    sha = _save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
+    sha = edm_training.save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
 
     held = held_out_crops()
     table = None
@@ -184,8 +141,7 @@ def main(argv=None) -> int:
         "threads": a.threads, "torch": torch.__version__,
     }
     if a.out_dir is None:
-        (ROOT / "results" / "patches32").mkdir(parents=True, exist_ok=True)
-        atomic_write(ROOT / "results" / "patches32" / "training.json", lambda f: f.write(json.dumps(report, indent=2).encode()))
+        edm_training.write_report(report, "patches32")
     print(json.dumps(report, indent=2))
     return 0
 

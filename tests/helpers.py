@@ -1,10 +1,19 @@
-"""Two-sample statistical checks shared by the sampler and model tests (one-sample ones: :mod:`specsamp.testing`)."""
+"""Two-sample statistical checks shared by the sampler and model tests (one-sample ones: :mod:`specsamp.testing`),
+and a short offline run of ``run.py`` on the digits network."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def two_sample_pvalues(a: torch.Tensor, b: torch.Tensor, directions: int = 3, seed: int = 0) -> list[float]:
@@ -25,6 +34,19 @@ def chi2_same_counts(a: np.ndarray, b: np.ndarray, bins: int) -> float:
     cb = np.bincount(b, minlength=bins)
     keep = (ca + cb) > 0
     return stats.chi2_contingency(np.stack([ca[keep], cb[keep]])).pvalue if keep.sum() > 1 else 1.0
+
+
+def run_digits_with_fid(tmp_path: Path, *, steps: int, n_samples: int):
+    """``run.py model=digits sampler=dgrs K=2 L=3 metrics=[fid]`` offline, one thread, in ``tmp_path``.
+
+    Asserts exit status 0 (stderr as the message); returns ``(stdout, result.json as a dict)``.
+    """
+    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
+    cmd = [sys.executable, str(ROOT / "run.py"), "model=digits", "sampler=dgrs", "K=2", "L=3", f"steps={steps}",
+           f"n_samples={n_samples}", "metrics=[fid]", "threads=1", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout, json.loads((tmp_path / "result.json").read_text())
 
 
 class FlakyLogger:

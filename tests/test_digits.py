@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import chi2_same_counts, two_sample_pvalues
+from helpers import chi2_same_counts, run_digits_with_fid, two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.models import digits
@@ -82,13 +82,8 @@ def test_classifier_extractor_through_torch_fidelity_scores_real_digits_near_zer
 
 def test_run_py_digits_prints_speedup_and_writes_a_float_fid(tmp_path):
     pytest.importorskip("torch_fidelity")
-    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
-    cmd = [sys.executable, str(ROOT / "run.py"), "model=digits", "sampler=dgrs", "K=2", "L=3", "steps=20",
-           "n_samples=24", "metrics=[fid]", "threads=1", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "speedup" in out.stdout and "FID" in out.stdout, out.stdout
-    rec = json.loads((tmp_path / "result.json").read_text())
+    stdout, rec = run_digits_with_fid(tmp_path, steps=20, n_samples=24)
+    assert "speedup" in stdout and "FID" in stdout, stdout
     assert isinstance(rec["fid"], float) and np.isfinite(rec["fid"]) and rec["fid"] > 0
     assert rec["metrics"]["fid"] == rec["fid"]
     assert len(list((tmp_path / "images").glob("*.png"))) == 24

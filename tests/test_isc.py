@@ -3,19 +3,12 @@ digits classifier's logits, and the runner recording ``isc`` / ``isc_se`` next t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 pytest.importorskip("torch_fidelity")
+from helpers import run_digits_with_fid  # noqa: E402
 from specsamp.metrics.isc import inception_score, isc_from_logits, isc_layer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _reference_is(logits: np.ndarray, splits: int) -> tuple[float, float]:
@@ -60,6 +53,18 @@ def test_isc_refuses_what_it_cannot_score():
         inception_score(np.zeros((10, 8, 8, 1), np.uint8), feature_extractor=lambda x: x)
 
 
+def test_one_registry_lookup_serves_the_fid_and_the_inception_score():
+    """`registered_extractor` registers the shipped digits classifier on first use and answers None for an
+    unknown name; make_extractor refuses that name with the registered ones listed."""
+    from specsamp.metrics.fid import make_extractor, registered_extractor
+
+    cls = registered_extractor("digits-classifier")
+    assert cls is not None and "logits" in cls.get_provided_features_list()
+    assert registered_extractor("no-such-extractor") is None and isc_layer("no-such-extractor") is None
+    with pytest.raises(ValueError, match="no-such-extractor.*registered"):
+        make_extractor("no-such-extractor", device="cpu")
+
+
 def test_isc_of_real_digits_is_near_the_number_of_classes():
     """All 1,797 digits through the shipped classifier (98.7% held-out accuracy, classes near balanced):
     p(y|x) is nearly one-hot and p(y) nearly uniform, so IS is close to 10 (above 8); uniform noise
@@ -80,12 +85,7 @@ def test_isc_of_real_digits_is_near_the_number_of_classes():
 
 def test_runner_records_isc_beside_fid(tmp_path):
     pytest.importorskip("sklearn")
-    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
-    cmd = [sys.executable, str(ROOT / "run.py"), "model=digits", "sampler=dgrs", "K=2", "L=3", "steps=10",
-           "n_samples=20", "metrics=[fid]", "threads=1", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "IS " in out.stdout, out.stdout
-    rec = json.loads((tmp_path / "result.json").read_text())
+    stdout, rec = run_digits_with_fid(tmp_path, steps=10, n_samples=20)
+    assert "IS " in stdout, stdout
     assert 1 <= rec["isc"] <= 10 and rec["isc_se"] >= 0
     assert rec["metrics"]["isc_detail"]["feature_layer"] == "logits" and rec["metrics"]["fid"] == rec["fid"]

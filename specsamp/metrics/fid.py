@@ -345,6 +345,20 @@ def _import_extractor(spec: str):
     return getattr(obj, attr)
 
 
+def registered_extractor(name: str):
+    """The torch-fidelity feature extractor class registered under ``name``, or ``None`` when there is none.
+
+    The shipped ``digits-classifier`` (:mod:`specsamp.metrics.digits_features`) is registered on first use.
+    """
+    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
+
+    if name == "digits-classifier":
+        from .digits_features import register
+
+        register()
+    return FEATURE_EXTRACTORS_REGISTRY.get(name)
+
+
 def make_extractor(
     feature_extractor=INCEPTION,
     feature_layer: str | None = None,
@@ -400,13 +414,9 @@ def make_extractor(
         ext = _callable_extractor_class()(feature_extractor).eval().to(dev)
         return ext, "out", cuda
     name = str(feature_extractor)
-    if name == "digits-classifier":
-        from .digits_features import register
-
-        register()
-    if name not in FEATURE_EXTRACTORS_REGISTRY:
+    cls = registered_extractor(name)
+    if cls is None:
         raise ValueError(f"feature_extractor={name!r} is invalid; registered: {sorted(FEATURE_EXTRACTORS_REGISTRY)}")
-    cls = FEATURE_EXTRACTORS_REGISTRY[name]
     layer = feature_layer or cls.get_default_feature_layer_for_metric("fid")
     if layer not in cls.get_provided_features_list():
         raise ValueError(f"feature_layer={layer!r} is invalid for {name}; valid: {list(cls.get_provided_features_list())}")

@@ -21,7 +21,7 @@ import os
 import numpy as np
 import torch
 
-from .fid import INCEPTION, extract_features
+from .fid import INCEPTION, extract_features, registered_extractor
 
 SPLITS = 10  # torch-fidelity's and Salimans et al.'s default
 
@@ -32,15 +32,9 @@ def isc_layer(feature_extractor=INCEPTION) -> str | None:
     ``feature_extractor``: a torch-fidelity registry name (``inception-v3-compat``, ``digits-classifier``);
     anything else (classes, instances, callables, import paths) gives ``None``.
     """
-    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
-
     if not isinstance(feature_extractor, str):
         return None
-    if feature_extractor == "digits-classifier":
-        from .digits_features import register
-
-        register()
-    cls = FEATURE_EXTRACTORS_REGISTRY.get(feature_extractor)
+    cls = registered_extractor(feature_extractor)
     if cls is None:
         return None
     try:
