@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ["experiments.gmm", "experiments.pixel", "experiments.sd3", "experiments.beyond", "experiments.digits"]
+MODULES = ["experiments.gmm", "experiments.pixel", "experiments.sd3", "experiments.beyond", "experiments.digits", "experiments.patches"]
 
 
 def main() -> int:

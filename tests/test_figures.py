@@ -133,3 +133,19 @@ def test_parse_range():
     assert paper.parse_range("≈2.0–2.2x") == (2.0, 2.2)
     assert paper.parse_range("1.18x (peak)") == (1.18, 1.18)
     assert paper.parse_range(float("nan")) is None and paper.parse_range("") is None
+
+
+def test_make_figures_covers_every_experiment_module_with_figures():
+    """``make figures`` (experiments.figures.MODULES) redraws every experiment module that defines ``figures()``."""
+    import ast
+    from pathlib import Path
+
+    from experiments.figures import MODULES
+
+    root = Path(__file__).resolve().parents[1] / "experiments"
+    drawing = {
+        f"experiments.{p.stem}"
+        for p in root.glob("*.py")
+        if any(isinstance(n, ast.FunctionDef) and n.name == "figures" for n in ast.parse(p.read_text()).body)
+    }
+    assert drawing <= set(MODULES), sorted(drawing - set(MODULES))
