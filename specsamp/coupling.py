@@ -514,9 +514,7 @@ def grs_levels(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 RESIDUAL_STEPS = 1  # Newton steps of sample_grs_residual after its grid (see its docstring for the bound)
 GRID = 64  # sample_grs_residual's grid search: points per level
 GRID_LEVELS = 4  # ... and levels
-CDF_SIDE = 0.99  # sample_grs_residual solves on the distribution function's side for u above this
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
-_LOG_2PI_4 = math.log(2.0) + 2.0 * _LOG_SQRT_2PI  # log(4 pi): the quadratic start's constant, doubled
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
@@ -618,33 +616,21 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
             above = -torch.expm1(e) > torch.exp(t2 - a)  # S(s) > u: the root lies above the point
             ends = grid.gather(1, above.sum(1, keepdim=True) + pair)
     lo, hi = ends.unbind(1)
-    cdf_side = u > CDF_SIDE
-    # G (1 - S(c + x)) = delta phi(c - delta) x^2 / 2 (1 + O(x (|c - delta| + delta))): near u = 1 a start
-    cd = c - delta
-    x_q = torch.exp(torch.addcmul(log_mass + log_1mu - torch.log(delta) + _LOG_2PI_4 / 2, cd, cd, value=0.5) * 0.5)
-    c_q = c + x_q
-    s = torch.where(cdf_side, torch.clamp(c_q, lo, hi), torch.lerp(lo, hi, 0.5))
+    s = torch.lerp(lo, hi, 0.5)
     if iterations:
-        # Newton on phi = log(G S) (or log(G (1 - S)) where u > CDF_SIDE, where log S is flat) towards its
-        # value at u: d phi / ds = -/+ r / exp(phi), so the step is +/- (phi - target) exp(phi - log r)
-        target = torch.where(cdf_side, log_1mu + log_mass, log_t)
-        sign = 1.0 - 2.0 * cdf_side
+        # Newton on log(G S(s)) towards log(G u): d/ds log(G S) = -r / (G S), so the step is
+        # (log(G S) - log(G u)) G S / r, all in log space
         neg_delta = -delta
         for _ in range(iterations):
             nz = delta - s
             a = torch.special.log_ndtr(nz)  # log Phibar(s - delta)
             e = torch.special.log_ndtr(-s) + log_lam - a
             log_gs = a + torch.log(-torch.expm1(e.clamp_(max=-1e-300)))  # log(G S(s)), as the grid
-            log_1ms = torch.log(-torch.expm1((log_gs - log_mass).clamp_(max=0.0)))  # log(1 - S(s))
-            phi = torch.where(cdf_side, log_1ms + log_mass, log_gs)
             # log r(s) = log phi(s - delta) + log(1 - exp(-delta (s - c)))
             log_r = torch.addcmul(torch.log(torch.expm1(neg_delta * (s - c)) * -_INV_SQRT_2PI), nz, nz, value=-0.5)
-            step = torch.addcmul(s, (phi - target) * sign, torch.exp(phi - log_r))
+            step = torch.addcmul(s, log_gs - log_t, torch.exp(log_gs - log_r))
             s = torch.fmin(torch.fmax(step, lo), hi)  # never leaves the grid's cell; a NaN step goes to lo
-    # within 2^-36 of u = 1 the computed 1 - S is mostly rounding; the expansion is exact to
-    # O(x (|c - delta| + delta)) relative, so it is used directly where that is below 1e-3
-    near = (log_1mu < -36.0 * math.log(2.0)) & (z_lo <= c) & (x_q * (cd.abs() + delta) <= 1e-3)
-    return torch.where(near, c_q, s)
+    return s
 
 
 def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
