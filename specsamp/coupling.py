@@ -346,9 +346,9 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
         _raise_bad_sigma(bad_sigma, children, sigma)
     n, k = children.shape[:2]
     w = work_dtype(children.dtype)
-    flat = children.reshape(n, k, -1)
-    mp = mean_p.reshape(n, -1).to(w)
-    diff = mean_q.reshape(n, -1).to(w) - mp
+    flat = _rows(children, 3)
+    mp = _rows(mean_p, 2).to(w)
+    diff = _rows(mean_q, 2).to(w) - mp
     # the power of two in (scale / 2, scale] of the largest coordinate (1 where the difference is 0)
     scale = diff.abs().amax(1).clamp_min_(torch.finfo(w).tiny * torch.finfo(w).eps)  # the least subnormal
     mant, _ = torch.frexp(scale)
@@ -379,6 +379,11 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
     elif bool(bad.any()):
         _refuse_non_finite(bad, children, mean_p, mean_q, sigma, w)
     return Projection(delta=delta, e=e, s_hat=s_hat, sigma=sigma)
+
+
+def _rows(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``x`` with its event dimensions flattened into one (``ndim`` dimensions in all); as is when it has them."""
+    return x if x.ndim == ndim else x.reshape(*x.shape[:ndim - 1], -1)
 
 
 def _refuse_non_finite(bad, children, mean_p, mean_q, sigma, w) -> None:
@@ -422,14 +427,14 @@ def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index
         ``[n, *event]`` in the children's dtype.
     """
     n, k = children.shape[:2]
-    flat = children.reshape(n, k, -1)
+    flat = _rows(children, 3)
     if k == 1:
         base = flat[:, 0]
     else:
         base = flat.gather(1, (index * accepted).view(n, 1, 1).expand(n, 1, flat.shape[2]))[:, 0]
     shift = torch.where(accepted, 0.0, proj.sigma * (s_new - proj.s_hat[:, 0])).to(proj.e.dtype)
     out = torch.addcmul(base.to(proj.e.dtype), shift[:, None], proj.e).to(flat.dtype)
-    return out.reshape(children.shape[0], *children.shape[2:])
+    return out if children.ndim == 3 else out.reshape(children.shape[0], *children.shape[2:])
 
 
 
@@ -493,11 +498,17 @@ def grs_levels(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     Returns:
         ``(lam [*b, K+1], G [*b, K+1])`` with ``lam[..., j] = lambda_j`` and ``G[..., j] = G_{j+1}``.
     """
+    lam, g = _levels(delta, k)
+    return torch.stack(lam, -1), torch.stack(g, -1)
+
+
+def _levels(delta: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`grs_levels` as two lists of ``K + 1`` tensors shaped like ``delta`` (unstacked)."""
     zero = torch.zeros_like(delta)
     one = torch.ones_like(delta)
     lam, g = [zero], [one]
     if k == 0:
-        return torch.stack(lam, -1), torch.stack(g, -1)
+        return lam, g
     half = 0.5 * delta
     ab = torch.special.log_ndtr(torch.stack([half, -half]))  # c = delta / 2 at lambda_1 = 1
     a, b = ab.unbind(0)
@@ -508,7 +519,7 @@ def grs_levels(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         for _ in range(k - 1):
             lam.append(lam[-1] + g[-1])
             g.append(_remaining_mass(torch.log(lam[-1]), delta, safe, half))
-    return torch.stack(lam, -1), torch.stack(g, -1)
+    return lam, g
 
 
 RESIDUAL_STEPS = 1  # Newton steps of sample_grs_residual after its grid (see its docstring for the bound)
@@ -654,13 +665,13 @@ def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Te
     """
     n, k = s_hat.shape
     u = rows.uniform(k)
-    lam, g = grs_levels(delta, k)
+    lam, g = _levels(delta, k)
     d = delta[:, None]
-    log_rho = d * s_hat - 0.5 * d**2
-    accept = log_rho >= torch.log(torch.addcmul(lam[:, :k], u, g[:, :k]))
-    index = torch.where(accept, torch.arange(k, device=s_hat.device), k).amin(1)
+    log_rho = torch.addcmul(d * s_hat, d, d, value=-0.5)  # log rho = delta s - delta^2 / 2
+    accept = log_rho >= torch.log(torch.addcmul(torch.stack(lam[:k], 1), u, torch.stack(g[:k], 1)))
+    index = accept.logical_not().cumprod(1).sum(1)  # leading rejections: the first accepted, or K
     u_res = rows.uniform(1)[:, 0]
-    s_res = sample_grs_residual(delta, lam[:, k], g[:, k], u_res)
+    s_res = sample_grs_residual(delta, lam[k], g[k], u_res)
     return index, s_res
 
 
@@ -698,7 +709,7 @@ def rmc(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     rows = uniform_rows(generator, children.shape[0], children.device)
     u = rows.uniform(1)[:, 0]
     s = proj.s_hat[:, 0]
-    log_rho = proj.delta * s - 0.5 * proj.delta**2
+    log_rho = torch.addcmul(proj.delta * s, proj.delta, proj.delta, value=-0.5)
     accepted = torch.log(u) <= torch.clamp(log_rho, max=0.0)
     index = (~accepted).long()  # 0 accepted, K = 1 reflected
     return Verdict(reconstruct(children, proj, proj.delta - s, accepted, index), accepted, index)
