@@ -546,22 +546,23 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     solved with a fixed number of tensor operations whatever the inputs (no data-dependent loop, no
     host synchronisation), in three stages:
 
-    - *Bracket.* ``Phibar(s - delta) >= G S(s)`` and ``Phi(s - delta) >= G (1 - S(s))`` give
-      ``delta + Phi^-1((1 - u) G) <= root <= delta + Phibar^-1(u G)`` (tight when ``delta`` is large;
-      widened by ``1e-6`` for ``ndtri``'s rounding), intersected with ``[c, max(c, delta) +
-      sqrt(-2 log(u G)) + 2]`` (from ``Phibar(x) <= exp(-x^2 / 2)``).
-    - *Grid.* ``GRID_LEVELS = 2`` times, the survival at ``GRID - 1 = 63`` interior points of the
+    - *Bracket.* ``Phibar(s - delta) >= G S(s)`` gives ``root <= delta + Phibar^-1(u G)`` (tight when
+      ``delta`` is large), intersected with ``max(c, delta) + sqrt(-2 log(u G)) + 2`` (from
+      ``Phibar(x) <= exp(-x^2 / 2)``). Below: ``root >= c``, and ``Phi(root - delta) >= G (1 - u)``,
+      also written on the survival side, where it stays informative when ``G (1 - u)`` rounds to 1:
+      ``Phibar(root - delta) <= 1 - G (1 - u) <= 2 K Phibar(delta / 2) + u G`` (a coupling accepts
+      each child with probability at most ``1 - TV(P, Q) = 2 Phibar(delta / 2)``), with ``K <= 1 +
+      (lambda_K - 1) / G_{K+1}`` (the masses decrease). The ``ndtri`` bounds are widened by ``1e-6``.
+    - *Grid.* ``GRID_LEVELS = 4`` times, the survival at ``GRID - 1 = 63`` interior points of the
       bracket, in one evaluation, narrows it to the cell where it crosses ``u`` (the same test as a
-      bisection, 6 bisection steps per level): the bracket shrinks ``4096``-fold.
-    - *Newton.* ``RESIDUAL_STEPS = 3`` Newton steps on ``log S(s) = log u``, or for ``u > CDF_SIDE`` on
-      ``log(1 - S(s)) = log(1 - u)`` (``log S`` is flat there), starting at the cell's midpoint (or,
-      on the second form, at ``c + x`` from ``G (1 - S(c + x)) ~ delta phi(c - delta) x^2 / 2``). Both
-      forms are concave in ``s``: ``log r`` is a sum of concave terms, so ``r`` is log-concave and so
-      are its survival and its distribution function; Newton on a concave monotone function lands on
-      one side of the root after its first step and then converges monotonically, quadratically once
-      close. Safeguard: the bracket is narrowed by the sign of each step's residual and every step is
-      clamped into it (a NaN step keeps the point), so where rounding noise dominates the survival
-      the result still stays in the grid's cell around the crossing, as a bisection's would.
+      bisection, 6 bisection steps per level): the bracket shrinks ``2^24``-fold.
+    - *Newton.* ``RESIDUAL_STEPS = 1`` Newton step on ``log(G S(s)) = log(G u)`` from the cell's
+      midpoint, clamped into the cell (``fmax``/``fmin``: a NaN step goes to the cell's lower end), so
+      where rounding noise dominates the survival the result stays in the grid's cell around the
+      crossing, as a bisection's would. ``log S`` is concave (``r`` is log-concave: ``log r`` is a
+      sum of concave terms), so Newton converges quadratically from a cell this small; near ``u =
+      1``, where ``log S`` is flat, the step is the one of Newton on ``S`` itself (``log S - log u ~
+      u - S``), whose quadratic constant there equals that of Newton on ``log(1 - S)``.
 
     Bound: the result differs from the root of the computed survival (the 64-step bisection this
     function replaced) by at most ``8 eps max(1, |s|) + 32 nu(s)``, where ``nu(s) = eps max(1,
@@ -569,13 +570,13 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     carried to ``s`` (the cancellation of its two terms and of their logs): every root finder of this
     survival is uncertain by about ``nu``. ``tests/test_residual.py`` checks the bound for ``delta`` in
     ``[1e-8, 300]``, ``lambda_K`` and ``G_{K+1}`` of ``K = 1..32`` and ``u`` from ``1e-300`` to
-    ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps |s|`` where ``nu <= eps
-    max(1, |s|)``, and ``3.4 nu`` beyond ``4 eps |s|`` elsewhere. Cost: about 245 ATen operations
-    whatever ``n`` (the bisection took about 1110), but ``2 (GRID_LEVELS (GRID - 1) + RESIDUAL_STEPS)
-    = 258`` ``log_ndtr`` evaluations per row (the bisection 128): fewer launches, twice the arithmetic. ``nu`` is large only at small
-    ``delta`` (``G ~ delta``) and for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``). Within
-    ``2^-36`` of ``u = 1`` the expansion above is returned as is where its relative error
-    ``x (|c - delta| + delta)`` is below ``1e-3`` (there ``1 - S`` is mostly rounding).
+    ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.9 eps max(1, |s|)`` where ``nu <= eps
+    max(1, |s|)``, and ``2.4 nu`` beyond ``8 eps max(1, |s|)`` elsewhere. (Three grid levels with one
+    step, or two with two, miss the bound by orders of magnitude at small ``delta`` and tiny ``u``.)
+    Cost: 142 ATen operations whatever ``n`` (the bisection took about 1110), but ``2 (GRID_LEVELS
+    (GRID - 1) + RESIDUAL_STEPS) = 506`` ``log_ndtr`` evaluations per row (the bisection 128): fewer
+    launches, four times the arithmetic. ``nu`` is large only at small ``delta`` (``G ~ delta``) and
+    for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``).
 
     Args:
         delta: float64 ``[n]``, > 0 where used.
