@@ -108,7 +108,7 @@ def test_verification_is_sync_free_with_a_bounded_op_count(name, K, n, budget):
     # delta = 30: every child rejected, so the residual runs. Inside deferred_checks no call asks the
     # host for a value (no .item(), nonzero, boolean mask); the ATen ops per call do not depend on n.
     # The 64-step bisection and per-child loops took 1249 (K = 1), 1306 (K = 2), 1477 (K = 5) for D-GRS;
-    # two grid levels and three Newton steps 378, 401, 455 (RMC 91). Now 222, 241, 283 (RMC 62).
+    # two grid levels and three Newton steps 378, 401, 455 (RMC 91). Now 220, 237, 279 (RMC 61).
     children, mean_p, mean_q, sigma, g = _problem(K, n)
     coupling = get_coupling(name)
     with deferred_checks() as checks:
