@@ -527,6 +527,7 @@ GRID = 64  # sample_grs_residual's grid search: points per level
 GRID_LEVELS = 4  # ... and levels
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_WIDEN = 4e-5  # sample_grs_residual's ndtri bounds are widened by this: 1e-6 (1 + |ndtri|), |ndtri| <= 38.5
 
 
 def _log_residual_survival(s, delta, log_lam):
@@ -594,22 +595,21 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     c = torch.addcdiv(0.5 * delta, log_lam, delta)  # grs_threshold
     log_mass = torch.log(mass.clamp_min(1e-300))
     log_u = torch.log(u)
-    log_1mu = torch.log1p(-u)
     log_t = log_u + log_mass
     t_lin = torch.exp(log_t)
     # bracket: Phibar(s - delta) >= G S(s) and Phi(s - delta) >= G (1 - S(s)), widened for ndtri's error
     hi = torch.maximum(c, delta).add_(torch.sqrt(log_t * -2.0)).add_(2.0)  # Phibar(x) <= exp(-x^2 / 2), x >= 0
     q = torch.special.ndtri(t_lin)  # ndtri(0) = -inf leaves hi as it is
-    hi = torch.minimum(hi, torch.add(delta - q, q.abs(), alpha=1e-6).add_(1e-6).clamp_(min=c))
+    hi = torch.minimum(hi, torch.sub(delta + _WIDEN, q).clamp_(min=c))
     # ndtri(1) = inf (G (1 - u) rounded to 1) bounds nothing: it becomes -inf, so lo = c ...
-    q = torch.special.ndtri(torch.exp(log_1mu + log_mass)).nan_to_num_(posinf=-math.inf)
+    q = torch.special.ndtri((1.0 - u) * mass).nan_to_num_(posinf=-math.inf)
     # ... but the survival side stays informative there: Phibar(root - delta) = 1 - G (1 - u) <=
     # 2 K Phibar(delta / 2) + u G (a child is accepted with probability at most 1 - TV(P, Q) each),
     # and K <= 1 + (lambda_K - 1) / G_{K+1} (the masses decrease)
     p_up = torch.addcmul(t_lin, (lam - 1.0).div_(mass.clamp_min(1e-300)).add_(1.0),
                          torch.special.erfc(delta * (0.5 * math.sqrt(0.5))))
     q = torch.maximum(q, torch.special.ndtri(p_up.clamp_(max=1.0)).neg_())
-    z_lo = torch.sub(delta + q, q.abs(), alpha=1e-6).sub_(1e-6)
+    z_lo = torch.add(delta - _WIDEN, q)
     lo = torch.minimum(torch.maximum(z_lo, c), hi)
     # grid levels: the survival at GRID - 1 interior points of the bracket in one evaluation; the
     # bracket becomes the cell where it crosses u (a static-shape GRID-ary bisection). The cell's
@@ -623,9 +623,8 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
         for _ in range(grid_levels):
             grid = ends @ weights  # [n, GRID + 1]: lo, the GRID - 1 points, hi
             pts = grid[:, 1:GRID]
-            a = torch.special.log_ndtr(d2 - pts)  # log Phibar(s - delta)
-            e = torch.special.log_ndtr(-pts) + lam2 - a  # log(lam Phibar(s) / Phibar(s - delta))
-            above = -torch.expm1(e) > torch.exp(t2 - a)  # S(s) > u: the root lies above the point
+            # S(s) > u, i.e. Phibar(s - delta) > lam Phibar(s) + u G, in log space: the root lies above
+            above = torch.special.log_ndtr(d2 - pts) > torch.logaddexp(torch.special.log_ndtr(-pts) + lam2, t2)
             ends = grid.gather(1, above.sum(1, keepdim=True) + pair)
     lo, hi = ends.unbind(1)
     s = torch.lerp(lo, hi, 0.5)
