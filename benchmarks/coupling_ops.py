@@ -36,7 +36,8 @@ def count(name: str, n: int, K: int, dim: int = 64, deferred: bool = True) -> tu
 
 
 def main() -> None:
-    print(f"{'coupling':>8} {'K':>2} {'n':>3} {'ops':>6} {'syncs':>5} {'ops eager':>9} {'syncs eager':>11} {'table':>6}")
+    head = f"{'coupling':>8} {'K':>2} {'n':>3} {'ops':>6} {'syncs':>5} {'ops eager':>9} {'syncs eager':>11}"
+    print(f"{head} {'table':>6}")
     for name, K in CASES:
         for i, n in enumerate((1, 16)):
             ops, syncs = count(name, n, K)

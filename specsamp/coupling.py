@@ -456,12 +456,11 @@ def grs_threshold(lam: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.log(lam) / delta.clamp_min(1e-300) + 0.5 * delta
 
 
-def _remaining_mass(log_lam: torch.Tensor, delta: torch.Tensor, safe: torch.Tensor, half: torch.Tensor,
-                    positive: torch.Tensor | None = None) -> torch.Tensor:
+def _remaining_mass(log_lam: torch.Tensor, delta: torch.Tensor, safe: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
     """:func:`grs_remaining_mass` from ``log(lam)``, with ``delta``'s derived tensors computed once.
 
     No mask is needed for ``delta == 0``: there ``lam == 1`` and the formula gives exactly 0; the
-    product of ``exp(a) <= 1`` and ``-expm1(x) in [0, 1]`` needs no clamp (``positive`` is unused).
+    product of ``exp(a) <= 1`` and ``-expm1(x) in [0, 1]`` needs no clamp.
     """
     c = torch.addcdiv(half, log_lam, safe)
     a = torch.special.log_ndtr(delta - c)  # log Phibar(c - delta)
@@ -525,16 +524,8 @@ def _levels(delta: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch
 RESIDUAL_STEPS = 1  # Newton steps of sample_grs_residual after its grid (see its docstring for the bound)
 GRID = 64  # sample_grs_residual's grid search: points per level
 GRID_LEVELS = 4  # ... and levels
-_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _WIDEN = 4e-5  # sample_grs_residual's ndtri bounds are widened by this: 1e-6 (1 + |ndtri|), |ndtri| <= 38.5
-
-
-def _log_residual_survival(s, delta, log_lam):
-    """``log(Phibar(s - delta) - lam Phibar(s))``: the residual's unnormalised survival (eq. 17), log space."""
-    a = log_sf(s - delta)
-    b = log_lam + log_sf(s)
-    return a + torch.log(-torch.expm1(torch.clamp(b - a, max=-1e-300)))
 
 
 def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
