@@ -84,6 +84,21 @@ def test_residual_newton_is_within_its_stated_bound_of_bisection():
     assert well.sum() > 10000 and bool((err[well] <= 8 * ulp[well]).all())
 
 
+def test_residual_bracket_stays_tight_where_g_times_one_minus_u_rounds_to_one():
+    # delta = 181 (G_{K+1} rounds to 1) and u = 1e-30, K = 1, 2, 5: G (1 - u) rounds to 1, so the
+    # distribution-function bound alone leaves lo = c ~ 90.5, 100 below the root. The survival-side bound
+    # (Phibar(root - delta) <= 2 K Phibar(delta / 2) + u G) keeps the bracket within 2 * 4e-5 of the root
+    # (its widening), so the bracket's midpoint alone (no grid, no Newton) is within 1e-4 of bisection.
+    d = torch.full((3,), 181.0, dtype=torch.float64)
+    lam = torch.stack([grs_levels(d[:1], K)[0][0, K] for K in (1, 2, 5)])
+    mass = torch.stack([grs_levels(d[:1], K)[1][0, K] for K in (1, 2, 5)])
+    u = torch.full((3,), 1e-30, dtype=torch.float64)
+    assert bool((mass == 1.0).all())
+    ref = _bisect_residual(d, lam, mass, u)
+    mid = sample_grs_residual(d, lam, mass, u, iterations=0, grid_levels=0)
+    assert bool(((mid - ref).abs() <= 1e-4).all()), (mid - ref).tolist()
+
+
 def test_residual_is_finite_filler_where_it_is_never_used():
     # delta = 0 (every child accepted) and mass = 0 rows are inverted too (static shapes): finite output
     z = torch.zeros(4, dtype=torch.float64)
