@@ -259,6 +259,17 @@ def check_inputs(children, mean_p, mean_q, sigma) -> torch.Tensor:
         ValueError: mismatched shapes, ``K < 1``, a ``sigma`` that is not finite and positive, or a
             ``sigma`` below :func:`min_sigma` of the children's dtype and event size.
     """
+    sigma, bad = _sigma_rows(children, mean_p, mean_q, sigma)
+    checks = active_checks()
+    if checks is not None:
+        checks.flag(bad)
+    else:
+        _raise_bad_sigma(bad, children, sigma)
+    return sigma
+
+
+def _sigma_rows(children, mean_p, mean_q, sigma) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shape checks of :func:`check_inputs`; ``sigma`` as float64 ``[n]`` and ``[n]`` bool, True where it is bad."""
     if children.ndim < 2:
         raise ValueError(f"children must be [n, K, *event], got shape {tuple(children.shape)}")
     n, k = children.shape[:2]
@@ -280,15 +291,18 @@ def check_inputs(children, mean_p, mean_q, sigma) -> torch.Tensor:
         raise ValueError(f"sigma has shape {tuple(sigma.shape)}; expected a scalar or [{n}]")
     dim = math.prod(children.shape[2:])
     floor = min_sigma(children.dtype, dim) if children.dtype.is_floating_point else 0.0
-    bad = ~(torch.isfinite(sigma) & (sigma >= floor) & (sigma > 0))
-    checks = active_checks()
-    if checks is not None:
-        checks.flag(bad)
-        return sigma
+    # finite, > 0 and >= the floor in one clamp: a NaN or an infinity differs from its clamp
+    floor = max(floor, math.ulp(0.0))
+    return sigma, sigma.clamp(floor, torch.finfo(torch.float64).max) != sigma
+
+
+def _raise_bad_sigma(bad, children, sigma) -> None:
+    """Raise :func:`check_inputs`' error where ``bad`` (of :func:`_sigma_rows`) is set; one host synchronisation."""
     if not bool(bad.any()):
-        return sigma
+        return
     if not bool(torch.all(torch.isfinite(sigma) & (sigma > 0))):
         raise ValueError(f"sigma must be finite and > 0, got min {float(sigma.min())}")
+    dim = math.prod(children.shape[2:])
     name = str(children.dtype).replace("torch.", "")
     raise ValueError(
         f"sigma={float(sigma.min()):.4g} is below what {name} states of {dim} coordinates resolve "
@@ -326,23 +340,26 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
             dtype at this ``sigma`` (the message names ``sigma`` and the dtype).
         NonFiniteError: NaN or infinite children or means; the message and ``rows`` name the rows.
     """
-    sigma = check_inputs(children, mean_p, mean_q, sigma)
+    sigma, bad_sigma = _sigma_rows(children, mean_p, mean_q, sigma)
+    checks = active_checks()
+    if checks is None:
+        _raise_bad_sigma(bad_sigma, children, sigma)
     n, k = children.shape[:2]
     w = work_dtype(children.dtype)
-    flat = children.reshape(n, k, -1)
-    mp = mean_p.reshape(n, -1).to(w)
-    diff = mean_q.reshape(n, -1).to(w) - mp
-    scale = diff.abs().amax(1)
+    flat = _rows(children, 3)
+    mp = _rows(mean_p, 2).to(w)
+    diff = _rows(mean_q, 2).to(w) - mp
+    # the power of two in (scale / 2, scale] of the largest coordinate (1 where the difference is 0)
+    scale = diff.abs().amax(1).clamp_min_(torch.finfo(w).tiny * torch.finfo(w).eps)  # the least subnormal
     mant, _ = torch.frexp(scale)
-    pow2 = torch.where(scale > 0, scale / (2.0 * mant), 1.0)  # the power of two in (scale / 2, scale]
+    pow2 = scale.div_(mant.mul_(2.0))
     unit = diff.div_(pow2[:, None])  # exact; the largest coordinate is in [1, 2)
-    dist = torch.linalg.vector_norm(unit, dim=1, dtype=torch.float64)  # ||mean_q - mean_p|| / pow2
+    dist = torch.linalg.vector_norm(unit, dim=1, dtype=torch.float64)  # ||mean_q - mean_p|| / pow2, 0 or >= 1
     p64 = pow2.double()
     full = dist * p64  # exact where it neither over- nor underflows: then delta is the unscaled quotient
-    direct = (full >= torch.finfo(torch.float64).tiny) & (full <= torch.finfo(torch.float64).max)
+    direct = full.clamp(torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max) == full
     delta = torch.where(direct, full / sigma, p64 / sigma * dist)
-    inv = torch.where(dist > 0, 1.0 / dist, 0.0).to(w)
-    e = unit.mul_(inv[:, None])  # the difference buffer becomes the direction
+    e = unit.mul_(dist.clamp_min(1.0).reciprocal_().to(w)[:, None])  # the difference buffer becomes the direction
     if n * k * flat.shape[2] <= BATCHED_ELEMENTS:
         dev = flat.to(w) - mp[:, None]
         s_hat = torch.bmm(dev, e[:, :, None]).reshape(n, k).double()
@@ -355,13 +372,18 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
             s_hat[:, j] = torch.bmm(d_j[:, None], e[:, :, None]).reshape(n).double()
         del d_j
     s_hat /= sigma[:, None]
-    bad = ~(torch.isfinite(delta) & torch.isfinite(s_hat).all(1))
-    checks = active_checks()
+    total = s_hat.sum(1).add_(delta)  # finite iff delta and every projection are
+    bad = (total - total) != 0
     if checks is not None:
-        checks.flag(bad)
+        checks.flag(bad | bad_sigma)
     elif bool(bad.any()):
         _refuse_non_finite(bad, children, mean_p, mean_q, sigma, w)
     return Projection(delta=delta, e=e, s_hat=s_hat, sigma=sigma)
+
+
+def _rows(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``x`` with its event dimensions flattened into one (``ndim`` dimensions in all); as is when it has them."""
+    return x if x.ndim == ndim else x.reshape(*x.shape[:ndim - 1], -1)
 
 
 def _refuse_non_finite(bad, children, mean_p, mean_q, sigma, w) -> None:
@@ -389,8 +411,10 @@ def _refuse_non_finite(bad, children, mean_p, mean_q, sigma, w) -> None:
 def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index) -> torch.Tensor:
     """Eq. 15: the accepted child where ``accepted``, else child 0 with its projection replaced.
 
-    The residual's shift is added in the projection's work dtype and rounded once to the children's;
-    both candidates are formed for every row and chosen with ``torch.where`` (static shapes).
+    One indexing takes the accepted child (child 0 where none was) and one ``addcmul`` adds the shift
+    ``sigma (s_new - s_hat_0) e``, zero where accepted, in the projection's work dtype; the result is
+    rounded once to the children's dtype (an accepted child comes back bit for bit: adding zero and
+    widening are exact). Static shapes, no host synchronisation.
 
     Args:
         children: ``[n, K, *event]``.
@@ -403,15 +427,15 @@ def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index
         ``[n, *event]`` in the children's dtype.
     """
     n, k = children.shape[:2]
-    flat = children.reshape(n, k, -1)
+    flat = _rows(children, 3)
     if k == 1:
-        pick = flat[:, 0]
+        base = flat[:, 0]
     else:
-        pick = flat.gather(1, index.clamp(max=k - 1)[:, None, None].expand(n, 1, flat.shape[2]))[:, 0]
-    shift = (proj.sigma * (s_new - proj.s_hat[:, 0])).to(proj.e.dtype)
-    residual = torch.addcmul(flat[:, 0].to(proj.e.dtype), shift[:, None], proj.e).to(flat.dtype)
-    out = torch.where(accepted[:, None], pick, residual)
-    return out.reshape(children.shape[0], *children.shape[2:])
+        base = flat[torch.arange(n, device=flat.device), index * accepted]  # long indices: no host sync
+    shift = (proj.sigma * (s_new - proj.s_hat[:, 0])).masked_fill_(accepted, 0.0).to(proj.e.dtype)
+    out = torch.addcmul(base.to(proj.e.dtype), shift[:, None], proj.e).to(flat.dtype)
+    return out if children.ndim == 3 else out.reshape(children.shape[0], *children.shape[2:])
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,14 +456,16 @@ def grs_threshold(lam: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.log(lam) / delta.clamp_min(1e-300) + 0.5 * delta
 
 
-def _remaining_mass(log_lam: torch.Tensor, delta: torch.Tensor, safe: torch.Tensor, half: torch.Tensor,
-                    positive: torch.Tensor) -> torch.Tensor:
-    """:func:`grs_remaining_mass` from ``log(lam)``, with ``delta``'s derived tensors computed once."""
-    c = log_lam / safe + half
+def _remaining_mass(log_lam: torch.Tensor, delta: torch.Tensor, safe: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+    """:func:`grs_remaining_mass` from ``log(lam)``, with ``delta``'s derived tensors computed once.
+
+    No mask is needed for ``delta == 0``: there ``lam == 1`` and the formula gives exactly 0; the
+    product of ``exp(a) <= 1`` and ``-expm1(x) in [0, 1]`` needs no clamp.
+    """
+    c = torch.addcdiv(half, log_lam, safe)
     a = torch.special.log_ndtr(delta - c)  # log Phibar(c - delta)
     b = log_lam + torch.special.log_ndtr(-c)
-    g = torch.exp(a) * -torch.expm1(torch.clamp(b - a, max=0.0))
-    return torch.where(positive, g, 0.0).clamp(0.0, 1.0)
+    return torch.exp(a) * -torch.expm1(torch.clamp(b - a, max=0.0))
 
 
 def grs_remaining_mass(lam: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -454,14 +480,15 @@ def grs_remaining_mass(lam: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     Returns:
         float64 masses in ``[0, 1]``.
     """
-    return _remaining_mass(torch.log(lam), delta, delta.clamp_min(1e-300), 0.5 * delta, delta > 0)
+    return _remaining_mass(torch.log(lam), delta, delta.clamp_min(1e-300), 0.5 * delta)
 
 
 def grs_levels(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Levels ``lambda_0..lambda_K`` and remaining masses ``G_1..G_{K+1}`` of Algorithm 3.
 
     ``lambda_j = lambda_{j-1} + G_j`` and ``G_{j+1} = G(lambda_j)`` (:func:`grs_remaining_mass`), with
-    ``lambda_0 = 0``, ``G_1 = 1``; ``lambda_1 = 1`` whatever ``delta``, so its mass needs no ``log``.
+    ``lambda_0 = 0``, ``G_1 = 1``; ``lambda_1 = 1`` whatever ``delta``, so its mass needs no ``log``
+    (``G_2 = Phibar(-delta / 2) - Phibar(delta / 2)``, both terms from one ``log_ndtr``).
 
     Args:
         delta: float64 ``[*b]``.
@@ -470,31 +497,35 @@ def grs_levels(delta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     Returns:
         ``(lam [*b, K+1], G [*b, K+1])`` with ``lam[..., j] = lambda_j`` and ``G[..., j] = G_{j+1}``.
     """
-    lam = [torch.zeros_like(delta)]
-    g = [torch.ones_like(delta)]
-    if k == 0:
-        return torch.stack(lam, -1), torch.stack(g, -1)
-    safe, half, positive = delta.clamp_min(1e-300), 0.5 * delta, delta > 0
-    lam.append(torch.ones_like(delta))
-    g.append(_remaining_mass(torch.zeros_like(delta), delta, safe, half, positive))
-    for _ in range(k - 1):
-        lam.append(lam[-1] + g[-1])
-        g.append(_remaining_mass(torch.log(lam[-1]), delta, safe, half, positive))
+    lam, g = _levels(delta, k)
     return torch.stack(lam, -1), torch.stack(g, -1)
 
 
-RESIDUAL_STEPS = 3  # safeguarded Newton steps of sample_grs_residual (see its docstring for the bound)
+def _levels(delta: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`grs_levels` as two lists of ``K + 1`` tensors shaped like ``delta`` (unstacked)."""
+    zero = torch.zeros_like(delta)
+    one = torch.ones_like(delta)
+    lam, g = [zero], [one]
+    if k == 0:
+        return lam, g
+    half = 0.5 * delta
+    ab = torch.special.log_ndtr(torch.stack([half, -half]))  # c = delta / 2 at lambda_1 = 1
+    a, b = ab.unbind(0)
+    lam.append(one)
+    g.append(torch.exp(a) * -torch.expm1(torch.clamp(b - a, max=0.0)))
+    if k > 1:
+        safe = delta.clamp_min(1e-300)
+        for _ in range(k - 1):
+            lam.append(lam[-1] + g[-1])
+            g.append(_remaining_mass(torch.log(lam[-1]), delta, safe, half))
+    return lam, g
+
+
+RESIDUAL_STEPS = 1  # Newton steps of sample_grs_residual after its grid (see its docstring for the bound)
 GRID = 64  # sample_grs_residual's grid search: points per level
-GRID_LEVELS = 2  # ... and levels
-CDF_SIDE = 0.99  # sample_grs_residual solves on the distribution function's side for u above this
-_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
-
-
-def _log_residual_survival(s, delta, log_lam):
-    """``log(Phibar(s - delta) - lam Phibar(s))``: the residual's unnormalised survival (eq. 17), log space."""
-    a = log_sf(s - delta)
-    b = log_lam + log_sf(s)
-    return a + torch.log(-torch.expm1(torch.clamp(b - a, max=-1e-300)))
+GRID_LEVELS = 4  # ... and levels
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_WIDEN = 4e-5  # sample_grs_residual's ndtri bounds are widened by this: 1e-6 (1 + |ndtri|), |ndtri| <= 38.5
 
 
 def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
@@ -507,22 +538,24 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     solved with a fixed number of tensor operations whatever the inputs (no data-dependent loop, no
     host synchronisation), in three stages:
 
-    - *Bracket.* ``Phibar(s - delta) >= G S(s)`` and ``Phi(s - delta) >= G (1 - S(s))`` give
-      ``delta + Phi^-1((1 - u) G) <= root <= delta + Phibar^-1(u G)`` (tight when ``delta`` is large;
-      widened by ``1e-6`` for ``ndtri``'s rounding), intersected with ``[c, max(c, delta) +
-      sqrt(-2 log(u G)) + 2]`` (from ``Phibar(x) <= exp(-x^2 / 2)``).
-    - *Grid.* ``GRID_LEVELS = 2`` times, the survival at ``GRID - 1 = 63`` interior points of the
+    - *Bracket.* ``Phibar(s - delta) >= G S(s)`` gives ``root <= delta + Phibar^-1(u G)`` (tight when
+      ``delta`` is large), intersected with ``max(c, delta) + sqrt(-2 log(u G)) + 2`` (from
+      ``Phibar(x) <= exp(-x^2 / 2)``). Below: ``root >= c``, and ``Phi(root - delta) >= G (1 - u)``,
+      also written on the survival side, where it stays informative when ``G (1 - u)`` rounds to 1:
+      ``Phibar(root - delta) <= 1 - G (1 - u) <= 2 K Phibar(delta / 2) + u G`` (a coupling accepts
+      each child with probability at most ``1 - TV(P, Q) = 2 Phibar(delta / 2)``), with ``K <= 1 +
+      (lambda_K - 1) / G_{K+1}`` (the masses decrease). The ``ndtri`` bounds are widened by ``4e-5``
+      (``1e-6 (1 + |ndtri|)`` for its rounding: ``|ndtri| <= 38.5`` in float64).
+    - *Grid.* ``GRID_LEVELS = 4`` times, the survival at ``GRID - 1 = 63`` interior points of the
       bracket, in one evaluation, narrows it to the cell where it crosses ``u`` (the same test as a
-      bisection, 6 bisection steps per level): the bracket shrinks ``4096``-fold.
-    - *Newton.* ``RESIDUAL_STEPS = 3`` Newton steps on ``log S(s) = log u``, or for ``u > CDF_SIDE`` on
-      ``log(1 - S(s)) = log(1 - u)`` (``log S`` is flat there), starting at the cell's midpoint (or,
-      on the second form, at ``c + x`` from ``G (1 - S(c + x)) ~ delta phi(c - delta) x^2 / 2``). Both
-      forms are concave in ``s``: ``log r`` is a sum of concave terms, so ``r`` is log-concave and so
-      are its survival and its distribution function; Newton on a concave monotone function lands on
-      one side of the root after its first step and then converges monotonically, quadratically once
-      close. Safeguard: the bracket is narrowed by the sign of each step's residual and every step is
-      clamped into it (a NaN step keeps the point), so where rounding noise dominates the survival
-      the result still stays in the grid's cell around the crossing, as a bisection's would.
+      bisection, 6 bisection steps per level): the bracket shrinks ``2^24``-fold.
+    - *Newton.* ``RESIDUAL_STEPS = 1`` Newton step on ``log(G S(s)) = log(G u)`` from the cell's
+      midpoint, clamped into the cell (``fmax``/``fmin``: a NaN step goes to the cell's lower end), so
+      where rounding noise dominates the survival the result stays in the grid's cell around the
+      crossing, as a bisection's would. ``log S`` is concave (``r`` is log-concave: ``log r`` is a
+      sum of concave terms), so Newton converges quadratically from a cell this small; near ``u =
+      1``, where ``log S`` is flat, the step is the one of Newton on ``S`` itself (``log S - log u ~
+      u - S``), whose quadratic constant there equals that of Newton on ``log(1 - S)``.
 
     Bound: the result differs from the root of the computed survival (the 64-step bisection this
     function replaced) by at most ``8 eps max(1, |s|) + 32 nu(s)``, where ``nu(s) = eps max(1,
@@ -530,13 +563,13 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     carried to ``s`` (the cancellation of its two terms and of their logs): every root finder of this
     survival is uncertain by about ``nu``. ``tests/test_residual.py`` checks the bound for ``delta`` in
     ``[1e-8, 300]``, ``lambda_K`` and ``G_{K+1}`` of ``K = 1..32`` and ``u`` from ``1e-300`` to
-    ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps |s|`` where ``nu <= eps
-    max(1, |s|)``, and ``3.4 nu`` beyond ``4 eps |s|`` elsewhere. Cost: about 245 ATen operations
-    whatever ``n`` (the bisection took about 1110), but ``2 (GRID_LEVELS (GRID - 1) + RESIDUAL_STEPS)
-    = 258`` ``log_ndtr`` evaluations per row (the bisection 128): fewer launches, twice the arithmetic. ``nu`` is large only at small
-    ``delta`` (``G ~ delta``) and for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``). Within
-    ``2^-36`` of ``u = 1`` the expansion above is returned as is where its relative error
-    ``x (|c - delta| + delta)`` is below ``1e-3`` (there ``1 - S`` is mostly rounding).
+    ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps max(1, |s|)`` where ``nu <= eps
+    max(1, |s|)``, and ``2.2 nu`` beyond ``8 eps max(1, |s|)`` elsewhere. (Three grid levels with one
+    step, or two with two, miss the bound by orders of magnitude at small ``delta`` and tiny ``u``.)
+    Cost: 119 ATen operations whatever ``n`` (the bisection took about 1110), but ``2 (GRID_LEVELS
+    (GRID - 1) + RESIDUAL_STEPS) = 506`` ``log_ndtr`` evaluations per row (the bisection 128): fewer
+    launches, four times the arithmetic. ``nu`` is large only at small ``delta`` (``G ~ delta``) and
+    for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``).
 
     Args:
         delta: float64 ``[n]``, > 0 where used.
@@ -550,72 +583,66 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
         float64 ``[n]``; rows with ``delta == 0`` or ``mass == 0`` (never rejected) hold finite filler.
     """
     delta = delta.clamp_min(1e-300)
-    c = grs_threshold(lam, delta)
-    log_mass = torch.log(mass.clamp_min(1e-300))
     log_lam = torch.log(lam)
+    c = torch.addcdiv(0.5 * delta, log_lam, delta)  # grs_threshold
+    log_mass = torch.log(mass.clamp_min(1e-300))
     log_u = torch.log(u)
-    log_1mu = torch.log1p(-u)
     log_t = log_u + log_mass
+    t_lin = torch.exp(log_t)
     # bracket: Phibar(s - delta) >= G S(s) and Phi(s - delta) >= G (1 - S(s)), widened for ndtri's error
-    hi = torch.maximum(c, delta) + torch.sqrt(-2.0 * log_t) + 2.0  # Phibar(x) <= exp(-x^2 / 2), x >= 0
-    z_hi = -torch.special.ndtri(torch.exp(log_t))
-    z_hi = delta + z_hi + 1e-6 * (1.0 + z_hi.abs())
-    hi = torch.where(torch.isfinite(z_hi), torch.minimum(hi, torch.maximum(z_hi, c)), hi)
-    z_lo = torch.special.ndtri(torch.exp(log_1mu + log_mass))
-    z_lo = delta + z_lo - 1e-6 * (1.0 + z_lo.abs())
-    lo = torch.where(torch.isfinite(z_lo), torch.minimum(torch.maximum(z_lo, c), hi), c)
+    hi = torch.maximum(c, delta).add_(torch.sqrt(log_t * -2.0)).add_(2.0)  # Phibar(x) <= exp(-x^2 / 2), x >= 0
+    q = torch.special.ndtri(t_lin)  # ndtri(0) = -inf leaves hi as it is
+    hi = torch.minimum(hi, torch.sub(delta + _WIDEN, q).clamp_(min=c))
+    # ndtri(1) = inf (G (1 - u) rounded to 1) bounds nothing: it becomes -inf, so lo = c ...
+    q = torch.special.ndtri((1.0 - u) * mass).nan_to_num_(posinf=-math.inf)
+    # ... but the survival side stays informative there: Phibar(root - delta) = 1 - G (1 - u) <=
+    # 2 K Phibar(delta / 2) + u G (a child is accepted with probability at most 1 - TV(P, Q) each),
+    # and K <= 1 + (lambda_K - 1) / G_{K+1} (the masses decrease)
+    p_up = torch.addcmul(t_lin, (lam - 1.0).div_(mass.clamp_min(1e-300)).add_(1.0),
+                         torch.special.erfc(delta * (0.5 * math.sqrt(0.5))))
+    q = torch.maximum(q, torch.special.ndtri(p_up.clamp_(max=1.0)).neg_())
+    z_lo = torch.add(delta - _WIDEN, q)
+    lo = torch.minimum(torch.maximum(z_lo, c), hi)
     # grid levels: the survival at GRID - 1 interior points of the bracket in one evaluation; the
-    # bracket becomes the cell where it crosses u (a static-shape GRID-ary bisection)
+    # bracket becomes the cell where it crosses u (a static-shape GRID-ary bisection). The cell's
+    # ends and the points are one product [lo, hi] @ [1 - f; f] with f = 0, 1/GRID, ..., 1.
+    ends = torch.stack([lo, hi], 1)
     if grid_levels:
-        frac = torch.arange(1, GRID, dtype=torch.float64, device=u.device) / GRID
-        lo2, hi2 = lo[:, None], hi[:, None]
+        f = torch.linspace(0.0, 1.0, GRID + 1, dtype=torch.float64, device=u.device)
+        weights = torch.stack([1.0 - f, f])
+        pair = torch.arange(2, device=u.device)
         d2, lam2, t2 = delta[:, None], log_lam[:, None], log_t[:, None]
         for _ in range(grid_levels):
-            pts = torch.addcmul(lo2, hi2 - lo2, frac)
-            above = _log_residual_survival(pts, d2, lam2) > t2  # the root lies above the point
-            cell = above.sum(1, keepdim=True)
-            ends = torch.cat([lo2, pts, hi2], 1)
-            lo2, hi2 = ends.gather(1, cell), ends.gather(1, cell + 1)
-        lo, hi = lo2[:, 0], hi2[:, 0]
-    cdf_side = u > CDF_SIDE
-    target = torch.where(cdf_side, log_1mu, log_u)
-    sign = torch.where(cdf_side, -1.0, 1.0)  # sign * (phi - target) > 0 iff the root lies above s
-    # G (1 - S(c + x)) = delta phi(c - delta) x^2 / 2 (1 + O(x (|c - delta| + delta))): near u = 1 a start
-    log_x_q = math.log(2.0) + log_mass + log_1mu - torch.log(delta) + 0.5 * (c - delta) ** 2 + _LOG_SQRT_2PI
-    x_q = torch.exp(0.5 * log_x_q)
-    s = torch.where(cdf_side, torch.minimum(torch.maximum(c + x_q, lo), hi), 0.5 * (lo + hi))
-    neg_delta = -delta
-    log_r0 = -_LOG_SQRT_2PI - log_mass
-    for _ in range(iterations):
-        x = s - c
-        nz = delta - s
-        # log S = log(Phibar(s - delta) - lam Phibar(s)) - log G (as _log_residual_survival)
-        a = torch.special.log_ndtr(nz)
-        b = torch.special.log_ndtr(-s) + log_lam
-        log_s = (a + torch.log(-torch.expm1(torch.clamp(b - a, max=-1e-300))) - log_mass).clamp(max=0.0)
-        # log r / G = log phi(s - delta) + log(1 - exp(-delta x)) - log G
-        log_r = torch.addcmul(torch.log(-torch.expm1(neg_delta * x)) + log_r0, nz, nz, value=-0.5)
-        phi = torch.where(cdf_side, torch.log(-torch.expm1(log_s)), log_s)
-        g = (phi - target) * sign
-        # Newton: d phi / ds = -sign exp(log_r - phi), so the step is x + g exp(phi - log_r)
-        x_new = torch.addcmul(x, g, torch.exp(phi - log_r))
-        right = g > 0
-        lo = torch.where(right, s, lo)
-        hi = torch.where(right, hi, s)
-        step = x_new + c
-        s = torch.where(step == step, step, s).clamp(min=lo, max=hi)  # NaN steps stay; never leave the bracket
-    # within 2^-36 of u = 1 the computed 1 - S is mostly rounding; the expansion is exact to
-    # O(x (|c - delta| + delta)) relative, so it is used directly where that is below 1e-3
-    near = (log_1mu < -36.0 * math.log(2.0)) & (z_lo <= c) & (x_q * ((c - delta).abs() + delta) <= 1e-3)
-    return torch.where(near, c + x_q, s)
+            grid = ends @ weights  # [n, GRID + 1]: lo, the GRID - 1 points, hi
+            pts = grid[:, 1:GRID]
+            # S(s) > u, i.e. Phibar(s - delta) > lam Phibar(s) + u G, in log space: the root lies above
+            above = torch.special.log_ndtr(d2 - pts) > torch.logaddexp(torch.special.log_ndtr(-pts) + lam2, t2)
+            ends = grid.gather(1, above.sum(1, keepdim=True) + pair)
+    lo, hi = ends.unbind(1)
+    s = torch.lerp(lo, hi, 0.5)
+    if iterations:
+        # Newton on log(G S(s)) towards log(G u): d/ds log(G S) = -r / (G S), so the step is
+        # (log(G S) - log(G u)) G S / r, all in log space
+        for _ in range(iterations):
+            nz = delta - s
+            a = torch.special.log_ndtr(nz)  # log Phibar(s - delta)
+            e = torch.special.log_ndtr(-s) + log_lam - a
+            log_gs = a + torch.log(-torch.expm1(e.clamp_(max=-1e-300)))  # log(G S(s)), as the grid
+            # log r(s) = log phi(s - delta) + log(1 - exp(-delta (s - c)))
+            log_r = torch.addcmul(torch.log(torch.expm1(delta * (c - s)) * -_INV_SQRT_2PI), nz, nz, value=-0.5)
+            step = torch.addcmul(s, log_gs - log_t, torch.exp(log_gs - log_r))
+            s = torch.fmin(torch.fmax(step, lo), hi)  # never leaves the grid's cell; a NaN step goes to lo
+    return s
 
 
 def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
     """Scalar part of Algorithm 3: which child to accept, and the residual projection.
 
-    Every child's acceptance probability ``beta_j = min(1, (rho_j - lambda_{j-1})_+ / G_j)`` is
-    computed at once and the first accepted in drafting order is taken; the residual is drawn for
-    every row (static shapes, no host synchronisation) and kept where all were rejected.
+    Child ``j`` is accepted with probability ``beta_j = min(1, (rho_j - lambda_{j-1})_+ / G_j)``, that
+    is where ``u_j G_j <= rho_j - lambda_{j-1}``, tested for every child at once as ``log rho_j >=
+    log(lambda_{j-1} + u_j G_j)`` (no division, so ``G_j = 0`` needs no guard); the first accepted in
+    drafting order is taken. The residual is drawn for every row (static shapes, no host
+    synchronisation) and kept where all were rejected.
 
     Args:
         delta: float64 ``[n]``.
@@ -624,23 +651,19 @@ def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Te
 
     Returns:
         ``(index [n] long, s_res [n] float64)``; ``index == K`` where every child was rejected,
-        and then ``s_res`` is the residual draw (elsewhere it is 0).
+        and then ``s_res`` is the residual draw (elsewhere finite filler, which
+        :func:`reconstruct` ignores).
     """
     n, k = s_hat.shape
     u = rows.uniform(k)
-    lam, g = grs_levels(delta, k)
-    lam_k, g_k = lam[:, :k], g[:, :k]
-    log_rho = delta[:, None] * s_hat - 0.5 * delta[:, None] ** 2
-    # accept at once when rho >= lambda + G; the clamp keeps exp finite
-    ceiling = torch.log(lam_k + g_k)
-    rho = torch.exp(torch.minimum(log_rho, ceiling))
-    part = ((rho - lam_k).clamp_min(0.0) / g_k.clamp_min(1e-300)).clamp(0.0, 1.0)
-    beta = torch.where(log_rho >= ceiling, 1.0, part)
-    position = torch.arange(k, device=s_hat.device)
-    index = torch.where(u <= beta, position, k).amin(1)
+    lam, g = _levels(delta, k)
+    d = delta[:, None]
+    log_rho = torch.addcmul(d * s_hat, d, d, value=-0.5)  # log rho = delta s - delta^2 / 2
+    accept = log_rho >= torch.log(torch.addcmul(torch.stack(lam[:k], 1), u, torch.stack(g[:k], 1)))
+    index = accept.logical_not().cumprod(1).sum(1)  # leading rejections: the first accepted, or K
     u_res = rows.uniform(1)[:, 0]
-    s_res = sample_grs_residual(delta, lam[:, k], g[:, k], u_res)
-    return index, torch.where(index == k, s_res, 0.0)
+    s_res = sample_grs_residual(delta, lam[k], g[k], u_res)
+    return index, s_res
 
 
 @register_coupling("dgrs")
@@ -677,7 +700,7 @@ def rmc(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     rows = uniform_rows(generator, children.shape[0], children.device)
     u = rows.uniform(1)[:, 0]
     s = proj.s_hat[:, 0]
-    log_rho = proj.delta * s - 0.5 * proj.delta**2
+    log_rho = torch.addcmul(proj.delta * s, proj.delta, proj.delta, value=-0.5)
     accepted = torch.log(u) <= torch.clamp(log_rho, max=0.0)
     index = (~accepted).long()  # 0 accepted, K = 1 reflected
     return Verdict(reconstruct(children, proj, proj.delta - s, accepted, index), accepted, index)
