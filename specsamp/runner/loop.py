@@ -225,7 +225,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
                 r = sample_standard(target.model, schedule, **common)
             else:
                 r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
-                                       evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
+                                       evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup, refine=run.refine,
                                        check_contract=None if run.check_contract == "auto" else run.check_contract,
                                        **common)
             results.append(r)
@@ -246,6 +246,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
+        **({"refine": run.refine} if tree is not None and run.refine else {}),
         **({"unused": unused} if unused else {}),
         **({"delta_profile": calibrated} if optimal else {}),
         **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
