@@ -22,7 +22,6 @@ trajectories; no timings.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 
 import numpy as np
@@ -46,10 +45,16 @@ def rows_per_round(widths) -> tuple[int, int]:
 
 def matched_widths(rows: int, depth: int, most: int = 12) -> list[int]:
     """Non-increasing widths of ``depth`` levels whose tree has ``|V|`` closest to ``rows`` (ties: the wider root)."""
+    def shapes(left, top):  # non-increasing width sequences, widest first
+        if left == 0:
+            yield ()
+            return
+        for w in range(top, 0, -1):
+            for rest in shapes(left - 1, w):
+                yield (w,) + rest
+
     best = None
-    for w in itertools.product(range(most, 0, -1), repeat=depth):
-        if list(w) != sorted(w, reverse=True):
-            continue
+    for w in shapes(depth, most):
         gap = abs(rows_per_round(w)[0] - rows)
         if best is None or gap < best[0]:
             best = (gap, list(w))
