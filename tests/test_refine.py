@@ -160,3 +160,14 @@ def test_bad_refine_is_refused(value):
 def test_refine_on_the_path_execution_is_refused():
     with pytest.raises(ConfigError, match=r"refine=1 is invalid with execution=path: .* use execution=tree"):
         sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 2), "dgrs", 4, execution="path", refine=1)
+
+
+def test_experiment_matches_a_refined_rounds_rows_with_a_plain_tree():
+    from experiments.refine import main, matched_widths, rows_per_round
+
+    assert rows_per_round([2, 2, 2]) == (15, 7)
+    # refine=1 on (2, 3): 7 + 15 = 22 rows a round; refine=2: 29; on the chain (1, 8): 8 + 9 = 17
+    assert matched_widths(22, 3) == [7, 1, 1] and rows_per_round([7, 1, 1])[0] == 22
+    assert matched_widths(29, 3) == [4, 3, 1] and rows_per_round([4, 3, 1])[0] == 29
+    assert matched_widths(17, 8) == [2] + [1] * 7
+    assert main(["--n", "1"]) == 2
