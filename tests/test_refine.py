@@ -171,3 +171,17 @@ def test_experiment_matches_a_refined_rounds_rows_with_a_plain_tree():
     assert matched_widths(29, 3) == [4, 3, 1] and rows_per_round([4, 3, 1])[0] == 29
     assert matched_widths(17, 8) == [2] + [1] * 7
     assert main(["--n", "1"]) == 2
+
+
+def test_memory_check_counts_the_sweeps_buffers(monkeypatch):
+    # 10 MiB available, 80% usable; 12 trajectories of d = 1000 float64 on the (2, 3) tree: about 4.9 MB plain,
+    # about 9.2 MB with the sweeps' three extra states per node
+    from specsamp.runner import memory
+
+    class Model:
+        event_shape, dtype = (1000,), torch.float64
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)
+    memory.check_tree_memory(DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30)
+    with pytest.raises(ConfigError, match=r"batch_size=\d+ or less"):
+        memory.check_tree_memory(DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30, refine=1)

@@ -200,7 +200,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     bs = run.batch_size or n_total
     # every per-trajectory array (the ids included) is sized here, before the first one is allocated
     check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, n_total),
-                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps)
+                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps,
+                      refine=run.refine if tree is not None else 0)
     ids = torch.arange(run.n_samples) if given_ids is None else given_ids
     unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
     if unused:
