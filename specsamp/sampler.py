@@ -21,7 +21,8 @@ synchronisation per round; tests hold it to identical counts and the same drafte
 Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
 calls on the speculative steps ``1..T-2``, the warm-up call at the first root included;
 ``speedup = (T - 2) / nfe``. ``nfe_total`` adds the two deterministic endpoint steps. ``target_rows``
-counts the states the speculative calls evaluated.
+counts the states the speculative calls evaluated. Picard sweeps (``refine``) are batched calls of their own,
+charged to both.
 """
 
 from __future__ import annotations
