@@ -21,7 +21,8 @@ synchronisation per round; tests hold it to identical counts and the same drafte
 Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
 calls on the speculative steps ``1..T-2``, the warm-up call at the first root included;
 ``speedup = (T - 2) / nfe``. ``nfe_total`` adds the two deterministic endpoint steps. ``target_rows``
-counts the states the speculative calls evaluated.
+counts the states the speculative calls evaluated. Picard sweeps (``refine``) are batched calls of their own,
+charged to both.
 """
 
 from __future__ import annotations
@@ -300,6 +301,10 @@ class _TreeNodes(_Nodes):
             step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
             pos = tensors["parent"][layer] - int(prev[0])
             self.draft(all_rows, states[prev[0] : prev[-1] + 1].transpose(0, 1), step, layer[None], pos, out=states[layer[0] : layer[-1] + 1])
+        self.sweep_rows = []  # [m] rows of each Picard sweep's batched call
+        self.refined_v = None  # [N, m, *e] the last sweep's velocities: the children's proposal means use them
+        if ctx.refine > 0:
+            self._picard(states, ctx.refine)
         self.states = states
         node = torch.arange(N, device=dev)
         mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, N))
@@ -322,9 +327,64 @@ class _TreeNodes(_Nodes):
             self.vel = vel
         self.call_rows = mask.sum(1)
 
+    def _picard(self, states: torch.Tensor, J: int) -> None:
+        """``J`` synchronous Picard sweeps over the drafted tree, in place on ``states [N, m, *e]``.
+
+        Sweep ``j`` evaluates the target at the current snapshot of every internal node of ``T|_{L_n}`` in one
+        batched call (the root only where its velocity is not exact; after the first sweep it is), then rebuilds
+        the tree breadth-first with the same innovations: a child ``c`` of ``u`` at step ``s`` becomes
+        ``mean(x_u, v_u, s) + std(s) xi_c``, with ``x_u`` the parent's rebuilt state, ``v_u`` the sweep's velocity
+        at the parent's snapshot and ``xi_c`` the child's keyed noise (the draft's own numbers). This is the
+        Picard iteration of ParaDiGMS (Shih et al., 2023) on a tree: after ``j`` sweeps the first ``j`` levels
+        equal the target tree's, so at ``J >= L_n`` every child's proposal mean is the target kernel mean at
+        its parent.
+
+        Exactness: the snapshot of ``u`` is a function of ``u``'s ancestors' and ``u``'s own innovations
+        (and the round's root), never of ``u``'s children's, so given the round's history (the path walked to
+        ``u``) each child of ``u`` is ``N(mean(x_u, v_u, s), std(s)^2 I)`` with ``v_u`` already fixed; that
+        mean is what :meth:`children` hands the coupling, which is all an exact coupling needs.
+        """
+        ctx, rnd, t, tree = self.ctx, self.r, self.t, self.tree
+        m, e, dev = states.shape[1], states.shape[2:], states.device
+        last = ctx.schedule.steps - 1
+        node = torch.arange(len(tree), device=dev)
+        internal = (t["depth"][:, None] < rnd.depth_limit[None]) & (t["num_children"][:, None] > 0)  # [N, m]
+        # the innovations std(s) xi_c, drawn exactly as the draft drew them (same keys, same buffers' dtype)
+        innov = torch.empty_like(states)
+        for l in range(1, tree.max_depth + 1):
+            layer = tree.layer(l)
+            keys = rng.fold(rnd.draft_keys[None], rnd.n[None], torch.as_tensor(layer, device=dev).reshape(-1, 1))
+            block = innov[layer[0] : layer[-1] + 1]
+            rng.normal(keys, e, out=block)
+            step = (rnd.n + l - 1).clamp(max=last)
+            block *= per_row(ctx.schedule.std(step).to(states.dtype), states[0])[None]
+        vel = torch.zeros_like(states)
+        for _ in range(J):
+            mask = internal.clone()
+            mask[0] &= ~rnd.root_exact
+            nodes_, traj = mask.nonzero(as_tuple=True)
+            vel = torch.zeros_like(states)
+            if nodes_.numel():  # one batched call at the snapshot
+                step = (rnd.n[traj] + t["depth"][nodes_]).clamp(max=last)
+                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
+            vel[0] = torch.where(per_row(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
+            rnd.v_root, rnd.root_exact = vel[0].clone(), torch.ones_like(rnd.root_exact)
+            self.sweep_rows.append(mask.sum(0))
+            for l in range(1, tree.max_depth + 1):  # breadth-first rebuild with the same innovations
+                layer = tree.layer(l)
+                lo, hi = layer[0], layer[-1] + 1
+                par = t["parent"][node[lo:hi]]
+                step = (rnd.n + l - 1).clamp(max=last)
+                mean = ctx.schedule.mean(states[par].reshape(-1, *e), vel[par].reshape(-1, *e), step.repeat(hi - lo))
+                states[lo:hi] = mean.view(hi - lo, m, *e) + innov[lo:hi]
+        self.refined_v = vel
+
     def children(self, sub, x_u, u, k, step):
         ids = self.child_ids(u, k)
-        mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
+        if self.refined_v is not None:  # the refined proposal mean (see _picard)
+            mean = self.ctx.schedule.mean(x_u, self.refined_v[u, sub], step)
+        else:
+            mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
         return mean, self.states[ids, sub[:, None]], ids
 
     def velocity(self, sub, u, x_u):
@@ -374,6 +434,7 @@ class _Context:
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
     x_event: tuple = ()  # event shape of the states
     check_contract: bool = False  # check every verdict against the coupling contract
+    refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
 
 
 def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
@@ -1008,6 +1069,7 @@ def sample_speculative(
     callback: Callable[[dict], None] | None = None,
     warmup: str = "call",
     check_contract: bool | None = None,
+    refine: int = 0,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
 
@@ -1043,6 +1105,14 @@ def sample_speculative(
             (default): on for couplings defined outside the library (a ``verify`` whose module is not
             under ``specsamp.``), off for the library's own, whose law is tested. The check is device
             operations folded into the round's one host synchronisation.
+        refine: Picard sweeps ``J >= 0`` over each round's drafted tree before its verification (0: off, the
+            plain drafts). Each sweep is one batched target call at the current snapshot of the round's internal
+            nodes, after which the tree is rebuilt breadth-first with the same innovations from the fresh
+            velocities at each node's parent; the coupling is handed the refined proposal means, so the law is
+            unchanged (the argument: :meth:`_TreeNodes._picard`). At ``J >= L`` every proposal mean is the target
+            kernel mean at its parent (the verifier's ``delta`` is 0 wherever the states coincide). Every sweep
+            is charged to ``nfe`` and to ``target_rows``; recorded in ``SampleResult.extra["refine"]``. Tree
+            execution only, and it runs the reference round (the lean round serves ``refine=0``).
 
     The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
     ``x0_extrap``, ``x0_extrap_gated``), on a fixed tree or a tree per root step (one lean round per distinct tree
@@ -1059,7 +1129,8 @@ def sample_speculative(
         NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the
             message names the trajectory, step and node, ``rows`` the trajectory ids.
         ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree
-            wider than the coupling allows.
+            wider than the coupling allows; ``refine`` not an integer >= 0, or ``refine > 0`` with
+            ``execution="path"``.
         ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
@@ -1080,6 +1151,7 @@ def sample_speculative(
     )
     _check_choice("execution", execution, EXECUTIONS)
     _check_choice("warmup", warmup, WARMUPS)
+    ctx.refine = _check_refine(refine, execution)
     dev = _model_device(model)
     ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
@@ -1101,7 +1173,7 @@ def sample_speculative(
         tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
-    if _lean_supported(tree, execution, ctx.draft):
+    if _lean_supported(tree, execution, ctx.draft) and ctx.refine == 0:
         ctx.tables = schedule.tables(dev)
         ctx.x_event = tuple(st.x.shape[1:])
         ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
@@ -1133,7 +1205,7 @@ def sample_speculative(
                                     rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
             return lts[g]
 
-        return tally.result(_lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback), T)
+        return _with_refine(tally.result(_lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback), T), 0)
     r = 0
     while True:  # line 2
         live = (st.n < end).nonzero(as_tuple=True)[0]
@@ -1149,7 +1221,24 @@ def sample_speculative(
         if callback is not None:
             callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
                       "steps_done": int((st.n - schedule.first_speculative).clamp(min=0).sum())})
-    return tally.result(_final_step(ctx, st, tally), T)
+    return _with_refine(tally.result(_final_step(ctx, st, tally), T), ctx.refine)
+
+
+def _check_refine(refine, execution: str) -> int:
+    """``refine`` checked: an integer >= 0, and 0 unless ``execution == "tree"`` (each sweep needs every internal node)."""
+    if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
+        raise ConfigError(f"refine={refine!r} is invalid: the number of Picard sweeps per round must be an integer >= 0 "
+                          "(0: plain drafts).")
+    if refine > 0 and execution != "tree":
+        raise ConfigError(f"refine={refine} is invalid with execution={execution}: a Picard sweep evaluates every internal "
+                          "node of the drafted tree in one batched call, which only the tree execution drafts; use "
+                          "execution=tree, or refine=0.")
+    return int(refine)
+
+
+def _with_refine(res: SampleResult, refine: int) -> SampleResult:
+    res.extra["refine"] = refine
+    return res
 
 
 def _coef_table(tables: dict, dtype) -> torch.Tensor:
@@ -1162,11 +1251,13 @@ def _coef_table(tables: dict, dtype) -> torch.Tensor:
 def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls=None) -> None:
     """The reference rounds of step-dependent trees: one group per root index (the groups' rows would share
     one batched call: charged once)."""
-    calls = tally.batch_nfe
+    calls, most = tally.batch_nfe, 0
     roots = st.n[live]
     for n in torch.unique(roots).tolist():
+        before = tally.batch_nfe
         _round(ctx, *per_root[n], nodes_cls or _TreeNodes, st, live[roots == n], tally)
-    tally.batch_nfe = calls + int(tally.batch_nfe > calls)
+        most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
+    tally.batch_nfe = calls + most
 
 
 def _contract_default(coupling: Coupling) -> bool:
@@ -1359,6 +1450,8 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
     new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
+    for rows in getattr(nodes, "sweep_rows", ()):  # Picard sweeps (refine): one batched call each
+        tally.charge(live, rows)
     tally.charge(live, nodes.call_rows)  # a round with nothing to evaluate costs no call
     tally.committed[live, tally.rounds[live]] = steps
     tally.rounds[live] += 1

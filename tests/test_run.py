@@ -292,3 +292,25 @@ def test_relative_profile_path_is_read_from_the_launch_directory_under_chdir(tmp
     assert p.returncode == 0, p.stderr
     rec = json.loads((out / "result.json").read_text())
     assert "calibration" not in rec and rec["config"]["delta_profile"] == "prof.json"
+
+
+def test_refine_runs_on_the_tree_execution_records_its_sweeps_and_keeps_plain_hashes(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "ref").mkdir()
+    plain = run([*TINY, "execution=tree"], tmp_path / "plain")
+    rec0 = json.loads((tmp_path / "plain" / "result.json").read_text())
+    assert "refine" not in rec0 and "refine" not in rec0["config"]  # refine=0 records and hashes as before the key
+    assert run([*TINY, "execution=tree", "refine=0"], tmp_path / "plain").stdout.startswith("skipped")  # the same config
+    assert plain.returncode == 0
+    run([*TINY, "execution=tree", "refine=2"], tmp_path / "ref")
+    rec = json.loads((tmp_path / "ref" / "result.json").read_text())
+    assert rec["refine"] == 2 and rec["config"]["refine"] == 2 and rec["config_hash"] != rec0["config_hash"]
+    assert rec["nfe"]["mean"] > rec0["nfe"]["mean"]  # every sweep is a charged call
+
+
+@pytest.mark.parametrize("args,needle", [(["refine=1"], "refine=1 is invalid with execution=path"),
+                                         (["refine=-1", "execution=tree"], "refine=-1 is invalid")], ids=["path", "negative"])
+def test_bad_refine_exits_2_with_one_paragraph(tmp_path, args, needle):
+    p = run([*TINY, *args], tmp_path, check=False)
+    assert p.returncode == 2 and needle in p.stderr, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr and not (tmp_path / "result.json").exists()

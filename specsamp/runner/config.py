@@ -172,6 +172,7 @@ class RunConfig:
                                lambda v: v == "auto" or isinstance(v, bool), "auto")
     match: str = one_of(MATCH, "budget")
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
+    refine: int = at_least(0, 0)
     batch_size: Optional[int] = at_least(1, None)
     max_batch: Optional[int] = at_least(1, None)
     threads: Optional[int] = at_least(1, 1)
@@ -286,6 +287,8 @@ def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
     if run.num_shards == 1:
         recorded.pop("shard", None)
         recorded.pop("num_shards", None)
+    if run.refine == 0:  # plain drafts hash as before the key existed
+        recorded.pop("refine", None)
     return run, recorded
 
 
@@ -312,6 +315,10 @@ def check_values(run: RunConfig) -> None:
     check_logger(run.logger)
     if run.tree == "widths" and run.widths is None:
         raise ConfigError("widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
+    if run.refine > 0 and run.execution != "tree" and run.sampler.coupling is not None:
+        raise ConfigError(f"refine={run.refine} is invalid with execution={run.execution}: a Picard sweep evaluates every "
+                          "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
+                          "set execution=tree, or refine=0 (plain drafts).")
     if not 0 <= run.shard < run.num_shards:
         raise ConfigError(f"shard={run.shard!r} is invalid: must be an integer in 0..{run.num_shards - 1} (num_shards={run.num_shards}).")
     if run.num_shards > 1:
@@ -360,7 +367,7 @@ def unused_keys(run: RunConfig, coupling) -> dict:
     """
     paper = run.model.paper
     default = {"K": paper.K, "L": paper.L, "draft": "velocity", "prefetch": "nearest", "warmup": "call",
-               "evaluate_leaves": True, "match": "budget", "execution": "path", "tree": "uniform",
+               "evaluate_leaves": True, "match": "budget", "execution": "path", "refine": 0, "tree": "uniform",
                "widths": None, "budget": None, "delta_profile": None, "max_depth": None, "max_width": None}
     search = ("widths", "budget", "delta_profile", "max_depth", "max_width")
     if coupling is None:

@@ -200,7 +200,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     bs = run.batch_size or n_total
     # every per-trajectory array (the ids included) is sized here, before the first one is allocated
     check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, n_total),
-                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps)
+                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps,
+                      refine=run.refine if tree is not None else 0)
     ids = torch.arange(run.n_samples) if given_ids is None else given_ids
     unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
     if unused:
@@ -225,7 +226,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
                 r = sample_standard(target.model, schedule, **common)
             else:
                 r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
-                                       evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
+                                       evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup, refine=run.refine,
                                        check_contract=None if run.check_contract == "auto" else run.check_contract,
                                        **common)
             results.append(r)
@@ -246,6 +247,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
+        **({"refine": run.refine} if tree is not None and run.refine else {}),
         **({"unused": unused} if unused else {}),
         **({"delta_profile": calibrated} if optimal else {}),
         **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),

@@ -128,12 +128,13 @@ def check_tree_nodes(run, coupling, horizon: int) -> None:
 
 
 def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
-                      n_total: int | None = None, steps: int | None = None) -> None:
+                      n_total: int | None = None, steps: int | None = None, refine: int = 0) -> None:
     """Refuse a run whose sampler states cannot fit, before allocating anything.
 
     ``execution=tree`` holds, per trajectory of a batch and per node, the state and the velocity in
     the model's dtype plus float64 drafting noise; ``execution=path`` holds about ``2 K + 16`` states
-    per trajectory (the walk's current, children, means, noise); the standard sampler about 8. Every run
+    per trajectory (the walk's current, children, means, noise); the standard sampler about 8; Picard sweeps
+    (``refine > 0``) add three per node (the innovations, a sweep's velocities, the last sweep's). Every run
     also keeps all ``n_total`` samples (twice while batches are concatenated) and per-step counters.
 
     Raises:
@@ -145,7 +146,7 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
     if tree is None:
         per_traj = 8 * numel * max(elem, 8)
     elif execution == "tree":
-        per_traj = len(tree) * numel * (2 * elem + 8) + 4 * numel * max(elem, 8)
+        per_traj = len(tree) * numel * (2 * elem + 8 + (3 * elem if refine else 0)) + 4 * numel * max(elem, 8)
     else:
         widest = int(tree.num_children.max()) if len(tree) > 1 else 1
         per_traj = (2 * widest + 16) * numel * max(elem, 8)
