@@ -403,3 +403,75 @@ def test_a_timed_out_cell_makes_the_sweep_exit_1_like_a_killed_one():
 
     assert exits.sweep_exit_status({"kinds": ["config", "timed_out"]}) == exits.BUG
     assert exits.sweep_exit_status({"kinds": ["config"]}) == exits.USAGE
+
+
+def test_on_the_signal_a_batch_wise_cell_is_checkpointed_and_requeued_by_submitit_and_any_other_records_timed_out(tmp_path, monkeypatch):
+    """With a batch-wise run sampling (its store active), the launcher's handler hands the signal to the
+    handler submitit installed (which calls ``checkpoint`` and requeues: here it records the checkpoint
+    and exits as submitit does); when submitit refuses (out of requeues) the cell records ``timed_out``
+    naming its kept batches. Without an active store ``checkpoint`` returns None (no requeue)."""
+    import submitit
+    from submitit.core.utils import UncompletedJobError
+
+    from specsamp.runner.resume import BatchStore
+
+    mod = sys.modules["hydra_plugins.specsamp_sweeper.slurm"]
+    launcher = mod.SpecsampSlurmLauncher(submitit_folder=str(tmp_path), timeout_min=10, signal_delay_s=120)
+    args = (["K=1"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    assert launcher.checkpoint(*args) is None
+    seen = []
+
+    def submitit_handler(signum, frame):  # SignalHandler.checkpoint_and_try_requeue, reduced to its two outcomes
+        ckpt = launcher.checkpoint(*args)
+        seen.append(ckpt)
+        if len(seen) == 1:
+            sys.exit(-1)  # requeued: submitit exits the task
+        raise UncompletedJobError("Job not requeued because: timed-out too many times.")
+
+    def cell(self, *a):
+        with BatchStore(tmp_path, "h").running(5):
+            signal.getsignal(signal.SIGUSR2)(signal.SIGUSR2, None)
+        raise AssertionError("the signal should have stopped the cell")
+
+    monkeypatch.setattr(mod.SpecsampSlurmLauncher.__bases__[0], "__call__", cell)
+    before = signal.signal(signal.SIGUSR2, submitit_handler)
+    try:
+        with pytest.raises(SystemExit):
+            launcher(*args)
+        assert isinstance(seen[0], submitit.helpers.DelayedSubmission) and seen[0].args == args
+        assert signal.getsignal(signal.SIGUSR2) == submitit_handler
+        with pytest.raises(mod.CellTimedOut, match="was not requeued .*timed-out too many times.*0 of 5 batches"):
+            launcher(*args)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def fake_slurm_commands(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"  # the launcher and submitit insist on finding sbatch and srun; a dry run calls neither
+    bindir.mkdir()
+    for cmd in ("sbatch", "srun"):
+        (bindir / cmd).write_text("#!/bin/sh\nexit 1\n")
+        (bindir / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_header(tmp_path, monkeypatch):
+    from specsamp.runner.config import compose, load_config
+    from specsamp.runner.memory import MEM_MARGIN, NETWORK_BYTES, PROCESS_BYTES, mem_gb_for, run_memory_bytes
+
+    fake_slurm_commands(tmp_path, monkeypatch)
+    assert compose_hydra(["hydra/launcher=slurm"]).hydra.launcher.mem_gb is None
+    assert compose_hydra(["hydra/launcher=slurm_cpu"]).hydra.launcher.mem_gb is None
+    tiny = load_config(compose(TINY))[0]
+    assert PROCESS_BYTES < run_memory_bytes(tiny) < PROCESS_BYTES + 2**20 and mem_gb_for(tiny) == 2
+    big = ["model.dim=2000", "steps=16", "n_samples=100000", "batch_size=20000", "threads=1"]
+    want = mem_gb_for(load_config(compose(big))[0])
+    # execution=path holds 2K+16 float64 states per trajectory of a batch (20000 x 20 x 2000 x 8 B = 5.96 GiB) and
+    # keeps the samples twice (100000 x 2 x 2000 x 8 B = 2.98 GiB): times the margin, at least 13.4 GiB
+    assert want >= MEM_MARGIN * (20000 * 20 + 100000 * 2) * 2000 * 8 / 2**30
+    assert mem_gb_for(load_config(compose(["model=digits"]))[0]) >= MEM_MARGIN * (PROCESS_BYTES + NETWORK_BYTES) / 2**30
+    dry = ["-m", "hydra/launcher=slurm_cpu", "hydra.launcher.dry_run=true"]
+    p = run([*dry, "steps=16", "threads=1", "model.dim=16,2000", "n_samples=8,100000", "batch_size=20000", "sweep_name=m"], tmp_path)
+    assert f"#SBATCH --mem={want}GB" in p.stdout and f"mem_gb={want} per task" in p.stdout, p.out  # the largest cell's
+    p = run([*dry, *TINY, "K=1,2", "hydra.launcher.mem_gb=7", "sweep_name=n"], tmp_path)
+    assert "#SBATCH --mem=7GB" in p.stdout and "per task" not in p.stdout, p.out
