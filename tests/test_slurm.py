@@ -252,23 +252,65 @@ def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(t
     assert set(accounted(array, 2).values()) == {"COMPLETED"}
 
 
-@slurm
-def test_the_time_limit_signal_stops_a_running_cell_which_records_timed_out(tmp_path):
-    # a cell of 100 batches (about 30 s on one core); SLURM's time-limit signal is what `scancel -s USR2`
-    # sends to the task's steps, here as soon as the cell has started instead of signal_delay_s before the limit
-    long = ["model.dim=16", "steps=16", "n_samples=400000", "batch_size=4000", "threads=1"]
-    proc = start(["-m", *LAUNCH, *long, "sweep_name=t"], tmp_path)
+# a cell of 15 batches of 4000 trajectories (about 5 s on an idle core), signalled once its first batch is on disk;
+# SLURM's time-limit signal is what `scancel -s USR2` sends to the task's steps, here at once instead of
+# signal_delay_s before the limit (timeout_min=10 is below 10 minutes, so submitit counts it as a time limit)
+LONG = ["model.dim=16", "steps=16", "n_samples=60000", "batch_size=4000", "threads=1"]
+RECORD = (*NUMBERS, "nfe_total", "target_rows", "rounds", "committed_per_round", "attempts_per_depth", "batch_speedup", "tree")
+
+
+def signal_after_first_batch(tmp_path, args, name):
+    """Launch ``args`` in the background, send USR2 to its one task once a batch is kept; (proc, array, cell)."""
+    proc = start(["-m", *LAUNCH, *LONG, *args, f"sweep_name={name}"], tmp_path)
     log = tmp_path / "launch.log"
     array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
-    cell = next((tmp_path / "multirun/t").glob("*/slurm.json")).parent
-    wait_until("the cell to start", lambda: (cell / "running.json").exists())
+    cell = next((tmp_path / f"multirun/{name}").glob("*/slurm.json")).parent
+    wait_until("a finished batch", lambda: list((cell / "batches").glob("*.pt")))
     subprocess.run(["scancel", "-s", "USR2", array], check=True)
+    return proc, array, cell
+
+
+def local_record(tmp_path) -> dict:
+    run(["-m", "hydra/launcher=local", *LONG, "sweep_name=loc"], tmp_path)
+    (rec,) = records(tmp_path / "multirun/loc").values()
+    return rec
+
+
+@slurm
+def test_the_time_limit_signal_requeues_a_batch_wise_cell_which_resumes_and_records_it_once(tmp_path):
+    proc, array, cell = signal_after_first_batch(tmp_path, [], "rq")
+    log = tmp_path / "launch.log"
+    assert proc.wait(timeout=WAIT_S) == 0, log.read_text()
+    out = log.read_text()
+    assert "1 jobs, 1 ran, 0 skipped (done before), 0 failed" in out, out  # the requeue is the same task: counted once
+    (rec,) = records(tmp_path / "multirun/rq").values()
+    assert rec["slurm"]["restart_count"] == 1 and rec["slurm"]["job_id"] == array  # written by the requeued attempt
+    assert 1 <= rec["resumed"]["batches"] < rec["resumed"]["of"] == 15  # it continued from the kept batches
+    assert not (cell / "failed.json").exists() and not (cell / "batches").exists()
+    final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
+    assert final[0] == "COMPLETED"
+    loc = local_record(tmp_path)
+    assert {k: rec[k] for k in RECORD} == {k: loc[k] for k in RECORD} and "resumed" not in loc
+
+
+@slurm
+def test_without_requeues_the_time_limit_signal_records_timed_out_and_the_relaunch_resumes(tmp_path):
+    proc, array, cell = signal_after_first_batch(tmp_path, ["hydra.launcher.max_num_timeout=0"], "t")
+    log = tmp_path / "launch.log"
     assert proc.wait(timeout=WAIT_S) == 1, log.read_text()
     failed = json.loads((cell / "failed.json").read_text())
     assert failed["kind"] == "timed_out" and "signal_delay_s=120 s before timeout_min=10" in failed["error"]
-    assert not (cell / "result.json").exists() and "1 failed" in log.read_text()
+    assert "was not requeued" in failed["error"] and "a relaunch continues from them" in failed["error"]
+    kept = len(list((cell / "batches").glob("*.pt")))
+    assert kept >= 1 and not (cell / "result.json").exists() and "1 failed" in log.read_text()
     final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
     assert final[0] == "FAILED"  # one cell: a plain job, no array
+    again = run(["-m", *LAUNCH, *LONG, "sweep_name=t"], tmp_path)
+    assert "1 jobs, 1 ran, 0 skipped (done before), 0 failed" in again.stdout, again.out
+    (rec,) = records(tmp_path / "multirun/t").values()
+    assert rec["resumed"] == {"batches": kept, "of": 15} and not (cell / "failed.json").exists()
+    loc = local_record(tmp_path)
+    assert {k: rec[k] for k in RECORD} == {k: loc[k] for k in RECORD}
 
 
 @slurm
