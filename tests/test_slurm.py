@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
 
 TINY = ["model.dim=16", "steps=16", "n_samples=8", "threads=1"]
-LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
+LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.timeout_min=10"]  # mem_gb: the estimate
 WAIT_S = 240  # the longest any one wait may take before the test fails (a hung scheduler, not a slow one)
 
 
@@ -126,7 +126,7 @@ def test_parity_with_the_local_launcher_records_identify_the_task_and_relaunch_s
     p = run(["-m", *LAUNCH, *grid, "sweep_name=s"], tmp_path)
     array = array_of(p.stdout)
     assert f"scancel {array}" in p.stdout and f"squeue -j {array}" in p.stdout and f"sacct -j {array}" in p.stdout
-    assert "4 jobs, 4 ran, 0 skipped (done before), 0 failed" in p.stdout
+    assert "4 jobs, 4 ran, 0 skipped (done before), 0 failed" in p.stdout and "mem_gb=2 per task" in p.stdout
     run(["-m", "hydra/launcher=local", *grid, "sweep_name=l"], tmp_path)
     s, loc = records(tmp_path / "multirun/s"), records(tmp_path / "multirun/l")
     assert sorted(s) == sorted(loc) and len(s) == 4
