@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
 
 TINY = ["model.dim=16", "steps=16", "n_samples=8", "threads=1"]
-LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
+LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.timeout_min=10"]  # mem_gb: the estimate
 WAIT_S = 240  # the longest any one wait may take before the test fails (a hung scheduler, not a slow one)
 
 
@@ -126,7 +126,7 @@ def test_parity_with_the_local_launcher_records_identify_the_task_and_relaunch_s
     p = run(["-m", *LAUNCH, *grid, "sweep_name=s"], tmp_path)
     array = array_of(p.stdout)
     assert f"scancel {array}" in p.stdout and f"squeue -j {array}" in p.stdout and f"sacct -j {array}" in p.stdout
-    assert "4 jobs, 4 ran, 0 skipped (done before), 0 failed" in p.stdout
+    assert "4 jobs, 4 ran, 0 skipped (done before), 0 failed" in p.stdout and "mem_gb=2 per task" in p.stdout
     run(["-m", "hydra/launcher=local", *grid, "sweep_name=l"], tmp_path)
     s, loc = records(tmp_path / "multirun/s"), records(tmp_path / "multirun/l")
     assert sorted(s) == sorted(loc) and len(s) == 4
@@ -252,23 +252,65 @@ def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(t
     assert set(accounted(array, 2).values()) == {"COMPLETED"}
 
 
-@slurm
-def test_the_time_limit_signal_stops_a_running_cell_which_records_timed_out(tmp_path):
-    # a cell of 100 batches (about 30 s on one core); SLURM's time-limit signal is what `scancel -s USR2`
-    # sends to the task's steps, here as soon as the cell has started instead of signal_delay_s before the limit
-    long = ["model.dim=16", "steps=16", "n_samples=400000", "batch_size=4000", "threads=1"]
-    proc = start(["-m", *LAUNCH, *long, "sweep_name=t"], tmp_path)
+# a cell of 15 batches of 4000 trajectories (about 5 s on an idle core), signalled once its first batch is on disk;
+# SLURM's time-limit signal is what `scancel -s USR2` sends to the task's steps, here at once instead of
+# signal_delay_s before the limit (timeout_min=10 is below 10 minutes, so submitit counts it as a time limit)
+LONG = ["model.dim=16", "steps=16", "n_samples=60000", "batch_size=4000", "threads=1"]
+RECORD = (*NUMBERS, "nfe_total", "target_rows", "rounds", "committed_per_round", "attempts_per_depth", "batch_speedup", "tree")
+
+
+def signal_after_first_batch(tmp_path, args, name):
+    """Launch ``args`` in the background, send USR2 to its one task once a batch is kept; (proc, array, cell)."""
+    proc = start(["-m", *LAUNCH, *LONG, *args, f"sweep_name={name}"], tmp_path)
     log = tmp_path / "launch.log"
     array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
-    cell = next((tmp_path / "multirun/t").glob("*/slurm.json")).parent
-    wait_until("the cell to start", lambda: (cell / "running.json").exists())
+    cell = next((tmp_path / f"multirun/{name}").glob("*/slurm.json")).parent
+    wait_until("a finished batch", lambda: list((cell / "batches").glob("*.pt")))
     subprocess.run(["scancel", "-s", "USR2", array], check=True)
+    return proc, array, cell
+
+
+def local_record(tmp_path) -> dict:
+    run(["-m", "hydra/launcher=local", *LONG, "sweep_name=loc"], tmp_path)
+    (rec,) = records(tmp_path / "multirun/loc").values()
+    return rec
+
+
+@slurm
+def test_the_time_limit_signal_requeues_a_batch_wise_cell_which_resumes_and_records_it_once(tmp_path):
+    proc, array, cell = signal_after_first_batch(tmp_path, [], "rq")
+    log = tmp_path / "launch.log"
+    assert proc.wait(timeout=WAIT_S) == 0, log.read_text()
+    out = log.read_text()
+    assert "1 jobs, 1 ran, 0 skipped (done before), 0 failed" in out, out  # the requeue is the same task: counted once
+    (rec,) = records(tmp_path / "multirun/rq").values()
+    assert rec["slurm"]["restart_count"] == 1 and rec["slurm"]["job_id"] == array  # written by the requeued attempt
+    assert 1 <= rec["resumed"]["batches"] < rec["resumed"]["of"] == 15  # it continued from the kept batches
+    assert not (cell / "failed.json").exists() and not (cell / "batches").exists()
+    final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
+    assert final[0] == "COMPLETED"
+    loc = local_record(tmp_path)
+    assert {k: rec[k] for k in RECORD} == {k: loc[k] for k in RECORD} and "resumed" not in loc
+
+
+@slurm
+def test_without_requeues_the_time_limit_signal_records_timed_out_and_the_relaunch_resumes(tmp_path):
+    proc, array, cell = signal_after_first_batch(tmp_path, ["hydra.launcher.max_num_timeout=0"], "t")
+    log = tmp_path / "launch.log"
     assert proc.wait(timeout=WAIT_S) == 1, log.read_text()
     failed = json.loads((cell / "failed.json").read_text())
     assert failed["kind"] == "timed_out" and "signal_delay_s=120 s before timeout_min=10" in failed["error"]
-    assert not (cell / "result.json").exists() and "1 failed" in log.read_text()
+    assert "was not requeued" in failed["error"] and "a relaunch continues from them" in failed["error"]
+    kept = len(list((cell / "batches").glob("*.pt")))
+    assert kept >= 1 and not (cell / "result.json").exists() and "1 failed" in log.read_text()
     final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
     assert final[0] == "FAILED"  # one cell: a plain job, no array
+    again = run(["-m", *LAUNCH, *LONG, "sweep_name=t"], tmp_path)
+    assert "1 jobs, 1 ran, 0 skipped (done before), 0 failed" in again.stdout, again.out
+    (rec,) = records(tmp_path / "multirun/t").values()
+    assert rec["resumed"] == {"batches": kept, "of": 15} and not (cell / "failed.json").exists()
+    loc = local_record(tmp_path)
+    assert {k: rec[k] for k in RECORD} == {k: loc[k] for k in RECORD}
 
 
 @slurm
@@ -403,3 +445,75 @@ def test_a_timed_out_cell_makes_the_sweep_exit_1_like_a_killed_one():
 
     assert exits.sweep_exit_status({"kinds": ["config", "timed_out"]}) == exits.BUG
     assert exits.sweep_exit_status({"kinds": ["config"]}) == exits.USAGE
+
+
+def test_on_the_signal_a_batch_wise_cell_is_checkpointed_and_requeued_by_submitit_and_any_other_records_timed_out(tmp_path, monkeypatch):
+    """With a batch-wise run sampling (its store active), the launcher's handler hands the signal to the
+    handler submitit installed (which calls ``checkpoint`` and requeues: here it records the checkpoint
+    and exits as submitit does); when submitit refuses (out of requeues) the cell records ``timed_out``
+    naming its kept batches. Without an active store ``checkpoint`` returns None (no requeue)."""
+    import submitit
+    from submitit.core.utils import UncompletedJobError
+
+    from specsamp.runner.resume import BatchStore
+
+    mod = sys.modules["hydra_plugins.specsamp_sweeper.slurm"]
+    launcher = mod.SpecsampSlurmLauncher(submitit_folder=str(tmp_path), timeout_min=10, signal_delay_s=120)
+    args = (["K=1"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    assert launcher.checkpoint(*args) is None
+    seen = []
+
+    def submitit_handler(signum, frame):  # SignalHandler.checkpoint_and_try_requeue, reduced to its two outcomes
+        ckpt = launcher.checkpoint(*args)
+        seen.append(ckpt)
+        if len(seen) == 1:
+            sys.exit(-1)  # requeued: submitit exits the task
+        raise UncompletedJobError("Job not requeued because: timed-out too many times.")
+
+    def cell(self, *a):
+        with BatchStore(tmp_path, "h").running(5):
+            signal.getsignal(signal.SIGUSR2)(signal.SIGUSR2, None)
+        raise AssertionError("the signal should have stopped the cell")
+
+    monkeypatch.setattr(mod.SpecsampSlurmLauncher.__bases__[0], "__call__", cell)
+    before = signal.signal(signal.SIGUSR2, submitit_handler)
+    try:
+        with pytest.raises(SystemExit):
+            launcher(*args)
+        assert isinstance(seen[0], submitit.helpers.DelayedSubmission) and seen[0].args == args
+        assert signal.getsignal(signal.SIGUSR2) == submitit_handler
+        with pytest.raises(mod.CellTimedOut, match="was not requeued .*timed-out too many times.*0 of 5 batches"):
+            launcher(*args)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def fake_slurm_commands(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"  # the launcher and submitit insist on finding sbatch and srun; a dry run calls neither
+    bindir.mkdir()
+    for cmd in ("sbatch", "srun"):
+        (bindir / cmd).write_text("#!/bin/sh\nexit 1\n")
+        (bindir / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_header(tmp_path, monkeypatch):
+    from specsamp.runner.config import compose, load_config
+    from specsamp.runner.memory import MEM_MARGIN, NETWORK_BYTES, PROCESS_BYTES, mem_gb_for, run_memory_bytes
+
+    fake_slurm_commands(tmp_path, monkeypatch)
+    assert compose_hydra(["hydra/launcher=slurm"]).hydra.launcher.mem_gb is None
+    assert compose_hydra(["hydra/launcher=slurm_cpu"]).hydra.launcher.mem_gb is None
+    tiny = load_config(compose(TINY))[0]
+    assert PROCESS_BYTES < run_memory_bytes(tiny) < PROCESS_BYTES + 2**20 and mem_gb_for(tiny) == 2
+    big = ["model.dim=2000", "steps=16", "n_samples=100000", "batch_size=20000", "threads=1"]
+    want = mem_gb_for(load_config(compose(big))[0])
+    # execution=path holds 2K+16 float64 states per trajectory of a batch (20000 x 20 x 2000 x 8 B = 5.96 GiB) and
+    # keeps the samples twice (100000 x 2 x 2000 x 8 B = 2.98 GiB): times the margin, at least 13.4 GiB
+    assert want >= MEM_MARGIN * (20000 * 20 + 100000 * 2) * 2000 * 8 / 2**30
+    assert mem_gb_for(load_config(compose(["model=digits"]))[0]) >= MEM_MARGIN * (PROCESS_BYTES + NETWORK_BYTES) / 2**30
+    dry = ["-m", "hydra/launcher=slurm_cpu", "hydra.launcher.dry_run=true"]
+    p = run([*dry, "steps=16", "threads=1", "model.dim=16,2000", "n_samples=8,100000", "batch_size=20000", "sweep_name=m"], tmp_path)
+    assert f"#SBATCH --mem={want}GB" in p.stdout and f"mem_gb={want} per task" in p.stdout, p.out  # the largest cell's
+    p = run([*dry, *TINY, "K=1,2", "hydra.launcher.mem_gb=7", "sweep_name=n"], tmp_path)
+    assert "#SBATCH --mem=7GB" in p.stdout and "per task" not in p.stdout, p.out

@@ -7,6 +7,8 @@ What it changes (the job body, the sbatch script and the submitit folder layout 
   shard) is dropped, and so is a cell whose ``slurm.json`` names an array task that ``squeue``/``sacct``
   still report as pending or running (:data:`specsamp.runner.slurm.ALIVE`), or whose ``running.json``
   belongs to a live process; the counts are printed. Nothing is submitted when nothing is left.
+* **Memory**: when ``mem_gb`` is unset (``slurm``, ``slurm_cpu``), it is the largest of the cells' own
+  memory estimates with a margin (:func:`specsamp.runner.memory.mem_gb_for`), printed at submission.
 * **At submission** it prints the array job id, the log folder and the ``squeue``/``sacct``/``scancel``
   commands, and writes ``slurm.json`` (array job id, task id, paths) into each submitted cell's directory.
 * **It waits for every task** (the queue holding none of the array's tasks: ``squeue -j ARRAY``, polled
@@ -18,9 +20,12 @@ What it changes (the job body, the sbatch script and the submitit folder layout 
 * **sbatch refusals** exit 2 with one paragraph naming the launcher setting (partition, account, qos,
   CPUs, memory, GPUs, time); an unreachable controller raises an infrastructure error (exit 3).
 * **Inside the task**, a cell that recorded ``failed.json`` ends with a non-zero exit, so SLURM's
-  accounting says FAILED (and ``--mail-type=FAIL`` fires); on submitit's timeout signal (``USR2``,
-  ``signal_delay_s`` seconds before ``timeout_min``) the cell stops and records ``failed.json`` of kind
-  ``timed_out``, so a relaunch reruns it.
+  accounting says FAILED (and ``--mail-type=FAIL`` fires). On submitit's signal (``USR2``,
+  ``signal_delay_s`` seconds before ``timeout_min``, or a preemption) a cell that samples batch-wise
+  (its finished batches are on disk, :mod:`specsamp.runner.resume`) requeues itself through submitit's
+  checkpointing (:meth:`SpecsampSlurmLauncher.checkpoint`, at most ``max_num_timeout`` times for time
+  limits) and the requeued attempt continues from those batches; any other cell stops and records
+  ``failed.json`` of kind ``timed_out``, so a relaunch reruns it (from its finished batches, if any).
 
 Source: hydra-submitit-launcher 1.2 (``BaseSubmititLauncher.launch``/``__call__``) and submitit 1.5
 (``SlurmExecutor``, ``JobPaths``, ``JobEnvironment``; the ``--signal=USR2@signal_delay_s`` header line).
@@ -177,24 +182,51 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         self.poll_s = float(poll_s)
         self.cancel_on_interrupt = bool(cancel_on_interrupt)
         self.dry_run = bool(dry_run)
+        self._mem_from_estimate = self.params.get("mem_gb") is None  # mem_gb unset: derived per launch (_mem_gb)
 
     # -- inside the array task -------------------------------------------------------------------
 
     def __call__(self, sweep_overrides: List[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: Dict[type, Any]) -> JobReturn:
         """Run one cell in its array task (hydra-submitit-launcher's body), with a timeout handler, and
-        raise :class:`CellFailed` when it recorded a failure, so that the task's exit status is non-zero."""
+        raise :class:`CellFailed` when it recorded a failure, so that the task's exit status is non-zero.
+
+        On submitit's signal (``USR2``, ``signal_delay_s`` before ``timeout_min``, or a preemption): a cell
+        sampling batch-wise (:func:`specsamp.runner.resume.active`; its finished batches are on disk) is
+        handed to submitit's own handler, which calls :meth:`checkpoint`, requeues the task with
+        ``scontrol requeue`` and exits; the requeued attempt continues from the finished batches. Each
+        time-limit requeue counts against ``max_num_timeout`` (submitit counts a signal as a time limit once
+        the task ran ``min(0.8 timeout_min, timeout_min - 10 min)``, a preemption before that). A cell that
+        cannot resume (one batch), or is out of requeues, stops with :class:`CellTimedOut` and records
+        ``failed.json`` of kind ``timed_out``; its finished batches stay for the relaunch.
+        """
         import submitit
+        from specsamp.runner import resume
 
         sig = getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG, signal.SIGUSR2)
+        previous = signal.getsignal(sig)  # submitit's SignalHandler.checkpoint_and_try_requeue inside a task
 
         def _timed_out(signum, frame):  # noqa: ARG001
+            store = resume.active()
+            if store is None:
+                why = ("it runs as one batch, so it restarts on relaunch; raise hydra.launcher.timeout_min, or set "
+                       "batch_size (or num_shards) so that it can resume")
+            else:
+                why = "submitit's signal handler is not installed"
+                if callable(previous):
+                    try:
+                        previous(signum, frame)  # checkpoint(), scontrol requeue, then SystemExit: the requeue resumes
+                    except Exception as e:  # noqa: BLE001 (out of requeues, or scontrol refused): record timed_out
+                        why = " ".join(str(e).split()) or type(e).__name__
+                why = (f"was not requeued ({why}); its {store.finished()} of {store.total} batches finished so far are "
+                       f"kept in {store.dir} and a relaunch continues from them; raise hydra.launcher.timeout_min or "
+                       "hydra.launcher.max_num_timeout")
             signal.signal(sig, signal.SIG_IGN)  # once: the cell is stopping
             raise CellTimedOut(
                 f"SLURM's time limit is near (signal {signal.Signals(signum).name}, sent signal_delay_s="
                 f"{self.params.get('signal_delay_s')} s before timeout_min={self.params.get('timeout_min')}): the cell "
-                "stopped and reruns on relaunch; raise hydra.launcher.timeout_min, or shard it (num_shards)")
+                f"stopped and {why}")
 
-        previous = signal.signal(sig, _timed_out)
+        signal.signal(sig, _timed_out)
         try:
             ret = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         finally:
@@ -210,6 +242,17 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                              f"see {failed}")
         return ret
 
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's checkpoint hook (called by its signal handler inside the task): the same call again,
+        for the requeued attempt, when the cell's finished batches are on disk (it resumes from them);
+        None otherwise (submitit then does not requeue, and the cell records ``timed_out``)."""
+        import submitit
+        from specsamp.runner import resume
+
+        if resume.active() is None:
+            return None
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
     # -- in the launching process ----------------------------------------------------------------
 
     def _executor(self):
@@ -217,7 +260,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
 
         params = dict(self.params)
         ex = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
-                                   slurm_max_num_timeout=params.pop("max_num_timeout", 0))
+                                   slurm_max_num_timeout=params.pop("max_num_timeout", 3))
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
         return ex
@@ -243,6 +286,28 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         if not run.skip_existing or existing_record(job_dir, h) is None:
             return False
         return run.num_shards <= 1 or (job_dir / jobs.SHARD).exists()
+
+    def _mem_gb(self, cells: List[tuple[Sequence[str], Path]]) -> Optional[int]:
+        """``mem_gb`` for the array when the launcher config leaves it unset: the largest
+        :func:`specsamp.runner.memory.mem_gb_for` (the run's memory estimate times 1.5, in GiB) over the cells
+        to submit; None when ``mem_gb`` or ``additional_parameters.mem``/``mem_per_cpu`` is set, or when no
+        cell's config validates (those cells fail at once in their task, whatever memory they get)."""
+        from specsamp.runner.config import load_config
+        from specsamp.runner.memory import mem_gb_for
+
+        extra = self.params.get("additional_parameters") or {}
+        if not self._mem_from_estimate or "mem" in extra or "mem_per_cpu" in extra:
+            return None
+        sizes = []
+        for overrides, _ in cells:
+            try:
+                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                with read_write(cfg), open_dict(cfg):
+                    del cfg["hydra"]
+                sizes.append(mem_gb_for(load_config(cfg)[0]))
+            except Exception:  # noqa: BLE001 (a cell that does not compose or validate records why in its task)
+                continue
+        return max(sizes) if sizes else None
 
     def _live(self, cells: List[tuple[Sequence[str], Path]]) -> Dict[Path, str]:
         """The cells the scheduler (or a live process) still owns: ``{job dir: "SLURM job A_T STATE"}``."""
@@ -285,6 +350,11 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         if not todo:
             print(f"nothing to submit for {sweep_dir}", flush=True)
             return []
+        mem = self._mem_gb([c for _, c in todo])
+        if mem is not None:
+            self.params["mem_gb"] = mem
+            print(f"mem_gb={mem} per task: the cells' own memory estimate with a margin (set hydra.launcher.mem_gb to "
+                  "choose it)", flush=True)
         executor = self._executor()
         if self.dry_run:
             ex = executor._executor

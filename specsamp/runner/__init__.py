@@ -7,6 +7,7 @@ Layers, top down (each module imports only from those below it and from the core
 - :mod:`~specsamp.runner.report`: sweep tables and the end-of-sweep summary;
   :mod:`~specsamp.runner.shards`: one run split by trajectory index, and merged back;
 - :mod:`~specsamp.runner.loop`: the batch loop of one run (:func:`run_config`);
+  :mod:`~specsamp.runner.resume`: a sweep job's finished batches, kept so that an interrupted job resumes;
 - :mod:`~specsamp.runner.build`: target, coupling, schedule and tree from the config;
   :mod:`~specsamp.runner.memory`: sizes refused before they are allocated;
 - :mod:`~specsamp.runner.outputs`: images and their FID / CLIP scores;

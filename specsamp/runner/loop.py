@@ -8,6 +8,7 @@ samples the trajectories in batches with a progress bar, and returns the record
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -133,7 +134,7 @@ def record_hash(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict, str]:
 
 
 def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None,
-               before_sampling: Callable[[], None] | None = None) -> tuple[dict, SampleResult]:
+               before_sampling: Callable[[], None] | None = None, batches=None) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``.
 
     Args:
@@ -148,6 +149,10 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         before_sampling: called once every value and size is checked, the target built and the tree found,
             just before the first trajectory is sampled (the runner refuses a used output directory there,
             so that a bad value is still reported as such).
+        batches: a :class:`~specsamp.runner.resume.BatchStore` of the job's directory: with more than one
+            batch, each finished batch is written there, and a batch already there (an earlier, interrupted
+            attempt of the same config) is read instead of sampled; the record then holds
+            ``resumed: {batches, of}``. None: every batch is sampled, nothing is written.
 
     Returns:
         The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
@@ -214,10 +219,17 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     dev = torch.device(getattr(target.model, "device", run.device))
     results = []
     per_traj = horizon  # the bar counts trajectory-steps of the speculative range, per round or step
-    with _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar:
+    n_batches = -(-ids.numel() // bs)
+    store = batches if n_batches > 1 else None  # one batch: nothing to keep between attempts
+    with _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar, \
+            (store.running(n_batches, max_batch=max_batch) if store is not None else contextlib.nullcontext()):
         for start in range(0, ids.numel(), bs):
             chunk = ids[start : start + bs].to(dev)
             base = start * per_traj
+            if store is not None and (r := store.load(chunk)) is not None:  # finished by an earlier attempt
+                results.append(r)
+                bar.to(base + chunk.numel() * per_traj)
+                continue
             common = dict(seed=run.seed, indices=chunk, max_batch=max_batch,
                           cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {},
                           # no callback without a bar: its progress counts would cost the sampler host syncs
@@ -229,6 +241,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
                                        evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup, refine=run.refine,
                                        check_contract=None if run.check_contract == "auto" else run.check_contract,
                                        **common)
+            if store is not None:
+                store.save(chunk, r)
             results.append(r)
             bar.to(base + chunk.numel() * per_traj)
     res = _concat(results)
@@ -252,6 +266,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         **({"delta_profile": calibrated} if optimal else {}),
         **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
         **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
+        **({"resumed": {"batches": store.loaded, "of": n_batches}} if store is not None and store.loaded else {}),
         # the calibration run's calls, paid by this run but not in its speedup (README "Trees"); charged like
         # with like: its calls on the speculative steps, as the run's own nfe counts (endpoints excluded)
         **({"calibration": calibration,

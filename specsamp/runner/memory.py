@@ -127,6 +127,75 @@ def check_tree_nodes(run, coupling, horizon: int) -> None:
                  nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
 
 
+def sampler_bytes(nodes: int | None, widest: int, depth: int, numel: int, elem: int, *, execution: str = "tree",
+                  n_total: int, steps: int | None = None, refine: int = 0) -> tuple[int, int]:
+    """``(fixed, per trajectory of a batch)`` bytes of the sampler's states (:func:`check_tree_memory`'s estimate).
+
+    Args:
+        nodes: nodes of one round's tree; None for the standard sampler.
+        widest: the most children of a node; depth: the tree's depth.
+        numel: elements of one state; elem: bytes of one element of the model's dtype.
+        execution: ``tree`` or ``path``; n_total: samples kept; steps: ``T`` (per-step counters).
+        refine: Picard sweeps per round (``refine > 0`` adds three states per node).
+    """
+    if nodes is None:
+        per_traj = 8 * numel * max(elem, 8)
+    elif execution == "tree":
+        per_traj = nodes * numel * (2 * elem + 8 + (3 * elem if refine else 0)) + 4 * numel * max(elem, 8)
+    else:
+        per_traj = (2 * widest + 16) * numel * max(elem, 8)
+    fixed = n_total * (2 * numel * elem + 8 + 8 * 3 * ((steps or 0) + 2 * depth))  # samples, ids, counters
+    return int(fixed), int(per_traj)
+
+
+PROCESS_BYTES = 2**30  # Python, torch, Hydra and the runner imported: 0.70 GB resident measured for a tiny GMM run
+NETWORK_BYTES = 3 * 2**30  # a network whose size only its checkpoint knows (EDM, SD3), or a CUDA context on the host
+MEM_MARGIN = 1.5  # the estimate is of the large arrays; the margin covers temporaries and the allocator
+
+
+def run_memory_bytes(run) -> int:
+    """Host memory, in bytes, one run of ``run`` (a :class:`~specsamp.runner.config.RunConfig`) needs by the
+    estimates the runner refuses sizes with, from its config alone (nothing is built).
+
+    The sum of :data:`PROCESS_BYTES`; the schedule and per-step tables and the model's config-sized arrays
+    (:func:`specsamp.runner.loop.check_config_sizes`); the draft tree (:func:`tree_nodes`); and, when the
+    config gives the state shape (``model.dim`` of the GMM) and the states live on the CPU, the sampler's
+    states of one batch and the kept samples (:func:`sampler_bytes`). A model loaded from a checkpoint
+    (whose state shape and weights only the file knows), or a CUDA device, adds :data:`NETWORK_BYTES`.
+    Used by the SLURM launcher for ``mem_gb`` when its config leaves it unset (:func:`mem_gb_for`).
+    """
+    from .build import build_coupling
+    from .loop import STEP_BYTES
+
+    total = PROCESS_BYTES + run.steps * STEP_BYTES
+    size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
+    total += size[1] if size is not None else 0
+    coupling = build_coupling(run)
+    horizon = max(run.steps - 2, 1)
+    nodes = tree_nodes(run, coupling, horizon)
+    if coupling is not None and nodes == 0:  # a searched tree: its budget of drafted states, plus the root
+        nodes = (run.budget or uniform_budget(run.K, run.L)) + 1
+    total += nodes * TREE_BYTES_PER_NODE
+    dim = getattr(run.model, "dim", None)
+    on_cpu = not str(run.device).startswith("cuda")
+    if isinstance(dim, int) and dim > 0 and on_cpu:
+        elem = torch.tensor([], dtype=run.model.torch_dtype()).element_size()
+        depth = min(run.L, horizon) if coupling is not None else 0
+        fixed, per_traj = sampler_bytes(nodes if coupling is not None else None, max(run.K, 1), depth, dim, elem,
+                                        execution=run.execution, n_total=run.n_samples, steps=run.steps,
+                                        refine=run.refine)
+        total += fixed + min(run.batch_size or run.n_samples, run.n_samples) * per_traj
+    else:
+        total += NETWORK_BYTES
+    return int(total)
+
+
+def mem_gb_for(run) -> int:
+    """``mem_gb`` (whole GiB, SLURM's ``--mem=NG``; at least 1) of a SLURM task running ``run``: :func:`run_memory_bytes` times
+    :data:`MEM_MARGIN`, rounded up (2 for a tiny GMM cell)."""
+    return max(1, int(np.ceil(MEM_MARGIN * run_memory_bytes(run) / 2**30)))
+
+
 def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
                       n_total: int | None = None, steps: int | None = None, refine: int = 0) -> None:
     """Refuse a run whose sampler states cannot fit, before allocating anything.
@@ -143,16 +212,11 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
     """
     numel = int(np.prod(model.event_shape))
     elem = torch.tensor([], dtype=model.dtype).element_size()
-    if tree is None:
-        per_traj = 8 * numel * max(elem, 8)
-    elif execution == "tree":
-        per_traj = len(tree) * numel * (2 * elem + 8 + (3 * elem if refine else 0)) + 4 * numel * max(elem, 8)
-    else:
-        widest = int(tree.num_children.max()) if len(tree) > 1 else 1
-        per_traj = (2 * widest + 16) * numel * max(elem, 8)
+    widest = int(tree.num_children.max()) if tree is not None and len(tree) > 1 else 1
+    fixed, per_traj = sampler_bytes(len(tree) if tree is not None else None, widest, tree.max_depth if tree is not None else 0,
+                                    numel, elem, execution=execution, n_total=batch if n_total is None else n_total,
+                                    steps=steps, refine=refine)
     n_total = batch if n_total is None else n_total
-    depth = tree.max_depth if tree is not None else 0
-    fixed = n_total * (2 * numel * elem + 8 + 8 * 3 * ((steps or 0) + 2 * depth))  # samples, ids, counters
     free = available_bytes(device)
     need = fixed + batch * per_traj
     if free is None or need <= 0.8 * free:

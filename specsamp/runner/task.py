@@ -21,6 +21,10 @@ in the record; the relaunch skips the sampling and retries the logging (:func:`_
 
 With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.runner.shards`) and writes
 ``shard.pt`` before ``result.json``.
+
+A sweep job of more than one batch keeps each finished batch in ``batches/`` until its record is written
+(:mod:`specsamp.runner.resume`): a job stopped mid-run (a requeue, a kill, a relaunch) samples only the
+batches it had not finished, and its record equals that of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..io import torch_save_atomic, write_json_atomic
 from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
 from .loop import record_hash, run_config
 from .outputs import MetricError, compute_metrics, save_images
+from .resume import BatchStore
 from .shards import save_shard, shard_indices
 from .loggers import log_record
 from .slurm import job_identity
@@ -180,7 +185,10 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     _clear_failure(out_dir)
     indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size) if sharded else None
     # a second config's files never mix with the first's: refused once every value is checked, before sampling
-    record, result = run_config(cfg, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded))
+    # a sweep job keeps its finished batches, so a requeue or a relaunch continues from them (specsamp.runner.resume)
+    batches = BatchStore(out_dir, h) if multirun and run.skip_existing else None
+    record, result = run_config(cfg, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded),
+                                batches=batches)
     record["output_dir"] = str(out_dir)
     record["overrides"] = _job_overrides()
     record.update(slurm_fields())
@@ -197,6 +205,8 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     image_dir = save_images(result, out_dir) if run.save_samples or run.metrics else None  # a PNG per image + grid
     # the record goes to disk before any metric is scored, so a scoring failure loses no samples
     write_json_atomic(out_dir / RESULT, record)
+    if batches is not None:
+        batches.clear()  # the record holds them now
     metric_error = None
     if run.metrics:
         try:
