@@ -64,3 +64,23 @@ class FlakyLogger:
             raise ConnectionError("the logging service cannot be reached")
         with open(Path(out_dir) / "logged.txt", "a") as f:
             f.write(f"{record['speedup']['mean']}\n")
+
+
+class CountingModel:
+    """Wraps a model and logs, per invocation, which trajectories (``tid`` condition) had rows in it."""
+
+    def __init__(self, model):
+        self.model, self.event_shape, self.dtype = model, model.event_shape, model.dtype
+        self.log = []
+
+    def __call__(self, x, sigma, tid):
+        self.log.append(tid.clone())
+        return self.model(x, sigma)
+
+    def per_trajectory(self, m):
+        calls = torch.zeros(m, dtype=torch.long)
+        rows = torch.zeros(m, dtype=torch.long)
+        for t in self.log:
+            calls += torch.bincount(t.unique(), minlength=m)
+            rows += torch.bincount(t, minlength=m)
+        return calls, rows

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from helpers import chi2_same_counts, two_sample_pvalues
+from helpers import CountingModel, chi2_same_counts, two_sample_pvalues
 from specsamp.coupling import Coupling, dgrs, rmc
 from specsamp.errors import ConfigError
 from specsamp.models import GaussianMixture
@@ -95,18 +95,6 @@ def test_refine_at_depth_hands_the_verifier_the_target_mean(tree, rule, draft, p
     sample_speculative(MODEL, SCHED, tree, coupling, 64, draft=draft, prefetch=prefetch, execution="tree", seed=5,
                        check_contract=False)
     assert max(seen) > 1e-3
-
-
-class CountingModel:
-    """Wraps a model and logs, per invocation, which trajectories (``tid`` condition) had rows in it."""
-
-    def __init__(self, model):
-        self.model, self.event_shape, self.dtype = model, model.event_shape, model.dtype
-        self.log = []
-
-    def __call__(self, x, sigma, tid):
-        self.log.append(tid.clone())
-        return self.model(x, sigma)
 
 
 @pytest.mark.parametrize("J", [1, 2])

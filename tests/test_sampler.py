@@ -16,7 +16,7 @@ a biased coupling gives p < 1e-3.
 import pytest
 import torch
 
-from helpers import chi2_same_counts, two_sample_pvalues
+from helpers import CountingModel, chi2_same_counts, two_sample_pvalues
 from specsamp.coupling import Verdict, dgrs, rmc
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative, sample_standard
@@ -269,26 +269,6 @@ def test_seeds_matter_and_repeat():
 
 
 # --- counting the target's actual invocations ----------------------------------------------------
-
-
-class CountingModel:
-    """Wraps a model and logs, per invocation, which trajectories (``tid`` condition) had rows in it."""
-
-    def __init__(self, model):
-        self.model, self.event_shape, self.dtype = model, model.event_shape, model.dtype
-        self.log = []
-
-    def __call__(self, x, sigma, tid):
-        self.log.append(tid.clone())
-        return self.model(x, sigma)
-
-    def per_trajectory(self, m):
-        calls = torch.zeros(m, dtype=torch.long)
-        rows = torch.zeros(m, dtype=torch.long)
-        for t in self.log:
-            calls += torch.bincount(t.unique(), minlength=m)
-            rows += torch.bincount(t, minlength=m)
-        return calls, rows
 
 
 def run_counted(T, spec, coupling="dgrs", m=6, **kw):
