@@ -55,8 +55,8 @@ digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers an
 train-patches:  ## retrain the patches32 denoiser (3x32x32 crops of scikit-learn's photographs; seeded, one thread) into specsamp/data/
 	$(PYTHON) -m experiments.train_patches
 
-PATCHES_N ?= 300
-patches:  ## the patches32 network: Figure 4, two-sample tests (PATCHES_N images per arm; the committed table: 300), levers and figures in results/patches32/
+PATCHES_N ?= 1000
+patches:  ## the patches32 network: Figure 4, two-sample tests (PATCHES_N images per arm, 1,000 as committed), levers and figures in results/patches32/
 	@# the two rules side by side (one core each); every cell keeps its own directory
 	$(PYTHON) run.py +experiment=patches_fig4 sampler=dgrs & half=$$!; \
 	$(PYTHON) run.py +experiment=patches_fig4 sampler=rmc; status=$$?; wait $$half && test $$status -eq 0
