@@ -88,6 +88,11 @@ def array_of(out: str) -> str:
     return line.split()[4].rstrip(":")
 
 
+def submitted_array(log: Path) -> str:
+    """The array job id, once the launcher's log at ``log`` has printed its submission line."""
+    return wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+
+
 def records(sweep: Path, name: str = "result.json") -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in sorted(sweep.glob(f"*/{name}"))}
 
@@ -162,7 +167,7 @@ def test_scancel_of_one_task_waits_for_the_others_and_the_relaunch_reruns_only_t
     held, go = gate(tmp_path)
     proc = start(["-m", *LAUNCH, *held, *TINY, "K=1,2", "sweep_name=c"], tmp_path)
     log = tmp_path / "launch.log"
-    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    array = submitted_array(log)
     wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
     subprocess.run(["scancel", f"{array}_1"], check=True)
     wait_until("the cancelled task to leave the queue", lambda: f"{array}_1" not in squeue(array))
@@ -186,7 +191,7 @@ def test_relaunch_while_the_array_runs_after_the_launcher_died_submits_nothing_a
     args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=r"]
     proc = start([*args, *held], tmp_path)
     log = tmp_path / "launch.log"
-    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    array = submitted_array(log)
     wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
     proc.kill()  # the launching shell dies; the array does not
     proc.wait()
@@ -212,7 +217,7 @@ def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it
     arrays = []
     for name, extra in (("keep", []), ("cancel", ["hydra.launcher.cancel_on_interrupt=true"])):
         proc = start(["-m", *LAUNCH, *held, *extra, *TINY, "K=1,2", f"sweep_name={name}"], tmp_path)
-        array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+        array = submitted_array(log)
         # the first array holds both CPUs: the second one's tasks stay pending, which Ctrl-C cancels as well
         wait_until("both tasks queued", lambda: len(squeue(array)) == 2 and (extra or set(squeue(array).values()) == {"RUNNING"}))
         proc.send_signal(signal.SIGINT)
@@ -236,7 +241,7 @@ def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(t
     held, go = gate(tmp_path)
     proc = start(["-m", *LAUNCH, *held, *TINY, "K=1,2", "sweep_name=node"], tmp_path)
     log = tmp_path / "launch.log"
-    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    array = submitted_array(log)
     wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
     node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
     try:
@@ -263,7 +268,7 @@ def signal_after_first_batch(tmp_path, args, name):
     """Launch ``args`` in the background, send USR2 to its one task once a batch is kept; (proc, array, cell)."""
     proc = start(["-m", *LAUNCH, *LONG, *args, f"sweep_name={name}"], tmp_path)
     log = tmp_path / "launch.log"
-    array = wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    array = submitted_array(log)
     cell = next((tmp_path / f"multirun/{name}").glob("*/slurm.json")).parent
     wait_until("a finished batch", lambda: list((cell / "batches").glob("*.pt")))
     subprocess.run(["scancel", "-s", "USR2", array], check=True)
