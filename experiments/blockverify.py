@@ -330,8 +330,9 @@ def draft_chain(model, schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: 
     the root (``Draft.freeze`` of a :class:`specsamp.drafts.DraftRoot` with the root's exact velocity), node
     ``i`` is ``mp_i + s_i Z_i`` with ``mp_i = Draft.mean`` at ``X_{i-1}`` and step ``n + i - 1``, ``s_i`` the
     kernel std (:meth:`specsamp.schedule.Schedule.std`), and ``Z_i`` the normal keyed by
-    ``(seed, trajectory, root step n, node i)`` on the ``draft`` stream (:mod:`specsamp.rng`), so a row's
-    nodes are the sampler's first-round nodes for that trajectory and root. The target means use the root's
+    ``(seed, trajectory, root state index n, node i)`` on the ``draft`` stream (:mod:`specsamp.rng`), so a
+    row's nodes are those :func:`specsamp.sampler.sample_speculative` drafts on ``DraftTree.chain(L)`` for that
+    trajectory in a round rooted at ``x`` with the exact velocity ``v``. The target means use the root's
     velocity ``v`` and one batched target call on ``X_1..X_{L-1}`` (the leaf's velocity is not needed).
 
     Args:
