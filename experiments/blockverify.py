@@ -1,8 +1,11 @@
 r"""Block verification of a drafted chain of Gaussian kernels: exact, and never shorter than node-wise.
 
-Source: the idea is block verification for language models (Sun et al., 2024, "Block verification
-accelerates speculative decoding"; cited by the paper as Soen et al., 2026). This module carries it
-to the continuous chains of Algorithm 1 with ``K = 1`` (the chains RMC verifies, Algorithm 2).
+Source: block verification was introduced for language models by Sun et al. (2024), "Block verification
+accelerates speculative decoding" (arXiv:2403.10444): a drafted block is verified jointly instead of token
+by token. The paper cites Soen et al. (2026), "Accelerating speculative diffusions via block verification"
+(arXiv:2606.13426), in its appendix A.2 among the works that bring speculative sampling to diffusion models.
+The rule below, for the continuous chains of Algorithm 1 with ``K = 1`` (the chains RMC verifies,
+Algorithm 2), and its proof of exactness are stated here in full.
 
 Setting
 -------
@@ -30,7 +33,7 @@ survival function (:func:`specsamp.coupling.sample_grs_residual`) with a fresh u
 part is the drafted ``X_{tau+1}``'s own (eq. 15), which is exact: by (i) below
 ``P(tau = i | X_{1:i+1}) = h_i (1 - w_{i+1})`` depends on ``X_{i+1}`` only through its projection
 ``S_{i+1}``, so given ``tau = i``, ``X_{1:i}`` and ``S_{i+1}`` its orthogonal part is still ``N(0, I)``.
-(Keeping it keeps the committed state next to an evaluated node, whose velocity the next round drafts from.)
+(So the committed state differs from the evaluated node ``X_{tau+1}`` only along ``e_{tau+1}``.)
 
 Exactness (induction on depth). Write ``p(x_{1:j})``, ``q(x_{1:j})`` for the chains' joint densities.
 (i) ``P(tau >= j | X_{1:j}) = w_j``: true at ``j = L``; and
@@ -54,9 +57,12 @@ chain; ``E[tau] = sum_j E[w_j]`` and committed steps per round ``E[min(tau + 1, 
 With constant ``delta`` node-wise gives ``P(tau >= j) = alpha^j``, ``alpha = 2 Phibar(delta / 2)`` (eq. 20).
 
 Entry points: :func:`block_verify_chain` (the rule, coupling-like contract on a whole chain),
-:func:`chain_acceptance` (conditional tails of both rules), :func:`sample_block_chain` (a standalone exact
-speculative sampler on chains, block or node-wise), :func:`synthetic_rows` and :func:`gmm_rows` (tables;
-``python -m experiments.blockverify`` prints them as CSV).
+:func:`node_verify_chain` (node-wise RMC on the same contract), :func:`chain_acceptance` (conditional tails
+of both rules), :func:`draft_chain` (a chain drafted from a round's root with the library's draft, noise keys
+and kernel, with its target kernel means: the inputs of both rules), :func:`synthetic_rows` and
+:func:`gmm_rows` (tables; ``python -m experiments.blockverify`` prints them as CSV). This module is an
+analysis: it verifies single rounds; full speculative runs are :func:`specsamp.sampler.sample_speculative`'s
+(node-wise on a chain: ``tree=DraftTree.chain(L)``, ``coupling="rmc"``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ from specsamp.coupling import grs_remaining_mass, project, sample_grs_residual, 
 from specsamp.drafts import DraftRoot, get_draft
 from specsamp.models.base import batched
 from specsamp.schedule import Schedule, per_row
+from specsamp.sampler import initial_noise, sample_speculative
+from specsamp.trees import DraftTree
 
 LOG_W_FLOOR = -700.0  # residual levels 1/w are computed from max(ln w, this): a residual after a prefix
 # with w < e^-700 has probability < e^-700 of being needed
@@ -274,31 +282,24 @@ def node_verify_chain(children, mean_p, mean_q, sigma, generator=None) -> ChainV
 
 
 # ----------------------------------------------------------------------------------------------
-# A standalone exact speculative sampler on chains (Algorithm 1 with K = 1), block or node-wise.
+# Chains drafted as the library's sampler drafts them.
 
 
 @dataclass
-class ChainRun:
-    """Result of :func:`sample_block_chain`.
+class DraftedChain:
+    """A chain drafted from ``m`` roots, with the target kernel means at its nodes (:func:`draft_chain`).
 
     Attributes:
-        samples: ``[M, *event]`` final states.
-        nfe: ``[M]`` batched target calls on steps ``1..T-2`` (the warm-up call included).
-        rounds: ``[M]`` rounds.
-        accepted: ``[M]`` drafted nodes accepted, summed over rounds.
-        speculative_steps: ``T - 2``.
+        children: ``[m, L, *e]`` drafted nodes ``X_1..X_L``, in the roots' dtype.
+        mean_p: ``[m, L, *e]`` draft means ``mp_i`` given ``X_{i-1}``.
+        mean_q: ``[m, L, *e]`` target kernel means ``mq_i`` given ``X_{i-1}`` (eq. 36).
+        sigma: ``[m, L]`` float64 kernel stds ``s_i`` (eq. 37).
     """
 
-    samples: torch.Tensor
-    nfe: torch.Tensor
-    rounds: torch.Tensor
-    accepted: torch.Tensor
-    speculative_steps: int
-
-    @property
-    def speedup(self) -> torch.Tensor:
-        """``(T - 2) / nfe`` per trajectory (float64 ``[M]``)."""
-        return self.speculative_steps / self.nfe.double()
+    children: torch.Tensor
+    mean_p: torch.Tensor
+    mean_q: torch.Tensor
+    sigma: torch.Tensor
 
 
 def _memoryless_draft(name: str):
@@ -320,110 +321,76 @@ def _memoryless_draft(name: str):
     return dr
 
 
-def sample_block_chain(model, schedule: Schedule, L: int, n_samples: int, *, rule: str = "block", draft: str = "x0",
-                       anchor: str = "root", seed: int = 0, max_batch: int | None = None) -> ChainRun:
-    """Speculative sampling on a chain of ``L`` drafted states with block or node-wise verification.
+def draft_chain(model, schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor, L: int, *,
+                draft: str = "x0", seed: int = 0, ids: torch.Tensor | None = None, max_batch: int | None = None,
+                velocity=None) -> DraftedChain:
+    """Draft a chain of ``L`` nodes from each of ``m`` roots and compute its target kernel means.
 
-    Protocol as :func:`specsamp.sampler.sample_speculative` with a chain tree, ``evaluate_leaves=True``,
-    ``prefetch="nearest"``, ``warmup="call"``: deterministic first and last steps; one charged warm-up call
-    at the first root; each round drafts ``L_n = min(L, T - 1 - n)`` nodes from the root's (prefetched)
-    velocity with ``draft``, evaluates the root (if its velocity is not exact) and every drafted node in one
-    batched call, verifies, and commits. The next root drafts from the leaf's exact velocity when every node
-    was accepted, else from the velocity of the drafted node at the committed depth; ``anchor`` says where
-    the draft freezes it (``draft.freeze(state, velocity)``): at the root (``root``, as the library's sampler
-    does) or at the node the velocity was evaluated at (``node``); either is exact (it is fixed before the
-    round's draws). Randomness is keyed by
-    ``(seed, trajectory, round root, purpose)`` (:mod:`specsamp.rng`), independent of the batch.
+    The drafting is the library sampler's for a chain tree (Algorithm 1, ``K = 1``): the draft is frozen at
+    the root (``Draft.freeze`` of a :class:`specsamp.drafts.DraftRoot` with the root's exact velocity), node
+    ``i`` is ``mp_i + s_i Z_i`` with ``mp_i = Draft.mean`` at ``X_{i-1}`` and step ``n + i - 1``, ``s_i`` the
+    kernel std (:meth:`specsamp.schedule.Schedule.std`), and ``Z_i`` the normal keyed by
+    ``(seed, trajectory, root state index n, node i)`` on the ``draft`` stream (:mod:`specsamp.rng`), so a
+    row's nodes are those :func:`specsamp.sampler.sample_speculative` drafts on ``DraftTree.chain(L)`` for that
+    trajectory in a round rooted at ``x`` with the exact velocity ``v``. The target means use the root's
+    velocity ``v`` and one batched target call on ``X_1..X_{L-1}`` (the leaf's velocity is not needed).
 
     Args:
-        model: velocity model ``model(x [b, *e], sigma [b]) -> [b, *e]``.
+        model: velocity model ``model(x [b, *e], sigma [b]) -> [b, *e]`` with ``event_shape``.
         schedule: time grid and kernel.
+        x: ``[m, *e]`` root states.
+        v: ``[m, *e]`` their exact target velocities.
+        n: ``[m]`` long root state indices, ``n + L <= T - 1`` (``schedule.end_speculative``).
         L: chain length ``>= 1``.
-        n_samples: trajectories.
-        rule: ``block`` (:func:`block_verify_chain`) or ``node`` (:func:`node_verify_chain`, RMC).
-        anchor: ``node`` or ``root``.
-        draft: registered draft name.
-        seed: run seed.
-        max_batch: rows per forward pass.
+        draft: registered draft that reads no history (``velocity``, ``drift``, ``x0``).
+        seed: run seed (keys the draft noise).
+        ids: ``[m]`` long trajectory ids (default ``0..m-1``).
+        max_batch: rows per forward pass of the batched call.
+        velocity: optional ``velocity(x [b, *e], n [b]) -> [b, *e]`` replacing the batched model call (the
+            target's exact velocity at state index ``n``).
+
+    Returns:
+        :class:`DraftedChain`; pass ``children, mean_p, mean_q, sigma`` to :func:`block_verify_chain` or
+        :func:`node_verify_chain`.
 
     Raises:
-        ValueError: ``L < 1``, ``n_samples < 1``, an unknown ``rule`` or ``anchor``; ConfigError: unknown draft,
-            or one that reads a history (``x0_extrap``, ``x0_extrap_gated``, ``x0_affine``).
+        ValueError: ``L < 1``, mismatched shapes, or a chain that would pass ``T - 1``.
+        ConfigError: unknown draft, or one that reads a history (``x0_extrap``, ``x0_extrap_gated``, ``x0_affine``).
     """
-    from specsamp.sampler import initial_noise
-
-    if L < 1 or n_samples < 1:
-        raise ValueError(f"need L >= 1 and n_samples >= 1, got L={L}, n_samples={n_samples}")
-    verify = {"block": block_verify_chain, "node": node_verify_chain}.get(rule)
-    if verify is None:
-        raise ValueError(f"rule={rule!r} is invalid; valid: ['block', 'node']")
-    if anchor not in ("node", "root"):
-        raise ValueError(f"anchor={anchor!r} is invalid; valid: ['node', 'root']")
+    if L < 1:
+        raise ValueError(f"need L >= 1, got L={L}")
+    m = x.shape[0]
+    if v.shape != x.shape or n.shape != (m,):
+        raise ValueError(f"x {tuple(x.shape)}, v {tuple(v.shape)} and n {tuple(n.shape)} must be [m, *e], [m, *e], [m]")
+    if m and int(n.max()) + L > schedule.end_speculative:
+        raise ValueError(f"a chain of L={L} from state index {int(n.max())} passes the last speculative state "
+                         f"{schedule.end_speculative}; use L <= T - 1 - n")
     dr = _memoryless_draft(draft)
-    dev = torch.device(getattr(model, "device", "cpu"))
-    sig = schedule.sigmas.to(dev)
-    vel = lambda x, n: batched(model, x, sig[n], max_batch).to(x.dtype)
-    ids = torch.arange(n_samples, device=dev)
-    M, end = n_samples, schedule.end_speculative
-    x = initial_noise(seed, ids, model.event_shape, model.dtype)
-    n = torch.zeros(M, dtype=torch.long, device=dev)
-    x = schedule.mean(x, vel(x, n), n)
-    n = n + 1
-    v_root = vel(x, n)  # the warm-up call
-    x_anchor = x.clone()  # the state v_root was evaluated at
-    exact = torch.ones(M, dtype=torch.bool, device=dev)
-    nfe = torch.ones(M, dtype=torch.long, device=dev)
-    rounds = torch.zeros_like(nfe)
-    accepted = torch.zeros_like(nfe)
-    draft_keys = rng.base_key(seed, ids, "draft", device=dev)
-    verify_keys = rng.base_key(seed, ids, "verify", device=dev)
-    e = model.event_shape
-    while True:
-        live = (n < end).nonzero(as_tuple=True)[0]
-        if live.numel() == 0:
-            break
-        depth = (end - n[live]).clamp(max=L)
-        for Ln in torch.unique(depth).tolist():
-            r = live[depth == Ln]
-            xr, nr = x[r], n[r]
-            frozen = dr.freeze(DraftRoot(x_anchor[r] if anchor == "node" else xr, v_root[r], nr, torch.ones_like(nr, dtype=torch.bool)), schedule)
-            nodes, mps = [xr], []
-            for i in range(Ln):
-                step = nr + i
-                mp = dr.mean(frozen, nodes[-1][:, None], step, schedule)[:, 0]
-                keys = rng.fold(draft_keys[r], nr, i + 1)
-                noise = rng.normal(keys, e, dtype=xr.dtype)
-                nodes.append(mp + per_row(schedule.std(step).to(xr.dtype), xr) * noise)
-                mps.append(mp)
-            # one batched call: every drafted node, plus the root where its velocity is not exact
-            chain = torch.stack(nodes[1:], 1)  # [m, Ln, *e]
-            steps_idx = (nr[:, None] + torch.arange(1, Ln + 1, device=dev)[None]).clamp(max=schedule.steps - 1)
-            v_nodes = vel(chain.reshape(-1, *e), steps_idx.reshape(-1)).reshape(chain.shape)
-            need = ~exact[r]
-            vr = v_root[r].clone()
-            if bool(need.any()):
-                vr[need] = vel(xr[need], nr[need])
-            vall = torch.cat([vr[:, None], v_nodes], 1)
-            allx = torch.cat([xr[:, None], chain], 1)
-            mq = torch.stack([schedule.mean(allx[:, i], vall[:, i], nr + i) for i in range(Ln)], 1)
-            sigma = torch.stack([schedule.std(nr + i) for i in range(Ln)], 1)
-            verdict = verify(chain, torch.stack(mps, 1), mq, sigma, rng.KeyedRows(rng.fold(verify_keys[r], nr)))
-            full = verdict.accepted == Ln
-            rows = torch.arange(r.numel(), device=dev)
-            x[r] = verdict.sample
-            n[r] = nr + verdict.steps
-            v_root[r] = v_nodes[rows, verdict.steps - 1]  # the leaf's (exact) or the drafted node's at that depth
-            x_anchor[r] = chain[rows, verdict.steps - 1]
-            exact[r] = full
-            nfe[r] += 1
-            rounds[r] += 1
-            accepted[r] += verdict.accepted
-    last = torch.full((M,), schedule.steps - 1, dtype=torch.long, device=dev)
-    v_last = v_root.clone()
-    if bool((~exact).any()):
-        w = (~exact).nonzero(as_tuple=True)[0]
-        v_last[w] = vel(x[w], last[w])
-    return ChainRun(schedule.mean(x, v_last, last), nfe, rounds, accepted, schedule.steps - 2)
+    dev = x.device
+    if ids is None:
+        ids = torch.arange(m, device=dev)
+    if velocity is None:
+        sig = schedule.sigmas.to(dev)
+        velocity = lambda y, k: batched(model, y, sig[k], max_batch).to(y.dtype)
+    e = x.shape[1:]
+    keys = rng.base_key(seed, ids, "draft", device=dev)
+    frozen = dr.freeze(DraftRoot(x, v, n, torch.ones_like(n, dtype=torch.bool)), schedule)
+    nodes, mps = [x], []
+    for i in range(L):
+        step = n + i
+        mp = dr.mean(frozen, nodes[-1][:, None], step, schedule)[:, 0]
+        noise = rng.normal(rng.fold(keys, n, i + 1), e, dtype=x.dtype)
+        nodes.append(mp + per_row(schedule.std(step).to(x.dtype), x) * noise)
+        mps.append(mp)
+    chain = torch.stack(nodes[1:], 1)  # [m, L, *e]
+    vel = [v]
+    if L > 1:
+        inner = chain[:, : L - 1]
+        steps = n[:, None] + torch.arange(1, L, device=dev)[None]
+        vel += list(velocity(inner.reshape(-1, *e), steps.reshape(-1)).reshape(inner.shape).unbind(1))
+    mq = torch.stack([schedule.mean(nodes[i], vel[i], n + i) for i in range(L)], 1)
+    sigma = torch.stack([schedule.std(n + i) for i in range(L)], 1)
+    return DraftedChain(chain, torch.stack(mps, 1), mq, sigma)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,45 +433,30 @@ def synthetic_rows(deltas=(0.25, 0.5, 1.0, 2.0), lengths=(4, 8, 14), n: int = 20
 def gmm_chain_tails(model, schedule: Schedule, L: int, n_roots: int = 200, draft: str = "x0", seed: int = 0):
     """Conditional tails of both rules on chains drafted from exact roots of the target's own sampler.
 
-    Roots: the states of :func:`specsamp.sampler.sample_standard`-like trajectories (keyed noise, seed
-    ``seed``) at every speculative step ``n``; each drafts ``L_n = min(L, T - 1 - n)`` nodes with ``draft``
-    from its exact velocity. Returns ``{n: (block [n_roots, L_n], node [n_roots, L_n], delta [n_roots, L_n])}``.
+    Roots: the states of :func:`specsamp.sampler.sample_standard`'s trajectories (the same keyed noise,
+    seed ``seed``) at every speculative step ``n``; each drafts ``L_n = min(L, T - 1 - n)`` nodes with
+    :func:`draft_chain` from its exact velocity. Returns
+    ``{n: (block [n_roots, L_n], node [n_roots, L_n], delta [n_roots, L_n])}``.
     """
-    from specsamp.sampler import initial_noise
-
     dev = torch.device(getattr(model, "device", "cpu"))
     sig = schedule.sigmas.to(dev)
     vel = lambda x, n: model(x, sig[n]).to(x.dtype)
     ids = torch.arange(n_roots, device=dev)
-    dr = _memoryless_draft(draft)
+    _memoryless_draft(draft)  # a draft that reads a history is refused before any target call
     x = initial_noise(seed, ids, model.event_shape, model.dtype)
     keys = rng.base_key(seed, ids, "step", device=dev)
-    dkeys = rng.base_key(seed, ids, "draft", device=dev)
     out = {}
-    e = model.event_shape
     for step in range(schedule.steps - 1):
         nn = torch.full((n_roots,), step, dtype=torch.long, device=dev)
         v = vel(x, nn)
         if schedule.first_speculative <= step < schedule.end_speculative:
             Ln = min(L, schedule.end_speculative - step)
-            frozen = dr.freeze(DraftRoot(x, v, nn, torch.ones_like(nn, dtype=torch.bool)), schedule)
-            cur, vcur, log_r, deltas = x, v, [], []
-            for i in range(Ln):
-                si = nn + i
-                mp = dr.mean(frozen, cur[:, None], si, schedule)[:, 0]
-                mq = schedule.mean(cur, vcur, si)
-                s = float(schedule.std(si[:1]))
-                child = mp + s * rng.normal(rng.fold(dkeys, step, i + 1), e, dtype=x.dtype)
-                pr = project(child[:, None], mp, mq, torch.full((n_roots,), s, dtype=torch.float64))
-                log_r.append(pr.delta * pr.s_hat[:, 0] - 0.5 * pr.delta**2)
-                deltas.append(pr.delta)
-                cur = child
-                if i + 1 < Ln:
-                    vcur = vel(cur, si + 1)
-            block, node = chain_acceptance(torch.stack(log_r, 1))
-            out[step] = (block, node, torch.stack(deltas, 1))
+            ch = draft_chain(model, schedule, x, v, nn, Ln, draft=draft, seed=seed, ids=ids, velocity=vel)
+            proj = project_chain(ch.children, ch.mean_p, ch.mean_q, ch.sigma)
+            block, node = chain_acceptance(proj.log_r)
+            out[step] = (block, node, proj.delta)
         mean = schedule.mean(x, v, nn)
-        x = mean + per_row(schedule.std(nn).to(x.dtype), x) * rng.normal(rng.fold(keys, step), e, dtype=x.dtype)
+        x = mean + per_row(schedule.std(nn).to(x.dtype), x) * rng.normal(rng.fold(keys, step), model.event_shape, dtype=x.dtype)
     return out
 
 
@@ -528,8 +480,11 @@ def gmm_rows(lengths=(4, 8, 14, 28), n_roots: int = 200, n_samples: int = 0, see
     """Section 5.1 mixture (``GaussianMixture(dim)``, ``Schedule.make(30, 0.1)``, x0 draft): per chain length,
     the expected accepted nodes and committed steps per round of both rules on the same drafted chains
     (averaged over root steps, uniformly), the per-node ``delta`` range, and the implied speedup
-    ``(T - 2) / implied_nfe``. With ``n_samples > 0`` also runs :func:`sample_block_chain` for both rules and
-    reports the measured mean speedup (prefetched, not exact, root velocities after a residual).
+    ``(T - 2) / implied_nfe``. With ``n_samples > 0`` also runs the library's sampler with node-wise
+    verification on the same chain (:func:`specsamp.sampler.sample_speculative`, ``DraftTree.chain(L)``,
+    ``coupling="rmc"``, the same draft and seed) and reports its measured mean speedup ``node_run_speedup``
+    with its standard error (its rounds after a residual draft from a prefetched velocity, not the root's
+    exact one, so it sits below ``node_implied_speedup``).
     """
     from specsamp.models import GaussianMixture
 
@@ -548,10 +503,9 @@ def gmm_rows(lengths=(4, 8, 14, 28), n_roots: int = 200, n_samples: int = 0, see
         row["delta_median"] = float(d.median())
         row["delta_q90"] = float(d.quantile(0.9))
         if n_samples:
-            for name in ("block", "node"):
-                run = sample_block_chain(model, sch, L, n_samples, rule=name, seed=seed)
-                row[f"{name}_run_speedup"] = float(run.speedup.mean())
-                row[f"{name}_run_se"] = float(run.speedup.std() / math.sqrt(n_samples))
+            run = sample_speculative(model, sch, DraftTree.chain(L), "rmc", n_samples, draft="x0", seed=seed)
+            row["node_run_speedup"] = float(run.speedup.mean())
+            row["node_run_se"] = float(run.speedup.std() / math.sqrt(n_samples))
         rows.append(row)
     return rows
 
@@ -564,7 +518,7 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small Monte Carlo sizes")
-    ap.add_argument("--n-samples", type=int, default=300, help="trajectories per rule for the sampler runs (0: none)")
+    ap.add_argument("--n-samples", type=int, default=300, help="trajectories of the library sampler's node-wise run (0: none)")
     ap.add_argument("--out", default=None, help="also write both tables to this folder (blockverify_synthetic.csv, "
                                                   "blockverify_gmm.csv), e.g. results/gmm")
     a = ap.parse_args(argv)
