@@ -135,6 +135,16 @@ def test_class_labels_one_hot_routes_each_row():
     torch.testing.assert_close(v, exact_class_velocity(means, 0.3, x, sig, labels), rtol=1e-10, atol=1e-10)
 
 
+def test_label_range_is_read_back_on_the_host_only():
+    """On an accelerator the range check would be a host sync per network call: it is skipped there (a meta
+    tensor has no values, so reading its range would raise)."""
+    from specsamp.models.edm import check_label_range
+
+    check_label_range(torch.tensor([0, 9], device="meta"), 3)
+    with pytest.raises(ValueError, match=r"range \[0, 9\]"):
+        check_label_range(torch.tensor([0, 9]), 3)
+
+
 def test_conditional_without_labels_and_bad_labels_raise():
     model = EDMVelocity(ClassGaussianPrecond(torch.zeros(3, 4)), dtype=torch.float64)
     x, sig = torch.zeros(2, 1, 2, 2, dtype=torch.float64), torch.full((2,), 0.5, dtype=torch.float64)

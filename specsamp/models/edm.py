@@ -216,6 +216,20 @@ def _unpickle(path: Path):
 # the velocity adapter
 
 
+def check_label_range(labels: torch.Tensor, label_dim: int) -> None:
+    """Raise ``ValueError`` when integer class ids ``[b]`` fall outside ``[0, label_dim)`` -- on the host only.
+
+    Reading the range back is free for CPU tensors; on an accelerator it would cost a host synchronisation on
+    every network call, so there the check is left to ``torch.nn.functional.one_hot``, whose scatter raises a
+    device-side assert for an id out of range (the runner draws its labels in range).
+    """
+    if labels.device.type != "cpu" or labels.numel() == 0:
+        return
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= label_dim:
+        raise ValueError(f"class_labels range [{lo}, {hi}] is invalid: ids must lie in [0, {label_dim})")
+
+
 class EDMVelocity:
     """An EDM denoiser (``EDMPrecond.forward(x, sigma, class_labels=None)``) as a velocity field.
 
@@ -327,9 +341,7 @@ class EDMVelocity:
         labels = labels.reshape(-1)
         if labels.numel() != rows:
             raise ValueError(f"class_labels with {labels.numel()} entries are invalid for a batch of {rows} rows")
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= self.label_dim:
-            raise ValueError(f"class_labels range [{lo}, {hi}] is invalid: ids must lie in [0, {self.label_dim})")
+        check_label_range(labels, self.label_dim)
         return torch.nn.functional.one_hot(labels.long(), self.label_dim).to(torch.float32)
 
     def denoise(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> torch.Tensor:
