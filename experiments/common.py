@@ -12,7 +12,7 @@ import pandas as pd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-RULE_COLORS = {"rmc": "#d62728", "dgrs": "#1f77b4", "rank": "#2ca02c", "standard": "#7f7f7f"}
+RULE_COLORS = {"rmc": "#d62728", "dgrs": "#1f77b4", "standard": "#7f7f7f"}
 RULE_LABELS = {"rmc": "RMC (chain)", "dgrs": "D-GRS (tree)", "standard": "standard"}
 
 

@@ -6,7 +6,7 @@ Steps (``make gmm && make figures``)::
     python -m experiments.gmm collect           # -> results/gmm/grid.csv
     python -m experiments.gmm acceptance        # Monte Carlo of the couplings -> results/gmm/acceptance.csv
     python -m experiments.gmm figures           # figures from the CSVs only
-    python -m experiments.gmm table             # the README table (paper vs ours)
+    python -m experiments.gmm table             # the section 5.1 table of results/README.md (paper vs ours)
 """
 
 from __future__ import annotations

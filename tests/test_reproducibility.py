@@ -1,6 +1,6 @@
 """Trajectory i's result does not depend on how many trajectories the run has, for every tree rule.
 
-What is equal (README "Reproducibility"): the counts bitwise; the samples to the rounding of the model's
+What is equal (docs/architecture.md, "What is equal across splits"): the counts bitwise; the samples to the rounding of the model's
 batched evaluation (a row's output may differ by a few ulps with the batch it is in, and the sampler
 carries that rounding through its steps).
 """
@@ -34,7 +34,7 @@ def _committed(res, i):
 def test_trajectory_results_do_not_depend_on_n_samples(rule):
     """Seed 0, GMM d=8, T=8: trajectories 0..2 of n_samples=3 and of n_samples=11 (batch_size=5, so the
     batches differ too) have bitwise equal counts and committed steps, the same calibrated profile
-    and trees, and samples within 16 T eps of float64 (README, "What is equal across splits")."""
+    and trees, and samples within 16 T eps of float64 (docs/architecture.md, "What is equal across splits")."""
     small_rec, small = run_config(compose([*BASE, *RULES[rule], "n_samples=3"]))
     big_rec, big = run_config(compose([*BASE, *RULES[rule], "n_samples=11", "batch_size=5"]))
     for f in COUNTS:
@@ -49,7 +49,7 @@ def test_trajectory_results_do_not_depend_on_n_samples(rule):
 
 
 def _bound(dtype, steps, samples):
-    """The README's tolerance for samples across splits: 16 T eps(dtype), relative to the samples' scale."""
+    """The documented tolerance for samples across splits (docs/architecture.md): 16 T eps(dtype), relative to the samples' scale."""
     return 16 * steps * torch.finfo(dtype).eps * max(1.0, float(samples.abs().max()))
 
 
@@ -59,7 +59,7 @@ SPLIT_COUNTS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attem
 @pytest.mark.parametrize("draft", ["velocity", "x0", "x0_extrap_gated"])
 def test_splits_give_equal_counts_and_samples_within_the_stated_rounding_gmm(draft):
     """GMM d=16 float64, T=30, seed 3, 24 trajectories: tree vs path execution, max_batch=5, and the
-    trajectories 7..18 run alone give bitwise equal counts and samples within 16 T eps (README)."""
+    trajectories 7..18 run alone give bitwise equal counts and samples within 16 T eps (docs/architecture.md)."""
     from specsamp import DraftTree, Schedule, sample_speculative
     from specsamp.models import GaussianMixture
 
@@ -83,7 +83,7 @@ def test_splits_give_equal_counts_and_samples_within_the_stated_rounding_gmm(dra
 
 def test_batches_give_equal_counts_and_samples_within_the_stated_rounding_digits():
     """The trained digits network in float32, T=12, seed 5: 10 trajectories in one batch, and 3..8 alone,
-    give bitwise equal counts and samples within 16 T eps(float32) (README)."""
+    give bitwise equal counts and samples within 16 T eps(float32) (docs/architecture.md)."""
     from specsamp import DraftTree, Schedule, sample_speculative
     from specsamp.models.edm import EDMConfig
 

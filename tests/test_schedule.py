@@ -1,4 +1,4 @@
-"""Time grid and Euler--Maruyama kernel (appendix C.3, eqs. 36--38; the README's protocol).
+"""Time grid and Euler--Maruyama kernel (appendix C.3, eqs. 36--38; docs/protocol.md).
 
 The kernel is re-derived here independently of ``Schedule.mean``/``Schedule.std``:
 eq. 36 ``m = y - gamma [(1 + eps^2) v + eps^2 y / (1 - sigma)]`` and eq. 37
