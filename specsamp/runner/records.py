@@ -91,6 +91,60 @@ def summarize_result(res: SampleResult, steps: int, batch_speedups: list[float])
     }
 
 
+TREE_FIELDS = ("tree", "budget", "call_rows", "refine", "delta_profile", "trees_by_root", "tree_parent")
+"""The record's keys that describe the tree a run drafted (the same in every shard of a run)."""
+
+
+def make_record(prepared, result: SampleResult, batch_speedups: list[float], tree_fields: Mapping, *,
+                calibration: Mapping | None = None, resumed: Mapping | None = None, wall_seconds: float,
+                versions: Mapping | None) -> dict:
+    """The record of a run, as ``result.json`` holds it: from one run, or from its shards merged.
+
+    Args:
+        prepared: the run's :class:`specsamp.runner.loop.PreparedRun` (its ``run``, ``recorded``,
+            ``config_hash`` and ``unused`` are read).
+        result: the run's :class:`SampleResult` over all its trajectories (or the shards' concatenated).
+        batch_speedups: the speedup of every batch that ran.
+        tree_fields: the :data:`TREE_FIELDS` that apply (``tree``, ``budget``, ``call_rows`` always;
+            ``refine``, ``delta_profile``, ``trees_by_root`` or ``tree_parent`` when the run has them).
+        calibration: the cost of ``tree=optimal``'s calibration run (:func:`specsamp.runner.build.calibration_cost`),
+            or None when none ran; adds ``speedup_with_calibration``.
+        resumed: ``{batches, of}`` when batches were read from an earlier attempt, else None.
+        wall_seconds: the run's wall time (the shards' sum for a merge).
+        versions: :func:`versions` of the run.
+
+    Returns:
+        The JSON-ready record; keys in the order ``result.json`` has always had them.
+    """
+    run = prepared.run
+    unused = prepared.unused
+    tree = {k: tree_fields[k] for k in TREE_FIELDS if k in tree_fields}
+    return {
+        "status": "ok",
+        "config": prepared.recorded,
+        "config_hash": prepared.config_hash,
+        "model": run.model.name,
+        "sampler": run.sampler.name,
+        "K": run.K,
+        "L": run.L,
+        "eps": run.eps,
+        "steps": run.steps,
+        "n_samples": run.n_samples,
+        **{k: tree[k] for k in TREE_FIELDS[:4] if k in tree},
+        **({"unused": unused} if unused else {}),
+        **{k: tree[k] for k in TREE_FIELDS[4:] if k in tree},
+        **summarize_result(result, run.steps, batch_speedups),
+        **({"resumed": dict(resumed)} if resumed else {}),
+        # the calibration run's calls, paid by this run but not in its speedup; charged like with like: its
+        # calls on the speculative steps, as the run's own nfe counts (endpoints excluded)
+        **({"calibration": dict(calibration),
+            "speedup_with_calibration": float(result.speculative_steps * result.nfe.numel()
+                                              / (int(result.nfe.sum()) + calibration["nfe"]))} if calibration else {}),
+        "wall_seconds": wall_seconds,
+        "versions": versions,
+    }
+
+
 def existing_record(out_dir: str | os.PathLike, cfg_hash: str) -> dict | None:
     """The record in ``out_dir/result.json`` if it exists, is complete and has ``cfg_hash``; else None."""
     p = Path(out_dir) / RESULT
