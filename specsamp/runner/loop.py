@@ -25,7 +25,7 @@ from ..models.base import Target
 from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, check_search, given_profile
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
-from .memory import check_memory, check_tree_memory
+from .memory import STEP_BYTES, check_memory, check_tree_memory
 from .records import config_hash, make_record, versions
 
 
@@ -88,9 +88,6 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
         return False
-
-
-STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root tables of a run (generous)
 
 
 def check_config_sizes(run: RunConfig) -> None:

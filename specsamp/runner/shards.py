@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import torch_save_atomic, write_json_atomic
-from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE
+from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE, job_dirname
 
 SAMPLES_FILE = "samples.pt"
 SHARD_KEYS = ("shard", "num_shards")
@@ -131,8 +131,6 @@ def merged_dir_for(shard_dir: Path) -> Path | None:
     ``multirun/x/K=2,num_shards=4,shard=1`` -> ``multirun/x/K=2``; ``.../num_shards=4,shard=1`` -> ``multirun/x``.
     None when the job has no ``shard=`` override (not a directory named by its overrides).
     """
-    from .report import job_dirname
-
     found = _job_overrides_of(shard_dir)
     if found is None:  # no .hydra/: a plain directory named like Hydra names plain overrides
         name = shard_dir.name
@@ -169,8 +167,6 @@ class ShardGroup:
 
     def expected_dir(self, k: int) -> str:
         """A best guess of shard ``k``'s directory, for messages."""
-        from .report import job_dirname
-
         d = next(iter(self.found.values()))
         found = _job_overrides_of(d)
         if found is not None:

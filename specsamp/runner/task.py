@@ -8,7 +8,7 @@ anything is written, so a write that fails loses no number.
 Sweep (``python run.py -m ...``, any launcher): a job never stops the sweep. A job that fails (a bad
 per-job value, an exception, a CUDA OOM) writes ``failed.json`` atomically into its directory (error,
 kind ``config``, ``exception`` or ``infrastructure``, traceback, overrides, config) and returns; the
-next jobs run, and :class:`specsamp.runner.report.SweepReport` lists the failures at the end. A job whose
+next jobs run, and :class:`specsamp.runner.callback.SweepReport` lists the failures at the end. A job whose
 overrides do not compose (``hydra_plugins/specsamp_sweeper``) is recorded the same way. While it runs a
 job keeps ``running.json`` (host, pid, a heartbeat) so that ``report collect`` tells a live job from a
 killed one. A job whose ``result.json`` holds the same config hash is skipped; a job killed mid-run has
