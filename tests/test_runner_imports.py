@@ -58,3 +58,14 @@ def test_former_names_of_the_sweep_callback_still_import():
     from specsamp.runner import callback, report
 
     assert report.SweepReport is callback.SweepReport and report.SWEEP_STATE is callback.SWEEP_STATE
+
+
+def test_the_package_docstring_lists_the_modules_so_that_each_imports_only_those_after_it():
+    import re
+
+    order = re.findall(r":mod:`~specsamp\.runner\.(\w+)`", specsamp.runner.__doc__)
+    modules = sorted(p.stem for p in RUNNER.glob("*.py") if p.stem != "__init__")
+    assert sorted(order) == modules  # every module once
+    for i, name in enumerate(order):
+        above = _imports(RUNNER / f"{name}.py") & set(order[:i])
+        assert not above, f"{name} imports {sorted(above)}, listed above it"
