@@ -55,7 +55,7 @@ def config_hash(recorded: Mapping, unused: Mapping | None = None) -> str:
     """
     clean = {k: v for k, v in recorded.items() if k not in UNHASHED_KEYS}
     clean.update({k: d for k, d in (unused or {}).items() if k in clean})
-    if clean.get("refine") == 0:  # plain drafts hash as before the key existed
+    if clean.get("refine") == 0:  # plain drafts (refine=0): the key is left out of the hash
         clean.pop("refine")
     blob = json.dumps(clean, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
