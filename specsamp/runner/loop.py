@@ -1,9 +1,10 @@
 """The batch loop: one run of one configuration, from its config to its record.
 
-:func:`run_config` checks the config (:mod:`~specsamp.runner.config`), refuses sizes that cannot fit
-(:mod:`~specsamp.runner.memory`), builds the target, coupling and tree (:mod:`~specsamp.runner.build`),
-samples the trajectories in batches with a progress bar, and returns the record
-(:mod:`~specsamp.runner.records`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
+:func:`prepare` loads and checks a config once (:mod:`~specsamp.runner.config`), builds its coupling and
+takes its config hash; :func:`run_config` takes that :class:`PreparedRun` (or a config, which it prepares),
+refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`), builds the target and tree
+(:mod:`~specsamp.runner.build`), samples the trajectories in batches with a progress bar, and returns the
+record (:func:`specsamp.runner.records.make_record`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from omegaconf import DictConfig
 
 import torch
 
+from ..coupling import Coupling
 from ..errors import ConfigError
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
@@ -141,7 +143,7 @@ class PreparedRun:
 
     run: RunConfig
     recorded: dict
-    coupling: object
+    coupling: Coupling | None
     unused_defaults: dict
     config_hash: str
 
