@@ -268,7 +268,7 @@ def test_run_config_indices_reproduce_the_full_run(tiny_cfg):
 
 
 def _fake_shard(tmp_path, cfg, k, n_shards):
-    """A finished shard job directory written the way cli.py writes it."""
+    """A finished shard job directory written as the runner's task writes one."""
     c = {**cfg, "shard": k, "num_shards": n_shards}
     idx = shards.shard_indices(c["n_samples"], k, n_shards, c["batch_size"])
     rec, res = run_config(c, indices=idx)

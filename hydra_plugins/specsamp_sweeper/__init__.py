@@ -31,7 +31,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from specsamp.runner import jobs  # also registers the specsamp.job_dir / specsamp.fresh_dir resolvers
-from specsamp.runner.report import SWEEP_STATE
+from specsamp.runner.callback import SWEEP_STATE
 from specsamp.runner.jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV
 
 

@@ -140,7 +140,7 @@ class LoggerConfig:
 
 @dataclass
 class RunConfig:
-    """Every top-level key of ``conf/config.yaml`` (values and comments there; README "Config keys")."""
+    """Every top-level key of ``conf/config.yaml`` (values and comments there)."""
 
     model: Any = MISSING
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -287,7 +287,7 @@ def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
     if run.num_shards == 1:
         recorded.pop("shard", None)
         recorded.pop("num_shards", None)
-    if run.refine == 0:  # plain drafts hash as before the key existed
+    if run.refine == 0:  # plain drafts (refine=0): the key is left out of the record and its hash
         recorded.pop("refine", None)
     return run, recorded
 

@@ -15,7 +15,7 @@
 A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 2.
 
 :func:`main` wraps the Hydra entry point and applies this policy to what happened: an exception, or the
-sweep's outcome that :class:`specsamp.runner.report.SweepReport` leaves in ``report.SWEEP_STATE``.
+sweep's outcome that :class:`specsamp.runner.callback.SweepReport` leaves in ``callback.SWEEP_STATE``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def sweep_exit_status(state: dict | None = None) -> int:
     ``timed_out``); 2 when the only failures are bad per-job values or configs that do not
     compose; 0 otherwise.
     """
-    from .report import SWEEP_STATE
+    from .callback import SWEEP_STATE
 
     state = SWEEP_STATE if state is None else state
     kinds = list(state.get("kinds") or [])
@@ -187,7 +187,8 @@ def per_job_model_overrides(argv: list[str]) -> list[str]:
 
 
 def _summary_if_swept() -> None:
-    from .report import SWEEP_STATE, launched, print_sweep_summary
+    from .callback import SWEEP_STATE
+    from .report import launched, print_sweep_summary
 
     sweep_dir = SWEEP_STATE.get("sweep_dir")
     if sweep_dir and launched(sweep_dir):
@@ -233,7 +234,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from .report import SWEEP_STATE
+    from .callback import SWEEP_STATE
 
     os.environ.setdefault("WANDB_MODE", "offline")
     # submitit jobs unpickle the task in a fresh interpreter: let them import specsamp from this checkout

@@ -1,9 +1,10 @@
 """The batch loop: one run of one configuration, from its config to its record.
 
-:func:`run_config` checks the config (:mod:`~specsamp.runner.config`), refuses sizes that cannot fit
-(:mod:`~specsamp.runner.memory`), builds the target, coupling and tree (:mod:`~specsamp.runner.build`),
-samples the trajectories in batches with a progress bar, and returns the record
-(:mod:`~specsamp.runner.records`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
+:func:`prepare` loads and checks a config once (:mod:`~specsamp.runner.config`), builds its coupling and
+takes its config hash; :func:`run_config` takes that :class:`PreparedRun` (or a config, which it prepares),
+refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`), builds the target and tree
+(:mod:`~specsamp.runner.build`), samples the trajectories in batches with a progress bar, and returns the
+record (:func:`specsamp.runner.records.make_record`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 import torch
 
+from ..coupling import Coupling
 from ..errors import ConfigError
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
@@ -24,8 +27,8 @@ from ..models.base import Target
 from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, check_search, given_profile
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
-from .memory import check_memory, check_tree_memory, check_tree_nodes
-from .records import config_hash, summarize_result, versions
+from .memory import STEP_BYTES, check_memory, check_tree_memory
+from .records import config_hash, make_record, versions
 
 
 LOG_INTERVAL = 30.0  # seconds between plain progress lines when stderr is not a terminal (progress=auto)
@@ -89,9 +92,6 @@ class _Progress:
         return False
 
 
-STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root tables of a run (generous)
-
-
 def check_config_sizes(run: RunConfig) -> None:
     """Refuse, before anything is allocated, what ``steps`` and the model's own keys size alone (the schedule,
     the per-step tables; the GMM's means). Per-trajectory sizes are checked once the model's state shape is
@@ -127,19 +127,64 @@ def _concat(results: list[SampleResult]) -> SampleResult:
                         extra={"batch_speedups": [r.batch_speedup for r in results]})
 
 
-def record_hash(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict, str]:
-    """``(run, recorded, config hash)`` of a config, without building the target (resume checks)."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """One configuration loaded and checked once: what a job derives from its config before any model is built.
+
+    Attributes:
+        run: the typed config (:func:`specsamp.runner.config.load_config`).
+        recorded: the plain dict that is recorded (``record["config"]``) and hashed.
+        coupling: the sampler's :class:`~specsamp.coupling.Coupling` (:func:`~specsamp.runner.build.build_coupling`),
+            None for the standard sampler.
+        unused_defaults: ``{key: default}`` of the keys this sampler and tree never read
+            (:func:`specsamp.runner.config.unused_keys`); hashed at their default.
+        config_hash: :func:`specsamp.runner.records.config_hash` of ``recorded`` with those keys at their default.
+    """
+
+    run: RunConfig
+    recorded: dict
+    coupling: Coupling | None
+    unused_defaults: dict
+    config_hash: str
+
+    @property
+    def unused(self) -> dict:
+        """``{key: value}`` of the unused keys set away from their default (the record's ``unused``)."""
+        return {k: self.recorded[k] for k, d in self.unused_defaults.items() if self.recorded.get(k, d) != d}
+
+
+def prepare(cfg: DictConfig | Mapping | PreparedRun) -> PreparedRun:
+    """Load and check a config once: typed run, recorded dict, coupling, unused keys and config hash.
+
+    Args:
+        cfg: the composed config, a plain mapping with the keys of ``conf/config.yaml``, or a
+            :class:`PreparedRun` (returned as it is).
+
+    Raises:
+        ConfigError: the first invalid key (with its value and what is valid), or a coupling that cannot be built.
+    """
+    if isinstance(cfg, PreparedRun):
+        return cfg
     run, recorded = load_config(cfg)
-    return run, recorded, config_hash(recorded, unused_keys(run, build_coupling(run)))
+    coupling = build_coupling(run)
+    unused = unused_keys(run, coupling)
+    return PreparedRun(run, recorded, coupling, unused, config_hash(recorded, unused))
 
 
-def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indices=None,
+def record_hash(cfg: DictConfig | Mapping | PreparedRun) -> tuple[RunConfig, dict, str]:
+    """``(run, recorded, config hash)`` of a config, without building the target (resume checks)."""
+    p = prepare(cfg)
+    return p.run, p.recorded, p.config_hash
+
+
+def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None = None, indices=None,
                before_sampling: Callable[[], None] | None = None, batches=None) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``.
 
     Args:
-        cfg: the composed config (``run.py``, :func:`specsamp.runner.config.compose`) or a plain mapping
-            with the keys of ``conf/config.yaml``.
+        cfg: the composed config (``run.py``, :func:`specsamp.runner.config.compose`), a plain mapping
+            with the keys of ``conf/config.yaml``, or a :class:`PreparedRun` (:func:`prepare`: loaded and
+            checked once by the caller, as :func:`specsamp.runner.task.run_task` does).
         target: an already-built :class:`~specsamp.models.base.Target` to use instead of ``cfg.model``'s
             (notebooks, benchmarks: build once, run many configs).
         indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
@@ -161,7 +206,8 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     Raises:
         ConfigError: invalid configuration, a size that cannot fit, or a model that cannot be loaded.
     """
-    run, recorded = load_config(cfg)
+    prepared = prepare(cfg)
+    run, coupling = prepared.run, prepared.coupling
     if run.threads is not None:
         torch.set_num_threads(run.threads)
     t0 = time.perf_counter()
@@ -171,15 +217,15 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
     except ValueError as e:
         raise ConfigError(str(e)) from None
     horizon = schedule.steps - 2
-    coupling = build_coupling(run)
     # sizes that follow from the config alone are refused before the model is loaded or calibrated
     optimal = coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
-    given = None
+    per_step = run.tree == "optimal_per_step"
+    given = tree = None
     if optimal:
         check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
         given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
-    else:
-        check_tree_nodes(run, coupling, horizon)
+    else:  # a tree that needs no profile is built (and its size checked) before the model loads
+        tree, B = build_tree(run, coupling, horizon)
     target = target if target is not None else build_target(run)
     half_precision_note(target.model.dtype)
     max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
@@ -193,10 +239,9 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
         profiles, cal = calibrate(target, schedule, run)
         calibrated = profiles["per_root" if run.tree == "optimal_per_step" else "profile"]
         calibration = {**calibration_cost(cal), "charged": False}
-    per_step = run.tree == "optimal_per_step"
-    with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
-        tree, B = build_tree(run, coupling, horizon, calibrated or given,
-                             callback=search_bar.to)
+    if optimal:
+        with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
+            tree, B = build_tree(run, coupling, horizon, calibrated or given, callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
     given_ids = None if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if given_ids is not None and (given_ids.numel() == 0 or int(given_ids.min()) < 0 or int(given_ids.max()) >= run.n_samples):
@@ -208,7 +253,7 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
                       target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps,
                       refine=run.refine if tree is not None else 0)
     ids = torch.arange(run.n_samples) if given_ids is None else given_ids
-    unused = {k: recorded[k] for k, d in unused_keys(run, coupling).items() if recorded.get(k, d) != d}
+    unused = prepared.unused
     if unused:
         print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
               f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
@@ -247,32 +292,15 @@ def run_config(cfg: DictConfig | Mapping, *, target: Target | None = None, indic
             bar.to(base + chunk.numel() * per_traj)
     res = _concat(results)
     res.extra.update(target=target, indices=ids, max_batch=max_batch)
-    record = {
-        "status": "ok",
-        "config": recorded,
-        "config_hash": config_hash(recorded, unused_keys(run, coupling)),
-        "model": run.model.name,
-        "sampler": run.sampler.name,
-        "K": run.K,
-        "L": run.L,
-        "eps": run.eps,
-        "steps": run.steps,
-        "n_samples": run.n_samples,
+    tree_fields = {
         "tree": tree.describe() if tree is not None else "none",
         "budget": B,
         "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
         **({"refine": run.refine} if tree is not None and run.refine else {}),
-        **({"unused": unused} if unused else {}),
         **({"delta_profile": calibrated} if optimal else {}),
         **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
-        **summarize_result(res, schedule.steps, [r.batch_speedup for r in results]),
-        **({"resumed": {"batches": store.loaded, "of": n_batches}} if store is not None and store.loaded else {}),
-        # the calibration run's calls, paid by this run but not in its speedup (README "Trees"); charged like
-        # with like: its calls on the speculative steps, as the run's own nfe counts (endpoints excluded)
-        **({"calibration": calibration,
-            "speedup_with_calibration": float(res.speculative_steps * res.nfe.numel()
-                                              / (int(res.nfe.sum()) + calibration["nfe"]))} if calibration else {}),
-        "wall_seconds": time.perf_counter() - t0,
-        "versions": versions(),
     }
+    record = make_record(prepared, res, [r.batch_speedup for r in results], tree_fields, calibration=calibration,
+                         resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
+                         wall_seconds=time.perf_counter() - t0, versions=versions())
     return record, res

@@ -97,6 +97,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3g} GiB" if nbytes < 2**60 else f"{nbytes / 2**30:.2e} GiB"
 
 
+STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root tables of a run (generous)
 TREE_BYTES_PER_NODE = 160  # DraftTree's arrays, their construction and the sampler's tensor copies (int64)
 
 
@@ -163,14 +164,15 @@ def run_memory_bytes(run) -> int:
     states of one batch and the kept samples (:func:`sampler_bytes`). A model loaded from a checkpoint
     (whose state shape and weights only the file knows), or a CUDA device, adds :data:`NETWORK_BYTES`.
     Used by the SLURM launcher for ``mem_gb`` when its config leaves it unset (:func:`mem_gb_for`).
+    The estimate reads only the coupling's ``max_children``: ``sampler.coupling`` is instantiated here as
+    :func:`specsamp.runner.build.build_coupling` instantiates it, without its refusals (the task refuses).
     """
-    from .build import build_coupling
-    from .loop import STEP_BYTES
+    from hydra.utils import instantiate
 
     total = PROCESS_BYTES + run.steps * STEP_BYTES
     size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
     total += size[1] if size is not None else 0
-    coupling = build_coupling(run)
+    coupling = instantiate(run.sampler.coupling) if run.sampler.coupling is not None else None
     horizon = max(run.steps - 2, 1)
     nodes = tree_nodes(run, coupling, horizon)
     if coupling is not None and nodes == 0:  # a searched tree: its budget of drafted states, plus the root

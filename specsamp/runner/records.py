@@ -55,7 +55,7 @@ def config_hash(recorded: Mapping, unused: Mapping | None = None) -> str:
     """
     clean = {k: v for k, v in recorded.items() if k not in UNHASHED_KEYS}
     clean.update({k: d for k, d in (unused or {}).items() if k in clean})
-    if clean.get("refine") == 0:  # plain drafts hash as before the key existed
+    if clean.get("refine") == 0:  # plain drafts (refine=0): the key is left out of the hash
         clean.pop("refine")
     blob = json.dumps(clean, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -88,6 +88,60 @@ def summarize_result(res: SampleResult, steps: int, batch_speedups: list[float])
         "acceptance_per_depth": (accepts / attempts.clamp_min(1)).tolist() if attempts.numel() else [],
         "acceptance_pooled": float(accepts.sum() / attempts.sum().clamp_min(1)) if attempts.numel() else None,
         "attempts_per_depth": attempts.tolist(),
+    }
+
+
+TREE_FIELDS = ("tree", "budget", "call_rows", "refine", "delta_profile", "trees_by_root", "tree_parent")
+"""The record's keys that describe the tree a run drafted (the same in every shard of a run)."""
+
+
+def make_record(prepared, result: SampleResult, batch_speedups: list[float], tree_fields: Mapping, *,
+                calibration: Mapping | None = None, resumed: Mapping | None = None, wall_seconds: float,
+                versions: Mapping | None) -> dict:
+    """The record of a run, as ``result.json`` holds it: from one run, or from its shards merged.
+
+    Args:
+        prepared: the run's :class:`specsamp.runner.loop.PreparedRun` (its ``run``, ``recorded``,
+            ``config_hash`` and ``unused`` are read).
+        result: the run's :class:`SampleResult` over all its trajectories (or the shards' concatenated).
+        batch_speedups: the speedup of every batch that ran.
+        tree_fields: the :data:`TREE_FIELDS` that apply (``tree``, ``budget``, ``call_rows`` always;
+            ``refine``, ``delta_profile``, ``trees_by_root`` or ``tree_parent`` when the run has them).
+        calibration: the cost of ``tree=optimal``'s calibration run (:func:`specsamp.runner.build.calibration_cost`),
+            or None when none ran; adds ``speedup_with_calibration``.
+        resumed: ``{batches, of}`` when batches were read from an earlier attempt, else None.
+        wall_seconds: the run's wall time (the shards' sum for a merge).
+        versions: :func:`versions` of the run.
+
+    Returns:
+        The JSON-ready record; keys in the order ``result.json`` has always had them.
+    """
+    run = prepared.run
+    unused = prepared.unused
+    tree = {k: tree_fields[k] for k in TREE_FIELDS if k in tree_fields}
+    return {
+        "status": "ok",
+        "config": prepared.recorded,
+        "config_hash": prepared.config_hash,
+        "model": run.model.name,
+        "sampler": run.sampler.name,
+        "K": run.K,
+        "L": run.L,
+        "eps": run.eps,
+        "steps": run.steps,
+        "n_samples": run.n_samples,
+        **{k: tree[k] for k in TREE_FIELDS[:4] if k in tree},
+        **({"unused": unused} if unused else {}),
+        **{k: tree[k] for k in TREE_FIELDS[4:] if k in tree},
+        **summarize_result(result, run.steps, batch_speedups),
+        **({"resumed": dict(resumed)} if resumed else {}),
+        # the calibration run's calls, paid by this run but not in its speedup; charged like with like: its
+        # calls on the speculative steps, as the run's own nfe counts (endpoints excluded)
+        **({"calibration": dict(calibration),
+            "speedup_with_calibration": float(result.speculative_steps * result.nfe.numel()
+                                              / (int(result.nfe.sum()) + calibration["nfe"]))} if calibration else {}),
+        "wall_seconds": wall_seconds,
+        "versions": versions,
     }
 
 

@@ -1,7 +1,7 @@
 """Sweep directories -> tidy tables, and the summary printed at the end of a sweep.
 
 A sweep directory (``multirun/<sweep_name>/``) holds one directory per job, named by the job's
-overrides (``K=2,L=3,sampler=rmc``; see :func:`job_dirname` for values with ``/``, ``,`` or ``=``), each
+overrides (``K=2,L=3,sampler=rmc``; see :func:`specsamp.runner.jobs.job_dirname` for values with ``/``, ``,`` or ``=``), each
 with Hydra's ``.hydra/``, ``running.json`` while it runs and, once finished, ``result.json`` (or
 ``failed.json``). :func:`collect` reads them into one pandas row per job; it works while the sweep
 is running::
@@ -19,9 +19,8 @@ where ``squeue``/``sacct`` answer: ``pending`` (queued or requeued), ``running``
 SLURM's state as its error (``OUT_OF_MEMORY``, ``TIMEOUT``, ``NODE_FAIL``, ``CANCELLED``); the ``slurm``
 column shows that state and its reason.
 
-:class:`SweepReport` is a Hydra callback (``hydra.callbacks.sweep_report`` in ``conf/config.yaml``):
-at the end of a sweep it prints what ran, what was skipped and which jobs failed with their errors,
-merges complete shard groups, and leaves the outcome in :data:`SWEEP_STATE` for ``run.py``'s exit status.
+At the end of a sweep, :class:`specsamp.runner.callback.SweepReport` (the Hydra callback) prints
+:func:`print_sweep_summary`: what ran, what was skipped and which jobs failed with their errors.
 """
 
 from __future__ import annotations
@@ -34,14 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-
 from . import slurm as queue
-from .jobs import FAILED, RESULT, SHARD, _mtime, _read_json, job_dirname, job_liveness
+from .jobs import FAILED, RESULT, _mtime, _read_json, job_dirname, job_liveness
 
 STATUSES = ("ok", "failed", "running", "killed", "missing")
-# the outcome of the sweep this process launched: SweepReport.on_multirun_end fills it, exits.main reads it
-SWEEP_STATE: dict[str, Any] = {}
 
 # Columns every table has, in this order; swept keys that are not among them follow as their own columns.
 COLUMNS = [
@@ -426,43 +421,6 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
     return s
 
 
-class SweepReport(Callback):
-    """Hydra callback: after a sweep, summarise it, merge finished shard groups, set the exit status.
-
-    Args:
-        merge_shards: merge complete shard groups (:func:`specsamp.runner.shards.merge`) at the end.
-    """
-
-    def __init__(self, merge_shards: bool = True) -> None:
-        self.merge_shards = merge_shards
-
-    def on_multirun_start(self, config, **kwargs: Any) -> None:
-        """Remember the sweep directory (for ``run.py`` when the launcher itself fails)."""
-        SWEEP_STATE.clear()
-        SWEEP_STATE["sweep_dir"] = str(config.hydra.sweep.dir)
-
-    def on_multirun_end(self, config, **kwargs: Any) -> None:
-        """Print the summary; merge shards; store the failures in :data:`SWEEP_STATE`."""
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        try:
-            s = print_sweep_summary(sweep_dir)
-        except Exception as e:  # a report must never turn a finished sweep into an error
-            print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
-            return
-        SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"],
-                           kinds=s["kinds"], killed=s["killed"])
-        if s["unlogged"]:  # a logger failed after the records were written: status 3, as for a single run
-            SWEEP_STATE["infrastructure"] = True
-        if self.merge_shards and any(sweep_dir.rglob(SHARD)):
-            from .shards import merge
-
-            try:
-                for line in merge(sweep_dir).lines():
-                    print(f"  shards {line}", flush=True)
-            except Exception as e:
-                print(f"warning: merging shards under {sweep_dir} failed: {e}", file=sys.stderr)
-
-
 def launched(sweep_dir: str | os.PathLike) -> bool:
     """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer)."""
     root = Path(sweep_dir)
@@ -497,6 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(df))
     print(f"wrote {out} ({len(df)} rows)")
     return 0
+
+
+def __getattr__(name: str):
+    """``SweepReport`` and ``SWEEP_STATE``, which live in :mod:`specsamp.runner.callback`, under their former
+    names here (resolved on first use, so that this module never imports the callback's)."""
+    if name in ("SweepReport", "SWEEP_STATE"):
+        from . import callback
+
+        return getattr(callback, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

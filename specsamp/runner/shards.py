@@ -28,6 +28,7 @@ another shape differently in the last bit (~1e-16 relative); the law is unaffect
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import torch_save_atomic, write_json_atomic
-from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE
+from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE, job_dirname
 
 SAMPLES_FILE = "samples.pt"
 SHARD_KEYS = ("shard", "num_shards")
@@ -130,8 +131,6 @@ def merged_dir_for(shard_dir: Path) -> Path | None:
     ``multirun/x/K=2,num_shards=4,shard=1`` -> ``multirun/x/K=2``; ``.../num_shards=4,shard=1`` -> ``multirun/x``.
     None when the job has no ``shard=`` override (not a directory named by its overrides).
     """
-    from .report import job_dirname
-
     found = _job_overrides_of(shard_dir)
     if found is None:  # no .hydra/: a plain directory named like Hydra names plain overrides
         name = shard_dir.name
@@ -168,8 +167,6 @@ class ShardGroup:
 
     def expected_dir(self, k: int) -> str:
         """A best guess of shard ``k``'s directory, for messages."""
-        from .report import job_dirname
-
         d = next(iter(self.found.values()))
         found = _job_overrides_of(d)
         if found is not None:
@@ -221,11 +218,11 @@ def _pad_cat(tensors: list):
 def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     """Merge a complete group into ``out_dir`` (``samples.pt``, the images, then ``result.json``; each atomic).
 
-    The record is the one an unsharded run writes (same keys, same statistics over all trajectories);
-    ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches.
-    The statistics come from :func:`specsamp.runner.records.summarize_result` over the concatenated
-    per-trajectory arrays, the same function an unsharded run uses (``tests/test_sweeps.py`` checks
-    that both records agree key by key).
+    The record is built by :func:`specsamp.runner.records.make_record`, the function that builds an
+    unsharded run's record, over the concatenated per-trajectory arrays: the same keys (``unused``, the
+    tree's fields, ``calibration`` included) and the same statistics over all trajectories.
+    ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches;
+    ``merged_from`` names the shards' directories.
 
     Returns:
         The merged record.
@@ -236,8 +233,8 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     import torch
 
     from ..sampler import SampleResult
-    from .loop import record_hash
-    from .records import summarize_result
+    from .loop import prepare
+    from .records import TREE_FIELDS, make_record
 
     if group.missing:
         raise ValueError(f"shards {group.missing} of {group.num_shards} are missing")
@@ -256,20 +253,18 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
         speculative_steps=parts[0]["speculative_steps"],
     )
     first = parts[0]["record"]
-    record = {
-        "status": "ok",
-        "config": base,
-        "config_hash": record_hash(base)[2],
-        **{k: first[k] for k in ("model", "sampler", "K", "L", "eps", "steps")},
-        "n_samples": n,
-        **{k: first[k] for k in ("tree", "budget", "call_rows")},
-        **summarize_result(merged, first["steps"], [b for p in parts for b in p["batch_speedups"]]),
-        "wall_seconds": float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
-        "versions": first.get("versions"),
+    prepared = dataclasses.replace(prepare(base), recorded=base)  # the shards' own recorded config, as written
+    record = make_record(prepared, merged, [b for p in parts for b in p["batch_speedups"]],
+                         {k: first[k] for k in TREE_FIELDS if k in first},
+                         # every shard calibrates alike (same seed, same config); the unsharded run pays one calibration
+                         calibration=first.get("calibration"),
+                         wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
+                         versions=first.get("versions"))
+    record.update({
         "output_dir": str(out_dir.resolve()),
         "merged_from": [str(group.found[k].resolve()) for k in range(group.num_shards)],
         "overrides": [o for o in first.get("overrides") or [] if o.partition("=")[0].lstrip("+~") not in SHARD_KEYS],
-    }
+    })
     if "sweep" in first:
         record["sweep"] = first["sweep"]
     torch_save_atomic(out_dir / SAMPLES_FILE, cat["samples"])

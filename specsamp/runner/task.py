@@ -8,7 +8,7 @@ anything is written, so a write that fails loses no number.
 Sweep (``python run.py -m ...``, any launcher): a job never stops the sweep. A job that fails (a bad
 per-job value, an exception, a CUDA OOM) writes ``failed.json`` atomically into its directory (error,
 kind ``config``, ``exception`` or ``infrastructure``, traceback, overrides, config) and returns; the
-next jobs run, and :class:`specsamp.runner.report.SweepReport` lists the failures at the end. A job whose
+next jobs run, and :class:`specsamp.runner.callback.SweepReport` lists the failures at the end. A job whose
 overrides do not compose (``hydra_plugins/specsamp_sweeper``) is recorded the same way. While it runs a
 job keeps ``running.json`` (host, pid, a heartbeat) so that ``report collect`` tells a live job from a
 killed one. A job whose ``result.json`` holds the same config hash is skipped; a job killed mid-run has
@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from .exits import INFRASTRUCTURE, USAGE, infrastructure_message, is_infrastructure
 from ..io import torch_save_atomic, write_json_atomic
 from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
-from .loop import record_hash, run_config
+from .loop import prepare, run_config
 from .outputs import MetricError, compute_metrics, save_images
 from .resume import BatchStore
 from .shards import save_shard, shard_indices
@@ -171,7 +171,8 @@ def slurm_fields() -> dict:
 
 
 def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> float | None:
-    run, recorded, h = record_hash(cfg)  # before the skip: a bad value is refused even when a record exists
+    prepared = prepare(cfg)  # before the skip: a bad value is refused even when a record exists
+    run, recorded, h = prepared.run, prepared.recorded, prepared.config_hash
     state.update(cfg=recorded, hash=h)
     sharded = run.num_shards > 1
     if run.skip_existing:
@@ -187,7 +188,7 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     # a second config's files never mix with the first's: refused once every value is checked, before sampling
     # a sweep job keeps its finished batches, so a requeue or a relaunch continues from them (specsamp.runner.resume)
     batches = BatchStore(out_dir, h) if multirun and run.skip_existing else None
-    record, result = run_config(cfg, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded),
+    record, result = run_config(prepared, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded),
                                 batches=batches)
     record["output_dir"] = str(out_dir)
     record["overrides"] = _job_overrides()
