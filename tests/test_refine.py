@@ -171,5 +171,6 @@ def test_memory_check_counts_the_sweeps_buffers(monkeypatch):
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)
     memory.check_tree_memory(DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30)
-    with pytest.raises(ConfigError, match=r"batch_size=\d+ or less"):
+    with pytest.raises(ConfigError, match=r"batch_size=\d+ or less, or fewer Picard sweeps") as err:
         memory.check_tree_memory(DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30, refine=1)
+    assert "execution=path" not in str(err.value)  # refine needs every internal node: path execution refuses it

@@ -226,16 +226,19 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
     fits = max(int((0.8 * free - fixed) // per_traj), 0)
     what = (f"execution={execution} with {len(tree)} nodes per round" if tree is not None and execution == "tree"
             else f"sampler={'standard' if tree is None else 'speculative'} (execution={execution})")
+    # execution=path holds only the visited nodes, but Picard sweeps need every internal node (tree execution only)
+    path_hint = tree is not None and execution == "tree" and not refine
     if fits == 0:
         raise ConfigError(
             f"n_samples={n_total} with batch_size={batch} needs about {_gib(need)}, but {device} has {_gib(free)} "
             f"available: even one trajectory per batch does not fit with {n_total} samples kept ({_gib(fixed)}); "
-            + ("use execution=path (same law and counts, only the visited nodes), " if tree is not None and execution == "tree" else "")
+            + ("use execution=path (same law and counts, only the visited nodes), " if path_hint else "")
             + "lower n_samples, or split the run into shards (num_shards=...)."
         )
     raise ConfigError(
         f"n_samples={n_total} with batch_size={batch}: {what} needs about {_gib(need)} ({_gib(per_traj)} per "
         f"trajectory of a batch), but "
         f"{device} has {_gib(free)} available: use batch_size={fits} or less"
-        + (", or execution=path (same law and counts, only the visited nodes)." if tree is not None and execution == "tree" else ".")
+        + (", or execution=path (same law and counts, only the visited nodes)." if path_hint
+           else ", or fewer Picard sweeps (refine=...)." if refine else ".")
     )
