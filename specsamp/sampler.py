@@ -37,7 +37,7 @@ from . import rng
 from .coupling import Coupling, NonFiniteError, Verdict, deferred_checks, get_coupling
 from .drafts import Draft, DraftRoot, _lsnr_feature, data_prediction, get_draft
 from .errors import ConfigError
-from .models.base import batched
+from .batching import batched
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
