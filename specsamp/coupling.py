@@ -32,7 +32,6 @@ from .errors import ConfigError
 from .registry import Registry
 from .rng import GeneratorRows
 
-LOG_TINY = -745.0  # log of the smallest positive float64, the floor of every log-probability here
 
 
 @dataclass

@@ -153,17 +153,18 @@ def _lsnr_feature(sigma: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-sigma) - torch.log(sigma)
 
 
-def _x0_extrap(feature: Callable[[torch.Tensor], torch.Tensor], gate: bool = False):
-    """``(freeze, mean)`` of the extrapolating data-prediction draft in the coordinate ``feature(sigma)``.
+def _x0_extrap(gate: bool = False):
+    """``(freeze, mean)`` of the extrapolating data-prediction draft in the half log-SNR ``lambda(sigma)``.
 
-    Frozen: ``[m, 2, *e]`` = ``(a, s)`` with ``x0_hat(sigma) = a + s feature(sigma)``, anchored at the root's
-    ``x0_r`` (``a = x0_r - s feature(sigma_r)``). The slope comes from the two most recent exact records
+    Frozen: ``[m, 2, *e]`` = ``(a, s)`` with ``x0_hat(sigma) = a + s lambda(sigma)``, anchored at the root's
+    ``x0_r`` (``a = x0_r - s lambda(sigma_r)``). The slope comes from the two most recent exact records
     (the root itself first where its velocity is exact, then the history). With
     ``gate``, a row extrapolates only if the slope of its previous pair of records would have predicted
     the last increment better than no slope (``|d1 - p| < |d1|``; needs a third record). With fewer
-    records, or a pair whose feature difference is not finite (a record at ``sigma = 1`` in log-SNR), the
+    records, or a pair whose ``lambda`` difference is not finite (a record at ``sigma = 1``), the
     slope is 0 (the ``x0`` draft).
     """
+    feature = _lsnr_feature
 
     def freeze(root: DraftRoot, sch: Schedule):
         sig = sch.sigmas.to(root.x.device)
@@ -263,7 +264,7 @@ def _x0_affine():
     Frozen: ``[m, 4, *e]`` = ``(a, s, mu, s2)``: the ``x0_extrap_gated`` fallback ``a + s lambda(sigma)``, the
     fitted component mean ``mu`` and its variance ``s2`` broadcast over the event (``-1``: use the fallback).
     """
-    fb_freeze, fb_mean = _x0_extrap(_lsnr_feature, gate=True)
+    fb_freeze = _x0_extrap(gate=True)[0]  # the x0_extrap_gated fallback's frozen part
 
     def freeze(root: DraftRoot, sch: Schedule):
         sig = sch.sigmas.to(root.x.device)
@@ -343,8 +344,8 @@ for _draft in (
     Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
           table_mean=lambda fr, x, coef: x + fr),
     Draft("x0", freeze=_x0_freeze, mean=_x0_mean, table_mean=_x0_table_mean),
-    Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
-    Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3, table_mean=_x0_table_mean,
+    Draft("x0_extrap", *_x0_extrap(), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
+    Draft("x0_extrap_gated", *_x0_extrap(gate=True), history=3, table_mean=_x0_table_mean,
           table_frozen=_extrap_table_frozen),
     Draft("x0_affine", *_x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
 ):
