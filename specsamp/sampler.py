@@ -37,6 +37,7 @@ from . import rng
 from .coupling import Coupling, NonFiniteError, Verdict, deferred_checks, get_coupling
 from .drafts import Draft, DraftRoot, _lsnr_feature, data_prediction, get_draft
 from .errors import ConfigError
+from .result import SampleResult
 from .batching import batched
 from .schedule import Schedule, per_row
 from .trees import DraftTree
@@ -44,51 +45,6 @@ from .trees import DraftTree
 PREFETCH = ("nearest", "parent", "none")
 EXECUTIONS = ("tree", "path")
 WARMUPS = ("call", "step0")
-
-
-@dataclass
-class SampleResult:
-    """What a sampler returns, per trajectory.
-
-    Attributes:
-        samples: ``[M, *event]`` final states (sigma = 0).
-        nfe: ``[M]`` batched target calls on the speculative steps ``1..T-2`` (warm-up included).
-        nfe_total: ``[M]`` all batched target calls, the two endpoint steps included.
-        target_rows: ``[M]`` states evaluated by the speculative calls.
-        rounds: ``[M]`` speculative rounds.
-        committed: ``[M, R]`` steps committed by each round (0-padded).
-        attempts: ``[M, L]`` verifications attempted at each depth.
-        accepts: ``[M, L]`` verifications that accepted a child at each depth.
-        speculative_steps: ``T - 2``.
-        batch_nfe: batched calls the whole batch spent on speculative steps (its slowest member).
-        attempts_by_root: ``[T, L]`` verifications attempted at each depth by rounds rooted at each state
-            index ``n``, summed over trajectories (per-step calibration; None from the standard sampler).
-        accepts_by_root: ``[T, L]`` accepted verifications, likewise.
-    """
-
-    samples: torch.Tensor
-    nfe: torch.Tensor
-    nfe_total: torch.Tensor
-    target_rows: torch.Tensor
-    rounds: torch.Tensor
-    committed: torch.Tensor
-    attempts: torch.Tensor
-    accepts: torch.Tensor
-    speculative_steps: int
-    batch_nfe: int = 0
-    extra: dict = field(default_factory=dict)
-    attempts_by_root: torch.Tensor | None = None
-    accepts_by_root: torch.Tensor | None = None
-
-    @property
-    def speedup(self) -> torch.Tensor:
-        """Per-trajectory NFE speedup ``(T - 2) / nfe`` (float64 ``[M]``)."""
-        return self.speculative_steps / self.nfe.double()
-
-    @property
-    def batch_speedup(self) -> float:
-        """Speedup of the batch as a whole: ``(T - 2) / batch_nfe``."""
-        return self.speculative_steps / max(self.batch_nfe, 1)
 
 
 def _check_choice(name: str, value, valid) -> str:
