@@ -35,7 +35,7 @@ import torch
 
 from . import rng
 from .coupling import Coupling, NonFiniteError, Verdict, deferred_checks, get_coupling
-from .drafts import Draft, DraftRoot, _lsnr_feature, data_prediction, get_draft
+from .drafts import Draft, DraftHistory, DraftRoot, _lsnr_feature, data_prediction, get_draft
 from .errors import ConfigError
 from .result import SampleResult
 from .batching import batched
@@ -167,9 +167,7 @@ class _Round:
     root_exact: torch.Tensor  # [m] bool: v_root is the root's own exact velocity
     draft_keys: torch.Tensor  # [m]
     verify_keys: torch.Tensor  # [m]
-    hist_x0: torch.Tensor | None = None  # [m, H, *e] the draft's history (DraftRoot.hist_x0); None when H = 0
-    hist_n: torch.Tensor | None = None  # [m, H]
-    hist_x: torch.Tensor | None = None  # [m, H, *e] the states of those records (DraftRoot.hist_x)
+    history: DraftHistory | None = None  # [m, H, ...] the round's own copy of the draft's history; None when H = 0
 
 
 class _Nodes:
@@ -471,22 +469,8 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
 def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
     """Push exact data predictions of committed-trajectory states (``x, v [r, *e]`` at state ``n [r]``) to the
     front of rows ``rows`` of the round's draft history; no-op for drafts without history."""
-    if rnd.hist_x0 is None:
-        return
-    _push_history(rnd.hist_x0, rnd.hist_n, rnd.hist_x, rows, data_prediction(x, v, n, ctx.schedule), n, x)
-
-
-def _push_history(hist_x0: torch.Tensor, hist_n: torch.Tensor, hist_x: torch.Tensor, rows: torch.Tensor, x0: torch.Tensor,
-                  n: torch.Tensor, x: torch.Tensor) -> None:
-    """Shift rows ``rows`` of ``hist_x0 [M, H, *e]``, ``hist_n [M, H]``, ``hist_x [M, H, *e]`` back one slot and
-    write ``x0``, ``n``, ``x`` in front."""
-    if hist_x0.shape[1] > 1:
-        hist_x0[rows, 1:] = hist_x0[rows, :-1].clone()
-        hist_n[rows, 1:] = hist_n[rows, :-1].clone()
-        hist_x[rows, 1:] = hist_x[rows, :-1].clone()
-    hist_x0[rows, 0] = x0
-    hist_n[rows, 0] = n
-    hist_x[rows, 0] = x
+    if rnd.history is not None:
+        rnd.history.push(rows, data_prediction(x, v, n, ctx.schedule), n, x)
 
 
 def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
@@ -772,8 +756,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         live = live & sel
         dl = torch.where(live, dl, torch.zeros_like(dl))
     v_root, root_exact = st.v_root, st.root_exact
-    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, hist_x0=st.hist_x0, hist_n=st.hist_n,
-                                    hist_x=st.hist_x), sch)
+    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
     step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
     parent_step = step[:, :L]
     # every kernel coefficient of every depth in one gather: [M, L, NC] (COEFS)
@@ -891,7 +874,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
-    if st.hist_x0 is not None:
+    if st.history is not None:
         hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
     call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
     n_new = n + steps
@@ -916,12 +899,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
         st.v_root = torch.where(live_e, v_next.reshape(x.shape), st.v_root)
         st.root_exact = torch.where(live, exact_new, st.root_exact)
-        if st.hist_x0 is not None:
-            keep = ~live[:, None]
-            keep_e = keep.reshape(M, 1, *(1,) * len(e))
-            st.hist_x0 = torch.where(keep_e, st.hist_x0, hist[0])
-            st.hist_n = torch.where(keep, st.hist_n, hist[1])
-            st.hist_x = torch.where(keep_e, st.hist_x, hist[2])
+        if st.history is not None:
+            st.history = st.history.where(~live, hist)
 
     return commit, n_new, exact_new, bad, live
 
@@ -929,22 +908,18 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     """The draft history after a lean round, by gathers: the exact data predictions the reference walk records
     (:func:`_record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
-    order) pushed in front of ``st``'s records, most recent first. Returns ``(hist_x0, hist_n, hist_x)`` for every
+    order) pushed in front of ``st``'s records, most recent first. Returns the :class:`DraftHistory` of every
     row (rows without a verified node keep their records)."""
-    M, H = st.hist_n.shape
+    M, H = st.history.n.shape
     ar = torch.arange(M, device=n.device)[:, None]
     nv = verified.sum(1, keepdim=True)  # [M, 1] records of this round
     j = nv - 1 - lt.slots[:, :H]  # [M, H]: depth of the path node slot s records, where >= 0
-    new = j >= 0
     node = lt.anc_at_depth[ustar].gather(1, j.clamp(min=0))  # [M, H]
     xs = states[node, ar]  # [M, H, D]
     vs = torch.where((node == 0)[..., None], v0[:, None], vrest[(node - 1).clamp(min=0), ar])
     nn = n[:, None] + lt.depth[node]
     x0 = xs - ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), 3][..., None] * vs  # data_prediction's operations
-    old = (lt.slots[:, :H] - nv).clamp(min=0, max=H - 1)
-    e = st.hist_x0.shape[2:]
-    pick = lambda h, fresh: torch.where(new.reshape(M, H, *(1,) * len(e)), fresh.reshape(M, H, *e), h[ar, old])  # noqa: E731
-    return pick(st.hist_x0, x0), torch.where(new, nn, st.hist_n[ar, old]), pick(st.hist_x, xs)
+    return st.history.prepend(DraftHistory(x0, nn, xs), nv)
 
 
 def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected) -> torch.Tensor:
@@ -1343,9 +1318,7 @@ class _Chains:
     root_exact: torch.Tensor  # [M] bool: v_root is x's own exact velocity
     draft_keys: torch.Tensor  # [M]
     verify_keys: torch.Tensor  # [M]
-    hist_x0: torch.Tensor | None = None  # [M, H, *e] exact data predictions along the trajectory (drafts with history)
-    hist_n: torch.Tensor | None = None  # [M, H] their state indices, -1 = empty
-    hist_x: torch.Tensor | None = None  # [M, H, *e] the states of those records
+    history: DraftHistory | None = None  # [M, H, ...] exact records along the trajectories (drafts with history)
 
 
 def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally) -> _Chains:
@@ -1367,10 +1340,8 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
     )
     H = ctx.draft.history
     if H > 0:  # the step-0 state's exact data prediction opens the trajectory's history
-        st.hist_x0 = x.new_zeros((M, H) + tuple(x.shape[1:]))
-        st.hist_n = torch.full((M, H), -1, dtype=torch.long, device=dev)
-        st.hist_x = x.new_zeros((M, H) + tuple(x.shape[1:]))
-        _push_history(st.hist_x0, st.hist_n, st.hist_x, torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n, x)
+        st.history = DraftHistory.empty(x, H)
+        st.history.push(torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n, x)
     return st
 
 
@@ -1385,11 +1356,8 @@ def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) ->
 def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
     """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
     # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
-    hist_x0 = None if st.hist_x0 is None else st.hist_x0[live]
-    hist_n = None if st.hist_n is None else st.hist_n[live]
-    hist_x = None if st.hist_x is None else st.hist_x[live]
-    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], hist_x0=hist_x0, hist_n=hist_n,
-                     hist_x=hist_x)
+    hist = None if st.history is None else st.history.take(live)
+    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], history=hist)
     rnd = _Round(
         rows=live,
         x=st.x[live],
@@ -1400,9 +1368,7 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         root_exact=root.exact,
         draft_keys=st.draft_keys[live],
         verify_keys=st.verify_keys[live],
-        hist_x0=None if hist_x0 is None else hist_x0.clone(),  # the walk records into its own copy
-        hist_n=None if hist_n is None else hist_n.clone(),
-        hist_x=None if hist_x is None else hist_x.clone(),
+        history=None if hist is None else hist.clone(),  # the walk records into its own copy
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
     new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
@@ -1415,10 +1381,8 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     st.n[live] += steps  # line 24
     st.v_root[live] = v_next
     st.root_exact[live] = exact_next
-    if st.hist_x0 is not None:
-        st.hist_x0[live] = rnd.hist_x0
-        st.hist_n[live] = rnd.hist_n
-        st.hist_x[live] = rnd.hist_x
+    if st.history is not None:
+        st.history.put(live, rnd.history)
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:
