@@ -1105,38 +1105,12 @@ def sample_speculative(
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
     if _lean_supported(tree, execution, ctx.draft) and ctx.refine == 0:
-        ctx.tables = schedule.tables(dev)
-        ctx.x_event = tuple(st.x.shape[1:])
-        ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
-        steps_all = torch.arange(T, device=dev)[None]
-        ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
-        D = st.x[0].numel()
         if isinstance(tree, DraftTree):
-            trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
             reference = lambda live: _round(ctx, tree, tensors, _TreeNodes, st, live, tally)  # noqa: E731
-        else:  # one lean tree per distinct T_n, built when a round first uses it, sharing one set of buffers
-            trees, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
-            for n_root, t_n in by_root.items():
-                key = tuple(int(p) for p in t_n.parent)
-                if key not in seen:
-                    seen[key] = len(trees)
-                    trees.append(t_n)
-                lt_of_root[n_root] = seen[key]
-            internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
-            pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
+        else:
             reference = lambda live: _reference_groups(ctx, reference_trees(), st, live, tally)  # noqa: E731
-        lts = {}
-
-        def lean_tree(g: int) -> _LeanTree:
-            if g not in lts:
-                lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
-                lt.bind(M, D, pool)
-                if M * T * lt.N <= KEY_CACHE:
-                    lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                                    rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
-            return lts[g]
-
-        return _with_refine(tally.result(_lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback), T), 0)
+        samples = _lean_run(ctx, tree if isinstance(tree, DraftTree) else by_root, reference, st, tally, warmup, callback)
+        return _with_refine(tally.result(samples, T), 0)
     r = 0
     while True:  # line 2
         live = (st.n < end).nonzero(as_tuple=True)[0]
@@ -1203,6 +1177,48 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
     if torch.device(dev).type == "cuda":
         return t.pin_memory().to(dev, non_blocking=True)
     return t.to(dev)
+
+
+def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _Chains, tally: _Tally, warmup: str,
+              callback) -> torch.Tensor:
+    """The speculative rounds and the final step with :func:`_lean_round` (the tree execution); returns the samples.
+
+    ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees (one lean tree per distinct ``T_n``, built
+    when a round first uses it, all sharing one set of buffers). ``reference(live)`` runs the reference round(s)
+    on the live rows (where a deferred check fails). Fills the lean fields of ``ctx`` (tables, keys per root).
+    """
+    schedule, dev = ctx.schedule, st.x.device
+    M, T = st.x.shape[0], schedule.steps
+    ctx.tables = schedule.tables(dev)
+    ctx.x_event = tuple(st.x.shape[1:])
+    ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
+    steps_all = torch.arange(T, device=dev)[None]
+    ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
+    D = st.x[0].numel()
+    if isinstance(tree, DraftTree):
+        trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
+    else:
+        trees, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
+        for n_root, t_n in tree.items():
+            key = tuple(int(p) for p in t_n.parent)
+            if key not in seen:
+                seen[key] = len(trees)
+                trees.append(t_n)
+            lt_of_root[n_root] = seen[key]
+        internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
+        pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
+    lts = {}
+
+    def lean_tree(g: int) -> _LeanTree:
+        if g not in lts:
+            lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
+            lt.bind(M, D, pool)
+            if M * T * lt.N <= KEY_CACHE:
+                lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+        return lts[g]
+
+    return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
 
 
 def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
