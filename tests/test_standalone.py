@@ -10,7 +10,7 @@ import pytest
 from bare_env import run_blocked
 
 CORE = ("sampler", "coupling", "listcoupling", "drafts", "trees", "treesearch", "schedule", "rng", "theory",
-        "batching", "testing", "result", "chains", "rounds", "lean")
+        "batching", "testing", "result", "chains", "rounds", "lean", "grs", "markmax_params")
 BLOCKED = ("omegaconf", "hydra", "pandas", "matplotlib", "specsamp.models", "specsamp.runner")
 
 
