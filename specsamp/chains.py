@@ -102,7 +102,7 @@ class ContractError(ValueError):
 
 @dataclass
 class _Tally:
-    """Per-trajectory accounting of :func:`sample_speculative` (section 5's protocol); becomes the
+    """Per-trajectory accounting of :func:`specsamp.sampler.sample_speculative` (section 5's protocol); becomes the
     :class:`SampleResult`."""
 
     nfe: torch.Tensor  # [M] batched calls on the speculative steps (warm-up included)

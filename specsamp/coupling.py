@@ -329,8 +329,8 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
 
     ``delta = ||mean_q - mean_p|| / sigma`` is computed without squaring the difference itself: it is
     first divided by a power of two near its largest coordinate (exact), so neither a tiny nor a huge
-    ``sigma`` under- or overflows the norm (float64 at ``sigma = 1e-300`` used to give ``delta = 0``, and
-    ``1e300`` a NaN); in the normal range the result is bit for bit the unscaled one. The differences
+    ``sigma`` under- or overflows the norm (unscaled, float64 would give ``delta = 0`` at ``sigma = 1e-300``
+    and a NaN at ``1e300``); in the normal range the result is bit for bit the unscaled one. The differences
     and dot products run in :func:`work_dtype`, the children's differences from ``mean_p`` all at once
     (extra memory: one ``[n, K, D]`` tensor) up to ``BATCHED_ELEMENTS`` elements and one child at a
     time above (two ``[n, D]`` tensors, whatever ``K``); ``delta`` and the projections are float64.

@@ -130,8 +130,8 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
       1``, where ``log S`` is flat, the step is the one of Newton on ``S`` itself (``log S - log u ~
       u - S``), whose quadratic constant there equals that of Newton on ``log(1 - S)``.
 
-    Bound: the result differs from the root of the computed survival (the 64-step bisection this
-    function replaced) by at most ``8 eps max(1, |s|) + 32 nu(s)``, where ``nu(s) = eps max(1,
+    Bound: the result differs from the root of the computed survival (a 64-step bisection of
+    it) by at most ``8 eps max(1, |s|) + 32 nu(s)``, where ``nu(s) = eps max(1,
     -log Phibar(s - delta)) (Phibar(s - delta) + lam Phibar(s)) / r(s)`` is the survival's own rounding
     carried to ``s`` (the cancellation of its two terms and of their logs): every root finder of this
     survival is uncertain by about ``nu``. ``tests/test_residual.py`` checks the bound for ``delta`` in
@@ -139,8 +139,8 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps max(1, |s|)`` where ``nu <= eps
     max(1, |s|)``, and ``2.2 nu`` beyond ``8 eps max(1, |s|)`` elsewhere. (Three grid levels with one
     step, or two with two, miss the bound by orders of magnitude at small ``delta`` and tiny ``u``.)
-    Cost: 119 ATen operations whatever ``n`` (the bisection took about 1110), but ``2 (GRID_LEVELS
-    (GRID - 1) + RESIDUAL_STEPS) = 506`` ``log_ndtr`` evaluations per row (the bisection 128): fewer
+    Cost: 119 ATen operations whatever ``n`` (a 64-step bisection takes about 1110), but ``2 (GRID_LEVELS
+    (GRID - 1) + RESIDUAL_STEPS) = 506`` ``log_ndtr`` evaluations per row (a bisection 128): fewer
     launches, four times the arithmetic. ``nu`` is large only at small ``delta`` (``G ~ delta``) and
     for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``).
 

@@ -90,7 +90,7 @@ HISTORY_SLOTS = 16  # most records a draft's history may keep in the lean round 
 def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
     """Flat indices ``node * M + row`` of the states a round's batched call evaluates, from host copies of
     the rows' state indices ``n [M]`` and root flags ``exact [M]``: the nodes of ``T|_{L_n}`` the protocol
-    evaluates (:meth:`_Nodes.evaluated`), without a root whose velocity is known, for live rows only (and only
+    evaluates (:meth:`specsamp.rounds._Nodes.evaluated`), without a root whose velocity is known, for live rows only (and only
     rows ``rows``, a bool ``[M]``, where given)."""
     dl = np.clip(end - n, 0, self.L)
     mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
@@ -194,12 +194,12 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
     Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
-    :meth:`_Nodes.draft`), the kernel coefficients of every depth gathered once from the schedule's tables,
+    :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered once from the schedule's tables,
     then per layer a gather of the parents, the draft's mean (``Draft.table_mean``) and one add: the path
     execution's operations, so both executions draft the same bits. Then one batched target call over
     all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
     own, so the numbers are those the walk would draw); the walk is a gather (a node is on the accepted path
-    iff every edge above it was the accepted one). Value checks are deferred (:func:`coupling.deferred_checks`).
+    iff every edge above it was the accepted one). Value checks are deferred (:func:`specsamp.coupling.deferred_checks`).
 
     Args:
         plan: long ``[P]`` flat indices ``node * M + row`` of the states the batched call evaluates
@@ -214,7 +214,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         ``tally`` (the other rows are left as they are then, so the rounds of several trees commit one after the
         other); ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
         a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
-        discards the round and repeats it with :func:`_round`, which raises the precise error); ``live [M]``
+        discards the round and repeats it with :func:`specsamp.rounds._round`, which raises the precise error); ``live [M]``
         the rows the round served.
     """
     sch, tab, draft = ctx.schedule, ctx.tables, ctx.draft
@@ -379,7 +379,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
 
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     """The draft history after a lean round, by gathers: the exact data predictions the reference walk records
-    (:func:`_record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
+    (:func:`specsamp.rounds._record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
     order) pushed in front of ``st``'s records, most recent first. Returns the :class:`DraftHistory` of every
     row (rows without a verified node keep their records)."""
     M, H = st.history.n.shape
@@ -425,7 +425,7 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, us
 
 
 def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tensor) -> None:
-    """:func:`_root_call` for the live ``rows`` the host already knows (no host sync)."""
+    """:func:`specsamp.chains._root_call` for the live ``rows`` the host already knows (no host sync)."""
     st.v_root[rows] = ctx.velocity(st.x[rows], st.n[rows], rows)
     st.root_exact[rows] = True
     tally.nfe[rows] += 1
@@ -434,7 +434,7 @@ def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tenso
 
 
 def _coef_table(tables: dict, dtype) -> torch.Tensor:
-    """``[T, NC]`` the :data:`COEFS` columns in ``dtype``: the kernel's (:meth:`Schedule.tables`) and the half log-SNR
+    """``[T, NC]`` the :data:`COEFS` columns in ``dtype``: the kernel's (:meth:`specsamp.schedule.Schedule.tables`) and the half log-SNR
     of ``sigma`` in that dtype (what the extrapolating drafts' ``mean`` computes per call)."""
     cols = [tables[k].to(dtype) for k in COEFS[:-1]]
     return torch.stack(cols + [_lsnr_feature(cols[COEFS.index("sigma")])], 1)
@@ -492,7 +492,7 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
 
 def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
                warmup: str, callback) -> torch.Tensor:
-    """The rounds of :func:`sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
+    """The rounds of :func:`specsamp.sampler.sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
 
     ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
     index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the live

@@ -222,17 +222,17 @@ def sample_speculative(
             plain drafts). Each sweep is one batched target call at the current snapshot of the round's internal
             nodes, after which the tree is rebuilt breadth-first with the same innovations from the fresh
             velocities at each node's parent; the coupling is handed the refined proposal means, so the law is
-            unchanged (the argument: :meth:`_TreeNodes._picard`). At ``J >= L`` every proposal mean is the target
+            unchanged (the argument: :meth:`specsamp.rounds._TreeNodes._picard`). At ``J >= L`` every proposal mean is the target
             kernel mean at its parent (the verifier's ``delta`` is 0 wherever the states coincide). Every sweep
             is charged to ``nfe`` and to ``target_rows``; recorded in ``SampleResult.extra["refine"]``. Tree
             execution only, and it runs the reference round (the lean round serves ``refine=0``).
 
     The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
     ``x0_extrap``, ``x0_extrap_gated``), on a fixed tree or a tree per root step (one lean round per distinct tree
-    of the live rows), runs the lean round (:func:`_lean_round`): every row of the batch in every round
+    of the live rows), runs the lean round (:func:`specsamp.lean._lean_round`): every row of the batch in every round
     (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
     states, one coupling call per node width, a walk by gathers, and one host synchronisation per round
-    (the loop's test). Other configurations run the reference round (:func:`_round`), which the lean one
+    (the loop's test). Other configurations run the reference round (:func:`specsamp.rounds._round`), which the lean one
     repeats exactly where a deferred check fails, to raise the precise error.
 
     Returns:
