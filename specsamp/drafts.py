@@ -110,26 +110,39 @@ class DraftHistory:
                 t[rows, 1:] = t[rows, :-1].clone()
             t[rows, 0] = v
 
-    def prepend(self, fresh: DraftHistory, count: torch.Tensor) -> DraftHistory:
-        """What ``count [M]`` pushes per row would leave: slot ``s`` holds ``fresh``'s slot ``s`` where ``s < count``
-        (``fresh`` most recent first, event dimensions flattened or not), else this history's slot ``s - count``."""
+    def prepend(self, fresh: DraftHistory, count: torch.Tensor, *, slot: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> DraftHistory:
+        """What ``count [M, 1]`` (long) pushes per row would leave: slot ``s`` holds ``fresh``'s slot ``s`` where
+        ``s < count`` (``fresh`` most recent first, shaped like this history or with the event flattened), else this
+        history's slot ``s - count``; a new history.
+
+        ``slot`` (``[1, H]``, ``0..H-1``) and ``rows`` (``[M, 1]``, ``0..M-1``): the index tensors, where the caller
+        already holds them (a round that runs once per step keeps its operation count down)."""
         M, H = self.n.shape
-        ar = torch.arange(M, device=self.n.device)[:, None]
-        slot = torch.arange(H, device=self.n.device)[None]
-        new = slot < count.reshape(M, 1)
-        old = (slot - count.reshape(M, 1)).clamp(min=0, max=H - 1)
+        if slot is None:
+            slot = torch.arange(H, device=self.n.device)[None]
+        if rows is None:
+            rows = torch.arange(M, device=self.n.device)[:, None]
+        new = slot < count
+        old = (slot - count).clamp(min=0, max=H - 1)
+        masks = {2: new}
 
         def pick(mine, theirs):
-            sel = new.reshape(M, H, *(1,) * (mine.ndim - 2))
-            return torch.where(sel, theirs.reshape(mine.shape), mine[ar, old])
+            if mine.ndim not in masks:
+                masks[mine.ndim] = new.reshape(M, H, *(1,) * (mine.ndim - 2))
+            return torch.where(masks[mine.ndim], theirs if theirs.shape == mine.shape else theirs.reshape(mine.shape),
+                               mine[rows, old])
 
         return DraftHistory(*(pick(a, b) for a, b in zip(self._parts(), fresh._parts())))
 
     def where(self, keep: torch.Tensor, other: DraftHistory) -> DraftHistory:
         """Rows of this history where ``keep [M]`` (bool), ``other``'s elsewhere (a new history)."""
+        masks = {}
         out = []
         for mine, theirs in zip(self._parts(), other._parts()):
-            out.append(torch.where(keep.reshape(-1, *(1,) * (mine.ndim - 1)), mine, theirs))
+            if mine.ndim not in masks:
+                masks[mine.ndim] = keep.reshape(-1, *(1,) * (mine.ndim - 1))
+            out.append(torch.where(masks[mine.ndim], mine, theirs))
         return DraftHistory(*out)
 
 

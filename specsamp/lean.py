@@ -385,13 +385,14 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     M, H = st.history.n.shape
     ar = torch.arange(M, device=n.device)[:, None]
     nv = verified.sum(1, keepdim=True)  # [M, 1] records of this round
-    j = nv - 1 - lt.slots[:, :H]  # [M, H]: depth of the path node slot s records, where >= 0
+    slot = lt.slots[:, :H]
+    j = nv - 1 - slot  # [M, H]: depth of the path node slot s records, where >= 0
     node = lt.anc_at_depth[ustar].gather(1, j.clamp(min=0))  # [M, H]
     xs = states[node, ar]  # [M, H, D]
     vs = torch.where((node == 0)[..., None], v0[:, None], vrest[(node - 1).clamp(min=0), ar])
     nn = n[:, None] + lt.depth[node]
     x0 = xs - ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), 3][..., None] * vs  # data_prediction's operations
-    return st.history.prepend(DraftHistory(x0, nn, xs), nv)
+    return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
 def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected) -> torch.Tensor:
