@@ -38,9 +38,18 @@ class _Velocity:
 
 
 def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Tensor:
-    """Initial states ``x ~ N(0, I)`` at ``sigma = 1``, keyed by ``(seed, trajectory)``.
+    """Initial states ``x ~ N(0, I)`` at ``sigma = 1``, keyed by ``(seed, trajectory)`` (:mod:`specsamp.rng`).
 
     Speculative and standard samplers with the same seed start from the same noise (paired runs).
+
+    Args:
+        seed: run seed, an integer in ``[0, rng.MAX_SEED]``.
+        ids: ``[M]`` long trajectory ids (their device is the result's).
+        event_shape: shape of one state.
+        dtype: the states' dtype.
+
+    Returns:
+        ``[M, *event_shape]`` in ``dtype``; row ``i`` depends on ``(seed, ids[i])`` only.
     """
     keys = rng.base_key(seed, ids, "init", device=ids.device)
     return rng.normal(keys, event_shape, dtype=dtype)
@@ -48,6 +57,8 @@ def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Ten
 
 @dataclass
 class _Context:
+    """What every round of one speculative run reads: the kernel, the rules, the target, and (lean round) tables."""
+
     schedule: Schedule
     coupling: Coupling
     draft: Draft
@@ -56,7 +67,7 @@ class _Context:
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
     tables: dict | None = None  # Schedule.tables on the model's device (float64)
-    coef_table: torch.Tensor | None = None  # [T, 5] the COEFS columns of the tables, in the states' dtype
+    coef_table: torch.Tensor | None = None  # [T, NC] the lean.COEFS columns of the tables, in the states' dtype
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
     x_event: tuple = ()  # event shape of the states
     check_contract: bool = False  # check every verdict against the coupling contract
