@@ -44,7 +44,6 @@ from .grs import (  # noqa: F401  (re-exported: the GRS scalar machinery is publ
 from .rng import GeneratorRows
 
 
-
 @dataclass
 class Verdict:
     """Output of a coupling.
@@ -445,7 +444,6 @@ def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index
     shift = (proj.sigma * (s_new - proj.s_hat[:, 0])).masked_fill_(accepted, 0.0).to(proj.e.dtype)
     out = torch.addcmul(base.to(proj.e.dtype), shift[:, None], proj.e).to(flat.dtype)
     return out if children.ndim == 3 else out.reshape(children.shape[0], *children.shape[2:])
-
 
 
 @register_coupling("dgrs")

@@ -14,7 +14,6 @@ import math
 import torch
 
 
-
 def log_sf(x: torch.Tensor) -> torch.Tensor:
     """log of the standard normal survival function, stable in both tails (float64)."""
     return torch.special.log_ndtr(-x)
