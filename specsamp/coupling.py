@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
-from .registry import Registry
 from .grs import (  # noqa: F401  (re-exported: the GRS scalar machinery is public here too)
     GRID,
     GRID_LEVELS,
@@ -41,6 +40,7 @@ from .grs import (  # noqa: F401  (re-exported: the GRS scalar machinery is publ
     log_sf,
     sample_grs_residual,
 )
+from .registry import Registry
 from .rng import GeneratorRows
 
 
