@@ -7,7 +7,7 @@ dispatches and the number of times it makes the host wait for a value do not. Th
 both with a :class:`torch.utils._python_dispatch.TorchDispatchMode` (every ATen operator call below
 Python is seen once, whatever the backend) while a sampler runs, and splits them into three regions:
 
-- ``network``: inside the target's forward pass (``sampler._Velocity.__call__``); excluded from the
+- ``network``: inside the target's forward pass (``chains._Velocity.__call__``); excluded from the
   round's cost, reported as ops per call for scale;
 - ``coupling``: inside a :class:`specsamp.coupling.Coupling` call (the verification rule itself);
 - ``round``: everything else the sampler does (drafting, noise, walk, commit, prefetch, bookkeeping).
@@ -128,11 +128,11 @@ def counting():
     """Count ATen calls and host syncs of everything run inside; yields the :class:`OpCounts`.
 
     The target's forward passes are counted as region ``network`` and coupling calls as ``coupling``,
-    by wrapping ``specsamp.sampler._Velocity.__call__`` and ``specsamp.coupling.Coupling.__call__`` for
+    by wrapping ``specsamp.chains._Velocity.__call__`` and ``specsamp.coupling.Coupling.__call__`` for
     the duration (restored on exit).
     """
     from specsamp import coupling as cmod
-    from specsamp import sampler as smod
+    from specsamp import chains as smod
 
     counts = OpCounts()
     mode = OpCounter(counts)

@@ -1,10 +1,15 @@
 """specsamp: exact speculative sampling of diffusion models with draft trees.
 
-Core modules (torch/numpy/scipy only): :mod:`~specsamp.coupling` (the :class:`Coupling` contract,
-RMC, D-GRS and the registry), :mod:`~specsamp.listcoupling` (markmax), :mod:`~specsamp.theory`,
-:mod:`~specsamp.trees`, :mod:`~specsamp.treesearch`, :mod:`~specsamp.schedule`,
-:mod:`~specsamp.drafts`, :mod:`~specsamp.sampler`, :mod:`~specsamp.testing` (the exactness test of a
-coupling), :mod:`~specsamp.models`. The protocol they implement: ``docs/protocol.md``.
+The core imports with torch, numpy and scipy only (``tests/test_standalone.py`` holds it to that):
+:mod:`~specsamp.coupling` (the :class:`Coupling` contract, RMC, D-GRS and the registry; the GRS scalar
+machinery in :mod:`~specsamp.grs`), :mod:`~specsamp.listcoupling` (markmax; its parameters in
+:mod:`~specsamp.markmax_params`), :mod:`~specsamp.theory`, :mod:`~specsamp.trees`,
+:mod:`~specsamp.treesearch`, :mod:`~specsamp.schedule`, :mod:`~specsamp.rng`, :mod:`~specsamp.drafts`,
+:mod:`~specsamp.sampler` (the samplers; their rounds in :mod:`~specsamp.rounds` and :mod:`~specsamp.lean`,
+what those share in :mod:`~specsamp.chains`, the result in :mod:`~specsamp.result`),
+:mod:`~specsamp.batching` and :mod:`~specsamp.testing` (the exactness test of a coupling). Importing
+``specsamp`` loads only the core; the model adapters (:mod:`~specsamp.models`) and the command-line runner
+(:mod:`~specsamp.runner`) load when imported. The protocol they implement: ``docs/protocol.md``.
 """
 
 __version__ = "0.1.0"

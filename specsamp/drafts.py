@@ -55,6 +55,97 @@ from .registry import Registry
 from .schedule import Schedule, per_row
 
 
+@dataclass
+class DraftHistory:
+    """The exact records of the committed trajectories a draft with ``Draft.history = H > 0`` reads.
+
+    One record per slot, most recent first; the sampler owns one for the whole batch, gives a round the rows it
+    serves (:meth:`take`), pushes what the round's walk verified (:meth:`push`, :meth:`prepend`) and writes it
+    back (:meth:`put`, :meth:`where`). Every operation is a copy or a selection: no record's value changes.
+
+    Attributes:
+        x0: ``[M, H, *e]`` exact data predictions ``x - sigma v`` (:func:`data_prediction`); 0 in empty slots.
+        n: ``[M, H]`` long, their state indices; ``-1`` marks an empty slot.
+        x: ``[M, H, *e]`` the states at which those data predictions were computed (0 in empty slots), or None
+            where the reader needs none (the sampler always records them).
+    """
+
+    x0: torch.Tensor
+    n: torch.Tensor
+    x: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, slots: int) -> DraftHistory:
+        """``slots`` empty records for each row of ``like [M, *e]`` (its dtype and device)."""
+        shape = (like.shape[0], slots) + tuple(like.shape[1:])
+        return cls(like.new_zeros(shape), torch.full(shape[:2], -1, dtype=torch.long, device=like.device), like.new_zeros(shape))
+
+    @property
+    def slots(self) -> int:
+        """``H``, the records kept per row."""
+        return self.n.shape[1]
+
+    def _parts(self):
+        return (self.x0, self.n) + (() if self.x is None else (self.x,))
+
+    def take(self, rows: torch.Tensor) -> DraftHistory:
+        """The records of rows ``rows [m]`` (long), as a copy."""
+        return DraftHistory(*(t[rows] for t in self._parts()))
+
+    def clone(self) -> DraftHistory:
+        """A copy that later pushes do not share."""
+        return DraftHistory(*(t.clone() for t in self._parts()))
+
+    def put(self, rows: torch.Tensor, other: DraftHistory) -> None:
+        """Write ``other``'s records (one row per entry of ``rows [m]``) into rows ``rows``, in place."""
+        for mine, theirs in zip(self._parts(), other._parts()):
+            mine[rows] = theirs
+
+    def push(self, rows: torch.Tensor, x0: torch.Tensor, n: torch.Tensor, x: torch.Tensor) -> None:
+        """Shift rows ``rows [r]`` back one slot (the oldest record drops out) and write the record ``x0 [r, *e]``
+        at state ``n [r]``, computed at ``x [r, *e]``, in front; in place."""
+        new = (x0, n) + (() if self.x is None else (x,))
+        for t, v in zip(self._parts(), new):
+            if t.shape[1] > 1:
+                t[rows, 1:] = t[rows, :-1].clone()
+            t[rows, 0] = v
+
+    def prepend(self, fresh: DraftHistory, count: torch.Tensor, *, slot: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> DraftHistory:
+        """What ``count [M, 1]`` (long) pushes per row would leave: slot ``s`` holds ``fresh``'s slot ``s`` where
+        ``s < count`` (``fresh`` most recent first, shaped like this history or with the event flattened), else this
+        history's slot ``s - count``; a new history.
+
+        ``slot`` (``[1, H]``, ``0..H-1``) and ``rows`` (``[M, 1]``, ``0..M-1``): the index tensors, where the caller
+        already holds them (a round that runs once per step keeps its operation count down)."""
+        M, H = self.n.shape
+        if slot is None:
+            slot = torch.arange(H, device=self.n.device)[None]
+        if rows is None:
+            rows = torch.arange(M, device=self.n.device)[:, None]
+        new = slot < count
+        old = (slot - count).clamp(min=0, max=H - 1)
+        masks = {2: new}
+
+        def pick(mine, theirs):
+            if mine.ndim not in masks:
+                masks[mine.ndim] = new.reshape(M, H, *(1,) * (mine.ndim - 2))
+            return torch.where(masks[mine.ndim], theirs if theirs.shape == mine.shape else theirs.reshape(mine.shape),
+                               mine[rows, old])
+
+        return DraftHistory(*(pick(a, b) for a, b in zip(self._parts(), fresh._parts())))
+
+    def where(self, keep: torch.Tensor, other: DraftHistory) -> DraftHistory:
+        """Rows of this history where ``keep [M]`` (bool), ``other``'s elsewhere (a new history)."""
+        masks = {}
+        out = []
+        for mine, theirs in zip(self._parts(), other._parts()):
+            if mine.ndim not in masks:
+                masks[mine.ndim] = keep.reshape(-1, *(1,) * (mine.ndim - 1))
+            out.append(torch.where(masks[mine.ndim], mine, theirs))
+        return DraftHistory(*out)
+
+
 @dataclass(frozen=True)
 class DraftRoot:
     """What the roots of a round's ``m`` live trajectories offer a draft.
@@ -62,23 +153,18 @@ class DraftRoot:
     Attributes:
         x: ``[m, *e]`` root states ``Y_n``.
         v: ``[m, *e]`` the velocity the round drafts from (the root's own exact velocity where ``exact``;
-            else the prefetched one of a nearby evaluated state, see ``sampler.prefetch``).
+            else the prefetched one of a nearby evaluated state, see :func:`specsamp.rounds._prefetch`).
         n: ``[m]`` long, root state indices (noise level ``sigma_n``).
         exact: ``[m]`` bool, ``v`` is the root's own exact velocity.
-        hist_x0: ``[m, H, *e]`` exact data predictions ``x - sigma v`` at earlier states of the committed
-            trajectory, most recent first (``None`` when the draft asks for no history, ``H = 0``).
-        hist_n: ``[m, H]`` long, their state indices; ``-1`` marks an empty slot (then ``hist_x0`` is 0).
-        hist_x: ``[m, H, *e]`` the states at which those data predictions were computed (``None`` with
-            ``hist_x0``; 0 in empty slots).
+        history: the rows' :class:`DraftHistory` (``[m, H, ...]``, earlier states of the committed trajectory,
+            most recent first); ``None`` when the draft asks for none (``Draft.history = 0``).
     """
 
     x: torch.Tensor
     v: torch.Tensor
     n: torch.Tensor
     exact: torch.Tensor
-    hist_x0: torch.Tensor | None = None
-    hist_n: torch.Tensor | None = None
-    hist_x: torch.Tensor | None = None
+    history: DraftHistory | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +177,7 @@ class Draft:
         mean: ``(frozen [M, ...], x [M, m, *e], n [M] long, schedule) -> [M, m, *e]`` proposal means
             of the children of nodes ``x`` (all of one depth, at step ``n``).
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
-            (``DraftRoot.hist_x0``, with their states ``hist_x``); 0: none are kept.
+            (``DraftRoot.history``, with the states they were computed at); 0: none are kept.
         table_mean: optional ``(frozen [M, 1, D], x [M, g, D], coef) -> [M, g, D]``: the proposal means of
             nodes ``x`` (event flattened to ``D``; ``frozen`` likewise, with a node axis of 1), computed with the
             same operations as ``mean`` (so the same bits) from coefficients already gathered for each node's
@@ -153,34 +239,36 @@ def _lsnr_feature(sigma: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-sigma) - torch.log(sigma)
 
 
-def _x0_extrap(feature: Callable[[torch.Tensor], torch.Tensor], gate: bool = False):
-    """``(freeze, mean)`` of the extrapolating data-prediction draft in the coordinate ``feature(sigma)``.
+def _x0_extrap(gate: bool = False):
+    """``(freeze, mean)`` of the extrapolating data-prediction draft in the half log-SNR ``lambda(sigma)``.
 
-    Frozen: ``[m, 2, *e]`` = ``(a, s)`` with ``x0_hat(sigma) = a + s feature(sigma)``, anchored at the root's
-    ``x0_r`` (``a = x0_r - s feature(sigma_r)``). The slope comes from the two most recent exact records
+    Frozen: ``[m, 2, *e]`` = ``(a, s)`` with ``x0_hat(sigma) = a + s lambda(sigma)``, anchored at the root's
+    ``x0_r`` (``a = x0_r - s lambda(sigma_r)``). The slope comes from the two most recent exact records
     (the root itself first where its velocity is exact, then the history). With
     ``gate``, a row extrapolates only if the slope of its previous pair of records would have predicted
     the last increment better than no slope (``|d1 - p| < |d1|``; needs a third record). With fewer
-    records, or a pair whose feature difference is not finite (a record at ``sigma = 1`` in log-SNR), the
+    records, or a pair whose ``lambda`` difference is not finite (a record at ``sigma = 1``), the
     slope is 0 (the ``x0`` draft).
     """
+    feature = _lsnr_feature
 
     def freeze(root: DraftRoot, sch: Schedule):
         sig = sch.sigmas.to(root.x.device)
         d_r = data_prediction(root.x, root.v, root.n, sch)
         ex = root.exact
-        H = root.hist_n.shape[1]
+        hist = root.history
+        H = hist.slots
         # records, most recent first: the root where exact, then the history (shifted by one where exact)
         pts_x, pts_n = [], []
         for j in range(3 if gate else 2):
             if j == 0:
-                xj = torch.where(per_row(ex, d_r), d_r, root.hist_x0[:, 0])
-                nj = torch.where(ex, root.n, root.hist_n[:, 0])
+                xj = torch.where(per_row(ex, d_r), d_r, hist.x0[:, 0])
+                nj = torch.where(ex, root.n, hist.n[:, 0])
             else:
-                prev_x = root.hist_x0[:, j - 1]
-                prev_n = root.hist_n[:, j - 1]
-                cur_x = root.hist_x0[:, j] if j < H else torch.zeros_like(d_r)
-                cur_n = root.hist_n[:, j] if j < H else torch.full_like(root.n, -1)
+                prev_x = hist.x0[:, j - 1]
+                prev_n = hist.n[:, j - 1]
+                cur_x = hist.x0[:, j] if j < H else torch.zeros_like(d_r)
+                cur_n = hist.n[:, j] if j < H else torch.full_like(root.n, -1)
                 xj = torch.where(per_row(ex, d_r), prev_x, cur_x)
                 nj = torch.where(ex, prev_n, cur_n)
             pts_x.append(xj)
@@ -263,7 +351,7 @@ def _x0_affine():
     Frozen: ``[m, 4, *e]`` = ``(a, s, mu, s2)``: the ``x0_extrap_gated`` fallback ``a + s lambda(sigma)``, the
     fitted component mean ``mu`` and its variance ``s2`` broadcast over the event (``-1``: use the fallback).
     """
-    fb_freeze, fb_mean = _x0_extrap(_lsnr_feature, gate=True)
+    fb_freeze = _x0_extrap(gate=True)[0]  # the x0_extrap_gated fallback's frozen part
 
     def freeze(root: DraftRoot, sch: Schedule):
         sig = sch.sigmas.to(root.x.device)
@@ -271,13 +359,14 @@ def _x0_affine():
         d_r = data_prediction(root.x, root.v, root.n, sch)
         ex = root.exact
         pe = lambda t: per_row(ex, t)
+        hist = root.history
         # the two most recent exact records (the root where its velocity is exact, then the history)
-        dA = torch.where(pe(d_r), d_r, root.hist_x0[:, 0])
-        xA = torch.where(pe(d_r), root.x, root.hist_x[:, 0])
-        nA = torch.where(ex, root.n, root.hist_n[:, 0])
-        dB = torch.where(pe(d_r), root.hist_x0[:, 0], root.hist_x0[:, 1])
-        xB = torch.where(pe(d_r), root.hist_x[:, 0], root.hist_x[:, 1])
-        nB = torch.where(ex, root.hist_n[:, 0], root.hist_n[:, 1])
+        dA = torch.where(pe(d_r), d_r, hist.x0[:, 0])
+        xA = torch.where(pe(d_r), root.x, hist.x[:, 0])
+        nA = torch.where(ex, root.n, hist.n[:, 0])
+        dB = torch.where(pe(d_r), hist.x0[:, 0], hist.x0[:, 1])
+        xB = torch.where(pe(d_r), hist.x[:, 0], hist.x[:, 1])
+        nB = torch.where(ex, hist.n[:, 0], hist.n[:, 1])
         usable = (nA >= 1) & (nB >= 1) & (nA != nB)  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
         sA, sB = sig[nA.clamp(min=0)], sig[nB.clamp(min=0)]
         s2, res = _fit_s2(dA, xA, sA, dB, xB, sB)
@@ -343,8 +432,8 @@ for _draft in (
     Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
           table_mean=lambda fr, x, coef: x + fr),
     Draft("x0", freeze=_x0_freeze, mean=_x0_mean, table_mean=_x0_table_mean),
-    Draft("x0_extrap", *_x0_extrap(_lsnr_feature), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
-    Draft("x0_extrap_gated", *_x0_extrap(_lsnr_feature, gate=True), history=3, table_mean=_x0_table_mean,
+    Draft("x0_extrap", *_x0_extrap(), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
+    Draft("x0_extrap_gated", *_x0_extrap(gate=True), history=3, table_mean=_x0_table_mean,
           table_frozen=_extrap_table_frozen),
     Draft("x0_affine", *_x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
 ):

@@ -1,6 +1,7 @@
 """Run Python code in a subprocess where chosen packages cannot be imported (as on a bare device image).
 
-A ``sys.meta_path`` finder placed first refuses the blocked top-level names with ``ModuleNotFoundError``
+A ``sys.meta_path`` finder placed first refuses the blocked names (a package and everything under it; dotted
+names such as ``specsamp.models`` block that subpackage only) with ``ModuleNotFoundError``
 (an ``ImportError``, so optional imports guarded by ``except ImportError`` behave as without the package).
 """
 
@@ -23,7 +24,7 @@ import sys
 class _Blocker:
     blocked = frozenset({blocked!r})
     def find_spec(self, name, path=None, target=None):
-        if name.partition('.')[0] in self.blocked:
+        if any(name == b or name.startswith(b + '.') for b in self.blocked):
             raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: absent from the bare image)", name=name)
         return None
 sys.meta_path.insert(0, _Blocker())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsamp import sampler
+from specsamp import lean, rounds, sampler
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -34,9 +34,9 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
-    monkeypatch.setattr(sampler, variant[0], variant[1])
+    monkeypatch.setattr(lean, variant[0], variant[1])
     if variant[0] == "VERIFY_MEMORY":  # one node per chunk: the floor of 2**20 elements would keep one chunk
-        monkeypatch.setattr(sampler, "VERIFY_FLOOR", 0)
+        monkeypatch.setattr(lean, "VERIFY_FLOOR", 0)
     got = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
@@ -71,8 +71,8 @@ def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
     fr = draft.freeze(root, sch)
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
-    tab = sampler._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
-    coef = dict(zip(sampler.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
+    tab = lean._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
+    coef = dict(zip(lean.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
     assert torch.equal(draft.table_mean(fr.reshape(M, 1, D), x, coef), draft.mean(fr, x, step, sch))
 
 
@@ -95,7 +95,8 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
     def no_reference(*a, **k):
         raise AssertionError("the reference round ran")
 
-    monkeypatch.setattr(sampler, "_round", no_reference)
+    monkeypatch.setattr(sampler, "_round", no_reference)  # a fixed tree's reference round
+    monkeypatch.setattr(rounds, "_round", no_reference)  # the per-step trees' (rounds._reference_groups)
     got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(path, f)), f
@@ -106,13 +107,13 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
     # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
     # indices of different trees, so one host round runs more than one lean tree
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
-    seen, real = [], sampler._lean_round
+    seen, real = [], lean._lean_round
 
     def spy(ctx, lt, st, plan, kind="some", sel=None):
         seen.append(sel is not None)
         return real(ctx, lt, st, plan, kind, sel)
 
-    monkeypatch.setattr(sampler, "_lean_round", spy)
+    monkeypatch.setattr(lean, "_lean_round", spy)
     sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)
     assert any(seen)
 
@@ -133,7 +134,7 @@ def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
         fr[:, 3] = torch.tensor([0.5, -1.0, 2.0], dtype=dtype)[:, None]
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
-    tab = sampler._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
-    coef = dict(zip(sampler.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
+    tab = lean._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
+    coef = dict(zip(lean.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
     got = draft.table_mean(draft.table_frozen(fr.permute(1, 0, 2)[:, :, None], coef), x, coef)
     assert torch.equal(got, draft.mean(fr, x, step, sch))

@@ -618,7 +618,7 @@ def test_step_dependent_tree_errors():
 def test_x0_extrap_rebuilds_a_data_prediction_linear_in_log_snr():
     # records of D(lambda) = A + B lambda at states 3 and 4, an exact root at 5: the drafted velocity at
     # step 7 is (x - D(lambda_7)) / sigma_7, fed to the kernel mean; a record at step 0 gives slope 0
-    from specsamp.drafts import DraftRoot, get_draft
+    from specsamp.drafts import DraftHistory, DraftRoot, get_draft
 
     draft = get_draft("x0_extrap")
     lam = lambda n: torch.log1p(-SCHED.sigmas[n]) - torch.log(SCHED.sigmas[n])  # noqa: E731
@@ -628,18 +628,19 @@ def test_x0_extrap_rebuilds_a_data_prediction_linear_in_log_snr():
     n_r = torch.tensor([5, 5])
     s_r = SCHED.sigmas[5]
     root = DraftRoot(x=x_r, v=(x_r - D(5)) / s_r, n=n_r, exact=torch.tensor([True, True]),
-                     hist_x0=torch.stack([D(4), D(3)], 1), hist_n=torch.tensor([[4, 3], [4, 3]]))
+                     history=DraftHistory(torch.stack([D(4), D(3)], 1), torch.tensor([[4, 3], [4, 3]])))
     n_u = torch.tensor([6, 6])
     want = SCHED.mean(x_u, (x_u - D(6)) / SCHED.sigmas[6], n_u)
     torch.testing.assert_close(draft.mean(draft.freeze(root, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want)
     # root not exact: the slope comes from the two records (same line), the anchor from the root's v
-    root2 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), hist_x0=root.hist_x0, hist_n=root.hist_n)
+    root2 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), history=root.history)
     torch.testing.assert_close(draft.mean(draft.freeze(root2, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want)
     # a pair reaching back to step 0 (lambda = -inf) or an empty slot: slope 0, the x0 draft
     x0 = get_draft("x0")
     want0 = x0.mean(x0.freeze(root, SCHED), x_u[:, None], n_u, SCHED)
     for hist_n in ([[4, 0], [4, -1]], [[0, -1], [-1, -1]]):
-        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), hist_x0=root.hist_x0, hist_n=torch.tensor(hist_n))
+        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]),
+                       history=DraftHistory(root.history.x0, torch.tensor(hist_n)))
         torch.testing.assert_close(draft.mean(draft.freeze(r3, SCHED), x_u[:, None], n_u, SCHED), want0)
 
 
@@ -655,8 +656,8 @@ def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
     x0 = get_draft("x0")
 
     def freeze(root, sch):
-        seen.append((root.x.clone(), root.n.clone(), root.exact.clone(), root.hist_x0.clone(), root.hist_n.clone()))
-        states.append(root.hist_x.clone())
+        seen.append((root.x.clone(), root.n.clone(), root.exact.clone(), root.history.x0.clone(), root.history.n.clone()))
+        states.append(root.history.x.clone())
         return x0.freeze(root, sch)
 
     DRAFTS.register("_probe", Draft("_probe", freeze, x0.mean, history=3))
@@ -698,7 +699,7 @@ def test_x0_affine_is_exact_for_one_gaussian_and_falls_back_otherwise():
     # records of one isotropic Gaussian N(mu, s^2 I) at states 3 and 4 (E[x0|x] = mu + c (x - (1-sigma) mu)):
     # the draft recovers s^2 and mu, so its mean at any node and later step is the target kernel's mean,
     # whether the root's own velocity is exact (records: root, 4) or not (records: 4, 3)
-    from specsamp.drafts import DraftRoot, get_draft
+    from specsamp.drafts import DraftHistory, DraftRoot, get_draft
 
     draft = get_draft("x0_affine")
     g = torch.Generator().manual_seed(0)
@@ -716,8 +717,8 @@ def test_x0_affine_is_exact_for_one_gaussian_and_falls_back_otherwise():
     n_u = torch.tensor([6, 6])
     want = SCHED.mean(x_u, (x_u - D(x_u, 6)) / sig[6], n_u)
     x_r, n_r = xs[5], torch.tensor([5, 5])
-    hist = dict(hist_x0=torch.stack([D(xs[4], 4), D(xs[3], 3), D(xs[3], 3) * 0], 1),
-                hist_x=torch.stack([xs[4], xs[3], xs[3] * 0], 1), hist_n=torch.tensor([[4, 3, -1], [4, 3, -1]]))
+    hist = dict(history=DraftHistory(x0=torch.stack([D(xs[4], 4), D(xs[3], 3), D(xs[3], 3) * 0], 1),
+                                     x=torch.stack([xs[4], xs[3], xs[3] * 0], 1), n=torch.tensor([[4, 3, -1], [4, 3, -1]])))
     root = DraftRoot(x=x_r, v=(x_r - D(x_r, 5)) / sig[5], n=n_r, exact=torch.tensor([True, True]), **hist)
     fr = draft.freeze(root, SCHED)
     torch.testing.assert_close(fr[:, 3, 0], s2[:, 0], rtol=1e-4, atol=0)
@@ -727,8 +728,9 @@ def test_x0_affine_is_exact_for_one_gaussian_and_falls_back_otherwise():
     # a record at step 0 (sigma = 1) or an empty slot: no fit, the x0_extrap_gated draft exactly
     gated = get_draft("x0_extrap_gated")
     for hist_n in ([[4, 0, -1], [4, -1, -1]], [[0, -1, -1], [-1, -1, -1]]):
-        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]), hist_x0=hist["hist_x0"],
-                       hist_x=hist["hist_x"], hist_n=torch.tensor(hist_n))
+        h = hist["history"]
+        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]),
+                       history=DraftHistory(x0=h.x0, x=h.x, n=torch.tensor(hist_n)))
         fr3 = draft.freeze(r3, SCHED)
         assert torch.all(fr3[:, 3] == -1)
         want3 = gated.mean(gated.freeze(r3, SCHED), x_u[:, None], n_u, SCHED)

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..batching import batched  # noqa: F401  (re-exported: the core owns it)
 from ..errors import ConfigError
 
 # OmegaConf's marker of a mandatory value (``omegaconf.MISSING`` is this very string): written out so that
@@ -37,32 +38,6 @@ class VelocityModel(Protocol):
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         """Velocity ``v(x, sigma)``: ``x [b, *event]``, ``sigma [b]`` float -> ``[b, *event]``."""
         ...
-
-
-def batched(model, x: torch.Tensor, sigma: torch.Tensor, max_batch: int | None = None, **cond) -> torch.Tensor:
-    """Evaluate ``model`` on ``x`` in chunks of at most ``max_batch`` rows.
-
-    One logical target call (one NFE) may need several forward passes when it does not fit in
-    memory; this splits it without changing any count the sampler records.
-
-    Args:
-        model: a :class:`VelocityModel`.
-        x: ``[b, *event]``.
-        sigma: ``[b]``.
-        max_batch: rows per forward pass (``None`` or ``<= 0``: all at once).
-        **cond: per-row tensors ``[b, ...]``.
-
-    Returns:
-        ``[b, *event]`` velocities.
-    """
-    b = x.shape[0]
-    if not max_batch or max_batch <= 0 or b <= max_batch:
-        return model(x, sigma, **cond)
-    outs = []
-    for i in range(0, b, max_batch):
-        sl = slice(i, i + max_batch)
-        outs.append(model(x[sl], sigma[sl], **{k: v[sl] for k, v in cond.items()}))
-    return torch.cat(outs)
 
 
 @dataclass

@@ -117,16 +117,6 @@ def half_precision_note(dtype: torch.dtype) -> None:
               "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
 
 
-def _concat(results: list[SampleResult]) -> SampleResult:
-    if len(results) == 1:
-        return results[0]
-    cat = lambda name: torch.cat([getattr(r, name) for r in results])  # noqa: E731
-    names = ("samples", "nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
-    return SampleResult(**{n: cat(n) for n in names}, speculative_steps=results[0].speculative_steps,
-                        batch_nfe=max(r.batch_nfe for r in results),
-                        extra={"batch_speedups": [r.batch_speedup for r in results]})
-
-
 @dataclass(frozen=True)
 class PreparedRun:
     """One configuration loaded and checked once: what a job derives from its config before any model is built.
@@ -290,7 +280,7 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
                 store.save(chunk, r)
             results.append(r)
             bar.to(base + chunk.numel() * per_traj)
-    res = _concat(results)
+    res = SampleResult.concat(results)
     res.extra.update(target=target, indices=ids, max_batch=max_batch)
     tree_fields = {
         "tree": tree.describe() if tree is not None else "none",

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 
 from ..io import torch_save_atomic
+from ..result import SampleResult
 
 BATCHES = "batches"  # the directory, inside the job's, of its finished batches
-_PER_TRAJECTORY = ("samples", "nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
-_PER_ROOT = ("attempts_by_root", "accepts_by_root")
+_PER_TRAJECTORY = SampleResult.PER_TRAJECTORY
+_PER_ROOT = SampleResult.PER_ROOT
 
 _ACTIVE: "BatchStore | None" = None
 
@@ -83,8 +84,6 @@ class BatchStore:
     def load(self, ids: torch.Tensor):
         """The :class:`~specsamp.sampler.SampleResult` of the batch ``ids`` (``[b]`` int64, on the run's device)
         if its file exists with the same key and ids, else None (also for a file torch cannot read)."""
-        from ..sampler import SampleResult
-
         path = self.path(ids)
         if not path.is_file():
             return None

@@ -43,7 +43,6 @@ from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE, job_dirname
 
 SAMPLES_FILE = "samples.pt"
 SHARD_KEYS = ("shard", "num_shards")
-_PER_TRAJECTORY = ("samples", "nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
 
 
 def shard_indices(n_samples: int, shard: int, num_shards: int, batch_size: int | None = None) -> range:
@@ -88,7 +87,7 @@ def save_shard(out_dir: str | os.PathLike, result, indices: Sequence[int], recor
     """
     import torch
 
-    data = {name: getattr(result, name).detach().cpu() for name in _PER_TRAJECTORY}
+    data = {name: getattr(result, name).detach().cpu() for name in result.PER_TRAJECTORY}
     data["indices"] = torch.as_tensor(list(indices), dtype=torch.long)
     data["speculative_steps"] = int(result.speculative_steps)
     data["batch_speedups"] = [float(b) for b in result.extra.get("batch_speedups", [result.batch_speedup])]

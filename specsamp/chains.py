@@ -1,0 +1,213 @@
+"""The batch of trajectories between rounds, shared by both rounds and the samplers.
+
+Owns: the per-run context of a speculative run (:class:`_Context`); target evaluations for rows of given
+trajectories with their conditioning (:class:`_Velocity`); the keyed initial noise (:func:`initial_noise`);
+the trajectories' state between rounds (:class:`_Chains`, with the draft's
+:class:`~specsamp.drafts.DraftHistory`); section 5's per-trajectory counts (:class:`_Tally`, which becomes the
+:class:`~specsamp.result.SampleResult`); the deterministic first and last steps and the roots' own calls; and
+the run-time check of a coupling's verdicts against the contract of :class:`~specsamp.coupling.Coupling`
+(:func:`check_verdict_contract`). The rounds themselves: :mod:`specsamp.rounds` (reference) and
+:mod:`specsamp.lean` (lean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .batching import batched
+from .coupling import Coupling, Verdict
+from .drafts import Draft, DraftHistory, data_prediction
+from .result import SampleResult
+from .schedule import Schedule
+
+
+class _Velocity:
+    """Target evaluations ``v(x, sigma_n)`` for rows of given trajectories, with their conditioning."""
+
+    def __init__(self, model, schedule: Schedule, cond: dict | None, max_batch: int | None):
+        self.model, self.schedule, self.cond, self.max_batch = model, schedule, cond or {}, max_batch
+
+    def __call__(self, x: torch.Tensor, n: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+        sigma = self.schedule.sigmas.to(x.device)[n]
+        cond = {k: c[traj] for k, c in self.cond.items()}
+        return batched(self.model, x, sigma, self.max_batch, **cond).to(x.dtype)
+
+
+def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Tensor:
+    """Initial states ``x ~ N(0, I)`` at ``sigma = 1``, keyed by ``(seed, trajectory)`` (:mod:`specsamp.rng`).
+
+    Speculative and standard samplers with the same seed start from the same noise (paired runs).
+
+    Args:
+        seed: run seed, an integer in ``[0, rng.MAX_SEED]``.
+        ids: ``[M]`` long trajectory ids (their device is the result's).
+        event_shape: shape of one state.
+        dtype: the states' dtype.
+
+    Returns:
+        ``[M, *event_shape]`` in ``dtype``; row ``i`` depends on ``(seed, ids[i])`` only.
+    """
+    keys = rng.base_key(seed, ids, "init", device=ids.device)
+    return rng.normal(keys, event_shape, dtype=dtype)
+
+
+@dataclass
+class _Context:
+    """What every round of one speculative run reads: the kernel, the rules, the target, and (lean round) tables."""
+
+    schedule: Schedule
+    coupling: Coupling
+    draft: Draft
+    prefetch: str
+    evaluate_leaves: bool
+    velocity: _Velocity
+    ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
+    tables: dict | None = None  # Schedule.tables on the model's device (float64)
+    coef_table: torch.Tensor | None = None  # [T, NC] the lean.COEFS columns of the tables, in the states' dtype
+    key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
+    x_event: tuple = ()  # event shape of the states
+    check_contract: bool = False  # check every verdict against the coupling contract
+    refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
+
+
+def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: the verdict breaks the contract (an accepted sample that is not the child its index
+    names, or ``accepted`` that disagrees with ``index < K``); device operations only."""
+    n, k = kids.shape[:2]
+    flat = kids.reshape(n, k, -1)
+    index = verdict.index.reshape(n)
+    in_range = (index >= 0) & (index <= k)
+    pick = flat[torch.arange(n, device=flat.device), index.clamp(0, k - 1)]
+    same = (verdict.sample.reshape(n, -1) == pick).all(1)
+    return ~in_range | (verdict.accepted.reshape(n) != (index < k)) | (verdict.accepted.reshape(n) & ~same)
+
+
+def check_verdict_contract(coupling: Coupling, verdict: Verdict, kids: torch.Tensor, describe: Callable[[int], str]) -> None:
+    """Raise if ``verdict`` breaks the contract of :class:`specsamp.coupling.Coupling` for ``kids [n, K, *e]``.
+
+    Args:
+        describe: row -> where it happened (step and node), for the message.
+
+    Raises:
+        ContractError: (a ``ValueError``) naming the coupling and the first offending row's step and node.
+    """
+    bad = _contract_violation(verdict, kids)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        k = kids.shape[1]
+        raise ContractError(
+            f"coupling {coupling.name!r} broke its contract at {describe(r)}: it returned accepted="
+            f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])} (K={k}), but an accepted "
+            "sample must be exactly the child its index names and index < K must hold exactly where accepted "
+            "(specsamp.coupling.Coupling); check the rule with specsamp.testing.check_exactness"
+        )
+
+
+class ContractError(ValueError):
+    """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
+
+
+@dataclass
+class _Tally:
+    """Per-trajectory accounting of :func:`specsamp.sampler.sample_speculative` (section 5's protocol); becomes the
+    :class:`SampleResult`."""
+
+    nfe: torch.Tensor  # [M] batched calls on the speculative steps (warm-up included)
+    endpoint_nfe: torch.Tensor  # [M] calls of the two deterministic endpoint steps (1 or 2)
+    call_rows: torch.Tensor  # [M] states the speculative calls evaluated
+    rounds: torch.Tensor  # [M]
+    committed: torch.Tensor  # [M, T - 2] steps committed by each round
+    attempts: torch.Tensor  # [M, L] verifications per depth
+    accepts: torch.Tensor  # [M, L] accepted verifications per depth
+    root_attempts: torch.Tensor  # [T, L] verifications per (root state index, depth), summed over trajectories
+    root_accepts: torch.Tensor  # [T, L] accepted ones
+    batch_nfe: int = 0  # calls of the batch as a whole
+
+    @classmethod
+    def zeros(cls, M: int, T: int, L: int, dev) -> _Tally:
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
+        return cls(z(M), z(M), z(M), z(M), z(M, T - 2), z(M, L), z(M, L), z(T, L), z(T, L))
+
+    def charge(self, rows: torch.Tensor, call_rows: torch.Tensor) -> None:
+        """One batched call in which trajectories ``rows`` had ``call_rows`` states each (0: not in it)."""
+        charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
+        self.nfe[rows] += charged.long()
+        self.call_rows[rows] += call_rows
+        self.batch_nfe += int(bool(charged.any()))
+
+    def result(self, samples: torch.Tensor, T: int) -> SampleResult:
+        return SampleResult(
+            samples=samples, nfe=self.nfe, nfe_total=self.endpoint_nfe + self.nfe, target_rows=self.call_rows,
+            rounds=self.rounds, committed=self.committed, attempts=self.attempts, accepts=self.accepts,
+            speculative_steps=T - 2, batch_nfe=self.batch_nfe, attempts_by_root=self.root_attempts,
+            accepts_by_root=self.root_accepts,
+        )
+
+
+@dataclass
+class _Chains:
+    """The ``M`` trajectories between rounds."""
+
+    x: torch.Tensor  # [M, *e] current states Y_n
+    n: torch.Tensor  # [M] their state index
+    v_root: torch.Tensor  # [M, *e] velocity the next round drafts from
+    root_exact: torch.Tensor  # [M] bool: v_root is x's own exact velocity
+    draft_keys: torch.Tensor  # [M]
+    verify_keys: torch.Tensor  # [M]
+    history: DraftHistory | None = None  # [M, H, ...] exact records along the trajectories (drafts with history)
+
+
+def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally) -> _Chains:
+    """Step 0, a deterministic Euler step from sigma = 1 (Algorithm 1, line 1: the chain's first state)."""
+    dev = ids.device
+    M = ids.numel()
+    x = initial_noise(seed, ids, model.event_shape, model.dtype)
+    n = torch.zeros(M, dtype=torch.long, device=dev)
+    v0 = ctx.velocity(x, n, torch.arange(M, device=dev))
+    tally.endpoint_nfe += 1
+    # warmup=step0 drafts the first round from the step-0 velocity (at sigma = 1, so not exact at the root)
+    st = _Chains(
+        x=ctx.schedule.mean(x, v0, n),
+        n=n + 1,
+        v_root=v0 if warmup == "step0" else torch.zeros_like(x),
+        root_exact=torch.zeros(M, dtype=torch.bool, device=dev),
+        draft_keys=rng.base_key(seed, ids, "draft", device=dev),
+        verify_keys=rng.base_key(seed, ids, "verify", device=dev),
+    )
+    H = ctx.draft.history
+    if H > 0:  # the step-0 state's exact data prediction opens the trajectory's history
+        st.history = DraftHistory.empty(x, H)
+        st.history.push(torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n, x)
+    return st
+
+
+def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
+    """The roots' exact velocities in a call of their own: the warm-up at the first round (warmup=call,
+    charged to ``nfe``), and every round with prefetch=none."""
+    st.v_root[live] = ctx.velocity(st.x[live], st.n[live], live)
+    st.root_exact[live] = True
+    tally.charge(live, torch.ones_like(live))
+
+
+def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Step ``T - 1``, a deterministic Euler step to sigma = 0; reuses an exact velocity the last round left.
+
+    ``need_rows``: the rows without an exact velocity, when the caller already knows them (no host sync)."""
+    M = st.x.shape[0]
+    last = torch.full((M,), ctx.schedule.steps - 1, dtype=torch.long, device=st.x.device)
+    v_last = st.v_root.clone()
+    need = ~st.root_exact
+    if need_rows is not None:
+        w = need_rows
+    elif bool(need.any()):
+        w = need.nonzero(as_tuple=True)[0]
+    else:
+        w = None
+    if w is not None and w.numel():
+        v_last[w] = ctx.velocity(st.x[w], last[w], w)
+        tally.endpoint_nfe[w] += 1
+    return ctx.schedule.mean(st.x, v_last, last)

@@ -1,0 +1,557 @@
+"""The lean round of the tree execution (a fixed tree or a tree per root step, a draft with a table form).
+
+Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
+operations over static shapes per tree (:class:`_LeanTree`, its buffers :class:`_LeanBuffers`): one keyed draw,
+the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
+node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, in the loop's "are we
+done" test (:func:`_lean_loop`). The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
+the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import rng
+from .chains import _Chains, _Context, _contract_violation, _final_step, _Tally
+from .coupling import deferred_checks
+from .drafts import Draft, DraftHistory, DraftRoot, _lsnr_feature
+from .trees import DraftTree
+
+
+class _LeanTree:
+    """Static index tensors of one fixed :class:`DraftTree` for :func:`_lean_round` (built once per run).
+
+    Attributes (``N`` nodes, depth ``L``): ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]``
+    long; ``anc [N, N]`` ``anc[v, w] = 1`` where ``w`` is ``v`` or an ancestor of ``v`` (states' dtype);
+    ``layer_sizes`` and ``layer_parents`` (the parent of each node of depth ``l``); ``groups``:
+    ``(K, internal nodes [g], their children [g, K])`` per distinct width; ``child_pad [N, Kmax]`` children
+    (clamped) and ``child_ok [N, Kmax]`` which of them exist.
+    """
+
+    def __init__(self, tree: DraftTree, dev, dtype):
+        N, L = len(tree), tree.max_depth
+        self.N, self.L = N, L
+        t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+        self.depth, self.parent = t(tree.depth), t(tree.parent)
+        self.first_child, self.num_children = t(tree.first_child), t(tree.num_children)
+        anc = np.eye(N)
+        for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
+            anc[v] += anc[int(tree.parent[v])]
+        self.anc = torch.as_tensor(anc, dtype=dtype, device=dev)
+        self.anc_t = self.anc[:, 1:].T.contiguous()  # [N-1, N]: which nodes each non-root edge lies above
+        self.depth_row, self.depth1_row = self.depth[None], (self.depth + 1)[None]
+        self.dm1 = self.depth[1:] - 1
+        self.dcol = self.depth.clamp(max=max(L - 1, 0))[None]  # the depth column of a node's verification
+        self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
+        self.levels = torch.arange(L + 1, device=dev)[None]
+        self.one = torch.ones((), dtype=dtype, device=dev)
+        self.num_children_np = np.asarray(tree.num_children)
+        self.depth_np = np.asarray(tree.depth)
+        self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
+        self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
+        self.ids = torch.arange(1, N, device=dev)
+        self.key_cache = None
+        self.nodes = torch.arange(N, device=dev)
+        self.groups, self.groups_np = [], []
+        for k in sorted({int(c) for c in tree.num_children if c > 0}):
+            u = [v for v in range(N) if int(tree.num_children[v]) == k]
+            ch = [[int(tree.first_child[v]) + j for j in range(k)] for v in u]
+            self.groups.append((k, t(u), t(ch)))
+            self.groups_np.append((k, u, ch))
+        kmax = int(tree.num_children.max())
+        j = torch.arange(kmax, device=dev)
+        self.child_ok = j[None] < self.num_children[:, None]
+        self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
+        depth, internal = np.asarray(tree.depth), np.asarray(tree.num_children) > 0
+        d = np.arange(L + 1)[:, None]
+        self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
+            leaves: (depth[None] <= d) & ((internal[None] & (depth[None] < d)) | leaves) for leaves in (False, True)}
+        self.internal = (self.num_children > 0)[None]
+        self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
+        self.groups = [(k, u, ch, self.depth[u]) for k, u, ch in self.groups]
+        up = np.tile(np.arange(N)[:, None], (1, L + 1))  # [N, L+1]: the ancestor of v at depth j (v itself below it)
+        for v in range(N):
+            u = v
+            while u >= 0:
+                up[v, : int(tree.depth[u]) + 1] = u
+                u = int(tree.parent[u])
+        self.anc_at_depth = t(up)
+        self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
+
+
+HISTORY_SLOTS = 16  # most records a draft's history may keep in the lean round (Draft.history)
+
+
+def _plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
+    """Flat indices ``node * M + row`` of the states a round's batched call evaluates, from host copies of
+    the rows' state indices ``n [M]`` and root flags ``exact [M]``: the nodes of ``T|_{L_n}`` the protocol
+    evaluates (:meth:`specsamp.rounds._Nodes.evaluated`), without a root whose velocity is known, for live rows only (and only
+    rows ``rows``, a bool ``[M]``, where given)."""
+    dl = np.clip(end - n, 0, self.L)
+    mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
+    mask[:, 0] &= ~exact
+    mask &= (n < end)[:, None]
+    if rows is not None:
+        mask &= rows[:, None]
+    return np.flatnonzero(mask.T)
+
+
+_LeanTree.plan = _plan
+COEFS = ("dt", "a", "b", "sigma", "std", "lsnr")  # the coefficients a lean round gathers per step (lsnr: drafts.table_frozen)
+NC = len(COEFS)
+
+
+@dataclass
+class _LeanBuffers:
+    """Per-run buffers of the lean round, node-major: ``states [N, M, D]``, ``residual [I, M, D]`` (the verdict
+    samples of the internal nodes). ``layers``: per depth ``l``, ``(parents, parent_view, K, out_view)``:
+    ``parents`` None where the layer's parents are the whole previous layer with ``K`` children each
+    (``parent_view`` that layer, ``out_view`` shaped ``[P, K, M, D]``, or ``[P, M, D]`` with ``K`` None for one
+    child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
+    verification calls, ``(K, nodes [c], their slice or None, children [c, K], their slice or None, depths [c],
+    whether node 0 is among them, their rows of residual)``, at most :data:`VERIFY_MEMORY` of the states' size
+    of temporaries each (at least one node)."""
+
+    states: torch.Tensor
+    residual: torch.Tensor
+    layers: list
+    chunks: list
+
+
+RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
+KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
+VERIFY_MEMORY = 0.1  # a verification chunk's temporaries, as a fraction of the states block ...
+VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
+
+
+def _as_slice(ids: list[int]) -> slice | None:
+    return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
+
+
+def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
+    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``).
+
+    ``pool``: optional ``{"states": flat, "residual": flat}`` storage shared by the trees of one run (their
+    rounds run one after the other and keep nothing in the buffers), each at least this tree's size."""
+    dev = self.anc.device
+    N = self.N
+    if pool is None:
+        states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
+    else:
+        states = pool["states"][: N * M * D].view(N, M, D)
+    bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)])
+    layers = []
+    for l in range(1, self.L + 1):
+        a, b, pa, pb = int(bounds[l]), int(bounds[l + 1]), int(bounds[l - 1]), int(bounds[l])
+        kids = self.num_children_np[pa:pb]
+        if (kids == kids[0]).all() and kids[0] > 0:
+            k = int(kids[0])
+            out = states[a:b] if k == 1 else states[a:b].view(pb - pa, k, M, D)
+            layers.append((None, states[pa:pb], None if k == 1 else k, out))
+        else:
+            layers.append((self.layer_parents[l - 1], None, None, states[a:b]))
+    t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+    chunks, pos, node_pos = [], 0, np.zeros(N, dtype=np.int64)
+    budget = max(VERIFY_MEMORY * N * M * D, VERIFY_FLOOR)
+    for k, u_np, ch_np in self.groups_np:
+        per_node = (k + 8) * M * D  # children copy, parents, means and the coupling's work rows
+        step = max(1, int(budget // per_node))
+        for i in range(0, len(u_np), step):
+            uc, cc = u_np[i : i + step], ch_np[i : i + step]
+            flat_ch = [c for row in cc for c in row]
+            node_pos[uc] = np.arange(pos, pos + len(uc))
+            chunks.append((k, t(uc), _as_slice(uc), t(cc), _as_slice(flat_ch), t(self.depth_np[uc]), bool(uc[0] == 0),
+                           slice(pos, pos + len(uc))))
+            pos += len(uc)
+    # the verdict samples of every internal node, kept where small; else the walk's residuals are drawn
+    # again for the one node per row that needs them (same keys, so the same numbers)
+    if pos * M * D > RESIDUAL_CACHE:
+        residual = None
+    elif pool is None:
+        residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev)
+    else:
+        residual = pool["residual"][: pos * M * D].view(pos, M, D)
+    self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
+    self.pos_c = t(node_pos)
+    self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
+    self.buffers = _LeanBuffers(states, residual, layers, chunks)
+
+
+_LeanTree.bind = _bind
+
+
+def _lean_supported(tree, execution: str, draft: Draft) -> bool:
+    return execution == "tree" and draft.table_mean is not None
+
+
+def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
+                sel: torch.Tensor | None = None):
+    """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
+
+    Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
+    :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered once from the schedule's tables,
+    then per layer a gather of the parents, the draft's mean (``Draft.table_mean``) and one add: the path
+    execution's operations, so both executions draft the same bits. Then one batched target call over
+    all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
+    own, so the numbers are those the walk would draw); the walk is a gather (a node is on the accepted path
+    iff every edge above it was the accepted one). Value checks are deferred (:func:`specsamp.coupling.deferred_checks`).
+
+    Args:
+        plan: long ``[P]`` flat indices ``node * M + row`` of the states the batched call evaluates
+            (:meth:`_LeanTree.plan`; the velocities of the others stay 0 and are never used).
+        plan_kind: ``rest`` (every non-root node of every row; the roots' velocities are known), ``all``
+            (every node of every row) or ``some``: the first two read the states in place.
+        sel: optional bool ``[M]``: the rows whose round uses this tree (step-dependent trees: one lean round
+            per distinct tree of the live rows); the others are padded like finished rows.
+
+    Returns:
+        ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
+        ``tally`` (the other rows are left as they are then, so the rounds of several trees commit one after the
+        other); ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
+        a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
+        discards the round and repeats it with :func:`specsamp.rounds._round`, which raises the precise error); ``live [M]``
+        the rows the round served.
+    """
+    sch, tab, draft = ctx.schedule, ctx.tables, ctx.draft
+    x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
+    M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
+    end = sch.end_speculative
+    ar = torch.arange(M, device=dev)
+    live = n < end
+    dl = (end - n).clamp(min=0, max=L)  # L_n (0 for finished rows)
+    if sel is not None:
+        live = live & sel
+        dl = torch.where(live, dl, torch.zeros_like(dl))
+    v_root, root_exact = st.v_root, st.root_exact
+    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
+    step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
+    parent_step = step[:, :L]
+    # every kernel coefficient of every depth in one gather: [M, L, NC] (COEFS)
+    coefs = ctx.coef_table[parent_step].permute(1, 2, 0)[..., None]  # [L, NC, M, 1], node-major
+    per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
+    # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
+    # (trajectory, root, v) as in _Nodes.draft; fold(k, n, v) = fold(fold(k, n), v), fold(k, n) a per-run table
+    draft_keys, verify_keys = ctx.key_tables
+    buf = lt.buffers
+    states = buf.states  # [N, M, D]
+    if lt.key_cache is not None:  # per-run tables of every (row, root, node) key
+        keys, vkeys_all = lt.key_cache[0][ar, n].T, lt.key_cache[1][ar, n].T  # [N-1, M], [N, M]
+    else:
+        keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
+        vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
+    rng.normal(keys, e, out=states[1:])
+    states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+    states[0] = x.reshape(M, -1)
+    # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
+    # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
+    # (no gather), other layers gather their parents first
+    D = states.shape[2]
+    if draft.table_frozen is None:
+        frozen_col = frozen.reshape(1, M, D)
+        frozen_at = lambda d: frozen_col  # noqa: E731
+    else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
+        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None],
+                                        dict(zip(COEFS, coefs.unbind(1))))  # [L, M, D]: the parents' steps
+        if isinstance(frozen_col, tuple):
+            frozen_at = lambda d: tuple(f[d] for f in frozen_col)  # noqa: E731
+        else:
+            frozen_at = lambda d: frozen_col[d]  # noqa: E731
+    for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
+        c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
+        mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
+        out_view += mean if k is None else mean[:, None]
+    # the batched target call over the planned rows (what the reference round evaluates); where they are
+    # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
+    flat = states.reshape(N * M, -1)
+    node_step = step[:, lt.depth].T  # [N, M]
+    if plan_kind == "rest":
+        v0 = v_root.reshape(M, -1)
+        vrest = ctx.velocity(states[1:].reshape(-1, *e), node_step[1:].reshape(-1), lt.rows[M:]).reshape(N - 1, M, -1)
+    elif plan_kind == "all":
+        out_all = ctx.velocity(flat.reshape(-1, *e), node_step.reshape(-1), lt.rows).reshape(N, M, -1)
+        v0, vrest = out_all[0], out_all[1:]
+    else:
+        full = torch.zeros_like(flat)
+        if plan.numel():
+            full[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step.reshape(-1)[plan], plan % M).reshape(plan.numel(), -1)
+        v0 = torch.where(root_exact[:, None], v_root.reshape(M, -1), full[:M])
+        vrest = full[M:].view(N - 1, M, -1)
+
+    # verdicts of every internal node, in chunks of nodes sized to the states' memory
+    dl_col = dl[:, None]
+    internal_r = lt.internal & (lt.depth_row < dl_col)  # [M, N]: verified if visited (never for finished rows)
+    acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
+    idx = torch.zeros(M, N, dtype=torch.long, device=dev)
+    res = buf.residual  # [I, M, D]: each internal node's verdict sample
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    with deferred_checks() as checks:
+        for k, u, u_sl, ch, ch_sl, du, has_root, pos in buf.chunks:
+            c = u.numel()
+            xu = states[u_sl] if u_sl is not None else states[u]  # [c, M, D]
+            if has_root:
+                vu = torch.cat([v0[None], vrest[u[1:] - 1]]) if c > 1 else v0[None]
+            else:
+                vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
+            cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
+            mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
+            mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
+            need = internal_r[:, u].T  # [c, M]
+            sigma = torch.where(need, cu["std"][..., 0], lt.one)
+            if k == 1 and ch_sl is not None:
+                kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
+            else:
+                kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
+            verdict = ctx.coupling(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
+                                   rng.KeyedRows(vkeys_all[u].reshape(-1)))  # line 17, every internal node at once
+            acc[:, u] = verdict.accepted.reshape(c, M).T
+            idx[:, u] = verdict.index.reshape(c, M).T
+            if res is not None:
+                res[pos] = verdict.sample.reshape(c, M, -1)
+            if ctx.check_contract:
+                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & need).any()
+            del kids, verdict, mean_p, mean_q, xu, vu
+    if checks.bad is not None:
+        bad = bad | checks.bad
+    # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
+    p = lt.parent1
+    taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
+    on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
+    ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
+    rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
+    finished = live & ~rejected  # walked to a leaf of T|_{L_n}
+    steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
+    if res is not None:
+        out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
+    else:
+        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected)
+    rej_col = rejected[:, None]
+    last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
+    v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
+    v_leaf = vrest[(ustar - 1).clamp(min=0), ar]  # where finished, u* is a leaf of depth >= 1
+    # prefetch (same rules as _prefetch)
+    evaluated = (lt.depth_row <= dl_col) & (internal_r | ctx.evaluate_leaves)
+    v_next, exact = v_cur, torch.zeros_like(live)
+    if ctx.prefetch != "none":
+        exact = finished & evaluated[ar, ustar]
+        v_next = torch.where(exact[:, None], v_leaf, v_next)
+        if ctx.prefetch == "nearest":
+            ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
+            ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
+            dist = torch.linalg.vector_norm(states[ch, ar[:, None]] - out[:, None], dim=-1)
+            best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
+            v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
+    verified = on_path & internal_r
+    if st.history is not None:
+        hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
+    call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
+    n_new = n + steps
+    exact_new = torch.where(live, exact, root_exact)
+    charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
+
+    def commit(tally: _Tally):
+        dcol = lt.dcol.expand(M, N)
+        ver, ver_acc = verified.long(), (verified & acc).long()
+        tally.attempts.scatter_add_(1, dcol, ver)
+        tally.accepts.scatter_add_(1, dcol, ver_acc)
+        at = (n[:, None].expand(M, N), dcol)
+        tally.root_attempts.index_put_(at, ver, accumulate=True)
+        tally.root_accepts.index_put_(at, ver_acc, accumulate=True)
+        tally.nfe += charged.long()
+        tally.call_rows += call_rows
+        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
+        tally.committed.scatter_add_(1, col, steps[:, None])
+        tally.rounds += live.long()
+        live_e = live.reshape((-1,) + (1,) * len(e))
+        st.x = torch.where(live_e, out.reshape(x.shape), st.x)  # st as it is now: another tree's round may have
+        st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
+        st.v_root = torch.where(live_e, v_next.reshape(x.shape), st.v_root)
+        st.root_exact = torch.where(live, exact_new, st.root_exact)
+        if st.history is not None:
+            st.history = st.history.where(~live, hist)
+
+    return commit, n_new, exact_new, bad, live
+
+
+def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
+    """The draft history after a lean round, by gathers: the exact data predictions the reference walk records
+    (:func:`specsamp.rounds._record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
+    order) pushed in front of ``st``'s records, most recent first. Returns the :class:`DraftHistory` of every
+    row (rows without a verified node keep their records)."""
+    M, H = st.history.n.shape
+    ar = torch.arange(M, device=n.device)[:, None]
+    nv = verified.sum(1, keepdim=True)  # [M, 1] records of this round
+    slot = lt.slots[:, :H]
+    j = nv - 1 - slot  # [M, H]: depth of the path node slot s records, where >= 0
+    node = lt.anc_at_depth[ustar].gather(1, j.clamp(min=0))  # [M, H]
+    xs = states[node, ar]  # [M, H, D]
+    vs = torch.where((node == 0)[..., None], v0[:, None], vrest[(node - 1).clamp(min=0), ar])
+    nn = n[:, None] + lt.depth[node]
+    x0 = xs - ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), 3][..., None] * vs  # data_prediction's operations
+    return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
+
+
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected) -> torch.Tensor:
+    """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
+    at a rejection, the verification of that node drawn again (one coupling call per node width, over every
+    row: the node's own keys, so the same numbers as the first call); elsewhere the reached leaf."""
+    N, M = states.shape[:2]
+    e = ctx.x_event
+    ar = torch.arange(M, device=states.device)
+    out = states[ustar, ar]
+    for k, rep, of_width in lt.width_groups:
+        mine = of_width[ustar]
+        w = torch.where(mine, ustar, rep)  # rows whose node has another width verify a stand-in
+        xw = states[w, ar]
+        vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
+        cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
+        if ctx.draft.table_frozen is None:
+            fr = frozen_col[0]
+        elif isinstance(frozen_col, tuple):
+            fr = tuple(f[lt.depth[w], ar] for f in frozen_col)
+        else:
+            fr = frozen_col[lt.depth[w], ar]
+        mean_p = ctx.draft.table_mean(fr, xw, cw)
+        mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
+        kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
+        sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
+        verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
+                               rng.KeyedRows(vkeys_all[w, ar]))
+        out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
+    return out
+
+
+def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tensor) -> None:
+    """:func:`specsamp.chains._root_call` for the live ``rows`` the host already knows (no host sync)."""
+    st.v_root[rows] = ctx.velocity(st.x[rows], st.n[rows], rows)
+    st.root_exact[rows] = True
+    tally.nfe[rows] += 1
+    tally.call_rows[rows] += 1
+    tally.batch_nfe += 1
+
+
+def _coef_table(tables: dict, dtype) -> torch.Tensor:
+    """``[T, NC]`` the :data:`COEFS` columns in ``dtype``: the kernel's (:meth:`specsamp.schedule.Schedule.tables`) and the half log-SNR
+    of ``sigma`` in that dtype (what the extrapolating drafts' ``mean`` computes per call)."""
+    cols = [tables[k].to(dtype) for k in COEFS[:-1]]
+    return torch.stack(cols + [_lsnr_feature(cols[COEFS.index("sigma")])], 1)
+
+
+def _upload(a: np.ndarray, dev) -> torch.Tensor:
+    """Host indices to the device without waiting for it (pinned, non-blocking copy on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if torch.device(dev).type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _Chains, tally: _Tally, warmup: str,
+              callback) -> torch.Tensor:
+    """The speculative rounds and the final step with :func:`_lean_round` (the tree execution); returns the samples.
+
+    ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees (one lean tree per distinct ``T_n``, built
+    when a round first uses it, all sharing one set of buffers). ``reference(live)`` runs the reference round(s)
+    on the live rows (where a deferred check fails). Fills the lean fields of ``ctx`` (tables, keys per root).
+    """
+    schedule, dev = ctx.schedule, st.x.device
+    M, T = st.x.shape[0], schedule.steps
+    ctx.tables = schedule.tables(dev)
+    ctx.x_event = tuple(st.x.shape[1:])
+    ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
+    steps_all = torch.arange(T, device=dev)[None]
+    ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
+    D = st.x[0].numel()
+    if isinstance(tree, DraftTree):
+        trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
+    else:
+        trees, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
+        for n_root, t_n in tree.items():
+            key = tuple(int(p) for p in t_n.parent)
+            if key not in seen:
+                seen[key] = len(trees)
+                trees.append(t_n)
+            lt_of_root[n_root] = seen[key]
+        internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
+        pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
+    lts = {}
+
+    def lean_tree(g: int) -> _LeanTree:
+        if g not in lts:
+            lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
+            lt.bind(M, D, pool)
+            if M * T * lt.N <= KEY_CACHE:
+                lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+        return lts[g]
+
+    return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
+
+
+def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
+               warmup: str, callback) -> torch.Tensor:
+    """The rounds of :func:`specsamp.sampler.sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
+
+    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
+    index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the live
+    rows, committed one after the other, charged as one batched call); ``reference(live)`` runs the
+    reference round(s) on the live rows.
+
+    One host synchronisation per round: it reads whether a deferred check failed and the rows' new
+    state indices and root flags. From those the host knows, before the next round, which rows are live,
+    which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
+    round sends; finished rows and known velocities are not evaluated). Where a check failed, the round is
+    discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
+    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
+    """
+    end = ctx.schedule.end_speculative
+    dev = st.x.device
+    M = st.x.shape[0]
+    n_host = np.full(M, ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
+    exact_host = np.zeros(M, dtype=bool)
+    r = 0
+    while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
+        live_host = n_host < end
+        if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
+            _lean_root_call(ctx, st, tally, _upload(np.flatnonzero(live_host), dev))
+            exact_host = exact_host | live_host
+        which = np.where(live_host, lt_of_root[np.minimum(n_host, len(lt_of_root) - 1)], -1)
+        groups = np.unique(which[live_host])
+        rounds, called = [], False
+        n_new, exact_new = st.n, st.root_exact
+        for g in groups:
+            lt = lean_tree(int(g))
+            mine = which == g
+            plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves, None if len(groups) == 1 else mine)
+            kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
+            plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
+            sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
+            commit, n_g, exact_g, bad_g, live_g = _lean_round(ctx, lt, st, plan_t, kind, sel)
+            rounds.append((commit, bad_g))
+            called = called or plan.size > 0
+            if len(groups) == 1:
+                n_new, exact_new, bad = n_g, exact_g, bad_g
+            else:
+                n_new, exact_new = torch.where(live_g, n_g, n_new), torch.where(live_g, exact_g, exact_new)
+        if len(groups) > 1:
+            bad = torch.stack([b for _, b in rounds]).any()
+        payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
+        if payload[0]:
+            reference((st.n < end).nonzero(as_tuple=True)[0])
+            n_host, exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
+        else:
+            for commit, _ in rounds:
+                commit(tally)
+            tally.batch_nfe += int(called)  # a round with nothing to evaluate costs no call
+            n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
+            exact_host = np.asarray(payload[M + 1 :], dtype=bool)
+        r += 1
+        if callback is not None:
+            callback({"round": r, "live": int((n_host < end).sum()), "batch_nfe": tally.batch_nfe,
+                      "steps_done": int((n_host - ctx.schedule.first_speculative).clip(min=0).sum())})
+        if not (n_host < end).any():
+            break
+    return _final_step(ctx, st, tally, _upload(np.flatnonzero(~exact_host), dev))

@@ -1,0 +1,402 @@
+"""The reference round of Algorithm 1 (lines 3--24), shared by both executions of the speculative sampler.
+
+One round for the live trajectories: draft (line 7), evaluate, walk down with the coupling (lines 14--23), record
+the draft's history, prefetch the next root's velocity and commit (line 24). The executions differ only in how a
+node's state and velocity are obtained: :class:`_TreeNodes` drafts every node of ``T|_{L_n}`` and evaluates them
+in one batched call (optionally refined by Picard sweeps first), :class:`_PathNodes` drafts and evaluates only
+what the walk visits. The lean round (:mod:`specsamp.lean`) repeats this policy as a fixed sequence of tensor
+operations and falls back on :func:`_round` where a deferred check fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .chains import _Chains, _Context, _Tally, check_verdict_contract
+from .coupling import NonFiniteError
+from .drafts import DraftHistory, DraftRoot, data_prediction
+from .schedule import per_row
+from .trees import DraftTree
+
+
+@dataclass
+class _Round:
+    """The live trajectories of one round (``m`` of them) and what both executions need."""
+
+    rows: torch.Tensor  # [m] positions in the full batch
+    x: torch.Tensor  # [m, *e] roots Y_n
+    n: torch.Tensor  # [m] root state index
+    depth_limit: torch.Tensor  # [m] L_n
+    frozen: torch.Tensor  # [m, *e] draft's frozen root quantity
+    v_root: torch.Tensor  # [m, *e] root velocity used by the draft
+    root_exact: torch.Tensor  # [m] bool: v_root is the root's own exact velocity
+    draft_keys: torch.Tensor  # [m]
+    verify_keys: torch.Tensor  # [m]
+    history: DraftHistory | None = None  # [m, H, ...] the round's own copy of the draft's history; None when H = 0
+
+
+class _Nodes:
+    """How an execution obtains node states and velocities. Subclasses: tree and path."""
+
+    def __init__(self, tree: DraftTree, tensors: dict, rnd: _Round, ctx: _Context):
+        self.tree, self.t, self.r, self.ctx = tree, tensors, rnd, ctx
+
+    def internal_in_round(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        """Whether node ``u`` (one per selected trajectory ``sub``) is internal in ``T|_{L_n}``."""
+        return (self.t["depth"][u] < self.r.depth_limit[sub]) & (self.t["num_children"][u] > 0)
+
+    def evaluated(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        """Whether the round's batched call evaluated node ``u`` (the B=|V| or B=|I| protocol)."""
+        inside = self.t["depth"][u] <= self.r.depth_limit[sub]
+        return inside & (self.internal_in_round(u, sub) | self.ctx.evaluate_leaves)
+
+    def child_ids(self, u: torch.Tensor, k: int) -> torch.Tensor:
+        """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
+        return self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
+
+    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, out=None):
+        """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, line 7).
+
+        Args:
+            sub: ``[s]`` rows of the round.
+            x_parents: ``[s, P, *e]`` parent states, all at step ``step [s]``.
+            step: ``[s]`` the parents' step index.
+            ids: ``[s or 1, C]`` node ids of the children (they key the noise).
+            pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``.
+            out: optional node-major buffer ``[C, s, *e]`` to draft into (then ``ids`` is ``[1, C]`` and
+                ``pos`` is ``[C]``, non-decreasing: children of one parent are contiguous).
+
+        Returns:
+            ``(means [s, P, *e], children [s, C, *e])``; the children are ``out.transpose(0, 1)`` when
+            ``out`` is given. The numbers are the same either way.
+        """
+        mean = self.ctx.draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
+        e = x_parents.shape[2:]
+        std = per_row(self.ctx.schedule.std(step).to(x_parents.dtype), x_parents)
+        if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
+            keys = rng.fold(self.r.draft_keys[sub][None], self.r.n[sub][None], ids.reshape(-1, 1))  # [C, s]
+            rng.normal(keys, e, out=out)
+            out *= std.transpose(0, 1)
+            bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
+            for p in range(mean.shape[1]):
+                if bounds[p + 1] > bounds[p]:
+                    out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
+            return mean, out.transpose(0, 1)
+        keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
+        noise = rng.normal(keys, e, dtype=x_parents.dtype)
+        rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
+        noise *= std  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
+        noise += mean[rows, pos]
+        return mean, noise
+
+    # interface
+    def children(self, sub, x_u, u, k, step):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
+        raise NotImplementedError
+
+    def velocity(self, sub, u, x_u):  # -> exact velocity of node u [s, *e]
+        raise NotImplementedError
+
+
+class _TreeNodes(_Nodes):
+    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them.
+
+    States and velocities are stored node-major (``[nodes, m, *e]``), so the rows of every non-root
+    node form one contiguous block that goes to the network without a gather copy, and velocities
+    are written into place one ``max_batch`` chunk at a time.
+    """
+
+    def __init__(self, tree, tensors, rnd, ctx):
+        super().__init__(tree, tensors, rnd, ctx)
+        m = rnd.x.shape[0]
+        e = rnd.x.shape[1:]
+        dev = rnd.x.device
+        N = len(tree)
+        states = rnd.x.new_empty(N, m, *e)
+        states[0] = rnd.x
+        all_rows = torch.arange(m, device=dev)
+        for l in range(1, tree.max_depth + 1):
+            layer = torch.as_tensor(tree.layer(l), device=dev)
+            prev = tree.layer(l - 1)
+            step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
+            pos = tensors["parent"][layer] - int(prev[0])
+            self.draft(all_rows, states[prev[0] : prev[-1] + 1].transpose(0, 1), step, layer[None], pos, out=states[layer[0] : layer[-1] + 1])
+        self.sweep_rows = []  # [m] rows of each Picard sweep's batched call
+        self.refined_v = None  # [N, m, *e] the last sweep's velocities: the children's proposal means use them
+        if ctx.refine > 0:
+            self._picard(states, ctx.refine)
+        self.states = states
+        node = torch.arange(N, device=dev)
+        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, N))
+        mask[:, 0] &= ~rnd.root_exact
+        rest = mask.T  # [node, trajectory]
+        if bool(rest[1:].all()) and not bool(rest[0].any()):
+            # the common case: nodes 1.. form one contiguous block, evaluated in one call straight from
+            # the states (no gather) and kept as returned (no scatter); the roots' velocities are known
+            step = (rnd.n[None] + tensors["depth"][1:, None]).clamp(max=ctx.schedule.steps - 1).reshape(-1)
+            self.block = ctx.velocity(states[1:].reshape(-1, *e), step, rnd.rows.repeat(N - 1)).view(N - 1, m, *e)
+            self.root_vel = rnd.v_root
+        else:
+            self.block = None
+            vel = torch.zeros_like(states)
+            nodes_, traj = rest.nonzero(as_tuple=True)
+            if nodes_.numel():
+                step = (rnd.n[traj] + tensors["depth"][nodes_]).clamp(max=ctx.schedule.steps - 1)
+                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
+            vel[0] = torch.where(per_row(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
+            self.vel = vel
+        self.call_rows = mask.sum(1)
+
+    def _picard(self, states: torch.Tensor, J: int) -> None:
+        """``J`` synchronous Picard sweeps over the drafted tree, in place on ``states [N, m, *e]``.
+
+        Sweep ``j`` evaluates the target at the current snapshot of every internal node of ``T|_{L_n}`` in one
+        batched call (the root only where its velocity is not exact; after the first sweep it is), then rebuilds
+        the tree breadth-first with the same innovations: a child ``c`` of ``u`` at step ``s`` becomes
+        ``mean(x_u, v_u, s) + std(s) xi_c``, with ``x_u`` the parent's rebuilt state, ``v_u`` the sweep's velocity
+        at the parent's snapshot and ``xi_c`` the child's keyed noise (the draft's own numbers). This is the
+        Picard iteration of ParaDiGMS (Shih et al., 2023) on a tree: after ``j`` sweeps the first ``j`` levels
+        equal the target tree's, so at ``J >= L_n`` every child's proposal mean is the target kernel mean at
+        its parent.
+
+        Exactness: the snapshot of ``u`` is a function of ``u``'s ancestors' and ``u``'s own innovations
+        (and the round's root), never of ``u``'s children's, so given the round's history (the path walked to
+        ``u``) each child of ``u`` is ``N(mean(x_u, v_u, s), std(s)^2 I)`` with ``v_u`` already fixed; that
+        mean is what :meth:`children` hands the coupling, which is all an exact coupling needs.
+        """
+        ctx, rnd, t, tree = self.ctx, self.r, self.t, self.tree
+        m, e, dev = states.shape[1], states.shape[2:], states.device
+        last = ctx.schedule.steps - 1
+        node = torch.arange(len(tree), device=dev)
+        internal = (t["depth"][:, None] < rnd.depth_limit[None]) & (t["num_children"][:, None] > 0)  # [N, m]
+        # the innovations std(s) xi_c, drawn exactly as the draft drew them (same keys, same buffers' dtype)
+        innov = torch.empty_like(states)
+        for l in range(1, tree.max_depth + 1):
+            layer = tree.layer(l)
+            keys = rng.fold(rnd.draft_keys[None], rnd.n[None], torch.as_tensor(layer, device=dev).reshape(-1, 1))
+            block = innov[layer[0] : layer[-1] + 1]
+            rng.normal(keys, e, out=block)
+            step = (rnd.n + l - 1).clamp(max=last)
+            block *= per_row(ctx.schedule.std(step).to(states.dtype), states[0])[None]
+        vel = torch.zeros_like(states)
+        for _ in range(J):
+            mask = internal.clone()
+            mask[0] &= ~rnd.root_exact
+            nodes_, traj = mask.nonzero(as_tuple=True)
+            vel = torch.zeros_like(states)
+            if nodes_.numel():  # one batched call at the snapshot
+                step = (rnd.n[traj] + t["depth"][nodes_]).clamp(max=last)
+                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
+            vel[0] = torch.where(per_row(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
+            rnd.v_root, rnd.root_exact = vel[0].clone(), torch.ones_like(rnd.root_exact)
+            self.sweep_rows.append(mask.sum(0))
+            for l in range(1, tree.max_depth + 1):  # breadth-first rebuild with the same innovations
+                layer = tree.layer(l)
+                lo, hi = layer[0], layer[-1] + 1
+                par = t["parent"][node[lo:hi]]
+                step = (rnd.n + l - 1).clamp(max=last)
+                mean = ctx.schedule.mean(states[par].reshape(-1, *e), vel[par].reshape(-1, *e), step.repeat(hi - lo))
+                states[lo:hi] = mean.view(hi - lo, m, *e) + innov[lo:hi]
+        self.refined_v = vel
+
+    def children(self, sub, x_u, u, k, step):
+        ids = self.child_ids(u, k)
+        if self.refined_v is not None:  # the refined proposal mean (see _picard)
+            mean = self.ctx.schedule.mean(x_u, self.refined_v[u, sub], step)
+        else:
+            mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
+        return mean, self.states[ids, sub[:, None]], ids
+
+    def velocity(self, sub, u, x_u):
+        if self.block is None:
+            return self.vel[u, sub]
+        out = self.block[(u - 1).clamp(min=0), sub]
+        root = u == 0
+        if bool(root.any()):
+            out[root] = self.root_vel[sub[root]]
+        return out
+
+
+class _PathNodes(_Nodes):
+    """Path execution: only the nodes the walk visits are drafted; velocities computed on demand."""
+
+    def __init__(self, tree, tensors, rnd, ctx):
+        super().__init__(tree, tensors, rnd, ctx)
+        internal_rows, all_rows = tree.call_rows_by_depth
+        table = torch.as_tensor(all_rows if ctx.evaluate_leaves else internal_rows, device=rnd.x.device)
+        self.call_rows = table[rnd.depth_limit] - rnd.root_exact.long()
+
+    def children(self, sub, x_u, u, k, step):
+        ids = self.child_ids(u, k)
+        mean, kids = self.draft(sub, x_u[:, None], step, ids, torch.zeros(k, dtype=torch.long, device=u.device))
+        return mean[:, 0], kids, ids
+
+    def velocity(self, sub, u, x_u):
+        root_known = (u == 0) & self.r.root_exact[sub]
+        out = self.r.v_root[sub].clone()
+        todo = (~root_known).nonzero(as_tuple=True)[0]
+        if todo.numel():  # evaluate only what the round's batched call would have had to compute
+            out[todo] = self.ctx.velocity(x_u[todo], self.r.n[sub[todo]] + self.t["depth"][u[todo]], self.r.rows[sub[todo]])
+        return out
+
+
+def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
+    """Phase 3 of Algorithm 1 (lines 14--23) plus root-velocity prefetch for the next round.
+
+    Returns:
+        ``(committed_state [m, *e], steps [m], v_next [m, *e], exact_next [m])``.
+    """
+    m = rnd.x.shape[0]
+    dev = rnd.x.device
+    t = nodes.t
+    cur = torch.zeros(m, dtype=torch.long, device=dev)
+    x_cur = rnd.x.clone()
+    v_cur = nodes.velocity(torch.arange(m, device=dev), cur, x_cur)
+    _record(ctx, rnd, torch.arange(m, device=dev), x_cur, v_cur, rnd.n)  # the root, verified below
+    walking = torch.ones(m, dtype=torch.bool, device=dev)
+    steps = torch.zeros(m, dtype=torch.long, device=dev)
+    out = rnd.x.clone()
+    rejected_parent = torch.full((m,), -1, dtype=torch.long, device=dev)
+    sib_states = {}  # rejected rows -> (ids, states) of the siblings at the committed depth
+    for l in range(1, nodes.tree.max_depth + 1):  # line 16
+        act = walking & (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
+        walking = walking & act
+        if not bool(act.any()):
+            break
+        width = t["num_children"][cur]  # fixed before any row of this depth moves down
+        for k in torch.unique(width[act]).tolist():
+            sub = (act & (width == k)).nonzero(as_tuple=True)[0]
+            u = cur[sub]
+            step = rnd.n[sub] + l - 1
+            mean_p, kids, ids = nodes.children(sub, x_cur[sub], u, k, step)
+            mean_q = ctx.schedule.mean(x_cur[sub], v_cur[sub], step)
+            sigma = ctx.schedule.std(step).to(kids.dtype)
+            keys = rng.fold(rnd.verify_keys[sub], rnd.n[sub], u)
+            try:
+                verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))  # line 17
+            except NonFiniteError as err:
+                r0 = err.rows[0]
+                raise NonFiniteError(
+                    f"non-finite states at trajectory {int(ctx.ids[rnd.rows[sub[r0]]])}, step {int(step[r0])}, "
+                    f"children of node {int(u[r0])} (depth {l - 1}) of the round rooted at state {int(rnd.n[sub[r0]])}: "
+                    f"the target's velocity or the draft produced NaN or inf there ({len(err.rows)} such parent(s) "
+                    "at this depth); no coupling can serve them",
+                    [int(ctx.ids[rnd.rows[sub[r]]]) for r in err.rows],
+                ) from None
+            if ctx.check_contract:
+                check_verdict_contract(ctx.coupling, verdict, kids, lambda r: (
+                    f"trajectory {int(ctx.ids[rnd.rows[sub[r]]])}, step {int(step[r])}, node {int(u[r])} (depth {l - 1}) "
+                    f"of the round rooted at state {int(rnd.n[sub[r]])}"))
+            tally.attempts[rnd.rows[sub], l - 1] += 1
+            tally.accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
+            at = (rnd.n[sub], torch.full_like(sub, l - 1))
+            tally.root_attempts.index_put_(at, torch.ones_like(sub), accumulate=True)
+            tally.root_accepts.index_put_(at, verdict.accepted.long(), accumulate=True)
+            steps[sub] += 1
+            acc, rej = sub[verdict.accepted], sub[~verdict.accepted]
+            if rej.numel():  # lines 18--20: commit the residual draw and stop
+                rmask = ~verdict.accepted
+                out[rej] = verdict.sample[rmask]
+                rejected_parent[rej] = u[rmask]
+                walking[rej] = False
+                sib_states[l] = sib_states.get(l, []) + [(rej, ids[rmask], kids[rmask])]
+            if acc.numel():  # line 22: move down to the accepted child
+                amask = verdict.accepted
+                cur[acc] = ids[amask, verdict.index[amask]]
+                x_cur[acc] = verdict.sample[amask]
+        # velocities of accepted nodes that are internal in T|_{L_n} are needed one level down
+        need = walking & nodes.internal_in_round(cur, torch.arange(m, device=dev))
+        if bool(need.any()):
+            idx = need.nonzero(as_tuple=True)[0]
+            v_cur[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+            _record(ctx, rnd, idx, x_cur[idx], v_cur[idx], rnd.n[idx] + l)
+    finished = rejected_parent < 0  # walked to a leaf of T|_{L_n}
+    out[finished] = x_cur[finished]
+    return out, steps, _prefetch(nodes, rnd, ctx, finished, cur, x_cur, v_cur, sib_states, out)
+
+
+def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
+    """Push exact data predictions of committed-trajectory states (``x, v [r, *e]`` at state ``n [r]``) to the
+    front of rows ``rows`` of the round's draft history; no-op for drafts without history."""
+    if rnd.history is not None:
+        rnd.history.push(rows, data_prediction(x, v, n, ctx.schedule), n, x)
+
+
+def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
+    """Velocity for the next round's draft (the ``prefetch`` key) and whether it is exact.
+
+    ``nearest``: the committed leaf's own if it was evaluated; else the evaluated sibling nearest the
+    committed state; else the parent's. ``parent``: the leaf's own if evaluated, else the parent's.
+    ``none``: nothing (the next round pays one call for its root).
+    """
+    m = rnd.x.shape[0]
+    dev = rnd.x.device
+    v_next = v_cur.clone()  # for finished rows: the leaf's parent velocity (v_cur is the last verified node's)
+    exact = torch.zeros(m, dtype=torch.bool, device=dev)
+    if ctx.prefetch == "none":
+        return v_next, exact
+    all_m = torch.arange(m, device=dev)
+    leaf_eval = finished & nodes.evaluated(cur, all_m)
+    if bool(leaf_eval.any()):
+        idx = leaf_eval.nonzero(as_tuple=True)[0]
+        v_next[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+        exact[idx] = True
+    if ctx.prefetch == "nearest":
+        for parts in sib_states.values():
+            for rej, ids, kids in parts:
+                ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
+                dist = torch.linalg.vector_norm((kids - out[rej][:, None]).reshape(*ids.shape, -1), dim=-1)
+                dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+                best = dist.argmin(1)
+                has = ok.any(1)
+                if bool(has.any()):
+                    r2 = rej[has]
+                    node = ids[has, best[has]]
+                    v_next[r2] = nodes.velocity(r2, node, kids[has, best[has]])
+    return v_next, exact
+
+
+def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
+    """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
+    # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
+    hist = None if st.history is None else st.history.take(live)
+    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], history=hist)
+    rnd = _Round(
+        rows=live,
+        x=st.x[live],
+        n=st.n[live],
+        depth_limit=(ctx.schedule.end_speculative - st.n[live]).clamp(max=tree.max_depth),
+        frozen=ctx.draft.freeze(root, ctx.schedule),
+        v_root=root.v,
+        root_exact=root.exact,
+        draft_keys=st.draft_keys[live],
+        verify_keys=st.verify_keys[live],
+        history=None if hist is None else hist.clone(),  # the walk records into its own copy
+    )
+    nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
+    new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
+    for rows in getattr(nodes, "sweep_rows", ()):  # Picard sweeps (refine): one batched call each
+        tally.charge(live, rows)
+    tally.charge(live, nodes.call_rows)  # a round with nothing to evaluate costs no call
+    tally.committed[live, tally.rounds[live]] = steps
+    tally.rounds[live] += 1
+    st.x[live] = new_x
+    st.n[live] += steps  # line 24
+    st.v_root[live] = v_next
+    st.root_exact[live] = exact_next
+    if st.history is not None:
+        st.history.put(live, rnd.history)
+
+
+def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls=None) -> None:
+    """The reference rounds of step-dependent trees: one group per root index (the groups' rows would share
+    one batched call: charged once)."""
+    calls, most = tally.batch_nfe, 0
+    roots = st.n[live]
+    for n in torch.unique(roots).tolist():
+        before = tally.batch_nfe
+        _round(ctx, *per_root[n], nodes_cls or _TreeNodes, st, live[roots == n], tally)
+        most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
+    tally.batch_nfe = calls + most
