@@ -345,23 +345,31 @@ def optimal_value(budget: int, positional: PositionalFn, max_depth: int, max_wid
 
 
 def _coupling_positional(coupling) -> Callable[[np.ndarray, int], np.ndarray]:
+    """The positional theory of ``coupling``: a :class:`~specsamp.coupling.Coupling`'s ``positional``
+    attribute, that of the coupling registered under a name, or a callable itself."""
+    from .coupling import COUPLINGS, Coupling
+
+    if isinstance(coupling, str) and coupling in COUPLINGS:
+        coupling = COUPLINGS.get(coupling)
+    if isinstance(coupling, Coupling):
+        if coupling.positional is None:
+            raise ValueError(f"coupling={coupling.name!r} has no positional theory (its Coupling.positional is None); "
+                             "tree=optimal needs one: register_coupling(..., positional=fn)")
+        return coupling.positional
     if callable(coupling):
         return coupling
-    if coupling == "dgrs":
-        return theory.dgrs_positional
-    if coupling == "markmax":
-        from .listcoupling import markmax_positional
+    with_theory = [n for n in COUPLINGS.names() if COUPLINGS.get(n).positional is not None]
+    raise ValueError(f"coupling={coupling!r} has no positional theory here; valid: {with_theory} or a callable")
 
-        return markmax_positional
-    if coupling == "rmc":
 
-        def rmc_positional(delta, K):
-            if K != 1:
-                raise ValueError(f"coupling='rmc' couples one child per parent (K=1), got K={K}")
-            return np.asarray(theory.rmc_acceptance(delta))[..., None]
+def shared_prefix(coupling, width: int) -> bool:
+    """Whether ``coupling``'s positional vectors are prefixes of each other for widths ``1..width``
+    (D-GRS: yes; markmax: no), checked at ``delta = 1`` (:func:`search_cost`'s ``shared_prefix``).
 
-        return rmc_positional
-    raise ValueError(f"coupling={coupling!r} has no positional theory here; valid: 'dgrs', 'markmax', 'rmc' or a callable")
+    Raises:
+        ValueError: as :func:`profile_positional`.
+    """
+    return _shared_prefix(_Positional(profile_positional([1.0], coupling)), 0, max(int(width), 1))
 
 
 def _profile(deltas) -> np.ndarray:
