@@ -505,11 +505,22 @@ def _rule_text(key: str) -> str | None:
     return {bool: "true or false", "bool": "true or false", str: "a string", "str": "a string"}.get(f.type)
 
 
+def _schema_of_node(node) -> type | None:
+    """The config dataclass a model node's ``_target_`` names (a user's model config composed without its
+    schema: its keys are then still the ones a typo is matched against), or None."""
+    try:
+        target = node.get("_target_") if node is not None else None
+        return _model_schema({"_target_": target}) if isinstance(target, str) else None
+    except Exception:
+        return None
+
+
 def explain(error: BaseException, value: Any = MISSING) -> str | None:
     """One paragraph for an OmegaConf/Hydra composition error about a key (unknown key, wrong type), or None.
 
     The key comes from the error's ``full_key``; an unknown key names the closest valid key of the config
-    class it was set on (``object_type``) instead of Hydra's advice to append it with ``+``; a value of the
+    class it was set on (``object_type``; for a model composed without its schema, the class its
+    ``_target_`` names) instead of Hydra's advice to append it with ``+``; a value of the
     wrong type says what is valid.
     """
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -523,6 +534,9 @@ def explain(error: BaseException, value: Any = MISSING) -> str | None:
     typed = re.search(r"(?:use \+|override )" + re.escape(key) + r"=(\S*)", str(error))  # the override as typed
     shown = f"{key}={typed.group(1)}" if typed else key if value is MISSING else f"{key}={value!r}"
     if isinstance(seen, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_key_message(key, shown=shown, schema=getattr(seen, "object_type", None))
+        schema = getattr(seen, "object_type", None)
+        if not dataclasses.is_dataclass(schema) and key.startswith("model."):
+            schema = _schema_of_node(getattr(seen, "parent_node", None))
+        return unknown_key_message(key, shown=shown, schema=schema)
     valid = _rule_text(key)
     return f"{shown} is invalid: {str(seen).splitlines()[0].rstrip('.')}" + (f"; must be {valid}." if valid else ".")
