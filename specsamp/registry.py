@@ -31,7 +31,7 @@ def import_object(spec: str, key: str = "value"):
         obj = importlib.import_module(mod_name)
     except ImportError as err:
         raise ConfigError(f"{key}={spec!r} is invalid: cannot import module {mod_name!r} ({err}); the module "
-                          "must be importable (on PYTHONPATH or in the directory the command runs from).") from None
+                          "must be importable (installed, or on PYTHONPATH).") from None
     for part in attr.split("."):
         if not part or not hasattr(obj, part):
             raise ConfigError(f"{key}={spec!r} is invalid: module {mod_name!r} has no attribute {attr!r}.") from None

@@ -7,8 +7,9 @@ choices, a finite churn) is written once, as each field's rule, and checked by :
 
 Groups that build an object say how in their YAML: ``model`` (``_target_``: a config dataclass whose
 ``build(device)`` returns a :class:`specsamp.models.base.Target`), ``sampler.coupling`` (``_target_``
-returning a :class:`specsamp.coupling.Coupling`) and ``logger``. Draft, tree and prefetch stay plain
-keys: each is one name without parameters, and ``draft=x0`` reads the same either way.
+returning a :class:`specsamp.coupling.Coupling`) and ``logger``. Draft and tree are plain keys, each a
+name that its registry resolves (:data:`specsamp.drafts.DRAFTS`, :data:`specsamp.runner.treerules.TREE_RULES`:
+a registered name or ``pkg.module:name``), so ``draft=x0`` reads the same either way.
 
 Every error here is a :class:`specsamp.errors.ConfigError` (or, while Hydra composes, an OmegaConf error
 that :func:`explain` turns into the same kind of paragraph): ``run.py`` exits with status 2.
@@ -40,10 +41,6 @@ SEED_BOUND = 2**59
 # the tree=optimal calibration runs under seed + CALIBRATION_SEED_OFFSET: its own random streams
 CALIBRATION_SEED_OFFSET = 1_000_003
 assert SEED_BOUND + CALIBRATION_SEED_OFFSET <= rng.MAX_SEED
-
-# the built-in tree rules (specsamp.runner.treerules.TREE_RULES holds them and any registered later)
-TREES = ("uniform", "widths", "optimal", "optimal_per_step")
-
 
 class _SearchedTrees:
     """``name in SEARCHED_TREES``: the tree rule ``name`` searches its tree from a displacement profile
@@ -169,7 +166,7 @@ class LoggerConfig:
 
 @dataclass
 class RunConfig:
-    """Every top-level key of ``conf/config.yaml`` (values and comments there; README "Config keys")."""
+    """Every top-level key of ``conf/config.yaml`` (values and comments there)."""
 
     model: Any = MISSING
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
