@@ -385,15 +385,16 @@ def profile_positional(deltas: Sequence[float], coupling="dgrs") -> PositionalFn
     Args:
         deltas: ``deltas[d]`` = ``delta = ||mean_q - mean_p|| / sigma`` at parents of depth ``d`` (0 =
             root); deeper parents reuse the last value.
-        coupling: ``"dgrs"`` (:func:`theory.dgrs_positional`), ``"markmax"``
-            (:func:`specsamp.listcoupling.markmax_positional`), ``"rmc"`` (``K = 1`` only), or a
-            callable ``(delta_array, K) -> [..., K]``.
+        coupling: a :class:`~specsamp.coupling.Coupling` or a registered coupling's name, whose
+            ``positional`` theory is used (``dgrs``: :func:`theory.dgrs_positional`; ``markmax``:
+            :func:`specsamp.listcoupling.markmax_positional`; ``rmc``: ``K = 1`` only), or a callable
+            ``(delta_array, K) -> [..., K]`` itself.
 
     Returns:
         Callable ``(depth, K) -> [K]`` float64; each ``K`` is evaluated once for the whole profile.
 
     Raises:
-        ValueError: negative, non-finite or empty ``deltas``; unknown ``coupling``.
+        ValueError: negative, non-finite or empty ``deltas``; unknown ``coupling``, or one without theory.
     """
     d = _profile(deltas)
     fn = _coupling_positional(coupling)

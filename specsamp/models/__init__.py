@@ -49,5 +49,6 @@ def register_model(name: str, schema: type | None = None):
     ConfigStore.instance().store(group="model", name=key, node=schema)
     return schema
 
-__all__ = ["MODEL_SCHEMAS", "register_model", "EDMConfig", "GMMConfig", "GaussianMixture", "Paper", "SD3Config", "Target", "TargetConfig",
-           "VelocityModel", "batched"]
+
+__all__ = ["MODEL_SCHEMAS", "EDMConfig", "GMMConfig", "GaussianMixture", "Paper", "SD3Config", "Target", "TargetConfig",
+           "VelocityModel", "batched", "register_model"]

@@ -1,8 +1,9 @@
 """From the typed config to objects: the target, the coupling, the schedule and the round tree.
 
 The model and the coupling are built by ``hydra.utils.instantiate`` from their YAML's ``_target_``; the
-tree follows from the sampler and the tree rule (:mod:`specsamp.runner.treerules`); ``tree=optimal`` first calibrates a
-displacement profile on a short run of its own (:func:`calibration_run`) unless ``delta_profile`` is given.
+tree follows from the sampler and the tree rule (:mod:`specsamp.runner.treerules`); ``tree=optimal``
+first calibrates a displacement profile on a short run of its own (:func:`calibration_run`) unless
+``delta_profile`` is given.
 """
 
 from __future__ import annotations
