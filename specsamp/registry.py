@@ -88,7 +88,7 @@ class Registry(Generic[T]):
 
     def valid_text(self) -> str:
         """What a value may be, for messages: the registered names, or a ``pkg.module:name``."""
-        return ", ".join(self.names()) + f" (registered), or pkg.module:name of a {self.kind} defined elsewhere"
+        return f"{list(self.names())} (registered), or pkg.module:name of a {self.kind} defined elsewhere"
 
     def valid(self, name) -> bool:
         """Whether :meth:`get` finds ``name`` (importing a ``pkg.module:name``)."""
