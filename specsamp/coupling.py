@@ -224,7 +224,8 @@ def get_coupling(name: str | Coupling | Callable) -> Coupling:
         return Coupling(getattr(name, "__name__", repr(name)), name)
     found = COUPLINGS.get(name)  # a registered name, or "pkg.module:name" (imported)
     if not callable(found):
-        raise ConfigError(f"coupling={name!r} is invalid: it names a {type(found).__name__}, not a Coupling or a verify function.")
+        raise ConfigError(f"coupling={name!r} is invalid: it names a {type(found).__name__}, "
+                          "not a Coupling or a verify function.")
     return get_coupling(found)
 
 

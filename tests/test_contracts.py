@@ -75,7 +75,8 @@ def test_config_takes_draft_and_tree_by_import_path(user_module):
 
 @pytest.mark.parametrize("key, value, needle", [
     ("draft", "nope", r"draft='nope' is not registered; valid: \['drift', 'velocity', 'x0', .*pkg\.module:name"),
-    ("tree", "nope", r"tree='nope' is not registered; valid: \['optimal', 'optimal_per_step', 'uniform', 'widths'\] .*pkg\.module:name"),
+    ("tree", "nope",
+     r"tree='nope' is not registered; valid: \['optimal', 'optimal_per_step', 'uniform', 'widths'\] .*pkg\.module:name"),
     ("draft", "{mod}:not_a_draft", r"names a int, not a specsamp.drafts.Draft"),
     ("tree", "{mod}:again", r"names a Draft, not a specsamp.runner.treerules.TreeRule"),
 ])

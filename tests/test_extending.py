@@ -66,8 +66,9 @@ def test_a_typo_in_the_models_keys_names_its_own(tmp_path):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(body)
     env = dict(os.environ, PYTHONPATH=str(ext), WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), "model=gaussian", "model.ss=1", f"hydra.searchpath=[file://{ext / 'myconf'}]",
-                        f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    args = ["model=gaussian", "model.ss=1", f"hydra.searchpath=[file://{ext / 'myconf'}]", f"hydra.run.dir={tmp_path / 'out'}"]
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=300)
     claim = re.search(r'exits 2 with "(.*?)"', section("A model"), re.S).group(1)
     assert p.returncode == 2 and " ".join(claim.split()) in p.stderr, p.stderr
     assert "model.label_dim" not in p.stderr  # none of the built-in models' keys
