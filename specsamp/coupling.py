@@ -164,11 +164,17 @@ class Coupling:
         name: registry key (``sampler.coupling`` in configs).
         verify: the rule.
         max_children: widest node the rule serves (``None``: any ``K``; 1: a chain rule).
+        positional: optional theory of the rule, ``positional(delta [n] float64, K) -> [n, K]``: for a
+            parent whose children are displaced by ``delta`` (eq. 16), the probability that the ``k``-th
+            drafted child is the one accepted (D-GRS: eq. 19's increments). ``tree=optimal`` searches
+            trees with it (:func:`specsamp.treesearch.profile_positional`) and refuses a rule without it
+            before any target call. ``None``: no theory; every other tree works.
     """
 
     name: str
     verify: Callable[..., Verdict]
     max_children: int | None = None
+    positional: Callable | None = None
 
     def __call__(self, children, mean_p, mean_q, sigma, generator=None) -> Verdict:
         verdict = self.verify(children, mean_p, mean_q, sigma, generator)
@@ -196,8 +202,10 @@ class Coupling:
 COUPLINGS: Registry[Coupling] = Registry("coupling")
 
 
-def register_coupling(name: str, max_children: int | None = None) -> Callable[[Callable[..., Verdict]], Coupling]:
-    """Decorator: register a ``verify`` function (contract: :class:`Coupling`) as coupling ``name``.
+def register_coupling(name: str, max_children: int | None = None,
+                      positional: Callable | None = None) -> Callable[[Callable[..., Verdict]], Coupling]:
+    """Decorator: register a ``verify`` function (contract: :class:`Coupling`) as coupling ``name``,
+    with its widest node ``max_children`` and its optional theory ``positional`` (:class:`Coupling`).
 
     Returns:
         A decorator that returns the registered :class:`Coupling` (callable like the function).
@@ -207,13 +215,14 @@ def register_coupling(name: str, max_children: int | None = None) -> Callable[[C
     """
 
     def deco(fn: Callable[..., Verdict]) -> Coupling:
-        return COUPLINGS.register(name, Coupling(name, fn, max_children))
+        return COUPLINGS.register(name, Coupling(name, fn, max_children, positional))
 
     return deco
 
 
 def get_coupling(name: str | Coupling | Callable) -> Coupling:
-    """A registered coupling by name; a :class:`Coupling` as is; a bare ``verify`` function wrapped (any ``K``).
+    """A registered coupling by name or ``"pkg.module:name"``; a :class:`Coupling` as is; a bare ``verify``
+    function wrapped (any ``K``).
 
     Raises:
         ConfigError: (a ``ValueError``) unknown name; the message lists the registered ones.
@@ -222,7 +231,11 @@ def get_coupling(name: str | Coupling | Callable) -> Coupling:
         return name
     if callable(name):
         return Coupling(getattr(name, "__name__", repr(name)), name)
-    return COUPLINGS.get(name)
+    found = COUPLINGS.get(name)  # a registered name, or "pkg.module:name" (imported)
+    if not callable(found):
+        raise ConfigError(f"coupling={name!r} is invalid: it names a {type(found).__name__}, "
+                          "not a Coupling or a verify function.")
+    return get_coupling(found)
 
 
 def uniform_rows(generator, n: int, device):
@@ -446,7 +459,19 @@ def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index
     return out if children.ndim == 3 else out.reshape(children.shape[0], *children.shape[2:])
 
 
-@register_coupling("dgrs")
+def _dgrs_positional(delta, K: int):
+    from .theory import dgrs_positional  # theory imports this module
+
+    return dgrs_positional(delta, K)
+
+
+def _rmc_positional(delta, K: int):
+    from .theory import rmc_positional
+
+    return rmc_positional(delta, K)
+
+
+@register_coupling("dgrs", positional=_dgrs_positional)
 def dgrs(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """Diffusion greedy rejection sampling (Algorithm 3), any ``K >= 1``.
 
@@ -463,7 +488,7 @@ def dgrs(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     return Verdict(reconstruct(children, proj, s_res, accepted, index), accepted, index)
 
 
-@register_coupling("rmc", max_children=1)
+@register_coupling("rmc", max_children=1, positional=_rmc_positional)
 def rmc(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """Reflection maximal coupling (Algorithm 2; De Bortoli et al., 2025), ``K = 1`` only.
 

@@ -201,11 +201,30 @@ class Draft:
     table_frozen: Callable[..., torch.Tensor] | None = None
 
 
-DRAFTS: Registry[Draft] = Registry("draft")
+DRAFTS: Registry[Draft] = Registry("draft", Draft)
 
 
-def get_draft(name: str) -> Draft:
-    """Look up a draft by name.
+def register_draft(name: str, mean: Callable[..., torch.Tensor], *, history: int = 0,
+                   table_mean: Callable[..., torch.Tensor] | None = None,
+                   table_frozen: Callable[..., torch.Tensor] | None = None) -> Callable[[Callable], Draft]:
+    """Decorator: register a ``freeze`` function with its ``mean`` (contract: :class:`Draft`) as draft ``name``.
+
+    Returns:
+        A decorator that returns the registered :class:`Draft`.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+
+    def deco(freeze: Callable[..., torch.Tensor]) -> Draft:
+        return DRAFTS.register(name, Draft(name, freeze, mean, history, table_mean, table_frozen))
+
+    return deco
+
+
+def get_draft(name: str | Draft) -> Draft:
+    """A draft by registered name or ``"pkg.module:name"`` (:meth:`specsamp.registry.Registry.get`); a
+    :class:`Draft` as is.
 
     Raises:
         ConfigError: (a ``ValueError``) unknown name; the message lists the valid ones.

@@ -245,7 +245,7 @@ def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs,
     return index, s_res
 
 
-@register_coupling("markmax")
+@register_coupling("markmax", positional=lambda delta, K: markmax_positional(delta, K))
 def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """Marked-maximum list coupling: mark children independently, accept the highest marked, else GRS.
 

@@ -1,5 +1,8 @@
-"""Name -> object tables for the pluggable parts: couplings (:data:`specsamp.coupling.COUPLINGS`) and
-drafts (:data:`specsamp.drafts.DRAFTS`)."""
+"""Name -> object tables for the pluggable parts: couplings (:data:`specsamp.coupling.COUPLINGS`), drafts
+(:data:`specsamp.drafts.DRAFTS`) and tree rules (:data:`specsamp.runner.treerules.TREE_RULES`).
+
+Every table also accepts ``"pkg.module:name"``, the spelling of an object defined outside specsamp: the
+module is imported (which runs its ``register_*`` decorators) and the attribute is returned."""
 
 from __future__ import annotations
 
@@ -11,16 +14,44 @@ from .errors import ConfigError
 T = TypeVar("T")
 
 
+def import_object(spec: str, key: str = "value"):
+    """``"pkg.module:name"`` -> the object it names (the module is imported from ``sys.path``).
+
+    Args:
+        spec: the module's dotted path, a colon, the attribute (``a.b`` for a nested one).
+        key: the config key, for the message.
+
+    Raises:
+        ConfigError: (a ``ValueError``) the module cannot be imported or has no such attribute.
+    """
+    import importlib
+
+    mod_name, _, attr = str(spec).partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise ConfigError(f"{key}={spec!r} is invalid: cannot import module {mod_name!r} ({err}); the module "
+                          "must be importable (installed, or on PYTHONPATH).") from None
+    for part in attr.split("."):
+        if not part or not hasattr(obj, part):
+            raise ConfigError(f"{key}={spec!r} is invalid: module {mod_name!r} has no attribute {attr!r}.") from None
+        obj = getattr(obj, part)
+    return obj
+
+
 class Registry(Generic[T]):
     """Objects of one kind, found by name.
 
     Args:
-        kind: what the entries are (``"coupling"``, ``"draft"``); it is the config key that error
-            messages name.
+        kind: what the entries are (``"coupling"``, ``"draft"``, ``"tree"``); it is the config key that
+            error messages name.
+        cls: the entries' type, when there is one: :meth:`get` returns an instance of it as is, and
+            refuses a ``pkg.module:name`` that names something else.
     """
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, cls: type | None = None):
         self.kind = kind
+        self.cls = cls
         self._entries: dict[str, T] = {}
 
     def register(self, name: str, obj: T, *, replace: bool = False) -> T:
@@ -34,16 +65,38 @@ class Registry(Generic[T]):
         self._entries[name] = obj
         return obj
 
-    def get(self, name: str) -> T:
-        """The entry registered as ``name``.
+    def get(self, name) -> T:
+        """The entry registered as ``name``; for ``"pkg.module:name"``, the object that names (imported:
+        :func:`import_object`); an instance of the registry's ``cls`` as is.
 
         Raises:
-            ConfigError: (a ``ValueError``) no such entry; the message lists the valid names.
+            ConfigError: (a ``ValueError``) no such entry; the message lists the valid names and the
+                ``pkg.module:name`` form.
         """
+        if self.cls is not None and isinstance(name, self.cls):
+            return name
+        if isinstance(name, str) and ":" in name and name not in self._entries:
+            obj = import_object(name, self.kind)
+            if self.cls is not None and not isinstance(obj, self.cls):
+                raise ConfigError(f"{self.kind}={name!r} is invalid: it names a {type(obj).__name__}, not a "
+                                  f"{self.cls.__module__}.{self.cls.__name__}.")
+            return obj
         try:
             return self._entries[name]
         except (KeyError, TypeError):
-            raise ConfigError(f"{self.kind}={name!r} is not registered; valid: {list(self.names())}") from None
+            raise ConfigError(f"{self.kind}={name!r} is not registered; valid: {self.valid_text()}") from None
+
+    def valid_text(self) -> str:
+        """What a value may be, for messages: the registered names, or a ``pkg.module:name``."""
+        return f"{list(self.names())} (registered), or pkg.module:name of a {self.kind} defined elsewhere"
+
+    def valid(self, name) -> bool:
+        """Whether :meth:`get` finds ``name`` (importing a ``pkg.module:name``)."""
+        try:
+            self.get(name)
+        except ConfigError:
+            return False
+        return True
 
     __getitem__ = get
 

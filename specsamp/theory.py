@@ -44,6 +44,17 @@ def rmc_acceptance(delta) -> np.ndarray:
     return 2.0 * special.ndtr(-_delta(delta) / 2.0)
 
 
+def rmc_positional(delta, K: int) -> np.ndarray:
+    """``P(J = 1)`` of reflection maximal coupling as a positional vector: ``[*delta, 1]``, eq. 20.
+
+    Raises:
+        ValueError: ``K != 1`` (the rule couples one child per parent), or a bad ``delta``.
+    """
+    if K != 1:
+        raise ValueError(f"coupling='rmc' couples one child per parent (K=1), got K={K}")
+    return np.asarray(rmc_acceptance(delta))[..., None]
+
+
 def dgrs_levels(delta, K: int) -> tuple[np.ndarray, np.ndarray]:
     """Levels ``lambda_0..K`` and remaining masses ``G_1..G_{K+1}`` of Algorithm 3.
 

@@ -345,23 +345,31 @@ def optimal_value(budget: int, positional: PositionalFn, max_depth: int, max_wid
 
 
 def _coupling_positional(coupling) -> Callable[[np.ndarray, int], np.ndarray]:
+    """The positional theory of ``coupling``: a :class:`~specsamp.coupling.Coupling`'s ``positional``
+    attribute, that of the coupling registered under a name, or a callable itself."""
+    from .coupling import COUPLINGS, Coupling
+
+    if isinstance(coupling, str) and coupling in COUPLINGS:
+        coupling = COUPLINGS.get(coupling)
+    if isinstance(coupling, Coupling):
+        if coupling.positional is None:
+            raise ValueError(f"coupling={coupling.name!r} has no positional theory (its Coupling.positional is None); "
+                             "tree=optimal needs one: register_coupling(..., positional=fn)")
+        return coupling.positional
     if callable(coupling):
         return coupling
-    if coupling == "dgrs":
-        return theory.dgrs_positional
-    if coupling == "markmax":
-        from .listcoupling import markmax_positional
+    with_theory = [n for n in COUPLINGS.names() if COUPLINGS.get(n).positional is not None]
+    raise ValueError(f"coupling={coupling!r} has no positional theory here; valid: {with_theory} or a callable")
 
-        return markmax_positional
-    if coupling == "rmc":
 
-        def rmc_positional(delta, K):
-            if K != 1:
-                raise ValueError(f"coupling='rmc' couples one child per parent (K=1), got K={K}")
-            return np.asarray(theory.rmc_acceptance(delta))[..., None]
+def shared_prefix(coupling, width: int) -> bool:
+    """Whether ``coupling``'s positional vectors are prefixes of each other for widths ``1..width``
+    (D-GRS: yes; markmax: no), checked at ``delta = 1`` (:func:`search_cost`'s ``shared_prefix``).
 
-        return rmc_positional
-    raise ValueError(f"coupling={coupling!r} has no positional theory here; valid: 'dgrs', 'markmax', 'rmc' or a callable")
+    Raises:
+        ValueError: as :func:`profile_positional`.
+    """
+    return _shared_prefix(_Positional(profile_positional([1.0], coupling)), 0, max(int(width), 1))
 
 
 def _profile(deltas) -> np.ndarray:
@@ -377,15 +385,16 @@ def profile_positional(deltas: Sequence[float], coupling="dgrs") -> PositionalFn
     Args:
         deltas: ``deltas[d]`` = ``delta = ||mean_q - mean_p|| / sigma`` at parents of depth ``d`` (0 =
             root); deeper parents reuse the last value.
-        coupling: ``"dgrs"`` (:func:`theory.dgrs_positional`), ``"markmax"``
-            (:func:`specsamp.listcoupling.markmax_positional`), ``"rmc"`` (``K = 1`` only), or a
-            callable ``(delta_array, K) -> [..., K]``.
+        coupling: a :class:`~specsamp.coupling.Coupling` or a registered coupling's name, whose
+            ``positional`` theory is used (``dgrs``: :func:`theory.dgrs_positional`; ``markmax``:
+            :func:`specsamp.listcoupling.markmax_positional`; ``rmc``: ``K = 1`` only), or a callable
+            ``(delta_array, K) -> [..., K]`` itself.
 
     Returns:
         Callable ``(depth, K) -> [K]`` float64; each ``K`` is evaluated once for the whole profile.
 
     Raises:
-        ValueError: negative, non-finite or empty ``deltas``; unknown ``coupling``.
+        ValueError: negative, non-finite or empty ``deltas``; unknown ``coupling``, or one without theory.
     """
     d = _profile(deltas)
     fn = _coupling_positional(coupling)

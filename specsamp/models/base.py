@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -90,14 +90,15 @@ class TargetConfig:
         name: the model's name (the record's ``model``).
         dtype: dtype of the sampler's states, kernel and coupling (one of :data:`DTYPES`).
         shift: timestep shift of the noise grid (paper eq. 38; 1 = none).
-        paper: the paper's protocol for this target.
+        paper: the paper's protocol for this target: the run's ``K``, ``L``, ``eps``, ``steps`` and
+            ``n_samples`` unless set (None: :data:`specsamp.runner.config.RUN_DEFAULTS`).
     """
 
     _target_: str = ""
     name: str = MISSING
     dtype: str = "float32"
     shift: float = 1.0
-    paper: Paper = MISSING
+    paper: Optional[Paper] = None
 
     def build(self, device: str) -> Target:
         """Validate the values, load the model onto ``device`` and return the :class:`Target`.

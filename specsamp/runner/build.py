@@ -1,8 +1,9 @@
 """From the typed config to objects: the target, the coupling, the schedule and the round tree.
 
 The model and the coupling are built by ``hydra.utils.instantiate`` from their YAML's ``_target_``; the
-tree follows from the sampler and the tree keys (:func:`build_tree`); ``tree=optimal`` first calibrates a
-displacement profile on a short run of its own (:func:`calibration_run`) unless ``delta_profile`` is given.
+tree follows from the sampler and the tree rule (:mod:`specsamp.runner.treerules`); ``tree=optimal``
+first calibrates a displacement profile on a short run of its own (:func:`calibration_run`) unless
+``delta_profile`` is given.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
 from .config import CALIBRATION_SEED_OFFSET, RunConfig, profile_path
 from .memory import available_bytes, check_tree_nodes
+from .treerules import get_tree_rule
 
 
 def build_target(run: RunConfig) -> Target:
@@ -78,28 +80,39 @@ def search_limits(run: RunConfig, budget: int) -> tuple[int, int]:
 
 
 def check_search(run: RunConfig, coupling: Coupling, budget: int) -> None:
-    """Refuse a ``tree=optimal`` search too slow or too large, before the calibration run
-    (``optimal_per_step``: its ``T - 2`` searches together, each at the depth its root has left)."""
+    """Refuse a searched tree (``tree=optimal``, ``optimal_per_step``) before the calibration run and before
+    any target call: a coupling without positional theory (``Coupling.positional``), or a search too slow
+    or too large (``optimal_per_step``: its ``T - 2`` searches together, each at the depth its root has left).
+
+    Raises:
+        ConfigError: names the coupling, or the search's cost and what to lower.
+    """
     from .. import treesearch
 
+    if coupling.positional is None:
+        raise ConfigError(f"tree={run.tree} is invalid with sampler={run.sampler.name}: coupling {coupling.name!r} has "
+                          "no positional theory (Coupling.positional, the probability that the k-th child is accepted at "
+                          "displacement delta), which the tree search needs; give it one (register_coupling(..., "
+                          "positional=fn)), or use tree=uniform or tree=widths.")
     depth, width = search_limits(run, budget)
     try:
+        shared = treesearch.shared_prefix(coupling, width)
         if run.tree == "optimal_per_step":  # two programs per root (tree and value) at depth min(D, steps left)
-            pairs = sum(2 * treesearch.search_cost(budget, min(depth, h), width, coupling.name == "dgrs")["pairs"]
+            pairs = sum(2 * treesearch.search_cost(budget, min(depth, h), width, shared)["pairs"]
                         for h in range(1, run.steps - 1))
             if pairs > treesearch.MAX_PAIRS:
                 raise ValueError(f"tree=optimal_per_step with budget={budget}, max_depth={depth}, max_width={width} needs "
                                  f"about {pairs:.2g} max-plus updates for its {run.steps - 2} searches (the limit is "
                                  f"{treesearch.MAX_PAIRS:.2g}); lower budget, max_width or max_depth, or use tree=optimal.")
-        treesearch.check_search(budget, depth, width, coupling.name == "dgrs", treesearch.MAX_PAIRS,
-                                available_bytes("cpu"))
+        treesearch.check_search(budget, depth, width, shared, treesearch.MAX_PAIRS, available_bytes("cpu"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_profile=None,
                callback: Callable[[int, int], None] | None = None):
-    """The round tree and its nominal drafted-state budget ``B``.
+    """The round tree and its nominal drafted-state budget ``B``, built by the tree rule ``run.tree``
+    (:mod:`specsamp.runner.treerules`: a registered name or ``pkg.module:name``).
 
     A one-child rule (``rmc``) runs a chain: of length ``B = K + ... + K^L`` with ``match=budget``, or
     with as many target rows as the (K, L) tree with ``match=verification``. Chains and trees deeper than
@@ -124,9 +137,9 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
     """
     if coupling is None:
         return None, 0
-    K, L = run.K, run.L
     check_tree_nodes(run, coupling, horizon)
     if coupling.max_children == 1:
+        K, L = run.K, run.L
         if run.match == "budget":
             length = uniform_budget(K, L)
         else:
@@ -134,53 +147,11 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
             # a chain of length l evaluates l + 1 rows with leaves and l without.
             length = uniform_budget(K, L) if run.evaluate_leaves else 1 + (uniform_budget(K, L - 1) if L > 1 else 0)
         tree, budget = DraftTree.chain(min(length, horizon)), length
-    elif run.tree == "widths":
-        tree, budget = DraftTree.from_widths(run.widths[:horizon]), _widths_budget(run.widths)
-    elif run.tree == "optimal":
-        from .. import treesearch
-
-        budget = run.budget or uniform_budget(K, L)
-        check_search(run, coupling, budget)
-        try:
-            if np.ndim(delta_profile) != 1:
-                raise ValueError(f"delta_profile is invalid for tree=optimal: need one list (delta per depth), got "
-                                 f"{np.ndim(delta_profile)} levels of lists (per-root tables are for tree=optimal_per_step)")
-            positional = treesearch.profile_positional(delta_profile, coupling.name)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        tree = treesearch.optimal_tree(budget, positional, *search_limits(run, budget), callback=callback)
-    elif run.tree == "optimal_per_step":
-        from .. import treesearch
-
-        budget = run.budget or uniform_budget(K, L)
-        check_search(run, coupling, budget)
-        first, end = 1, horizon + 1  # roots 1..T-2 (Schedule.first_speculative, end_speculative)
-        try:
-            table = np.asarray(delta_profile, dtype=np.float64)
-            if table.ndim == 2:
-                if table.shape[0] not in (1, horizon):
-                    raise ValueError(f"delta_profile has {table.shape[0]} rows: tree=optimal_per_step needs one per "
-                                     f"root step 1..{horizon} (T-2 = {horizon} rows), or a single profile")
-                table = np.concatenate([table[:1], table]) if table.shape[0] == horizon else table[0]
-            trees = treesearch.optimal_trees_by_root(budget, table, first, end, *search_limits(run, budget),
-                                                     coupling.name, callback=callback)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        for t in trees.values():
-            coupling.check_tree(t)
-        return treesearch.TreesByRoot(trees), budget
     else:
-        tree, budget = DraftTree.uniform(K, min(L, horizon)), uniform_budget(K, L)
-    coupling.check_tree(tree)
+        tree, budget = get_tree_rule(run.tree).build(run, coupling, horizon, delta_profile, callback)
+    if isinstance(tree, DraftTree):
+        coupling.check_tree(tree)
     return tree, budget
-
-
-def _widths_budget(widths) -> int:
-    total, layer = 0, 1
-    for w in widths:
-        layer *= w
-        total += layer
-    return total
 
 
 def calibration_run(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> SampleResult:
@@ -290,13 +261,3 @@ def given_profile(run: RunConfig):
         print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
               + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)
     return rows if run.tree == "optimal_per_step" else data["profile"]
-
-
-def calibrate_profile(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> list[float]:
-    """Displacement ``delta`` per depth for ``tree=optimal``, from :func:`calibration_run`: each depth's
-    measured acceptance inverted into ``delta`` (:func:`specsamp.treesearch.deltas_from_acceptance`).
-
-    Returns:
-        ``delta`` per depth ``1..L``.
-    """
-    return calibrate(target, schedule, run, n, K, L)[0]["profile"]

@@ -7,8 +7,9 @@ choices, a finite churn) is written once, as each field's rule, and checked by :
 
 Groups that build an object say how in their YAML: ``model`` (``_target_``: a config dataclass whose
 ``build(device)`` returns a :class:`specsamp.models.base.Target`), ``sampler.coupling`` (``_target_``
-returning a :class:`specsamp.coupling.Coupling`) and ``logger``. Draft, tree and prefetch stay plain
-keys: each is one name without parameters, and ``draft=x0`` reads the same either way.
+returning a :class:`specsamp.coupling.Coupling`) and ``logger``. Draft and tree are plain keys, each a
+name that its registry resolves (:data:`specsamp.drafts.DRAFTS`, :data:`specsamp.runner.treerules.TREE_RULES`:
+a registered name or ``pkg.module:name``), so ``draft=x0`` reads the same either way.
 
 Every error here is a :class:`specsamp.errors.ConfigError` (or, while Hydra composes, an OmegaConf error
 that :func:`explain` turns into the same kind of paragraph): ``run.py`` exits with status 2.
@@ -41,9 +42,22 @@ SEED_BOUND = 2**59
 CALIBRATION_SEED_OFFSET = 1_000_003
 assert SEED_BOUND + CALIBRATION_SEED_OFFSET <= rng.MAX_SEED
 
-TREES = ("uniform", "widths", "optimal", "optimal_per_step")
-# trees searched from a displacement profile (given, shipped, or calibrated)
-SEARCHED_TREES = ("optimal", "optimal_per_step")
+class _SearchedTrees:
+    """``name in SEARCHED_TREES``: the tree rule ``name`` searches its tree from a displacement profile
+    (given, shipped, or calibrated); iterates over the registered ones."""
+
+    def __contains__(self, name) -> bool:
+        from .treerules import TREE_RULES
+
+        return TREE_RULES.valid(name) and TREE_RULES.get(name).searched
+
+    def __iter__(self):
+        from .treerules import TREE_RULES
+
+        return iter([n for n in TREE_RULES.names() if TREE_RULES.get(n).searched])
+
+
+SEARCHED_TREES = _SearchedTrees()
 PROFILE_DIR = CONF_DIR / "profiles"
 MATCH = ("budget", "verification")
 METRICS = ("fid", "clip")
@@ -106,10 +120,22 @@ def _profile_ok(v) -> bool:
     return _finite_list(v) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_finite_list(r) for r in v))
 
 
-def _drafts():
-    from ..drafts import DRAFTS
+def registered(kind: str) -> Any:
+    """A dataclass field holding a name of the registry ``kind`` (``draft``, ``tree``): a registered name
+    or ``pkg.module:name`` (imported when checked). The registries, not a fixed list, decide."""
 
-    return tuple(DRAFTS)
+    def registry():
+        if kind == "draft":
+            from ..drafts import DRAFTS
+
+            return DRAFTS
+        from .treerules import TREE_RULES
+
+        return TREE_RULES
+
+    return field(default={"draft": "velocity", "tree": "uniform"}[kind],
+                 metadata={"text": lambda: registry().valid_text(), "ok": lambda v: registry().valid(v),
+                           "get": lambda v: registry().get(v)})
 
 
 def _sampler_const(name: str):
@@ -153,7 +179,7 @@ class RunConfig:
     n_samples: int = at_least(1)
     seed: int = rule("an integer in [0, 2**59)", lambda v: _int(v) and 0 <= v < SEED_BOUND)
     device: str = "cpu"
-    tree: str = one_of(TREES, "uniform")
+    tree: str = registered("tree")
     widths: Optional[list[int]] = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
                                        lambda v: len(v) > 0 and all(w >= 1 for w in v), None)
     budget: Optional[int] = at_least(1, None)
@@ -164,7 +190,7 @@ class RunConfig:
         lambda v: _profile_ok(v), None)
     max_depth: Optional[int] = at_least(1, None)
     max_width: Optional[int] = at_least(1, None)
-    draft: str = one_of(_drafts, "velocity")
+    draft: str = registered("draft")
     prefetch: str = one_of(_sampler_const("PREFETCH"), "nearest")
     warmup: str = one_of(_sampler_const("WARMUPS"), "call")
     evaluate_leaves: bool = True
@@ -187,6 +213,23 @@ class RunConfig:
     shard: int = at_least(0, 0)
 
 
+# what K, L, eps, steps and n_samples default to for a model config without a ``paper:`` block
+RUN_DEFAULTS = {"steps": 30, "eps": 0.1, "n_samples": 100, "K": 2, "L": 3}
+
+
+def _paper_value(model, key: str):
+    paper = model.get("paper") if isinstance(model, Mapping) else getattr(model, "paper", None)
+    value = (paper.get(key) if isinstance(paper, Mapping) else getattr(paper, key, None)) if paper is not None else None
+    return RUN_DEFAULTS[key] if value is None else value
+
+
+def paper_default(key: str, *, _root_) -> Any:
+    """Resolver ``specsamp.paper``: ``'K: ${specsamp.paper:K}'`` is the model's ``paper.K`` (its paper's
+    protocol), or :data:`RUN_DEFAULTS`' value when the model config has no ``paper:`` block."""
+    value = OmegaConf.select(_root_, f"model.paper.{key}", default=None, throw_on_missing=False)
+    return RUN_DEFAULTS[key] if value is None else value
+
+
 def cell_seed(*values) -> int:
     """A seed of its own for one cell of a grid: ``SHA-256`` of the cell's values (their text), reduced to
     ``[0, 2**59)``. Resolver ``specsamp.cell_seed``: ``'seed=${specsamp.cell_seed:${sampler.name},${K},${L}}'``
@@ -207,6 +250,8 @@ def register() -> None:
 
     if not OmegaConf.has_resolver("specsamp.cell_seed"):
         OmegaConf.register_new_resolver("specsamp.cell_seed", cell_seed)
+    if not OmegaConf.has_resolver("specsamp.paper"):
+        OmegaConf.register_new_resolver("specsamp.paper", paper_default)
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -306,6 +351,8 @@ def check_values(run: RunConfig) -> None:
                           "profile, a list of values, or null (calibrate).")
     for f in dataclasses.fields(RunConfig):
         meta, v = f.metadata, getattr(run, f.name)
+        if meta and v is not None and "get" in meta:
+            meta["get"](v)  # a registry's own paragraph: unknown name (with the valid ones), failed import
         if meta and v is not None and not meta["ok"](v):
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
             raise ConfigError(f"{f.name}={v!r} is invalid: must be {text}.")
@@ -352,9 +399,10 @@ def unused_keys(run: RunConfig, coupling) -> dict:
     """Keys that the configured sampler and tree never read, with the value that stands for them in the hash.
 
     ``sampler=standard`` reads none of the tree keys (``K``, ``L``, ``draft``, ...); a one-child rule
-    (``rmc``) reads ``match`` but no tree-search key; a tree rule does not read ``match``; ``tree=uniform``
-    ignores ``widths`` and the search keys, ``tree=widths`` ignores ``K``, ``L`` and the search keys,
-    ``tree=optimal`` ignores ``widths`` (and ``K``, ``L`` once ``budget`` is given). Such keys stay in the
+    (``rmc``) reads ``K``, ``L`` and ``match`` but no other tree key; a rule with wider nodes does not read
+    ``match``, and of :data:`~specsamp.runner.treerules.TREE_KEYS` only those its tree rule declares
+    (``TreeRule.reads``: ``tree=uniform`` reads ``K``, ``L``; ``tree=widths`` reads ``widths``;
+    ``tree=optimal`` the search keys, and ``K``, ``L`` while ``budget`` is null). Such keys stay in the
     record's config (listed under ``unused`` when set away from their default) but are hashed at their
     default, so setting them changes neither a result nor its config hash.
 
@@ -364,19 +412,23 @@ def unused_keys(run: RunConfig, coupling) -> dict:
 
     Returns:
         ``{key: default}`` for every unused key.
+
+    Raises:
+        ConfigError: an unknown tree rule, or one that declares a key that is not a tree key.
     """
-    paper = run.model.paper
-    default = {"K": paper.K, "L": paper.L, "draft": "velocity", "prefetch": "nearest", "warmup": "call",
+    from .treerules import TREE_KEYS, get_tree_rule
+
+    K, L = _paper_value(run.model, "K"), _paper_value(run.model, "L")
+    default = {"K": K, "L": L, "draft": "velocity", "prefetch": "nearest", "warmup": "call",
                "evaluate_leaves": True, "match": "budget", "execution": "path", "refine": 0, "tree": "uniform",
                "widths": None, "budget": None, "delta_profile": None, "max_depth": None, "max_width": None}
-    search = ("widths", "budget", "delta_profile", "max_depth", "max_width")
     if coupling is None:
         keys = list(default)
     elif coupling.max_children == 1:
-        keys = list(search)
+        keys = [k for k in TREE_KEYS if k not in ("K", "L")]
     else:
-        keys = ["match"] + {"uniform": list(search), "widths": ["K", "L", *search[1:]],
-                            **{t: ["widths"] + (["K", "L"] if run.budget is not None else []) for t in SEARCHED_TREES}}[run.tree]
+        reads = get_tree_rule(run.tree).keys_read(run)
+        keys = ["match"] + [k for k in TREE_KEYS if k not in reads]
     return {k: default[k] for k in keys}
 
 
@@ -450,11 +502,22 @@ def _rule_text(key: str) -> str | None:
     return {bool: "true or false", "bool": "true or false", str: "a string", "str": "a string"}.get(f.type)
 
 
+def _schema_of_node(node) -> type | None:
+    """The config dataclass a model node's ``_target_`` names (a user's model config composed without its
+    schema: its keys are then still the ones a typo is matched against), or None."""
+    try:
+        target = node.get("_target_") if node is not None else None
+        return _model_schema({"_target_": target}) if isinstance(target, str) else None
+    except Exception:
+        return None
+
+
 def explain(error: BaseException, value: Any = MISSING) -> str | None:
     """One paragraph for an OmegaConf/Hydra composition error about a key (unknown key, wrong type), or None.
 
     The key comes from the error's ``full_key``; an unknown key names the closest valid key of the config
-    class it was set on (``object_type``) instead of Hydra's advice to append it with ``+``; a value of the
+    class it was set on (``object_type``; for a model composed without its schema, the class its
+    ``_target_`` names) instead of Hydra's advice to append it with ``+``; a value of the
     wrong type says what is valid.
     """
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -468,6 +531,9 @@ def explain(error: BaseException, value: Any = MISSING) -> str | None:
     typed = re.search(r"(?:use \+|override )" + re.escape(key) + r"=(\S*)", str(error))  # the override as typed
     shown = f"{key}={typed.group(1)}" if typed else key if value is MISSING else f"{key}={value!r}"
     if isinstance(seen, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_key_message(key, shown=shown, schema=getattr(seen, "object_type", None))
+        schema = getattr(seen, "object_type", None)
+        if not dataclasses.is_dataclass(schema) and key.startswith("model."):
+            schema = _schema_of_node(getattr(seen, "parent_node", None))
+        return unknown_key_message(key, shown=shown, schema=schema)
     valid = _rule_text(key)
     return f"{shown} is invalid: {str(seen).splitlines()[0].rstrip('.')}" + (f"; must be {valid}." if valid else ".")

@@ -103,8 +103,9 @@ TREE_BYTES_PER_NODE = 160  # DraftTree's arrays, their construction and the samp
 
 def tree_nodes(run, coupling, horizon: int) -> int:
     """Nodes of the tree :func:`specsamp.runner.build.build_tree` would build, without building it
-    (0: no tree, or ``tree=optimal`` / ``optimal_per_step``, which the search sizes)."""
-    if coupling is None or (run.tree in ("optimal", "optimal_per_step") and coupling.max_children != 1):
+    (0: no tree, or a tree rule other than ``uniform`` and ``widths``: a search sizes its own, and the
+    runner sizes any tree once it is built)."""
+    if coupling is None or (run.tree not in ("uniform", "widths") and coupling.max_children != 1):
         return 0
     if coupling.max_children == 1:
         return min(uniform_budget(run.K, run.L), horizon) + 1
