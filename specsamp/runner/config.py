@@ -487,7 +487,7 @@ def unknown_key_message(key: str, shown: str | None = None, schema: type | None 
     where = (f"{schema.__name__} (the config of {key.rsplit('.', 1)[0]})" if "." in key and dataclasses.is_dataclass(schema)
              else "specsamp's config")
     return (f"{shown} is not a key of {where}" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
-            + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml, conf/model/ and the README)." if valid else "."))
+            + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml, conf/model/ and docs/extending.md)." if valid else "."))
 
 
 def _rule_text(key: str) -> str | None:

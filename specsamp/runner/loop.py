@@ -180,7 +180,7 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
         indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
             ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run's counts
             bitwise and its samples to the rounding of the model's batched evaluation (bitwise when the
-            batches are the same; README, "What is equal across splits").
+            batches are the same; docs/architecture.md, "What is equal across splits").
         before_sampling: called once every value and size is checked, the target built and the tree found,
             just before the first trajectory is sampled (the runner refuses a used output directory there,
             so that a bad value is still reported as such).

@@ -8,7 +8,7 @@ SLURM's time-limit or preemption signal, a relaunch after a kill), :func:`specsa
 takes every batch whose file matches the hash, the ``max_batch`` and the exact ids from disk and samples
 only the others. Trajectory ``i``'s randomness is keyed by ``(seed, i)`` and a batch is the same set of
 ids in both attempts, so the resumed run's counts and samples are bitwise those of an uninterrupted one
-(README, "What is equal across splits"); nothing is counted twice, since each batch enters the record once,
+(docs/architecture.md, "What is equal across splits"); nothing is counted twice, since each batch enters the record once,
 from its file or from the sampler. The files are removed once ``result.json`` is written.
 
 While such a run samples, :func:`active` returns its store, so that the SLURM launcher's signal handler
