@@ -23,7 +23,7 @@ events on CUDA only; this counter works on any device, the CPU included.
 Per round: totals divided by the batch's rounds (the sampler loop's iterations, ``max(result.rounds)``),
 so the first and last deterministic steps and the setup are amortised into the rounds; the standard
 sampler's cost is per step (``T`` steps). The counts are deterministic for a given configuration,
-torch version and seed: the tests assert them (``tests/test_opcount.py``).
+torch version and seed: the tests assert them (``tests/experiments/test_opcount.py``).
 """
 
 from __future__ import annotations

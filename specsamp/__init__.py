@@ -1,6 +1,6 @@
 """specsamp: exact speculative sampling of diffusion models with draft trees.
 
-The core imports with torch, numpy and scipy only (``tests/test_standalone.py`` holds it to that):
+The core imports with torch, numpy and scipy only (``tests/core/test_standalone.py`` holds it to that):
 :mod:`~specsamp.coupling` (the :class:`Coupling` contract, RMC, D-GRS and the registry; the GRS scalar
 machinery in :mod:`~specsamp.grs`), :mod:`~specsamp.listcoupling` (markmax; its parameters in
 :mod:`~specsamp.markmax_params`), :mod:`~specsamp.theory`, :mod:`~specsamp.trees`,

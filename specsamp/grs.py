@@ -133,7 +133,7 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     it) by at most ``8 eps max(1, |s|) + 32 nu(s)``, where ``nu(s) = eps max(1,
     -log Phibar(s - delta)) (Phibar(s - delta) + lam Phibar(s)) / r(s)`` is the survival's own rounding
     carried to ``s`` (the cancellation of its two terms and of their logs): every root finder of this
-    survival is uncertain by about ``nu``. ``tests/test_residual.py`` checks the bound for ``delta`` in
+    survival is uncertain by about ``nu``. ``tests/core/test_residual.py`` checks the bound for ``delta`` in
     ``[1e-8, 300]``, ``lambda_K`` and ``G_{K+1}`` of ``K = 1..32`` and ``u`` from ``1e-300`` to
     ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps max(1, |s|)`` where ``nu <= eps
     max(1, |s|)``, and ``2.2 nu`` beyond ``8 eps max(1, |s|)`` elsewhere. (Three grid levels with one

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 # what the GPU machine's image lacks (the project's runner and metrics need them; the core must not)
 DEVICE_LACKS = ("omegaconf", "hydra", "diffusers", "open_clip", "torch_fidelity", "wandb")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)  # tests/helpers.py
+sys.path.insert(0, HERE)  # tests/: helpers.py, tiny_edm.py, tiny_sd3.py, tiny_weights.py, bare_env.py, from every group folder
 sys.path.insert(0, os.path.dirname(HERE))  # the repo root: experiments/, hydra_plugins/ (our sweeper)
 
 import specsamp.runner.config  # noqa: E402,F401  (Hydra's ConfigStore knows the schemas before any compose)

@@ -1,5 +1,6 @@
-"""Two-sample statistical checks shared by the sampler and model tests (one-sample ones: :mod:`specsamp.testing`),
-and a short offline run of ``run.py`` on the digits network."""
+"""What the test folders share: the repository root, ``run.py`` in a subprocess (a tiny GMM's overrides, an
+offline digits run), two-sample statistical checks for the sampler and model tests (one-sample ones:
+:mod:`specsamp.testing`), and stand-ins for a logger and a model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,21 @@ import numpy as np
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: run.py, conf/, docs/, results/
+TINY = ["model.dim=16", "steps=8", "n_samples=8"]  # a GMM small enough for a subprocess run in seconds
+
+
+def run(args, tmp_path, check=True):
+    """``python run.py ARGS hydra.run.dir=tmp_path`` in ``tmp_path`` (wandb offline, Hydra's short errors).
+
+    Returns the completed process (text output); with ``check``, asserts exit status 0 (stderr as the message).
+    """
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
 
 
 def two_sample_pvalues(a: torch.Tensor, b: torch.Tensor, directions: int = 3, seed: int = 0) -> list[float]:

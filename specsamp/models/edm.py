@@ -9,7 +9,7 @@ so ``D(x / (1 - sigma); s) = E[x0 | x_sigma = x]``. With ``v = d x / d sigma = x
     v(x, sigma) = E[xi - x0 | x] = (x - D(x / (1 - sigma); sigma / (1 - sigma))) / sigma.
 
 The paper prints ``v = x / t - D(x / (1 - t); t / (1 - t))``: the ``1 / t`` must divide ``D`` as well
-(the printed form is not the velocity of the linear path; :mod:`tests.test_edm` checks the form used
+(the printed form is not the velocity of the linear path; ``tests/models/test_edm.py`` checks the form used
 here against a Gaussian mixture's exact velocity to float64 precision).
 
 Clipping. ``s`` is clipped to ``[1e-3, 80]`` (EDM's trained range; paper section 5.2), i.e. ``sigma``

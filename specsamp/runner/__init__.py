@@ -1,7 +1,7 @@
 """The runner: from a Hydra config to records, images, scores and sweep tables (outside the core).
 
 Modules, top down: each imports (at module level or inside a function) only modules listed after it,
-and the core (``tests/test_runner_imports.py`` checks both this order and that there is no circle):
+and the core (``tests/runner/test_runner_imports.py`` checks both this order and that there is no circle):
 
 - :mod:`~specsamp.runner.task`: the Hydra task of one job (skip, run, write, score, log, ``failed.json``);
 - :mod:`~specsamp.runner.exits`: the exit-status policy of ``run.py`` (0, 1, 2, 3, 130);

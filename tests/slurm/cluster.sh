@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node SLURM cluster on this machine, for the `slurm`-marked tests (tests/test_slurm.py) and CI.
+# A one-node SLURM cluster on this machine, for the `slurm`-marked tests (tests/runner/test_slurm.py) and CI.
 #
 #   tests/slurm/cluster.sh start    # install (once), write the configs, start every daemon, wait until usable
 #   tests/slurm/cluster.sh stop     # stop the daemons this script started (by pid), keep nothing running

@@ -9,6 +9,7 @@ import math
 
 import pandas as pd
 import pytest
+from helpers import ROOT
 
 from experiments import pixel, sd3
 from specsamp.runner import compose, run_config
@@ -100,7 +101,7 @@ def test_gmm_table_printed_claims_equal_the_results_readme_rows():
         return out
 
     printed = rows(gmm.paper_table(read_csv(gmm.GRID_CSV)))
-    text = (Path(__file__).resolve().parents[1] / "results" / "README.md").read_text()
+    text = (ROOT / "results" / "README.md").read_text()
     section = text.split("### Section 5.1, number by number", 1)[1].split("\n#", 1)[0]
     readme = rows(section)
     common = set(printed) & set(readme)
@@ -117,7 +118,7 @@ def test_make_sweep_local_comment_gives_the_cells_speedups():
 
     from specsamp.runner import compose, run_config
 
-    make = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    make = (ROOT / "Makefile").read_text()
     said = [float(x) for x in re.search(r"about ([\d., ]+)x\)", make).group(1).split(", ")]
     args = re.search(r"^SWEEP_ARGS \?= model.dim=(\d+) steps=(\d+) n_samples=(\d+) K=1,2 L=2,3$", make, re.M).groups()
     got = []

@@ -238,4 +238,4 @@ def test_host_syncs_are_counted_by_source_line(monkeypatch):
     arm = {"name": "dgrs", "tree": gpu_check.DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"}
     out = gpu_check.host_syncs(model, arm, Schedule.make(10, 0.3), 3, 0)
     assert out["total"] == len(model.rows) > 0 and modes == ["warn", 0]
-    assert len(out["where"]) == 1 and out["where"][0][0].startswith("tests/test_gpu_check.py:")
+    assert len(out["where"]) == 1 and out["where"][0][0].startswith("tests/experiments/test_gpu_check.py:")

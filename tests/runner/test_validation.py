@@ -9,7 +9,7 @@ import runpy
 import shutil
 
 import pytest
-from test_run import ROOT, TINY, run
+from helpers import ROOT, TINY, run
 
 from specsamp.errors import ConfigError
 from specsamp.runner.config import closest_key, compose, load_config, valid_keys

@@ -165,7 +165,7 @@ def test_bad_shapes_are_refused():
         block_verify_chain(kids, mps, mqs, torch.ones(3))
 
 
-# --- chains drafted as the library's sampler drafts them (same setup as tests/test_sampler.py) ----------
+# --- chains drafted as the library's sampler drafts them (same setup as tests/core/test_sampler.py) ----------
 
 MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
 SCHED = Schedule.make(8, 1.0)

@@ -3,18 +3,17 @@ and wrong types, instantiates through Hydra and builds a Target (gmm and digits 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra.utils
 import pytest
 import torch
+from helpers import ROOT
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from specsamp.errors import ConfigError
 from specsamp.models import MODEL_SCHEMAS, EDMConfig, GMMConfig, Paper, SD3Config
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = ROOT / "conf" / "model"
 
 
 def _config(name: str, **overrides):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import pickle
-import sys
-import types
 import urllib.error
 
 import pytest
 import torch
 from helpers import two_sample_pvalues
+from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.models import GaussianMixture
@@ -192,74 +190,11 @@ def test_net_dtype_autocast_keeps_sampler_dtype():
 
 
 # ----------------------------------------------------------------------------------------------
-# persistent pickles written here in NVIDIA's format (torch_utils.persistence, version 6)
-
-TINY_SRC = '''
-import torch
-from torch_utils import persistence
-
-@persistence.persistent_class
-class TinyPrecond(torch.nn.Module):
-    def __init__(self, img_resolution=4, img_channels=2, label_dim=0):
-        super().__init__()
-        self.img_resolution, self.img_channels, self.label_dim = img_resolution, img_channels, label_dim
-        self.proj = torch.nn.Linear(img_channels, img_channels)
-
-    def forward(self, x, sigma, class_labels=None, force_fp32=False, **model_kwargs):
-        x = x.to(torch.float32)
-        s = sigma.to(torch.float32).reshape(-1, 1, 1, 1)
-        h = self.proj(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        return x / (1 + s ** 2) + h * s / (1 + s)
-'''
-
-
-def _tiny_instance():
-    """Build the object with a benign copy of TINY_SRC (the writer never runs a file's module source)."""
-    mod = types.ModuleType("_tiny_writer")
-    mod.persistence = types.SimpleNamespace(persistent_class=lambda cls: cls)
-    exec(TINY_SRC.replace("from torch_utils import persistence", ""), mod.__dict__)
-    torch.manual_seed(0)
-    return mod.TinyPrecond(img_resolution=4, img_channels=2)
-
-
-def write_persistent_pickle(path, obj, module_src, class_name):
-    """Pickle ``{'ema': obj, ...}`` with ``obj`` reduced to ``_reconstruct_persistent_obj(meta)``.
-
-    The global is written by name through a stub ``torch_utils.persistence`` that is present only while
-    pickling (whatever was registered under those names before is restored).
-    """
-    names = ("torch_utils", "torch_utils.persistence")
-    saved = {n: sys.modules.get(n) for n in names}
-
-    def _reconstruct_persistent_obj(meta):  # pragma: no cover - never called by the writer
-        raise AssertionError
-
-    _reconstruct_persistent_obj.__module__ = "torch_utils.persistence"
-    _reconstruct_persistent_obj.__qualname__ = "_reconstruct_persistent_obj"
-    pkg, sub = types.ModuleType("torch_utils"), types.ModuleType("torch_utils.persistence")
-    sub._reconstruct_persistent_obj = _reconstruct_persistent_obj
-    pkg.persistence = sub
-    meta = dict(type="class", version=6, module_src=module_src, class_name=class_name, state=dict(obj.__dict__))
-
-    class Writer(pickle.Pickler):
-        def reducer_override(self, o):
-            return (_reconstruct_persistent_obj, (meta,)) if o is obj else NotImplemented
-
-    sys.modules.update({"torch_utils": pkg, "torch_utils.persistence": sub})
-    try:
-        with open(path, "wb") as f:
-            Writer(f, protocol=4).dump({"ema": obj, "dataset_kwargs": {"resolution": 4}})
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+# persistent pickles in NVIDIA's format (torch_utils.persistence, version 6), written by tiny_edm
 
 
 def test_persistent_pickle_round_trip(tmp_path):
-    obj = _tiny_instance()
+    obj = tiny_precond()
     path = tmp_path / "tiny-edm.pkl"
     sha = write_persistent_pickle(path, obj, TINY_SRC, "TinyPrecond")
     net = load_edm(path, sha256=sha.upper())
@@ -284,7 +219,7 @@ def test_wrong_or_unknown_checksum_refused_before_code_runs(tmp_path):
     marker = tmp_path / "code-ran"
     evil = TINY_SRC + f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
     path = tmp_path / "evil.pkl"
-    sha = write_persistent_pickle(path, _tiny_instance(), evil, "TinyPrecond")
+    sha = write_persistent_pickle(path, tiny_precond(), evil, "TinyPrecond")
     with pytest.raises(CheckpointTrustError, match="SHA-256 .* != expected"):
         load_edm(path, sha256="0" * 64)
     with pytest.raises(CheckpointTrustError, match=f"no expected SHA-256.*{sha}"):

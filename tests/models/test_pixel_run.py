@@ -1,6 +1,6 @@
 """`python run.py model=cifar10 ...` end to end on a tiny network pickled in NVIDIA's persistence format.
 
-No download: the pickle is written by the test (tests/test_edm.py's writer), its SHA-256 configured.
+No download: the pickle is written by the test (tests/tiny_edm.py), its SHA-256 configured.
 FID runs through torch-fidelity's real Inception graph with a small random weights file at the real
 file name in a private torch hub cache (tests/tiny_weights.py), against a ``model.fid_ref`` ``.npz``.
 """
@@ -9,29 +9,18 @@ import json
 import os
 import subprocess
 import sys
-import types
-from pathlib import Path
 
 import pytest
 import torch
 
-from test_edm import TINY_SRC, write_persistent_pickle
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_cond_net():
-    mod = types.ModuleType("_tiny_writer_run")
-    mod.persistence = types.SimpleNamespace(persistent_class=lambda cls: cls)
-    exec(TINY_SRC.replace("from torch_utils import persistence", ""), mod.__dict__)
-    torch.manual_seed(0)
-    return mod.TinyPrecond(img_resolution=4, img_channels=3, label_dim=10)
+from helpers import ROOT
+from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny-cifar.pkl"
-    sha = write_persistent_pickle(path, tiny_cond_net(), TINY_SRC, "TinyPrecond")
+    sha = write_persistent_pickle(path, tiny_precond(img_channels=3, label_dim=10), TINY_SRC, "TinyPrecond")
     return path, sha
 
 

@@ -4,29 +4,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, TINY, run
 from omegaconf import OmegaConf
 
 from specsamp.runner.config import compose
 
-ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-TINY = ["model.dim=16", "steps=8", "n_samples=8"]
 
 
 def group_options(group):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def run(args, tmp_path, check=True):
-    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}"]
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    if check:
-        assert p.returncode == 0, p.stderr
-    return p
 
 
 @pytest.mark.parametrize("group", ["model", "sampler", "logger"])

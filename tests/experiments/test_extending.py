@@ -10,11 +10,10 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "extending.md"
 SECTIONS = ("A coupling", "A draft", "A tree rule", "A model")
 

@@ -14,19 +14,17 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import chi2_same_counts, run_digits_with_fid, two_sample_pvalues
+from helpers import ROOT, chi2_same_counts, run_digits_with_fid, two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.models import digits
 from specsamp.hub import CheckpointTrustError, file_sha256
 from specsamp.models.edm import CHECKPOINTS, EDMConfig, EDMVelocity, uniform_labels
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "edm-digits-8x8-cond"
 
 

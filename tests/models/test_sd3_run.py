@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from helpers import ROOT  # noqa: E402
 from tiny_sd3 import RESOLUTION, tiny_tokenizer, write_tiny_sd3  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 N = 2
 BASE = [
     "model=sd3",

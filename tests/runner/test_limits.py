@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_run import ROOT, TINY
+from helpers import ROOT, TINY
 
 from specsamp.errors import ConfigError
 from specsamp.runner import build, loop, memory

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers import ROOT
 from omegaconf import OmegaConf
 
 from specsamp.errors import ConfigError
@@ -24,7 +25,6 @@ from specsamp.runner import jobs, report, shards
 from specsamp.runner.config import compose, load_config
 from specsamp.runner.loop import run_config
 
-ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 TINY = ["model.dim=8", "steps=6", "n_samples=4"]
 GRID = [*TINY, "K=1,2", "L=2,3"]  # 4 jobs
@@ -356,12 +356,12 @@ def test_submitit_local_failure_does_not_stop_the_others(tmp_path):
 @pytest.mark.slow
 def test_job_raising_an_exception_is_recorded_with_its_traceback(tmp_path):
     # a network that raises inside the sampler: not a config error (every value is valid), so status 1
-    from test_edm import TINY_SRC, _tiny_instance, write_persistent_pickle
+    from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
     good, bad = tmp_path / "good.pkl", tmp_path / "bad.pkl"
-    write_persistent_pickle(good, _tiny_instance(), TINY_SRC, "TinyPrecond")
+    write_persistent_pickle(good, tiny_precond(), TINY_SRC, "TinyPrecond")
     boom = TINY_SRC.replace("x = x.to(torch.float32)", "raise RuntimeError('boom in the network')")
-    write_persistent_pickle(bad, _tiny_instance(), boom, "TinyPrecond")
+    write_persistent_pickle(bad, tiny_precond(), boom, "TinyPrecond")
     p = run(["-m", "model=ffhq", f"model.path={good},{bad}", "model.trust_checkpoint=true", "steps=4", "n_samples=2",
              "K=2", "L=2", "sweep_name=exc"], tmp_path, check=False)
     assert p.returncode == 1, p.out
@@ -398,11 +398,11 @@ def test_job_dirname_is_one_unique_bounded_component():
 
 @pytest.fixture(scope="module")
 def tiny_pickle(tmp_path_factory):
-    from test_edm import TINY_SRC, write_persistent_pickle
-    from test_pixel_run import tiny_cond_net
+    from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
     root = tmp_path_factory.mktemp("ckpt")
-    sha = write_persistent_pickle(root / "tiny.pkl", tiny_cond_net(), TINY_SRC, "TinyPrecond")
+    net = tiny_precond(img_channels=3, label_dim=10)
+    sha = write_persistent_pickle(root / "tiny.pkl", net, TINY_SRC, "TinyPrecond")
     return root, sha
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import ROOT
 
 pytest.importorskip("matplotlib")
 from matplotlib.lines import Line2D
@@ -138,11 +139,10 @@ def test_parse_range():
 def test_make_figures_covers_every_experiment_module_with_figures():
     """``make figures`` (experiments.figures.MODULES) redraws every experiment module that defines ``figures()``."""
     import ast
-    from pathlib import Path
 
     from experiments.figures import MODULES
 
-    root = Path(__file__).resolve().parents[1] / "experiments"
+    root = ROOT / "experiments"
     drawing = {
         f"experiments.{p.stem}"
         for p in root.glob("*.py")

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from specsamp.runner import exits as exitcodes, jobs, report
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.dim=8", "steps=6", "n_samples=4"]
 # a job that runs for minutes (interrupted or killed within seconds by the tests), in small batches
 LONG = ["model.dim=64", "steps=30", "n_samples=200000", "batch_size=50", "progress=false"]

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from specsamp.runner import report
 from specsamp.runner import slurm as queue
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
 

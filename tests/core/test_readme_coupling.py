@@ -5,10 +5,10 @@ n = 3000, KS p > 1e-4); its positional theory is the acceptance it measures."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from specsamp import coupling as cp
 from specsamp.models import GaussianMixture
@@ -17,7 +17,7 @@ from specsamp.schedule import Schedule
 from specsamp.testing import check_exactness
 from specsamp.trees import DraftTree
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+DOC = ROOT / "docs" / "extending.md"
 
 
 @pytest.fixture()

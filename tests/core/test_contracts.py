@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 import torch
+from helpers import TINY
 from hydra.errors import ConfigCompositionException
-from test_run import TINY
 
 from specsamp import coupling as cp
 from specsamp.drafts import DRAFTS, get_draft

@@ -18,12 +18,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
-from test_edm import TINY_SRC, write_persistent_pickle
+from helpers import ROOT
+from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 
 
@@ -131,23 +130,13 @@ RUN = ["steps=4", "n_samples=2", "K=2", "L=2", "device=cpu", "progress=false", "
 
 def test_every_model_key_has_a_probe():
     for model in MODELS:
-        assert model in PROBES, f"conf/model/{model}.yaml has no probes in tests/test_model_keys.py"
+        assert model in PROBES, f"conf/model/{model}.yaml has no probes in tests/models/test_model_keys.py"
         missing = sorted(set(yaml_keys(model)) - set(PROBES[model]))
         assert not missing, f"keys of conf/model/{model}.yaml without a probe: {missing}"
 
 
 # ----------------------------------------------------------------------------------------------
 # fixtures: the tiny targets
-
-
-def _tiny_net(label_dim):
-    import types
-
-    mod = types.ModuleType("_tiny_writer_keys")
-    mod.persistence = types.SimpleNamespace(persistent_class=lambda cls: cls)
-    exec(TINY_SRC.replace("from torch_utils import persistence", ""), mod.__dict__)
-    torch.manual_seed(0)
-    return mod.TinyPrecond(img_resolution=4, img_channels=3, label_dim=label_dim)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +146,8 @@ def files(tmp_path_factory):
     for model, label_dim in (("cifar10", 10), ("ffhq", 0), ("digits", 10), ("patches32", 0)):
         path = tmp / f"{model}.pkl"
         out[f"{model}:ckpt"] = str(path)
-        out[f"{model}:sha"] = write_persistent_pickle(path, _tiny_net(label_dim), TINY_SRC, "TinyPrecond")
+        net = tiny_precond(img_channels=3, label_dim=label_dim)
+        out[f"{model}:sha"] = write_persistent_pickle(path, net, TINY_SRC, "TinyPrecond")
     caps = {"annotations": [{"image_id": i, "id": 100 + i, "caption": f"caption number {i}"} for i in range(12)]}
     (tmp / "captions.json").write_text(json.dumps(caps))
     out["captions"] = str(tmp / "captions.json")

@@ -14,19 +14,17 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import two_sample_pvalues
+from helpers import ROOT, two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.hub import CheckpointTrustError, file_sha256
 from specsamp.models import patches
 from specsamp.models.edm import CHECKPOINTS, EDMConfig, EDMVelocity
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = patches.NAME
 pytest.importorskip("sklearn")
 

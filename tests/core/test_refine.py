@@ -1,6 +1,6 @@
 """Picard-refined drafts (``refine=J``): the output law, the verifier's delta at ``J >= L``, accounting, refusals.
 
-Law setup as in ``tests/test_sampler.py``: ``GaussianMixture(dim=4, components=3, layout_seed=1)``,
+Law setup as in ``tests/core/test_sampler.py``: ``GaussianMixture(dim=4, components=3, layout_seed=1)``,
 ``Schedule.make(8, 1.0)``; reference: the standard sampler, seed 10000, 4000 trajectories; each refined
 case 2000 trajectories with its own seed (200 + case number). Statistics: two-sample KS on projections onto
 3 fixed random directions (seed 0), KS on the squared norm of the part orthogonal to those directions,

@@ -1,6 +1,6 @@
 """Tests of the marked-maximum list coupling (:mod:`specsamp.listcoupling`, registered as ``markmax``).
 
-Exactness: ``specsamp`` registers ``markmax``, so ``tests/test_coupling.py`` runs
+Exactness: ``specsamp`` registers ``markmax``, so ``tests/core/test_coupling.py`` runs
 :func:`specsamp.testing.check_exactness` on it (delta 0..300, K up to 32, float32/float64) like on
 every other rule. Here, a 1-D check of the scalar
 rule (n = 200000) also asserts that each of its four branches was taken and the output is exact. Acceptance and positional

@@ -6,11 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.dim=8", "steps=6", "n_samples=4", "K=2", "L=2", "progress=false"]
 
 
