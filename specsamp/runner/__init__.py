@@ -15,8 +15,10 @@ and the core (``tests/runner/test_runner_imports.py`` checks both this order and
 - :mod:`~specsamp.runner.build`: target, coupling, schedule and tree from the config;
 - :mod:`~specsamp.runner.records`: the record (:func:`make_record`), statistics, provenance, config hash,
   resume, the printed line;
-- :mod:`~specsamp.runner.memory`: sizes refused before they are allocated;
 - :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
+- :mod:`~specsamp.runner.treerules`: one registered rule per ``tree=`` value, with the keys it reads, and the
+  searched rules' limits and checks;
+- :mod:`~specsamp.runner.memory`: sizes refused before they are allocated;
 - :mod:`~specsamp.runner.loggers`: optional wandb;
 - :mod:`~specsamp.runner.jobs`: job directories and liveness (atomic writes: :mod:`specsamp.io`);
 - :mod:`~specsamp.runner.slurm`: a SLURM task's identity, and the queue's view of it (squeue, sacct).

@@ -24,7 +24,7 @@ from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
 from .config import CALIBRATION_SEED_OFFSET, RunConfig, profile_path
-from .memory import available_bytes, check_tree_nodes
+from .memory import check_tree_nodes
 from .treerules import get_tree_rule
 
 
@@ -68,45 +68,6 @@ def build_coupling(run: RunConfig) -> Coupling | None:
     if coupling.max_children == 1 and run.tree != "uniform":
         raise ConfigError(f"tree={run.tree!r} is invalid with sampler={run.sampler.name}: a one-child rule runs a chain (tree=uniform).")
     return coupling
-
-
-def search_limits(run: RunConfig, budget: int) -> tuple[int, int]:
-    """``(max_depth, max_width)`` of ``tree=optimal``'s search: ``max_depth`` defaults to and is capped at
-    the speculative horizon ``T - 2`` (no round uses a deeper node, eq. 11), ``max_width`` defaults to 32;
-    both are capped at the budget."""
-    horizon = run.steps - 2
-    depth = horizon if run.max_depth is None else min(run.max_depth, horizon)
-    return min(depth, budget), min(run.max_width or 32, budget)
-
-
-def check_search(run: RunConfig, coupling: Coupling, budget: int) -> None:
-    """Refuse a searched tree (``tree=optimal``, ``optimal_per_step``) before the calibration run and before
-    any target call: a coupling without positional theory (``Coupling.positional``), or a search too slow
-    or too large (``optimal_per_step``: its ``T - 2`` searches together, each at the depth its root has left).
-
-    Raises:
-        ConfigError: names the coupling, or the search's cost and what to lower.
-    """
-    from .. import treesearch
-
-    if coupling.positional is None:
-        raise ConfigError(f"tree={run.tree} is invalid with sampler={run.sampler.name}: coupling {coupling.name!r} has "
-                          "no positional theory (Coupling.positional, the probability that the k-th child is accepted at "
-                          "displacement delta), which the tree search needs; give it one (register_coupling(..., "
-                          "positional=fn)), or use tree=uniform or tree=widths.")
-    depth, width = search_limits(run, budget)
-    try:
-        shared = treesearch.shared_prefix(coupling, width)
-        if run.tree == "optimal_per_step":  # two programs per root (tree and value) at depth min(D, steps left)
-            pairs = sum(2 * treesearch.search_cost(budget, min(depth, h), width, shared)["pairs"]
-                        for h in range(1, run.steps - 1))
-            if pairs > treesearch.MAX_PAIRS:
-                raise ValueError(f"tree=optimal_per_step with budget={budget}, max_depth={depth}, max_width={width} needs "
-                                 f"about {pairs:.2g} max-plus updates for its {run.steps - 2} searches (the limit is "
-                                 f"{treesearch.MAX_PAIRS:.2g}); lower budget, max_width or max_depth, or use tree=optimal.")
-        treesearch.check_search(budget, depth, width, shared, treesearch.MAX_PAIRS, available_bytes("cpu"))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_profile=None,

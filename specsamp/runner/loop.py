@@ -25,7 +25,8 @@ from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
 from ..models.base import Target
 from ..trees import budget as uniform_budget
-from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, check_search, given_profile
+from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, given_profile
+from .treerules import check_search
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
 from .memory import STEP_BYTES, check_memory, check_tree_memory
 from .records import config_hash, make_record, versions

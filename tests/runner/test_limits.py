@@ -18,7 +18,7 @@ import torch
 from helpers import ROOT, TINY
 
 from specsamp.errors import ConfigError
-from specsamp.runner import build, loop, memory
+from specsamp.runner import build, loop, memory, treerules
 from specsamp.runner.config import compose, load_config
 from specsamp import treesearch as ts
 from specsamp.sampler import sample_speculative, sample_standard
@@ -127,9 +127,9 @@ def test_search_reports_progress_per_depth():
 
 def test_max_depth_is_capped_at_the_horizon():
     run, _ = load_config(compose([*TINY, "steps=10", "max_depth=100", "max_width=200"]))
-    assert build.search_limits(run, 50) == (8, 50)
+    assert treerules.search_limits(run, 50) == (8, 50)
     run, _ = load_config(compose([*TINY, "steps=10"]))
-    assert build.search_limits(run, 50) == (8, 32)
+    assert treerules.search_limits(run, 50) == (8, 32)
 
 
 # ----------------------------------------------------------------------------------------------
