@@ -31,6 +31,22 @@ def run(args, tmp_path, check=True):
     return p
 
 
+def write_shard_job(tmp_path, cfg, k: int, n_shards: int) -> Path:
+    """A finished shard job directory under ``tmp_path``, written as the runner's task writes one: shard ``k`` of
+    ``n_shards`` of the plain config ``cfg`` sampled, its tensors saved and its ``result.json`` written."""
+    from specsamp.runner import run_config, shards
+
+    c = {**cfg, "shard": k, "num_shards": n_shards}
+    idx = shards.shard_indices(c["n_samples"], k, n_shards, c["batch_size"])
+    rec, res = run_config(c, indices=idx)
+    rec.update(shard=k, num_shards=n_shards, n_samples=len(idx), overrides=[f"num_shards={n_shards}", f"shard={k}"])
+    d = tmp_path / f"num_shards={n_shards},seed=0,shard={k}"
+    d.mkdir(parents=True)
+    shards.save_shard(d, res, idx, rec)
+    (d / "result.json").write_text(json.dumps(rec, default=str))
+    return d
+
+
 def two_sample_pvalues(a: torch.Tensor, b: torch.Tensor, directions: int = 3, seed: int = 0) -> list[float]:
     """Two-sample KS p-values on projections of ``a`` and ``b`` (``[n, d]``) onto fixed random directions."""
     g = torch.Generator().manual_seed(seed)

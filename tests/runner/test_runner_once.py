@@ -14,6 +14,7 @@ import pkgutil
 
 import pytest
 import torch
+from helpers import write_shard_job
 
 import specsamp.runner
 from specsamp.runner import shards
@@ -81,19 +82,6 @@ def test_prepare_returns_a_prepared_run_as_it_is_and_run_config_takes_one():
     assert torch.equal(ra.samples, rb.samples) and a["config_hash"] == b["config_hash"]
 
 
-def _shard_job(tmp_path, cfg, k, n_shards):
-    """A finished shard job directory, written as the runner's task writes one."""
-    c = {**cfg, "shard": k, "num_shards": n_shards}
-    idx = shards.shard_indices(c["n_samples"], k, n_shards, c["batch_size"])
-    rec, res = run_config(c, indices=idx)
-    rec.update(shard=k, num_shards=n_shards, n_samples=len(idx), overrides=[f"num_shards={n_shards}", f"shard={k}"])
-    d = tmp_path / f"num_shards={n_shards},seed=0,shard={k}"
-    d.mkdir(parents=True)
-    shards.save_shard(d, res, idx, rec)
-    (d / "result.json").write_text(json.dumps(rec, default=str))
-    return d
-
-
 BOOKKEEPING = {"wall_seconds", "output_dir", "merged_from", "overrides"}
 
 
@@ -104,7 +92,7 @@ def test_merged_shards_record_equals_the_unsharded_record_on_every_field(tmp_pat
     The optimal tree's run also records its calibration, its profile, its tree and an unused key (widths)."""
     cfg = load_config(compose([*TINY, "n_samples=6", "batch_size=2", *overrides]))[1]
     for k in range(2):
-        _shard_job(tmp_path, cfg, k, 2)
+        write_shard_job(tmp_path, cfg, k, 2)
     assert shards.main(["merge", str(tmp_path)]) == 0
     merged = json.loads((tmp_path / "seed=0" / "result.json").read_text())
     full = json.loads(json.dumps(run_config(cfg)[0], default=str))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, write_shard_job
 from omegaconf import OmegaConf
 
 from specsamp.errors import ConfigError
@@ -267,27 +267,14 @@ def test_run_config_indices_reproduce_the_full_run(tiny_cfg):
         run_config(tiny_cfg, indices=[6])
 
 
-def _fake_shard(tmp_path, cfg, k, n_shards):
-    """A finished shard job directory written as the runner's task writes one."""
-    c = {**cfg, "shard": k, "num_shards": n_shards}
-    idx = shards.shard_indices(c["n_samples"], k, n_shards, c["batch_size"])
-    rec, res = run_config(c, indices=idx)
-    rec.update(shard=k, num_shards=n_shards, n_samples=len(idx), overrides=[f"num_shards={n_shards}", f"shard={k}"])
-    d = tmp_path / f"num_shards={n_shards},seed=0,shard={k}"
-    d.mkdir(parents=True)
-    shards.save_shard(d, res, idx, rec)
-    (d / "result.json").write_text(json.dumps(rec, default=str))
-    return d
-
-
 def test_merge_names_a_missing_shard_then_merges_when_complete(tiny_cfg, tmp_path, capsys):
-    _fake_shard(tmp_path, tiny_cfg, 0, 3)
-    _fake_shard(tmp_path, tiny_cfg, 2, 3)
+    write_shard_job(tmp_path, tiny_cfg, 0, 3)
+    write_shard_job(tmp_path, tiny_cfg, 2, 3)
     assert shards.main(["merge", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "missing shard 1" in err and "num_shards=3,seed=0,shard=1" in err
     assert not (tmp_path / "seed=0" / "result.json").exists()  # nothing merged, nothing skipped silently
-    _fake_shard(tmp_path, tiny_cfg, 1, 3)
+    write_shard_job(tmp_path, tiny_cfg, 1, 3)
     assert shards.main(["merge", str(tmp_path)]) == 0
     merged = json.loads((tmp_path / "seed=0" / "result.json").read_text())
     full_rec, full = run_config(tiny_cfg)
