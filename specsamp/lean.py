@@ -56,6 +56,8 @@ class _LeanTree:
         self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
         self.ids = torch.arange(1, N, device=dev)
         self.key_cache = None
+        self.noise_cache = None
+        self.uniform_cache = None
         self.nodes = torch.arange(N, device=dev)
         self.groups, self.groups_np = [], []
         for k in sorted({int(c) for c in tree.num_children if c > 0}):
@@ -125,6 +127,8 @@ class _LeanBuffers:
 
 RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
 KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
+NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
+UNIFORM_CACHE = 1 << 20  # largest M * T * N * (Kmax + 1) for which a run draws every node's coupling uniforms once
 VERIFY_MEMORY = 0.1  # a verification chunk's temporaries, as a fraction of the states block ...
 VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
@@ -239,13 +243,20 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     draft_keys, verify_keys = ctx.key_tables
     buf = lt.buffers
     states = buf.states  # [N, M, D]
+    need_vkeys = lt.uniform_cache is None or buf.residual is None
     if lt.key_cache is not None:  # per-run tables of every (row, root, node) key
-        keys, vkeys_all = lt.key_cache[0][ar, n].T, lt.key_cache[1][ar, n].T  # [N-1, M], [N, M]
+        keys = lt.key_cache[0][ar, n].T if lt.noise_cache is None else None  # [N-1, M]
+        vkeys_all = lt.key_cache[1][ar, n].T if need_vkeys else None  # [N, M]
     else:
         keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
         vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
-    rng.normal(keys, e, out=states[1:])
-    states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+    if lt.noise_cache is not None:  # per-run table of every (row, root, node) draft noise: one gather
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, 4], out=states[1:])  # std z, as _Nodes.draft scales it
+    else:
+        rng.normal(keys, e, out=states[1:])
+        states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+    # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
+    drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
     states[0] = x.reshape(M, -1)
     # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
     # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
@@ -306,8 +317,13 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                 kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
             else:
                 kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
+            if drawn_all is None:
+                rows = rng.KeyedRows(vkeys_all[u].reshape(-1))
+            else:
+                drawn = [(d[u_sl] if u_sl is not None else d[u]).reshape(c * M, -1) for d in drawn_all]
+                rows = rng.KeyedRows(_chunk_keys(lt, vkeys_all, ar, n, u), drawn)
             verdict = ctx.coupling(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
-                                   rng.KeyedRows(vkeys_all[u].reshape(-1)))  # line 17, every internal node at once
+                                   rows)  # line 17, every internal node at once
             acc[:, u] = verdict.accepted.reshape(c, M).T
             idx[:, u] = verdict.index.reshape(c, M).T
             if res is not None:
@@ -375,6 +391,14 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             st.history = st.history.where(~live, hist)
 
     return commit, n_new, exact_new, bad, live
+
+
+def _chunk_keys(lt, vkeys_all, ar, n, u):
+    """The verification keys ``[c M]`` of the nodes ``u`` (node-major), as a function for :class:`specsamp.rng.KeyedRows`:
+    drawn only where a coupling asks for numbers the per-run uniform table does not hold."""
+    if vkeys_all is not None:
+        return vkeys_all[u].reshape(-1)
+    return lambda: lt.key_cache[1][ar, n].T[u].reshape(-1)
 
 
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
@@ -486,9 +510,26 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
             if M * T * lt.N <= KEY_CACHE:
                 lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
                                 rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D)
         return lts[g]
 
     return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
+
+
+def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int) -> None:
+    """Draw the run's random numbers of every (row, root, node) once, where small (:data:`NOISE_CACHE`,
+    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the draft noise of every non-root node
+    (:func:`specsamp.rng.normal` of its key, in the states' dtype) and ``lt.uniform_cache``, ``[N, M, T, W_c]``
+    per coupling call ``c``, the numbers :class:`specsamp.rng.KeyedRows` of a node's verification key gives on
+    its first two calls (widths ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection
+    coupling's one). Same keys, so the same numbers as drawing them in each round; a round then gathers them."""
+    N = lt.N
+    if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
+        z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D)
+        lt.noise_cache = z.permute(2, 0, 1, 3).contiguous()
+    widths = (max(int(lt.num_children_np.max()), 1), 1)
+    if M * T * N * sum(widths) <= UNIFORM_CACHE:
+        lt.uniform_cache = [u.permute(2, 0, 1, 3).contiguous() for u in rng.uniform_table(lt.key_cache[1], widths)]
 
 
 def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
