@@ -227,16 +227,14 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     end = sch.end_speculative
     ar = torch.arange(M, device=dev)
     live = n < end
-    dl = (end - n).clamp(min=0, max=L)  # L_n (0 for finished rows)
     if sel is not None:
         live = live & sel
-        dl = torch.where(live, dl, torch.zeros_like(dl))
+    # the root index that sets L_n, with L_n = 0 (a root that is not served) for the rows the round does not serve
+    n_lim = n if sel is None else torch.where(live, n, end)
     v_root, root_exact = st.v_root, st.root_exact
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
-    step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
-    parent_step = step[:, :L]
-    # every kernel coefficient of every depth in one gather: [M, L, NC] (COEFS)
-    coefs = ctx.coef_table[parent_step].permute(1, 2, 0)[..., None]  # [L, NC, M, 1], node-major
+    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1] (COEFS), node-major
+    coefs = lt.coefs_by_root.index_select(2, n)
     per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
     # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
     # (trajectory, root, v) as in _Nodes.draft; fold(k, n, v) = fold(fold(k, n), v), fold(k, n) a per-run table
@@ -279,7 +277,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     flat = states.reshape(N * M, -1)
-    node_step = step[:, lt.depth].T  # [N, M]
+    node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     if plan_kind == "rest":
         v0 = v_root.reshape(M, -1)
         vrest = ctx.velocity(states[1:].reshape(-1, *e), node_step[1:].reshape(-1), lt.rows[M:]).reshape(N - 1, M, -1)
@@ -294,14 +292,13 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         vrest = full[M:].view(N - 1, M, -1)
 
     # verdicts of every internal node, in chunks of nodes sized to the states' memory
-    dl_col = dl[:, None]
-    internal_r = lt.internal & (lt.depth_row < dl_col)  # [M, N]: verified if visited (never for finished rows)
+    internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
     acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
     idx = torch.zeros(M, N, dtype=torch.long, device=dev)
     res = buf.residual  # [I, M, D]: each internal node's verdict sample
     bad = torch.zeros((), dtype=torch.bool, device=dev)
     with deferred_checks() as checks:
-        for k, u, u_sl, ch, ch_sl, du, has_root, pos in buf.chunks:
+        for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(buf.chunks, lt.sigma_by_root):
             c = u.numel()
             xu = states[u_sl] if u_sl is not None else states[u]  # [c, M, D]
             if has_root:
@@ -311,8 +308,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
             mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
             mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
-            need = internal_r[:, u].T  # [c, M]
-            sigma = torch.where(need, cu["std"][..., 0], lt.one)
+            sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
             if k == 1 and ch_sl is not None:
                 kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
             else:
@@ -329,7 +325,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             if res is not None:
                 res[pos] = verdict.sample.reshape(c, M, -1)
             if ctx.check_contract:
-                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & need).any()
+                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
             del kids, verdict, mean_p, mean_q, xu, vu
     if checks.bad is not None:
         bad = bad | checks.bad
@@ -350,7 +346,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
     v_leaf = vrest[(ustar - 1).clamp(min=0), ar]  # where finished, u* is a leaf of depth >= 1
     # prefetch (same rules as _prefetch)
-    evaluated = (lt.depth_row <= dl_col) & (internal_r | ctx.evaluate_leaves)
+    evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
     v_next, exact = v_cur, torch.zeros_like(live)
     if ctx.prefetch != "none":
         exact = finished & evaluated[ar, ustar]
@@ -364,7 +360,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     verified = on_path & internal_r
     if st.history is not None:
         hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
-    call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
+    call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
     charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
@@ -511,9 +507,31 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
                 lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
                                 rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
                 _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D)
+            _root_tables(lt, ctx)
         return lts[g]
 
     return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
+
+
+def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
+    """Per-root tables of a lean tree (built once per run; a round gathers its rows by root index ``n``):
+    ``coefs_by_root [L, NC, T, 1]`` the :data:`COEFS` of each depth's parent step, ``node_step_by_root [N, T]``
+    the step of each node, with ``L_n = clip(end - n, 0, L)``: ``internal_by_root [T, N]`` the nodes verified if
+    visited, ``evaluated_by_root [T, N]`` the nodes the batched call evaluates (the protocol's, the root
+    included) and ``evaluated_count [T]`` their number, ``sigma_by_root`` per verification chunk ``[c, T]``
+    the kernel scale where verified, else 1."""
+    T, L, dev = ctx.schedule.steps, lt.L, lt.depth.device
+    roots = torch.arange(T, device=dev)
+    step = (roots[:, None] + lt.levels).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
+    lt.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
+    lt.node_step_by_root = step[:, lt.depth].T.contiguous()
+    dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
+    lt.internal_by_root = lt.internal & (lt.depth_row < dl)
+    lt.evaluated_by_root = (lt.depth_row <= dl) & (lt.internal_by_root | ctx.evaluate_leaves)
+    lt.evaluated_count = lt.evaluated_by_root.sum(1)
+    lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
+    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, 4, :, 0], lt.one)
+                        for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
 
 
 def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int) -> None:
