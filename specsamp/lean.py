@@ -117,12 +117,15 @@ class _LeanBuffers:
     child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
     verification calls, ``(K, nodes [c], their slice or None, children [c, K], their slice or None, depths [c],
     whether node 0 is among them, their rows of residual)``, at most :data:`VERIFY_MEMORY` of the states' size
-    of temporaries each (at least one node)."""
+    of temporaries each (at least one node). ``acc``, ``idx`` ``[M, N]`` bool and long: each node's verdict
+    (accepted, index), written for the internal nodes by every round (0 elsewhere)."""
 
     states: torch.Tensor
     residual: torch.Tensor
     layers: list
     chunks: list
+    acc: torch.Tensor
+    idx: torch.Tensor
 
 
 RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
@@ -183,7 +186,9 @@ def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
     self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
     self.pos_c = t(node_pos)
     self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
-    self.buffers = _LeanBuffers(states, residual, layers, chunks)
+    self.ar = torch.arange(M, device=dev)
+    self.buffers = _LeanBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
+                                torch.zeros(M, N, dtype=torch.long, device=dev))
 
 
 _LeanTree.bind = _bind
@@ -225,7 +230,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
     M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
     end = sch.end_speculative
-    ar = torch.arange(M, device=dev)
+    ar = lt.ar
     live = n < end
     if sel is not None:
         live = live & sel
@@ -293,10 +298,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
 
     # verdicts of every internal node, in chunks of nodes sized to the states' memory
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
-    acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
-    idx = torch.zeros(M, N, dtype=torch.long, device=dev)
+    acc, idx = buf.acc, buf.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
     res = buf.residual  # [I, M, D]: each internal node's verdict sample
-    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    bad = lt.false
     with deferred_checks() as checks:
         for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(buf.chunks, lt.sigma_by_root):
             c = u.numel()
@@ -336,7 +340,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
     rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
-    steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
+    steps = torch.where(live, lt.depth[ustar] + rejected.long(), lt.zero_long)
     if res is not None:
         out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
     else:
@@ -355,7 +359,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
             ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
             dist = torch.linalg.vector_norm(states[ch, ar[:, None]] - out[:, None], dim=-1)
-            best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
+            best = torch.where(ok, dist, lt.inf).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
     if st.history is not None:
@@ -530,6 +534,8 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     lt.evaluated_by_root = (lt.depth_row <= dl) & (lt.internal_by_root | ctx.evaluate_leaves)
     lt.evaluated_count = lt.evaluated_by_root.sum(1)
     lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
+    lt.false = torch.zeros((), dtype=torch.bool, device=dev)
+    lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)
     lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, 4, :, 0], lt.one)
                         for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
 
