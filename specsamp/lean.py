@@ -83,6 +83,8 @@ class _LeanTree:
                 up[v, : int(tree.depth[u]) + 1] = u
                 u = int(tree.parent[u])
         self.anc_at_depth = t(up)
+        self.vrest_row = (self.nodes - 1).clamp(min=0)  # node v's row of the non-root velocities (0 for the root)
+        self.is_root_col = (self.nodes == 0)[:, None]
         self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
 
 
@@ -113,8 +115,8 @@ class _LeanBuffers:
     """Per-run buffers of the lean round, node-major: ``states [N, M, D]``, ``residual [I, M, D]`` (the verdict
     samples of the internal nodes). ``layers``: per depth ``l``, ``(parents, parent_view, K, out_view)``:
     ``parents`` None where the layer's parents are the whole previous layer with ``K`` children each
-    (``parent_view`` that layer, ``out_view`` shaped ``[P, K, M, D]``, or ``[P, M, D]`` with ``K`` None for one
-    child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
+    (``parent_view`` that layer shaped ``[P, 1, M, D]`` and ``out_view`` ``[P, K, M, D]``, or both ``[P, M, D]``
+    with ``K`` None for one child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
     verification calls, ``(K, nodes [c], their slice or None, children [c, K], their slice or None, depths [c],
     whether node 0 is among them, their rows of residual)``, at most :data:`VERIFY_MEMORY` of the states' size
     of temporaries each (at least one node). ``acc``, ``idx`` ``[M, N]`` bool and long: each node's verdict
@@ -159,7 +161,8 @@ def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
         if (kids == kids[0]).all() and kids[0] > 0:
             k = int(kids[0])
             out = states[a:b] if k == 1 else states[a:b].view(pb - pa, k, M, D)
-            layers.append((None, states[pa:pb], None if k == 1 else k, out))
+            parent_view = states[pa:pb] if k == 1 else states[pa:pb].view(pb - pa, 1, M, D)
+            layers.append((None, parent_view, None if k == 1 else k, out))
         else:
             layers.append((self.layer_parents[l - 1], None, None, states[a:b]))
     t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
@@ -253,8 +256,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     else:
         keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
         vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
-    if lt.noise_cache is not None:  # per-run table of every (row, root, node) draft noise: one gather
-        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, 4], out=states[1:])  # std z, as _Nodes.draft scales it
+    if lt.noise_cache is not None:  # per-run table of every (row, root, node) std z: one gather
+        states[1:] = lt.noise_cache[:, ar, n]
     else:
         rng.normal(keys, e, out=states[1:])
         states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
@@ -278,7 +281,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
         c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
         mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
-        out_view += mean if k is None else mean[:, None]
+        out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     flat = states.reshape(N * M, -1)
@@ -306,7 +309,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             c = u.numel()
             xu = states[u_sl] if u_sl is not None else states[u]  # [c, M, D]
             if has_root:
-                vu = torch.cat([v0[None], vrest[u[1:] - 1]]) if c > 1 else v0[None]
+                vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
             cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
@@ -347,8 +350,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected)
     rej_col = rejected[:, None]
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
-    v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
-    v_leaf = vrest[(ustar - 1).clamp(min=0), ar]  # where finished, u* is a leaf of depth >= 1
+    v_cur = torch.where(lt.is_root_col[last], v0, vrest[lt.vrest_row[last], ar])
+    v_leaf = vrest[lt.vrest_row[ustar], ar]  # where finished, u* is a leaf of depth >= 1
     # prefetch (same rules as _prefetch)
     evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
     v_next, exact = v_cur, torch.zeros_like(live)
@@ -510,8 +513,9 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
             if M * T * lt.N <= KEY_CACHE:
                 lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
                                 rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
-                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D)
             _root_tables(lt, ctx)
+            if lt.key_cache is not None:
+                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D)
         return lts[g]
 
     return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
@@ -542,15 +546,16 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
 
 def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int) -> None:
     """Draw the run's random numbers of every (row, root, node) once, where small (:data:`NOISE_CACHE`,
-    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the draft noise of every non-root node
-    (:func:`specsamp.rng.normal` of its key, in the states' dtype) and ``lt.uniform_cache``, ``[N, M, T, W_c]``
+    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the scaled draft noise ``std z`` of every non-root
+    node (``z`` :func:`specsamp.rng.normal` of its key in the states' dtype, ``std`` its parent step's, in that dtype) and ``lt.uniform_cache``, ``[N, M, T, W_c]``
     per coupling call ``c``, the numbers :class:`specsamp.rng.KeyedRows` of a node's verification key gives on
     its first two calls (widths ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection
     coupling's one). Same keys, so the same numbers as drawing them in each round; a round then gathers them."""
     N = lt.N
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
-        z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D)
-        lt.noise_cache = z.permute(2, 0, 1, 3).contiguous()
+        z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
+        std = lt.coefs_by_root[lt.dm1, COEFS.index("std")]  # [N-1, T, 1]: each node's parent step, per root
+        lt.noise_cache = (z * std[:, None]).contiguous()  # std z, as _Nodes.draft scales it
     widths = (max(int(lt.num_children_np.max()), 1), 1)
     if M * T * N * sum(widths) <= UNIFORM_CACHE:
         lt.uniform_cache = [u.permute(2, 0, 1, 3).contiguous() for u in rng.uniform_table(lt.key_cache[1], widths)]
