@@ -142,13 +142,15 @@ def _as_slice(ids: list[int]) -> slice | None:
     return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
 
 
-def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
-    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``).
+def _bind(self, M: int, D: int, pool: dict | None = None, event: tuple | None = None) -> None:
+    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``), of event shape ``event``
+    (default ``(D,)``).
 
     ``pool``: optional ``{"states": flat, "residual": flat}`` storage shared by the trees of one run (their
     rounds run one after the other and keep nothing in the buffers), each at least this tree's size."""
     dev = self.anc.device
     N = self.N
+    event = tuple(event) if event is not None else (D,)
     if pool is None:
         states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
     else:
@@ -189,7 +191,12 @@ def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
     self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
     self.pos_c = t(node_pos)
     self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
+    self.rows_rest = self.rows[M:]
     self.ar = torch.arange(M, device=dev)
+    self.ar_col = self.ar[:, None]
+    self.dcol_m = self.dcol.expand(M, N)
+    self.root_state = states[0].view(M, *event)  # node 0's states as the batch's, and the others as the call's input
+    self.rest_states = states[1:].view((N - 1) * M, *event)
     self.buffers = _LeanBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
                                 torch.zeros(M, N, dtype=torch.long, device=dev))
 
@@ -263,7 +270,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
     # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
     drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
-    states[0] = x.reshape(M, -1)
+    lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
     # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
     # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
     # (no gather), other layers gather their parents first
@@ -288,7 +295,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     if plan_kind == "rest":
         v0 = v_root.reshape(M, -1)
-        vrest = ctx.velocity(states[1:].reshape(-1, *e), node_step[1:].reshape(-1), lt.rows[M:]).reshape(N - 1, M, -1)
+        vrest = ctx.velocity(lt.rest_states, node_step.view(-1)[M:], lt.rows_rest).reshape(N - 1, M, -1)
     elif plan_kind == "all":
         out_all = ctx.velocity(flat.reshape(-1, *e), node_step.reshape(-1), lt.rows).reshape(N, M, -1)
         v0, vrest = out_all[0], out_all[1:]
@@ -343,7 +350,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
     rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
-    steps = torch.where(live, lt.depth[ustar] + rejected.long(), lt.zero_long)
+    steps = torch.where(live, lt.depth[ustar] + rejected, lt.zero_long)
     if res is not None:
         out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
     else:
@@ -361,7 +368,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
             ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
-            dist = torch.linalg.vector_norm(states[ch, ar[:, None]] - out[:, None], dim=-1)
+            dist = torch.linalg.vector_norm(states[ch, lt.ar_col] - out[:, None], dim=-1)
             best = torch.where(ok, dist, lt.inf).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
@@ -373,18 +380,18 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
 
     def commit(tally: _Tally):
-        dcol = lt.dcol.expand(M, N)
+        dcol = lt.dcol_m
         ver, ver_acc = verified.long(), (verified & acc).long()
         tally.attempts.scatter_add_(1, dcol, ver)
         tally.accepts.scatter_add_(1, dcol, ver_acc)
         at = (n[:, None].expand(M, N), dcol)
         tally.root_attempts.index_put_(at, ver, accumulate=True)
         tally.root_accepts.index_put_(at, ver_acc, accumulate=True)
-        tally.nfe += charged.long()
+        tally.nfe += charged
         tally.call_rows += call_rows
         col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
         tally.committed.scatter_add_(1, col, steps[:, None])
-        tally.rounds += live.long()
+        tally.rounds += live
         live_e = live.reshape((-1,) + (1,) * len(e))
         st.x = torch.where(live_e, out.reshape(x.shape), st.x)  # st as it is now: another tree's round may have
         st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
@@ -509,7 +516,7 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
     def lean_tree(g: int) -> _LeanTree:
         if g not in lts:
             lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
-            lt.bind(M, D, pool)
+            lt.bind(M, D, pool, ctx.x_event)
             if M * T * lt.N <= KEY_CACHE:
                 lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
                                 rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
