@@ -1,8 +1,8 @@
 """The lean round of the tree execution (a fixed tree or a tree per root step, a draft with a table form).
 
 Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
-operations over static shapes per tree (:class:`_LeanTree`, its buffers :class:`_LeanBuffers`): one keyed draw,
-the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
+operations over static shapes per tree (:class:`_LeanTree`, its buffers :class:`_LeanBuffers`, its per-root tables):
+one gather of the run's pre-drawn noise and uniforms (:func:`_draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
 node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, in the loop's "are we
 done" test (:func:`_lean_loop`). The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
 the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
@@ -212,8 +212,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                 sel: torch.Tensor | None = None):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
-    Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
-    :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered once from the schedule's tables,
+    Drafting: all of the round's noise gathered from the run's table or drawn in one keyed draw (keys
+    ``(trajectory, root, node)`` as in :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered
+    from the per-root tables (:func:`_root_tables`),
     then per layer a gather of the parents, the draft's mean (``Draft.table_mean``) and one add: the path
     execution's operations, so both executions draft the same bits. Then one batched target call over
     all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
