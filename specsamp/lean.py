@@ -57,6 +57,7 @@ class _LeanTree:
         self.ids = torch.arange(1, N, device=dev)
         self.key_cache = None
         self.noise_cache = None
+        self.noise_scaled = False
         self.uniform_cache = None
         self.nodes = torch.arange(N, device=dev)
         self.groups, self.groups_np = [], []
@@ -264,8 +265,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     else:
         keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
         vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
-    if lt.noise_cache is not None:  # per-run table of every (row, root, node) std z: one gather
+    if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
         states[1:] = lt.noise_cache[:, ar, n]
+    elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, 4], out=states[1:])  # std z, as _Nodes.draft scales it
     else:
         rng.normal(keys, e, out=states[1:])
         states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
@@ -512,18 +515,20 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
             lt_of_root[n_root] = seen[key]
         internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
         pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
-    lts = {}
+    lts, shared = {}, {}  # shared: the key and random tables of a node count, the same for every tree of that size
 
     def lean_tree(g: int) -> _LeanTree:
         if g not in lts:
             lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
             lt.bind(M, D, pool, ctx.x_event)
             if M * T * lt.N <= KEY_CACHE:
-                lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                                rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+                if ("keys", lt.N) not in shared:
+                    shared["keys", lt.N] = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                            rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+                lt.key_cache = shared["keys", lt.N]
             _root_tables(lt, ctx)
             if lt.key_cache is not None:
-                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D)
+                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
         return lts[g]
 
     return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
@@ -552,21 +557,35 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
                         for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
 
 
-def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int) -> None:
+def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared: dict | None = None) -> None:
     """Draw the run's random numbers of every (row, root, node) once, where small (:data:`NOISE_CACHE`,
-    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the scaled draft noise ``std z`` of every non-root
-    node (``z`` :func:`specsamp.rng.normal` of its key in the states' dtype, ``std`` its parent step's, in that dtype) and ``lt.uniform_cache``, ``[N, M, T, W_c]``
-    per coupling call ``c``, the numbers :class:`specsamp.rng.KeyedRows` of a node's verification key gives on
-    its first two calls (widths ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection
-    coupling's one). Same keys, so the same numbers as drawing them in each round; a round then gathers them."""
+    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the draft noise of every non-root node (``z``,
+    :func:`specsamp.rng.normal` of its key in the states' dtype), scaled by its parent step's ``std`` where
+    ``lt.noise_scaled`` (one tree per run); and ``lt.uniform_cache``, ``[N, M, T, W_c]`` per coupling call ``c``,
+    the numbers :class:`specsamp.rng.KeyedRows` of a node's verification key gives on its first two calls (widths
+    ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection coupling's one). Same keys, so the
+    same numbers as drawing them in each round; a round then gathers them. ``shared``: the tables of the run's
+    other trees (step-dependent trees), reused where they have as many nodes (and, for the uniforms, widths)."""
     N = lt.N
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
-        z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
-        std = lt.coefs_by_root[lt.dm1, COEFS.index("std")]  # [N-1, T, 1]: each node's parent step, per root
-        lt.noise_cache = (z * std[:, None]).contiguous()  # std z, as _Nodes.draft scales it
+        if shared is None:
+            z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
+            std = lt.coefs_by_root[lt.dm1, COEFS.index("std")]  # [N-1, T, 1]: each node's parent step, per root
+            lt.noise_cache, lt.noise_scaled = (z * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
+        else:
+            if ("noise", N) not in shared:
+                z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D)
+                shared["noise", N] = z.permute(2, 0, 1, 3).contiguous()
+            lt.noise_cache = shared["noise", N]
     widths = (max(int(lt.num_children_np.max()), 1), 1)
     if M * T * N * sum(widths) <= UNIFORM_CACHE:
-        lt.uniform_cache = [u.permute(2, 0, 1, 3).contiguous() for u in rng.uniform_table(lt.key_cache[1], widths)]
+        if shared is None or ("uniform", N, widths) not in shared:
+            tabs = [u.permute(2, 0, 1, 3).contiguous() for u in rng.uniform_table(lt.key_cache[1], widths)]
+            if shared is None:
+                lt.uniform_cache = tabs
+                return
+            shared["uniform", N, widths] = tabs
+        lt.uniform_cache = shared["uniform", N, widths]
 
 
 def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
