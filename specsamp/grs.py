@@ -100,6 +100,22 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _WIDEN = 4e-5  # sample_grs_residual's ndtri bounds are widened by this: 1e-6 (1 + |ndtri|), |ndtri| <= 38.5
 
 
+_GRID_CONSTANTS: dict = {}
+
+
+def _grid_constants(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [2, GRID + 1] float64, pair [2] long)`` of :func:`sample_grs_residual`'s grid, made once per device:
+    ``weights = [1 - f; f]`` with ``f = linspace(0, 1, GRID + 1)``, ``pair = [0, 1]``. Never written to."""
+    key = str(device)
+    if key not in _GRID_CONSTANTS:
+        f = torch.linspace(0.0, 1.0, GRID + 1, dtype=torch.float64, device=device)
+        _GRID_CONSTANTS[key] = (torch.stack([1.0 - f, f]), torch.arange(2, device=device))
+    return _GRID_CONSTANTS[key]
+
+
+_grid_constants("cpu")  # made at import, so that no counted or compiled call on the CPU makes them
+
+
 def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
                         grid_levels: int = GRID_LEVELS) -> torch.Tensor:
     """Draw ``S`` from the normalised residual of eq. 17 by inverting its survival function at ``u``.
@@ -180,9 +196,7 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     # ends and the points are one product [lo, hi] @ [1 - f; f] with f = 0, 1/GRID, ..., 1.
     ends = torch.stack([lo, hi], 1)
     if grid_levels:
-        f = torch.linspace(0.0, 1.0, GRID + 1, dtype=torch.float64, device=u.device)
-        weights = torch.stack([1.0 - f, f])
-        pair = torch.arange(2, device=u.device)
+        weights, pair = _grid_constants(u.device)
         d2, lam2, t2 = delta[:, None], log_lam[:, None], log_t[:, None]
         for _ in range(grid_levels):
             grid = ends @ weights  # [n, GRID + 1]: lo, the GRID - 1 points, hi
@@ -231,7 +245,10 @@ def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Te
     lam, g = _levels(delta, k)
     d = delta[:, None]
     log_rho = torch.addcmul(d * s_hat, d, d, value=-0.5)  # log rho = delta s - delta^2 / 2
-    accept = log_rho >= torch.log(torch.addcmul(torch.stack(lam[:k], 1), u, torch.stack(g[:k], 1)))
+    if k == 1:  # lambda_0 + u G_1 = 0 + u 1 = u exactly
+        accept = log_rho >= torch.log(u)
+    else:
+        accept = log_rho >= torch.log(torch.addcmul(torch.stack(lam[:k], 1), u, torch.stack(g[:k], 1)))
     index = accept.logical_not().cumprod(1).sum(1)  # leading rejections: the first accepted, or K
     u_res = rows.uniform(1)[:, 0]
     s_res = sample_grs_residual(delta, lam[k], g[k], u_res)

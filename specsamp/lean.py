@@ -1,8 +1,8 @@
 """The lean round of the tree execution (a fixed tree or a tree per root step, a draft with a table form).
 
 Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
-operations over static shapes per tree (:class:`_LeanTree`, its buffers :class:`_LeanBuffers`): one keyed draw,
-the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
+operations over static shapes per tree (:class:`_LeanTree`, its buffers :class:`_LeanBuffers`, its per-root tables):
+one gather of the run's pre-drawn noise and uniforms (:func:`_draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
 node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, in the loop's "are we
 done" test (:func:`_lean_loop`). The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
 the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
@@ -56,6 +56,9 @@ class _LeanTree:
         self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
         self.ids = torch.arange(1, N, device=dev)
         self.key_cache = None
+        self.noise_cache = None
+        self.noise_scaled = False
+        self.uniform_cache = None
         self.nodes = torch.arange(N, device=dev)
         self.groups, self.groups_np = [], []
         for k in sorted({int(c) for c in tree.num_children if c > 0}):
@@ -81,6 +84,8 @@ class _LeanTree:
                 up[v, : int(tree.depth[u]) + 1] = u
                 u = int(tree.parent[u])
         self.anc_at_depth = t(up)
+        self.vrest_row = (self.nodes - 1).clamp(min=0)  # node v's row of the non-root velocities (0 for the root)
+        self.is_root_col = (self.nodes == 0)[:, None]
         self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
 
 
@@ -111,20 +116,25 @@ class _LeanBuffers:
     """Per-run buffers of the lean round, node-major: ``states [N, M, D]``, ``residual [I, M, D]`` (the verdict
     samples of the internal nodes). ``layers``: per depth ``l``, ``(parents, parent_view, K, out_view)``:
     ``parents`` None where the layer's parents are the whole previous layer with ``K`` children each
-    (``parent_view`` that layer, ``out_view`` shaped ``[P, K, M, D]``, or ``[P, M, D]`` with ``K`` None for one
-    child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
+    (``parent_view`` that layer shaped ``[P, 1, M, D]`` and ``out_view`` ``[P, K, M, D]``, or both ``[P, M, D]``
+    with ``K`` None for one child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
     verification calls, ``(K, nodes [c], their slice or None, children [c, K], their slice or None, depths [c],
     whether node 0 is among them, their rows of residual)``, at most :data:`VERIFY_MEMORY` of the states' size
-    of temporaries each (at least one node)."""
+    of temporaries each (at least one node). ``acc``, ``idx`` ``[M, N]`` bool and long: each node's verdict
+    (accepted, index), written for the internal nodes by every round (0 elsewhere)."""
 
     states: torch.Tensor
     residual: torch.Tensor
     layers: list
     chunks: list
+    acc: torch.Tensor
+    idx: torch.Tensor
 
 
 RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
 KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
+NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
+UNIFORM_CACHE = 1 << 20  # largest M * T * N * (Kmax + 1) for which a run draws every node's coupling uniforms once
 VERIFY_MEMORY = 0.1  # a verification chunk's temporaries, as a fraction of the states block ...
 VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
@@ -133,13 +143,15 @@ def _as_slice(ids: list[int]) -> slice | None:
     return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
 
 
-def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
-    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``).
+def _bind(self, M: int, D: int, pool: dict | None = None, event: tuple | None = None) -> None:
+    """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``), of event shape ``event``
+    (default ``(D,)``).
 
     ``pool``: optional ``{"states": flat, "residual": flat}`` storage shared by the trees of one run (their
     rounds run one after the other and keep nothing in the buffers), each at least this tree's size."""
     dev = self.anc.device
     N = self.N
+    event = tuple(event) if event is not None else (D,)
     if pool is None:
         states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
     else:
@@ -152,7 +164,8 @@ def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
         if (kids == kids[0]).all() and kids[0] > 0:
             k = int(kids[0])
             out = states[a:b] if k == 1 else states[a:b].view(pb - pa, k, M, D)
-            layers.append((None, states[pa:pb], None if k == 1 else k, out))
+            parent_view = states[pa:pb] if k == 1 else states[pa:pb].view(pb - pa, 1, M, D)
+            layers.append((None, parent_view, None if k == 1 else k, out))
         else:
             layers.append((self.layer_parents[l - 1], None, None, states[a:b]))
     t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
@@ -179,7 +192,14 @@ def _bind(self, M: int, D: int, pool: dict | None = None) -> None:
     self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
     self.pos_c = t(node_pos)
     self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
-    self.buffers = _LeanBuffers(states, residual, layers, chunks)
+    self.rows_rest = self.rows[M:]
+    self.ar = torch.arange(M, device=dev)
+    self.ar_col = self.ar[:, None]
+    self.dcol_m = self.dcol.expand(M, N)
+    self.root_state = states[0].view(M, *event)  # node 0's states as the batch's, and the others as the call's input
+    self.rest_states = states[1:].view((N - 1) * M, *event)
+    self.buffers = _LeanBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
+                                torch.zeros(M, N, dtype=torch.long, device=dev))
 
 
 _LeanTree.bind = _bind
@@ -193,8 +213,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                 sel: torch.Tensor | None = None):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
-    Drafting: all of the round's noise in one keyed draw (keys ``(trajectory, root, node)`` as in
-    :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered once from the schedule's tables,
+    Drafting: all of the round's noise gathered from the run's table or drawn in one keyed draw (keys
+    ``(trajectory, root, node)`` as in :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered
+    from the per-root tables (:func:`_root_tables`),
     then per layer a gather of the parents, the draft's mean (``Draft.table_mean``) and one add: the path
     execution's operations, so both executions draft the same bits. Then one batched target call over
     all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
@@ -221,32 +242,39 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
     M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
     end = sch.end_speculative
-    ar = torch.arange(M, device=dev)
+    ar = lt.ar
     live = n < end
-    dl = (end - n).clamp(min=0, max=L)  # L_n (0 for finished rows)
     if sel is not None:
         live = live & sel
-        dl = torch.where(live, dl, torch.zeros_like(dl))
+    # the root index that sets L_n, with L_n = 0 (a root that is not served) for the rows the round does not serve
+    n_lim = n if sel is None else torch.where(live, n, end)
     v_root, root_exact = st.v_root, st.root_exact
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
-    step = (n[:, None] + lt.levels).clamp(max=T - 1)  # [M, L+1]: step of depth-l nodes
-    parent_step = step[:, :L]
-    # every kernel coefficient of every depth in one gather: [M, L, NC] (COEFS)
-    coefs = ctx.coef_table[parent_step].permute(1, 2, 0)[..., None]  # [L, NC, M, 1], node-major
+    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1] (COEFS), node-major
+    coefs = lt.coefs_by_root.index_select(2, n)
     per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
     # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
     # (trajectory, root, v) as in _Nodes.draft; fold(k, n, v) = fold(fold(k, n), v), fold(k, n) a per-run table
     draft_keys, verify_keys = ctx.key_tables
     buf = lt.buffers
     states = buf.states  # [N, M, D]
+    need_vkeys = lt.uniform_cache is None or buf.residual is None
     if lt.key_cache is not None:  # per-run tables of every (row, root, node) key
-        keys, vkeys_all = lt.key_cache[0][ar, n].T, lt.key_cache[1][ar, n].T  # [N-1, M], [N, M]
+        keys = lt.key_cache[0][ar, n].T if lt.noise_cache is None else None  # [N-1, M]
+        vkeys_all = lt.key_cache[1][ar, n].T if need_vkeys else None  # [N, M]
     else:
         keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
         vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
-    rng.normal(keys, e, out=states[1:])
-    states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
-    states[0] = x.reshape(M, -1)
+    if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
+        states[1:] = lt.noise_cache[:, ar, n]
+    elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, 4], out=states[1:])  # std z, as _Nodes.draft scales it
+    else:
+        rng.normal(keys, e, out=states[1:])
+        states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+    # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
+    drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
+    lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
     # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
     # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
     # (no gather), other layers gather their parents first
@@ -264,14 +292,14 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
         c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
         mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
-        out_view += mean if k is None else mean[:, None]
+        out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     flat = states.reshape(N * M, -1)
-    node_step = step[:, lt.depth].T  # [N, M]
+    node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     if plan_kind == "rest":
         v0 = v_root.reshape(M, -1)
-        vrest = ctx.velocity(states[1:].reshape(-1, *e), node_step[1:].reshape(-1), lt.rows[M:]).reshape(N - 1, M, -1)
+        vrest = ctx.velocity(lt.rest_states, node_step.view(-1)[M:], lt.rows_rest).reshape(N - 1, M, -1)
     elif plan_kind == "all":
         out_all = ctx.velocity(flat.reshape(-1, *e), node_step.reshape(-1), lt.rows).reshape(N, M, -1)
         v0, vrest = out_all[0], out_all[1:]
@@ -283,37 +311,39 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         vrest = full[M:].view(N - 1, M, -1)
 
     # verdicts of every internal node, in chunks of nodes sized to the states' memory
-    dl_col = dl[:, None]
-    internal_r = lt.internal & (lt.depth_row < dl_col)  # [M, N]: verified if visited (never for finished rows)
-    acc = torch.zeros(M, N, dtype=torch.bool, device=dev)
-    idx = torch.zeros(M, N, dtype=torch.long, device=dev)
+    internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
+    acc, idx = buf.acc, buf.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
     res = buf.residual  # [I, M, D]: each internal node's verdict sample
-    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    bad = lt.false
     with deferred_checks() as checks:
-        for k, u, u_sl, ch, ch_sl, du, has_root, pos in buf.chunks:
+        for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(buf.chunks, lt.sigma_by_root):
             c = u.numel()
             xu = states[u_sl] if u_sl is not None else states[u]  # [c, M, D]
             if has_root:
-                vu = torch.cat([v0[None], vrest[u[1:] - 1]]) if c > 1 else v0[None]
+                vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
             cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
             mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
             mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
-            need = internal_r[:, u].T  # [c, M]
-            sigma = torch.where(need, cu["std"][..., 0], lt.one)
+            sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
             if k == 1 and ch_sl is not None:
                 kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
             else:
                 kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
+            if drawn_all is None:
+                rows = rng.KeyedRows(vkeys_all[u].reshape(-1))
+            else:
+                drawn = [(d[u_sl] if u_sl is not None else d[u]).reshape(c * M, -1) for d in drawn_all]
+                rows = rng.KeyedRows(_chunk_keys(lt, vkeys_all, ar, n, u), drawn)
             verdict = ctx.coupling(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
-                                   rng.KeyedRows(vkeys_all[u].reshape(-1)))  # line 17, every internal node at once
+                                   rows)  # line 17, every internal node at once
             acc[:, u] = verdict.accepted.reshape(c, M).T
             idx[:, u] = verdict.index.reshape(c, M).T
             if res is not None:
                 res[pos] = verdict.sample.reshape(c, M, -1)
             if ctx.check_contract:
-                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & need).any()
+                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
             del kids, verdict, mean_p, mean_q, xu, vu
     if checks.bad is not None:
         bad = bad | checks.bad
@@ -324,17 +354,17 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
     rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
-    steps = torch.where(live, lt.depth[ustar] + rejected.long(), torch.zeros_like(n))
+    steps = torch.where(live, lt.depth[ustar] + rejected, lt.zero_long)
     if res is not None:
         out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
     else:
         out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected)
     rej_col = rejected[:, None]
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
-    v_cur = torch.where((last == 0)[:, None], v0, vrest[(last - 1).clamp(min=0), ar])
-    v_leaf = vrest[(ustar - 1).clamp(min=0), ar]  # where finished, u* is a leaf of depth >= 1
+    v_cur = torch.where(lt.is_root_col[last], v0, vrest[lt.vrest_row[last], ar])
+    v_leaf = vrest[lt.vrest_row[ustar], ar]  # where finished, u* is a leaf of depth >= 1
     # prefetch (same rules as _prefetch)
-    evaluated = (lt.depth_row <= dl_col) & (internal_r | ctx.evaluate_leaves)
+    evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
     v_next, exact = v_cur, torch.zeros_like(live)
     if ctx.prefetch != "none":
         exact = finished & evaluated[ar, ustar]
@@ -342,30 +372,30 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
             ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
-            dist = torch.linalg.vector_norm(states[ch, ar[:, None]] - out[:, None], dim=-1)
-            best = torch.where(ok, dist, torch.full_like(dist, float("inf"))).argmin(1)
+            dist = torch.linalg.vector_norm(states[ch, lt.ar_col] - out[:, None], dim=-1)
+            best = torch.where(ok, dist, lt.inf).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
     if st.history is not None:
         hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
-    call_rows = torch.where(live, evaluated.sum(1) - root_exact.long(), torch.zeros_like(n))
+    call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
     charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
 
     def commit(tally: _Tally):
-        dcol = lt.dcol.expand(M, N)
+        dcol = lt.dcol_m
         ver, ver_acc = verified.long(), (verified & acc).long()
         tally.attempts.scatter_add_(1, dcol, ver)
         tally.accepts.scatter_add_(1, dcol, ver_acc)
         at = (n[:, None].expand(M, N), dcol)
         tally.root_attempts.index_put_(at, ver, accumulate=True)
         tally.root_accepts.index_put_(at, ver_acc, accumulate=True)
-        tally.nfe += charged.long()
+        tally.nfe += charged
         tally.call_rows += call_rows
         col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
         tally.committed.scatter_add_(1, col, steps[:, None])
-        tally.rounds += live.long()
+        tally.rounds += live
         live_e = live.reshape((-1,) + (1,) * len(e))
         st.x = torch.where(live_e, out.reshape(x.shape), st.x)  # st as it is now: another tree's round may have
         st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
@@ -375,6 +405,14 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             st.history = st.history.where(~live, hist)
 
     return commit, n_new, exact_new, bad, live
+
+
+def _chunk_keys(lt, vkeys_all, ar, n, u):
+    """The verification keys ``[c M]`` of the nodes ``u`` (node-major), as a function for :class:`specsamp.rng.KeyedRows`:
+    drawn only where a coupling asks for numbers the per-run uniform table does not hold."""
+    if vkeys_all is not None:
+        return vkeys_all[u].reshape(-1)
+    return lambda: lt.key_cache[1][ar, n].T[u].reshape(-1)
 
 
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
@@ -477,18 +515,77 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
             lt_of_root[n_root] = seen[key]
         internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
         pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
-    lts = {}
+    lts, shared = {}, {}  # shared: the key and random tables of a node count, the same for every tree of that size
 
     def lean_tree(g: int) -> _LeanTree:
         if g not in lts:
             lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
-            lt.bind(M, D, pool)
+            lt.bind(M, D, pool, ctx.x_event)
             if M * T * lt.N <= KEY_CACHE:
-                lt.key_cache = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                                rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+                if ("keys", lt.N) not in shared:
+                    shared["keys", lt.N] = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                            rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+                lt.key_cache = shared["keys", lt.N]
+            _root_tables(lt, ctx)
+            if lt.key_cache is not None:
+                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
         return lts[g]
 
     return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
+
+
+def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
+    """Per-root tables of a lean tree (built once per run; a round gathers its rows by root index ``n``):
+    ``coefs_by_root [L, NC, T, 1]`` the :data:`COEFS` of each depth's parent step, ``node_step_by_root [N, T]``
+    the step of each node, with ``L_n = clip(end - n, 0, L)``: ``internal_by_root [T, N]`` the nodes verified if
+    visited, ``evaluated_by_root [T, N]`` the nodes the batched call evaluates (the protocol's, the root
+    included) and ``evaluated_count [T]`` their number, ``sigma_by_root`` per verification chunk ``[c, T]``
+    the kernel scale where verified, else 1."""
+    T, L, dev = ctx.schedule.steps, lt.L, lt.depth.device
+    roots = torch.arange(T, device=dev)
+    step = (roots[:, None] + lt.levels).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
+    lt.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
+    lt.node_step_by_root = step[:, lt.depth].T.contiguous()
+    dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
+    lt.internal_by_root = lt.internal & (lt.depth_row < dl)
+    lt.evaluated_by_root = (lt.depth_row <= dl) & (lt.internal_by_root | ctx.evaluate_leaves)
+    lt.evaluated_count = lt.evaluated_by_root.sum(1)
+    lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
+    lt.false = torch.zeros((), dtype=torch.bool, device=dev)
+    lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)
+    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, 4, :, 0], lt.one)
+                        for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
+
+
+def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared: dict | None = None) -> None:
+    """Draw the run's random numbers of every (row, root, node) once, where small (:data:`NOISE_CACHE`,
+    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the draft noise of every non-root node (``z``,
+    :func:`specsamp.rng.normal` of its key in the states' dtype), scaled by its parent step's ``std`` where
+    ``lt.noise_scaled`` (one tree per run); and ``lt.uniform_cache``, ``[N, M, T, W_c]`` per coupling call ``c``,
+    the numbers :class:`specsamp.rng.KeyedRows` of a node's verification key gives on its first two calls (widths
+    ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection coupling's one). Same keys, so the
+    same numbers as drawing them in each round; a round then gathers them. ``shared``: the tables of the run's
+    other trees (step-dependent trees), reused where they have as many nodes (and, for the uniforms, widths)."""
+    N = lt.N
+    if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
+        if shared is None:
+            z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
+            std = lt.coefs_by_root[lt.dm1, COEFS.index("std")]  # [N-1, T, 1]: each node's parent step, per root
+            lt.noise_cache, lt.noise_scaled = (z * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
+        else:
+            if ("noise", N) not in shared:
+                z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D)
+                shared["noise", N] = z.permute(2, 0, 1, 3).contiguous()
+            lt.noise_cache = shared["noise", N]
+    widths = (max(int(lt.num_children_np.max()), 1), 1)
+    if M * T * N * sum(widths) <= UNIFORM_CACHE:
+        if shared is None or ("uniform", N, widths) not in shared:
+            tabs = [u.permute(2, 0, 1, 3).contiguous() for u in rng.uniform_table(lt.key_cache[1], widths)]
+            if shared is None:
+                lt.uniform_cache = tabs
+                return
+            shared["uniform", N, widths] = tabs
+        lt.uniform_cache = shared["uniform", N, widths]
 
 
 def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,

@@ -223,20 +223,57 @@ class KeyedRows:
 
     Each call to :meth:`uniform` returns fresh numbers: the call count is folded into the key, so a
     coupling that asks for ``K`` acceptance uniforms and then one residual uniform gets independent
-    numbers, and row ``i`` depends only on ``keys[i]``.
+    numbers, and row ``i`` depends only on ``keys[i]``: call ``c`` (from 1) returns
+    ``uniform(fold(keys, c), m)``.
 
     Args:
-        keys: int64 tensor ``[n]``, one key per parent node.
+        keys: int64 tensor ``[n]``, one key per parent node, or a function of no argument returning it
+            (called at most once, and only when a call is not served by ``drawn``).
+        drawn: optional pre-drawn numbers, a sequence whose entry ``c - 1`` is float64 ``[n, W_c]``
+            ``uniform(fold(keys, c), W_c)`` (e.g. gathered from a per-run table, :func:`uniform_table`);
+            call ``c`` with ``m <= W_c`` returns its first ``m`` columns (contiguous), any other call is drawn
+            from the keys. The numbers are the same either way (entry ``j`` depends only on the key and ``j``).
     """
 
-    def __init__(self, keys: torch.Tensor):
-        self.keys = keys
+    def __init__(self, keys, drawn=None):
+        self._keys = keys
+        self._drawn = drawn
         self._calls = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """int64 ``[n]`` the rows' keys."""
+        if callable(self._keys):
+            self._keys = self._keys()
+        return self._keys
 
     def uniform(self, m: int) -> torch.Tensor:
         """Return float64 uniforms ``[n, m]`` in (0, 1)."""
         self._calls += 1
+        if self._drawn is not None and self._calls <= len(self._drawn):
+            d = self._drawn[self._calls - 1]
+            if m == d.shape[1]:
+                return d
+            if m < d.shape[1]:
+                return d[:, :m].contiguous()
         return uniform(fold(self.keys, self._calls), m)
+
+
+def uniform_table(keys: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    """The numbers :class:`KeyedRows` ``(keys)`` gives on its first ``len(widths)`` calls, drawn at once.
+
+    Args:
+        keys: int64 tensor ``[*k]``.
+        widths: ``W_c`` per call ``c = 1, 2, ...``.
+
+    Returns:
+        list of float64 tensors ``[*k, W_c]``: entry ``c - 1`` is ``uniform(fold(keys, c), W_c)``, bit for bit
+        (one fold and one draw for every call together: the integer arithmetic is elementwise and exact).
+    """
+    calls = torch.arange(1, len(widths) + 1, dtype=torch.int64, device=keys.device)
+    folded = fold(keys[..., None], calls)  # [*k, C]
+    u = uniform(folded, max(widths))  # [*k, C, W]
+    return [u[..., c, :w].contiguous() for c, w in enumerate(widths)]
 
 
 class GeneratorRows:

@@ -4,7 +4,7 @@ with history and step-dependent trees with the path execution's counts and sampl
 Setup: ``GaussianMixture(dim=4, components=3, layout_seed=1)`` in float64 and float32, ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections in most rounds), 40 trajectories, seed 3. Each variant
 (residuals drawn again instead of kept, verification in one-node chunks, keys folded per round instead of
-tabled) must give counts identical and samples bitwise equal to the default lean round, and counts identical
+tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and samples bitwise equal to the default lean round, and counts identical
 to the path execution.
 """
 
@@ -26,7 +26,8 @@ TREES = {"2x3": (DraftTree.uniform(2, 3), "dgrs"), "irregular": (DraftTree([-1, 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(TREES))
-@pytest.mark.parametrize("variant", [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0)])
+@pytest.mark.parametrize("variant", [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0), ("NOISE_CACHE", 0),
+                                     ("UNIFORM_CACHE", 0)])
 @pytest.mark.parametrize("draft", ["x0", "x0_extrap_gated", "x0_affine"])
 def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant, draft):
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
@@ -138,3 +139,16 @@ def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
     coef = dict(zip(lean.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
     got = draft.table_mean(draft.table_frozen(fr.permute(1, 0, 2)[:, :, None], coef), x, coef)
     assert torch.equal(got, draft.mean(fr, x, step, sch))
+
+
+def test_uniform_table_serves_a_coupling_that_asks_for_more_calls(monkeypatch):
+    # markmax draws (K, K, 2) uniforms: its first call comes from the per-run table, the others from the keys;
+    # the numbers are those of drawing every call from the keys (counts identical, samples bitwise equal)
+    model = GaussianMixture(dim=4, components=3, layout_seed=1)
+    kw = dict(draft="x0", prefetch="nearest", seed=3)
+    ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
+    monkeypatch.setattr(lean, "UNIFORM_CACHE", 0)
+    got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert torch.equal(got.samples, ref.samples)

@@ -212,3 +212,24 @@ def test_runner_refuses_seeds_outside_the_key_range():
         p = subprocess.run([sys.executable, "run.py", f"seed={bad}", "n_samples=2", "model.dim=4", "steps=6"], cwd=root,
                            capture_output=True, text=True)
         assert p.returncode == 2 and "seed=" in p.stderr + p.stdout and "Traceback" not in p.stderr
+
+
+def test_uniform_table_and_drawn_rows_give_the_keyed_numbers():
+    # KeyedRows(keys, drawn) serves each call from its table entry (the first m columns, contiguous) and any
+    # other call from the keys: the numbers of KeyedRows(keys) bit for bit; the keys are asked for only then
+    keys = rng.base_key(5, torch.arange(7), "verify")
+    table = rng.uniform_table(keys, (3, 1))
+    assert [t.shape for t in table] == [(7, 3), (7, 1)]
+    plain = rng.KeyedRows(keys)
+    want = [plain.uniform(3), plain.uniform(1), plain.uniform(2)]
+    for c, t in enumerate(table):
+        assert torch.equal(t, want[c])
+    asked = []
+    rows = rng.KeyedRows(lambda: asked.append(1) or keys, table)
+    assert torch.equal(rows.uniform(3), want[0]) and torch.equal(rows.uniform(1), want[1]) and not asked
+    assert torch.equal(rows.uniform(2), want[2]) and asked == [1]  # beyond the table: drawn from the keys
+    short = rng.KeyedRows(keys, [table[0]])
+    u = short.uniform(2)
+    assert u.is_contiguous() and torch.equal(u, rng.KeyedRows(keys).uniform(3)[:, :2])
+    wide = rng.KeyedRows(keys, [table[1]])
+    assert torch.equal(wide.uniform(3), want[0])  # wider than the table: drawn from the keys
