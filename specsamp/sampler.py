@@ -46,6 +46,7 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     check_verdict_contract,
     initial_noise,
 )
+from .compiled import check_compile
 from .coupling import Coupling, get_coupling
 from .drafts import get_draft
 from .errors import ConfigError
@@ -183,6 +184,7 @@ def sample_speculative(
     warmup: str = "call",
     check_contract: bool | None = None,
     refine: int = 0,
+    compile: bool = False,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
 
@@ -266,6 +268,7 @@ def sample_speculative(
     _check_choice("warmup", warmup, WARMUPS)
     ctx.refine = _check_refine(refine, execution)
     dev = _model_device(model)
+    ctx.compiled = check_compile(compile, execution, dev)
     ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
     nodes_cls = _TreeNodes if execution == "tree" else _PathNodes
