@@ -1,0 +1,109 @@
+"""``compile=True``: the lean round under ``torch.compile`` keeps the law, the counts and (to rounding) the samples.
+
+Setup: the law tests' ``GaussianMixture(dim=4, components=3, layout_seed=1)`` and ``Schedule.make(8, 1.0)``
+(acceptance about 0.4-0.75 per depth: rejections, so residual draws, in most rounds).
+
+Tolerance of the samples (float64): the compiled kernels may fuse and reorder float operations (a fused
+multiply-add rounds once where eager rounds twice), the same kind of difference as the tree execution's batched
+evaluation against the path execution, so the same bound holds: a few tens of roundings per coordinate and
+step, each at most eps = 2**-52 of values of order 10, over T = 8 steps, with a 1e3 headroom for the
+amplification by later steps and the residual sampler's conditioning: 64 * 8 * 2.2e-16 * 10 * 1e3 ~ 1e-9, the
+README's tree-vs-path tolerance. The counts must be identical (at this tolerance no verdict flips on these
+seeds). Compiling takes 10-20 s per tree on a CPU, so the default run compiles one small case; the law test
+per coupling is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsamp import compiled, sampler
+from specsamp.errors import ConfigError
+from specsamp.models import GaussianMixture
+from specsamp.schedule import Schedule
+from specsamp.trees import DraftTree
+
+SCHED = Schedule.make(8, 1.0)
+MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
+FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
+ATOL = 1e-9  # float64; derivation in the module docstring
+
+needs_inductor = pytest.mark.skipif(compiled.unavailable("cpu") is not None,
+                                    reason=f"torch.compile unavailable: {compiled.unavailable('cpu')}")
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@needs_inductor
+def test_compiled_round_equals_eager_and_compiles_once_per_tree():
+    # D-GRS on the (2, 3) tree, x0 draft, 40 trajectories, seeds 3 and 4: identical counts, samples to ATOL;
+    # the second seed (other rows finish at other rounds, so other call plans) compiles nothing new
+    tree, kw = DraftTree.uniform(2, 3), dict(draft="x0", execution="tree")
+    before = _graphs()
+    for seed in (3, 4):
+        ref = sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 40, seed=seed, **kw)
+        got = sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 40, seed=seed, compile=True, **kw)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), (seed, f)
+        assert got.batch_nfe == ref.batch_nfe
+        assert (got.accepts < got.attempts).any()  # rejections: the residual draws ran compiled
+        torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=ATOL)
+        if seed == 3:
+            first = _graphs()
+            assert first > before  # it did compile (the drafting graph and the verification/walk graph)
+    assert _graphs() == first
+
+
+def test_compile_refusals_name_the_key():
+    tree = DraftTree.uniform(2, 3)
+    with pytest.raises(ConfigError, match=r"compile='yes' is invalid: must be true or false"):
+        sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 2, execution="tree", compile="yes")
+    with pytest.raises(ConfigError, match=r"compile=true is invalid with execution=path"):
+        sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 2, execution="path", compile=True)
+    with pytest.raises(ConfigError, match=r"compile=true is invalid here: refine=1"):
+        sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 2, execution="tree", refine=1, compile=True)
+
+
+def test_no_compiler_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert "C/C++ compiler" in compiled.unavailable("cpu")
+    with pytest.raises(ConfigError, match=r"compile=true is invalid here: .*compiler.*compile=false"):
+        sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
+
+
+# one law case per coupling, compiled: a fixed tree with the x0 draft (dgrs), a chain with a history draft
+# (rmc), step-dependent trees with the local-affine draft (markmax: one lean round per distinct tree)
+LAW_CASES = [(("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
+             (("chain", 4), "rmc", "x0_extrap", "none", False),
+             (("by_root", None), "markmax", "x0_affine", "nearest", True)]
+
+
+@pytest.mark.slow
+@needs_inductor
+@pytest.mark.parametrize("i,case", list(enumerate(LAW_CASES)), ids=[c[1] for c in LAW_CASES])
+def test_compiled_output_law_equals_standard_sampler(i, case, reference):
+    # the law tests' statistics (test_sampler.py): 2000 trajectories, seed 300 + i, every p-value > 1e-3
+    from test_sampler import BY_ROOT, N_SPEC, P_MIN, law_pvalues, tree_of
+
+    spec, coupling, draft, prefetch, leaves = case
+    tree = tree_of(("by_root", BY_ROOT) if spec[0] == "by_root" else spec)
+    r = sampler.sample_speculative(MODEL, SCHED, tree, coupling, N_SPEC, draft=draft, prefetch=prefetch,
+                                   evaluate_leaves=leaves, execution="tree", seed=300 + i, compile=True)
+    assert torch.isfinite(r.samples).all()
+    assert (r.accepts < r.attempts).any()
+    p = law_pvalues(r.samples, reference)
+    assert min(p) > P_MIN, p
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from test_sampler import N_REF, REF_SEED
+
+    r = sampler.sample_standard(MODEL, SCHED, N_REF, seed=REF_SEED)
+    return r.samples, MODEL.component(r.samples).numpy()
