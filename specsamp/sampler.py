@@ -46,7 +46,7 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     check_verdict_contract,
     initial_noise,
 )
-from .compiled import check_compile
+from .compiled import check_compile, for_compile
 from .coupling import Coupling, get_coupling
 from .drafts import get_draft
 from .errors import ConfigError
@@ -276,6 +276,8 @@ def sample_speculative(
     ctx.refine = _check_refine(refine, execution)
     dev = _model_device(model)
     ctx.compiled = check_compile(compile, execution, dev)
+    if ctx.compiled:
+        ctx.coupling = for_compile(coupling)
     if ctx.compiled and (ctx.refine > 0 or ctx.draft.table_mean is None):
         why = f"refine={ctx.refine} runs the reference round" if ctx.refine > 0 else \
             f"draft={ctx.draft.name!r} has no table form (Draft.table_mean), so its rounds run the reference round"
