@@ -107,3 +107,13 @@ def reference():
 
     r = sampler.sample_standard(MODEL, SCHED, N_REF, seed=REF_SEED)
     return r.samples, MODEL.component(r.samples).numpy()
+
+
+def test_latency_compile_arm_refuses_without_a_compiler(monkeypatch, tmp_path, capsys):
+    from benchmarks import latency
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert latency.main(["--compile", "--n", "1", "--pad", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --compile is invalid here") and "C/C++ compiler" in err
