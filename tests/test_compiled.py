@@ -59,6 +59,21 @@ def test_compiled_round_equals_eager_and_compiles_once_per_tree():
     assert _graphs() == first
 
 
+@needs_inductor
+def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
+    # a target that turns NaN below sigma 0.5 (test_sampler's): the compiled round's deferred check fails, the
+    # reference round repeats it and raises the precise error; afterwards no deferred-check context is left active
+    from test_sampler import _NaNBelow
+
+    from specsamp.coupling import NonFiniteError, active_checks
+
+    # (the first test's tree, draft, dtype and batch: its compiled graphs serve, nothing new compiles)
+    with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step \d+, children of node \d+"):
+        sampler.sample_speculative(_NaNBelow(), SCHED, DraftTree.uniform(2, 3), "dgrs", 40, draft="x0", execution="tree",
+                                   seed=4, compile=True)
+    assert active_checks() is None
+
+
 def test_compile_refusals_name_the_key():
     tree = DraftTree.uniform(2, 3)
     with pytest.raises(ConfigError, match=r"compile='yes' is invalid: must be true or false"):
