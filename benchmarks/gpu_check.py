@@ -35,8 +35,9 @@ Sections, in order of value:
 5. ``laws``: every registered coupling's law on the device (KS of the output's projections), and
    speculative against standard samples of the digits network under bfloat16 autocast (two-sample KS).
 6. ``compile``: the network call under ``torch.compile`` and replayed from a captured CUDA graph,
-   against eager, at fixed rows; the sampler's round under ``compile`` where ``sample_speculative``
-   takes such a keyword (else recorded as skipped).
+   against eager, at fixed rows (CUDA only); the sampler's round under ``compile=True`` against eager
+   (D-GRS (2, 3), batch 16: times, counts, samples' largest difference), on CUDA and on a CPU with a C
+   compiler (not in ``--tiny`` on the CPU: a compilation takes tens of seconds).
 
 ``--tiny`` shrinks every size (T = 8, two batches, the DDPM++ layout at 16 channels): a smoke run
 whose timings measure nothing.
@@ -682,16 +683,25 @@ def compile_check(ctx: Context) -> dict:
     dev, clock = ctx.device, ctx.clock
     skipped = []
     if dev.type != "cuda":
-        skipped.append("torch.compile and CUDA graphs: CUDA only (this run is on the CPU)")
+        skipped.append("the network under torch.compile and CUDA graphs: CUDA only (this run is on the CPU)")
     out = []
     if "compile" in inspect.signature(sample_speculative).parameters:
-        if dev.type == "cuda":
+        why = _compile_unavailable(dev)
+        if why is not None:
+            skipped.append(f"sampler round under compile: {why}")
+        elif dev.type != "cuda" and ctx.tiny:
+            skipped.append("sampler round under compile on the CPU: not in --tiny (a compilation takes tens of seconds)")
+        elif ctx.left() < 90:
+            skipped.append("sampler round under compile: under 90 s of the soft budget left (two compilations)")
+        else:
             out += _sampler_compiled(ctx)
     else:
         skipped.append("sampler round under compile: sample_speculative takes no 'compile' keyword; "
                        "the network call only")
     if dev.type != "cuda":
-        return {"rows": out, "skipped": skipped, "summary": ["compile: skipped on the CPU"], "passed": True}
+        lines = [_sampler_line(r) for r in out] or ["compile: skipped on the CPU"]
+        passed = all(r.get("counts_equal", True) and "error" not in r for r in out)
+        return {"rows": out, "skipped": skipped, "summary": lines, "passed": passed}
     model = digits_velocity(dev)
     net = model.net
     for b in (64, 1024):
@@ -750,13 +760,32 @@ def compile_check(ctx: Context) -> dict:
                             "max_abs_diff": float((y - ref).abs().max())})
             except Exception as e:  # noqa: BLE001
                 out.append({"variant": "cuda graph", "rows": b, "error": f"{type(e).__name__}: {e}"[:2000]})
-    lines = [f"compile {r['variant']:<13} {r['rows']:>5} rows: {_fmt(r['seconds'])} ({r['speedup_vs_eager']:.2f}x eager)"
+    lines = [_sampler_line(r) if r["variant"].startswith("sampler") else
+             f"compile {r['variant']:<13} {r['rows']:>5} rows: {_fmt(r['seconds'])} ({r['speedup_vs_eager']:.2f}x eager)"
              if "seconds" in r else f"compile {r['variant']} {r['rows']} rows: {r['error'][:120]}" for r in out]
     return {"network": DIGITS, "rows": out, "skipped": skipped, "summary": lines, "passed": True}
 
 
 # the share of --budget-s after which a section starts no new measurement (the others need far less)
 SHARES = {"call_cost": 0.2, "wallclock": 0.45}
+
+def _compile_unavailable(dev) -> str | None:
+    """Why the sampler's ``compile=True`` cannot run on ``dev`` here (:func:`specsamp.compiled.unavailable`), or None."""
+    try:
+        from specsamp.compiled import unavailable
+    except ImportError:  # a tree without the compiled round: the keyword's own refusal will say why
+        return None
+    return unavailable(dev)
+
+
+def _sampler_line(r: dict) -> str:
+    """One summary line of a :func:`_sampler_compiled` row."""
+    if "error" in r:
+        return f"compile {r['variant']} {r['rows']} rows: {r['error'][:120]}"
+    extra = (f", first run {r['first_run_s']:.1f} s, counts equal: {r.get('counts_equal')}, samples within "
+             f"{r.get('max_abs_diff', float('nan')):.2g}") if "counts_equal" in r else ""
+    return f"compile {r['variant']:<22} {r['rows']:>3} rows: {_fmt(r['seconds'])} ({r.get('speedup_vs_eager', 1.0):.2f}x eager{extra})"
+
 
 class _NotTried(Exception):
     """A variant left out on purpose (the reason is recorded under ``skipped``)."""
@@ -793,6 +822,7 @@ def _sampler_compiled(ctx: Context) -> list[dict]:
         out[0]["speedup_vs_eager"] = 1.0
         out[1]["counts_equal"] = bool(torch.equal(res[False].nfe.cpu(), res[True].nfe.cpu())
                                       and torch.equal(res[False].accepts.cpu(), res[True].accepts.cpu()))
+        out[1]["max_abs_diff"] = float((res[False].samples.float() - res[True].samples.float()).abs().max())
     return out
 
 

@@ -12,6 +12,11 @@ knee); ``--pad 0`` is the real CPU. The ideal speedup of an arm is the standard 
 over the arm's (both counted); the wall-clock speedup is the standard sampler's median time over the
 arm's; ``realised`` is their ratio.
 
+With ``--compile``, every speculative arm also runs with ``compile=true`` (the lean round under
+``torch.compile``; :mod:`specsamp.compiled`), interleaved with the eager arms: the row's ``compile`` column is
+True, ``vs_eager`` its eager arm's median over its own, and ``compile_s`` the one-off cost (the warm-up run,
+which compiles, less the median run).
+
 Writes ``--out CSV`` (``results/digits/latency.csv``) with the load average before and after. Timings
 depend on the machine and on what else runs on it: compare rows of one file, not files.
 """
@@ -82,41 +87,51 @@ def _timed_run(overrides: list[str], target) -> tuple[float, object]:
     return box["s"], box["res"]
 
 
-def measure(pads_ms=(0, 2, 5, 20), ns=(1, 2, 4, 8), arms=DEFAULT_ARMS, repeats: int = 5, progress=print) -> list[dict]:
-    """Rows ``{pad_ms, n, arm, median_s, min_s, max_s, calls, ideal_speedup, wall_speedup, realised, ...}``."""
+def measure(pads_ms=(0, 2, 5, 20), ns=(1, 2, 4, 8), arms=DEFAULT_ARMS, repeats: int = 5, progress=print,
+            compile: bool = False) -> list[dict]:
+    """Rows ``{pad_ms, n, arm, compile, median_s, min_s, max_s, calls, ideal_speedup, wall_speedup, realised, ...}``;
+    with ``compile``, every speculative arm twice (eager, then ``compile=true``, with ``vs_eager`` and ``compile_s``)."""
     from specsamp.runner import build_target, compose, load_config
 
     base = build_target(load_config(compose(["model=digits"]))[0])
+    variants = [(a, False) for a in arms] + ([(a, True) for a in arms if a != "standard"] if compile else [])
     rows = []
     for pad in pads_ms:
         padded = PaddedVelocity(base.model, pad / 1000.0)
         target = dataclasses.replace(base, model=padded)
-        times = {(n, a): [] for n in ns for a in arms}
-        calls = {}
-        nfe = {}
-        for rep in range(repeats + 1):  # repetition 0 warms caches and allocators, and is not kept
+        times = {(n, v): [] for n in ns for v in variants}
+        calls, nfe, first = {}, {}, {}
+        for rep in range(repeats + 1):  # repetition 0 warms caches and allocators (and compiles), and is not kept
             for n in ns:
-                for arm in arms:
+                for v in variants:
+                    arm, comp = v
                     padded.calls = 0
-                    s, res = _timed_run(arm_overrides("digits", arm, n), target)
-                    calls[(n, arm)] = padded.calls
-                    nfe[(n, arm)] = float(res.speedup.mean())
+                    s, res = _timed_run(arm_overrides("digits", arm, n) + (["compile=true"] if comp else []), target)
+                    calls[(n, v)] = padded.calls
+                    nfe[(n, v)] = float(res.speedup.mean())
                     if rep:
-                        times[(n, arm)].append(s)
+                        times[(n, v)].append(s)
+                    else:
+                        first[(n, v)] = s
         for n in ns:
-            std = statistics.median(times[(n, "standard")])
-            for arm in arms:
-                t = times[(n, arm)]
+            std = statistics.median(times[(n, ("standard", False))])
+            for v in variants:
+                arm, comp = v
+                t = times[(n, v)]
                 med = statistics.median(t)
-                ideal = calls[(n, "standard")] / calls[(n, arm)]
-                rows.append({"pad_ms": pad, "n": n, "arm": arm, "median_s": med, "min_s": min(t), "max_s": max(t),
-                             "calls": calls[(n, arm)], "nfe_speedup": nfe[(n, arm)], "ideal_speedup": ideal,
-                             "wall_speedup": std / med, "realised": std / med / ideal, "repeats": len(t)})
+                ideal = calls[(n, ("standard", False))] / calls[(n, v)]
+                row = {"pad_ms": pad, "n": n, "arm": arm, "median_s": med, "min_s": min(t), "max_s": max(t),
+                       "calls": calls[(n, v)], "nfe_speedup": nfe[(n, v)], "ideal_speedup": ideal,
+                       "wall_speedup": std / med, "realised": std / med / ideal, "repeats": len(t)}
+                if compile:
+                    eager = statistics.median(times[(n, (arm, False))])
+                    row.update(compile=comp, vs_eager=eager / med, compile_s=first[(n, v)] - med if comp else 0.0)
+                rows.append(row)
                 if progress:
-                    r = rows[-1]
-                    progress(f"  pad {pad:>2} ms n={n} {arm:<15} {med * 1e3:8.1f} ms [{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]  "
-                             f"calls {r['calls']:>3}  ideal {ideal:5.2f}x  wall {r['wall_speedup']:5.2f}x  "
-                             f"realised {r['realised']:.0%}")
+                    extra = (f"  {eager / med:5.2f}x eager, compile {row['compile_s']:.1f} s" if compile and comp else "")
+                    progress(f"  pad {pad:>2} ms n={n} {arm + (' +compile' if comp else ''):<24} {med * 1e3:8.1f} ms "
+                             f"[{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]  calls {row['calls']:>3}  ideal {ideal:5.2f}x  "
+                             f"wall {row['wall_speedup']:5.2f}x  realised {row['realised']:.0%}{extra}")
     return rows
 
 
@@ -127,6 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", default="1,2,4,8", help="comma-separated images per batch")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms of: {', '.join(ARMS)}")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also run every speculative arm with compile=true")
     p.add_argument("--out", default=None, help="write the rows as CSV here")
     a = p.parse_args(argv)
     try:
@@ -142,7 +158,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     print(f"latency on the digits network: torch {torch.__version__}, 1 thread, load average {load0:.2f}", flush=True)
-    rows = measure(pads, ns, arms, a.repeats)
+    if a.compile:
+        from specsamp.compiled import unavailable
+
+        why = unavailable("cpu")
+        if why is not None:
+            print(f"error: --compile is invalid here: {why}", file=sys.stderr)
+            return 2
+    rows = measure(pads, ns, arms, a.repeats, compile=a.compile)
     load1 = os.getloadavg()[0]
     print(f"load average {load0:.2f} before, {load1:.2f} after ({os.cpu_count()} CPUs)", flush=True)
     if a.out:

@@ -72,6 +72,7 @@ class _Context:
     x_event: tuple = ()  # event shape of the states
     check_contract: bool = False  # check every verdict against the coupling contract
     refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
+    compiled: bool = False  # the lean round runs under torch.compile (specsamp.compiled)
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:

@@ -295,20 +295,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
-    flat = states.reshape(N * M, -1)
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
-    if plan_kind == "rest":
-        v0 = v_root.reshape(M, -1)
-        vrest = ctx.velocity(lt.rest_states, node_step.view(-1)[M:], lt.rows_rest).reshape(N - 1, M, -1)
-    elif plan_kind == "all":
-        out_all = ctx.velocity(flat.reshape(-1, *e), node_step.reshape(-1), lt.rows).reshape(N, M, -1)
-        v0, vrest = out_all[0], out_all[1:]
-    else:
-        full = torch.zeros_like(flat)
-        if plan.numel():
-            full[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step.reshape(-1)[plan], plan % M).reshape(plan.numel(), -1)
-        v0 = torch.where(root_exact[:, None], v_root.reshape(M, -1), full[:M])
-        vrest = full[M:].view(N - 1, M, -1)
+    network = _network_outside() if ctx.compiled else _network
+    v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, plan, plan_kind)
 
     # verdicts of every internal node, in chunks of nodes sized to the states' memory
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
@@ -413,6 +402,56 @@ def _chunk_keys(lt, vkeys_all, ar, n, u):
     if vkeys_all is not None:
         return vkeys_all[u].reshape(-1)
     return lambda: lt.key_cache[1][ar, n].T[u].reshape(-1)
+
+
+def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
+             root_exact: torch.Tensor, plan: torch.Tensor | None, plan_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lean round's batched target call over the planned rows (what the reference round evaluates).
+
+    Where the rows are all non-root nodes (``plan_kind`` ``rest``) or all nodes (``all``), the call reads the
+    states ``[N, M, D]`` in place and its output is kept as is; otherwise (``some``) it evaluates ``states``'
+    flat rows ``plan`` (long ``[P]``) and the others' velocities stay 0 (never used). ``node_step [N, M]``: the
+    step of every node. Returns ``(v0 [M, D], vrest [N-1, M, D])``: the roots' velocities (``v_root`` where
+    ``root_exact``) and the other nodes'. Under ``compile`` this runs outside the compiled graphs
+    (:func:`_network_outside`): a model need not be compilable, and the plan's size varies from round to round.
+    """
+    N, M, e = states.shape[0], states.shape[1], ctx.x_event
+    if isinstance(plan, _Hidden):
+        plan = plan.value
+    flat = states.reshape(N * M, -1)
+    if plan_kind == "rest":
+        v0 = v_root.reshape(M, -1)
+        vrest = ctx.velocity(lt.rest_states, node_step.view(-1)[M:], lt.rows_rest).reshape(N - 1, M, -1)
+    elif plan_kind == "all":
+        out_all = ctx.velocity(flat.reshape(-1, *e), node_step.reshape(-1), lt.rows).reshape(N, M, -1)
+        v0, vrest = out_all[0], out_all[1:]
+    else:
+        full = torch.zeros_like(flat)
+        if plan.numel():
+            full[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step.reshape(-1)[plan], plan % M).reshape(plan.numel(), -1)
+        v0 = torch.where(root_exact[:, None], v_root.reshape(M, -1), full[:M])
+        vrest = full[M:].view(N - 1, M, -1)
+    return v0, vrest
+
+
+class _Hidden:
+    """A value the compiled round hands to :func:`_network` without reading it (the plan: its size varies from
+    round to round, so a compiled graph that read it would be specialised to each size)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+_NETWORK_OUTSIDE = []
+
+
+def _network_outside() -> Callable:
+    """:func:`_network` excluded from ``torch.compile``'s tracing (``torch.compiler.disable``), built on first use."""
+    if not _NETWORK_OUTSIDE:
+        _NETWORK_OUTSIDE.append(torch.compiler.disable(_network, recursive=True))
+    return _NETWORK_OUTSIDE[0]
 
 
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
@@ -609,6 +648,11 @@ def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, refer
     M = st.x.shape[0]
     n_host = np.full(M, ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
     exact_host = np.zeros(M, dtype=bool)
+    lean_round = _lean_round
+    if ctx.compiled:  # the same round under torch.compile (the network call outside it)
+        from .compiled import compiled_round
+
+        lean_round = compiled_round()
     r = 0
     while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
         live_host = n_host < end
@@ -626,7 +670,8 @@ def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, refer
             kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
             plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
             sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
-            commit, n_g, exact_g, bad_g, live_g = _lean_round(ctx, lt, st, plan_t, kind, sel)
+            plan_arg = _Hidden(plan_t) if ctx.compiled else plan_t
+            commit, n_g, exact_g, bad_g, live_g = lean_round(ctx, lt, st, plan_arg, kind, sel)
             rounds.append((commit, bad_g))
             called = called or plan.size > 0
             if len(groups) == 1:

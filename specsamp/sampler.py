@@ -46,6 +46,7 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     check_verdict_contract,
     initial_noise,
 )
+from .compiled import check_compile, for_compile
 from .coupling import Coupling, get_coupling
 from .drafts import get_draft
 from .errors import ConfigError
@@ -183,6 +184,7 @@ def sample_speculative(
     warmup: str = "call",
     check_contract: bool | None = None,
     refine: int = 0,
+    compile: bool = False,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
 
@@ -226,6 +228,11 @@ def sample_speculative(
             kernel mean at its parent (the verifier's ``delta`` is 0 wherever the states coincide). Every sweep
             is charged to ``nfe`` and to ``target_rows``; recorded in ``SampleResult.extra["refine"]``. Tree
             execution only, and it runs the reference round (the lean round serves ``refine=0``).
+        compile: run the lean round under ``torch.compile`` (inductor, static shapes per tree;
+            :mod:`specsamp.compiled`): its tensor maths in compiled kernels, the batched target call outside them.
+            Each distinct tree and batch size compiles once per process (seconds to tens of seconds). The
+            law is the same; the samples equal the eager ones to the rounding of fused float operations, the
+            counts wherever that rounding flips no verdict. Tree execution, lean round only.
 
     The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
     ``x0_extrap``, ``x0_extrap_gated``), on a fixed tree or a tree per root step (one lean round per distinct tree
@@ -243,7 +250,9 @@ def sample_speculative(
             message names the trajectory, step and node, ``rows`` the trajectory ids.
         ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree
             wider than the coupling allows; ``refine`` not an integer >= 0, or ``refine > 0`` with
-            ``execution="path"``.
+            ``execution="path"``; ``compile`` not a bool, or ``compile=True`` with ``execution="path"``, with
+            ``refine > 0``, with a draft without a table form, or where ``torch.compile`` cannot build kernels
+            (:func:`specsamp.compiled.unavailable`).
         ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
@@ -266,6 +275,14 @@ def sample_speculative(
     _check_choice("warmup", warmup, WARMUPS)
     ctx.refine = _check_refine(refine, execution)
     dev = _model_device(model)
+    ctx.compiled = check_compile(compile, execution, dev)
+    if ctx.compiled:
+        ctx.coupling = for_compile(coupling)
+    if ctx.compiled and (ctx.refine > 0 or ctx.draft.table_mean is None):
+        why = f"refine={ctx.refine} runs the reference round" if ctx.refine > 0 else \
+            f"draft={ctx.draft.name!r} has no table form (Draft.table_mean), so its rounds run the reference round"
+        raise ConfigError(f"compile=true is invalid here: {why}, which has no static shapes to compile; only the lean "
+                          "round compiles. Set compile=false, or " + ("refine=0." if ctx.refine > 0 else "a registered draft."))
     ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
     nodes_cls = _TreeNodes if execution == "tree" else _PathNodes

@@ -199,6 +199,7 @@ class RunConfig:
     match: str = one_of(MATCH, "budget")
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
     refine: int = at_least(0, 0)
+    compile: bool = False
     batch_size: Optional[int] = at_least(1, None)
     max_batch: Optional[int] = at_least(1, None)
     threads: Optional[int] = at_least(1, 1)
@@ -334,6 +335,8 @@ def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
         recorded.pop("num_shards", None)
     if run.refine == 0:  # plain drafts (refine=0): the key is left out of the record and its hash
         recorded.pop("refine", None)
+    if not run.compile:  # the eager round (compile=false): the key is left out of the record and its hash
+        recorded.pop("compile", None)
     return run, recorded
 
 
@@ -366,6 +369,13 @@ def check_values(run: RunConfig) -> None:
         raise ConfigError(f"refine={run.refine} is invalid with execution={run.execution}: a Picard sweep evaluates every "
                           "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
                           "set execution=tree, or refine=0 (plain drafts).")
+    if run.compile and run.sampler.coupling is not None:
+        if run.refine > 0:
+            raise ConfigError(f"compile=true is invalid with refine={run.refine}: Picard sweeps run the reference round, "
+                              "which has no static shapes to compile; set refine=0, or compile=false.")
+        from ..compiled import check_compile
+
+        check_compile(True, run.execution, run.device)
     if not 0 <= run.shard < run.num_shards:
         raise ConfigError(f"shard={run.shard!r} is invalid: must be an integer in 0..{run.num_shards - 1} (num_shards={run.num_shards}).")
     if run.num_shards > 1:
@@ -420,7 +430,7 @@ def unused_keys(run: RunConfig, coupling) -> dict:
 
     K, L = _paper_value(run.model, "K"), _paper_value(run.model, "L")
     default = {"K": K, "L": L, "draft": "velocity", "prefetch": "nearest", "warmup": "call",
-               "evaluate_leaves": True, "match": "budget", "execution": "path", "refine": 0, "tree": "uniform",
+               "evaluate_leaves": True, "match": "budget", "execution": "path", "refine": 0, "compile": False, "tree": "uniform",
                "widths": None, "budget": None, "delta_profile": None, "max_depth": None, "max_width": None}
     if coupling is None:
         keys = list(default)

@@ -275,6 +275,7 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
             else:
                 r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
                                        evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup, refine=run.refine,
+                                       compile=run.compile,
                                        check_contract=None if run.check_contract == "auto" else run.check_contract,
                                        **common)
             if store is not None:

@@ -57,6 +57,8 @@ def config_hash(recorded: Mapping, unused: Mapping | None = None) -> str:
     clean.update({k: d for k, d in (unused or {}).items() if k in clean})
     if clean.get("refine") == 0:  # plain drafts (refine=0): the key is left out of the hash
         clean.pop("refine")
+    if clean.get("compile") is False:  # the eager round: left out of the hash, so every eager record keeps its hash
+        clean.pop("compile")
     blob = json.dumps(clean, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -61,6 +61,9 @@ BAD = [
     (["model.dtpye=float32"], ["model.dtpye", "did you mean model.dtype?"]),
     (["evaluate_leaves=sure"], ["evaluate_leaves=sure"]),
     (["tree=optimal", "max_width=0"], ["max_width=0"]),
+    (["compile=maybe"], ["compile=maybe", "not a valid bool"]),
+    (["compile=true", "execution=path"], ["compile=true", "execution=path", "execution=tree"]),
+    (["compile=true", "execution=tree", "refine=1"], ["compile=true", "refine=1", "refine=0"]),
 ]
 
 
@@ -143,3 +146,23 @@ def test_a_key_of_another_model_is_not_suggested_back():
 
 def test_threads_default_is_one():
     assert _cfg().threads == 1
+
+
+def test_compile_is_hashed_only_when_true(monkeypatch):
+    # compile=false is every existing record's round: left out of the record and its hash (the pinned hashes hold);
+    # compile=true changes rounding, so its records hash apart; the standard sampler does not read it
+    assert _hash("compile=false", "execution=tree") == _hash("execution=tree")
+    assert "compile" not in load_config(_cfg("execution=tree"))[1]
+    assert _hash("compile=true", "execution=tree") != _hash("execution=tree")
+    assert _hash("sampler=standard", "compile=true") == _hash("sampler=standard")
+
+
+def test_compile_without_a_compiler_exits_2(done, tmp_path, monkeypatch):
+    # the inductor check is cheap: no C compiler on PATH (PATH emptied) refuses compile=true up front
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    before = (out / "result.json").read_bytes()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CXX", raising=False)
+    got = run_inprocess([*TINY, "compile=true", "execution=tree"], out, monkeypatch)
+    _check_refusal(*got, ["compile=true", "C/C++ compiler", "compile=false"], out, before)

@@ -1,0 +1,142 @@
+"""The lean round under ``torch.compile`` (``compile=true``): its tensor maths fused into kernels, the network outside.
+
+:func:`specsamp.lean._lean_round` is compiled whole (inductor, ``dynamic=False``): the round's Python control
+flow is unchanged, and TorchDynamo turns the pure tensor maths on either side of the batched target call
+(drafting, verification, walk and the commit's gathers) into compiled graphs. The call itself
+(:func:`specsamp.lean._network`) runs outside them: a model need not be compilable, and the number of rows it
+evaluates varies from round to round, while every shape the graphs see is static per tree (every row of the
+batch is kept in every round, finished rows padded). So each distinct tree (and batch size, dtype, device)
+compiles once per process, and the round keeps its one host synchronisation, in the loop's test.
+
+Compiled kernels may fuse and reorder float operations (a fused multiply-add rounds once where eager rounds
+twice), so a compiled run's samples equal the eager run's to a few units in the last place per operation, not
+bitwise; its counts are identical wherever that rounding flips no verdict (``tests/test_compiled.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable
+
+import torch
+
+from .errors import ConfigError
+
+COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++")  # any of these on PATH builds inductor's CPU kernels
+RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
+
+
+def unavailable(device) -> str | None:
+    """Why ``torch.compile`` cannot compile the lean round on ``device`` here, or None where it can.
+
+    Cheap checks only (nothing is compiled): TorchDynamo supports this Python; on the CPU, inductor finds a C
+    compiler (``$CXX`` or one of :data:`COMPILERS` on ``PATH``); on CUDA, Triton imports.
+
+    Args:
+        device: a ``torch.device`` or its name.
+
+    Returns:
+        None, or one sentence naming what is missing.
+    """
+    dev = torch.device(device)
+    if not hasattr(torch, "compile"):
+        return f"this torch ({torch.__version__}) has no torch.compile"
+    try:
+        from torch._dynamo.eval_frame import is_dynamo_supported
+
+        supported = is_dynamo_supported()
+    except Exception:  # noqa: BLE001  (any failure means it cannot run)
+        supported = False
+    if not supported:
+        return f"torch.compile does not support Python {sys.version.split()[0]} with torch {torch.__version__}"
+    if dev.type == "cpu":
+        import os
+
+        cxx = os.environ.get("CXX")
+        if not (cxx and shutil.which(cxx)) and not any(shutil.which(c) for c in COMPILERS):
+            return "inductor's CPU backend needs a C/C++ compiler on PATH (none of $CXX, " + ", ".join(COMPILERS) + " found)"
+        return None
+    if dev.type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+
+            ok = has_triton()
+        except Exception:  # noqa: BLE001
+            ok = False
+        return None if ok else "inductor's CUDA backend needs Triton, which does not import here"
+    return f"torch.compile of the lean round is supported on cpu and cuda only, not {dev.type}"
+
+
+def check_compile(compile, execution: str, device) -> bool:
+    """``compile`` checked against the execution and the device: a bool, ``False`` or usable here.
+
+    Raises:
+        ConfigError: ``compile`` not a bool; ``compile=True`` with ``execution="path"`` (whose rounds evaluate
+            a varying number of nodes one by one, with nothing static to compile), or where
+            :func:`unavailable` gives a reason.
+    """
+    if not isinstance(compile, bool):
+        raise ConfigError(f"compile={compile!r} is invalid: must be true or false (run the lean round under torch.compile).")
+    if not compile:
+        return False
+    if execution != "tree":
+        raise ConfigError(f"compile=true is invalid with execution={execution}: only the tree execution's round has "
+                          "static shapes to compile (every node of every row, one batched call); set execution=tree, "
+                          "or compile=false.")
+    why = unavailable(device)
+    if why is not None:
+        raise ConfigError(f"compile=true is invalid here: {why}; set compile=false (the eager round, the same law).")
+    return True
+
+
+TRACED_COUPLINGS = ("dgrs", "rmc")  # registered couplings whose verify asks the host nothing: traced into the graphs
+_OUTSIDE: dict = {}
+
+
+def for_compile(coupling):
+    """``coupling`` as the compiled round calls it: D-GRS and RMC (:data:`TRACED_COUPLINGS`, whose verification
+    makes no host synchronisation and has static shapes) as they are, traced into the compiled graphs; any
+    other rule (markmax asks the host several times per call; a rule of the user's is unknown) with its
+    ``verify`` run outside them (``torch.compiler.disable``; the drafting, walk and commit are still compiled).
+
+    Returns:
+        A :class:`specsamp.coupling.Coupling` with the same name, width limit and theory.
+    """
+    import dataclasses
+
+    from .coupling import COUPLINGS
+
+    if coupling.name in TRACED_COUPLINGS and coupling.name in COUPLINGS and COUPLINGS.get(coupling.name).verify is coupling.verify:
+        return coupling
+    fn = coupling.verify
+    if fn not in _OUTSIDE:  # one wrapper per rule: the compiled graphs' guards hold it by identity
+        _OUTSIDE[fn] = torch.compiler.disable(fn, recursive=True)
+    return dataclasses.replace(coupling, verify=_OUTSIDE[fn])
+
+
+_ROUND: list[Callable] = []
+
+
+def compiled_round() -> Callable:
+    """:func:`specsamp.lean._lean_round` under ``torch.compile(dynamic=False)`` (inductor), built once per process.
+
+    TorchDynamo's cache belongs to the function's code, so every run of a process shares the compiled graphs:
+    a tree compiles on its first round and later runs with the same tree, batch size and dtype reuse it. The
+    recompile limit is raised to :data:`RECOMPILE_LIMIT` (from torch's 8) so that a sweep over trees keeps
+    compiling rather than falling back to eager.
+    """
+    if not _ROUND:
+        import torch._dynamo
+
+        from .lean import _lean_round, _network_outside
+
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+        if hasattr(cfg, "accumulated_recompile_limit"):
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        _network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
+        _ROUND.append(torch.compile(_lean_round, dynamic=False))
+    return _ROUND[0]

@@ -1,0 +1,152 @@
+"""``compile=True``: the lean round under ``torch.compile`` keeps the law, the counts and (to rounding) the samples.
+
+Setup: the law tests' ``GaussianMixture(dim=4, components=3, layout_seed=1)`` and ``Schedule.make(8, 1.0)``
+(acceptance about 0.4-0.75 per depth: rejections, so residual draws, in most rounds).
+
+Tolerance of the samples: the compiled kernels may fuse and reorder float operations (a fused multiply-add
+rounds once where eager rounds twice), so a drafted state may differ from eager's in its last bits. Accepted
+drafts carry that difference on; a residual draw amplifies it, since its direction is ``mean_q - mean_p``
+normalised, which a change of eps * |mean| turns by eps * |mean| / (delta * sigma). Bound: about 32 roundings
+per coordinate and step, T = 8 steps, |x| <= 10, and an amplification 1 / delta <= 1e2 for the residual draws of
+this setup (a rejection at delta is about as likely as delta, so smaller deltas almost never draw one): 32 * 8 *
+10 * 1e2 ~ 2**18 units of eps, i.e. 5.8e-11 in float64 and 3.1e-2 in float32 (measured: 9e-15 and 3.2e-5). The
+counts must be identical (no verdict flips on these seeds). Compiling takes 10-30 s per tree on a CPU, so the
+default run compiles one small case (its second test reuses the graphs); float32 and the law test per coupling
+are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsamp import compiled, sampler
+from specsamp.errors import ConfigError
+from specsamp.models import GaussianMixture
+from specsamp.schedule import Schedule
+from specsamp.trees import DraftTree
+
+SCHED = Schedule.make(8, 1.0)
+MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
+FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
+TOL_EPS = 2.0 ** 18  # sample tolerance in units of the dtype's eps (module docstring)
+ATOL = TOL_EPS * torch.finfo(torch.float64).eps
+
+needs_inductor = pytest.mark.skipif(compiled.unavailable("cpu") is not None,
+                                    reason=f"torch.compile unavailable: {compiled.unavailable('cpu')}")
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@needs_inductor
+def test_compiled_round_equals_eager_and_compiles_once_per_tree():
+    # D-GRS on the (2, 3) tree, x0 draft, 40 trajectories, seeds 3 and 4: identical counts, samples to ATOL;
+    # the second seed (other rows finish at other rounds, so other call plans) compiles nothing new
+    tree, kw = DraftTree.uniform(2, 3), dict(draft="x0", execution="tree")
+    before = _graphs()
+    for seed in (3, 4):
+        ref = sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 40, seed=seed, **kw)
+        got = sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 40, seed=seed, compile=True, **kw)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), (seed, f)
+        assert got.batch_nfe == ref.batch_nfe
+        assert (got.accepts < got.attempts).any()  # rejections: the residual draws ran compiled
+        torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=ATOL)
+        if seed == 3:
+            first = _graphs()
+            assert first > before  # it did compile (the drafting graph and the verification/walk graph)
+    assert _graphs() == first
+
+
+@needs_inductor
+def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
+    # a target that turns NaN below sigma 0.5 (test_sampler's): the compiled round's deferred check fails, the
+    # reference round repeats it and raises the precise error; afterwards no deferred-check context is left active
+    from test_sampler import _NaNBelow
+
+    from specsamp.coupling import NonFiniteError, active_checks
+
+    # (the first test's tree, draft, dtype and batch: its compiled graphs serve, nothing new compiles)
+    with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step \d+, children of node \d+"):
+        sampler.sample_speculative(_NaNBelow(), SCHED, DraftTree.uniform(2, 3), "dgrs", 40, draft="x0", execution="tree",
+                                   seed=4, compile=True)
+    assert active_checks() is None
+
+
+def test_compile_refusals_name_the_key():
+    tree = DraftTree.uniform(2, 3)
+    with pytest.raises(ConfigError, match=r"compile='yes' is invalid: must be true or false"):
+        sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 2, execution="tree", compile="yes")
+    with pytest.raises(ConfigError, match=r"compile=true is invalid with execution=path"):
+        sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 2, execution="path", compile=True)
+    with pytest.raises(ConfigError, match=r"compile=true is invalid here: refine=1"):
+        sampler.sample_speculative(MODEL, SCHED, tree, "dgrs", 2, execution="tree", refine=1, compile=True)
+
+
+def test_no_compiler_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert "C/C++ compiler" in compiled.unavailable("cpu")
+    with pytest.raises(ConfigError, match=r"compile=true is invalid here: .*compiler.*compile=false"):
+        sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
+
+
+@pytest.mark.slow
+@needs_inductor
+def test_compiled_round_equals_eager_in_float32():
+    # float32, seed 3, 60 trajectories (test_sampler's float32 tree-vs-path case): identical counts, samples to
+    # 2**18 float32 eps (3.1e-2; the module docstring)
+    model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=torch.float32)
+    kw = dict(seed=3, execution="tree")
+    ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 60, **kw)
+    got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 60, compile=True, **kw)
+    assert got.samples.dtype == torch.float32
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=TOL_EPS * torch.finfo(torch.float32).eps)
+
+
+# one law case per coupling, compiled: a fixed tree with the x0 draft (dgrs), a chain with a history draft
+# (rmc), step-dependent trees with the local-affine draft (markmax: one lean round per distinct tree)
+LAW_CASES = [(("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
+             (("chain", 4), "rmc", "x0_extrap", "none", False),
+             (("by_root", None), "markmax", "x0_affine", "nearest", True)]
+
+
+@pytest.mark.slow
+@needs_inductor
+@pytest.mark.parametrize("i,case", list(enumerate(LAW_CASES)), ids=[c[1] for c in LAW_CASES])
+def test_compiled_output_law_equals_standard_sampler(i, case, reference):
+    # the law tests' statistics (test_sampler.py): 2000 trajectories, seed 300 + i, every p-value > 1e-3
+    from test_sampler import BY_ROOT, N_SPEC, P_MIN, law_pvalues, tree_of
+
+    spec, coupling, draft, prefetch, leaves = case
+    tree = tree_of(("by_root", BY_ROOT) if spec[0] == "by_root" else spec)
+    r = sampler.sample_speculative(MODEL, SCHED, tree, coupling, N_SPEC, draft=draft, prefetch=prefetch,
+                                   evaluate_leaves=leaves, execution="tree", seed=300 + i, compile=True)
+    assert torch.isfinite(r.samples).all()
+    assert (r.accepts < r.attempts).any()
+    p = law_pvalues(r.samples, reference)
+    assert min(p) > P_MIN, p
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from test_sampler import N_REF, REF_SEED
+
+    r = sampler.sample_standard(MODEL, SCHED, N_REF, seed=REF_SEED)
+    return r.samples, MODEL.component(r.samples).numpy()
+
+
+def test_latency_compile_arm_refuses_without_a_compiler(monkeypatch, tmp_path, capsys):
+    from benchmarks import latency
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert latency.main(["--compile", "--n", "1", "--pad", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --compile is invalid here") and "C/C++ compiler" in err
