@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsamp import lean, rounds, sampler
+from specsamp import lean, leantree, rounds, sampler
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -35,9 +35,9 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
-    monkeypatch.setattr(lean, variant[0], variant[1])
+    monkeypatch.setattr(leantree, variant[0], variant[1])
     if variant[0] == "VERIFY_MEMORY":  # one node per chunk: the floor of 2**20 elements would keep one chunk
-        monkeypatch.setattr(lean, "VERIFY_FLOOR", 0)
+        monkeypatch.setattr(leantree, "VERIFY_FLOOR", 0)
     got = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
@@ -147,7 +147,7 @@ def test_uniform_table_serves_a_coupling_that_asks_for_more_calls(monkeypatch):
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     kw = dict(draft="x0", prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
-    monkeypatch.setattr(lean, "UNIFORM_CACHE", 0)
+    monkeypatch.setattr(leantree, "UNIFORM_CACHE", 0)
     got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
