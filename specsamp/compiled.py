@@ -10,7 +10,7 @@ compiles once per process, and the round keeps its one host synchronisation, in 
 
 Compiled kernels may fuse and reorder float operations (a fused multiply-add rounds once where eager rounds
 twice), so a compiled run's samples equal the eager run's to a few units in the last place per operation, not
-bitwise; its counts are identical wherever that rounding flips no verdict (``tests/test_compiled.py``).
+bitwise; its counts are identical wherever that rounding flips no verdict (``tests/core/test_compiled.py``).
 """
 
 from __future__ import annotations
