@@ -14,6 +14,10 @@ import numpy as np
 import torch
 from scipy import stats
 
+from specsamp.models import GaussianMixture
+from specsamp.schedule import Schedule
+from specsamp.trees import DraftTree
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: run.py, conf/, docs/, results/
 TINY = ["model.dim=16", "steps=8", "n_samples=8"]  # a GMM small enough for a subprocess run in seconds
 
@@ -115,3 +119,63 @@ class CountingModel:
             calls += torch.bincount(t.unique(), minlength=m)
             rows += torch.bincount(t, minlength=m)
         return calls, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the sampler's law tests' setup (tests/core/test_sampler.py states it; tests/core/test_compiled.py reuses it)
+
+P_MIN = 1e-3
+N_SPEC = 2000
+N_REF = 4000
+REF_SEED = 10_000
+
+MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
+SCHED = Schedule.make(8, 1.0)
+IRREGULAR = [-1, 0, 0, 0, 1, 1, 2, 4, 4]  # widths 3 / (2, 1, 0) / (2, 0, 0) / leaves
+# step-dependent trees (tree=optimal_per_step's kind): a different shape per root state index 1..6
+BY_ROOT = {1: DraftTree.uniform(2, 3), 2: DraftTree.from_widths([3, 1, 2]), 3: DraftTree.chain(2), 4: DraftTree(IRREGULAR),
+           5: DraftTree.uniform(1, 1), 6: DraftTree.uniform(3, 2)}
+
+
+def tree_of(spec):
+    """A law case's tree from its spec ``(kind, arg)``: uniform, chain, widths, by_root or a parent array."""
+    from specsamp.treesearch import TreesByRoot
+
+    kind, arg = spec
+    if kind == "uniform":
+        return DraftTree.uniform(*arg)
+    if kind == "chain":
+        return DraftTree.chain(arg)
+    if kind == "widths":
+        return DraftTree.from_widths(arg)
+    if kind == "by_root":
+        return TreesByRoot(arg)
+    return DraftTree(arg)
+
+
+def law_reference():
+    """The law tests' reference: ``(samples [N_REF, 4], mixture components [N_REF])`` of the standard sampler."""
+    from specsamp.sampler import sample_standard
+
+    r = sample_standard(MODEL, SCHED, N_REF, seed=REF_SEED)
+    return r.samples, MODEL.component(r.samples).numpy()
+
+
+def law_pvalues(samples, reference):
+    """KS p-values on 3 fixed projections and the chi-square p-value of the mixture components, against ``reference``."""
+    ref, ref_lab = reference
+    p = two_sample_pvalues(samples, ref, directions=3, seed=0)
+    p.append(chi2_same_counts(MODEL.component(samples).numpy(), ref_lab, MODEL.means.shape[0]))
+    return p
+
+
+class NaNBelow:
+    """The test GMM, except that its velocity is NaN for trajectory states with x[0] > 0 below sigma 0.6."""
+
+    event_shape, dtype, device = MODEL.event_shape, MODEL.dtype, "cpu"
+
+    def __call__(self, x, sigma, **cond):
+        v = MODEL(x, sigma)
+        bad = (sigma < 0.6) & (x[:, 0] > 0)
+        v[bad] = float("nan")
+        return v

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import BY_ROOT, N_SPEC, P_MIN, NaNBelow, law_pvalues, law_reference, tree_of
 from specsamp import compiled, sampler
 from specsamp.errors import ConfigError
 from specsamp.models import GaussianMixture
@@ -66,13 +67,11 @@ def test_compiled_round_equals_eager_and_compiles_once_per_tree():
 def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
     # a target that turns NaN below sigma 0.5 (test_sampler's): the compiled round's deferred check fails, the
     # reference round repeats it and raises the precise error; afterwards no deferred-check context is left active
-    from test_sampler import _NaNBelow
-
     from specsamp.coupling import NonFiniteError, active_checks
 
     # (the first test's tree, draft, dtype and batch: its compiled graphs serve, nothing new compiles)
     with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step \d+, children of node \d+"):
-        sampler.sample_speculative(_NaNBelow(), SCHED, DraftTree.uniform(2, 3), "dgrs", 40, draft="x0", execution="tree",
+        sampler.sample_speculative(NaNBelow(), SCHED, DraftTree.uniform(2, 3), "dgrs", 40, draft="x0", execution="tree",
                                    seed=4, compile=True)
     assert active_checks() is None
 
@@ -122,8 +121,6 @@ LAW_CASES = [(("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
 @pytest.mark.parametrize("i,case", list(enumerate(LAW_CASES)), ids=[c[1] for c in LAW_CASES])
 def test_compiled_output_law_equals_standard_sampler(i, case, reference):
     # the law tests' statistics (test_sampler.py): 2000 trajectories, seed 300 + i, every p-value > 1e-3
-    from test_sampler import BY_ROOT, N_SPEC, P_MIN, law_pvalues, tree_of
-
     spec, coupling, draft, prefetch, leaves = case
     tree = tree_of(("by_root", BY_ROOT) if spec[0] == "by_root" else spec)
     r = sampler.sample_speculative(MODEL, SCHED, tree, coupling, N_SPEC, draft=draft, prefetch=prefetch,
@@ -136,10 +133,7 @@ def test_compiled_output_law_equals_standard_sampler(i, case, reference):
 
 @pytest.fixture(scope="module")
 def reference():
-    from test_sampler import N_REF, REF_SEED
-
-    r = sampler.sample_standard(MODEL, SCHED, N_REF, seed=REF_SEED)
-    return r.samples, MODEL.component(r.samples).numpy()
+    return law_reference()
 
 
 def test_latency_compile_arm_refuses_without_a_compiler(monkeypatch, tmp_path, capsys):

@@ -12,11 +12,11 @@ seeds are fixed so the outcome is deterministic). The sensitivity tests show, on
 a biased coupling gives p < 1e-3.
 """
 
-
 import pytest
 import torch
 
-from helpers import CountingModel, chi2_same_counts, two_sample_pvalues
+from helpers import (BY_ROOT, IRREGULAR, MODEL, N_SPEC, P_MIN, REF_SEED, SCHED, CountingModel, NaNBelow, law_pvalues,
+                     law_reference, tree_of)
 from specsamp.coupling import Verdict, dgrs, rmc
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative, sample_standard
@@ -25,44 +25,9 @@ from specsamp.treesearch import TreesByRoot
 from specsamp.trees import DraftTree
 
 
-
-P_MIN = 1e-3
-N_SPEC = 2000
-N_REF = 4000
-REF_SEED = 10_000
-
-MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
-SCHED = Schedule.make(8, 1.0)
-IRREGULAR = [-1, 0, 0, 0, 1, 1, 2, 4, 4]  # widths 3 / (2, 1, 0) / (2, 0, 0) / leaves
-# step-dependent trees (tree=optimal_per_step's kind): a different shape per root state index 1..6
-BY_ROOT = {1: DraftTree.uniform(2, 3), 2: DraftTree.from_widths([3, 1, 2]), 3: DraftTree.chain(2), 4: DraftTree(IRREGULAR),
-           5: DraftTree.uniform(1, 1), 6: DraftTree.uniform(3, 2)}
-
-
-def tree_of(spec) -> DraftTree:
-    kind, arg = spec
-    if kind == "uniform":
-        return DraftTree.uniform(*arg)
-    if kind == "chain":
-        return DraftTree.chain(arg)
-    if kind == "widths":
-        return DraftTree.from_widths(arg)
-    if kind == "by_root":
-        return TreesByRoot(arg)
-    return DraftTree(arg)
-
-
 @pytest.fixture(scope="module")
 def reference():
-    r = sample_standard(MODEL, SCHED, N_REF, seed=REF_SEED)
-    return r.samples, MODEL.component(r.samples).numpy()
-
-
-def law_pvalues(samples, reference):
-    ref, ref_lab = reference
-    p = two_sample_pvalues(samples, ref, directions=3, seed=0)
-    p.append(chi2_same_counts(MODEL.component(samples).numpy(), ref_lab, MODEL.means.shape[0]))
-    return p
+    return law_reference()
 
 
 # (tree, coupling, draft, prefetch, evaluate_leaves, execution): every coupling, draft, prefetch and
@@ -567,24 +532,12 @@ def test_warmup_step0_keeps_the_law_and_saves_the_warmup_call(spec, coupling, re
         sample_speculative(MODEL, SCHED, tree, coupling, 2, warmup="nope")
 
 
-class _NaNBelow:
-    """The test GMM, except that its velocity is NaN for trajectory states with x[0] > 0 below sigma 0.6."""
-
-    event_shape, dtype, device = MODEL.event_shape, MODEL.dtype, "cpu"
-
-    def __call__(self, x, sigma, **cond):
-        v = MODEL(x, sigma)
-        bad = (sigma < 0.6) & (x[:, 0] > 0)
-        v[bad] = float("nan")
-        return v
-
-
 @pytest.mark.parametrize("execution", ["path", "tree"])
 def test_non_finite_velocity_is_refused_naming_trajectory_step_and_node(execution):
     from specsamp.coupling import NonFiniteError
 
     with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step [3-7], children of node \d+ \(depth \d\)") as err:
-        sample_speculative(_NaNBelow(), SCHED, DraftTree.uniform(2, 2), "dgrs", 8, execution=execution, seed=4)
+        sample_speculative(NaNBelow(), SCHED, DraftTree.uniform(2, 2), "dgrs", 8, execution=execution, seed=4)
     assert err.value.rows and all(0 <= r < 8 for r in err.value.rows)
 
 
