@@ -231,7 +231,7 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
     lt.false = torch.zeros((), dtype=torch.bool, device=dev)
     lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)
-    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, 4, :, 0], lt.one)
+    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, COEFS.index("std"), :, 0], lt.one)
                         for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
 
 
