@@ -128,15 +128,15 @@ def counting():
     """Count ATen calls and host syncs of everything run inside; yields the :class:`OpCounts`.
 
     The target's forward passes are counted as region ``network`` and coupling calls as ``coupling``,
-    by wrapping ``specsamp.chains._Velocity.__call__`` and ``specsamp.coupling.Coupling.__call__`` for
-    the duration (restored on exit).
+    by wrapping ``specsamp.chains._Velocity.__call__``, ``specsamp.coupling.Coupling.__call__`` and
+    ``Coupling.choice`` for the duration (restored on exit).
     """
     from specsamp import coupling as cmod
     from specsamp import chains as smod
 
     counts = OpCounts()
     mode = OpCounter(counts)
-    vel_call, coup_call = smod._Velocity.__call__, cmod.Coupling.__call__
+    vel_call, coup_call, coup_choice = smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice
     tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
 
     def velocity(self, *a, **k):
@@ -148,6 +148,10 @@ def counting():
         with mode.enter("coupling"):
             return coup_call(self, *a, **k)
 
+    def choice(self, *a, **k):
+        with mode.enter("coupling"):
+            return coup_choice(self, *a, **k)
+
     def tolist_(self, *a, **k):
         mode.sync("tolist")
         return tolist(self, *a, **k)
@@ -156,13 +160,13 @@ def counting():
         mode.sync("numpy")
         return numpy(self, *a, **k)
 
-    smod._Velocity.__call__, cmod.Coupling.__call__ = velocity, coupling
+    smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = velocity, coupling, choice
     torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
     try:
         with mode:
             yield counts
     finally:
-        smod._Velocity.__call__, cmod.Coupling.__call__ = vel_call, coup_call
+        smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = vel_call, coup_call, coup_choice
         torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
 
 

@@ -98,7 +98,7 @@ def for_compile(coupling):
     """``coupling`` as the compiled round calls it: D-GRS and RMC (:data:`TRACED_COUPLINGS`, whose verification
     makes no host synchronisation and has static shapes) as they are, traced into the compiled graphs; any
     other rule (markmax asks the host several times per call; a rule of the user's is unknown) with its
-    ``verify`` run outside them (``torch.compiler.disable``; the drafting, walk and commit are still compiled).
+    ``verify`` (and ``decide``) run outside them (``torch.compiler.disable``; the drafting, walk and commit are still compiled).
 
     Returns:
         A :class:`specsamp.coupling.Coupling` with the same name, width limit and theory.
@@ -109,10 +109,11 @@ def for_compile(coupling):
 
     if coupling.name in TRACED_COUPLINGS and coupling.name in COUPLINGS and COUPLINGS.get(coupling.name).verify is coupling.verify:
         return coupling
-    fn = coupling.verify
-    if fn not in _OUTSIDE:  # one wrapper per rule: the compiled graphs' guards hold it by identity
-        _OUTSIDE[fn] = torch.compiler.disable(fn, recursive=True)
-    return dataclasses.replace(coupling, verify=_OUTSIDE[fn])
+    for fn in (coupling.verify, coupling.decide):
+        if fn is not None and fn not in _OUTSIDE:  # one wrapper per rule: the compiled graphs' guards hold it by identity
+            _OUTSIDE[fn] = torch.compiler.disable(fn, recursive=True)
+    return dataclasses.replace(coupling, verify=_OUTSIDE[coupling.verify],
+                               decide=None if coupling.decide is None else _OUTSIDE[coupling.decide])
 
 
 _ROUND: list[Callable] = []

@@ -49,12 +49,13 @@ class Verdict:
     """Output of a coupling.
 
     Attributes:
-        sample: ``[n, *event]``, an exact draw from ``N(mean_q, sigma^2 I)``.
+        sample: ``[n, *event]``, an exact draw from ``N(mean_q, sigma^2 I)``; None from a rule's ``decide``
+            (:class:`Coupling`), which gives the choice alone.
         accepted: ``[n]`` bool, True where ``sample`` equals ``children[i, index[i]]``.
         index: ``[n]`` long, the accepted child, or ``K`` where the residual was sampled.
     """
 
-    sample: torch.Tensor
+    sample: torch.Tensor | None
     accepted: torch.Tensor
     index: torch.Tensor
 
@@ -169,18 +170,36 @@ class Coupling:
             drafted child is the one accepted (D-GRS: eq. 19's increments). ``tree=optimal`` searches
             trees with it (:func:`specsamp.treesearch.profile_positional`) and refuses a rule without it
             before any target call. ``None``: no theory; every other tree works.
+        decide: optional, ``verify``'s choice alone: the same arguments, the same numbers drawn for the choice,
+            and a :class:`Verdict` with the same ``accepted`` and ``index`` but ``sample=None``. Where a rule's
+            sample of a rejection is costly (D-GRS's residual inversion) and only a few rows' samples are
+            used, a caller decides every row and then calls ``verify`` again on those rows only (the tree
+            execution: every internal node is verified, one per trajectory is committed). ``None``: the
+            caller always calls ``verify``.
     """
 
     name: str
     verify: Callable[..., Verdict]
     max_children: int | None = None
     positional: Callable | None = None
+    decide: Callable[..., Verdict] | None = None
 
     def __call__(self, children, mean_p, mean_q, sigma, generator=None) -> Verdict:
         verdict = self.verify(children, mean_p, mean_q, sigma, generator)
         if not isinstance(verdict, Verdict):
             raise TypeError(f"coupling {self.name!r} returned {type(verdict).__name__}; "
                             "a coupling must return a specsamp.coupling.Verdict")
+        return verdict
+
+    def choice(self, children, mean_p, mean_q, sigma, generator=None) -> Verdict:
+        """``verify``'s ``accepted`` and ``index`` (same arguments, same numbers): ``decide`` where the rule has
+        one (then ``sample`` is None), else ``verify`` itself."""
+        if self.decide is None:
+            return self(children, mean_p, mean_q, sigma, generator)
+        verdict = self.decide(children, mean_p, mean_q, sigma, generator)
+        if not isinstance(verdict, Verdict):
+            raise TypeError(f"coupling {self.name!r}'s decide returned {type(verdict).__name__}; "
+                            "it must return a specsamp.coupling.Verdict")
         return verdict
 
     def check_tree(self, tree) -> None:
@@ -202,10 +221,11 @@ class Coupling:
 COUPLINGS: Registry[Coupling] = Registry("coupling")
 
 
-def register_coupling(name: str, max_children: int | None = None,
-                      positional: Callable | None = None) -> Callable[[Callable[..., Verdict]], Coupling]:
+def register_coupling(name: str, max_children: int | None = None, positional: Callable | None = None,
+                      decide: Callable | None = None) -> Callable[[Callable[..., Verdict]], Coupling]:
     """Decorator: register a ``verify`` function (contract: :class:`Coupling`) as coupling ``name``,
-    with its widest node ``max_children`` and its optional theory ``positional`` (:class:`Coupling`).
+    with its widest node ``max_children``, its optional theory ``positional`` and its optional
+    choice-only ``decide`` (:class:`Coupling`).
 
     Returns:
         A decorator that returns the registered :class:`Coupling` (callable like the function).
@@ -215,7 +235,7 @@ def register_coupling(name: str, max_children: int | None = None,
     """
 
     def deco(fn: Callable[..., Verdict]) -> Coupling:
-        return COUPLINGS.register(name, Coupling(name, fn, max_children, positional))
+        return COUPLINGS.register(name, Coupling(name, fn, max_children, positional, decide))
 
     return deco
 
@@ -471,7 +491,15 @@ def _rmc_positional(delta, K: int):
     return rmc_positional(delta, K)
 
 
-@register_coupling("dgrs", positional=_dgrs_positional)
+def _dgrs_decide(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
+    """:func:`dgrs`'s choice alone (``sample=None``): the same projection and acceptance uniforms, no residual."""
+    proj = project(children, mean_p, mean_q, sigma)
+    rows = uniform_rows(generator, children.shape[0], children.device)
+    index, _ = grs_select(proj.delta, proj.s_hat, rows, residual=False)
+    return Verdict(None, index < children.shape[1], index)
+
+
+@register_coupling("dgrs", positional=_dgrs_positional, decide=_dgrs_decide)
 def dgrs(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """Diffusion greedy rejection sampling (Algorithm 3), any ``K >= 1``.
 

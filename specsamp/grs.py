@@ -221,7 +221,8 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     return s
 
 
-def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows,
+               residual: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scalar part of Algorithm 3: which child to accept, and the residual projection.
 
     Child ``j`` is accepted with probability ``beta_j = min(1, (rho_j - lambda_{j-1})_+ / G_j)``, that
@@ -234,6 +235,8 @@ def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Te
         delta: float64 ``[n]``.
         s_hat: float64 ``[n, K]`` projections, examined in column order.
         rows: per-row uniform source (``uniform(m) -> [n, m]``); draws ``K`` then 1 per row.
+        residual: False: the choice alone (``s_res`` is None and the residual's uniform is not drawn; the
+            index is the same, from the same ``K`` uniforms).
 
     Returns:
         ``(index [n] long, s_res [n] float64)``; ``index == K`` where every child was rejected,
@@ -250,6 +253,8 @@ def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows) -> tuple[torch.Te
     else:
         accept = log_rho >= torch.log(torch.addcmul(torch.stack(lam[:k], 1), u, torch.stack(g[:k], 1)))
     index = accept.logical_not().cumprod(1).sum(1)  # leading rejections: the first accepted, or K
+    if not residual:
+        return index, None
     u_res = rows.uniform(1)[:, 0]
     s_res = sample_grs_residual(delta, lam[k], g[k], u_res)
     return index, s_res

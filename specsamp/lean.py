@@ -77,7 +77,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     draft_keys, verify_keys = ctx.key_tables
     buf = lt.buffers
     states = buf.states  # [N, M, D]
-    need_vkeys = lt.uniform_cache is None or buf.residual is None
+    need_vkeys = lt.uniform_cache is None
     if lt.key_cache is not None:  # per-run tables of every (row, root, node) key
         keys = lt.key_cache[0][ar, n].T if lt.noise_cache is None else None  # [N-1, M]
         vkeys_all = lt.key_cache[1][ar, n].T if need_vkeys else None  # [N, M]
@@ -123,6 +123,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     acc, idx = buf.acc, buf.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
     res = buf.residual  # [I, M, D]: each internal node's verdict sample
     bad = lt.false
+    # where no verdict sample is kept, the chunks decide (a rule's choice alone, where it has one) and the
+    # walk's one residual per row is drawn after the walk (_residual_again)
+    verify = ctx.coupling.choice if res is None and not ctx.check_contract else ctx.coupling
     with deferred_checks() as checks:
         for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(buf.chunks, lt.sigma_by_root):
             c = u.numel()
@@ -144,8 +147,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             else:
                 drawn = [(d[u_sl] if u_sl is not None else d[u]).reshape(c * M, -1) for d in drawn_all]
                 rows = rng.KeyedRows(_chunk_keys(lt, vkeys_all, ar, n, u), drawn)
-            verdict = ctx.coupling(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
-                                   rows)  # line 17, every internal node at once
+            verdict = verify(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
+                             rows)  # line 17, every internal node at once
             acc[:, u] = verdict.accepted.reshape(c, M).T
             idx[:, u] = verdict.index.reshape(c, M).T
             if res is not None:
@@ -153,20 +156,20 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             if ctx.check_contract:
                 bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
             del kids, verdict, mean_p, mean_q, xu, vu
+        # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
+        p = lt.parent1
+        taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
+        on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
+        ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
+        rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
+        if res is not None:
+            out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
+        else:  # its checks deferred too: no host synchronisation
+            out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, drawn_all, n, ustar, rejected)
     if checks.bad is not None:
         bad = bad | checks.bad
-    # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
-    p = lt.parent1
-    taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
-    on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
-    ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
-    rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected, lt.zero_long)
-    if res is not None:
-        out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
-    else:
-        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected)
     rej_col = rejected[:, None]
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
     v_cur = torch.where(lt.is_root_col[last], v0, vrest[lt.vrest_row[last], ar])
@@ -221,6 +224,15 @@ def _chunk_keys(lt, vkeys_all, ar, n, u):
     if vkeys_all is not None:
         return vkeys_all[u].reshape(-1)
     return lambda: lt.key_cache[1][ar, n].T[u].reshape(-1)
+
+
+def _rows_of(lt, vkeys_all, drawn_all, ar, n, w):
+    """The uniform source of node ``w[i]`` of every row ``i`` (long ``[M]``): its rows of the run's uniform table
+    where there is one (its keys drawn only if a coupling asks for more), else its keys."""
+    if drawn_all is None:
+        return rng.KeyedRows(vkeys_all[w, ar])
+    keys = vkeys_all[w, ar] if vkeys_all is not None else (lambda: lt.key_cache[1][ar, n, w])  # [M]
+    return rng.KeyedRows(keys, [d[w, ar] for d in drawn_all])
 
 
 def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
@@ -291,13 +303,12 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
-def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, ustar, rejected) -> torch.Tensor:
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, drawn_all, n, ustar, rejected) -> torch.Tensor:
     """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
     at a rejection, the verification of that node drawn again (one coupling call per node width, over every
-    row: the node's own keys, so the same numbers as the first call); elsewhere the reached leaf."""
-    N, M = states.shape[:2]
-    e = ctx.x_event
-    ar = torch.arange(M, device=states.device)
+    row: the node's own keys or its rows of the run's uniform table ``drawn_all``, so the same numbers as the
+    first call); elsewhere the reached leaf."""
+    M, e, ar = states.shape[1], ctx.x_event, lt.ar
     out = states[ustar, ar]
     for k, rep, of_width in lt.width_groups:
         mine = of_width[ustar]
@@ -316,7 +327,7 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, us
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
         verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
-                               rng.KeyedRows(vkeys_all[w, ar]))
+                               _rows_of(lt, vkeys_all, drawn_all, ar, n, w))
         out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
     return out
 

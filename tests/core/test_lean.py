@@ -152,3 +152,46 @@ def test_uniform_table_serves_a_coupling_that_asks_for_more_calls(monkeypatch):
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     assert torch.equal(got.samples, ref.samples)
+
+
+def test_dgrs_decide_gives_verify_choice_and_draws_the_same_numbers():
+    # the choice alone (Coupling.decide) equals verify's accepted and index on the same numbers: deltas from 0
+    # to 300, K = 1..5, float32 and float64; the sample is None
+    from specsamp.coupling import COUPLINGS
+    from specsamp.rng import KeyedRows
+
+    dgrs = COUPLINGS.get("dgrs")
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        for k in (1, 2, 5):
+            n, d = 64, 6
+            mean_p = torch.randn(n, d, generator=g, dtype=dtype)
+            shift = torch.logspace(-8, 2.5, n, dtype=torch.float64).to(dtype)[:, None] * torch.randn(n, d, generator=g, dtype=dtype)
+            mean_q = mean_p + shift
+            mean_q[:4] = mean_p[:4]  # delta = 0
+            kids = mean_p[:, None] + torch.randn(n, k, d, generator=g, dtype=dtype)
+            keys = torch.arange(n, dtype=torch.long) * 7919
+            full = dgrs(kids, mean_p, mean_q, 1.0, KeyedRows(keys))
+            only = dgrs.decide(kids, mean_p, mean_q, 1.0, KeyedRows(keys))
+            assert only.sample is None
+            assert torch.equal(only.accepted, full.accepted) and torch.equal(only.index, full.index)
+
+
+def test_round_without_kept_samples_decides_then_draws_one_residual_per_row_without_syncs(monkeypatch):
+    # RESIDUAL_CACHE = 0: no verdict sample is kept; the chunks call dgrs.decide (no residual inversion), the
+    # walk's residuals are drawn for the M rows only, and the round still synchronises the host once
+    from benchmarks import opcount
+    from specsamp import grs
+
+    model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=torch.float64)
+    ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 40, execution="tree", seed=3)
+    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    inversion = grs.sample_grs_residual
+    rows = []
+    monkeypatch.setattr(grs, "sample_grs_residual", lambda delta, *a, **k: rows.append(delta.shape[0]) or inversion(delta, *a, **k))
+    with opcount.counting() as c:
+        got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 40, execution="tree", seed=3)
+    assert rows and set(rows) == {40}, rows  # one inversion per round, over the batch's rows
+    assert c.syncs["round"] + c.syncs["coupling"] <= int(got.rounds.max()), dict(c.by_op)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
