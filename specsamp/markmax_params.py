@@ -387,7 +387,13 @@ def bin_shares(keys: torch.Tensor, K: int) -> torch.Tensor:
 
     The smallest of :func:`_largest_feasible` (up to ``t = 1``) at the bin's edges ``2^((k -+ 1/2) / KEY_STEPS)``
     and its centre ``2^(k / KEY_STEPS)``, so that nearly every ``delta`` of the bin passes :func:`feasible` at it
-    without a search of its own. Each key's value is computed from that key alone (no reduction across keys).
+    without a search of its own. Each key's value is computed from that key alone, whatever the other keys of
+    the call: the three deltas are ``2^(j / (2 KEY_STEPS)) 2^q`` with ``j`` and ``q`` the remainder and
+    quotient of ``2k -+ 1`` and ``2k`` by ``2 KEY_STEPS``, the 128 fractional powers from one ``exp2`` call of
+    fixed layout and the power of two exact (``torch.exp2`` of a tensor rounds its last elements by another
+    kernel than the others, so ``exp2((k -+ 1/2) / KEY_STEPS)`` would depend on where the key sits in the
+    batch, and at a few bins above ``delta = 150`` that flips the certificate). The values equal
+    ``exp2`` 's vectorised kernel, bit for bit.
 
     Args:
         keys: float64 ``[m]``, integer-valued bin keys.
@@ -396,7 +402,11 @@ def bin_shares(keys: torch.Tensor, K: int) -> torch.Tensor:
     Returns:
         float64 ``[m]``: multiples of ``2^-SHARE_STEPS`` in ``[0, 1]``.
     """
-    dk = torch.exp2(torch.cat([keys - 0.5, keys, keys + 0.5]) / KEY_STEPS)
+    steps = 2 * KEY_STEPS
+    half = torch.cat([2.0 * keys - 1.0, 2.0 * keys, 2.0 * keys + 1.0])  # 2 KEY_STEPS log2 of the edges and centre
+    q = torch.floor(half / steps)
+    powers = torch.exp2(torch.arange(steps, dtype=torch.float64, device=keys.device) / steps)
+    dk = powers.index_select(0, (half - q * steps).long()) * torch.exp2(q)  # exp2 of an integer is exact
     ck = crossing(dk, K)
     tk = _largest_feasible(dk, K, ck, log_bound_gap(dk, K, ck), torch.ones_like(dk))
     return tk.reshape(3, -1).amin(0)
