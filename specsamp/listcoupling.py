@@ -54,7 +54,10 @@ and on that interval ``kappa z`` is bounded piecewise by its values at the piece
 :func:`share` takes the largest certified ``t`` (acceptance grows with ``t``; bisection on ``t``,
 cached per delta-bin and re-certified at each row's own ``delta``); where D-GRS would still accept more
 (and for ``delta < 1e-6``), :func:`markmax` hands the row to D-GRS. Both choices depend on ``delta``
-and ``K`` only, so the mixture is exact.
+and ``K`` only, so the mixture is exact. Inside :func:`specsamp.coupling.deferred_checks` the bin's
+share is gathered from :func:`specsamp.markmax_params.share_table` (every bin from ``DELTA_MIN`` to
+``TABLE_DELTA_MAX``, built once per process and ``(K, device)``) and re-certified, with no search: a
+row it cannot certify sets the context's flag, and the caller repeats the call outside it.
 
 Acceptance. ``1 - Gamma_{K+1}`` where ``Gamma_1 = A`` and GRS's remaining masses, in unconditional
 units (``Gamma_k = A G_k``, ``mu_k = lambda_k A^((K-1)/K)``), follow
