@@ -422,18 +422,20 @@ def share_table(K: int, device) -> torch.Tensor:
     Built once per process and ``(K, device)``, on first use, by one :func:`bin_shares` call over all
     ``KEY_MAX - KEY_MIN + 1 = 1917`` bins (about 5,800 rows of :func:`_largest_feasible`; no host
     synchronisation), then read by a gather (:func:`static_share`). Its values are those :func:`share`
-    computes and caches key by key (``tests/core/test_listcoupling.py`` checks every bin for K = 2..16).
+    computes and caches key by key (``tests/core/test_listcoupling.py``: 120 bins per K in the default run,
+    every bin in a slow test, K = 2..16).
 
     Why the table stops at ``TABLE_DELTA_MAX = 2^10``: a row beyond it is not served by the table
-    (:func:`static_share` reports it uncertified, and the sampler's lean round hands the round to the
-    reference round, which runs :func:`share`), so the bound sets cost, not the law. Up to about
-    ``delta = 100`` every bin has ``t = 1`` from ``delta ~ 1`` on (K <= 16) and every row passes its own
-    certificate; above it the float64 rounding of the log-space ratios (``delta y - delta^2 / 2`` near
-    ``y ~ delta / 2``: about ``delta^2 eps``, 1e-12 at ``delta = 100``) reaches the certificate's
-    ``1e-12`` tolerance on ``kappa <= 1``, so ``t = 1`` is refused in about two bins of three and 2-4% of
-    rows fail their own certificate (measured on 20,000 log-uniform deltas per decade, K = 2, 4, 16). Three
-    octaves further, ``2^10``, the table still serves 96% or more of the rows there, covers the law tests'
-    deltas (up to 300) with room, and costs 30 bins per octave less than going on.
+    (:func:`static_share` reports it uncertified, and the sampler's lean round hands the round to the reference
+    round, which runs :func:`share`: the same law), so the bound sets cost, not the law. Up to ``2^7`` every bin
+    from ``delta = 1`` on has ``t = 1`` for every K <= 16, and no row below ``delta = 100`` fails its own
+    certificate (20,000 log-uniform deltas per decade, K = 2, 4, 16). Above, the float64 rounding of the
+    log-space ratios (``delta y - delta^2 / 2`` near ``y = delta / 2``: about ``delta^2 eps``, 4e-12 at 128)
+    is of the order of the certificate's ``1e-12`` tolerance on ``kappa <= 1``: up to ``2^10``, ``t = 1`` is
+    refused in 20-67% of the bins (by K) and 2-4% of the rows fail their own certificate. The sampler does
+    reach there (the GMM with the x0 draft and the optimal B = 14 tree: deltas up to 132, 242 of 15,600
+    verified rows above 100), so the table goes three octaves beyond ``2^7``; ``2^10`` also covers the law
+    tests' deltas (up to 300).
 
     Args:
         K: children per parent.
