@@ -188,7 +188,7 @@ def plan(delta: torch.Tensor, K: int) -> Plan:
 
 
 def static_plan(delta: torch.Tensor, K: int) -> tuple[Plan, torch.Tensor]:
-    """:func:`plan` with static shapes and no host synchronisation: every row's parameters, the split by ``torch.where``.
+    """:func:`plan` with static shapes and no host synchronisation: every row's parameters, split by ``torch.where``.
 
     Every row gets marked-maximum parameters (:func:`specsamp.markmax_params.static_share`; rows below
     ``DELTA_MIN`` those of ``delta = 1``, never used), GRS levels and acceptance, and ``use`` is :func:`plan`'s

@@ -378,7 +378,7 @@ def _largest_feasible(delta, K, c, log_R, t_hi) -> torch.Tensor:
     return torch.where(ok_hi, t_hi, lo)
 
 
-KEY_MIN = round(KEY_STEPS * math.log2(DELTA_MIN))  # bin key of DELTA_MIN: every delta the rule serves has key >= KEY_MIN
+KEY_MIN = round(KEY_STEPS * math.log2(DELTA_MIN))  # bin key of DELTA_MIN: every delta the rule serves has one >= it
 KEY_MAX = round(KEY_STEPS * math.log2(TABLE_DELTA_MAX))  # the share table's last bin
 
 
@@ -417,7 +417,7 @@ _SHARE_TABLES: dict[tuple[int, str], torch.Tensor] = {}  # (K, device) -> share_
 
 
 def share_table(K: int, device) -> torch.Tensor:
-    """The share of every delta-bin from ``KEY_MIN`` (``DELTA_MIN``) to ``KEY_MAX`` (``TABLE_DELTA_MAX``), on ``device``.
+    """The share of every delta-bin from ``KEY_MIN`` (``DELTA_MIN``) to ``KEY_MAX`` (``TABLE_DELTA_MAX``) on ``device``.
 
     Built once per process and ``(K, device)``, on first use, by one :func:`bin_shares` call over all
     ``KEY_MAX - KEY_MIN + 1 = 1917`` bins (about 5,800 rows of :func:`_largest_feasible`; no host

@@ -289,12 +289,14 @@ def test_share_table_equals_the_shares_share_caches(monkeypatch):
     rng = np.random.default_rng(0)
     for K in range(2, 17):
         table = lc.share_table(K, "cpu")
-        keys = np.concatenate([[lc.KEY_MIN, lc.KEY_MAX], rng.choice(np.arange(lc.KEY_MIN + 1, lc.KEY_MAX), 118, replace=False)])
+        inner = rng.choice(np.arange(lc.KEY_MIN + 1, lc.KEY_MAX), 118, replace=False)
+        keys = np.concatenate([[lc.KEY_MIN, lc.KEY_MAX], inner])
         rng.shuffle(keys)
         start = 0
         while start < keys.size:
             stop = start + int(rng.integers(1, 41))
-            lc.share(torch.exp2(torch.tensor(keys[start:stop], dtype=torch.float64) / lc.KEY_STEPS).clamp_min(lc.DELTA_MIN), K)
+            centres = torch.exp2(torch.tensor(keys[start:stop], dtype=torch.float64) / lc.KEY_STEPS)
+            lc.share(centres.clamp_min(lc.DELTA_MIN), K)
             start = stop
         got = torch.tensor([mp._SHARE_CACHE[(K, int(k))] for k in keys], dtype=torch.float64)
         assert torch.equal(got, table[torch.from_numpy(keys - lc.KEY_MIN)]), K
@@ -339,7 +341,8 @@ def test_lean_round_hands_uncertified_rounds_to_the_reference_round(monkeypatch)
 
     def wrong(delta, K):
         p, _ = real(delta, K)
-        return lc.make_params(delta, K, torch.zeros_like(delta), p.c, p.log_R), torch.zeros_like(delta, dtype=torch.bool)
+        none = torch.zeros_like(delta, dtype=torch.bool)
+        return lc.make_params(delta, K, torch.zeros_like(delta), p.c, p.log_R), none
 
     monkeypatch.setattr(lc, "static_share", wrong)
     got = sampler.sample_speculative(model, sched, tree, "markmax", 40, execution="tree", **kw)
