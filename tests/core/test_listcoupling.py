@@ -367,3 +367,31 @@ def test_share_table_equals_bin_shares_of_every_key_in_any_batch():
             got[start:stop] = mp.bin_shares(torch.tensor(keys[start:stop], dtype=torch.float64), K)
             start = stop
         assert torch.equal(got, lc.share_table(K, "cpu")[torch.from_numpy(keys - lc.KEY_MIN)]), K
+
+
+def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual_per_row(monkeypatch):
+    # RESIDUAL_CACHE = 0: the chunks call markmax's decide (its choice alone, no residual branches), the walk's
+    # residuals are drawn by verify for the M rows; counts identical and samples bitwise equal to the default
+    # lean round (GMM dim 4, 8 steps, 40 trajectories, seed 3, (2, 3) tree), one host sync per round in all
+    from benchmarks import opcount
+    from specsamp import leantree, sampler
+    from specsamp.models import GaussianMixture
+    from specsamp.schedule import Schedule
+    from specsamp.trees import DraftTree
+
+    model = GaussianMixture(dim=4, components=3, layout_seed=1)
+    kw = dict(draft="x0", prefetch="nearest", seed=3, execution="tree")
+    sched, tree = Schedule.make(8, 1.0), DraftTree.uniform(2, 3)
+    ref = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
+    rows = []  # (rows, whether the residual was drawn) of each markmax call
+    choose = lc._choose
+    monkeypatch.setattr(lc, "_choose",
+                        lambda proj, *u: rows.append((proj.delta.numel(), u[2] is not None)) or choose(proj, *u))
+    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    with opcount.counting() as c:
+        got = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
+    assert {r for r, res in rows if res} == {40} and any(not res for _, res in rows), set(rows)
+    assert c.syncs["round"] + c.syncs["coupling"] <= int(got.rounds.max()), dict(c.by_op)
+    for f in ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert torch.equal(got.samples, ref.samples)
