@@ -4,7 +4,9 @@ Exactness: ``specsamp`` registers ``markmax``, so ``tests/core/test_coupling.py`
 :func:`specsamp.testing.check_exactness` on it (delta 0..300, K up to 32, float32/float64) like on
 every other rule. Here, a 1-D check of the scalar
 rule (n = 200000) also asserts that each of its four branches was taken and the output is exact. Acceptance and positional
-probabilities are compared with theory within 4 standard errors (fixed seeds, n stated per test).
+probabilities are compared with theory within 4 standard errors (fixed seeds, n stated per test). The static
+path (inside ``deferred_checks``) is held to the eager path's bits, to no host synchronisation, and to flagging
+every row its share table cannot certify; the table to the shares ``share`` computes key by key.
 """
 
 import math
