@@ -18,7 +18,9 @@ Sections, each printed as soon as it is measured (timings are best-of-``repeats`
    the coupling's own counted apart, per arm (standard; D-GRS (2,3), (2,5); RMC chains 14 and 62; the
    ``x0`` draft with the optimal tree at B = 14 and 62 from the shipped profiles; ``x0_extrap_gated`` with a
    tree per root step at B = 14), tree execution, at
-   1 and 16 trajectories, on the digits network and the GMM (:mod:`benchmarks.opcount`).
+   1 and 16 trajectories, on the digits network and the GMM (:mod:`benchmarks.opcount`); where
+   ``torch.compile`` works here, also every speculative arm under ``compile=true`` at one image on the
+   digits network (a fused kernel launch counted as one operation).
 
 The default sizes run in about three minutes under 2 GB; ``--full`` runs every grid cell, 16
 trajectories in the scaling table and a 1024-node coupling batch (several GB, several minutes).
@@ -153,6 +155,10 @@ def main(argv=None) -> int:
 
         log("[opcount] ATen ops and host syncs per round outside the network (counted, load-free), tree execution")
         out["opcount"] = table_rows(progress=None)
+        from specsamp.compiled import unavailable
+
+        if unavailable("cpu") is None:  # the same arms under compile=true, one image on the digits network
+            out["opcount"] += table_rows(("digits",), (1,), progress=None, compiled=True)
         print(table(out["opcount"], COLUMNS), flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s, peak memory {peak_rss_mib():.0f} MiB (this process)", flush=True)
     if a.json:

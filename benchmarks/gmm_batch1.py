@@ -1,6 +1,6 @@
 """The section 5.1 mixture at batch 1 and batched, against the per-trajectory numpy loop.
 
-``python -m benchmarks.gmm_batch1 [--repeats 5] [--single 4] [--batch 100] [--out results/gmm/batch1.csv]``
+``python -m benchmarks.gmm_batch1 [--repeats 5] [--single 4] [--batch 100] [--compile] [--out results/gmm/batch1.csv]``
 
 Cells of the section 5.1 grid (d = 500, five components, T = 30, eps = 0.1): D-GRS (2,3), D-GRS (5,3) and
 RMC on a chain of 14. For each cell, in one process and interleaved within every repeat (so load hits
@@ -44,8 +44,12 @@ def _tree(rule, K, L):
     return DraftTree.uniform(K, L) if rule == "dgrs" else DraftTree.chain(budget(K, L))
 
 
-def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, progress=print) -> list[dict]:
+def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, progress=print,
+            compile: bool = False) -> list[dict]:
     """Rows ``{cell, arm, n, median_s, min_s, max_s, ratio, ops_per_traj, us_per_op}`` (seconds per trajectory).
+
+    ``compile``: also the tree execution at one trajectory under ``compile=true`` (compiled in the warm-up;
+    its ``ops_per_traj`` counts ATen calls from Python and fused kernel launches, ``benchmarks.opcount.counting_compiled``).
 
     Raises:
         ValueError: ``repeats < 1``, ``single < 1`` or ``batch < 1``.
@@ -53,7 +57,7 @@ def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, pr
     if min(repeats, single, batch) < 1:
         raise ValueError(f"repeats={repeats}, single={single}, batch={batch}: each must be >= 1")
     from benchmarks.numpy_lazy import run_cell
-    from benchmarks.opcount import counting
+    from benchmarks.opcount import counting, counting_compiled
     from specsamp.sampler import sample_speculative
 
     torch.set_num_threads(1)
@@ -62,13 +66,15 @@ def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, pr
     for rule, K, L in cells:
         tree = _tree(rule, K, L)
         cell = f"{rule} ({K},{L})"
-        arms = {"numpy loop": (None, 1)}
+        arms = {"numpy loop": (None, 1, False)}
         for ex in ("tree", "path"):
-            arms[f"specsamp {ex} n=1"] = (ex, 1)
-            arms[f"specsamp {ex} n={batch}"] = (ex, batch)
+            arms[f"specsamp {ex} n=1"] = (ex, 1, False)
+            arms[f"specsamp {ex} n={batch}"] = (ex, batch, False)
+        if compile:
+            arms["specsamp tree n=1 compiled"] = ("tree", 1, True)
 
         def run(arm, r):
-            ex, n = arms[arm]
+            ex, n, comp = arms[arm]
             if ex is None:
                 t0 = time.perf_counter()
                 run_cell(base, 30, 0.1, K, L, rule, single, seed=r)
@@ -76,7 +82,7 @@ def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, pr
             if n == 1:
                 t0 = time.perf_counter()
                 for i in range(single):
-                    sample_speculative(gmm, sch, tree, rule, indices=[i], execution=ex, seed=r)
+                    sample_speculative(gmm, sch, tree, rule, indices=[i], execution=ex, seed=r, compile=comp)
                 return (time.perf_counter() - t0) / single
             t0 = time.perf_counter()
             sample_speculative(gmm, sch, tree, rule, n, execution=ex, seed=r)
@@ -90,11 +96,11 @@ def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, pr
                 times[arm].append(run(arm, r))
         ref = statistics.median(times["numpy loop"])
         for arm, ts in times.items():
-            ex, n = arms[arm]
+            ex, n, comp = arms[arm]
             ops = None
             if ex is not None and n == 1:
-                with counting() as c:
-                    sample_speculative(gmm, sch, tree, rule, indices=[0], execution=ex, seed=0)
+                with (counting_compiled() if comp else counting()) as c:
+                    sample_speculative(gmm, sch, tree, rule, indices=[0], execution=ex, seed=0, compile=comp)
                 ops = c.total_ops
             med = statistics.median(ts)
             rows.append({"cell": cell, "arm": arm, "n": n if ex is not None else 1, "median_s": med, "min_s": min(ts),
@@ -116,6 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--single", type=int, default=4, help="trajectories timed one call each, per repeat")
     p.add_argument("--batch", type=int, default=100, help="trajectories of the batched call")
     p.add_argument("--out", default=None, help="CSV to write (results/gmm/batch1.csv)")
+    p.add_argument("--compile", action="store_true", help="also the tree execution at n=1 under compile=true")
     a = p.parse_args(argv)
     if min(a.repeats, a.single, a.batch) < 1:
         print(f"error: --repeats={a.repeats}, --single={a.single}, --batch={a.batch}: each must be an integer >= 1",
@@ -123,7 +130,16 @@ def main(argv=None) -> int:
         return 2
     print(f"GMM d=500, T=30, eps=0.1: seconds per trajectory, torch {torch.__version__}, 1 thread, "
           f"median [min-max] of {a.repeats}", flush=True)
-    rows = measure(a.repeats, a.single, a.batch, progress=lambda s: print(s, flush=True))
+    comp = False
+    if a.compile:
+        from specsamp.compiled import unavailable
+
+        why = unavailable("cpu")
+        if why is not None:
+            print(f"error: --compile: {why}", file=sys.stderr)
+            return 2
+        comp = True
+    rows = measure(a.repeats, a.single, a.batch, progress=lambda s: print(s, flush=True), compile=comp)
     if a.out:
         with open(a.out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)

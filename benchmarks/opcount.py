@@ -1,6 +1,6 @@
 """Load-free cost of a sampler round: ATen operations and host synchronisations, counted, not timed.
 
-``python -m benchmarks.opcount [--models digits,gmm] [--n 1,16] [--json PATH]`` (a section of ``make bench``).
+``python -m benchmarks.opcount [--models digits,gmm] [--n 1,16] [--compile] [--json PATH]`` (a section of ``make bench``).
 
 Wall-clock numbers move with whatever else the machine runs; the number of tensor operations a round
 dispatches and the number of times it makes the host wait for a value do not. This module counts
@@ -22,6 +22,10 @@ dispatches on some backends), ``aten::unique*``, ``aten::masked_select``, ``aten
 size, and the Python-level ``Tensor.tolist()`` and ``Tensor.numpy()`` (which bypass the dispatcher and
 are counted by wrapping them while counting). ``torch.cuda.set_sync_debug_mode`` reports the same
 events on CUDA only; this counter works on any device, the CPU included.
+
+With ``--compile`` the speculative arms also run under ``compile=true`` (:mod:`specsamp.compiled`), counted
+by :func:`counting_compiled` from the profiler's record: a dispatch counter would switch TorchDynamo off,
+and the unit there is an ATen call from Python or one launch of a fused kernel.
 
 Per round: totals divided by the batch's rounds (the sampler loop's iterations, ``max(result.rounds)``),
 so the first and last deterministic steps and the setup are amortised into the rounds; the standard
@@ -184,6 +188,86 @@ def counting():
         mmod.bin_shares, mmod.share_table = bin_shares, share_table
 
 
+NETWORK_RANGE = "specsamp::network"  # the profiler range :func:`counting_compiled` puts around every target call
+
+
+@contextlib.contextmanager
+def counting_compiled():
+    """Count what a run under ``compile=true`` dispatches; yields the :class:`OpCounts` (filled on exit).
+
+    A :class:`TorchDispatchMode` turns TorchDynamo off (a compiled graph would run eagerly under it), so this
+    counter reads ``torch.profiler``'s record of the run instead, and counts two kinds of operation:
+
+    - ATen operators called from Python: profiler events ``aten::*`` whose parent is not itself an ATen
+      operator (the calls a dispatch counter sees; the profiler also records what they call inside), in
+      region ``network`` where a :data:`NETWORK_RANGE` range (put around every ``_Velocity.__call__``) lies
+      above them, else ``round`` (the commit, the loop, the code between and around the compiled graphs);
+    - inductor's fused CPU kernels, each launch one operation of region ``round`` (by-op name
+      ``inductor kernel``): C functions named ``kernel`` seen by ``sys.setprofile`` (inductor's generated CPU
+      modules name their entry point so; one launch runs a fused loop over every element).
+
+    The coupling traced into the graphs is not separable from the round here: ``coupling`` stays 0. Host
+    syncs: the ATen ones of :data:`SYNC_OPS` among the counted events, and ``Tensor.tolist()`` / ``numpy()``
+    (wrapped while counting). On CUDA a fused kernel is one launch too; the counts are the CPU's.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from specsamp import chains as smod
+
+    counts = OpCounts()
+    vel_call = smod._Velocity.__call__
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+    kernels = [0]
+
+    def velocity(self, *a, **k):
+        counts.network_calls += 1
+        with record_function(NETWORK_RANGE):
+            return vel_call(self, *a, **k)
+
+    def tolist_(self, *a, **k):
+        counts.syncs["round"] += 1
+        counts.by_op[("round", "tolist")] += 1
+        return tolist(self, *a, **k)
+
+    def numpy_(self, *a, **k):
+        counts.syncs["round"] += 1
+        counts.by_op[("round", "numpy")] += 1
+        return numpy(self, *a, **k)
+
+    def hook(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") == "kernel":
+            kernels[0] += 1
+
+    smod._Velocity.__call__ = velocity
+    torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sys.setprofile(hook)
+            try:
+                yield counts
+            finally:
+                sys.setprofile(None)
+    finally:
+        smod._Velocity.__call__ = vel_call
+        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+    for ev in prof.events():
+        if not ev.name.startswith("aten::") or (ev.cpu_parent is not None and ev.cpu_parent.name.startswith("aten::")):
+            continue
+        up, reg = ev.cpu_parent, "round"
+        while up is not None:
+            if up.name == NETWORK_RANGE:
+                reg = "network"
+                break
+            up = up.cpu_parent
+        name = ev.name[len("aten::"):]
+        counts.ops[reg] += 1
+        counts.by_op[(reg, name)] += 1
+        if name in SYNC_OPS:
+            counts.syncs[reg] += 1
+    counts.ops["round"] += kernels[0]
+    counts.by_op[("round", "inductor kernel")] += kernels[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # The arms of the wall-clock question, as config overrides of the runner.
 
@@ -226,7 +310,10 @@ def arm_overrides(model: str, arm: str, n: int, execution: str = "tree") -> list
 def count_config(overrides: list[str], target=None) -> dict:
     """Run one configuration (``specsamp.runner.run_config``) and count its sampling.
 
-    Only the sampler call is counted (the tree search, the record and the statistics are not).
+    Only the sampler call is counted (the tree search, the record and the statistics are not). With
+    ``compile=true`` among the overrides, the configuration first runs once uncounted (it compiles), then
+    the counted run uses :func:`counting_compiled` (a fused kernel launch counts as one operation; the
+    coupling is inside the round's count).
 
     Returns:
         ``{"rounds", "network_calls", "ops_round", "syncs_round", "ops_coupling", "syncs_coupling",
@@ -240,9 +327,13 @@ def count_config(overrides: list[str], target=None) -> dict:
     box = {}
     spec, std = loop.sample_speculative, loop.sample_standard
 
+    compiled = bool(d.get("compile", False))
+    if compiled:
+        loop.run_config(d, target=target)  # compiles every graph the counted run uses
+
     def wrap(fn):
         def inner(*a, **k):
-            with counting() as c:
+            with (counting_compiled() if compiled else counting()) as c:
                 res = fn(*a, **k)
             box["counts"], box["res"] = c, res
             return res
@@ -260,12 +351,14 @@ def count_config(overrides: list[str], target=None) -> dict:
         "rounds": rounds, "network_calls": c.network_calls, "batch_nfe": res.batch_nfe,
         "ops_round": c.ops["round"] / rounds, "syncs_round": c.syncs["round"] / rounds,
         "ops_coupling": c.ops["coupling"] / rounds, "syncs_coupling": c.syncs["coupling"] / rounds,
-        "ops_network_call": c.ops["network"] / max(c.network_calls, 1), "counts": c,
+        "ops_network_call": c.ops["network"] / max(c.network_calls, 1),
+        "kernels_round": c.by_op[("round", "inductor kernel")] / rounds, "counts": c,
     }
 
 
-def table_rows(models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=print) -> list[dict]:
-    """Counted rows for every ``model x n x arm`` (tree execution), one target built per model."""
+def table_rows(models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=print, compiled: bool = False) -> list[dict]:
+    """Counted rows for every ``model x n x arm`` (tree execution), one target built per model; with
+    ``compiled``, every speculative arm under ``compile=true`` (:func:`counting_compiled`; column ``compile``)."""
     from specsamp.runner import build_target, compose, load_config
 
     rows = []
@@ -273,19 +366,22 @@ def table_rows(models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=
         target = build_target(load_config(compose([f"model={model}"]))[0])
         for n in ns:
             for arm in arms:
-                r = count_config(arm_overrides(model, arm, n), target=target)
+                if compiled and arm == "standard":
+                    continue
+                ov = arm_overrides(model, arm, n) + (["compile=true"] if compiled else [])
+                r = count_config(ov, target=target)
                 r.pop("counts")
-                rows.append({"model": model, "n": n, "arm": arm, **r})
+                rows.append({"model": model, "n": n, "arm": arm, "compile": "yes" if compiled else "no", **r})
                 if progress:
                     progress(f"  {model} n={n} {arm}: {r['ops_round']:.0f} ops/round + {r['ops_coupling']:.0f} in the coupling, "
                              f"{r['syncs_round']:.2f} + {r['syncs_coupling']:.2f} syncs/round, {r['rounds']} rounds")
     return rows
 
 
-COLUMNS = [("model", "model", "s"), ("n", "n", "d"), ("arm", "arm", "s"), ("rounds", "rounds", "d"),
+COLUMNS = [("model", "model", "s"), ("n", "n", "d"), ("arm", "arm", "s"), ("compile", "compile", "s"), ("rounds", "rounds", "d"),
            ("ops_round", "ops/round", ".0f"), ("ops_coupling", "coupling ops", ".0f"),
            ("syncs_round", "syncs/round", ".2f"), ("syncs_coupling", "coupling syncs", ".2f"),
-           ("ops_network_call", "ops/net call", ".0f")]
+           ("kernels_round", "of them fused kernels", ".1f"), ("ops_network_call", "ops/net call", ".0f")]
 
 
 def main(argv=None) -> int:
@@ -297,6 +393,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", default="1,16", help="comma-separated trajectory counts")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of: {', '.join(ARMS)}")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--compile", action="store_true",
+                   help="also count every speculative arm under compile=true (needs a C compiler; see specsamp.compiled)")
     a = p.parse_args(argv)
     arms = [s.strip() for s in a.arms.split(",")]
     bad = [s for s in arms if s not in ARMS]
@@ -306,7 +404,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    rows = table_rows(models, [int(v) for v in a.n.split(",")], arms)
+    ns = [int(v) for v in a.n.split(",")]
+    rows = table_rows(models, ns, arms)
+    if a.compile:
+        from specsamp.compiled import unavailable
+
+        why = unavailable("cpu")
+        if why is not None:
+            print(f"error: --compile: {why}", file=sys.stderr)
+            return 2
+        rows += table_rows(models, ns, arms, compiled=True)
     print(table(rows, COLUMNS), flush=True)
     if a.json:
         with open(a.json, "w") as f:

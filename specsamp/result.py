@@ -6,6 +6,7 @@ batches of one run become one (:meth:`SampleResult.concat`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -52,6 +53,17 @@ class SampleResult:
     """The tensor fields with one row per trajectory (leading dimension ``M``), in declaration order."""
     PER_ROOT: ClassVar[tuple[str, ...]] = ("attempts_by_root", "accepts_by_root")
     """The ``[T, L]`` fields summed over trajectories (None from the standard sampler)."""
+
+    def ordinary(self) -> SampleResult:
+        """This result with every tensor field an ordinary tensor: a copy of each one made under
+        ``torch.inference_mode()`` (which the samplers run in), taken outside it, so that the caller may
+        update it in place or use it with autograd; other tensors as they are."""
+        def plain(t):
+            return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+
+        names = (*self.PER_TRAJECTORY, *self.PER_ROOT)
+        extra = {k: plain(v) for k, v in self.extra.items()}
+        return dataclasses.replace(self, **{n: plain(getattr(self, n)) for n in names}, extra=extra)
 
     @property
     def speedup(self) -> torch.Tensor:
