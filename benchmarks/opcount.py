@@ -46,8 +46,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "masked_select", "repeat_interleave")
-"""ATen operator base names that make the host wait (see the module docstring)."""
+            "unique_consecutive", "masked_select", "repeat_interleave", "item", "is_nonzero", "nonzero_numpy", "argwhere")
+"""ATen operator base names that make the host wait (see the module docstring). Under ``torch.inference_mode``
+(the samplers run in it) composite operators reach the dispatcher undecomposed: ``item()`` and ``bool()`` as
+``item`` and ``is_nonzero`` rather than ``_local_scalar_dense``, ``nonzero(as_tuple=True)`` as ``nonzero_numpy``,
+``argwhere`` and ``torch.where(condition)`` (counted where it has one argument) rather than ``nonzero``."""
 
 
 MASK_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
@@ -107,7 +110,8 @@ class OpCounter(TorchDispatchMode):
         reg = self.region[-1]
         self.counts.ops[reg] += 1
         self.counts.by_op[(reg, name)] += 1
-        if name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None):
+        if (name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None)
+                or name == "where" and len(args) == 1):
             self.counts.syncs[reg] += 1
         elif name in MASK_OPS and _has_bool_index(args):
             self.counts.syncs[reg] += 1
