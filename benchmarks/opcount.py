@@ -5,12 +5,15 @@
 Wall-clock numbers move with whatever else the machine runs; the number of tensor operations a round
 dispatches and the number of times it makes the host wait for a value do not. This module counts
 both with a :class:`torch.utils._python_dispatch.TorchDispatchMode` (every ATen operator call below
-Python is seen once, whatever the backend) while a sampler runs, and splits them into three regions:
+Python is seen once, whatever the backend) while a sampler runs, and splits them into four regions:
 
 - ``network``: inside the target's forward pass (``chains._Velocity.__call__``); excluded from the
   round's cost, reported as ops per call for scale;
 - ``coupling``: inside a :class:`specsamp.coupling.Coupling` call (the verification rule itself);
-- ``round``: everything else the sampler does (drafting, noise, walk, commit, prefetch, bookkeeping).
+- ``round``: everything else the sampler does (drafting, noise, walk, commit, prefetch, bookkeeping);
+- ``setup``: one-time tables built on first use, whatever run comes first in the process (markmax's
+  delta-bin shares: :func:`specsamp.markmax_params.share_table` and ``bin_shares``); excluded from the
+  per-round costs.
 
 A host synchronisation is an operation whose result size or value the host must read before it can go
 on (on CUDA each one waits for the device queue to drain): ``aten::_local_scalar_dense`` (``item()``,
@@ -43,8 +46,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "masked_select", "repeat_interleave")
-"""ATen operator base names that make the host wait (see the module docstring)."""
+            "unique_consecutive", "masked_select", "repeat_interleave", "item", "is_nonzero", "nonzero_numpy", "argwhere")
+"""ATen operator base names that make the host wait (see the module docstring). Under ``torch.inference_mode``
+(the samplers run in it) composite operators reach the dispatcher undecomposed: ``item()`` and ``bool()`` as
+``item`` and ``is_nonzero`` rather than ``_local_scalar_dense``, ``nonzero(as_tuple=True)`` as ``nonzero_numpy``,
+``argwhere`` and ``torch.where(condition)`` (counted where it has one argument) rather than ``nonzero``."""
 
 
 MASK_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
@@ -66,7 +72,7 @@ class OpCounts:
     """Operator calls and host synchronisations of one counted run, by region.
 
     Attributes:
-        ops: ``{region: ATen operator calls}`` (``round``, ``coupling``, ``network``).
+        ops: ``{region: ATen operator calls}`` (``round``, ``coupling``, ``network``, ``setup``).
         syncs: ``{region: host synchronisations}``.
         by_op: ``{(region, op name): calls}``, for profiling where a count comes from.
         network_calls: target forward passes seen.
@@ -104,7 +110,8 @@ class OpCounter(TorchDispatchMode):
         reg = self.region[-1]
         self.counts.ops[reg] += 1
         self.counts.by_op[(reg, name)] += 1
-        if name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None):
+        if (name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None)
+                or name == "where" and len(args) == 1):
             self.counts.syncs[reg] += 1
         elif name in MASK_OPS and _has_bool_index(args):
             self.counts.syncs[reg] += 1
@@ -133,15 +140,18 @@ def counting():
 
     The target's forward passes are counted as region ``network`` and coupling calls as ``coupling``,
     by wrapping ``specsamp.chains._Velocity.__call__``, ``specsamp.coupling.Coupling.__call__`` and
-    ``Coupling.choice`` for the duration (restored on exit).
+    ``Coupling.choice`` for the duration (restored on exit); ``specsamp.markmax_params.share_table`` and
+    ``bin_shares`` (markmax's share table and cache, computed once per process) as ``setup``.
     """
-    from specsamp import coupling as cmod
     from specsamp import chains as smod
+    from specsamp import coupling as cmod
+    from specsamp import markmax_params as mmod
 
     counts = OpCounts()
     mode = OpCounter(counts)
     vel_call, coup_call, coup_choice = smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice
     tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+    bin_shares, share_table = mmod.bin_shares, mmod.share_table
 
     def velocity(self, *a, **k):
         counts.network_calls += 1
@@ -156,6 +166,12 @@ def counting():
         with mode.enter("coupling"):
             return coup_choice(self, *a, **k)
 
+    def setup(fn):
+        def inner(*a, **k):
+            with mode.enter("setup"):
+                return fn(*a, **k)
+        return inner
+
     def tolist_(self, *a, **k):
         mode.sync("tolist")
         return tolist(self, *a, **k)
@@ -166,12 +182,14 @@ def counting():
 
     smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = velocity, coupling, choice
     torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
+    mmod.bin_shares, mmod.share_table = setup(bin_shares), setup(share_table)
     try:
         with mode:
             yield counts
     finally:
         smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = vel_call, coup_call, coup_choice
         torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+        mmod.bin_shares, mmod.share_table = bin_shares, share_table
 
 
 NETWORK_RANGE = "specsamp::network"  # the profiler range :func:`counting_compiled` puts around every target call
@@ -266,6 +284,7 @@ ARMS = {
     "x0+optimal B14": ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=14"],
     "x0+optimal B62": ["sampler=dgrs", "draft=x0", "tree=optimal", "budget=62"],
     "x0g+per-step B14": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=14"],
+    "markmax 2x3": ["sampler=markmax", "K=2", "L=3"],
 }
 """Arm name -> overrides (on top of the model's paper protocol); the x0 arms add the model's shipped profile."""
 

@@ -97,7 +97,9 @@ _OUTSIDE: dict = {}
 def for_compile(coupling):
     """``coupling`` as the compiled round calls it: D-GRS and RMC (:data:`TRACED_COUPLINGS`, whose verification
     makes no host synchronisation and has static shapes) as they are, traced into the compiled graphs; any
-    other rule (markmax asks the host several times per call; a rule of the user's is unknown) with its
+    other rule (markmax, sync-free with static shapes too, but its fixed-step bisections fuse into C++ kernels
+    that gcc 12 fails to build, an internal compiler error after 8 minutes on the (2, 3) tree; a rule of the
+    user's is unknown) with its
     ``verify`` (and ``decide``) run outside them (``torch.compiler.disable``; the drafting, walk and commit are still compiled).
 
     Returns:

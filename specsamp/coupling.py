@@ -14,8 +14,9 @@ widened to float32 for float16 and bfloat16 states, whose range cannot hold a sh
 rules cannot serve are refused: non-finite children or means (:class:`NonFiniteError`), float16
 states at a ``sigma`` below their resolution, and finite states whose differences overflow.
 ``delta`` is computed scale-free (:func:`project`), so any ``sigma`` from :func:`min_sigma` up to that
-overflow is served exactly. On valid inputs inside :func:`deferred_checks`, ``dgrs`` and ``rmc`` ask the
-host for no value: every row is computed with static shapes and chosen with ``torch.where``.
+overflow is served exactly. On valid inputs inside :func:`deferred_checks`, ``dgrs``, ``rmc`` and ``markmax``
+ask the host for no value: every row is computed with static shapes and chosen with ``torch.where``
+(``markmax`` flags a row whose share its table cannot certify, :func:`specsamp.listcoupling.static_plan`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,10 @@ and on that interval ``kappa z`` is bounded piecewise by its values at the piece
 :func:`share` takes the largest certified ``t`` (acceptance grows with ``t``; bisection on ``t``,
 cached per delta-bin and re-certified at each row's own ``delta``); where D-GRS would still accept more
 (and for ``delta < 1e-6``), :func:`markmax` hands the row to D-GRS. Both choices depend on ``delta``
-and ``K`` only, so the mixture is exact.
+and ``K`` only, so the mixture is exact. Inside :func:`specsamp.coupling.deferred_checks` the bin's
+share is gathered from :func:`specsamp.markmax_params.share_table` (every bin from ``DELTA_MIN`` to
+``TABLE_DELTA_MAX``, built once per process and ``(K, device)``) and re-certified, with no search: a
+row it cannot certify sets the context's flag, and the caller repeats the call outside it.
 
 Acceptance. ``1 - Gamma_{K+1}`` where ``Gamma_1 = A`` and GRS's remaining masses, in unconditional
 units (``Gamma_k = A G_k``, ``mu_k = lambda_k A^((K-1)/K)``), follow
@@ -79,11 +82,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .coupling import Verdict, grs_levels, grs_select, log_sf, project, reconstruct, register_coupling, uniform_rows
+from .coupling import (
+    Verdict,
+    active_checks,
+    grs_levels,
+    grs_select,
+    log_sf,
+    project,
+    reconstruct,
+    register_coupling,
+    uniform_rows,
+)
 from .markmax_params import (  # noqa: F401  (the rule's parameters; their public names are re-exported here)
     CERT_STEPS,
     DELTA_MIN,
     DGRS_MARGIN,
+    KEY_MAX,
+    KEY_MIN,
     KEY_STEPS,
     LEVEL_GRID,
     NEWTON_STEPS,
@@ -91,6 +106,7 @@ from .markmax_params import (  # noqa: F401  (the rule's parameters; their publi
     ROOT_STEPS,
     SAMPLE_STEPS,
     SHARE_STEPS,
+    TABLE_DELTA_MAX,
     Y_LO,
     Y_SPAN,
     GRSLevels,
@@ -100,6 +116,7 @@ from .markmax_params import (  # noqa: F401  (the rule's parameters; their publi
     _log1mexp,
     _owed_above,
     acceptance_and_positional,
+    bin_shares,
     crossing,
     feasible,
     grs_on_unmarked,
@@ -109,6 +126,8 @@ from .markmax_params import (  # noqa: F401  (the rule's parameters; their publi
     log_ratio,
     make_params,
     share,
+    share_table,
+    static_share,
 )
 
 @dataclass
@@ -168,6 +187,30 @@ def plan(delta: torch.Tensor, K: int) -> Plan:
     return Plan(use, p, lev, acc)
 
 
+def static_plan(delta: torch.Tensor, K: int) -> tuple[Plan, torch.Tensor]:
+    """:func:`plan` with static shapes and no host synchronisation: every row's parameters, split by ``torch.where``.
+
+    Every row gets marked-maximum parameters (:func:`specsamp.markmax_params.static_share`; rows below
+    ``DELTA_MIN`` those of ``delta = 1``, never used), GRS levels and acceptance, and ``use`` is :func:`plan`'s
+    test on them. Where a row's share is certified, all of it equals :func:`plan`'s.
+
+    Args:
+        delta: float64 ``[n]``, ``>= 0`` (NaN rows go to D-GRS; the caller refuses them).
+        K: children per parent.
+
+    Returns:
+        ``(plan, uncertified)``: a :class:`Plan` whose ``params``, ``levels`` and ``acceptance`` cover all ``n``
+        rows (not only the ``use`` rows), and bool ``[n]``, True where a row would use the rule but its share
+        is not certified (:func:`specsamp.markmax_params.static_share`): such rows must be served by :func:`plan`.
+    """
+    wanted = delta >= DELTA_MIN
+    p, certified = static_share(torch.where(wanted, delta, torch.ones_like(delta)), K)
+    lev = grs_on_unmarked(p, static=True)
+    acc, _ = acceptance_and_positional(p, lev)
+    keep = acc + DGRS_MARGIN >= 1.0 - grs_levels(p.delta, K)[1][:, -1]
+    return Plan(wanted & keep, p, lev, acc), wanted & ~certified
+
+
 class _Fixed:
     """Hands pre-drawn uniform columns to :func:`specsamp.coupling.grs_select` (rows already chosen)."""
 
@@ -200,7 +243,7 @@ def _sample_lower(p: MarkMaxParams, mu_k, y_k, mass, u) -> torch.Tensor:
     return _bisect(lambda y: _owed_above(y, p, mu_k) > target, y_k.clone(), p.c.clone(), SAMPLE_STEPS)
 
 
-def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs, u_res):
+def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs, u_res, static: bool = False):
     """Scalar part of the rule: accepted index per row, and the residual projection where none is.
 
     Args:
@@ -209,10 +252,14 @@ def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs,
         s_hat: float64 ``[m, K]`` projections in drafting order.
         u_mark: ``[m, K]`` uniforms in (0, 1) for the marks.
         u_grs: ``[m, K]`` uniforms for GRS over the unmarked children.
-        u_res: ``[m, 2]`` uniforms for the residual (branch, inversion).
+        u_res: ``[m, 2]`` uniforms for the residual (branch, inversion), or None: the choice alone.
+        static: True: both branches of the residual are drawn for every row and chosen with ``torch.where``
+            (no host synchronisation); False: each only for the rows that need it. The same values (to the
+            last bit of a row that torch's vectorised kernels round in another lane: :func:`markmax`).
 
     Returns:
-        ``(index [m] long, s_res [m] float64)``; ``index == K`` where the residual was drawn.
+        ``(index [m] long, s_res [m] float64)``; ``index == K`` where the residual was drawn (``s_res`` is 0
+        elsewhere, and None where ``u_res`` is None).
     """
     m, K = s_hat.shape
     at = _at(s_hat, p)
@@ -229,6 +276,16 @@ def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs,
     pos = torch.arange(K, device=s_hat.device).expand(m, K)
     first = torch.where(u_grs <= beta, pos, torch.full_like(pos, K)).amin(1)
     index = torch.where(any_mark, top, first)
+    if u_res is None:
+        return index, None
+    if static:  # the residual's two branches for every row: the ones below, without choosing the rows first
+        total = lev.gamma[:, K].contiguous()
+        lower = (total - torch.exp(p.log_R)).clamp_min(0.0)
+        go_low = u_res[:, 0] * total < lower
+        u = u_res[:, 1].contiguous()
+        s_up = _sample_upper(p, u)
+        s_low = _sample_lower(p, lev.mu[:, K].contiguous(), lev.y[:, K].contiguous(), lower, u)
+        return index, torch.where(index == K, torch.where(go_low, s_low, s_up), torch.zeros_like(s_up))
     s_res = torch.zeros(m, dtype=torch.float64, device=s_hat.device)
     rej = (index == K).nonzero(as_tuple=True)[0]
     if rej.numel():
@@ -245,7 +302,50 @@ def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs,
     return index, s_res
 
 
-@register_coupling("markmax", positional=lambda delta, K: markmax_positional(delta, K))
+def _choose(proj, u_mark, u_grs, u_res) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(index [n], s_res [n] or None)`` of :func:`markmax` from the projection and its uniforms (``u_res`` None:
+    the choice alone). Inside :func:`specsamp.coupling.deferred_checks`: static shapes, both rules for every row,
+    no host synchronisation, rows whose share is not certified flagged; elsewhere each rule on its own rows."""
+    n, K = proj.s_hat.shape
+    residual = u_res is not None
+    checks = active_checks()
+    if checks is not None:
+        pl, uncertified = static_plan(proj.delta, K)
+        checks.flag(uncertified)  # the caller repeats the call outside the context, where plan serves them
+        i_mm, s_mm = select(pl.params, pl.levels, proj.s_hat, u_mark, u_grs, u_res, static=True)
+        i_dg, s_dg = grs_select(proj.delta, proj.s_hat, _Fixed(u_grs, u_res), residual=residual)
+        index = torch.where(pl.use, i_mm, i_dg)
+        return index, (torch.where(pl.use, s_mm, s_dg) if residual else None)
+    pl = plan(proj.delta, K)
+    index = torch.full((n,), K, dtype=torch.long, device=proj.delta.device)
+    s_res = torch.zeros(n, dtype=torch.float64, device=proj.delta.device) if residual else None
+    mm = pl.use.nonzero(as_tuple=True)[0]
+    dg = (~pl.use).nonzero(as_tuple=True)[0]
+    if mm.numel():
+        index[mm], s = select(pl.params, pl.levels, proj.s_hat[mm], u_mark[mm], u_grs[mm],
+                              u_res[mm] if residual else None)
+        if residual:
+            s_res[mm] = s
+    if dg.numel():
+        index[dg], s = grs_select(proj.delta[dg], proj.s_hat[dg], _Fixed(u_grs[dg], u_res[dg] if residual else None),
+                                  residual=residual)
+        if residual:
+            s_res[dg] = s
+    return index, s_res
+
+
+def _markmax_decide(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
+    """:func:`markmax`'s choice alone (``sample=None``): the same projection, marks and GRS uniforms, no residual
+    (its two uniforms are not drawn)."""
+    proj = project(children, mean_p, mean_q, sigma)
+    n, K = proj.s_hat.shape
+    rows = uniform_rows(generator, n, children.device)
+    u_mark, u_grs = rows.uniform(K), rows.uniform(K)
+    index, _ = _choose(proj, u_mark, u_grs, None)
+    return Verdict(None, index < K, index)
+
+
+@register_coupling("markmax", positional=lambda delta, K: markmax_positional(delta, K), decide=_markmax_decide)
 def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     """Marked-maximum list coupling: mark children independently, accept the highest marked, else GRS.
 
@@ -256,20 +356,21 @@ def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     accepts more (and ``delta < 1e-6``) are handed to D-GRS. The accepted
     index is not in drafting order; see :func:`markmax_positional`. Contract:
     :class:`specsamp.coupling.Coupling`.
+
+    Host synchronisations: none inside :func:`specsamp.coupling.deferred_checks` on valid inputs (static shapes:
+    both rules and both residual branches for every row, chosen with ``torch.where``; shares from
+    :func:`specsamp.markmax_params.share_table`), where a row whose share the table cannot certify sets the
+    context's flag instead (:func:`static_plan`), so that the caller repeats the call outside it; outside it
+    about a dozen (:func:`plan`, the rows of each branch). Both give the same ``index``, ``accepted`` and
+    ``sample`` bits, but for the last bit of a residual where a float kernel torch vectorises (its
+    ``logaddexp``, in the lower residual's inversion) rounds the row in another lane: seen once, in one row of
+    64 of a GMM run (4e-16), counts unchanged.
     """
     proj = project(children, mean_p, mean_q, sigma)
     n, K = proj.s_hat.shape
     rows = uniform_rows(generator, n, children.device)
     u_mark, u_grs, u_res = rows.uniform(K), rows.uniform(K), rows.uniform(2)
-    pl = plan(proj.delta, K)
-    index = torch.full((n,), K, dtype=torch.long, device=children.device)
-    s_res = torch.zeros(n, dtype=torch.float64, device=children.device)
-    mm = pl.use.nonzero(as_tuple=True)[0]
-    dg = (~pl.use).nonzero(as_tuple=True)[0]
-    if mm.numel():
-        index[mm], s_res[mm] = select(pl.params, pl.levels, proj.s_hat[mm], u_mark[mm], u_grs[mm], u_res[mm])
-    if dg.numel():
-        index[dg], s_res[dg] = grs_select(proj.delta[dg], proj.s_hat[dg], _Fixed(u_grs[dg], u_res[dg]))
+    index, s_res = _choose(proj, u_mark, u_grs, u_res)
     accepted = index < K
     return Verdict(reconstruct(children, proj, s_res, accepted, index), accepted, index)
 

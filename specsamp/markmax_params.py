@@ -26,7 +26,8 @@ SAMPLE_STEPS = 64  # bisection steps for residual inversion (as in grs.sample_gr
 LEVEL_GRID = 24  # grid points locating GRS's level roots before Newton refinement
 NEWTON_STEPS = 10  # safeguarded Newton steps per level root
 SHARE_STEPS = 12  # bisection steps on the share t (resolution 2^-12), see share
-KEY_STEPS = 64  # delta -> cache key round(64 log2 delta): delta-bins about 1% wide
+KEY_STEPS = 64  # delta -> bin key round(64 log2 delta): delta-bins about 1% wide
+TABLE_DELTA_MAX = 2.0**10  # the share table's last bin (share_table: why this bound)
 PIECES = 32  # pieces per monotone stretch in the certificate of feasible()
 DGRS_MARGIN = 1e-12  # D-GRS takes a row only when it accepts more by this much (not on rounding noise)
 DELTA_MIN = 1e-6  # below this every row goes to D-GRS (both accept 1 - O(delta) there)
@@ -273,8 +274,13 @@ def _owed_above(y: torch.Tensor, p: MarkMaxParams, mu: torch.Tensor) -> torch.Te
     return (1.0 - p.t.reshape(shape)) * qdiff - mu.reshape(shape) * vdiff
 
 
-def _level_root(p: MarkMaxParams, grid_y, grid_lr, log_m) -> torch.Tensor:
-    """``y`` with ``log w(y) = log_m`` (``w`` increasing): grid cell, then safeguarded Newton steps."""
+def _level_root(p: MarkMaxParams, grid_y, grid_lr, log_m, static: bool = False) -> torch.Tensor:
+    """``y`` with ``log w(y) = log_m`` (``w`` increasing): grid cell, then safeguarded Newton steps.
+
+    The Newton steps matter only for rows whose level lies inside the grid; the final ``where`` s overwrite the
+    others. ``static=False`` skips them when no row needs them (one host synchronisation); ``static=True``
+    always runs them (no synchronisation, the same values).
+    """
     G = grid_y.shape[1]
     cnt = (grid_lr < log_m[:, None]).sum(1)
     i_hi = cnt.clamp(1, G - 1)
@@ -286,7 +292,7 @@ def _level_root(p: MarkMaxParams, grid_y, grid_lr, log_m) -> torch.Tensor:
     y = lo + frac * (hi - lo)
     K = p.K
     inner = (cnt > 0) & (cnt < G)
-    for _ in range(NEWTON_STEPS if bool(inner.any()) else 0):
+    for _ in range(NEWTON_STEPS if static or bool(inner.any()) else 0):
         at = _at(y, p)
         f = at.log_ratio - log_m
         lo = torch.where(f < 0, y, lo)
@@ -300,11 +306,16 @@ def _level_root(p: MarkMaxParams, grid_y, grid_lr, log_m) -> torch.Tensor:
     return torch.where(cnt == G, p.c, y)  # ratio < mu on the grid: H_k holds no mass below c
 
 
-def grs_on_unmarked(p: MarkMaxParams) -> GRSLevels:
+def grs_on_unmarked(p: MarkMaxParams, static: bool = False) -> GRSLevels:
     """Levels and remaining masses of GRS over the unmarked children (module docstring).
 
     Requires :func:`feasible` parameters (increasing ratio ``w``), so ``H_k = [y_k, c]`` plus the part
     above ``c``: ``mu_k = mu_{k-1} + Gamma_k / A^(1/K)``, ``Gamma_{k+1} = (owed above y_k) + R``.
+
+    Args:
+        p: the rows' parameters.
+        static: True: every level root is computed for every row and chosen with ``torch.where`` (no host
+            synchronisation); False: skipped where every row has ``t = 1`` (one synchronisation). Same values.
 
     Returns:
         :class:`GRSLevels`.
@@ -321,7 +332,10 @@ def grs_on_unmarked(p: MarkMaxParams) -> GRSLevels:
     mu, gam, ys = [torch.zeros_like(A)], [A], [torch.full_like(A, Y_LO)]
     for _ in range(K):
         m = mu[-1] + gam[-1] * inv_root
-        yk = p.c if bool(full.all()) else torch.where(full, p.c, _level_root(p, grid_y, grid_lr, torch.log(m)))
+        if not static and bool(full.all()):
+            yk = p.c
+        else:
+            yk = torch.where(full, p.c, _level_root(p, grid_y, grid_lr, torch.log(m), static))
         g = _owed_above(yk, p, m) + R
         g = torch.minimum(torch.maximum(g, R), gam[-1])
         mu.append(m)
@@ -364,17 +378,121 @@ def _largest_feasible(delta, K, c, log_R, t_hi) -> torch.Tensor:
     return torch.where(ok_hi, t_hi, lo)
 
 
-_SHARE_CACHE: dict[tuple[int, int], float] = {}
+KEY_MIN = round(KEY_STEPS * math.log2(DELTA_MIN))  # bin key of DELTA_MIN: every delta the rule serves has one >= it
+KEY_MAX = round(KEY_STEPS * math.log2(TABLE_DELTA_MAX))  # the share table's last bin
+
+
+def bin_shares(keys: torch.Tensor, K: int) -> torch.Tensor:
+    """The share of each delta-bin ``k`` (``round(KEY_STEPS log2 delta) = k``) in ``keys``.
+
+    The smallest of :func:`_largest_feasible` (up to ``t = 1``) at the bin's edges ``2^((k -+ 1/2) / KEY_STEPS)``
+    and its centre ``2^(k / KEY_STEPS)``, so that nearly every ``delta`` of the bin passes :func:`feasible` at it
+    without a search of its own. Each key's value depends on that key alone, whatever the other keys of the
+    call (tested: every bin, in batches of 1 to 40 keys, gives the table's value): the three deltas are
+    ``2^(j / (2 KEY_STEPS)) 2^q`` with ``j`` and ``q`` the remainder and quotient of ``2k -+ 1`` and ``2k`` by
+    ``2 KEY_STEPS``, the 128 fractional powers from one ``exp2`` call of fixed layout and the power of two exact.
+    (``torch.exp2`` of a tensor rounds its last elements with its scalar kernel and the others with its
+    vectorised one, so ``exp2((k -+ 1/2) / KEY_STEPS)`` would depend on where the key sits in the batch, and at
+    a few bins above ``delta = 150`` that flips the certificate; the powers here equal the vectorised
+    kernel's on every bin, checked with this build.)
+
+    Args:
+        keys: float64 ``[m]``, integer-valued bin keys.
+        K: children per parent.
+
+    Returns:
+        float64 ``[m]``: multiples of ``2^-SHARE_STEPS`` in ``[0, 1]``.
+    """
+    steps = 2 * KEY_STEPS
+    half = torch.cat([2.0 * keys - 1.0, 2.0 * keys, 2.0 * keys + 1.0])  # 2 KEY_STEPS log2 of the edges and centre
+    q = torch.floor(half / steps)
+    powers = torch.exp2(torch.arange(steps, dtype=torch.float64, device=keys.device) / steps)
+    dk = powers.index_select(0, (half - q * steps).long()) * torch.exp2(q)  # exp2 of an integer is exact
+    ck = crossing(dk, K)
+    tk = _largest_feasible(dk, K, ck, log_bound_gap(dk, K, ck), torch.ones_like(dk))
+    return tk.reshape(3, -1).amin(0)
+
+
+_SHARE_CACHE: dict[tuple[int, int], float] = {}  # (K, key) -> bin share, filled on demand by share
+_SHARE_TABLES: dict[tuple[int, str], torch.Tensor] = {}  # (K, device) -> share_table
+
+
+def share_table(K: int, device) -> torch.Tensor:
+    """The share of every delta-bin from ``KEY_MIN`` (``DELTA_MIN``) to ``KEY_MAX`` (``TABLE_DELTA_MAX``) on ``device``.
+
+    Built once per process and ``(K, device)``, on first use, by one :func:`bin_shares` call over all
+    ``KEY_MAX - KEY_MIN + 1 = 1917`` bins (about 5,800 rows of :func:`_largest_feasible`; no host
+    synchronisation), then read by a gather (:func:`static_share`). Its values are those :func:`share`
+    computes and caches key by key (``tests/core/test_listcoupling.py``: 120 bins per K in the default run,
+    every bin in a slow test, K = 2..16).
+
+    Why the table stops at ``TABLE_DELTA_MAX = 2^10``: a row beyond it is not served by the table
+    (:func:`static_share` reports it uncertified, and the sampler's lean round hands the round to the reference
+    round, which runs :func:`share`: the same law), so the bound sets cost, not the law. Up to ``2^7`` every bin
+    from ``delta = 1`` on has ``t = 1`` for every K <= 16, and no row below ``delta = 100`` fails its own
+    certificate (20,000 log-uniform deltas per decade, K = 2, 4, 16). Above, the float64 rounding of the
+    log-space ratios (``delta y - delta^2 / 2`` near ``y = delta / 2``: about ``delta^2 eps``, 4e-12 at 128)
+    is of the order of the certificate's ``1e-12`` tolerance on ``kappa <= 1``: up to ``2^10``, ``t = 1`` is
+    refused in 20-67% of the bins (by K) and 2-4% of the rows fail their own certificate. The sampler does
+    reach there (the GMM with the x0 draft and the optimal B = 14 tree: deltas up to 132, 242 of 15,600
+    verified rows above 100), so the table goes three octaves beyond ``2^7``; ``2^10`` also covers the law
+    tests' deltas (up to 300).
+
+    Args:
+        K: children per parent.
+        device: a ``torch.device`` or its name.
+
+    Returns:
+        float64 ``[KEY_MAX - KEY_MIN + 1]``; entry ``i`` is the share of bin ``KEY_MIN + i``. Never written to.
+    """
+    dev = torch.device(device)
+    slot = (K, str(dev))
+    if slot not in _SHARE_TABLES:
+        keys = torch.arange(KEY_MIN, KEY_MAX + 1, dtype=torch.float64, device=dev)
+        _SHARE_TABLES[slot] = bin_shares(keys, K)
+    return _SHARE_TABLES[slot]
+
+
+def _bin_keys(delta: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n]`` bin keys ``round(KEY_STEPS log2 delta)``."""
+    return torch.round(KEY_STEPS * torch.log2(delta))
+
+
+def static_share(delta: torch.Tensor, K: int) -> tuple[MarkMaxParams, torch.Tensor]:
+    """:func:`share` without host synchronisation: the table's share of each row's bin, certified at its own ``delta``.
+
+    Static shapes: the share is gathered from :func:`share_table` and certified with :func:`feasible` at the
+    row's own ``delta``; no search follows. Where the certificate fails (about 3% of rows above
+    ``delta = 100``, none below) or the row's bin lies beyond the table (``delta > TABLE_DELTA_MAX`` up to
+    half a bin), the returned share is not certified and must not be used: :func:`share` gives the row's
+    parameters (inside :func:`specsamp.coupling.deferred_checks`, :func:`specsamp.listcoupling.markmax`
+    flags such rows, and the caller repeats the call outside the context, where :func:`share` serves them).
+
+    Args:
+        delta: float64 ``[n]``, finite and ``>= DELTA_MIN``.
+        K: children per parent.
+
+    Returns:
+        ``(params, certified)``: :class:`MarkMaxParams` with the table's shares, and bool ``[n]``, True where
+        they are certified; there ``params`` equals :func:`share`'s.
+    """
+    c = crossing(delta, K)
+    log_R = log_bound_gap(delta, K, c)
+    keys = _bin_keys(delta)
+    served = (keys >= KEY_MIN) & (keys <= KEY_MAX)
+    slot = torch.where(served, keys - KEY_MIN, torch.zeros_like(keys)).long()
+    p = make_params(delta, K, share_table(K, delta.device).index_select(0, slot), c, log_R)
+    return p, feasible(p) & served
 
 
 def share(delta: torch.Tensor, K: int) -> MarkMaxParams:
     """Certified parameters per row, with the largest share ``t`` found (acceptance grows with ``t``).
 
-    ``t`` comes from the row's delta-bin (``round(64 log2 delta)``; the smallest of
-    :func:`_largest_feasible` at the bin's edges and centre, computed once and cached), is then
-    certified at the row's own ``delta``, and rows where that fails search ``[0, t_bin]`` by
-    bisection. A deterministic function of ``(delta, K)``, so the theory functions reproduce the
-    sampler, and a row's parameters never depend on the other rows of the batch.
+    ``t`` comes from the row's delta-bin (``round(64 log2 delta)``; :func:`bin_shares`, computed once per
+    key and cached), is then certified at the row's own ``delta``, and rows where that fails search
+    ``[0, t_bin]`` by bisection. A deterministic function of ``(delta, K)``, so the theory functions
+    reproduce the sampler, and a row's parameters never depend on the other rows of the batch. Host
+    synchronisations: up to three (the keys, the certificate, the search); :func:`static_share` makes none.
 
     Args:
         delta: float64 ``[n]``, ``>= DELTA_MIN``.
@@ -385,16 +503,10 @@ def share(delta: torch.Tensor, K: int) -> MarkMaxParams:
     """
     c = crossing(delta, K)
     log_R = log_bound_gap(delta, K, c)
-    keys = torch.round(KEY_STEPS * torch.log2(delta)).long().tolist()
+    keys = _bin_keys(delta).long().tolist()
     todo = sorted({k for k in keys if (K, k) not in _SHARE_CACHE})
     if todo:
-        # the bin's value: the smallest of the largest certified shares at its two edges and centre, so
-        # that nearly every delta of the bin passes the certificate below without a search of its own
-        kk = torch.tensor(todo, dtype=torch.float64, device=delta.device)
-        dk = torch.exp2(torch.cat([kk - 0.5, kk, kk + 0.5]) / KEY_STEPS)
-        ck = crossing(dk, K)
-        tk = _largest_feasible(dk, K, ck, log_bound_gap(dk, K, ck), torch.ones_like(dk))
-        tk = tk.reshape(3, -1).amin(0)
+        tk = bin_shares(torch.tensor(todo, dtype=torch.float64, device=delta.device), K)
         _SHARE_CACHE.update({(K, k): t_k for k, t_k in zip(todo, tk.tolist())})
     t = torch.tensor([_SHARE_CACHE[(K, k)] for k in keys], dtype=torch.float64, device=delta.device)
     ok = feasible(make_params(delta, K, t, c, log_R))

@@ -4,7 +4,9 @@ Exactness: ``specsamp`` registers ``markmax``, so ``tests/core/test_coupling.py`
 :func:`specsamp.testing.check_exactness` on it (delta 0..300, K up to 32, float32/float64) like on
 every other rule. Here, a 1-D check of the scalar
 rule (n = 200000) also asserts that each of its four branches was taken and the output is exact. Acceptance and positional
-probabilities are compared with theory within 4 standard errors (fixed seeds, n stated per test).
+probabilities are compared with theory within 4 standard errors (fixed seeds, n stated per test). The static
+path (inside ``deferred_checks``) is held to the eager path's bits, to no host synchronisation, and to flagging
+every row its share table cannot certify; the table to the shares ``share`` computes key by key.
 """
 
 import math
@@ -168,3 +170,230 @@ def test_bad_inputs_raise_value_error():
         markmax(children, mean_p, mean_q[:, :3], sigma)
     with pytest.raises(ValueError, match="sigma"):
         markmax(children, mean_p, mean_q, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The static path (inside deferred_checks): no host synchronisation, the same bits as the eager path.
+
+PINNED_DELTAS = (0.0, 1e-7, 1e-3, 0.1, 1.0, 5.0, 50.0, 300.0)
+# sha256 (first 16 hex digits) of index, accepted and sample of markmax on _pinned_problem, computed by the rule
+# before it had a static path (its plan and branches on the rows that need them), with this torch build and CPU
+# kernels: a transcendental function of another build or vector width may round differently in its last bit
+PINNED_BUILD = ("2.14.1+cu130", "AVX512")
+PINS = {("float64", 1): "476b7f125604e866", ("float64", 2): "e3051add03026d82", ("float64", 4): "d961f5b102df8c62",
+        ("float64", 16): "d42068a3bd497883", ("float32", 1): "b9ada15612beb832", ("float32", 2): "9212ec67430a3c48",
+        ("float32", 4): "bb5b8857f851e302", ("float32", 16): "66424e63c178f655"}
+
+
+def _pinned_problem(K, dtype, per=24, dim=6, seed=17):
+    """``per`` rows at each of PINNED_DELTAS, shuffled (D-GRS and marked-maximum rows interleaved), and a generator."""
+    g = torch.Generator().manual_seed(seed + 97 * K + (dtype == torch.float32))
+    nominal = torch.tensor(PINNED_DELTAS, dtype=torch.float64).repeat_interleave(per)
+    nominal = nominal[torch.randperm(nominal.numel(), generator=g)]
+    n, sigma = nominal.numel(), 0.37
+    mean_p = torch.randn(n, dim, generator=g, dtype=torch.float64)
+    e = torch.nn.functional.normalize(torch.randn(n, dim, generator=g, dtype=torch.float64), dim=1)
+    mean_q = mean_p + sigma * nominal[:, None] * e
+    children = mean_p[:, None] + sigma * torch.randn(n, K, dim, generator=g, dtype=torch.float64)
+    return children.to(dtype), mean_p.to(dtype), mean_q.to(dtype), sigma, torch.Generator().manual_seed(seed + K)
+
+
+def _digest(v) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (v.index, v.accepted, v.sample):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _uncertified_rows(children, mean_p, mean_q, sigma):
+    from specsamp.coupling import project
+
+    delta = project(children, mean_p, mean_q, sigma).delta
+    return lc.static_plan(delta, children.shape[1])[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("K", [1, 2, 4, 16])
+def test_static_path_gives_the_eager_bits_and_those_pinned(dtype, K):
+    # deltas 0 .. 300 (24 rows each), K = 1, 2, 4, 16: inside deferred_checks the same index, accepted and sample
+    # bits as outside, on every row whose share the table certifies (the flag is set iff one is not; here only
+    # rows near delta = 300 can fail, and their samples agree too, since the upper residual does not depend on t);
+    # outside, the bits of the rule before the static path (where this torch build and CPU kernels are the pinned ones)
+    from specsamp.coupling import deferred_checks
+
+    eager = markmax(*_pinned_problem(K, dtype))
+    with deferred_checks() as checks:
+        static = markmax(*_pinned_problem(K, dtype))
+    bad = _uncertified_rows(*_pinned_problem(K, dtype)[:4])
+    assert (checks.bad is not None and bool(checks.bad)) == bool(bad.any())
+    ok = ~bad
+    for a, b in ((eager.index, static.index), (eager.accepted, static.accepted), (eager.sample, static.sample)):
+        assert torch.equal(a[ok], b[ok])
+    assert (~eager.accepted).any() and eager.accepted.any()
+    if (torch.__version__, torch.backends.cpu.get_cpu_capability()) == PINNED_BUILD:
+        assert _digest(eager) == PINS[str(dtype).replace("torch.", ""), K]
+
+
+@pytest.mark.parametrize("K", [1, 2, 4, 16])
+def test_static_path_asks_the_host_nothing(K):
+    # inside deferred_checks, verify and decide (the choice alone) make no host synchronisation, at n = 1 and
+    # n = 192 (deltas 0 .. 300), the share table already built; decide's choice is verify's
+    from benchmarks.opcount import counting
+    from specsamp.coupling import COUPLINGS, deferred_checks
+
+    rule = COUPLINGS.get("markmax")
+    lc.share_table(K, "cpu")
+    for n in (1, 192):
+        args = [a[:n] for a in _pinned_problem(K, torch.float32)[:3]]
+        with deferred_checks(), counting() as c:
+            full = rule(*args, 0.37, torch.Generator().manual_seed(1))
+            only = rule.decide(*args, 0.37, torch.Generator().manual_seed(1))
+        assert c.total_syncs == 0, {k: v for k, v in c.by_op.items() if "nonzero" in k[1] or "dense" in k[1]}
+        assert only.sample is None
+        assert torch.equal(only.index, full.index) and torch.equal(only.accepted, full.accepted)
+    eager_only = rule.decide(*_pinned_problem(K, torch.float32)[:4], torch.Generator().manual_seed(1))
+    eager_full = rule(*_pinned_problem(K, torch.float32)[:4], torch.Generator().manual_seed(1))
+    assert torch.equal(eager_only.index, eager_full.index)
+
+
+def test_rows_the_table_cannot_certify_set_the_flag():
+    # a row beyond the table (delta 2000 > TABLE_DELTA_MAX) or failing its own certificate at the table's share
+    # sets the deferred flag; rows below DELTA_MIN (D-GRS) and certified ones do not
+    from specsamp.coupling import deferred_checks
+
+    K = 4
+    table = lc.share_table(K, "cpu")
+    grid = torch.tensor(np.geomspace(100.0, 1000.0, 4000), dtype=torch.float64)
+    keys = torch.round(lc.KEY_STEPS * torch.log2(grid)).long() - lc.KEY_MIN
+    failing = grid[~lc.feasible(lc.make_params(grid, K, table[keys]))]
+    assert failing.numel() > 0  # the certificate's rounding above delta = 100 (share_table's docstring)
+    cases = {(0.0, 1e-7): False, (0.5, 3.0, 40.0): False, (0.5, 2000.0): True, (0.5, float(failing[0])): True}
+    for deltas, flagged in cases.items():
+        n = len(deltas)
+        mean_p = torch.zeros(n, 3, dtype=torch.float64)
+        mean_q = mean_p.clone()
+        mean_q[:, 0] = torch.tensor(deltas, dtype=torch.float64)
+        children = torch.randn(n, K, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        with deferred_checks() as checks:
+            markmax(children, mean_p, mean_q, 1.0, torch.Generator().manual_seed(0))
+        assert (checks.bad is not None and bool(checks.bad)) == flagged, deltas
+
+
+def test_share_table_equals_the_shares_share_caches(monkeypatch):
+    # K = 2..16, 120 bin keys each (seed 0; the table's two ends among them) presented to share, as bin centres,
+    # in shuffled batches of 1 to 40 rows: the values share computes and caches equal the table's bit for bit
+    # (with exp2 of the bins' deltas taken directly, key 542 at K = 2 differed: bin_shares' docstring)
+    from specsamp import markmax_params as mp
+
+    monkeypatch.setattr(mp, "_SHARE_CACHE", {})  # share computes every key afresh
+    rng = np.random.default_rng(0)
+    for K in range(2, 17):
+        table = lc.share_table(K, "cpu")
+        inner = rng.choice(np.arange(lc.KEY_MIN + 1, lc.KEY_MAX), 118, replace=False)
+        keys = np.concatenate([[lc.KEY_MIN, lc.KEY_MAX], inner])
+        rng.shuffle(keys)
+        start = 0
+        while start < keys.size:
+            stop = start + int(rng.integers(1, 41))
+            centres = torch.exp2(torch.tensor(keys[start:stop], dtype=torch.float64) / lc.KEY_STEPS)
+            lc.share(centres.clamp_min(lc.DELTA_MIN), K)
+            start = stop
+        got = torch.tensor([mp._SHARE_CACHE[(K, int(k))] for k in keys], dtype=torch.float64)
+        assert torch.equal(got, table[torch.from_numpy(keys - lc.KEY_MIN)]), K
+
+
+def test_static_level_roots_equal_the_skipping_ones():
+    # grs_on_unmarked(static=True) runs every level root's Newton steps for every row; the eager form skips them
+    # where every row has t = 1 or no row's level lies inside the grid: the final wheres overwrite those rows, so
+    # the levels are equal bit for bit (all t = 1; all t < 1; mixed)
+    for K in (2, 4, 16):
+        for deltas in ([1.0, 2.0, 30.0], [0.01, 0.1, 0.3], [0.01, 1.0, 0.3, 50.0]):
+            p = lc.share(torch.tensor(deltas, dtype=torch.float64), K)
+            a, b = lc.grs_on_unmarked(p), lc.grs_on_unmarked(p, static=True)
+            for f in ("mu", "gamma", "y"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), (K, deltas, f)
+    # one root whose level lies outside the grid on every row: Newton is skipped in the eager form
+    p = lc.share(torch.tensor([0.2, 0.4], dtype=torch.float64), 3)
+    top = torch.minimum(p.c, p.delta + lc.Y_SPAN)
+    grid_y = lc.Y_LO + (top - lc.Y_LO)[:, None] * torch.linspace(0.0, 1.0, lc.LEVEL_GRID, dtype=torch.float64)[None]
+    grid_lr = lc.log_ratio(grid_y, p)
+    for log_m in (grid_lr[:, 0] - 1.0, grid_lr[:, -1] + 1.0):
+        from specsamp.markmax_params import _level_root
+
+        assert torch.equal(_level_root(p, grid_y, grid_lr, log_m), _level_root(p, grid_y, grid_lr, log_m, static=True))
+
+
+def test_lean_round_hands_uncertified_rounds_to_the_reference_round(monkeypatch):
+    # a static share that certifies nothing and is wrong (t = 0) flags every lean round, so the reference round
+    # serves each one: the tree execution's counts and samples equal the path execution's (GMM dim 4, 8 steps,
+    # 40 trajectories, seed 3, (2, 3) tree); without the flag the wrong share would change the law's numbers
+    from specsamp import markmax_params as mp
+    from specsamp import sampler
+    from specsamp.models import GaussianMixture
+    from specsamp.schedule import Schedule
+    from specsamp.trees import DraftTree
+
+    model = GaussianMixture(dim=4, components=3, layout_seed=1)
+    kw = dict(draft="x0", prefetch="nearest", seed=3)
+    sched, tree = Schedule.make(8, 1.0), DraftTree.uniform(2, 3)
+    path = sampler.sample_speculative(model, sched, tree, "markmax", 40, execution="path", **kw)
+    real = mp.static_share
+
+    def wrong(delta, K):
+        p, _ = real(delta, K)
+        none = torch.zeros_like(delta, dtype=torch.bool)
+        return lc.make_params(delta, K, torch.zeros_like(delta), p.c, p.log_R), none
+
+    monkeypatch.setattr(lc, "static_share", wrong)
+    got = sampler.sample_speculative(model, sched, tree, "markmax", 40, execution="tree", **kw)
+    for f in ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts"):
+        assert torch.equal(getattr(got, f), getattr(path, f)), f
+    assert torch.allclose(got.samples, path.samples, rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_share_table_equals_bin_shares_of_every_key_in_any_batch():
+    # every bin of the table, K = 2..16, computed again by bin_shares in shuffled batches of 1 to 40 keys (seed 1)
+    from specsamp import markmax_params as mp
+
+    rng = np.random.default_rng(1)
+    for K in range(2, 17):
+        keys = np.arange(lc.KEY_MIN, lc.KEY_MAX + 1)
+        rng.shuffle(keys)
+        got = torch.empty(keys.size, dtype=torch.float64)
+        start = 0
+        while start < keys.size:
+            stop = start + int(rng.integers(1, 41))
+            got[start:stop] = mp.bin_shares(torch.tensor(keys[start:stop], dtype=torch.float64), K)
+            start = stop
+        assert torch.equal(got, lc.share_table(K, "cpu")[torch.from_numpy(keys - lc.KEY_MIN)]), K
+
+
+def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual_per_row(monkeypatch):
+    # RESIDUAL_CACHE = 0: the chunks call markmax's decide (its choice alone, no residual branches), the walk's
+    # residuals are drawn by verify for the M rows; counts identical and samples bitwise equal to the default
+    # lean round (GMM dim 4, 8 steps, 40 trajectories, seed 3, (2, 3) tree), one host sync per round in all
+    from benchmarks import opcount
+    from specsamp import leantree, sampler
+    from specsamp.models import GaussianMixture
+    from specsamp.schedule import Schedule
+    from specsamp.trees import DraftTree
+
+    model = GaussianMixture(dim=4, components=3, layout_seed=1)
+    kw = dict(draft="x0", prefetch="nearest", seed=3, execution="tree")
+    sched, tree = Schedule.make(8, 1.0), DraftTree.uniform(2, 3)
+    ref = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
+    rows = []  # (rows, whether the residual was drawn) of each markmax call
+    choose = lc._choose
+    monkeypatch.setattr(lc, "_choose",
+                        lambda proj, *u: rows.append((proj.delta.numel(), u[2] is not None)) or choose(proj, *u))
+    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    with opcount.counting() as c:
+        got = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
+    assert {r for r, res in rows if res} == {40} and any(not res for _, res in rows), set(rows)
+    assert c.syncs["round"] + c.syncs["coupling"] <= int(got.rounds.max()), dict(c.by_op)
+    for f in ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert torch.equal(got.samples, ref.samples)
