@@ -89,9 +89,12 @@ def test_round_and_coupling_ops_pinned(digits_rows):
     # drafting layer by layer (about 9 operations per layer for x0) and the residual sampler (about 110 per
     # coupling call) keep the bits, and are most of what is left; markmax: every row through both rules and both
     # residual branches with fixed-step bisections, the price of asking the host nothing (13.8k, where its
-    # per-row branches and on-demand bin shares cost about 45k and 13 syncs per round)
-    pins = {"dgrs 2x3": (186, 211), "x0+optimal B14": (313, 191), "rmc chain14": (266, 63),
-            "x0g+per-step B14": (581, 300), "markmax 2x3": (189, 13814)}
+    # per-row branches and on-demand bin shares cost about 45k and 13 syncs per round). Counted under
+    # torch.inference_mode, where the samplers run: there composite calls (reshape, to, conv2d, &) reach the
+    # counter as themselves rather than as what they decompose into, and a no-op .to(dtype) is seen, so the same
+    # round counts 2-10 more than it did with autograd's bookkeeping on (dgrs 2x3: 185 + 211 then)
+    pins = {"dgrs 2x3": (189, 216), "x0+optimal B14": (319, 196), "rmc chain14": (270, 68),
+            "x0g+per-step B14": (590, 307), "markmax 2x3": (189, 13814)}
     for arm, (ops_round, ops_coupling) in pins.items():
         assert digits_rows[arm]["ops_round"] <= ops_round, digits_rows[arm]
         assert digits_rows[arm]["ops_coupling"] <= ops_coupling, digits_rows[arm]
