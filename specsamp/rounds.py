@@ -51,6 +51,12 @@ def _coefs(ctx: _Context, step: torch.Tensor, like: torch.Tensor) -> dict:
     return dict(zip(COEFS, c.reshape(c.shape[0], NC, *(1,) * (like.ndim - 1)).unbind(1)))
 
 
+def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``t``, for ascending distinct ``rows`` (a ``nonzero``'s output): ``t`` itself (no copy) where they are
+    all of its rows, which is every row of a round at its first depth."""
+    return t if rows.numel() == t.shape[0] else t[rows]
+
+
 def _kernel_mean(x: torch.Tensor, v: torch.Tensor, c: dict) -> torch.Tensor:
     """The target kernel mean of eq. 36 at ``x, v [s, *e]`` from :func:`_coefs` (``Schedule.mean``'s operations)."""
     return x + c["dt"] * (c["a"] * v + c["b"] * x)
@@ -83,10 +89,10 @@ class _Nodes:
         """
         draft = self.ctx.draft
         if draft.table_mean is None or draft.table_frozen is not None:
-            return draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
+            return draft.mean(_take(self.r.frozen, sub), x_parents, step, self.ctx.schedule)
         s, p = x_parents.shape[:2]
         flat = {k: v.reshape(s, 1, 1) for k, v in c.items()}
-        mean = draft.table_mean(self.r.frozen[sub].reshape(s, 1, -1), x_parents.reshape(s, p, -1), flat)
+        mean = draft.table_mean(_take(self.r.frozen, sub).reshape(s, 1, -1), x_parents.reshape(s, p, -1), flat)
         return mean.reshape(x_parents.shape)
 
     def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None,
@@ -112,7 +118,7 @@ class _Nodes:
         e = x_parents.shape[2:]
         std = c["std"]  # [s, 1, ...]: the kernel std of eq. 37 in the states' dtype
         if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
-            keys = rng.fold(self.r.draft_keys[sub][None], ids.reshape(-1, 1))  # [C, s]
+            keys = rng.fold(_take(self.r.draft_keys, sub)[None], ids.reshape(-1, 1))  # [C, s]
             rng.normal(keys, e, out=out)
             out *= std
             bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
@@ -120,7 +126,7 @@ class _Nodes:
                 if bounds[p + 1] > bounds[p]:
                     out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
             return mean, out.transpose(0, 1)
-        keys = rng.fold(self.r.draft_keys[sub][:, None], ids)
+        keys = rng.fold(_take(self.r.draft_keys, sub)[:, None], ids)
         noise = rng.normal(keys, e, dtype=x_parents.dtype)
         noise *= std[:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
         if pos is None:
@@ -136,8 +142,8 @@ class _Nodes:
     def velocity(self, sub, u, x_u):  # -> exact velocity of node u [s, *e]
         raise NotImplementedError
 
-    def inner_velocity(self, sub, u, x_u, depth: int):
-        """The exact velocity ``[s, *e]`` of nodes ``u [s]`` below the root, all at depth ``depth >= 1``."""
+    def inner_velocity(self, sub, u, x_u, depth):
+        """The exact velocity ``[s, *e]`` of nodes ``u [s]`` below the root, at depth ``depth`` (an int >= 1, or ``[s]``)."""
         return self.velocity(sub, u, x_u)
 
 
@@ -283,7 +289,7 @@ class _PathNodes(_Nodes):
         return out
 
     def inner_velocity(self, sub, u, x_u, depth):
-        return self.ctx.velocity(x_u, self.r.n[sub] + depth, self.r.rows[sub])  # every row's, as velocity would
+        return self.ctx.velocity(x_u, _take(self.r.n, sub) + depth, _take(self.r.rows, sub))  # every row's, as velocity would
 
 
 def _widths(tree: DraftTree) -> list[list[int]]:
@@ -313,7 +319,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
     walking = torch.ones(m, dtype=torch.bool, device=dev)
     rejected = torch.zeros(m, dtype=torch.bool, device=dev)
     steps = torch.zeros(m, dtype=torch.long, device=dev)
-    verified = []  # (rows, children ids, children, rejected) of every verification, for the nearest prefetch
+    verified = []  # (depth, rows, children ids, children, rejected) of every verification, for the nearest prefetch
     widths = _widths(nodes.tree)
     for l in range(1, nodes.tree.max_depth + 1):  # line 16
         walking &= (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
@@ -326,13 +332,13 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
         if not groups:
             break
         for k, sub in groups:
-            u = cur[sub]
-            step = rnd.n[sub] + (l - 1)
-            x_u = x_cur[sub]
+            u = _take(cur, sub)
+            step = _take(rnd.n, sub) + (l - 1)
+            x_u = _take(x_cur, sub)  # x_cur itself at the first depth: read before x_cur moves below
             c = _coefs(ctx, step, x_u)
             mean_p, kids, ids = nodes.children(sub, x_u, u, k, step, c)
-            mean_q = _kernel_mean(x_u, v_cur[sub], c)
-            keys = rng.fold(rnd.verify_keys[sub], u)  # (trajectory, root, node)
+            mean_q = _kernel_mean(x_u, _take(v_cur, sub), c)
+            keys = rng.fold(_take(rnd.verify_keys, sub), u)  # (trajectory, root, node)
             uniforms = rng.KeyedRows(keys, rng.uniform_table(keys, (k, 1)))  # the same numbers, drawn at once
             try:
                 verdict = ctx.coupling(kids, mean_p, mean_q, c["std"].reshape(-1), uniforms)  # line 17
@@ -356,12 +362,13 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
             rejected[sub] = ~verdict.accepted
             cur[sub] = ids.gather(1, verdict.index.clamp(max=k - 1)[:, None])[:, 0]  # a stopped row's is not read
             if ctx.prefetch == "nearest":
-                verified.append((sub, ids, kids, ~verdict.accepted))
+                verified.append((l, sub, ids, kids, ~verdict.accepted))
         # velocities of accepted nodes that are internal in T|_{L_n} are needed one level down
         idx = (walking & nodes.internal_in_round(cur, all_m)).nonzero(as_tuple=True)[0]
         if idx.numel():
-            v_cur[idx] = nodes.inner_velocity(idx, cur[idx], x_cur[idx], l)
-            _record(ctx, rnd, idx, x_cur[idx], v_cur[idx], rnd.n[idx] + l)
+            v_cur[idx] = nodes.inner_velocity(idx, _take(cur, idx), _take(x_cur, idx), l)
+            if rnd.history is not None:
+                _record(ctx, rnd, idx, x_cur[idx], v_cur[idx], rnd.n[idx] + l)
     _count(tally, rnd, steps, rejected, nodes.tree.max_depth)
     finished = ~rejected  # walked to a leaf of T|_{L_n}
     return x_cur, steps, _prefetch(nodes, rnd, ctx, finished, cur, x_cur, v_cur, verified)
@@ -393,7 +400,7 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
     ``nearest``: the committed leaf's own if it was evaluated; else the evaluated sibling nearest the
     committed state; else the parent's. ``parent``: the leaf's own if evaluated, else the parent's.
     ``none``: nothing (the next round pays one call for its root). ``x_cur [m, *e]``: the committed states;
-    ``verified``: the walk's ``(rows, children ids, children, rejected)`` per verification, in order.
+    ``verified``: the walk's ``(depth, rows, children ids, children, rejected)`` per verification, in order.
     """
     m = rnd.x.shape[0]
     dev = rnd.x.device
@@ -403,10 +410,10 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
         return v_next, exact
     idx = (finished & nodes.evaluated(cur, torch.arange(m, device=dev))).nonzero(as_tuple=True)[0]
     if idx.numel():
-        v_next[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+        v_next[idx] = nodes.inner_velocity(idx, cur[idx], _take(x_cur, idx), nodes.t["depth"][cur[idx]])
         exact[idx] = True
     if ctx.prefetch == "nearest":
-        for sub, ids, kids, stopped in verified:
+        for l, sub, ids, kids, stopped in verified:
             at = stopped.nonzero(as_tuple=True)[0]
             if not at.numel():
                 continue
@@ -418,7 +425,7 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
             has = ok.any(1).nonzero(as_tuple=True)[0]
             if has.numel():
                 r2 = rej[has]
-                v_next[r2] = nodes.velocity(r2, ids[has, best[has]], kids[has, best[has]])
+                v_next[r2] = nodes.inner_velocity(r2, ids[has, best[has]], kids[has, best[has]], l)
     return v_next, exact
 
 
