@@ -298,6 +298,40 @@ def _widths(tree: DraftTree) -> list[list[int]]:
     return [[]] + [sorted(int(k) for k in np.unique(nc[(depth == l - 1) & (nc > 0)])) for l in range(1, tree.max_depth + 1)]
 
 
+UNIFORM_TABLE = 1 << 18  # largest m * I * (K_max + 1) for which a round draws every internal node's uniforms at once
+
+
+def _verify_uniforms(tree: DraftTree, rnd: _Round):
+    """``uniforms(sub, u, k)``: the :class:`~specsamp.rng.KeyedRows` of the verification of nodes ``u [s]`` (width ``k``)
+    of rows ``sub [s]``, keyed by (trajectory, root, node).
+
+    A round's first two calls of every internal node (``K_max`` and 1 numbers, D-GRS's acceptance and residual
+    uniforms) are drawn in one keyed draw for all of its rows (:func:`specsamp.rng.uniform_table`) up to
+    :data:`UNIFORM_TABLE` numbers, and gathered per verification; the numbers are those of the keys (any further
+    call is drawn from them), so the rule cannot tell.
+    """
+    nc = np.asarray(tree.num_children)
+    internal = np.flatnonzero(nc > 0)
+    widths = (max(int(nc.max()), 1), 1)
+    m = rnd.x.shape[0]
+    if m * internal.size * sum(widths) > UNIFORM_TABLE:
+        def uniforms(sub, u, k):
+            keys = rng.fold(_take(rnd.verify_keys, sub), u)
+            return rng.KeyedRows(keys, rng.uniform_table(keys, (k, 1)))  # the same numbers, drawn at once
+        return uniforms
+    dev = rnd.x.device
+    col = np.full(nc.size, -1, dtype=np.int64)
+    col[internal] = np.arange(internal.size)
+    col = torch.as_tensor(col, device=dev)
+    keys = rng.fold(rnd.verify_keys[:, None], torch.as_tensor(internal, device=dev)[None])  # [m, I]
+    drawn = rng.uniform_table(keys, widths)  # [m, I, W_c] per call c
+
+    def uniforms(sub, u, k):
+        j = col[u]
+        return rng.KeyedRows(lambda: keys[sub, j], [d[sub, j] for d in drawn])
+    return uniforms
+
+
 def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
     """Phase 3 of Algorithm 1 (lines 14--23) plus root-velocity prefetch for the next round.
 
@@ -321,6 +355,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
     steps = torch.zeros(m, dtype=torch.long, device=dev)
     verified = []  # (depth, rows, children ids, children, rejected) of every verification, for the nearest prefetch
     widths = _widths(nodes.tree)
+    uniforms = _verify_uniforms(nodes.tree, rnd)
     for l in range(1, nodes.tree.max_depth + 1):  # line 16
         walking &= (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
         width = t["num_children"][cur]  # fixed before any row of this depth moves down
@@ -338,10 +373,8 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
             c = _coefs(ctx, step, x_u)
             mean_p, kids, ids = nodes.children(sub, x_u, u, k, step, c)
             mean_q = _kernel_mean(x_u, _take(v_cur, sub), c)
-            keys = rng.fold(_take(rnd.verify_keys, sub), u)  # (trajectory, root, node)
-            uniforms = rng.KeyedRows(keys, rng.uniform_table(keys, (k, 1)))  # the same numbers, drawn at once
             try:
-                verdict = ctx.coupling(kids, mean_p, mean_q, c["std"].reshape(-1), uniforms)  # line 17
+                verdict = ctx.coupling(kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))  # line 17
             except NonFiniteError as err:
                 r0 = err.rows[0]
                 raise NonFiniteError(
