@@ -282,7 +282,8 @@ class _PathNodes(_Nodes):
 
     def velocity(self, sub, u, x_u):
         root_known = (u == 0) & self.r.root_exact[sub]
-        out = self.r.v_root[sub].clone()
+        out = _take(self.r.v_root, sub)
+        out = out.clone() if out is self.r.v_root else out  # a copy the walk may write
         todo = (~root_known).nonzero(as_tuple=True)[0]
         if todo.numel():  # evaluate only what the round's batched call would have had to compute
             out[todo] = self.ctx.velocity(x_u[todo], self.r.n[sub[todo]] + self.t["depth"][u[todo]], self.r.rows[sub[todo]])
@@ -437,7 +438,7 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
     """
     m = rnd.x.shape[0]
     dev = rnd.x.device
-    v_next = v_cur.clone()  # for finished rows: the leaf's parent velocity (v_cur is the last verified node's)
+    v_next = v_cur  # the walk's own; for finished rows: the leaf's parent velocity (the last verified node's)
     exact = torch.zeros(m, dtype=torch.bool, device=dev)
     if ctx.prefetch == "none":
         return v_next, exact
@@ -466,17 +467,18 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
     # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
     hist = None if st.history is None else st.history.take(live)
-    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], history=hist)
+    x, n = st.x[live], st.n[live]  # copies: read by the round, never written
+    root = DraftRoot(x=x, v=st.v_root[live], n=n, exact=st.root_exact[live], history=hist)
     rnd = _Round(
         rows=live,
-        x=st.x[live],
-        n=st.n[live],
-        depth_limit=(ctx.schedule.end_speculative - st.n[live]).clamp(max=tree.max_depth),
+        x=x,
+        n=n,
+        depth_limit=(ctx.schedule.end_speculative - n).clamp(max=tree.max_depth),
         frozen=ctx.draft.freeze(root, ctx.schedule),
         v_root=root.v,
         root_exact=root.exact,
-        draft_keys=rng.fold(st.draft_keys[live], st.n[live]),  # (trajectory, root): the nodes fold in per draw
-        verify_keys=rng.fold(st.verify_keys[live], st.n[live]),
+        draft_keys=rng.fold(st.draft_keys[live], n),  # (trajectory, root): the nodes fold in per draw
+        verify_keys=rng.fold(st.verify_keys[live], n),
         history=None if hist is None else hist.clone(),  # the walk records into its own copy
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call

@@ -71,9 +71,10 @@ class GaussianMixture:
         x = x.reshape(x.shape[0], -1)
         sigma = sigma.to(x.dtype).reshape(-1, 1)
         alpha = 1.0 - sigma
-        var = alpha**2 * self._var0 + sigma**2  # [b, C]
+        alpha2 = alpha**2
+        var = alpha2 * self._var0 + sigma**2  # [b, C]
         # ||x - alpha mu_i||^2 = ||x||^2 - 2 alpha x.mu_i + alpha^2 ||mu_i||^2
-        sq = (x * x).sum(1, keepdim=True) - 2 * alpha * (x @ self.means.T) + alpha**2 * self._msq
+        sq = (x * x).sum(1, keepdim=True) - 2 * alpha * (x @ self.means.T) + alpha2 * self._msq
         d = x.shape[1]
         logp = self.log_weights[None] - 0.5 * d * torch.log(2 * math.pi * var) - 0.5 * sq.clamp_min(0) / var
         return torch.softmax(logp, dim=1), var, alpha, x
