@@ -6,6 +6,11 @@ node's state and velocity are obtained: :class:`_TreeNodes` drafts every node of
 in one batched call (optionally refined by Picard sweeps first), :class:`_PathNodes` drafts and evaluates only
 what the walk visits. The lean round (:mod:`specsamp.lean`) repeats this policy as a fixed sequence of tensor
 operations and falls back on :func:`_round` where a deferred check fails.
+
+Both executions gather a step's kernel coefficients from the run's table (:func:`_coefs`) and fold the root index
+into the keys once per round; the walk draws a round's verification uniforms in one keyed draw
+(:func:`_verify_uniforms`) and writes its counts once (:func:`_count`). Keyed numbers depend on their key alone and
+the tables hold what the schedule computes, so the bits are those of per-call draws and coefficients.
 """
 
 from __future__ import annotations
@@ -444,6 +449,7 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
         return v_next, exact
     idx = (finished & nodes.evaluated(cur, torch.arange(m, device=dev))).nonzero(as_tuple=True)[0]
     if idx.numel():
+        # a finished row accepted at depth 1 at least (every live row's root has children): its leaf is not the root
         v_next[idx] = nodes.inner_velocity(idx, cur[idx], _take(x_cur, idx), nodes.t["depth"][cur[idx]])
         exact[idx] = True
     if ctx.prefetch == "nearest":
