@@ -43,6 +43,7 @@ STREAM_BITS = 4
 SEED_BITS = 64 - STREAM_BITS
 MAX_SEED = (1 << SEED_BITS) - 1  # valid seeds: 0 <= seed <= MAX_SEED (2**60 - 1)
 
+_ONE = 0x3FF0000000000000  # the bits of the float64 1.0 (its mantissa bits are 0)
 _CHUNK = 1 << 15  # elements per in-place block of :func:`uniform` and :func:`normal` (cache sized)
 
 
@@ -136,9 +137,8 @@ def _uniform_block(k: torch.Tensor, j: torch.Tensor, words: torch.Tensor, tmp: t
     _mix64_(words, tmp)
     torch.bitwise_right_shift(words, 12, out=tmp)  # 52 random bits: (top + 0.5) 2^-52 is exact and < 1
     tmp &= (1 << 52) - 1
-    out.copy_(tmp)
-    out += 0.5
-    out *= 2.0**-52
+    tmp |= _ONE  # the float64 1 + top 2^-52 ...
+    torch.sub(tmp.view(torch.float64), 1.0 - 2.0**-53, out=out)  # ... minus 1 - 2^-53, exactly (Sterbenz): (top + 0.5) 2^-52
 
 
 def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
@@ -210,11 +210,13 @@ def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.
         theta *= 2.0 * torch.pi
         o = out[a : a + r]
         torch.cos(theta, out=trig)
-        trig *= rad
-        o[:, :half] = trig
+        torch.mul(trig, rad, out=o[:, :half])  # float64 products, rounded once to the output's dtype
         torch.sin(theta, out=trig)
-        trig *= rad
-        o[:, half:] = trig[:, : numel - half]
+        if numel == 2 * half:
+            torch.mul(trig, rad, out=o[:, half:])
+        else:
+            trig *= rad
+            o[:, half:] = trig[:, : numel - half]
     return out.reshape(*keys.shape, *shape)
 
 

@@ -6,18 +6,25 @@ node's state and velocity are obtained: :class:`_TreeNodes` drafts every node of
 in one batched call (optionally refined by Picard sweeps first), :class:`_PathNodes` drafts and evaluates only
 what the walk visits. The lean round (:mod:`specsamp.lean`) repeats this policy as a fixed sequence of tensor
 operations and falls back on :func:`_round` where a deferred check fails.
+
+Both executions gather a step's kernel coefficients from the run's table (:func:`_coefs`) and fold the root index
+into the keys once per round; the walk draws a round's verification uniforms in one keyed draw
+(:func:`_verify_uniforms`) and writes its counts once (:func:`_count`). Keyed numbers depend on their key alone and
+the tables hold what the schedule computes, so the bits are those of per-call draws and coefficients.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import rng
 from .chains import _Chains, _Context, _Tally, check_verdict_contract
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction
+from .leantree import COEFS, NC, _coef_table
 from .schedule import per_row
 from .trees import DraftTree
 
@@ -33,9 +40,31 @@ class _Round:
     frozen: torch.Tensor  # [m, *e] draft's frozen root quantity
     v_root: torch.Tensor  # [m, *e] root velocity used by the draft
     root_exact: torch.Tensor  # [m] bool: v_root is the root's own exact velocity
-    draft_keys: torch.Tensor  # [m]
-    verify_keys: torch.Tensor  # [m]
+    draft_keys: torch.Tensor  # [m] the trajectories' draft keys with the root index folded in: fold(key, n)
+    verify_keys: torch.Tensor  # [m] the same for the verification keys
     history: DraftHistory | None = None  # [m, H, ...] the round's own copy of the draft's history; None when H = 0
+
+
+def _coefs(ctx: _Context, step: torch.Tensor, like: torch.Tensor) -> dict:
+    """The kernel coefficients of steps ``step [s]`` (:data:`specsamp.leantree.COEFS`), each ``[s, 1, ..., 1]`` to scale
+    the rows of ``like [s, *e]``, in the states' dtype: one gather of the run's table, bit for bit what
+    :meth:`~specsamp.schedule.Schedule.mean` and :meth:`~specsamp.schedule.Schedule.std` compute (eqs. 36--37)."""
+    if ctx.coef_table is None:  # the run's table, made at its first reference round (the lean round makes its own)
+        ctx.tables = ctx.schedule.tables(like.device) if ctx.tables is None else ctx.tables
+        ctx.coef_table = _coef_table(ctx.tables, like.dtype)
+    c = ctx.coef_table[step]  # [s, NC]
+    return dict(zip(COEFS, c.reshape(c.shape[0], NC, *(1,) * (like.ndim - 1)).unbind(1)))
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``t``, for ascending distinct ``rows`` (a ``nonzero``'s output): ``t`` itself (no copy) where they are
+    all of its rows, which is every row of a round at its first depth."""
+    return t if rows.numel() == t.shape[0] else t[rows]
+
+
+def _kernel_mean(x: torch.Tensor, v: torch.Tensor, c: dict) -> torch.Tensor:
+    """The target kernel mean of eq. 36 at ``x, v [s, *e]`` from :func:`_coefs` (``Schedule.mean``'s operations)."""
+    return x + c["dt"] * (c["a"] * v + c["b"] * x)
 
 
 class _Nodes:
@@ -57,7 +86,22 @@ class _Nodes:
         """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
         return self.t["first_child"][u][:, None] + torch.arange(k, device=u.device)[None]
 
-    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, out=None):
+    def proposal_mean(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, c: dict) -> torch.Tensor:
+        """The draft's proposal means ``[s, P, *e]`` of the children of ``x_parents [s, P, *e]`` at step ``step [s]``.
+
+        ``c``: the steps' kernel coefficients (:func:`_coefs`). A draft with a table form (``Draft.table_mean``, no
+        ``table_frozen``) computes from them with the operations of its ``mean`` (the same bits); any other calls ``mean``.
+        """
+        draft = self.ctx.draft
+        if draft.table_mean is None or draft.table_frozen is not None:
+            return draft.mean(_take(self.r.frozen, sub), x_parents, step, self.ctx.schedule)
+        s, p = x_parents.shape[:2]
+        flat = {k: v.reshape(s, 1, 1) for k, v in c.items()}
+        mean = draft.table_mean(_take(self.r.frozen, sub).reshape(s, 1, -1), x_parents.reshape(s, p, -1), flat)
+        return mean.reshape(x_parents.shape)
+
+    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None,
+              out=None, c: dict | None = None):
         """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, line 7).
 
         Args:
@@ -65,39 +109,47 @@ class _Nodes:
             x_parents: ``[s, P, *e]`` parent states, all at step ``step [s]``.
             step: ``[s]`` the parents' step index.
             ids: ``[s or 1, C]`` node ids of the children (they key the noise).
-            pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``.
+            pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``; ``None``: one parent (``P = 1``).
             out: optional node-major buffer ``[C, s, *e]`` to draft into (then ``ids`` is ``[1, C]`` and
                 ``pos`` is ``[C]``, non-decreasing: children of one parent are contiguous).
+            c: the steps' kernel coefficients (:func:`_coefs`), where the caller already gathered them.
 
         Returns:
             ``(means [s, P, *e], children [s, C, *e])``; the children are ``out.transpose(0, 1)`` when
             ``out`` is given. The numbers are the same either way.
         """
-        mean = self.ctx.draft.mean(self.r.frozen[sub], x_parents, step, self.ctx.schedule)
+        c = _coefs(self.ctx, step, x_parents[:, 0]) if c is None else c
+        mean = self.proposal_mean(sub, x_parents, step, c)
         e = x_parents.shape[2:]
-        std = per_row(self.ctx.schedule.std(step).to(x_parents.dtype), x_parents)
+        std = c["std"]  # [s, 1, ...]: the kernel std of eq. 37 in the states' dtype
         if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
-            keys = rng.fold(self.r.draft_keys[sub][None], self.r.n[sub][None], ids.reshape(-1, 1))  # [C, s]
+            keys = rng.fold(_take(self.r.draft_keys, sub)[None], ids.reshape(-1, 1))  # [C, s]
             rng.normal(keys, e, out=out)
-            out *= std.transpose(0, 1)
+            out *= std
             bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
             for p in range(mean.shape[1]):
                 if bounds[p + 1] > bounds[p]:
                     out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
             return mean, out.transpose(0, 1)
-        keys = rng.fold(self.r.draft_keys[sub][:, None], self.r.n[sub][:, None], ids)
+        keys = rng.fold(_take(self.r.draft_keys, sub)[:, None], ids)
         noise = rng.normal(keys, e, dtype=x_parents.dtype)
-        rows = torch.arange(mean.shape[0], device=mean.device)[:, None]
-        noise *= std  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
-        noise += mean[rows, pos]
+        noise *= std[:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
+        if pos is None:
+            noise += mean
+        else:
+            noise += mean[torch.arange(mean.shape[0], device=mean.device)[:, None], pos]
         return mean, noise
 
     # interface
-    def children(self, sub, x_u, u, k, step):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
+    def children(self, sub, x_u, u, k, step, c):  # -> (draft mean of u, children states [s, k, *e], ids [s, k])
         raise NotImplementedError
 
     def velocity(self, sub, u, x_u):  # -> exact velocity of node u [s, *e]
         raise NotImplementedError
+
+    def inner_velocity(self, sub, u, x_u, depth):
+        """The exact velocity ``[s, *e]`` of nodes ``u [s]`` below the root, at depth ``depth`` (an int >= 1, or ``[s]``)."""
+        return self.velocity(sub, u, x_u)
 
 
 class _TreeNodes(_Nodes):
@@ -175,7 +227,7 @@ class _TreeNodes(_Nodes):
         innov = torch.empty_like(states)
         for l in range(1, tree.max_depth + 1):
             layer = tree.layer(l)
-            keys = rng.fold(rnd.draft_keys[None], rnd.n[None], torch.as_tensor(layer, device=dev).reshape(-1, 1))
+            keys = rng.fold(rnd.draft_keys[None], torch.as_tensor(layer, device=dev).reshape(-1, 1))
             block = innov[layer[0] : layer[-1] + 1]
             rng.normal(keys, e, out=block)
             step = (rnd.n + l - 1).clamp(max=last)
@@ -201,12 +253,12 @@ class _TreeNodes(_Nodes):
                 states[lo:hi] = mean.view(hi - lo, m, *e) + innov[lo:hi]
         self.refined_v = vel
 
-    def children(self, sub, x_u, u, k, step):
+    def children(self, sub, x_u, u, k, step, c):
         ids = self.child_ids(u, k)
         if self.refined_v is not None:  # the refined proposal mean (see _picard)
-            mean = self.ctx.schedule.mean(x_u, self.refined_v[u, sub], step)
+            mean = _kernel_mean(x_u, self.refined_v[u, sub], c)
         else:
-            mean = self.ctx.draft.mean(self.r.frozen[sub], x_u[:, None], step, self.ctx.schedule)[:, 0]
+            mean = self.proposal_mean(sub, x_u[:, None], step, c)[:, 0]
         return mean, self.states[ids, sub[:, None]], ids
 
     def velocity(self, sub, u, x_u):
@@ -228,22 +280,70 @@ class _PathNodes(_Nodes):
         table = torch.as_tensor(all_rows if ctx.evaluate_leaves else internal_rows, device=rnd.x.device)
         self.call_rows = table[rnd.depth_limit] - rnd.root_exact.long()
 
-    def children(self, sub, x_u, u, k, step):
+    def children(self, sub, x_u, u, k, step, c):
         ids = self.child_ids(u, k)
-        mean, kids = self.draft(sub, x_u[:, None], step, ids, torch.zeros(k, dtype=torch.long, device=u.device))
+        mean, kids = self.draft(sub, x_u[:, None], step, ids, None, c=c)
         return mean[:, 0], kids, ids
 
     def velocity(self, sub, u, x_u):
         root_known = (u == 0) & self.r.root_exact[sub]
-        out = self.r.v_root[sub].clone()
+        out = _take(self.r.v_root, sub)
+        out = out.clone() if out is self.r.v_root else out  # a copy the walk may write
         todo = (~root_known).nonzero(as_tuple=True)[0]
         if todo.numel():  # evaluate only what the round's batched call would have had to compute
             out[todo] = self.ctx.velocity(x_u[todo], self.r.n[sub[todo]] + self.t["depth"][u[todo]], self.r.rows[sub[todo]])
         return out
 
+    def inner_velocity(self, sub, u, x_u, depth):
+        return self.ctx.velocity(x_u, _take(self.r.n, sub) + depth, _take(self.r.rows, sub))  # every row's, as velocity would
+
+
+def _widths(tree: DraftTree) -> list[list[int]]:
+    """``[l]``: the distinct widths ``K > 0`` of the nodes at depth ``l - 1``, ascending (``l = 1..L``; entry 0 empty)."""
+    nc, depth = np.asarray(tree.num_children), np.asarray(tree.depth)
+    return [[]] + [sorted(int(k) for k in np.unique(nc[(depth == l - 1) & (nc > 0)])) for l in range(1, tree.max_depth + 1)]
+
+
+UNIFORM_TABLE = 1 << 18  # largest m * I * (K_max + 1) for which a round draws every internal node's uniforms at once
+
+
+def _verify_uniforms(tree: DraftTree, rnd: _Round):
+    """``uniforms(sub, u, k)``: the :class:`~specsamp.rng.KeyedRows` of the verification of nodes ``u [s]`` (width ``k``)
+    of rows ``sub [s]``, keyed by (trajectory, root, node).
+
+    A round's first two calls of every internal node (``K_max`` and 1 numbers, D-GRS's acceptance and residual
+    uniforms) are drawn in one keyed draw for all of its rows (:func:`specsamp.rng.uniform_table`) up to
+    :data:`UNIFORM_TABLE` numbers, and gathered per verification; the numbers are those of the keys (any further
+    call is drawn from them), so the rule cannot tell.
+    """
+    nc = np.asarray(tree.num_children)
+    internal = np.flatnonzero(nc > 0)
+    widths = (max(int(nc.max()), 1), 1)
+    m = rnd.x.shape[0]
+    if m * internal.size * sum(widths) > UNIFORM_TABLE:
+        def uniforms(sub, u, k):
+            keys = rng.fold(_take(rnd.verify_keys, sub), u)
+            return rng.KeyedRows(keys, rng.uniform_table(keys, (k, 1)))  # the same numbers, drawn at once
+        return uniforms
+    dev = rnd.x.device
+    col = np.full(nc.size, -1, dtype=np.int64)
+    col[internal] = np.arange(internal.size)
+    col = torch.as_tensor(col, device=dev)
+    keys = rng.fold(rnd.verify_keys[:, None], torch.as_tensor(internal, device=dev)[None])  # [m, I]
+    drawn = rng.uniform_table(keys, widths)  # [m, I, W_c] per call c
+
+    def uniforms(sub, u, k):
+        j = col[u]
+        return rng.KeyedRows(lambda: keys[sub, j], [d[sub, j] for d in drawn])
+    return uniforms
+
 
 def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
     """Phase 3 of Algorithm 1 (lines 14--23) plus root-velocity prefetch for the next round.
+
+    Per depth, the walking rows are verified in one coupling call per node width (ascending); a row's state moves
+    to the verdict's sample (the accepted child, or the residual draw where it stops). One host synchronisation per
+    width and depth (the rows that walk) and one per depth for the velocities the next depth needs.
 
     Returns:
         ``(committed_state [m, *e], steps [m], v_next [m, *e], exact_next [m])``.
@@ -251,31 +351,36 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
     m = rnd.x.shape[0]
     dev = rnd.x.device
     t = nodes.t
+    all_m = torch.arange(m, device=dev)
     cur = torch.zeros(m, dtype=torch.long, device=dev)
-    x_cur = rnd.x.clone()
-    v_cur = nodes.velocity(torch.arange(m, device=dev), cur, x_cur)
-    _record(ctx, rnd, torch.arange(m, device=dev), x_cur, v_cur, rnd.n)  # the root, verified below
+    x_cur = rnd.x.clone()  # the walk's state; where a row stops, its residual draw (the committed state either way)
+    v_cur = nodes.velocity(all_m, cur, x_cur)
+    _record(ctx, rnd, all_m, x_cur, v_cur, rnd.n)  # the root, verified below
     walking = torch.ones(m, dtype=torch.bool, device=dev)
+    rejected = torch.zeros(m, dtype=torch.bool, device=dev)
     steps = torch.zeros(m, dtype=torch.long, device=dev)
-    out = rnd.x.clone()
-    rejected_parent = torch.full((m,), -1, dtype=torch.long, device=dev)
-    sib_states = {}  # rejected rows -> (ids, states) of the siblings at the committed depth
+    verified = []  # (depth, rows, children ids, children, rejected) of every verification, for the nearest prefetch
+    widths = _widths(nodes.tree)
+    uniforms = _verify_uniforms(nodes.tree, rnd)
     for l in range(1, nodes.tree.max_depth + 1):  # line 16
-        act = walking & (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
-        walking = walking & act
-        if not bool(act.any()):
-            break
+        walking &= (l <= rnd.depth_limit) & (t["num_children"][cur] > 0)
         width = t["num_children"][cur]  # fixed before any row of this depth moves down
-        for k in torch.unique(width[act]).tolist():
-            sub = (act & (width == k)).nonzero(as_tuple=True)[0]
-            u = cur[sub]
-            step = rnd.n[sub] + l - 1
-            mean_p, kids, ids = nodes.children(sub, x_cur[sub], u, k, step)
-            mean_q = ctx.schedule.mean(x_cur[sub], v_cur[sub], step)
-            sigma = ctx.schedule.std(step).to(kids.dtype)
-            keys = rng.fold(rnd.verify_keys[sub], rnd.n[sub], u)
+        groups = []
+        for k in widths[l]:
+            sub = (walking if len(widths[l]) == 1 else walking & (width == k)).nonzero(as_tuple=True)[0]
+            if sub.numel():
+                groups.append((k, sub))
+        if not groups:
+            break
+        for k, sub in groups:
+            u = _take(cur, sub)
+            step = _take(rnd.n, sub) + (l - 1)
+            x_u = _take(x_cur, sub)  # x_cur itself at the first depth: read before x_cur moves below
+            c = _coefs(ctx, step, x_u)
+            mean_p, kids, ids = nodes.children(sub, x_u, u, k, step, c)
+            mean_q = _kernel_mean(x_u, _take(v_cur, sub), c)
             try:
-                verdict = ctx.coupling(kids, mean_p, mean_q, sigma, rng.KeyedRows(keys))  # line 17
+                verdict = ctx.coupling(kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))  # line 17
             except NonFiniteError as err:
                 r0 = err.rows[0]
                 raise NonFiniteError(
@@ -289,32 +394,36 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
                 check_verdict_contract(ctx.coupling, verdict, kids, lambda r: (
                     f"trajectory {int(ctx.ids[rnd.rows[sub[r]]])}, step {int(step[r])}, node {int(u[r])} (depth {l - 1}) "
                     f"of the round rooted at state {int(rnd.n[sub[r]])}"))
-            tally.attempts[rnd.rows[sub], l - 1] += 1
-            tally.accepts[rnd.rows[sub], l - 1] += verdict.accepted.long()
-            at = (rnd.n[sub], torch.full_like(sub, l - 1))
-            tally.root_attempts.index_put_(at, torch.ones_like(sub), accumulate=True)
-            tally.root_accepts.index_put_(at, verdict.accepted.long(), accumulate=True)
-            steps[sub] += 1
-            acc, rej = sub[verdict.accepted], sub[~verdict.accepted]
-            if rej.numel():  # lines 18--20: commit the residual draw and stop
-                rmask = ~verdict.accepted
-                out[rej] = verdict.sample[rmask]
-                rejected_parent[rej] = u[rmask]
-                walking[rej] = False
-                sib_states[l] = sib_states.get(l, []) + [(rej, ids[rmask], kids[rmask])]
-            if acc.numel():  # line 22: move down to the accepted child
-                amask = verdict.accepted
-                cur[acc] = ids[amask, verdict.index[amask]]
-                x_cur[acc] = verdict.sample[amask]
+            steps[sub] = l
+            # lines 18--22: the accepted child (the verdict's sample is that child, bit for bit), or the residual and stop
+            x_cur[sub] = verdict.sample
+            walking[sub] = verdict.accepted
+            rejected[sub] = ~verdict.accepted
+            cur[sub] = ids.gather(1, verdict.index.clamp(max=k - 1)[:, None])[:, 0]  # a stopped row's is not read
+            if ctx.prefetch == "nearest":
+                verified.append((l, sub, ids, kids, ~verdict.accepted))
         # velocities of accepted nodes that are internal in T|_{L_n} are needed one level down
-        need = walking & nodes.internal_in_round(cur, torch.arange(m, device=dev))
-        if bool(need.any()):
-            idx = need.nonzero(as_tuple=True)[0]
-            v_cur[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
-            _record(ctx, rnd, idx, x_cur[idx], v_cur[idx], rnd.n[idx] + l)
-    finished = rejected_parent < 0  # walked to a leaf of T|_{L_n}
-    out[finished] = x_cur[finished]
-    return out, steps, _prefetch(nodes, rnd, ctx, finished, cur, x_cur, v_cur, sib_states, out)
+        idx = (walking & nodes.internal_in_round(cur, all_m)).nonzero(as_tuple=True)[0]
+        if idx.numel():
+            v_cur[idx] = nodes.inner_velocity(idx, _take(cur, idx), _take(x_cur, idx), l)
+            if rnd.history is not None:
+                _record(ctx, rnd, idx, x_cur[idx], v_cur[idx], rnd.n[idx] + l)
+    _count(tally, rnd, steps, rejected, nodes.tree.max_depth)
+    finished = ~rejected  # walked to a leaf of T|_{L_n}
+    return x_cur, steps, _prefetch(nodes, rnd, ctx, finished, cur, x_cur, v_cur, verified)
+
+
+def _count(tally: _Tally, rnd: _Round, steps: torch.Tensor, rejected: torch.Tensor, L: int) -> None:
+    """Section 5's verification counts of a walk: row ``r`` was verified at depths ``1..steps[r]`` and accepted at all
+    of them but the last where it was ``rejected`` (``steps, rejected [m]``; the tree's depth ``L``)."""
+    depth = torch.arange(L, device=steps.device)[None]
+    attempts = (depth < steps[:, None]).long()  # [m, L]
+    accepts = (depth < (steps - rejected.long())[:, None]).long()
+    tally.attempts[rnd.rows, :L] += attempts
+    tally.accepts[rnd.rows, :L] += accepts
+    at = (rnd.n[:, None].expand(-1, L), depth.expand(steps.shape[0], -1))
+    tally.root_attempts.index_put_(at, attempts, accumulate=True)
+    tally.root_accepts.index_put_(at, accepts, accumulate=True)
 
 
 def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
@@ -324,37 +433,39 @@ def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: 
         rnd.history.push(rows, data_prediction(x, v, n, ctx.schedule), n, x)
 
 
-def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, sib_states, out):
+def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v_cur, verified):
     """Velocity for the next round's draft (the ``prefetch`` key) and whether it is exact.
 
     ``nearest``: the committed leaf's own if it was evaluated; else the evaluated sibling nearest the
     committed state; else the parent's. ``parent``: the leaf's own if evaluated, else the parent's.
-    ``none``: nothing (the next round pays one call for its root).
+    ``none``: nothing (the next round pays one call for its root). ``x_cur [m, *e]``: the committed states;
+    ``verified``: the walk's ``(depth, rows, children ids, children, rejected)`` per verification, in order.
     """
     m = rnd.x.shape[0]
     dev = rnd.x.device
-    v_next = v_cur.clone()  # for finished rows: the leaf's parent velocity (v_cur is the last verified node's)
+    v_next = v_cur  # the walk's own; for finished rows: the leaf's parent velocity (the last verified node's)
     exact = torch.zeros(m, dtype=torch.bool, device=dev)
     if ctx.prefetch == "none":
         return v_next, exact
-    all_m = torch.arange(m, device=dev)
-    leaf_eval = finished & nodes.evaluated(cur, all_m)
-    if bool(leaf_eval.any()):
-        idx = leaf_eval.nonzero(as_tuple=True)[0]
-        v_next[idx] = nodes.velocity(idx, cur[idx], x_cur[idx])
+    idx = (finished & nodes.evaluated(cur, torch.arange(m, device=dev))).nonzero(as_tuple=True)[0]
+    if idx.numel():
+        # a finished row accepted at depth 1 at least (every live row's root has children): its leaf is not the root
+        v_next[idx] = nodes.inner_velocity(idx, cur[idx], _take(x_cur, idx), nodes.t["depth"][cur[idx]])
         exact[idx] = True
     if ctx.prefetch == "nearest":
-        for parts in sib_states.values():
-            for rej, ids, kids in parts:
-                ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
-                dist = torch.linalg.vector_norm((kids - out[rej][:, None]).reshape(*ids.shape, -1), dim=-1)
-                dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
-                best = dist.argmin(1)
-                has = ok.any(1)
-                if bool(has.any()):
-                    r2 = rej[has]
-                    node = ids[has, best[has]]
-                    v_next[r2] = nodes.velocity(r2, node, kids[has, best[has]])
+        for l, sub, ids, kids, stopped in verified:
+            at = stopped.nonzero(as_tuple=True)[0]
+            if not at.numel():
+                continue
+            rej, ids, kids = sub[at], ids[at], kids[at]
+            ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
+            dist = torch.linalg.vector_norm((kids - x_cur[rej][:, None]).reshape(*ids.shape, -1), dim=-1)
+            dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
+            best = dist.argmin(1)
+            has = ok.any(1).nonzero(as_tuple=True)[0]
+            if has.numel():
+                r2 = rej[has]
+                v_next[r2] = nodes.inner_velocity(r2, ids[has, best[has]], kids[has, best[has]], l)
     return v_next, exact
 
 
@@ -362,17 +473,18 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
     # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
     hist = None if st.history is None else st.history.take(live)
-    root = DraftRoot(x=st.x[live], v=st.v_root[live], n=st.n[live], exact=st.root_exact[live], history=hist)
+    x, n = st.x[live], st.n[live]  # copies: read by the round, never written
+    root = DraftRoot(x=x, v=st.v_root[live], n=n, exact=st.root_exact[live], history=hist)
     rnd = _Round(
         rows=live,
-        x=st.x[live],
-        n=st.n[live],
-        depth_limit=(ctx.schedule.end_speculative - st.n[live]).clamp(max=tree.max_depth),
+        x=x,
+        n=n,
+        depth_limit=(ctx.schedule.end_speculative - n).clamp(max=tree.max_depth),
         frozen=ctx.draft.freeze(root, ctx.schedule),
         v_root=root.v,
         root_exact=root.exact,
-        draft_keys=st.draft_keys[live],
-        verify_keys=st.verify_keys[live],
+        draft_keys=rng.fold(st.draft_keys[live], n),  # (trajectory, root): the nodes fold in per draw
+        verify_keys=rng.fold(st.verify_keys[live], n),
         history=None if hist is None else hist.clone(),  # the walk records into its own copy
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call

@@ -62,15 +62,19 @@ class GaussianMixture:
         self.means = means.to(device=self.device, dtype=dtype)
         self.stds = stds.to(device=self.device, dtype=dtype)
         self.log_weights = torch.full((components,), -math.log(components), dtype=dtype, device=self.device)
+        # per-call constants, computed once (the same operations, so the same bits): s_i^2 [1, C], ||mu_i||^2 [1, C]
+        self._var0 = self.stds[None, :] ** 2
+        self._msq = (self.means**2).sum(1)[None]
 
     def _posterior(self, x: torch.Tensor, sigma: torch.Tensor):
         """Posterior weights ``r [b, C]``, marginal variances ``v [b, C]`` and ``alpha = 1 - sigma``."""
         x = x.reshape(x.shape[0], -1)
         sigma = sigma.to(x.dtype).reshape(-1, 1)
         alpha = 1.0 - sigma
-        var = alpha**2 * self.stds[None, :] ** 2 + sigma**2  # [b, C]
+        alpha2 = alpha**2
+        var = alpha2 * self._var0 + sigma**2  # [b, C]
         # ||x - alpha mu_i||^2 = ||x||^2 - 2 alpha x.mu_i + alpha^2 ||mu_i||^2
-        sq = (x * x).sum(1, keepdim=True) - 2 * alpha * (x @ self.means.T) + alpha**2 * (self.means**2).sum(1)[None]
+        sq = (x * x).sum(1, keepdim=True) - 2 * alpha * (x @ self.means.T) + alpha2 * self._msq
         d = x.shape[1]
         logp = self.log_weights[None] - 0.5 * d * torch.log(2 * math.pi * var) - 0.5 * sq.clamp_min(0) / var
         return torch.softmax(logp, dim=1), var, alpha, x
@@ -86,7 +90,7 @@ class GaussianMixture:
             ``[b, d]``.
         """
         r, var, alpha, xf = self._posterior(x, sigma)
-        gain = alpha * self.stds[None, :] ** 2 / var  # [b, C]
+        gain = alpha * self._var0 / var  # [b, C]
         # sum_i r_i (mu_i + gain_i (x - alpha mu_i)) = (r (1 - alpha gain)) @ mu + (r . gain) x
         coef = r * (1.0 - alpha * gain)
         out = coef @ self.means + (r * gain).sum(1, keepdim=True) * xf
