@@ -46,11 +46,3 @@ def test_no_module_of_the_package_is_over_600_lines():
     root = __import__("pathlib").Path(specsamp.__file__).parent
     long = {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py")) if (n := len(p.read_text().splitlines())) > 600}
     assert not long, f"split these modules by what each part owns: {long}"
-
-
-def test_no_module_of_the_package_is_over_600_lines():
-    import specsamp
-
-    root = __import__("pathlib").Path(specsamp.__file__).parent
-    long = {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py")) if (n := len(p.read_text().splitlines())) > 600}
-    assert not long, f"split these modules by what each part owns: {long}"
