@@ -292,6 +292,8 @@ def test_two_shard_jobs_plus_merge_equal_one_unsharded_run_bitwise(tmp_path):
     run([*common, f"hydra.run.dir={tmp_path / 'single'}"], tmp_path)
     p = run(["-m", *common, "num_shards=2", "shard=0,1", "sweep_name=sh"], tmp_path)
     assert "[shard 0/2]" in p.stdout and "[shard 1/2]" in p.stdout
+    # each shard's line counts its own 2 of the 4 trajectories, as its record does
+    assert p.stdout.count("(2 trajectories,") == 2 and "(4 trajectories," not in p.stdout
     sweep = tmp_path / "multirun" / "sh"
     merged_dir = sweep / "batch_size=2,model.dim=8,n_samples=4,save_samples=True,steps=6"
     assert f"shards merged: multirun/sh/{merged_dir.name}" in p.stdout  # merged at the end of the sweep
