@@ -113,6 +113,27 @@ def sweep_exit_status(state: dict | None = None) -> int:
     return OK
 
 
+def missing_option(error: BaseException) -> str | None:
+    """One paragraph for a config-group option that does not exist (``model=nosuch``), or None.
+
+    Hydra's message lists the group's options on separate lines, the model group's structured schemas
+    (``gmm_schema``, ...) among them, which are not models to choose; this names the override, the
+    group's real options and where a YAML of one's own goes (docs/extending.md).
+    """
+    from hydra.errors import MissingConfigException
+
+    if not isinstance(error, MissingConfigException) or not error.missing_cfg_file or error.options is None:
+        return None
+    group, _, name = str(error.missing_cfg_file).rpartition("/")
+    if not group:
+        return None
+    options = [o for o in error.options if not o.endswith("_schema")]
+    where = "" if group.startswith("hydra/") else f" (conf/{group}/)"  # hydra's groups also hold plugins' options
+    return (f"{group}={name} is not an option of the config group {group}; valid: {', '.join(options) or 'none'}"
+            f"{where}, or a YAML of your own in {group}/ of a folder given by "
+            "hydra.searchpath=[file:///abs/path/to/myconf] (docs/extending.md).")
+
+
 def _one_paragraph(error: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line messages as one paragraph (without the config search path)."""
     text = str(error).split("\nConfig search path:")[0]
@@ -270,7 +291,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
 
             if full_error:
                 traceback.print_exception(e, file=sys.stderr)
-            print(f"error: {sweep_without_multirun(e) or explain(e) or _one_paragraph(e)}", file=sys.stderr)
+            print(f"error: {sweep_without_multirun(e) or missing_option(e) or explain(e) or _one_paragraph(e)}", file=sys.stderr)
             _summary_if_swept()
             sys.exit(USAGE)
         # a bug, or a launcher that gave up after jobs started (e.g. SLURM killed one): say where things stand

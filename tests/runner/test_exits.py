@@ -271,6 +271,9 @@ def _bare(args, cwd):
     (["model=digits", "model.dtype=float16"], ["model.dtype='float16' is invalid for an EDM network",
                                                "model.net_dtype=float16"], "valid values are float32, float64."),
     (["K=0"], ["K=0 is invalid"], "Traceback"),
+    (["model=nosuch"], ["model=nosuch is not an option of the config group model",
+                        "valid: cifar10, digits, ffhq, gmm, patches32, sd3 (conf/model/)", "hydra.searchpath="], "_schema"),
+    (["sampler=nosuch"], ["sampler=nosuch is not an option", "valid: dgrs, markmax, rmc, standard"], "Available options"),
     ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),
 ])
 def test_refused_commands_say_what_to_do_and_leave_no_run_directory(tmp_path, args, needles, absent):
