@@ -32,10 +32,12 @@ USAGE = 2
 INFRASTRUCTURE = 3
 INTERRUPTED = 130
 
-# errno values that say the machine (storage, permissions on the output side) failed, not the input
+# errno values that say the machine (storage, permissions on the output side) failed, not the input;
+# ENOTDIR and EEXIST: an output directory that cannot be created because a file stands in its path
 INFRA_ERRNOS = frozenset(
     getattr(errno, name)
-    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO", "EFBIG", "ENFILE", "EMFILE", "ESTALE")
+    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO", "EFBIG", "ENFILE", "EMFILE", "ESTALE",
+                 "ENOTDIR", "EEXIST")
     if hasattr(errno, name)
 )
 
@@ -82,6 +84,10 @@ def infrastructure_message(error: BaseException) -> str:
     elif os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         hint = ("make the directory writable, or write elsewhere: hydra.run.dir=DIR for a run, "
                 "hydra.sweep.dir=DIR for a sweep")
+    elif os_err.errno in (errno.ENOTDIR, errno.EEXIST):
+        return (f"could not create the directory {path}: {what} [errno {os_err.errno}]; a file, not a directory, "
+                "stands in that path: remove it, or write elsewhere: hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR "
+                "for a sweep, then rerun the same command (finished records are kept and skipped).")
     else:
         hint = "check the file system holding it"
     return (f"could not write {path}: {what} [errno {os_err.errno}]. This is a problem of the machine, not of "

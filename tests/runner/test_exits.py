@@ -172,6 +172,20 @@ def test_read_only_output_directory_exits_3_and_names_it(tmp_path, mode):
             ro.chmod(0o755)
 
 
+@pytest.mark.parametrize("where", ["file", "below_file"])
+def test_an_output_directory_blocked_by_a_file_exits_3_and_names_it(tmp_path, where):
+    """hydra.run.dir naming a file, or a path below one, cannot be created: exit 3, no traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("precious")
+    target = blocker if where == "file" else blocker / "out"
+    p = run([*TINY, f"hydra.run.dir={target}"], tmp_path)
+    assert p.returncode == 3, p.out
+    err = p.stderr.strip()
+    assert err.startswith(f"error: could not create the directory {target}") and "\n" not in err, err
+    assert "hydra.run.dir=DIR" in err and "Traceback" not in p.out
+    assert blocker.read_text() == "precious"
+
+
 def test_slurm_launcher_off_a_cluster_exits_3_naming_the_commands(tmp_path):
     bindir = tmp_path / "bin"  # a PATH with python but no sbatch/srun
     bindir.mkdir()
