@@ -140,6 +140,15 @@ def missing_option(error: BaseException) -> str | None:
             "hydra.searchpath=[file:///abs/path/to/myconf] (docs/extending.md).")
 
 
+def composition_message(error: BaseException) -> str:
+    """The one paragraph printed for an override list that does not compose (a Hydra or OmegaConf error):
+    a sweep given without ``-m``, a group option that does not exist, an unknown key or a wrong type, or
+    Hydra's own message on one line. Shared by ``run.py`` and the command-line modules that take overrides."""
+    from .config import explain
+
+    return sweep_without_multirun(error) or missing_option(error) or explain(error) or _one_paragraph(error)
+
+
 def _one_paragraph(error: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line messages as one paragraph (without the config search path)."""
     text = str(error).split("\nConfig search path:")[0]
@@ -293,11 +302,9 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
         if isinstance(e, (HydraException, OmegaConfBaseException)):
             # a config that does not compose (jobs of a sweep record their own composition errors;
             # this is the command line's or the whole sweep's)
-            from .config import explain
-
             if full_error:
                 traceback.print_exception(e, file=sys.stderr)
-            print(f"error: {sweep_without_multirun(e) or missing_option(e) or explain(e) or _one_paragraph(e)}", file=sys.stderr)
+            print(f"error: {composition_message(e)}", file=sys.stderr)
             _summary_if_swept()
             sys.exit(USAGE)
         # a bug, or a launcher that gave up after jobs started (e.g. SLURM killed one): say where things stand

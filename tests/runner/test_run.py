@@ -155,6 +155,26 @@ def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
     assert "calibration" not in json.loads((tmp_path / "r" / "result.json").read_text())
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["Kk=3"], "Kk=3 is not a key of specsamp's config; did you mean K?"),
+    (["model=nosuch"], "model=nosuch is not an option of the config group model"),
+    (["trajectories=abc"], "trajectories=abc is invalid: must be an integer >= 1"),
+])
+def test_calibrate_command_refuses_bad_input_in_one_paragraph(tmp_path, args, needle):
+    """The calibration command exits 2 with run.py's paragraph for overrides that do not compose, and
+    writes nothing."""
+    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", *args, f"out={tmp_path / 'p.json'}"],
+                       capture_output=True, text=True, cwd=ROOT)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and err.startswith("error: " + needle) and "\n" not in err, p.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_calibrate_command_help_prints_its_usage():
+    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0 and "out=PATH" in p.stdout and "trajectories=N" in p.stdout and not p.stderr
+
+
 def test_markmax_sampler_runs(tmp_path):
     p = run([*TINY, "sampler=markmax", "K=3", "L=2"], tmp_path)
     assert p.stdout.startswith("model=gmm sampler=markmax K=3 L=2")
