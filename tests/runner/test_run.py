@@ -175,6 +175,17 @@ def test_calibrate_command_help_prints_its_usage():
     assert p.returncode == 0 and "out=PATH" in p.stdout and "trajectories=N" in p.stdout and not p.stderr
 
 
+def test_result_line_names_a_coupling_set_apart_from_the_sampler():
+    """sampler.coupling.name on a shipped sampler YAML runs that coupling: the line says so."""
+    from specsamp.runner import run_config, summary_line
+
+    small = ["model.dim=8", "steps=6", "n_samples=2"]
+    line = summary_line(run_config(compose([*small, "sampler.coupling.name=markmax"]))[0])
+    assert line.startswith("model=gmm sampler=dgrs coupling=markmax K=2 L=3 "), line
+    line = summary_line(run_config(compose([*small, "sampler=markmax"]))[0])
+    assert line.startswith("model=gmm sampler=markmax K=2 L=3 ") and "coupling=" not in line, line
+
+
 def test_markmax_sampler_runs(tmp_path):
     p = run([*TINY, "sampler=markmax", "K=3", "L=2"], tmp_path)
     assert p.stdout.startswith("model=gmm sampler=markmax K=3 L=2")
