@@ -72,6 +72,7 @@ figures:  ## rebuild every figure in results/ from the committed tables (no samp
 	$(PYTHON) -m experiments.figures
 
 tables:  ## aggregate a sweep directory into a CSV: make tables SWEEP=multirun/gmm_grid
+	@test -n "$(SWEEP)" || { echo "error: SWEEP is unset: name the sweep directory, e.g. make tables SWEEP=multirun/gmm_grid (sweeps live in multirun/<sweep_name>)" >&2; exit 2; }
 	$(PYTHON) -m specsamp.runner.report collect $(SWEEP)
 
 clean:  ## remove run outputs (not results/)

@@ -37,7 +37,11 @@ def main(argv: list[str]) -> Path:
         if a.startswith("out="):
             out = Path(a[4:])
         elif a.startswith("trajectories="):
-            n = int(a[len("trajectories="):])
+            value = a[len("trajectories="):]
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"trajectories={value} is invalid: must be an integer >= 1 (default 64, what a "
+                                  "run's own calibration uses).")
+            n = int(value)
         else:
             overrides.append(a)
     run, _ = load_config(compose(overrides))
@@ -60,8 +64,19 @@ def main(argv: list[str]) -> Path:
 
 
 if __name__ == "__main__":
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from specsamp.runner.exits import composition_message
+
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.strip())
+        sys.exit(0)
     try:
         main(sys.argv[1:])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (HydraException, OmegaConfBaseException) as e:  # overrides that do not compose
+        print(f"error: {composition_message(e)}", file=sys.stderr)
         sys.exit(2)

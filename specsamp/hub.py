@@ -137,7 +137,7 @@ def resolve_path(
     raise FileNotFoundError(
         f"{s} is not in the cache (looked for {str(dest)!r}) and {why}. Fetch the file where the network is "
         f"reachable and copy it to that path, or pass its local path instead of the URL (model.path=...) "
-        f"(cache root: cache_dir= or $SPECSAMP_CACHE)."
+        f"(cache root: model.cache_dir=..., cache_dir= in Python, or $SPECSAMP_CACHE)."
     )
 
 

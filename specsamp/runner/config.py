@@ -512,6 +512,25 @@ def _rule_text(key: str) -> str | None:
     return {bool: "true or false", "bool": "true or false", str: "a string", "str": "a string"}.get(f.type)
 
 
+def _type_text(schema: Any, name: str) -> str | None:
+    """What the field ``name`` of the config dataclass ``schema`` takes, from its type (``an integer``,
+    ``a number``, ``true or false``, ``a string``, each ``or null`` when optional), or None."""
+    import typing
+
+    if not dataclasses.is_dataclass(schema):
+        return None
+    try:
+        hint = typing.get_type_hints(schema).get(name)
+    except Exception:
+        return None
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional and len(args) == 2:
+        hint = next(a for a in args if a is not type(None))
+    text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint)
+    return None if text is None else text + (" or null" if optional else "")
+
+
 def _schema_of_node(node) -> type | None:
     """The config dataclass a model node's ``_target_`` names (a user's model config composed without its
     schema: its keys are then still the ones a typo is matched against), or None."""
@@ -545,5 +564,5 @@ def explain(error: BaseException, value: Any = MISSING) -> str | None:
         if not dataclasses.is_dataclass(schema) and key.startswith("model."):
             schema = _schema_of_node(getattr(seen, "parent_node", None))
         return unknown_key_message(key, shown=shown, schema=schema)
-    valid = _rule_text(key)
+    valid = _rule_text(key) or _type_text(getattr(seen, "object_type", None), key.rpartition(".")[2])
     return f"{shown} is invalid: {str(seen).splitlines()[0].rstrip('.')}" + (f"; must be {valid}." if valid else ".")

@@ -32,10 +32,12 @@ USAGE = 2
 INFRASTRUCTURE = 3
 INTERRUPTED = 130
 
-# errno values that say the machine (storage, permissions on the output side) failed, not the input
+# errno values that say the machine (storage, permissions on the output side) failed, not the input;
+# ENOTDIR and EEXIST: an output directory that cannot be created because a file stands in its path
 INFRA_ERRNOS = frozenset(
     getattr(errno, name)
-    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO", "EFBIG", "ENFILE", "EMFILE", "ESTALE")
+    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO", "EFBIG", "ENFILE", "EMFILE", "ESTALE",
+                 "ENOTDIR", "EEXIST")
     if hasattr(errno, name)
 )
 
@@ -82,6 +84,10 @@ def infrastructure_message(error: BaseException) -> str:
     elif os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         hint = ("make the directory writable, or write elsewhere: hydra.run.dir=DIR for a run, "
                 "hydra.sweep.dir=DIR for a sweep")
+    elif os_err.errno in (errno.ENOTDIR, errno.EEXIST):
+        return (f"could not create the directory {path}: {what} [errno {os_err.errno}]; a file, not a directory, "
+                "stands in that path: remove it, or write elsewhere: hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR "
+                "for a sweep, then rerun the same command (finished records are kept and skipped).")
     else:
         hint = "check the file system holding it"
     return (f"could not write {path}: {what} [errno {os_err.errno}]. This is a problem of the machine, not of "
@@ -111,6 +117,36 @@ def sweep_exit_status(state: dict | None = None) -> int:
     if kinds or state.get("failed"):
         return USAGE
     return OK
+
+
+def missing_option(error: BaseException) -> str | None:
+    """One paragraph for a config-group option that does not exist (``model=nosuch``), or None.
+
+    Hydra's message lists the group's options on separate lines, the model group's structured schemas
+    (``gmm_schema``, ...) among them, which are not models to choose; this names the override, the
+    group's real options and where a YAML of one's own goes (docs/extending.md).
+    """
+    from hydra.errors import MissingConfigException
+
+    if not isinstance(error, MissingConfigException) or not error.missing_cfg_file or error.options is None:
+        return None
+    group, _, name = str(error.missing_cfg_file).rpartition("/")
+    if not group:
+        return None
+    options = [o for o in error.options if not o.endswith("_schema")]
+    where = "" if group.startswith("hydra/") else f" (conf/{group}/)"  # hydra's groups also hold plugins' options
+    return (f"{group}={name} is not an option of the config group {group}; valid: {', '.join(options) or 'none'}"
+            f"{where}, or a YAML of your own in {group}/ of a folder given by "
+            "hydra.searchpath=[file:///abs/path/to/myconf] (docs/extending.md).")
+
+
+def composition_message(error: BaseException) -> str:
+    """The one paragraph printed for an override list that does not compose (a Hydra or OmegaConf error):
+    a sweep given without ``-m``, a group option that does not exist, an unknown key or a wrong type, or
+    Hydra's own message on one line. Shared by ``run.py`` and the command-line modules that take overrides."""
+    from .config import explain
+
+    return sweep_without_multirun(error) or missing_option(error) or explain(error) or _one_paragraph(error)
 
 
 def _one_paragraph(error: BaseException) -> str:
@@ -266,11 +302,9 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
         if isinstance(e, (HydraException, OmegaConfBaseException)):
             # a config that does not compose (jobs of a sweep record their own composition errors;
             # this is the command line's or the whole sweep's)
-            from .config import explain
-
             if full_error:
                 traceback.print_exception(e, file=sys.stderr)
-            print(f"error: {sweep_without_multirun(e) or explain(e) or _one_paragraph(e)}", file=sys.stderr)
+            print(f"error: {composition_message(e)}", file=sys.stderr)
             _summary_if_swept()
             sys.exit(USAGE)
         # a bug, or a launcher that gave up after jobs started (e.g. SLURM killed one): say where things stand

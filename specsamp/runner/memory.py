@@ -229,15 +229,17 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
             else f"sampler={'standard' if tree is None else 'speculative'} (execution={execution})")
     # execution=path holds only the visited nodes, but Picard sweeps need every internal node (tree execution only)
     path_hint = tree is not None and execution == "tree" and not refine
+    # "with batch_size=N" only where the user's batch_size split the run; unset, the run is one batch
+    batches = "in one batch" if batch >= n_total else f"with batch_size={batch}"
     if fits == 0:
         raise ConfigError(
-            f"n_samples={n_total} with batch_size={batch} needs about {_gib(need)}, but {device} has {_gib(free)} "
+            f"n_samples={n_total} {batches} needs about {_gib(need)}, but {device} has {_gib(free)} "
             f"available: even one trajectory per batch does not fit with {n_total} samples kept ({_gib(fixed)}); "
             + ("use execution=path (same law and counts, only the visited nodes), " if path_hint else "")
             + "lower n_samples, or split the run into shards (num_shards=...)."
         )
     raise ConfigError(
-        f"n_samples={n_total} with batch_size={batch}: {what} needs about {_gib(need)} ({_gib(per_traj)} per "
+        f"n_samples={n_total} {batches}: {what} needs about {_gib(need)} ({_gib(per_traj)} per "
         f"trajectory of a batch), but "
         f"{device} has {_gib(free)} available: use batch_size={fits} or less"
         + (", or execution=path (same law and counts, only the visited nodes)." if path_hint

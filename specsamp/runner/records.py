@@ -210,13 +210,20 @@ def refuse_other_record(out_dir: str | os.PathLike, cfg_hash: str, recorded: Map
 
 
 def summary_line(rec: dict) -> str:
-    """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``."""
+    """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``.
+
+    A coupling named apart from the sampler's own (``sampler.coupling.name=pkg.module:rule`` on a shipped
+    sampler YAML) is shown beside it: ``sampler=dgrs coupling=pkg.module:rule``.
+    """
+    coupling = ((rec.get("config") or {}).get("sampler") or {}).get("coupling")
+    name = coupling.get("name") if isinstance(coupling, dict) else None
+    sampler = rec["sampler"] + (f" coupling={name}" if isinstance(name, str) and name != rec["sampler"] else "")
     if rec["sampler"] == "standard":
         head = f"model={rec['model']} sampler=standard eps={rec['eps']:g} T={rec['steps']}"
     elif (rec.get("config") or {}).get("tree", "uniform") != "uniform":
-        head = f"model={rec['model']} sampler={rec['sampler']} tree={rec['tree']} eps={rec['eps']:g} B={rec['budget']}"
+        head = f"model={rec['model']} sampler={sampler} tree={rec['tree']} eps={rec['eps']:g} B={rec['budget']}"
     else:
-        head = f"model={rec['model']} sampler={rec['sampler']} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
+        head = f"model={rec['model']} sampler={sampler} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
     sp = rec["speedup"]
     scores = scores_text(rec)
     return (

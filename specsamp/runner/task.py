@@ -195,11 +195,12 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     record.update(slurm_fields())
     if multirun and run.sweep_name is not None:
         record["sweep"] = str(run.sweep_name)
+    if sharded:  # a shard's record (and its printed line) counts the shard's own trajectories
+        record.update(shard=run.shard, num_shards=run.num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
     # the numbers reach the terminal before any file is written: a full disk loses no result
     tag = f"[shard {run.shard}/{run.num_shards}] " if sharded else ""
     print(tag + summary_line(record) + f"  record: {shown(out_dir / RESULT)}", flush=True)
     if sharded:
-        record.update(shard=run.shard, num_shards=run.num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
         save_shard(out_dir, result, indices, record)
     elif run.save_samples:
         torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())

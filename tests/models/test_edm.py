@@ -239,6 +239,7 @@ def test_missing_file_names_url_and_path(tmp_path, monkeypatch):
         load_edm("edm-cifar10-32x32-cond-vp", download=False)
     msg = str(e.value)
     assert url in msg and str(tmp_path / "cache" / "edm" / "edm-cifar10-32x32-cond-vp.pkl") in msg
+    assert "model.path=..." in msg and "model.cache_dir=..." in msg  # the run's keys, as run.py prints them
 
     def offline(*a, **k):
         raise urllib.error.URLError("Name or service not known")

@@ -102,8 +102,11 @@ def test_load_prompts_sources(captions_json, tmp_path):
     assert load_prompts(prompts=["a", "b"]) == ["a", "b"]
     with pytest.raises(ValueError, match="prompts.source='nope'"):
         load_prompts("nope")
-    with pytest.raises(ValueError, match="captions_json"):
+    # the messages name the run's keys (model.prompts.*), which run.py prints as they are
+    with pytest.raises(ValueError, match=r"model\.prompts\.captions_json .* or choose model\.prompts\.source=demo"):
         load_prompts("coco")
+    with pytest.raises(ValueError, match=r"model\.prompts\.path .* is required for model\.prompts\.source='file'"):
+        load_prompts("file")
 
 
 def test_image_plan_pairs():

@@ -172,6 +172,20 @@ def test_read_only_output_directory_exits_3_and_names_it(tmp_path, mode):
             ro.chmod(0o755)
 
 
+@pytest.mark.parametrize("where", ["file", "below_file"])
+def test_an_output_directory_blocked_by_a_file_exits_3_and_names_it(tmp_path, where):
+    """hydra.run.dir naming a file, or a path below one, cannot be created: exit 3, no traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("precious")
+    target = blocker if where == "file" else blocker / "out"
+    p = run([*TINY, f"hydra.run.dir={target}"], tmp_path)
+    assert p.returncode == 3, p.out
+    err = p.stderr.strip()
+    assert err.startswith(f"error: could not create the directory {target}") and "\n" not in err, err
+    assert "hydra.run.dir=DIR" in err and "Traceback" not in p.out
+    assert blocker.read_text() == "precious"
+
+
 def test_slurm_launcher_off_a_cluster_exits_3_naming_the_commands(tmp_path):
     bindir = tmp_path / "bin"  # a PATH with python but no sbatch/srun
     bindir.mkdir()
@@ -271,6 +285,9 @@ def _bare(args, cwd):
     (["model=digits", "model.dtype=float16"], ["model.dtype='float16' is invalid for an EDM network",
                                                "model.net_dtype=float16"], "valid values are float32, float64."),
     (["K=0"], ["K=0 is invalid"], "Traceback"),
+    (["model=nosuch"], ["model=nosuch is not an option of the config group model",
+                        "valid: cifar10, digits, ffhq, gmm, patches32, sd3 (conf/model/)", "hydra.searchpath="], "_schema"),
+    (["sampler=nosuch"], ["sampler=nosuch is not an option", "valid: dgrs, markmax, rmc, standard"], "Available options"),
     ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),
 ])
 def test_refused_commands_say_what_to_do_and_leave_no_run_directory(tmp_path, args, needles, absent):

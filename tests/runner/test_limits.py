@@ -41,7 +41,8 @@ RESOURCE = [
     (["tree=optimal", "budget=1000000000"], ["budget=1000000000", "too large to search", "or less fits"]),
     (["tree=optimal", "budget=137256", "steps=30"], ["budget=137256", "max_width=32", "max-plus updates"]),
     (["K=7", "L=100", "steps=30"], ["K=7, L=100", "GiB", "lower K or L"]),
-    (["n_samples=100000", "model.dim=500"], ["n_samples=100000", "GiB", "batch_size="]),
+    (["n_samples=100000", "model.dim=500"], ["n_samples=100000 in one batch", "GiB", "batch_size="]),
+    (["n_samples=100000", "model.dim=500", "batch_size=50000"], ["n_samples=100000 with batch_size=50000", "GiB"]),
     # the trajectory ids alone would be 8 TB: refused before they are allocated
     (["n_samples=1000000000000"], ["n_samples=1000000000000", "GiB", "num_shards"]),
     (["n_samples=1000000000000", "sampler=standard"], ["n_samples=1000000000000", "GiB", "num_shards"]),

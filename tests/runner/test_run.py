@@ -69,8 +69,8 @@ BAD = [
     (["eps=1.5"], "eps=1.5"),
     (["steps=2"], "steps=2"),
     (["n_samples=0"], "n_samples=0"),
-    (["model=nope"], "model/nope"),
-    (["sampler=nope"], "sampler/nope"),
+    (["model=nope"], "model=nope is not an option of the config group model"),
+    (["sampler=nope"], "sampler=nope is not an option of the config group sampler"),
     (["nokey=1"], "nokey"),
     (["draft=nope"], "draft='nope'"),
     (["prefetch=nope"], "prefetch='nope'"),
@@ -153,6 +153,37 @@ def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
     (tmp_path / "r").mkdir()
     run([*TINY, "tree=optimal_per_step", "budget=6", f"delta_profile={out}"], tmp_path / "r")
     assert "calibration" not in json.loads((tmp_path / "r" / "result.json").read_text())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["Kk=3"], "Kk=3 is not a key of specsamp's config; did you mean K?"),
+    (["model=nosuch"], "model=nosuch is not an option of the config group model"),
+    (["trajectories=abc"], "trajectories=abc is invalid: must be an integer >= 1"),
+])
+def test_calibrate_command_refuses_bad_input_in_one_paragraph(tmp_path, args, needle):
+    """The calibration command exits 2 with run.py's paragraph for overrides that do not compose, and
+    writes nothing."""
+    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", *args, f"out={tmp_path / 'p.json'}"],
+                       capture_output=True, text=True, cwd=ROOT)
+    err = p.stderr.strip()
+    assert p.returncode == 2 and err.startswith("error: " + needle) and "\n" not in err, p.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_calibrate_command_help_prints_its_usage():
+    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0 and "out=PATH" in p.stdout and "trajectories=N" in p.stdout and not p.stderr
+
+
+def test_result_line_names_a_coupling_set_apart_from_the_sampler():
+    """sampler.coupling.name on a shipped sampler YAML runs that coupling: the line says so."""
+    from specsamp.runner import run_config, summary_line
+
+    small = ["model.dim=8", "steps=6", "n_samples=2"]
+    line = summary_line(run_config(compose([*small, "sampler.coupling.name=markmax"]))[0])
+    assert line.startswith("model=gmm sampler=dgrs coupling=markmax K=2 L=3 "), line
+    line = summary_line(run_config(compose([*small, "sampler=markmax"]))[0])
+    assert line.startswith("model=gmm sampler=markmax K=2 L=3 ") and "coupling=" not in line, line
 
 
 def test_markmax_sampler_runs(tmp_path):

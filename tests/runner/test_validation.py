@@ -64,6 +64,9 @@ BAD = [
     (["compile=maybe"], ["compile=maybe", "not a valid bool"]),
     (["compile=true", "execution=path"], ["compile=true", "execution=path", "execution=tree"]),
     (["compile=true", "execution=tree", "refine=1"], ["compile=true", "refine=1", "refine=0"]),
+    # a model key of the wrong type says what its field takes
+    (["model.dim=abc"], ["model.dim=abc", "Integer; must be an integer."]),
+    (["model.components=1.5"], ["model.components=1.5", "must be an integer"]),
 ]
 
 

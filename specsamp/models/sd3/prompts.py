@@ -193,12 +193,15 @@ def load_prompts(
         raise ValueError(f"prompts.source={source!r} is invalid; valid: {list(SOURCES)}")
     if source == "coco":
         if not captions_json:
-            raise ValueError("prompts.captions_json is required for prompts.source='coco' (path of captions_val2014.json)")
+            raise ValueError("model.prompts.captions_json (captions_json= in Python) is required for "
+                             "model.prompts.source='coco': the path of COCO's captions_val2014.json; or choose "
+                             "model.prompts.source=demo (built-in prompts) or file (model.prompts.path=...)")
         return coco_prompts(captions_json, n, seed)
     if source == "demo":
         return demo_prompts(n)
     if not path:
-        raise ValueError("prompts.path is required for prompts.source='file'")
+        raise ValueError("model.prompts.path (path= in Python) is required for model.prompts.source='file': "
+                         "a text file of one prompt per line")
     out = read_prompt_file(path)
     n = _check_count("n", n)
     if n > len(out):
