@@ -77,9 +77,9 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def at_least(lo: int, default: Any = MISSING) -> Any:
-    """A dataclass field holding an integer ``>= lo`` (:func:`rule`)."""
-    return rule(f"an integer >= {lo}", lambda v: _int(v) and v >= lo, default)
+def at_least(lo: int, default: Any = MISSING, optional: bool = False) -> Any:
+    """A dataclass field holding an integer ``>= lo`` (:func:`rule`); ``optional``: or null, which its text says."""
+    return rule(f"an integer >= {lo}" + (" or null" if optional else ""), lambda v: _int(v) and v >= lo, default)
 
 
 def one_of(valid: Sequence | Callable[[], Sequence], default: Any = MISSING) -> Any:
@@ -182,14 +182,14 @@ class RunConfig:
     tree: str = registered("tree")
     widths: Optional[list[int]] = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
                                        lambda v: len(v) > 0 and all(w >= 1 for w in v), None)
-    budget: Optional[int] = at_least(1, None)
+    budget: Optional[int] = at_least(1, None, optional=True)
     delta_profile: Any = rule(
         "a non-empty list of finite values >= 0 (one per depth), a list of such lists (one per root step "
         "1..T-2, tree=optimal_per_step), the name of a shipped profile (" + ", ".join(
             sorted(p.stem for p in PROFILE_DIR.glob("*.json"))) + ") or a .json path, or null (calibrate)",
         lambda v: _profile_ok(v), None)
-    max_depth: Optional[int] = at_least(1, None)
-    max_width: Optional[int] = at_least(1, None)
+    max_depth: Optional[int] = at_least(1, None, optional=True)
+    max_width: Optional[int] = at_least(1, None, optional=True)
     draft: str = registered("draft")
     prefetch: str = one_of(_sampler_const("PREFETCH"), "nearest")
     warmup: str = one_of(_sampler_const("WARMUPS"), "call")
@@ -200,9 +200,9 @@ class RunConfig:
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
     refine: int = at_least(0, 0)
     compile: bool = False
-    batch_size: Optional[int] = at_least(1, None)
-    max_batch: Optional[int] = at_least(1, None)
-    threads: Optional[int] = at_least(1, 1)
+    batch_size: Optional[int] = at_least(1, None, optional=True)
+    max_batch: Optional[int] = at_least(1, None, optional=True)
+    threads: Optional[int] = at_least(1, 1, optional=True)
     progress: Any = rule("one of auto (a bar on a terminal, a line every 30 s in a log), true, false",
                          lambda v: v == "auto" or isinstance(v, bool), "auto")
     save_samples: bool = False

@@ -46,7 +46,7 @@ def done(tmp_path_factory):
 BAD = [
     (["save_samples=maybe"], ["save_samples=maybe", "not a valid bool"]),
     (["skip_existing=maybe"], ["skip_existing=maybe", "not a valid bool"]),
-    (["threads=0"], ["threads=0", ">= 1"]),
+    (["threads=0"], ["threads=0", ">= 1 or null"]),  # null: torch's own default
     (["progress=maybe"], ["progress='maybe'", "auto"]),
     (["seed=-1"], ["seed=-1", "2**59"]),
     (["K=abc"], ["K=abc", "Integer", "must be an integer >= 1"]),
