@@ -150,7 +150,6 @@ def counting():
     counts = OpCounts()
     mode = OpCounter(counts)
     vel_call, coup_call, coup_choice = smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice
-    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
     bin_shares, share_table = mmod.bin_shares, mmod.share_table
 
     def velocity(self, *a, **k):
@@ -172,24 +171,35 @@ def counting():
                 return fn(*a, **k)
         return inner
 
-    def tolist_(self, *a, **k):
-        mode.sync("tolist")
-        return tolist(self, *a, **k)
-
-    def numpy_(self, *a, **k):
-        mode.sync("numpy")
-        return numpy(self, *a, **k)
-
     smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = velocity, coupling, choice
-    torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
     mmod.bin_shares, mmod.share_table = setup(bin_shares), setup(share_table)
     try:
-        with mode:
+        with _host_reads(mode.sync), mode:
             yield counts
     finally:
         smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = vel_call, coup_call, coup_choice
-        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
         mmod.bin_shares, mmod.share_table = bin_shares, share_table
+
+
+@contextlib.contextmanager
+def _host_reads(sync):
+    """``Tensor.tolist()`` and ``Tensor.numpy()`` (host reads the dispatcher does not see) call ``sync(name)``
+    first while inside; restored on exit."""
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+
+    def tolist_(self, *a, **k):
+        sync("tolist")
+        return tolist(self, *a, **k)
+
+    def numpy_(self, *a, **k):
+        sync("numpy")
+        return numpy(self, *a, **k)
+
+    torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
 
 
 NETWORK_RANGE = "specsamp::network"  # the profiler range :func:`counting_compiled` puts around every target call
@@ -220,7 +230,6 @@ def counting_compiled():
 
     counts = OpCounts()
     vel_call = smod._Velocity.__call__
-    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
     kernels = [0]
 
     def velocity(self, *a, **k):
@@ -228,24 +237,17 @@ def counting_compiled():
         with record_function(NETWORK_RANGE):
             return vel_call(self, *a, **k)
 
-    def tolist_(self, *a, **k):
+    def host_read(what):
         counts.syncs["round"] += 1
-        counts.by_op[("round", "tolist")] += 1
-        return tolist(self, *a, **k)
-
-    def numpy_(self, *a, **k):
-        counts.syncs["round"] += 1
-        counts.by_op[("round", "numpy")] += 1
-        return numpy(self, *a, **k)
+        counts.by_op[("round", what)] += 1
 
     def hook(frame, event, arg):
         if event == "c_call" and getattr(arg, "__name__", "") == "kernel":
             kernels[0] += 1
 
     smod._Velocity.__call__ = velocity
-    torch.Tensor.tolist, torch.Tensor.numpy = tolist_, numpy_
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _host_reads(host_read), profile(activities=[ProfilerActivity.CPU]) as prof:
             sys.setprofile(hook)
             try:
                 yield counts
@@ -253,7 +255,6 @@ def counting_compiled():
                 sys.setprofile(None)
     finally:
         smod._Velocity.__call__ = vel_call
-        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
     for ev in prof.events():
         if not ev.name.startswith("aten::") or (ev.cpu_parent is not None and ev.cpu_parent.name.startswith("aten::")):
             continue
@@ -311,13 +312,14 @@ def arm_overrides(model: str, arm: str, n: int, execution: str = "tree") -> list
     return ov
 
 
-def count_config(overrides: list[str], target=None) -> dict:
+def count_config(overrides: list[str], target=None, profiler: bool | None = None) -> dict:
     """Run one configuration (``specsamp.runner.run_config``) and count its sampling.
 
     Only the sampler call is counted (the tree search, the record and the statistics are not). With
     ``compile=true`` among the overrides, the configuration first runs once uncounted (it compiles), then
     the counted run uses :func:`counting_compiled` (a fused kernel launch counts as one operation; the
-    coupling is inside the round's count).
+    coupling is inside the round's count). ``profiler``: which counter, :func:`counting_compiled` (True) or
+    :func:`counting` (False); None: the first where ``compile=true``.
 
     Returns:
         ``{"rounds", "network_calls", "ops_round", "syncs_round", "ops_coupling", "syncs_coupling",
@@ -334,10 +336,11 @@ def count_config(overrides: list[str], target=None) -> dict:
     compiled = bool(d.get("compile", False))
     if compiled:
         loop.run_config(d, target=target)  # compiles every graph the counted run uses
+    profiler = compiled if profiler is None else profiler
 
     def wrap(fn):
         def inner(*a, **k):
-            with (counting_compiled() if compiled else counting()) as c:
+            with (counting_compiled() if profiler else counting()) as c:
                 res = fn(*a, **k)
             box["counts"], box["res"] = c, res
             return res
