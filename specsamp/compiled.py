@@ -121,6 +121,14 @@ def for_compile(coupling):
 _ROUND: list[Callable] = []
 
 
+class _QuietCudaHome:
+    """A logging filter dropping torch's "No CUDA runtime is found, using CUDA_HOME=..." notice, which inductor's CPU
+    build prints where a CUDA toolkit is installed but no GPU is: it says nothing about a CPU run."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
 def compiled_round() -> Callable:
     """:func:`specsamp.lean._lean_round` under ``torch.compile(dynamic=False)`` (inductor), built once per process.
 
@@ -140,6 +148,9 @@ def compiled_round() -> Callable:
                 setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
         if hasattr(cfg, "accumulated_recompile_limit"):
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        import logging
+
+        logging.getLogger("torch.utils.cpp_extension").addFilter(_QuietCudaHome())
         _network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
         _ROUND.append(torch.compile(_lean_round, dynamic=False))
     return _ROUND[0]

@@ -144,3 +144,12 @@ def test_latency_compile_arm_refuses_without_a_compiler(monkeypatch, tmp_path, c
     assert latency.main(["--compile", "--n", "1", "--pad", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --compile is invalid here") and "C/C++ compiler" in err
+
+
+def test_cuda_home_notice_is_dropped_and_nothing_else():
+    import logging
+
+    quiet = compiled._QuietCudaHome()
+    rec = lambda msg: logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None)  # noqa: E731
+    assert not quiet.filter(rec("No CUDA runtime is found, using CUDA_HOME='%s'"))
+    assert quiet.filter(rec("Error building extension '%s'"))
