@@ -87,8 +87,8 @@ class Registry(Generic[T]):
             raise ConfigError(f"{self.kind}={name!r} is not registered; valid: {self.valid_text()}") from None
 
     def valid_text(self) -> str:
-        """What a value may be, for messages: the registered names, or a ``pkg.module:name``."""
-        return f"{list(self.names())} (registered), or pkg.module:name of a {self.kind} defined elsewhere"
+        """What a value may be, for messages: the registered names (comma-separated), or a ``pkg.module:name``."""
+        return f"{', '.join(self.names()) or 'none'} (registered), or pkg.module:name of a {self.kind} defined elsewhere"
 
     def valid(self, name) -> bool:
         """Whether :meth:`get` finds ``name`` (importing a ``pkg.module:name``)."""

@@ -65,7 +65,7 @@ WARMUPS = ("call", "step0")
 
 def _check_choice(name: str, value, valid) -> str:
     if value not in valid:
-        raise ConfigError(f"{name}={value!r} is invalid; valid: {list(valid)}")
+        raise ConfigError(f"{name}={value!r} is invalid; valid: {', '.join(map(str, valid))}")
     return value
 
 

@@ -280,10 +280,10 @@ def make_extractor(
     name = str(feature_extractor)
     cls = registered_extractor(name)
     if cls is None:
-        raise ValueError(f"feature_extractor={name!r} is invalid; registered: {sorted(FEATURE_EXTRACTORS_REGISTRY)}")
+        raise ValueError(f"feature_extractor={name!r} is invalid; registered: {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}")
     layer = feature_layer or cls.get_default_feature_layer_for_metric("fid")
     if layer not in cls.get_provided_features_list():
-        raise ValueError(f"feature_layer={layer!r} is invalid for {name}; valid: {list(cls.get_provided_features_list())}")
+        raise ValueError(f"feature_layer={layer!r} is invalid for {name}; valid: {', '.join(map(str, cls.get_provided_features_list()))}")
     inception = name.startswith("inception-v3")
     if inception:
         _check_inception_weights(weights_path, allow_download)

@@ -34,7 +34,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from .. import rng
 from ..errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# the Hydra configs, shipped inside the package (``conf/`` at the repository root links here), so an
+# installed wheel composes the same configs as a checkout
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # 0 <= seed < 2**59: the rng keys hold 60-bit seeds (rng.MAX_SEED), with room for the calibration offset
 SEED_BOUND = 2**59

@@ -190,7 +190,7 @@ def load_prompts(
             raise ValueError("prompts must be a non-empty list of non-empty strings")
         return out
     if source not in SOURCES:
-        raise ValueError(f"prompts.source={source!r} is invalid; valid: {list(SOURCES)}")
+        raise ValueError(f"prompts.source={source!r} is invalid; valid: {', '.join(SOURCES)}")
     if source == "coco":
         if not captions_json:
             raise ValueError("model.prompts.captions_json (captions_json= in Python) is required for "
