@@ -78,7 +78,7 @@ def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.Da
                 continue
             n = n_samples or arm_trajectories(arm)
             d = compose([*ov, f"K={K}", f"L={L}", f"budget={B}", f"n_samples={n}", "progress=false"])
-            rec, _ = run_config(d)
+            rec, res = run_config(d)
             print(f"{arm:30s} {summary_line(rec)}", flush=True)
             rows.append({"arm": arm, "budget": B, "tree": rec["tree"], "sampler": rec["sampler"], "draft": d["draft"],
                          "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
@@ -124,16 +124,15 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
     for name, (ov, n) in HEADLINE.items():
         n = max(int(n * scale), 2)
         d = compose([*ov, f"n_samples={n}", "progress=false"])
-        rec, _ = run_config(d)
+        rec, res = run_config(d)
         row = {"row": name, "n_samples": n, "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
                "nfe_mean": rec["nfe"]["mean"]}
         cal = rec.get("calibration")  # the tree=optimal* calibration run's cost, recorded by the runner
-        if cal:
-            calls = rec["nfe"]["mean"]
+        if cal:  # shared by k trajectories, in the estimator of speedup_mean (SampleResult.speedup_charged)
             row.update({"calibration_trajectories": cal["trajectories"], "calibration_calls": cal["nfe"],
                         "calibration_rows": cal["target_rows"]})
             for k in (100, 1000):
-                row[f"speedup_amortised_{k}"] = k * (d["steps"] - 2) / (k * calls + cal["nfe"])
+                row[f"speedup_amortised_{k}"] = res.speedup_charged(cal["nfe"], k)
         print(f"{name:40s} {row['speedup_mean']:.3f} ± {row['speedup_sem']:.3f} (n={n})", flush=True)
         rows.append(row)
     df = pd.DataFrame(rows)

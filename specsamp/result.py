@@ -70,6 +70,21 @@ class SampleResult:
         """Per-trajectory NFE speedup ``(T - 2) / nfe`` (float64 ``[M]``)."""
         return self.speculative_steps / self.nfe.double()
 
+    def speedup_charged(self, calls: float, over: int) -> float:
+        """The expected speedup with a one-off cost charged: ``mean_i (T - 2) / (nfe_i + calls / over)``.
+
+        The same estimator as the mean of :attr:`speedup` (the paper's expected speedup, a mean of
+        per-trajectory ratios), with ``calls`` network calls paid once (e.g. the ``tree=optimal``
+        calibration run's, on its speculative steps as ``nfe`` counts them) shared by ``over`` trajectories;
+        ``calls = 0`` gives ``speedup.mean()`` exactly.
+
+        Raises:
+            ValueError: ``calls < 0`` or ``over < 1``.
+        """
+        if calls < 0 or over < 1:
+            raise ValueError(f"calls={calls}, over={over}: need calls >= 0 and over >= 1")
+        return float((self.speculative_steps / (self.nfe.double() + calls / over)).mean())
+
     @property
     def batch_speedup(self) -> float:
         """Speedup of the batch as a whole: ``(T - 2) / batch_nfe``."""

@@ -59,3 +59,17 @@ def test_concat_refuses_nothing_and_mixed_step_counts():
     other = sample_standard(MODEL, Schedule.make(6, 1.0), 2)
     with pytest.raises(ValueError, match="speculative_steps"):
         SampleResult.concat([sample_standard(MODEL, SCHED, 2), other])
+
+
+def test_speedup_charged_is_the_mean_of_ratios_with_the_cost_shared():
+    # 12 trajectories (seed 3): no cost gives the mean speedup exactly; a cost c over k trajectories adds
+    # c / k to every trajectory's nfe before the ratio; the mean of ratios is at least the ratio of the
+    # totals (1 / (nfe + c) is convex); bad arguments are refused
+    res = _run(list(range(12)))
+    spec, nfe = res.speculative_steps, res.nfe.double()
+    assert res.speedup_charged(0, 12) == float(res.speedup.mean())
+    assert res.speedup_charged(643, 100) == pytest.approx(float((spec / (nfe + 6.43)).mean()), rel=1e-15)
+    assert res.speedup_charged(643, 12) >= 12 * spec / (float(nfe.sum()) + 643)
+    for bad in ((-1, 12), (1, 0)):
+        with pytest.raises(ValueError, match="calls="):
+            res.speedup_charged(*bad)

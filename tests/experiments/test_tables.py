@@ -66,8 +66,10 @@ def test_acceptance_monte_carlo_is_deterministic(tmp_path):
 
 
 def test_committed_headline_charges_the_calibration_like_the_runs_nfe():
-    """headline.csv's amortised speedups add the calibration's speculative calls (those of the shipped
-    profiles' identical calibrations, endpoints left out as in nfe) to the run's: n (T-2) / (n nfe + calls)."""
+    """headline.csv's amortised speedups share the calibration's speculative calls (those of the shipped
+    profiles' identical calibrations, endpoints left out as in nfe) among k trajectories, in the estimator of
+    speedup_mean: mean_i (T-2) / (nfe_i + calls / k). The CSV has no nfe_i; Jensen bounds it: at least the
+    ratio of totals k (T-2) / (k nfe_mean + calls), below speedup_mean, and increasing in k."""
     import json
 
     import pandas as pd
@@ -81,5 +83,6 @@ def test_committed_headline_charges_the_calibration_like_the_runs_nfe():
         cal = profiles[int(r["calibration_rows"])]  # the same calibration run (same rows, same calls)
         assert r["calibration_calls"] == cal["nfe"] < cal["nfe_total"]
         for k in (100, 1000):  # the CSV keeps 6 significant digits
-            want = k * 28 / (k * r["nfe_mean"] + cal["nfe"])
-            assert abs(r[f"speedup_amortised_{k}"] - want) <= 5e-6 * want
+            totals = k * 28 / (k * r["nfe_mean"] + cal["nfe"])
+            assert totals * (1 - 5e-6) <= r[f"speedup_amortised_{k}"] < r["speedup_mean"]
+        assert r["speedup_amortised_100"] < r["speedup_amortised_1000"]

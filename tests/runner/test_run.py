@@ -113,6 +113,8 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
     p = run([*TINY, "tree=optimal_per_step", "budget=6", "draft=x0"], tmp_path)
     assert "per-root(6 trees" in p.stdout
     rec = json.loads((tmp_path / "result.json").read_text())
+    # the result line shows the uncharged calibration beside the speedup
+    assert f"x with the calibration's {rec['calibration']['nfe']} calls)" in p.stdout
     assert rec["budget"] == 6 and len(rec["delta_profile"]) == 6 and len(rec["delta_profile"][0]) == 6
     assert set(rec["trees_by_root"]) == {str(n) for n in range(1, 7)}
     for n, parent in rec["trees_by_root"].items():  # <= B drafted states, no deeper than the steps left
@@ -120,9 +122,11 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
     cal = rec["calibration"]
     assert cal["trajectories"] == 64 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
     assert 0 < rec["speedup_with_calibration"] < rec["speedup"]["mean"]
-    # like with like: the calibration's speculative calls added to the run's (both without the endpoints)
+    # like with like: the calibration's speculative calls shared by the run's trajectories (both without the
+    # endpoints), in the estimator of ``speedup`` (a mean of ratios, SampleResult.speedup_charged): by Jensen
+    # (1 / (nfe + c) is convex) at least the ratio of the totals
     n, spec = rec["n_samples"], rec["steps"] - 2
-    assert rec["speedup_with_calibration"] == pytest.approx(n * spec / (n * rec["nfe"]["mean"] + cal["nfe"]), rel=1e-12)
+    assert rec["speedup_with_calibration"] >= n * spec / (n * rec["nfe"]["mean"] + cal["nfe"]) * (1 - 1e-12)
     assert cal["nfe_total"] > cal["nfe"]
     # a given table (rows per root step 1..T-2) or one profile for every root: no calibration
     table = "[" + ",".join(["[0.3,0.6,0.9]"] * 6) + "]"
