@@ -131,6 +131,23 @@ REF_SEED = 10_000
 
 MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
 SCHED = Schedule.make(8, 1.0)
+
+
+class RowwiseMixture(GaussianMixture):
+    """The mixture evaluated one row at a time, so that its output for a row does not depend on the batch the
+    row is in. The batched mixture's matrix products round a row's last bits by the batch size (and the CPU's
+    vector width), and the tree and path executions evaluate a node in batches of different sizes; with this
+    target their samples are compared bitwise, which tests the sampler's own claim (both executions draft,
+    verify and commit with the same operations), not the BLAS."""
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> torch.Tensor:
+        if x.shape[0] <= 1:
+            return super().__call__(x, sigma, **cond)
+        s = sigma.reshape(-1)
+        return torch.cat([super(RowwiseMixture, self).__call__(x[i : i + 1], s[i : i + 1]) for i in range(x.shape[0])])
+
+
+ROWWISE = RowwiseMixture(dim=4, components=3, layout_seed=1)
 IRREGULAR = [-1, 0, 0, 0, 1, 1, 2, 4, 4]  # widths 3 / (2, 1, 0) / (2, 0, 0) / leaves
 # step-dependent trees (tree=optimal_per_step's kind): a different shape per root state index 1..6
 BY_ROOT = {1: DraftTree.uniform(2, 3), 2: DraftTree.from_widths([3, 1, 2]), 3: DraftTree.chain(2), 4: DraftTree(IRREGULAR),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import RowwiseMixture
 from specsamp import lean, leantree, rounds, sampler
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
@@ -88,7 +89,8 @@ def _per_step_rule(n):
 def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype, draft, tree):
     # the lean round serves drafts with history and step-dependent trees (the reference round is never
     # called: no check fails here), with counts identical and samples bitwise equal to the path execution
-    model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
+    # (a target evaluated row by row: the executions batch a node differently, helpers.RowwiseMixture)
+    model = RowwiseMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
     rule = DraftTree.uniform(2, 3) if tree == "fixed" else _per_step_rule
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     path = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="path", **kw)
