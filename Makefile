@@ -42,10 +42,10 @@ beyond:  ## levers beyond the paper: GMM table and headline rows (results/gmm/be
 	$(PYTHON) -m experiments.beyond figures
 	$(PYTHON) -m experiments.digits figures
 
-train-digits:  ## retrain the digits denoiser and classifier (seeded, one thread; the denoiser took 489 s on a loaded core) into specsamp/data/
+train-digits:  ## retrain the digits denoiser and classifier (seeded, one thread; the denoiser took 489 s on one CPU thread) into specsamp/data/
 	$(PYTHON) -m experiments.train_digits
 
-digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (18.5 min measured on 2 shared cores)
+digits:  ## the digits network: Figure 4, FID table, two-sample tests, levers and figures in results/digits/ (18.5 min measured on 2 CPU cores)
 	$(PYTHON) run.py +experiment=digits_fig4
 	$(PYTHON) run.py +experiment=digits_fid
 	$(PYTHON) -m experiments.digits collect
@@ -87,5 +87,5 @@ sweep-local:  ## submitit sweep on this machine, then its table: make sweep-loca
 	status=$$?; $(PYTHON) -m specsamp.runner.report collect multirun/$(SWEEP_NAME); exit $$status
 
 .PHONY: refine
-refine:  ## Picard-refined vs plain drafts on the mixture, digits and patches32 (results/{gmm,digits,patches32}/refine.csv; about 15 minutes on two loaded cores)
+refine:  ## Picard-refined vs plain drafts on the mixture, digits and patches32 (results/{gmm,digits,patches32}/refine.csv; about 15 minutes on 2 CPU cores)
 	$(PYTHON) -m experiments.refine

@@ -22,7 +22,8 @@ context, the trajectories' state, the counts, the endpoint steps): :mod:`specsam
 
 Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
 calls on the speculative steps ``1..T-2``, the warm-up call at the first root included;
-``speedup = (T - 2) / nfe``. ``nfe_total`` adds the two deterministic endpoint steps. ``target_rows``
+``speedup = (T - 2) / nfe``. ``nfe_total`` adds the endpoint steps: step 0 always, step ``T - 1`` unless the
+last round left an exact velocity for it (``docs/protocol.md``). ``target_rows``
 counts the states the speculative calls evaluated. Picard sweeps (``refine``) are batched calls of their own,
 charged to both.
 """
@@ -49,7 +50,7 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
 )
 from .compiled import check_compile, for_compile
 from .coupling import Coupling, get_coupling
-from .drafts import get_draft
+from .drafts import Draft, get_draft
 from .errors import ConfigError
 from .lean import _lean_run, _lean_supported
 from .result import SampleResult
@@ -194,7 +195,7 @@ def sample_speculative(
     coupling: str | Callable = "dgrs",
     n_samples: int | None = None,
     *,
-    draft: str = "velocity",
+    draft: str | Draft = "velocity",
     prefetch: str = "nearest",
     evaluate_leaves: bool = True,
     execution: str = "path",
@@ -213,7 +214,9 @@ def sample_speculative(
     Step 0 (from sigma = 1) and step ``T - 1`` (to sigma = 0) are deterministic Euler steps; the
     speculative rounds cover steps ``1..T-2``. A round rooted at state index ``n`` uses ``T|_{L_n}``
     with ``L_n = min(L, T - 1 - n)`` (eq. 11), drafts with ``draft`` from the prefetched root velocity,
-    evaluates the tree's nodes in one batched call, and walks down with ``coupling``.
+    has the target evaluate the tree's nodes (``execution="tree"``: every node in one batched call;
+    ``"path"``, the default: only the nodes the walk reaches, in the same accounting), and walks down with
+    ``coupling``.
 
     Args:
         model: velocity model.
@@ -225,7 +228,8 @@ def sample_speculative(
             accounting (``batch_nfe``), as one call over their concatenated rows would.
         coupling: registered name, a :class:`specsamp.coupling.Coupling`, or a bare ``verify`` function.
         n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
-        draft: registered draft name (``velocity``, ``drift``, ``x0``, ``x0_extrap``, ...; :mod:`specsamp.drafts`).
+        draft: registered draft name (``velocity``, ``drift``, ``x0``, ``x0_extrap``, ...; :mod:`specsamp.drafts`),
+            ``pkg.module:name``, or a :class:`specsamp.drafts.Draft`.
         prefetch: ``nearest``, ``parent`` or ``none``.
         evaluate_leaves: the B=|V| protocol (True) or internal nodes only (False).
         execution: ``tree`` or ``path``.
@@ -257,7 +261,7 @@ def sample_speculative(
             counts wherever that rounding flips no verdict. Tree execution, lean round only.
 
     The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
-    ``x0_extrap``, ``x0_extrap_gated``), on a fixed tree or a tree per root step (one lean round per distinct tree
+    ``x0_extrap``, ``x0_extrap_gated``, ``x0_affine``: every registered draft), on a fixed tree or a tree per root step (one lean round per distinct tree
     of the live rows), runs the lean round (:func:`specsamp.lean._lean_round`): every row of the batch in every round
     (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
     states, one coupling call per node width, a walk by gathers, and one host synchronisation per round

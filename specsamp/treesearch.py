@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import theory
 from .trees import DraftTree, check_int
 
 PositionalFn = Callable[[int, int], np.ndarray]
