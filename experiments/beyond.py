@@ -108,11 +108,13 @@ HEADLINE = {  # name: (overrides, trajectories); the README's headline table
 
 
 def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
-    """The README's headline rows at sample sizes whose standard error is below 0.01, plus the
-    ``tree=optimal*`` calibration cost (from the record) and the speedup with it amortised over 100 and
-    1,000 samples.
+    """The README's headline rows at sample sizes whose standard error is below 0.01, with the network rows
+    a trajectory costs (``target_rows_mean``: the rows its batched calls evaluate, the standard sampler's
+    being T - 2), the ``tree=optimal*`` calibration cost (from the record) and the speedup with it amortised
+    over 100 and 1,000 samples.
 
-    Amortised speedup over ``n`` samples: ``n (T - 2) / (n * mean calls + calibration calls)``, the
+    Amortised speedup over ``k`` samples: ``mean_i (T - 2) / (nfe_i + calibration calls / k)``
+    (:meth:`specsamp.result.SampleResult.speedup_charged`, the estimator of ``speedup_mean``), the
     calibration's calls counted like the run's ``nfe``: on the speculative steps, endpoints left out.
     """
     import torch
@@ -126,7 +128,7 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
         d = compose([*ov, f"n_samples={n}", "progress=false"])
         rec, res = run_config(d)
         row = {"row": name, "n_samples": n, "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
-               "nfe_mean": rec["nfe"]["mean"]}
+               "nfe_mean": rec["nfe"]["mean"], "target_rows_mean": rec["target_rows"]["mean"]}
         cal = rec.get("calibration")  # the tree=optimal* calibration run's cost, recorded by the runner
         if cal:  # shared by k trajectories, in the estimator of speedup_mean (SampleResult.speedup_charged)
             row.update({"calibration_trajectories": cal["trajectories"], "calibration_calls": cal["nfe"],
