@@ -42,6 +42,7 @@ LEVERS = {  # arm: overrides (K, L, budget filled per budget), as in experiments
     "optimal tree": ["sampler=dgrs", "tree=optimal"],
     "x0 + optimal tree + markmax": ["sampler=markmax", "draft=x0", "tree=optimal"],
     "x0 + optimal tree": ["sampler=dgrs", "draft=x0", "tree=optimal"],
+    "x0 + tree per step": ["sampler=dgrs", "draft=x0", "tree=optimal_per_step"],
     "x0 extrapolated + optimal tree": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal"],
     "x0 extrapolated + tree per step": ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step"],
     "x0 affine + optimal tree": ["sampler=dgrs", "draft=x0_affine", "tree=optimal"],

@@ -87,7 +87,7 @@ class _Progress:
         if position > self.bar.n:
             self.bar.update(position - self.bar.n)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *_exc):
         if self.bar is not None:
             self.bar.close()
         return False
