@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -104,4 +106,12 @@ def test_readme_install_and_test_commands_are_what_ci_runs():
     dev = {re.split(r"[<>=!\[ ]", r, maxsplit=1)[0] for r in extras["dev"]}
     assert {"pytest", "pytest-cov", "vulture"} <= dev
     assert any("dev" in r for r in extras["all"])
-    assert "vulture specsamp" in readme
+    assert "dead-code scan is `vulture`" in readme
+    assert "specsamp" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["vulture"]["paths"]
+
+
+def test_dead_code_scan_is_clean():
+    """``vulture`` as the README runs it (paths and kept names in pyproject.toml) reports nothing."""
+    pytest.importorskip("vulture")
+    scan = subprocess.run([sys.executable, "-m", "vulture"], cwd=ROOT, capture_output=True, text=True)
+    assert scan.returncode == 0, scan.stdout + scan.stderr
