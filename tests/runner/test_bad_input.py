@@ -165,6 +165,51 @@ def test_a_missing_profile_file_stays_a_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# the calibration command keeps the shipped profiles
+
+
+def test_calibrate_refuses_to_replace_a_shipped_profile(tmp_path, monkeypatch):
+    import experiments.calibrate as calibrate
+    from experiments.calibrate import main
+
+    shipped = tmp_path / "profiles" / "gmm_x0.json"  # a copy, so that a build without the check dirties nothing
+    shipped.parent.mkdir()
+    shipped.write_bytes((PROFILE_DIR / "gmm_x0.json").read_bytes())
+    monkeypatch.setattr(calibrate, "PROFILE_DIR", shipped.parent)
+    before = shipped.read_bytes()
+    with pytest.raises(ConfigError, match=r"out=.*gmm_x0.json is invalid: it is the shipped profile delta_profile=gmm_x0.*overwrite=true"):
+        main(["model=gmm", "draft=x0", f"out={shipped}"])
+    with pytest.raises(ConfigError, match="overwrite=yes is invalid: must be true"):
+        main(["draft=x0", "overwrite=yes"])
+    assert shipped.read_bytes() == before
+
+
+def test_calibrate_writes_under_outputs_by_default(tmp_path, monkeypatch, capsys):
+    from experiments.calibrate import main
+
+    monkeypatch.chdir(tmp_path)
+    out = main([*TINY, "draft=x0", "trajectories=4"])
+    assert out.parent.parent.parent == Path("outputs") and out.name == "gmm_x0.json"
+    assert json.loads((tmp_path / out).read_text())["calibration"]["trajectories"] == 4
+    assert f"-> {out}" in capsys.readouterr().out
+
+
+def test_calibrate_into_an_uncreatable_folder_exits_3(tmp_path):
+    (tmp_path / "blocker").write_text("precious")
+    p = run([*TINY, "draft=x0", "trajectories=4", f"out={tmp_path / 'blocker' / 'p.json'}"], tmp_path, module="experiments.calibrate")
+    err = one_paragraph(p, 3)
+    assert f"could not create the directory {tmp_path / 'blocker'}" in err and "out=PATH" in err and "hydra.run.dir" not in err
+    assert (tmp_path / "blocker").read_text() == "precious"
+
+
+def test_the_makefile_and_docs_calibrate_commands_do_not_touch_shipped_profiles():
+    for name in ("Makefile", "README.md", "results/README.md", "docs/running.md"):
+        for line in (ROOT / name).read_text().splitlines():
+            if "experiments.calibrate" in line and "conf/profiles/" in line and "out=conf/profiles" in line:
+                assert "overwrite=true" in line, (name, line)
+
+
+# ------------------------------------------------------------------------------------------------
 # messages name the keys the user sets
 
 
