@@ -68,8 +68,9 @@ def unavailable(device) -> str | None:
     return f"torch.compile of the lean round is supported on cpu and cuda only, not {dev.type}"
 
 
-def check_compile(compile, execution: str, device) -> bool:
-    """``compile`` checked against the execution and the device: a bool, ``False`` or usable here.
+def check_compile(compile, execution: str, device, *, here: bool = True) -> bool:
+    """``compile`` checked against the execution and the device: a bool, ``False`` or usable here
+    (``here=False``: the device is not checked, for a run that another machine executes).
 
     Raises:
         ConfigError: ``compile`` not a bool; ``compile=True`` with ``execution="path"`` (whose rounds evaluate
@@ -84,7 +85,7 @@ def check_compile(compile, execution: str, device) -> bool:
         raise ConfigError(f"compile=true is invalid with execution={execution}: only the tree execution's round has "
                           "static shapes to compile (every node of every row, one batched call); set execution=tree, "
                           "or compile=false.")
-    why = unavailable(device)
+    why = unavailable(device) if here else None
     if why is not None:
         raise ConfigError(f"compile=true is invalid here: {why}; set compile=false (the eager round, the same law).")
     return True

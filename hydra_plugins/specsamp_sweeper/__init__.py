@@ -9,8 +9,17 @@ composed job would get, :func:`specsamp.runner.jobs.job_dirname`) and the error 
 The job then writes ``failed.json`` (kind ``config``) like any other failed job, the others run, and the
 sweep ends with its summary and exit status 2 (``run.py``).
 
-``validate: true`` instead composes every job of a batch before launching it and refuses the whole
-sweep at the first job that does not compose (Hydra's own check, exit status 2, nothing launched).
+Before launching anything, every job's config is composed and checked as its job would check it
+(:func:`specsamp.runner.config.load_config`: keys, values, the device; no model is built). When no job
+can run (a sweep-wide error such as ``device=cuda`` on a machine without a GPU, or a bad value in every
+cell) the sweep is refused once, with one paragraph naming each distinct error and its jobs, exit status 2,
+nothing launched and nothing written. When only some jobs are bad, the others run and the bad ones are
+recorded as above. ``validate: true`` refuses the whole sweep as soon as one job is bad. Under the SLURM
+launcher the jobs run on other machines, so what depends on the machine (the device, ``compile=true``)
+is left to the jobs there.
+
+The sweeper's own keys (:data:`SWEEPER_KEYS`) are checked when it is built: a bad value exits 2 with a
+paragraph naming ``hydra.sweeper.KEY``, its value and what is valid.
 
 Before launching, ``hydra/launcher=slurm`` is checked for the SLURM commands, so a sweep started off a
 cluster fails at once with an infrastructure error (exit status 3) naming the missing command.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -31,6 +41,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from specsamp.runner import jobs  # also registers the specsamp.job_dir / specsamp.fresh_dir resolvers
+from specsamp.errors import ConfigError
 from specsamp.runner.callback import SWEEP_STATE
 from specsamp.runner.jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV
 
@@ -81,10 +92,15 @@ def failed_job_config(master: DictConfig, overrides: Sequence[str], error: BaseE
 
 
 class TolerantConfigLoader:
-    """A Hydra config loader whose ``load_sweep_config`` turns a composition error into a failed job."""
+    """A Hydra config loader whose ``load_sweep_config`` turns a composition error into a failed job.
+
+    ``composed`` holds the configs the sweeper's pre-check composed (:meth:`SpecsampSweeper.precheck`),
+    keyed by the job's overrides: the launcher takes each one once instead of composing it a second time.
+    """
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.composed: Dict[tuple, DictConfig] = {}
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner" or name.startswith("__"):
@@ -93,6 +109,9 @@ class TolerantConfigLoader:
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
         """Compose one job; on failure, :func:`failed_job_config` instead of raising."""
+        cached = self.composed.pop(tuple(sweep_overrides), None)
+        if cached is not None:
+            return cached
         try:
             return self.inner.load_sweep_config(master_config, sweep_overrides)
         except Exception as e:  # noqa: BLE001 (every composition failure becomes that job's failure)
@@ -118,28 +137,139 @@ def check_launcher(launcher: Any) -> None:
             "hydra/launcher=basic (one job after another). Nothing was launched.")
 
 
+# the sweeper's keys (conf/hydra/sweeper/specsamp.yaml, docs/running.md) and what each one accepts
+SWEEPER_KEYS = {
+    "max_batch_size": "an integer >= 1 (jobs launched together) or null (the whole grid at once)",
+    "params": "a mapping {key: 'a,b,c'} of sweep parameters, or null",
+    "validate": "true (refuse the whole sweep when one job is bad) or false (the bad jobs fail alone)",
+}
+
+
+KEEP_COMPOSED = 512  # composed job configs kept from the pre-check for the launcher (the rest are composed again)
+
+
+def check_sweeper_keys(max_batch_size: Any, params: Any, validate: Any) -> None:
+    """Refuse a sweeper setting that Hydra's sweep loop would trip on later (a ``TypeError`` or an ``assert``).
+
+    Raises:
+        specsamp.errors.ConfigError: names ``hydra.sweeper.KEY``, its value and what is valid.
+    """
+    def bad(key: str, value: Any) -> ConfigError:
+        return ConfigError(f"hydra.sweeper.{key}={value!r} is invalid: must be {SWEEPER_KEYS[key]}.")
+
+    if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
+                                       or max_batch_size < 1):
+        raise bad("max_batch_size", max_batch_size)
+    if params is not None and not isinstance(params, Mapping):
+        raise bad("params", params)
+    if not isinstance(validate, bool):
+        raise bad("validate", validate)
+
+
+def _task_config(cfg: DictConfig) -> DictConfig:
+    """A job's composed config without Hydra's node: what :func:`specsamp.runner.task.run_task` receives."""
+    task = copy.deepcopy(cfg)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    return task
+
+
+def swept_name(job: Sequence[str], every: Sequence[Sequence[str]]) -> str:
+    """A job named by the overrides that vary across the sweep (``K=0,sampler=rmc``), as the user wrote them."""
+    values: Dict[str, set] = {}
+    for other in every:
+        for o in other:
+            values.setdefault(jobs._key_of(o), set()).add(o)
+    varying = [o for o in job if len(values.get(jobs._key_of(o), ())) > 1]
+    return ",".join(varying or job) or "(no overrides)"
+
+
+def refusal(problems: Sequence[tuple[str, str]], n_jobs: int, validate: bool, shown: int = 3) -> str:
+    """The one paragraph of a refused sweep: how many jobs cannot run, then each distinct error once with
+    the jobs it concerns (``every job``, or the first one and how many more), at most ``shown`` errors."""
+    groups: Dict[str, List[str]] = {}
+    for job, message in problems:
+        groups.setdefault(message, []).append(job)
+    if len(problems) == n_jobs:
+        head = f"none of the sweep's {n_jobs} job{'s' if n_jobs != 1 else ''} can run"
+    else:
+        head = f"{len(problems)} of the sweep's {n_jobs} jobs cannot run and hydra.sweeper.validate=true"
+    parts = []
+    for message, names in list(groups.items())[:shown]:
+        who = ("every job" if len(names) == n_jobs and n_jobs > 1 else
+               f"job {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
+        parts.append(f"{who}: {message.rstrip('.')}")
+    rest = len(groups) - shown
+    more = f"; {rest} more distinct error{'s' if rest > 1 else ''} (fix these and rerun to see them)" if rest > 0 else ""
+    parts[0] = parts[0][:1].upper() + parts[0][1:]
+    return f"{head}, so nothing was launched. " + "; ".join(parts) + more + ". Fix the command and rerun it."
+
+
 class SpecsampSweeper(BasicSweeper):
     """Hydra's basic sweeper whose jobs fail one by one when their overrides do not compose.
 
     Args:
         max_batch_size: jobs launched together (Hydra's meaning; null: all).
         params: sweep parameters ``{key: "a,b,c"}`` (Hydra's meaning).
-        validate: compose every job before launching its batch and abort at the first bad one.
+        validate: refuse the whole sweep, before launching anything, when one job does not compose or
+            fails its config checks (false: only when no job can run).
+
+    Raises:
+        specsamp.errors.ConfigError: a key of :data:`SWEEPER_KEYS` with a value it does not accept.
     """
 
     def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None, validate: bool = False):
+        check_sweeper_keys(max_batch_size, params, validate)
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.validate = validate
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:  # noqa: D102
         self.hydra_context = hydra_context  # the strict loader, for validate=true
         self.config = config
-        tolerant = HydraContext(config_loader=TolerantConfigLoader(hydra_context.config_loader), callbacks=hydra_context.callbacks)
+        self.tolerant = TolerantConfigLoader(hydra_context.config_loader)
+        tolerant = HydraContext(config_loader=self.tolerant, callbacks=hydra_context.callbacks)
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=tolerant, task_function=task_function, config=config)
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:  # noqa: D102
-        if self.validate:
-            super().validate_batch_is_legal(batch)
+        pass  # every job was checked before the first batch (precheck)
+
+    def job_problem(self, overrides: Sequence[str], here: bool) -> Optional[str]:
+        """The paragraph of the user error that stops this job (composition, key, value; ``here``: also the
+        device and ``compile``), or None when it passes or fails for another reason (its job records that)."""
+        from specsamp.runner.config import load_config
+
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        except Exception as e:  # noqa: BLE001
+            if _kind(e) != "config":
+                return None
+            return f"its overrides do not compose: {_explained(e) or _one_paragraph(str(e)) or type(e).__name__}"
+        if len(self.tolerant.composed) < KEEP_COMPOSED:
+            self.tolerant.composed[tuple(overrides)] = cfg  # the launcher's, so a job is composed once
+        try:
+            load_config(_task_config(cfg), here=here)
+        except ConfigError as e:
+            return str(e)
+        except Exception:  # noqa: BLE001 (anything unexpected is the job's to record, with its traceback)
+            return None
+        return None
+
+    def precheck(self, batches: Sequence[Sequence[Sequence[str]]]) -> None:
+        """Check every job's config before launching any (:meth:`job_problem`).
+
+        Raises:
+            specsamp.errors.ConfigError: no job can run, or (``validate=true``) one job cannot; one paragraph
+                (:func:`refusal`).
+        """
+        here = not _is_slurm(self.launcher)
+        every = [list(job) for batch in batches for job in batch]
+        problems = []
+        for job in every:
+            problem = self.job_problem(job, here)
+            if problem is not None:
+                problems.append((swept_name(job, every), problem))
+        if problems and (self.validate or len(problems) == len(every)):
+            raise ConfigError(refusal(problems, len(every), self.validate))
 
     def sweep(self, arguments: List[str]) -> Any:
         """Hydra's basic sweep loop, except that a failed job stops nothing: Hydra's reads every job's
@@ -152,6 +282,7 @@ class SpecsampSweeper(BasicSweeper):
         params_conf.extend(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
+        self.precheck(self.overrides)  # before the sweep directory exists: a refused sweep writes nothing
         returns: List[Sequence[Any]] = []
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -304,7 +304,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
                 with read_write(cfg), open_dict(cfg):
                     del cfg["hydra"]
-                sizes.append(mem_gb_for(load_config(cfg)[0]))
+                sizes.append(mem_gb_for(load_config(cfg, here=False)[0]))  # device=cuda from a login node without a GPU
             except Exception:  # noqa: BLE001 (a cell that does not compose or validate records why in its task)
                 continue
         return max(sizes) if sizes else None

@@ -155,6 +155,10 @@ def load_edm(
         path = resolve_path(location, cache_dir=cache_dir, download=download, sha256=expected, subdir="edm")
     except FileNotFoundError as err:
         hint = f" Published at {known.url}." if known is not None and known.url != location else ""
+        if expected is None and not trust_checkpoint:  # else the copy would meet a second refusal (verify_sha256)
+            hint += (" Once the file is there, loading it also needs model.sha256=<its SHA-256> (`sha256sum FILE`, "
+                     "for a copy from a source you trust) or model.trust_checkpoint=true: no hash is published for "
+                     "it, and a pickle runs code when it is loaded.")
         raise FileNotFoundError(f"{err}{hint}") from None
     verify_sha256(path, expected, trust=trust_checkpoint)
     obj = _unpickle(path)

@@ -290,12 +290,17 @@ def _model_schema(model: Mapping) -> type | None:
     return cls if dataclasses.is_dataclass(cls) else None
 
 
-def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
+def load_config(cfg: DictConfig | Mapping, *, here: bool = True) -> tuple[RunConfig, dict]:
     """The typed, checked config of one run, and the plain dict that is recorded and hashed.
 
     Accepts what Hydra composed (``run.py``, :func:`compose`) or a plain mapping with the keys of
     ``conf/config.yaml`` (resolved). The mapping is merged onto :class:`RunConfig` and the model onto its
     config dataclass (named by ``model._target_``), so unknown keys and wrong types are refused here too.
+
+    Args:
+        cfg: the config.
+        here: also check what depends on the machine that runs it (:func:`check_values`); False where the
+            run goes elsewhere (a sweep submitted to SLURM from a login node without a GPU).
 
     Returns:
         ``(run, recorded)``: ``run`` a :class:`RunConfig` whose ``model`` is its config object;
@@ -329,7 +334,7 @@ def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
         run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {**plain, "model": model}))
     except OmegaConfBaseException as e:
         raise refuse(e, plain) from None
-    check_values(run)
+    check_values(run, here=here)
     recorded = OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
     recorded = {k: v for k, v in recorded.items() if k not in RUNNER_KEYS}
     if run.num_shards == 1:
@@ -342,8 +347,11 @@ def load_config(cfg: DictConfig | Mapping) -> tuple[RunConfig, dict]:
     return run, recorded
 
 
-def check_values(run: RunConfig) -> None:
+def check_values(run: RunConfig, *, here: bool = True) -> None:
     """Check each field's rule (ranges, choices), the device, and the keys that depend on each other.
+
+    ``here=False`` leaves out what depends on the machine (the device being visible, ``compile=true``
+    being usable on it): for a run that another machine executes.
 
     Raises:
         ConfigError: names the key, its value and what is valid.
@@ -361,7 +369,8 @@ def check_values(run: RunConfig) -> None:
         if meta and v is not None and not meta["ok"](v):
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
             raise ConfigError(f"{f.name}={v!r} is invalid: must be {text}.")
-    check_device(run.device)
+    if here:
+        check_device(run.device)
     from .loggers import check_logger
 
     check_logger(run.logger)
@@ -377,7 +386,7 @@ def check_values(run: RunConfig) -> None:
                               "which has no static shapes to compile; set refine=0, or compile=false.")
         from ..compiled import check_compile
 
-        check_compile(True, run.execution, run.device)
+        check_compile(True, run.execution, run.device, here=here)
     if not 0 <= run.shard < run.num_shards:
         raise ConfigError(f"shard={run.shard!r} is invalid: must be an integer in 0..{run.num_shards - 1} (num_shards={run.num_shards}).")
     if run.num_shards > 1:

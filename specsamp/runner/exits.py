@@ -6,13 +6,15 @@
   2    the input was wrong: a config key or value, an override that does not compose, a path given
        by the user; one paragraph names the key, its value and what is valid
   3    the machine failed, not the input: the disk is full, the output directory is read-only or
-       cannot be created, a launcher's command (``sbatch``/``srun``) is missing, a logger failed
-       after the record was written; one paragraph names the path, the command or the logger.
-       Rerunning the same command once it is fixed resumes (and retries the logging)
+       cannot be created (a file in its path, a file system that takes no new directory), a launcher's
+       command (``sbatch``/``srun``) is missing, a logger failed after the record was written; one
+       paragraph names the path, the command or the logger. Relaunching into the same directory once it
+       is fixed resumes (and retries the logging): a sweep's ``sweep_name``, a run's ``hydra.run.dir``
  130   interrupted (Ctrl-C, SIGINT): one line, and for a sweep its summary; finished records stay
 =====  ==========================================================================================
 
-A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 2.
+A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 2. A config error
+that stops every job is the sweeper's to report, once, before launching (``hydra_plugins/specsamp_sweeper``).
 
 :func:`main` wraps the Hydra entry point and applies this policy to what happened: an exception, or the
 sweep's outcome that :class:`specsamp.runner.callback.SweepReport` leaves in ``callback.SWEEP_STATE``.
@@ -23,8 +25,10 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ..errors import ConfigError
 
 OK = 0
 BUG = 1
@@ -42,36 +46,90 @@ INFRA_ERRNOS = frozenset(
 )
 
 
+# ENOENT is the machine's only where a directory is being created (a parent that cannot hold one, such as
+# /proc/foo): a missing file the user named as input (delta_profile=...) stays a config error
+DIRECTORY_CREATORS = frozenset({"mkdir", "makedirs"})
+
+
+def _creating_directory(error: OSError) -> bool:
+    """True when ``error`` was raised while a directory was being created (its innermost Python frame is a
+    ``mkdir``/``makedirs``: ``os.makedirs``, ``pathlib.Path.mkdir``)."""
+    tb, last = error.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_name in DIRECTORY_CREATORS
+
+
+def _is_infra_oserror(error: BaseException) -> bool:
+    if not isinstance(error, OSError):
+        return False
+    return error.errno in INFRA_ERRNOS or (error.errno == errno.ENOENT and _creating_directory(error))
+
+
 class InfrastructureError(RuntimeError):
     """The machine cannot do what the (valid) input asks: a missing command, an unusable directory."""
 
 
 def is_infrastructure(error: BaseException | None) -> bool:
-    """True for :class:`InfrastructureError` and for an ``OSError`` whose errno is in :data:`INFRA_ERRNOS`
-    (also when it is the cause or context of ``error``)."""
+    """True for :class:`InfrastructureError`, for an ``OSError`` whose errno is in :data:`INFRA_ERRNOS`, and
+    for ENOENT raised while creating a directory (an output folder whose parent cannot hold one); also when
+    it is the cause or context of ``error``."""
     seen = 0
     while error is not None and seen < 8:
         if isinstance(error, InfrastructureError):
             return True
-        if isinstance(error, OSError) and error.errno in INFRA_ERRNOS:
+        if _is_infra_oserror(error):
             return True
         error = error.__cause__ or error.__context__
         seen += 1
     return False
 
 
-def _root_oserror(error: BaseException | None) -> OSError | None:
+def user_error(error: BaseException | None) -> ConfigError | None:
+    """The :class:`~specsamp.errors.ConfigError` that ``error`` is or wraps (Hydra wraps what a plugin's
+    constructor raises), or None."""
     seen = 0
     while error is not None and seen < 8:
-        if isinstance(error, OSError) and error.errno in INFRA_ERRNOS:
+        if isinstance(error, ConfigError):
             return error
         error = error.__cause__ or error.__context__
         seen += 1
     return None
 
 
-def infrastructure_message(error: BaseException) -> str:
-    """One paragraph for an infrastructure failure: what failed, the path (or command), what to do."""
+def _root_oserror(error: BaseException | None) -> OSError | None:
+    seen = 0
+    while error is not None and seen < 8:
+        if _is_infra_oserror(error):
+            return error
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return None
+
+
+RUN_ELSEWHERE = "hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR for a sweep"
+RUN_AGAIN = "rerun the same command (finished records are kept and skipped)"
+
+
+def _failed_directory(os_err: OSError) -> str | None:
+    """For a directory that could not be created, the directory itself: a wrapper that names the file to be
+    written (:func:`specsamp.io.atomic_write`) keeps the ``mkdir``'s own error as its cause."""
+    cause, seen = os_err.__cause__, 0
+    while cause is not None and seen < 8:
+        if isinstance(cause, OSError) and cause.errno == os_err.errno and cause.filename:
+            return str(cause.filename)
+        cause, seen = cause.__cause__, seen + 1
+    return None
+
+
+def infrastructure_message(error: BaseException, *, elsewhere: str = RUN_ELSEWHERE, then: str = RUN_AGAIN) -> str:
+    """One paragraph for an infrastructure failure: what failed, the path (or command), what to do.
+
+    Args:
+        error: the failure (:func:`is_infrastructure`).
+        elsewhere: how to write elsewhere (``run.py``'s keys by default; ``out=PATH`` for a command that takes one).
+        then: what to do once it is fixed.
+    """
     if isinstance(error, InfrastructureError):
         return str(error)
     os_err = _root_oserror(error)
@@ -82,17 +140,18 @@ def infrastructure_message(error: BaseException) -> str:
     if os_err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG):
         hint = "free space on that file system (or raise the quota / file-size limit)"
     elif os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        hint = ("make the directory writable, or write elsewhere: hydra.run.dir=DIR for a run, "
-                "hydra.sweep.dir=DIR for a sweep")
+        hint = f"make the directory writable, or write elsewhere: {elsewhere}"
+    elif os_err.errno == errno.ENOENT:
+        return (f"could not create the directory {_failed_directory(os_err) or path}: {what} [errno {os_err.errno}]; "
+                "the file system there lets no directory be created (a virtual file system such as /proc, or a "
+                f"folder removed meanwhile): write elsewhere: {elsewhere}, then {then}.")
     elif os_err.errno in (errno.ENOTDIR, errno.EEXIST):
-        return (f"could not create the directory {path}: {what} [errno {os_err.errno}]; a file, not a directory, "
-                "stands in that path: remove it, or write elsewhere: hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR "
-                "for a sweep, then rerun the same command (finished records are kept and skipped).")
+        return (f"could not create the directory {_failed_directory(os_err) or path}: {what} [errno {os_err.errno}]; "
+                f"a file, not a directory, stands in that path: remove it, or write elsewhere: {elsewhere}, then {then}.")
     else:
         hint = "check the file system holding it"
     return (f"could not write {path}: {what} [errno {os_err.errno}]. This is a problem of the machine, not of "
-            f"the configuration: {hint}, then rerun the same command (finished records are kept and skipped).")
-
+            f"the configuration: {hint}, then {then}.")
 
 
 def sweep_exit_status(state: dict | None = None) -> int:
@@ -222,6 +281,65 @@ def per_job_model_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+HYDRA_GROUPS = {"launcher": ("basic",), "sweeper": ("basic",)}  # Hydra's own options besides conf/hydra/<group>/
+
+
+def group_options(group: str) -> list[str]:
+    """The options of the config group ``hydra/<group>``: Hydra's own and the YAMLs of ``conf/hydra/<group>/``."""
+    from .config import CONF_DIR
+
+    return sorted({*HYDRA_GROUPS.get(group, ()), *(p.stem for p in (CONF_DIR / "hydra" / group).glob("*.yaml"))})
+
+
+def group_given_as_key(argv: Sequence[str]) -> str | None:
+    """One paragraph for ``hydra.launcher=local`` or ``hydra.sweeper=basic`` (a dot instead of the slash that
+    picks a config group's option), or None.
+
+    With the dot the override replaces the whole launcher (sweeper) config by a string, and Hydra later
+    says only that the input config has no ``_target_``; a single run accepts it silently. The paragraph
+    names the override, the spelling with the slash and the group's options.
+    """
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        group = key.removeprefix("hydra.")
+        if not eq or key == group or group not in HYDRA_GROUPS:
+            continue
+        options = group_options(group)
+        suggestion = f"hydra/{group}={value}" if value in options else f"hydra/{group}=NAME"
+        return (f"{arg} is invalid: hydra.{group} is the {group}'s whole config, and a {group} is chosen from its "
+                f"config group with a slash: {suggestion} (valid: {', '.join(options)}; specsamp's are in conf/hydra/{group}/); one of its fields is "
+                f"set with hydra.{group}.FIELD=VALUE.")
+    return None
+
+
+# Hydra's flags that each choose what the command does: at most one may be given (Hydra's own rule)
+MODE_FLAGS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}
+
+
+def conflicting_modes(argv: Sequence[str]) -> str | None:
+    """One paragraph for two of Hydra's mode flags given together (``-m K=1,2 --cfg job``), or None.
+
+    Hydra allows only one of ``--run``, ``--multirun``, ``--cfg``, ``--info`` and ``--shell-completion`` and
+    raises a bare ``ValueError`` otherwise; the paragraph names the flags and, for a sweep's config, how to
+    print one job's.
+    """
+    given = []
+    for arg in argv:
+        name = arg.partition("=")[0]
+        for long, short in MODE_FLAGS.items():
+            if name in (long, short) and long not in given:
+                given.append(long)
+    if len(given) < 2:
+        return None
+    if "--multirun" in given and "--cfg" in given:
+        return ("-m (--multirun) and --cfg cannot be given together: --cfg prints the config of one run, and a sweep "
+                "composes one per job. To see a job's config, give each swept key one of its values and leave out "
+                "-m (python run.py K=1 --cfg job); to see the sweep's own settings, print hydra.sweeper with "
+                "python run.py --cfg hydra -p hydra.sweeper.")
+    return (f"{' and '.join(given)} cannot be given together: Hydra runs one of --run, --multirun, --cfg, --info "
+            "and --shell-completion per command; keep one.")
+
+
 def _summary_if_swept() -> None:
     from .callback import SWEEP_STATE
     from .report import launched, print_sweep_summary
@@ -280,13 +398,22 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         _help_without_schemas()
+    as_key = conflicting_modes(sys.argv[1:]) or group_given_as_key(sys.argv[1:])
+    if as_key is not None:
+        print(f"error: {as_key}", file=sys.stderr)
+        sys.exit(USAGE)
     sys.argv[1:] = per_job_model_overrides(sys.argv[1:])
     try:
         hydra_main()
     except KeyboardInterrupt:
         where = SWEEP_STATE.get("sweep_dir")
-        print("interrupted (Ctrl-C): finished records are kept; the unfinished "
-              f"{'jobs rerun when the same sweep is relaunched' if where else 'run wrote no record'}.", file=sys.stderr, flush=True)
+        if where:
+            from .report import resume_hint
+
+            rest = f"to run the unfinished jobs, {resume_hint(where)}"
+        else:
+            rest = "the unfinished run wrote no record"
+        print(f"interrupted (Ctrl-C): finished records are kept; {rest}.", file=sys.stderr, flush=True)
         SWEEP_STATE["interrupted"] = True
         _summary_if_swept()
         sys.exit(INTERRUPTED)
@@ -299,6 +426,11 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
             print(f"error: {infrastructure_message(e)}", file=sys.stderr)
             _summary_if_swept()
             sys.exit(INFRASTRUCTURE)
+        user = user_error(e)
+        if user is not None:  # the sweeper's refusal of a whole sweep, or of one of its own keys
+            print(f"error: {user}", file=sys.stderr)
+            _summary_if_swept()
+            sys.exit(USAGE)
         if isinstance(e, (HydraException, OmegaConfBaseException)):
             # a config that does not compose (jobs of a sweep record their own composition errors;
             # this is the command line's or the whole sweep's)

@@ -242,7 +242,7 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
     # every per-trajectory array (the ids included) is sized here, before the first one is allocated
     check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, n_total),
                       target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps,
-                      refine=run.refine if tree is not None else 0)
+                      refine=run.refine if tree is not None else 0, sampler=run.sampler.name)
     ids = torch.arange(run.n_samples) if given_ids is None else given_ids
     unused = prepared.unused
     if unused:

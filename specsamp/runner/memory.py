@@ -200,8 +200,12 @@ def mem_gb_for(run) -> int:
 
 
 def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
-                      n_total: int | None = None, steps: int | None = None, refine: int = 0) -> None:
+                      n_total: int | None = None, steps: int | None = None, refine: int = 0,
+                      sampler: str | None = None) -> None:
     """Refuse a run whose sampler states cannot fit, before allocating anything.
+
+    ``sampler`` is the run's ``sampler=`` value (``dgrs``, ``rmc``, ...), which the message names; without it
+    the message says "the speculative sampler" (``tree`` given) or ``sampler=standard``.
 
     ``execution=tree`` holds, per trajectory of a batch and per node, the state and the velocity in
     the model's dtype plus float64 drafting noise; ``execution=path`` holds about ``2 K + 16`` states
@@ -226,7 +230,8 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
         return
     fits = max(int((0.8 * free - fixed) // per_traj), 0)
     what = (f"execution={execution} with {len(tree)} nodes per round" if tree is not None and execution == "tree"
-            else f"sampler={'standard' if tree is None else 'speculative'} (execution={execution})")
+            else f"sampler={sampler} (execution={execution})" if sampler is not None
+            else f"{'sampler=standard' if tree is None else 'the speculative sampler'} (execution={execution})")
     # execution=path holds only the visited nodes, but Picard sweeps need every internal node (tree execution only)
     path_hint = tree is not None and execution == "tree" and not refine
     # "with batch_size=N" only where the user's batch_size split the run; unset, the run is one batch

@@ -402,8 +402,19 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
     }
 
 
+def resume_hint(sweep_dir: str | os.PathLike) -> str:
+    """How to relaunch a sweep into ``sweep_dir``, so that its finished jobs are skipped: ``sweep_name=NAME``
+    for the relative folder ``multirun/NAME`` (an ad-hoc sweep's default name is its launch time, ``DATE/TIME``, so
+    rerunning the command without it starts a new folder), else ``hydra.sweep.dir=DIR``."""
+    root = Path(sweep_dir)
+    if not root.is_absolute() and len(root.parts) > 1 and root.parts[0] == "multirun":  # conf/config.yaml's hydra.sweep.dir
+        return f"rerun the same command with sweep_name={'/'.join(root.parts[1:])} (its finished jobs are skipped)"
+    return f"rerun the same command with hydra.sweep.dir={root} (its finished jobs are skipped)"
+
+
 def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
-    """Print :func:`sweep_summary` (failed jobs with their errors) and return it."""
+    """Print :func:`sweep_summary` (failed jobs with their errors; how to resume when a job is not done) and
+    return it."""
     file = file or sys.stdout
     s = sweep_summary(sweep_dir)
     n = len(s["table"])
@@ -417,6 +428,8 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
         print(f"  failed: {row['job'] or '.'}: {row['error']}  ({Path(row['path']) / FAILED})", file=file)
     for path, error in s["unlogged"]:  # the record is there, its logging is not: a relaunch retries it
         print(f"  not logged: {Path(path).name}: {error} (relaunch to retry)", file=file)
+    if s["failed"] or s["killed"] or s["running"] or s["missing"] or s["unlogged"]:
+        print(f"  resume: {resume_hint(s['sweep_dir'])}", file=file)
     print(f"  table: python -m specsamp.runner.report collect {s['sweep_dir']}", file=file, flush=True)
     return s
 

@@ -17,7 +17,8 @@ config is never written into: the run (or the sweep job) is refused as a config 
 directory and the keys that differ, so one directory never mixes two runs' files.
 
 A logger that fails after the record is written (``logger=wandb`` without network) leaves ``logger_error``
-in the record; the relaunch skips the sampling and retries the logging (:func:`_log`).
+in the record; a relaunch into the same directory (``hydra.run.dir=DIR``; a sweep's ``sweep_name``) skips the
+sampling and retries the logging (:func:`_log`).
 
 With ``num_shards > 1`` a job runs only its block of trajectories (:mod:`specsamp.runner.shards`) and writes
 ``shard.pt`` before ``result.json``.
@@ -241,7 +242,7 @@ def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, ex
     """Send the record to the configured logger; on failure keep the record, say so in it and on stderr.
 
     A failure is recorded as ``logger_error`` in ``result.json`` (the numbers are kept as they are); the
-    next launch of the same command finds the record, skips the sampling and retries the logging, and a
+    next launch into the same directory (the message names it) finds the record, skips the sampling and retries the logging, and a
     retry that succeeds removes ``logger_error``. A single run whose logging failed exits with status 3
     (the configuration was checked at the start: what failed is the logger's service or the network);
     a sweep job reports it and counts as done.
@@ -254,8 +255,10 @@ def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, ex
     except Exception as e:  # noqa: BLE001 - whatever the logger raised, the record stays and says so
         record["logger_error"] = f"logger={run.logger.name} failed: {type(e).__name__}: {' '.join(str(e).split())}"
         write_json_atomic(out_dir / RESULT, record)
+        again = ("relaunch the sweep into the same folder (its summary says how)" if multirun
+                 else f"rerun the same command with hydra.run.dir={shown(out_dir)}")  # a bare rerun gets a new folder
         print(f"error: {record['logger_error']}. The record is saved in {shown(out_dir / RESULT)} with logger_error "
-              "set; rerun the same command to retry the logging (the sampling is skipped).", file=sys.stderr, flush=True)
+              f"set; {again} to retry the logging (the sampling is skipped).", file=sys.stderr, flush=True)
         if exit_on_failure and not multirun:
             sys.exit(INFRASTRUCTURE)
         return False

@@ -67,7 +67,7 @@ def test_a_logger_failure_is_recorded_and_the_relaunch_retries_it(tmp_path):
     args = ["logger._target_=helpers.FlakyLogger", "logger.name=flaky"]
     p = _run(args, out, FLAKY_LOGGER_DOWN="1")
     assert p.returncode == 3 and "Traceback" not in p.stderr, p.stderr
-    assert "logger=flaky failed: ConnectionError" in p.stderr and "rerun the same command to retry" in p.stderr
+    assert "logger=flaky failed: ConnectionError" in p.stderr and f"rerun the same command with hydra.run.dir={out.name} " in p.stderr and "to retry the logging" in p.stderr
     rec = json.loads((out / "result.json").read_text())
     assert rec["status"] == "ok" and rec["logger_error"].startswith("logger=flaky failed") and not (out / "logged.txt").exists()
     again = _run(args, out)

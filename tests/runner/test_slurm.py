@@ -522,3 +522,12 @@ def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_h
     assert f"#SBATCH --mem={want}GB" in p.stdout and f"mem_gb={want} per task" in p.stdout, p.out  # the largest cell's
     p = run([*dry, *TINY, "K=1,2", "hydra.launcher.mem_gb=7", "sweep_name=n"], tmp_path)
     assert "#SBATCH --mem=7GB" in p.stdout and "per task" not in p.stdout, p.out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no CUDA device (a login node)")
+def test_a_gpu_sweep_submitted_from_a_node_without_a_gpu_is_checked_and_sized_there(tmp_path, monkeypatch):
+    """The device is the compute nodes' to check: the sweep is not refused, and its memory is estimated."""
+    fake_slurm_commands(tmp_path, monkeypatch)
+    p = run(["-m", "hydra/launcher=slurm", "hydra.launcher.dry_run=true", *TINY, "device=cuda", "K=1,2", "sweep_name=g"], tmp_path)
+    assert p.returncode == 0 and "torch sees no CUDA device" not in p.out, p.out
+    assert "mem_gb=" in p.stdout and "per task" in p.stdout and "#SBATCH --gpus-per-node=1" in p.stdout, p.out

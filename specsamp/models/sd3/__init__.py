@@ -154,7 +154,8 @@ class SD3Config(TargetConfig):
             raise ConfigError(f"model.prompts.source={self.prompts.source!r} is invalid: valid values are {', '.join(SOURCES)}.")
         clip = self.clip.load_kwargs()
         p = self.prompts
-        texts = load_prompts(p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts)
+        texts = load_prompts(p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts,
+                             n_key="n_samples")  # model.prompts.n follows n_samples (conf/model/sd3.yaml)
         pipe = pipeline
         if pipe is None:
             pipe = load_sd3(self.model_id, device=device, dtype=net_dtype, local_files_only=self.local_files_only,

@@ -133,27 +133,30 @@ def _parse_lines(text: str) -> list[str]:
     return [_clean(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def demo_prompts(n: int | None = None) -> list[str]:
+def demo_prompts(n: int | None = None, *, n_key: str = "n") -> list[str]:
     """The first ``n`` prompts of the packaged demo file (20 short captions written for this project).
 
     For smoke runs and tests; the paper's protocol uses :func:`coco_prompts`.
 
     Args:
         n: how many (``None``: all).
+        n_key: the name of ``n`` in the messages (``n_samples`` from a run's config).
 
     Returns:
         ``n`` prompt strings.
 
     Raises:
-        ValueError: ``n < 1`` or more than the file holds.
+        ValueError: ``n < 1`` or more than the file holds (the message names ``n_key`` and the largest valid value).
     """
     text = resources.files("specsamp").joinpath(DEMO_PROMPTS).read_text(encoding="utf-8")
     prompts = _parse_lines(text)
     if n is None:
         return prompts
-    n = _check_count("n", n)
+    n = _check_count(n_key, n)
     if n > len(prompts):
-        raise ValueError(f"n={n} is invalid: the demo prompt file holds {len(prompts)} prompts")
+        raise ValueError(f"{n_key}={n} is invalid with the demo prompts (model.prompts.source=demo): the demo prompt "
+                         f"file holds {len(prompts)} prompts, one image each; use {n_key}<={len(prompts)}, or another "
+                         "source (model.prompts.source=coco or file)")
     return prompts[:n]
 
 
@@ -165,6 +168,7 @@ def load_prompts(
     captions_json: str | os.PathLike | None = None,
     path: str | os.PathLike | None = None,
     prompts: Sequence[str] | None = None,
+    n_key: str = "n",
 ) -> list[str]:
     """Prompts from a config: ``source`` is ``coco``, ``demo`` or ``file`` (or give ``prompts`` directly).
 
@@ -176,6 +180,8 @@ def load_prompts(
         captions_json: path of ``captions_val2014.json`` (``coco``).
         path: prompt file (``file``).
         prompts: an explicit list; overrides ``source``.
+        n_key: the name of ``n`` in the messages (``n_samples`` from a run's config, where ``model.prompts.n``
+            follows it).
 
     Returns:
         ``n`` prompt strings (all of ``prompts`` when given).
@@ -198,14 +204,15 @@ def load_prompts(
                              "model.prompts.source=demo (built-in prompts) or file (model.prompts.path=...)")
         return coco_prompts(captions_json, n, seed)
     if source == "demo":
-        return demo_prompts(n)
+        return demo_prompts(n, n_key=n_key)
     if not path:
         raise ValueError("model.prompts.path (path= in Python) is required for model.prompts.source='file': "
                          "a text file of one prompt per line")
     out = read_prompt_file(path)
-    n = _check_count("n", n)
+    n = _check_count(n_key, n)
     if n > len(out):
-        raise ValueError(f"n={n} is invalid: prompt file {os.fspath(path)!r} holds {len(out)} prompts")
+        raise ValueError(f"{n_key}={n} is invalid: the prompt file {os.fspath(path)!r} holds {len(out)} prompts, one "
+                         f"image each; use {n_key}<={len(out)}, or a file with more lines")
     return out[:n]
 
 
