@@ -172,17 +172,23 @@ EQUIV_CASES = [
 ]
 
 
+def _tree_and_path(model, case):
+    """Both executions of ``case`` on ``model`` (seed 7, 40 trajectories), their counts asserted identical."""
+    spec, coupling, draft, prefetch, leaves = case
+    kw = dict(draft=draft, prefetch=prefetch, evaluate_leaves=leaves, seed=7)
+    a = sample_speculative(model, SCHED, tree_of(spec), coupling, 40, execution="tree", **kw)
+    b = sample_speculative(model, SCHED, tree_of(spec), coupling, 40, execution="path", **kw)
+    for f in COUNT_FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    return a, b
+
+
 @pytest.mark.parametrize("case", EQUIV_CASES, ids=[case_id(c + ("tree-vs-path",)) for c in EQUIV_CASES])
 def test_tree_and_path_executions_agree(case):
     # seed 7, 40 trajectories, a target evaluated row by row (helpers.RowwiseMixture: the executions batch a
     # node differently, and a batched product rounds a row's last bits by the batch): identical counts and
     # samples, bitwise
-    spec, coupling, draft, prefetch, leaves = case
-    kw = dict(draft=draft, prefetch=prefetch, evaluate_leaves=leaves, seed=7)
-    a = sample_speculative(ROWWISE, SCHED, tree_of(spec), coupling, 40, execution="tree", **kw)
-    b = sample_speculative(ROWWISE, SCHED, tree_of(spec), coupling, 40, execution="path", **kw)
-    for f in COUNT_FIELDS:
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    a, b = _tree_and_path(ROWWISE, case)
     assert a.batch_nfe == b.batch_nfe
     assert torch.equal(a.samples, b.samples)
 
@@ -193,12 +199,7 @@ def test_tree_and_path_agree_with_a_batched_target(case):
     # the batched mixture (its products round a row's last bits by the batch, which the executions form
     # differently): identical counts, samples within 16 T eps of float64 (T = 8 steps of a few roundings each,
     # samples of scale 1), the bound docs/architecture.md states; seed 7, 40 trajectories
-    spec, coupling, draft, prefetch, leaves = case
-    kw = dict(draft=draft, prefetch=prefetch, evaluate_leaves=leaves, seed=7)
-    a = sample_speculative(MODEL, SCHED, tree_of(spec), coupling, 40, execution="tree", **kw)
-    b = sample_speculative(MODEL, SCHED, tree_of(spec), coupling, 40, execution="path", **kw)
-    for f in COUNT_FIELDS:
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    a, b = _tree_and_path(MODEL, case)
     bound = 16 * SCHED.steps * torch.finfo(torch.float64).eps * max(1.0, float(b.samples.abs().max()))
     assert float((a.samples - b.samples).abs().max()) <= bound
 
