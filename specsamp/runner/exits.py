@@ -66,6 +66,15 @@ def _is_infra_oserror(error: BaseException) -> bool:
     return error.errno in INFRA_ERRNOS or (error.errno == errno.ENOENT and _creating_directory(error))
 
 
+def _chain(error: BaseException | None, depth: int = 8):
+    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), at most ``depth``."""
+    for _ in range(depth):
+        if error is None:
+            return
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 class InfrastructureError(RuntimeError):
     """The machine cannot do what the (valid) input asks: a missing command, an unusable directory."""
 
@@ -74,37 +83,17 @@ def is_infrastructure(error: BaseException | None) -> bool:
     """True for :class:`InfrastructureError`, for an ``OSError`` whose errno is in :data:`INFRA_ERRNOS`, and
     for ENOENT raised while creating a directory (an output folder whose parent cannot hold one); also when
     it is the cause or context of ``error``."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, InfrastructureError):
-            return True
-        if _is_infra_oserror(error):
-            return True
-        error = error.__cause__ or error.__context__
-        seen += 1
-    return False
+    return any(isinstance(e, InfrastructureError) or _is_infra_oserror(e) for e in _chain(error))
 
 
 def user_error(error: BaseException | None) -> ConfigError | None:
     """The :class:`~specsamp.errors.ConfigError` that ``error`` is or wraps (Hydra wraps what a plugin's
     constructor raises), or None."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, ConfigError):
-            return error
-        error = error.__cause__ or error.__context__
-        seen += 1
-    return None
+    return next((e for e in _chain(error) if isinstance(e, ConfigError)), None)
 
 
 def _root_oserror(error: BaseException | None) -> OSError | None:
-    seen = 0
-    while error is not None and seen < 8:
-        if _is_infra_oserror(error):
-            return error
-        error = error.__cause__ or error.__context__
-        seen += 1
-    return None
+    return next((e for e in _chain(error) if _is_infra_oserror(e)), None)
 
 
 RUN_ELSEWHERE = "hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR for a sweep"
