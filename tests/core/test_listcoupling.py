@@ -281,6 +281,7 @@ def test_rows_the_table_cannot_certify_set_the_flag():
         assert (checks.bad is not None and bool(checks.bad)) == flagged, deltas
 
 
+@pytest.mark.slow  # 12-28 s: kept out of the default run's 15 minutes; CI runs it with -m slow
 def test_share_table_equals_the_shares_share_caches(monkeypatch):
     # K = 2..16, 120 bin keys each (seed 0; the table's two ends among them) presented to share, as bin centres,
     # in shuffled batches of 1 to 40 rows: the values share computes and caches equal the table's bit for bit

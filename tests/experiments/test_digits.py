@@ -151,6 +151,7 @@ def test_training_script_writes_checked_loadable_files(tmp_path):
     assert train_digits.main(["--steps", "0"]) == 2  # bad input: exit status 2, nothing written
 
 
+@pytest.mark.slow  # 12-28 s: kept out of the default run's 15 minutes; CI runs it with -m slow
 def test_sharded_fid_route_end_to_end(tmp_path):
     """Two shard jobs of the digits network (save_samples=true), merged at the end of the sweep, are scored by
     ``python -m specsamp.metrics.fid MERGED_DIR --ref digits-8x8`` and by its samples.pt; both equal the FID

@@ -50,6 +50,7 @@ def test_models_missing_marker_is_omegaconf_missing():
     assert load_config(compose(["model=digits"]))[0].model.name == "edm-digits-8x8-cond"
 
 
+@pytest.mark.slow  # 12-28 s: kept out of the default run's 15 minutes; CI runs it with -m slow
 def test_rehearsal_of_the_device_run_in_a_bare_environment(tmp_path):
     # `python3 -m benchmarks.gpu_check --device cpu --tiny` as the device runs it: the packages its image lacks
     # blocked, the output folder from $OUT; every section's JSON appears, each ran, and the exit status is 0

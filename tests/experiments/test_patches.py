@@ -107,6 +107,7 @@ def test_two_sample_tests_detect_a_shift_and_accept_equal_laws():
     assert energy["p_value"] == 1 / 51  # no permutation reaches the observed statistic
 
 
+@pytest.mark.slow  # 12-28 s: kept out of the default run's 15 minutes; CI runs it with -m slow
 def test_experiment_tables_and_figures_at_a_reduced_size(tmp_path, monkeypatch):
     """`experiments.patches` two_sample (8 images per arm, T=6) and levers (2 images, B=14, T=6), then the figures."""
     pytest.importorskip("matplotlib")
