@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import platform
 import resource
 import subprocess
 import sys
@@ -28,6 +30,30 @@ def best_of(fn: Callable[[int], object], repeats: int, device="cpu") -> tuple[fl
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best, out
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the vector ISA torch dispatches to, e.g. ``"AMD EPYC (AVX512, 2 CPUs)"``.
+
+    The model name comes from ``/proc/cpuinfo`` (Linux), else ``platform.processor()``, else the machine
+    type; the ISA from ``torch.backends.cpu.get_cpu_capability()``. Timings and the last bits of batched
+    products depend on both, so every timing table records them.
+    """
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    try:
+        isa = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        isa = "unknown ISA"
+    return f"{name} ({isa}, {os.cpu_count()} CPUs)"
 
 
 def peak_rss_mib() -> float:

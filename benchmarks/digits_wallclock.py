@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ def main(argv=None) -> int:
 
     import pandas as pd
     import torch
+    from benchmarks.common import cpu_model
     from specsamp.runner import build_target, compose, load_config, run_config
 
     torch.set_num_threads(a.threads)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     std = df.loc[df["execution"] == "standard", "seconds_per_image"].iloc[0]
     df["wall_speedup"] = std / df["seconds_per_image"]
     df["threads"] = a.threads
-    df["cpu"] = platform.processor() or platform.machine()
+    df["cpu"] = cpu_model()
     df["torch"] = torch.__version__
     print(df.drop(columns=["cpu", "torch"]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if a.out:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import cpu_model
 from benchmarks.opcount import ARMS, arm_overrides
 
 DEFAULT_ARMS = ("standard", "dgrs 2x3", "dgrs 2x5", "rmc chain14", "x0+optimal B14", "x0+optimal B62")
@@ -157,7 +157,8 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
-    print(f"latency on the digits network: torch {torch.__version__}, 1 thread, load average {load0:.2f}", flush=True)
+    print(f"latency on the digits network: {cpu_model()}, torch {torch.__version__}, 1 thread, load average {load0:.2f}",
+          flush=True)
     if a.compile:
         from specsamp.compiled import unavailable
 
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
 
         df = pd.DataFrame(rows)
         df["load_before"], df["load_after"], df["cpus"] = load0, load1, os.cpu_count()
-        df["cpu"] = platform.processor() or platform.machine()
+        df["cpu"] = cpu_model()
         df["torch"] = torch.__version__
         atomic_write(Path(a.out), lambda f: df.to_csv(f, index=False, float_format="%.6g"), mode="w")
         print(f"wrote {a.out}")
