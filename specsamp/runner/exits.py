@@ -75,8 +75,7 @@ def _chain(error: BaseException | None, depth: int = 8):
         error = error.__cause__ or error.__context__
 
 
-class InfrastructureError(RuntimeError):
-    """The machine cannot do what the (valid) input asks: a missing command, an unusable directory."""
+from ..errors import InfrastructureError  # noqa: E402  (defined beside ConfigError, so the core can raise it)
 
 
 def is_infrastructure(error: BaseException | None) -> bool:
