@@ -242,9 +242,11 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
 
 
+@pytest.mark.slow
 def test_run_py_with_an_uncreatable_inductor_cache_exits_3(tmp_path):
     """run.py end to end: the cache directory cannot be created (it was reported as torch.compile not supporting
-    this Python, exit 2); now exit 3 before sampling, naming the directory and TORCHINDUCTOR_CACHE_DIR."""
+    this Python, exit 2); now exit 3 before sampling, naming the directory and TORCHINDUCTOR_CACHE_DIR (a
+    subprocess: 4-10 s)."""
     import os
     import subprocess
     import sys
