@@ -182,6 +182,12 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, device:
                 raise ConfigError(f"metrics=[{name}] is invalid: valid entries are fid, clip.")
         except (ConfigError, OSError, ValueError, ImportError, KeyError) as e:
             errors[name] = f"metrics=[{name}] could not be computed: {e}" if not str(e).startswith("metrics=") else str(e)
+        except RuntimeError as e:  # a download that failed (fid.make_extractor) is the user's to fix; anything else is not
+            if str(e).startswith("could not download"):
+                errors[name] = f"metrics=[{name}] could not be computed: {e}"
+            else:
+                user = False
+                errors[name] = f"metrics=[{name}] failed with {type(e).__name__}: {e}."
         except Exception as e:  # noqa: BLE001 - the samples are saved; report instead of losing the run
             user = False
             errors[name] = f"metrics=[{name}] failed with {type(e).__name__}: {e}."
