@@ -388,7 +388,8 @@ def compute_fid(
     """
     if isinstance(samples, (str, os.PathLike)):
         samples = run_images(samples)  # a missing or unreadable path is named before any weights are loaded
-    if isinstance(reference, (str, os.PathLike)):  # so is a reference that is no name, URL, .npz or folder
+    local = isinstance(reference, (str, os.PathLike)) and os.fspath(reference) not in REFERENCE_STATS and "://" not in os.fspath(reference)
+    if local:  # so is a local reference that is no .npz with mu and sigma or folder of images (names: load_statistics)
         _reference_dim(reference, "reference", allow_download, cache_dir)
     ext, layer, cuda = make_extractor(
         feature_extractor, feature_layer, weights_path=weights_path, device=device,
