@@ -38,7 +38,8 @@ def unavailable(device) -> str | None:
         device: a ``torch.device`` or its name.
 
     Returns:
-        None, or one sentence naming what is missing.
+        None, or one sentence naming what is missing (for a cache directory TorchDynamo cannot create on import,
+        :func:`cache_fault`'s paragraph, which :func:`check_compile` raises as a machine fault).
     """
     dev = torch.device(device)
     if not hasattr(torch, "compile"):
@@ -48,7 +49,7 @@ def unavailable(device) -> str | None:
 
         supported = is_dynamo_supported()
     except OSError as e:  # importing TorchDynamo creates inductor's cache directory: a machine fault, not the versions
-        raise cache_fault(inductor_cache_dir(), e) from None
+        return str(cache_fault(inductor_cache_dir(), e))
     except Exception:  # noqa: BLE001  (any failure means it cannot run)
         supported = False
     if not supported:
@@ -92,12 +93,15 @@ def check_compile(compile, execution: str, device, *, here: bool = True) -> bool
     if here:
         check_cache_dir()
     why = unavailable(device) if here else None
+    if why is not None and why.startswith(CACHE_FAULT):
+        raise InfrastructureError(why)
     if why is not None:
         raise ConfigError(f"compile=true is invalid here: {why}; set compile=false (the eager round, the same law).")
     return True
 
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CACHE_FAULT = "compile=true cannot use inductor's cache directory"  # how cache_fault's paragraph begins
 PROBE_BYTES = 1 << 20  # written and removed by check_cache_dir: a compile writes kernels of this order
 NOEXEC_SIGNS = ("failed to map segment from shared object", "Operation not permitted")  # dlopen on a noexec mount
 # errnos that say the cache's file system refuses the compile's files (read-only, full, a file in the path, ...)
@@ -137,7 +141,7 @@ def cache_fault(directory: str, why) -> InfrastructureError:
         where = f" ({why.filename})" if why.filename and os.path.abspath(str(why.filename)) != directory else ""
         why = f"{os.strerror(why.errno)} [errno {why.errno}]{where}"
     return InfrastructureError(
-        f"compile=true cannot use inductor's cache directory {directory}: {why}. torch.compile writes the compiled "
+        f"{CACHE_FAULT} {directory}: {why}. torch.compile writes the compiled "
         f"kernels there and loads them from it, so it needs a writable directory with free space on a file system "
         f"mounted with exec permission. This is a problem of the machine, not of the configuration: set "
         f"{CACHE_ENV} to such a directory (e.g. {CACHE_ENV}=$HOME/.cache/torchinductor), free space there, or run "

@@ -2,7 +2,8 @@
 
 :func:`prepare` loads and checks a config once (:mod:`~specsamp.runner.config`), builds its coupling and
 takes its config hash; :func:`run_config` takes that :class:`PreparedRun` (or a config, which it prepares),
-refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`), builds the target and tree
+refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`) and what scoring could not use
+(:func:`specsamp.runner.outputs.check_metrics`), builds the target and tree
 (:mod:`~specsamp.runner.build`), samples the trajectories in batches with a progress bar, and returns the
 record (:func:`specsamp.runner.records.make_record`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
 """

@@ -172,8 +172,22 @@ def test_an_unusable_inductor_cache_is_refused_before_sampling(tmp_path, monkeyp
     from specsamp.errors import InfrastructureError
     from specsamp.runner.exits import infrastructure_message, is_infrastructure
 
-    monkeypatch.setattr(compiled, "unavailable", lambda device: None)  # a compiler need not be present here
+    import errno
+    import sys
+    import types
+
     cache = _blocked_cache(tmp_path, monkeypatch)
+
+    class Unimportable(types.ModuleType):  # importing TorchDynamo creates the cache directory, and fails as it does
+        def __getattr__(self, name):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(cache))
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "torch._dynamo.eval_frame", Unimportable("torch._dynamo.eval_frame"))
+        why = compiled.unavailable("cpu")  # was: "torch.compile does not support Python 3.11.7 with torch ..."
+    assert why.startswith(f"compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
+        "does not support" not in why
+    monkeypatch.setattr(compiled, "unavailable", lambda device: None)  # a compiler need not be present here
     with pytest.raises(InfrastructureError) as e:
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
     msg = str(e.value)
