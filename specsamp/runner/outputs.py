@@ -88,7 +88,7 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
     """
     notes = []
     for name in names:
-        if name == "fid" and fid_ref is not None:
+        if name == "fid" and fid_ref:
             from ..metrics.fid import MIN_IMAGES, INCEPTION, check_fid_inputs, few_images_warning
             from ..metrics.isc import SPLITS, isc_layer
 
@@ -97,7 +97,8 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
                                   "covariance of one image is undefined), and a usable one more images than feature "
                                   "dimensions (2049 for Inception); raise n_samples, or drop fid from metrics.")
             try:
-                info = check_fid_inputs(fid_ref, **(fid or {}), keys=FID_KEYS)
+                checked = ("feature_extractor", "feature_layer", "weights_path", "allow_download", "cache_dir")
+                info = check_fid_inputs(fid_ref, **{k: v for k, v in (fid or {}).items() if k in checked}, keys=FID_KEYS)
             except (FileNotFoundError, ValueError, ImportError) as e:
                 raise ConfigError(f"metrics=[fid] cannot be scored: {e}") from None
             warning = few_images_warning(n_images, info["dim"])
