@@ -117,30 +117,131 @@ def checkpoint_activation(path: str | os.PathLike) -> tuple[bool | None, str]:
     return None, ""
 
 
-def _check_file_activation(model_name: str, quick: bool, path: str, stated: bool | None) -> None:
+def _check_file_activation(model_name: str, quick: bool, path: str, stated: bool | None, keys: dict | None = None) -> None:
     """Refuse a weights file whose training activation differs from the model config's, or is unknown."""
+    k = {"model_name": "model_name", "checkpoint": "checkpoint", "quick_gelu": "quick_gelu", **(keys or {})}
     detected, how = checkpoint_activation(path)
     if detected is not None and stated is not None and detected != stated:
         raise ValueError(
-            f"quick_gelu={stated} contradicts the checkpoint {path!r}: {how}. Drop quick_gelu or fix the file."
+            f"{k['quick_gelu']}={stated} contradicts the checkpoint {path!r}: {how}. Drop {k['quick_gelu']} or fix the file."
         )
     trained = detected if detected is not None else stated
     if trained is None:
         raise ValueError(
-            f"checkpoint={path!r} is refused: a state dict does not say which activation its CLIP was trained "
+            f"{k['checkpoint']}={path!r} is refused: a state dict does not say which activation its CLIP was trained "
             f"with, and a GELU network loaded with QuickGELU-trained weights (or the reverse) scores silently "
             f"differently (OpenAI's ViT-L/14: 0.404 instead of 0.338 on the same images). State it: "
-            f"quick_gelu=true for OpenAI's weights, false for GELU-trained ones (LAION, DataComp, ...); or keep "
+            f"{k['quick_gelu']}=true for OpenAI's weights, false for GELU-trained ones (LAION, DataComp, ...); or keep "
             f"the file beside its open_clip_config.json."
         )
     if trained != quick:
         other = model_name.removesuffix("-quickgelu") if quick else model_name + "-quickgelu"
-        why = how or f"quick_gelu={stated} was stated"
+        why = how or f"{k['quick_gelu']}={stated} was stated"
         raise ValueError(
-            f"model_name={model_name!r} with checkpoint={path!r} is refused: {model_name!r} builds "
+            f"{k['model_name']}={model_name!r} with {k['checkpoint']}={path!r} is refused: {model_name!r} builds "
             f"{'QuickGELU' if quick else 'GELU'} blocks but {why}; the scores would silently differ. Use "
-            f"model_name={other!r}."
+            f"{k['model_name']}={other!r}."
         )
+
+
+PYTHON_KEYS = {"model_name": "model_name", "pretrained": "pretrained", "checkpoint": "checkpoint",
+               "quick_gelu": "quick_gelu", "cache_dir": "cache_dir"}
+
+
+def _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only, keys=None):
+    """What :func:`load_clip` loads, checked and found (the tag's weights downloaded when missing and allowed),
+    without building the model: ``(schema, weights path or None, the tag's config)``; ``schema`` is True for a
+    ``local-dir:``/``hf-hub:`` name (open_clip reads that location itself). ``keys`` name the arguments in
+    messages (default: the Python names)."""
+    import open_clip
+
+    k = {**PYTHON_KEYS, **(keys or {})}
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"{k['model_name']}={model_name!r} is invalid: name an open_clip model, e.g. {DEFAULT_MODEL!r}")
+    schema = model_name.startswith(("local-dir:", "hf-hub:"))
+    if schema and checkpoint is None:
+        if model_name.startswith("local-dir:") and not os.path.isfile(os.path.join(model_name[len("local-dir:"):], "open_clip_config.json")):
+            raise FileNotFoundError(f"{k['model_name']}={model_name!r}: no open_clip_config.json in that folder (open_clip's local-dir layout)")
+        return True, None, {}
+    config = open_clip.get_model_config(model_name)
+    if config is None:
+        import difflib
+
+        close = difflib.get_close_matches(model_name, open_clip.list_models(), n=4, cutoff=0.5)
+        raise ValueError(f"{k['model_name']}={model_name!r} is not an open_clip model; e.g. {DEFAULT_MODEL!r}"
+                         + (f" (close: {', '.join(close)})" if close else "") + " (see open_clip.list_models()), or "
+                         "local-dir:/path/to/a/folder/with/open_clip_config.json")
+    quick = bool(config.get("quick_gelu", False))
+    tag_cfg = {}
+    if checkpoint is not None:
+        path = os.fspath(os.path.expanduser(os.fspath(checkpoint)))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{k['checkpoint']}={os.fspath(checkpoint)!r} does not exist (expected a local open_clip weights file)")
+        _check_file_activation(model_name, quick, path, quick_gelu, k)
+    elif pretrained:
+        tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
+        if not tag_cfg:
+            raise ValueError(
+                f"{k['pretrained']}={pretrained!r} is not a tag of {model_name!r}; valid: "
+                f"{open_clip.list_pretrained_tags_by_model(model_name)}"
+            )
+        if tag_cfg.get("quick_gelu", False) and not quick:
+            raise ValueError(
+                f"{k['model_name']}={model_name!r} with {k['pretrained']}={pretrained!r} is refused: those weights were trained "
+                f"with QuickGELU but {model_name!r} builds GELU blocks (silently different scores); use "
+                f"{model_name + '-quickgelu'!r}"
+            )
+        if quick_gelu is not None and bool(tag_cfg.get("quick_gelu", False)) != bool(quick_gelu):
+            raise ValueError(
+                f"{k['quick_gelu']}={quick_gelu} contradicts {k['pretrained']}={pretrained!r}, whose weights were trained with "
+                f"quick_gelu={bool(tag_cfg.get('quick_gelu', False))}; drop {k['quick_gelu']}"
+            )
+        path = _cached_weights(tag_cfg, cache_dir)
+        if path is None:
+            source = tag_cfg.get("hf_hub") or tag_cfg.get("url")
+            if hub_offline(local_files_only):
+                raise CLIPUnavailableError(
+                    f"CLIP weights {model_name}/{pretrained} ({source}) are not in the cache ({k['cache_dir']}={cache_dir!r}) and "
+                    f"offline ({hub_offline_reason(local_files_only)}): download them once where the hub is reachable (same call, or "
+                    f"huggingface-cli download) into that cache, or pass {k['checkpoint']}=<local weights file>"
+                )
+            try:
+                path = open_clip.download_pretrained(tag_cfg, cache_dir=cache_dir)
+            except Exception as e:  # open_clip and the hub raise many types here
+                raise CLIPUnavailableError(
+                    f"could not download CLIP weights {model_name}/{pretrained} from {source}: {e}; pass "
+                    f"{k['checkpoint']}=<local weights file> or {k['cache_dir']}=<a cache holding them>"
+                ) from e
+    else:
+        path = None
+    return False, path, tag_cfg
+
+
+def check_clip_inputs(
+    model_name: str = DEFAULT_MODEL,
+    pretrained: str | None = DEFAULT_PRETRAINED,
+    *,
+    checkpoint: str | os.PathLike | None = None,
+    quick_gelu: bool | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool | None = None,
+    keys: dict | None = None,
+) -> str | None:
+    """Check what :func:`load_clip` will need, before any image is made, without building the network: the model
+    name, the tag, a checkpoint's presence and training activation, and the tag's weights in the cache
+    (downloaded now when missing and the hub is reachable, so scoring later finds them).
+
+    Args:
+        model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only: as for :func:`load_clip`.
+        keys: how the caller names each argument in messages (e.g. ``{"model_name": "model.clip.model"}``).
+
+    Returns:
+        The weights file that will be loaded (None for a ``local-dir:``/``hf-hub:`` name or random weights).
+
+    Raises:
+        ValueError, FileNotFoundError, CLIPUnavailableError: as :func:`load_clip` would, naming the keys.
+    """
+    return _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only, keys)[1]
 
 
 def load_clip(
@@ -199,62 +300,14 @@ def load_clip(
     """
     import open_clip
 
-    schema = model_name.startswith(("local-dir:", "hf-hub:"))
-    if schema and checkpoint is None:
-        if model_name.startswith("local-dir:") and not os.path.isfile(os.path.join(model_name[len("local-dir:"):], "open_clip_config.json")):
-            raise FileNotFoundError(f"model_name={model_name!r}: no open_clip_config.json in that folder (open_clip's local-dir layout)")
+    schema, path, tag_cfg = _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only)
+    if schema:
         try:
             model, _, preprocess = open_clip.create_model_and_transforms(model_name, device=device)
             tokenizer = open_clip.get_tokenizer(model_name)
         except (OSError, ValueError) as e:
             raise CLIPUnavailableError(f"could not load CLIP {model_name!r}: {e}") from e
         return model.eval(), preprocess, tokenizer
-    config = open_clip.get_model_config(model_name)
-    if config is None:
-        raise ValueError(f"model_name={model_name!r} is not an open_clip model; e.g. {DEFAULT_MODEL!r} (see open_clip.list_models())")
-    quick = bool(config.get("quick_gelu", False))
-    tag_cfg = {}
-    if checkpoint is not None:
-        path = os.fspath(os.path.expanduser(os.fspath(checkpoint)))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint={os.fspath(checkpoint)!r} does not exist (expected a local open_clip weights file)")
-        _check_file_activation(model_name, quick, path, quick_gelu)
-    elif pretrained:
-        tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
-        if not tag_cfg:
-            raise ValueError(
-                f"pretrained={pretrained!r} is not a tag of {model_name!r}; valid: "
-                f"{open_clip.list_pretrained_tags_by_model(model_name)}"
-            )
-        if tag_cfg.get("quick_gelu", False) and not quick:
-            raise ValueError(
-                f"model_name={model_name!r} with pretrained={pretrained!r} is refused: those weights were trained "
-                f"with QuickGELU but {model_name!r} builds GELU blocks (silently different scores); use "
-                f"{model_name + '-quickgelu'!r}"
-            )
-        if quick_gelu is not None and bool(tag_cfg.get("quick_gelu", False)) != bool(quick_gelu):
-            raise ValueError(
-                f"quick_gelu={quick_gelu} contradicts pretrained={pretrained!r}, whose weights were trained with "
-                f"quick_gelu={bool(tag_cfg.get('quick_gelu', False))}; drop quick_gelu"
-            )
-        path = _cached_weights(tag_cfg, cache_dir)
-        if path is None:
-            source = tag_cfg.get("hf_hub") or tag_cfg.get("url")
-            if hub_offline(local_files_only):
-                raise CLIPUnavailableError(
-                    f"CLIP weights {model_name}/{pretrained} ({source}) are not in the cache (cache_dir={cache_dir!r}) and "
-                    f"offline ({hub_offline_reason(local_files_only)}): download them once where the hub is reachable (same call, or "
-                    "huggingface-cli download) into that cache, or pass checkpoint=<local weights file>"
-                )
-            try:
-                path = open_clip.download_pretrained(tag_cfg, cache_dir=cache_dir)
-            except Exception as e:  # open_clip and the hub raise many types here
-                raise CLIPUnavailableError(
-                    f"could not download CLIP weights {model_name}/{pretrained} from {source}: {e}; pass "
-                    "checkpoint=<local weights file> or cache_dir=<a cache holding them>"
-                ) from e
-    else:
-        path = None
     # a file path loses the tag's preprocessing settings: pass them explicitly (OpenAI mean/std, bicubic)
     model, _, preprocess = open_clip.create_model_and_transforms(
         model_name,

@@ -6,7 +6,8 @@
   2    the input was wrong: a config key or value, an override that does not compose, a path given
        by the user; one paragraph names the key, its value and what is valid
   3    the machine failed, not the input: the disk is full, the output directory is read-only or
-       cannot be created (a file in its path, a file system that takes no new directory), a launcher's
+       cannot be created (a file in its path, a file system that takes no new directory), inductor's
+       cache directory cannot serve ``compile=true`` (read-only, full, mounted noexec), a launcher's
        command (``sbatch``/``srun``) is missing, a logger failed after the record was written; one
        paragraph names the path, the command or the logger. Relaunching into the same directory once it
        is fixed resumes (and retries the logging): a sweep's ``sweep_name``, a run's ``hydra.run.dir``
@@ -75,8 +76,7 @@ def _chain(error: BaseException | None, depth: int = 8):
         error = error.__cause__ or error.__context__
 
 
-class InfrastructureError(RuntimeError):
-    """The machine cannot do what the (valid) input asks: a missing command, an unusable directory."""
+from ..errors import InfrastructureError  # noqa: E402  (defined beside ConfigError, so the core can raise it)
 
 
 def is_infrastructure(error: BaseException | None) -> bool:

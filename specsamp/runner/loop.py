@@ -2,7 +2,8 @@
 
 :func:`prepare` loads and checks a config once (:mod:`~specsamp.runner.config`), builds its coupling and
 takes its config hash; :func:`run_config` takes that :class:`PreparedRun` (or a config, which it prepares),
-refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`), builds the target and tree
+refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`) and what scoring could not use
+(:func:`specsamp.runner.outputs.check_metrics`), builds the target and tree
 (:mod:`~specsamp.runner.build`), samples the trajectories in batches with a progress bar, and returns the
 record (:func:`specsamp.runner.records.make_record`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
 """
@@ -29,6 +30,7 @@ from .build import build_coupling, build_target, build_tree, calibrate, calibrat
 from .treerules import check_search
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
 from .memory import STEP_BYTES, check_memory, check_tree_memory
+from .outputs import check_metrics, scoring_settings
 from .records import config_hash, make_record, versions
 
 
@@ -217,7 +219,15 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
         given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
     else:  # a tree that needs no profile is built (and its size checked) before the model loads
         tree, B = build_tree(run, coupling, horizon)
+    # what scoring will need is checked before the model is loaded (a given target: once it is known)
+    n_images = run.n_samples if indices is None else int(torch.as_tensor(indices).numel())
+    count = f"n_samples={run.n_samples}" + (f" (this shard scores {n_images})" if indices is not None else "")
+    notes = check_metrics(run.metrics, *scoring_settings(run.model), n_images, count) if run.metrics and target is None else []
+    if target is not None and run.metrics:
+        notes = check_metrics(run.metrics, *scoring_settings(target), n_images, count)
     target = target if target is not None else build_target(run)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     half_precision_note(target.model.dtype)
     max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
     for m in run.metrics:  # refuse before sampling what no scoring step could serve

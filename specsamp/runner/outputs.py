@@ -44,6 +44,79 @@ class MetricError(Exception):
         self.values = values or {}
 
 
+FID_KEYS = {"reference": "model.fid_ref", "feature_extractor": "model.fid_extractor", "feature_layer": "model.fid_layer",
+            "weights_path": "model.fid_weights"}
+CLIP_KEYS = {"model_name": "model.clip.model", "pretrained": "model.clip.pretrained", "checkpoint": "model.clip.checkpoint",
+             "quick_gelu": "model.clip.quick_gelu", "cache_dir": "model.clip.cache_dir"}
+
+
+def scoring_settings(model) -> tuple:
+    """``(fid_ref, fid, clip)`` of a model config or a built :class:`Target`, as :func:`compute_metrics` will use them:
+    the reference, :func:`specsamp.metrics.fid.compute_fid`'s keyword arguments, :func:`specsamp.metrics.clip.load_clip`'s
+    (None where the model has none)."""
+    if isinstance(model, Target):
+        return model.fid_ref, model.fid, model.clip
+    fid = model.fid_settings() if hasattr(model, "fid_settings") else None
+    clip = getattr(model, "clip", None)
+    return getattr(model, "fid_ref", None), fid, clip.load_kwargs() if hasattr(clip, "load_kwargs") else None
+
+
+def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images: int, count: str) -> list[str]:
+    """Refuse, before anything is sampled, what scoring would fail on after it (:func:`compute_metrics`), and say
+    what it would score badly.
+
+    ``fid``: the reference (``model.fid_ref``), the extractor (``model.fid_extractor``: a registered name, or
+    ``package.module:Class`` that imports and resolves), its layer and weights (``model.fid_weights``, or
+    Inception's in the torch hub cache, downloaded now when missing and allowed), and at least
+    :data:`specsamp.metrics.fid.MIN_IMAGES` images (:func:`specsamp.metrics.fid.check_fid_inputs`; no network is
+    loaded). ``clip``: the open_clip model, tag, checkpoint and cached weights (``model.clip.*``,
+    :func:`specsamp.metrics.clip.check_clip_inputs`). A model without the metric's inputs (no ``fid_ref``, no
+    CLIP settings) is left to the runner's own check.
+
+    Args:
+        names: the ``metrics`` list.
+        fid_ref, fid, clip: :func:`scoring_settings`.
+        n_images: how many images the run will score.
+        count: how the config sets that number, for messages (``n_samples=3``).
+
+    Returns:
+        Notes to print before sampling: an FID of no more images than feature dimensions
+        (:func:`specsamp.metrics.fid.few_images_warning`), an Inception Score left out for want of images.
+
+    Raises:
+        ConfigError: one paragraph naming the key, its value and what is valid.
+    """
+    notes = []
+    for name in names:
+        if name == "fid" and fid_ref:
+            from ..metrics.fid import MIN_IMAGES, INCEPTION, check_fid_inputs, few_images_warning
+            from ..metrics.isc import SPLITS, isc_layer
+
+            if n_images < MIN_IMAGES:
+                raise ConfigError(f"metrics=[fid] is invalid with {count}: an FID needs at least {MIN_IMAGES} images (the "
+                                  "covariance of one image is undefined), and a usable one more images than feature "
+                                  "dimensions (2049 for Inception); raise n_samples, or drop fid from metrics.")
+            try:
+                checked = ("feature_extractor", "feature_layer", "weights_path", "allow_download", "cache_dir")
+                info = check_fid_inputs(fid_ref, **{k: v for k, v in (fid or {}).items() if k in checked}, keys=FID_KEYS)
+            except (FileNotFoundError, ValueError, ImportError) as e:
+                raise ConfigError(f"metrics=[fid] cannot be scored: {e}") from None
+            warning = few_images_warning(n_images, info["dim"])
+            if warning is not None:
+                notes.append(f"metrics=[fid] with {count}: {warning} It is scored and recorded with that warning.")
+            if n_images < SPLITS and isc_layer((fid or {}).get("feature_extractor", INCEPTION)):
+                notes.append(f"metrics=[fid] with {count}: the Inception Score beside it needs at least {SPLITS} images "
+                             f"(one per split), so the record will have no isc.")
+        elif name == "clip" and clip is not None:
+            from ..metrics.clip import check_clip_inputs
+
+            try:
+                check_clip_inputs(**clip, keys=CLIP_KEYS)
+            except (OSError, ValueError, ImportError) as e:  # CLIPUnavailableError is an OSError
+                raise ConfigError(f"metrics=[clip] cannot be scored: {e}") from None
+    return notes
+
+
 def compute_metrics(names, result: SampleResult, image_dir: Path | None, device: str = "cpu") -> dict:
     """Score the saved images: ``fid`` (torch-fidelity against ``model.fid_ref``) and ``clip`` (per image).
 
@@ -110,6 +183,12 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, device:
                 raise ConfigError(f"metrics=[{name}] is invalid: valid entries are fid, clip.")
         except (ConfigError, OSError, ValueError, ImportError, KeyError) as e:
             errors[name] = f"metrics=[{name}] could not be computed: {e}" if not str(e).startswith("metrics=") else str(e)
+        except RuntimeError as e:  # a download that failed (fid.make_extractor) is the user's to fix; anything else is not
+            if str(e).startswith("could not download"):
+                errors[name] = f"metrics=[{name}] could not be computed: {e}"
+            else:
+                user = False
+                errors[name] = f"metrics=[{name}] failed with {type(e).__name__}: {e}."
         except Exception as e:  # noqa: BLE001 - the samples are saved; report instead of losing the run
             user = False
             errors[name] = f"metrics=[{name}] failed with {type(e).__name__}: {e}."

@@ -153,3 +153,128 @@ def test_cuda_home_notice_is_dropped_and_nothing_else():
     rec = lambda msg: logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None)  # noqa: E731
     assert not quiet.filter(rec("No CUDA runtime is found, using CUDA_HOME='%s'"))
     assert quiet.filter(rec("Error building extension '%s'"))
+
+
+# ----------------------------------------------------------------------------------------------
+# inductor's cache directory: a machine fault (exit 3) naming the directory, before and while compiling
+
+
+def _blocked_cache(tmp_path, monkeypatch):
+    """TORCHINDUCTOR_CACHE_DIR below a regular file: no user, root included, can create it (ENOTDIR)."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    cache = blocker / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    return cache
+
+
+def test_an_unusable_inductor_cache_is_refused_before_sampling(tmp_path, monkeypatch):
+    from specsamp.errors import InfrastructureError
+    from specsamp.runner.exits import infrastructure_message, is_infrastructure
+
+    import errno
+    import sys
+    import types
+
+    cache = _blocked_cache(tmp_path, monkeypatch)
+
+    class Unimportable(types.ModuleType):  # importing TorchDynamo creates the cache directory, and fails as it does
+        def __getattr__(self, name):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(cache))
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "torch._dynamo.eval_frame", Unimportable("torch._dynamo.eval_frame"))
+        why = compiled.unavailable("cpu")  # was: "torch.compile does not support Python 3.11.7 with torch ..."
+    assert why.startswith(f"compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
+        "does not support" not in why
+    monkeypatch.setattr(compiled, "unavailable", lambda device: None)  # a compiler need not be present here
+    with pytest.raises(InfrastructureError) as e:
+        sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
+    msg = str(e.value)
+    assert f"cache directory {cache}: Not a directory" in msg and "TORCHINDUCTOR_CACHE_DIR" in msg and "compile=false" in msg
+    assert "does not support" not in msg and is_infrastructure(e.value) and infrastructure_message(e.value) == msg
+    # a cache on a noexec file system: the .so files inductor builds there could not be loaded
+    import os
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "noexec"))
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real(p)[:8], real(p).f_flag | os.ST_NOEXEC, real(p)[9])))
+    with pytest.raises(InfrastructureError, match=r"cache directory .*noexec: its file system is mounted noexec"):
+        compiled.check_compile(True, "tree", "cpu")
+    monkeypatch.setattr(os, "statvfs", real)
+    assert compiled.check_compile(True, "tree", "cpu") is True  # the same directory, exec allowed: accepted
+    assert not list((tmp_path / "noexec").iterdir())  # the probe file is gone
+
+
+def _fake_round_failing(error):
+    def fake(*args, **kwargs):
+        raise error
+
+    return fake
+
+
+def _dlopen_failure(cache) -> Exception:
+    """What inductor raises when dlopen refuses a kernel library on a noexec mount: its InductorError repeats
+    the OSError's text, with the OSError as its cause."""
+    so = f"{cache}/kw/ckwh6cjc.main.so"
+    try:
+        try:
+            raise OSError(f"{so}: failed to map segment from shared object.  The most common reason this may occur is "
+                          "if the /tmp folder is mounted with noexec")
+        except OSError as inner:
+            raise RuntimeError(f"OSError: {inner}") from inner
+    except RuntimeError as outer:
+        return outer
+
+
+def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monkeypatch, capsys):
+    """The compiled round failing as a noexec cache makes it fail (simulated: the real failure needs a noexec mount
+    and a compile): exit 3 with one paragraph naming the directory and TORCHINDUCTOR_CACHE_DIR, no traceback.
+    Another error raised by the round is not the cache's: it stays what it was."""
+    from specsamp.runner import compose
+    from specsamp.runner.task import run_task
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(compiled, "unavailable", lambda device: None)
+    monkeypatch.setattr(compiled, "_ROUND", [_fake_round_failing(_dlopen_failure(cache))])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        run_task(compose(["model.dim=4", "steps=6", "n_samples=2", "execution=tree", "compile=true", "progress=false"]))
+    err = capsys.readouterr().err
+    assert e.value.code == 3 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: a compiled kernel") and \
+        "failed to map segment" in err and "TORCHINDUCTOR_CACHE_DIR" in err
+    import errno
+
+    # a full disk while inductor writes (no file named), a read-only file inside the cache: the cache's; elsewhere: not
+    assert "No space left on device [errno 28]" in str(compiled.classify_compile_error(OSError(errno.ENOSPC, "full")))
+    assert str(cache) in str(compiled.classify_compile_error(OSError(errno.EROFS, "ro", str(cache / "ab" / "k.cpp"))))
+    assert compiled.classify_compile_error(OSError(errno.EROFS, "ro", str(tmp_path / "elsewhere"))) is None
+    monkeypatch.setattr(compiled, "_ROUND", [_fake_round_failing(ValueError("a bug of the round"))])
+    with pytest.raises(ValueError, match="a bug of the round"):
+        sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
+
+
+@pytest.mark.slow
+def test_run_py_with_an_uncreatable_inductor_cache_exits_3(tmp_path):
+    """run.py end to end: the cache directory cannot be created (it was reported as torch.compile not supporting
+    this Python, exit 2); now exit 3 before sampling, naming the directory and TORCHINDUCTOR_CACHE_DIR (a
+    subprocess: 4-10 s)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    (tmp_path / "blocker").write_text("a file")
+    cache = tmp_path / "blocker" / "inductor"
+    env = dict(os.environ, WANDB_MODE="offline", TORCHINDUCTOR_CACHE_DIR=str(cache))
+    p = subprocess.run([sys.executable, str(ROOT / "run.py"), "model.dim=4", "steps=6", "n_samples=2", "execution=tree",
+                        "compile=true", f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=300)
+    err = p.stderr.strip()
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
+        "\n" not in err and "TORCHINDUCTOR_CACHE_DIR" in err and "does not support" not in err
+    assert p.stdout == "" and not (tmp_path / "out" / "result.json").exists()

@@ -273,3 +273,35 @@ def test_score_input_errors(tiny_clip):
         clip_scores(torch.zeros(2, 1, 8, 8, dtype=torch.uint8), PROMPTS[:2], **kw)
     with pytest.raises(ValueError, match="batch_size=0"):
         clip_scores(_images(), PROMPTS, batch_size=0, **kw)
+
+
+CLIP_KEYS = {"model_name": "model.clip.model", "pretrained": "model.clip.pretrained", "checkpoint": "model.clip.checkpoint",
+             "quick_gelu": "model.clip.quick_gelu", "cache_dir": "model.clip.cache_dir"}
+
+
+def test_check_clip_inputs_names_the_config_keys_without_building_a_network(tiny_clip, tmp_path, monkeypatch):
+    """What load_clip would refuse after sampling is refused by check_clip_inputs first, with the runner's keys; what
+    it would load passes and is returned (no network is built: create_model is never called)."""
+    from specsamp.metrics.clip import check_clip_inputs
+
+    def never(*a, **k):
+        raise AssertionError("a network was built")
+
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", never)
+
+    def refused(needles, error=(ValueError, OSError), **kw):
+        with pytest.raises(error) as e:
+            check_clip_inputs(**{"cache_dir": str(tmp_path / "empty"), "keys": CLIP_KEYS, **kw})
+        assert all(n in str(e.value) for n in needles), str(e.value)
+
+    refused(["model.clip.model='ViT-Nope' is not an open_clip model", "ViT-L-14-quickgelu"], model_name="ViT-Nope")
+    refused(["model.clip.pretrained='nope' is not a tag of"], pretrained="nope")
+    refused(["model.clip.model='ViT-L-14' with model.clip.pretrained='openai' is refused"], model_name="ViT-L-14")
+    refused(["model.clip.quick_gelu=False contradicts model.clip.pretrained='openai'"], quick_gelu=False)
+    refused(["model.clip.checkpoint=", "does not exist"], FileNotFoundError, checkpoint=tmp_path / "missing.safetensors")
+    refused(["model.clip.model='local-dir:", "no open_clip_config.json"], FileNotFoundError, model_name=f"local-dir:{tmp_path}")
+    refused(["not in the cache (model.clip.cache_dir=", "offline", "model.clip.checkpoint=<local weights file>"],
+            CLIPUnavailableError, local_files_only=True)
+    _, ckpt = tiny_clip  # a bare state dict: its activation must be stated
+    refused(["model.clip.checkpoint=", "model.clip.quick_gelu=true"], model_name=TINY, checkpoint=ckpt)
+    assert check_clip_inputs(TINY, checkpoint=ckpt, quick_gelu=True, keys=CLIP_KEYS) == str(ckpt)

@@ -264,3 +264,92 @@ def test_compute_fid_references_and_saved_features(tmp_path, monkeypatch):
         compute_fid(imgs, tmp_path / "missing.npz", **kw)
     with pytest.raises(ValueError, match="feature dimension 8.*3"):
         compute_fid(imgs, (np.zeros(3), np.eye(3)), **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# what scoring needs, checked before any image is made; how few images are too few
+
+KEYS = {"reference": "model.fid_ref", "feature_extractor": "model.fid_extractor", "feature_layer": "model.fid_layer",
+        "weights_path": "model.fid_weights"}
+
+
+def test_check_fid_inputs_names_the_key_its_value_and_what_is_valid(tmp_path, monkeypatch):
+    from specsamp.metrics.fid import check_fid_inputs
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty-torch-home"))
+    monkeypatch.setenv("SPECSAMP_OFFLINE", "1")
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path / "cache"))
+    digits = dict(feature_extractor="digits-classifier", keys=KEYS)
+
+    def refused(ref, needles, **kw):
+        with pytest.raises((ValueError, FileNotFoundError)) as e:
+            check_fid_inputs(ref, **{**digits, **kw})
+        msg = str(e.value)
+        assert "\n" not in msg and all(n in msg for n in needles), msg
+        return msg
+
+    names = "cifar10-32x32, digits-8x8, ffhq-64x64"
+    refused("/nonexistent.npz", ["model.fid_ref='/nonexistent.npz' is invalid", "no such file", names])
+    refused("digits", ["model.fid_ref='digits' is invalid", names, "folder of images"])
+    refused("cifar10-32x32", ["model.fid_ref='cifar10-32x32' cannot be read", "cifar10-32x32.npz", "SPECSAMP_OFFLINE"])
+    np.savez(tmp_path / "no-sigma.npz", mu=np.zeros(3))
+    refused(tmp_path / "no-sigma.npz", ["lacks ['sigma']", "mu [F] and sigma [F, F]"])
+    np.savez(tmp_path / "shapes.npz", mu=np.zeros(3), sigma=np.zeros((3, 4)))
+    refused(tmp_path / "shapes.npz", ["sigma of shape (3, 4)"])
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    refused(tmp_path / "junk.npz", ["is not a readable .npz"])
+    (tmp_path / "empty-folder").mkdir()
+    refused(tmp_path / "empty-folder", ["no images at"])
+    ok = "digits-8x8"
+    refused(ok, ["model.fid_extractor='nope.mod:Cls' is invalid", "cannot import module 'nope.mod'", "inception-v3-compat",
+                 "digits-classifier", "package.module:Class"], feature_extractor="nope.mod:Cls")
+    refused(ok, ["model.fid_extractor='specsamp.images:Nope' is invalid", "no attribute 'Nope'"], feature_extractor="specsamp.images:Nope")
+    refused(ok, ["names a str"], feature_extractor="specsamp.metrics.fid:INCEPTION")
+    refused(ok, ["model.fid_extractor='nope' is invalid", "inception-v3-compat"], feature_extractor="nope")
+    refused(ok, ["model.fid_layer='2048' is invalid for digits-classifier", "features, logits"], feature_layer="2048")
+    refused(ok, ["model.fid_weights='/nope.pth' is invalid", "no such file"], weights_path="/nope.pth")
+    (tmp_path / "other.pkl").write_bytes(b"another classifier")
+    refused(ok, ["model.fid_weights=", "SHA-256"], weights_path=tmp_path / "other.pkl")
+    # Inception: its weights missing offline name the key (not torch-fidelity's weights_path=), the URL and the path
+    msg = refused(ok, ["model.fid_weights is not set", INCEPTION_URL, str(tmp_path / "empty-torch-home"), "model.fid_weights=FILE"],
+                  feature_extractor=INCEPTION)
+    assert "weights_path" not in msg
+    (tmp_path / "inception.pth").write_bytes(b"\x80weights")
+    refused(ok, ["model.fid_ref='digits-8x8' is invalid with inception-v3-compat layer 2048", "64 dimensions"],
+            feature_extractor=INCEPTION, weights_path=tmp_path / "inception.pth")
+    # what passes: the shipped reference and classifier, a folder of images, an extractor from an import path
+    assert check_fid_inputs(ok, **digits) == {"dim": 64, "extractor": "digits-classifier", "layer": "features"}
+    save_images(np.zeros((2, 8, 8, 3), np.uint8), tmp_path / "ref-images")
+    assert check_fid_inputs(tmp_path / "ref-images", feature_extractor="test_fid:TinyExtractor")["dim"] is None
+    assert check_fid_inputs(ok, feature_extractor=tiny_features)["extractor"] is None
+
+
+def test_few_images_get_a_warning_with_the_minimum(tmp_path):
+    """An FID of N <= F images (F feature dimensions) comes with a warning naming the minimum F + 1; one image is
+    refused (its covariance is undefined)."""
+    from specsamp.metrics.fid import MIN_IMAGES, few_images_warning
+
+    assert MIN_IMAGES == 2
+    w = few_images_warning(3, 2048)
+    assert "3 images" in w and "at least 2049" in w and "rank 2 < 2048" in w
+    assert few_images_warning(2049, 2048) is None and few_images_warning(5, None) is None
+    imgs = np.random.default_rng(3).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
+    st = feature_statistics(tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy())
+    res = compute_fid(imgs, st, feature_extractor=TinyExtractor, device="cpu")  # 5 images, 8 dimensions
+    assert res["min_images"] == 9 and "at least 9" in res["warning"]
+    with pytest.raises(ValueError, match="an FID needs at least 2 images"):
+        compute_fid(imgs[:1], st, feature_extractor=TinyExtractor, device="cpu")
+
+
+def test_fid_command_names_valid_references_and_warns_of_few_images(tmp_path, capsys):
+    save_images(np.random.default_rng(4).integers(0, 256, (3, 8, 8, 3), dtype=np.uint8), tmp_path / "images")
+    assert fid_mod.main([str(tmp_path / "images"), "--ref", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --ref 'digits' is invalid") and "digits-8x8" in err and err.count("\n") == 1
+    assert fid_mod.main([str(tmp_path / "images"), "--ref", "digits-8x8", "--feature-extractor", "nope.mod:Cls"]) == 2
+    assert "--feature-extractor 'nope.mod:Cls' is invalid" in capsys.readouterr().err
+    assert fid_mod.main([str(tmp_path / "images"), "--ref", "digits-8x8", "--feature-extractor", "digits-classifier",
+                         "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("FID ") and "(3 samples;" in out.out and "too few images" in out.out
+    assert out.err.startswith("warning: an FID of 3 images is not a usable number") and "at least 65" in out.err

@@ -147,42 +147,71 @@ def _compose(*overrides):
     return compose(["model=cifar10", "steps=5", "n_samples=3", "K=2", "L=2", "device=cpu", "progress=false", *overrides])
 
 
-@pytest.mark.parametrize("case", ["missing-weights", "broken-extractor", "bad-reference"])
-def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_ref, monkeypatch, capsys, case):
-    """The runner's task in process (Hydra compose + run_task): sampling finishes, the record and the
-    PNGs are written, then the scoring error is one paragraph: exit 2 for what the user can fix
-    (weights absent offline, a reference of the wrong dimension), 1 for a failure inside the scorer."""
+def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_ref, monkeypatch, capsys):
+    """The runner's task in process (Hydra compose + run_task): what no check can foresee fails inside the scorer
+    (a callable that is no feature extractor): sampling finishes, the record and the PNGs are written, then the
+    scoring error is one paragraph, exit 1."""
     from specsamp.runner.task import run_task
+    from tiny_weights import write_tiny_inception
 
     path, sha = checkpoint
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty-torch-home"))
+    write_tiny_inception(tmp_path / "torch-home")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     monkeypatch.setenv("SPECSAMP_OFFLINE", "1")
-    ref = fid_ref
-    extra = []
-    if case == "broken-extractor":  # a callable that is no feature extractor: fails inside torch-fidelity
-        extra = ["model.fid_extractor=builtins:len"]
-    if case == "bad-reference":
-        import numpy as np
-
-        from tiny_weights import write_tiny_inception
-
-        ref = tmp_path / "ref3.npz"  # 3-d statistics against 2048-d features
-        np.savez(ref, mu=np.zeros(3), sigma=np.eye(3))
-        write_tiny_inception(tmp_path / "empty-torch-home")
-    cfg = _compose(f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]", f"model.fid_ref={ref}", *extra)
+    cfg = _compose(f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]", f"model.fid_ref={fid_ref}",
+                   "model.fid_extractor=builtins:len")
     with pytest.raises(SystemExit) as e:
         run_task(cfg)
     err = capsys.readouterr()
-    assert e.value.code == (1 if case == "broken-extractor" else 2)
-    assert "Traceback" not in err.err and err.err.count("\n") == 1 and err.err.startswith("error: metrics=[fid]")
-    assert str(tmp_path) in err.err  # says where the samples are
+    assert e.value.code == 1
+    *notes, last = err.err.splitlines()  # notes before sampling (3 images are too few for a usable FID), then the error
+    assert "Traceback" not in err.err and last.startswith("error: metrics=[fid]") and all(n.startswith("note: ") for n in notes)
+    assert "at least 2049" in err.err
+    assert str(tmp_path) in last  # says where the samples are
     assert err.out.startswith("model=edm-cifar10-32x32-cond-vp sampler=dgrs")  # the summary line came first
     rec = json.loads((tmp_path / "result.json").read_text())
-    assert rec["status"] == "ok" and rec["n_samples"] == 3 and "fid" not in rec and rec["metrics_error"]
-    assert {"missing-weights": "Inception weights", "broken-extractor": "AttributeError",
-            "bad-reference": "feature dimension"}[case] in rec["metrics_error"]
+    assert rec["status"] == "ok" and rec["n_samples"] == 3 and "fid" not in rec and "AttributeError" in rec["metrics_error"]
     assert sorted(f.name for f in (tmp_path / "images").iterdir()) == [f"{i:06d}.png" for i in range(3)]
+
+
+@pytest.mark.parametrize("case", ["fid_ref", "fid_extractor", "missing-weights", "bad-reference", "one-image"])
+def test_what_scoring_needs_is_refused_before_sampling(tmp_path, checkpoint, fid_ref, monkeypatch, capsys, case):
+    """A reference, an extractor or weights that scoring could not use, or too few images, exit 2 before anything
+    is sampled (they were reported after every image was made, and missing weights exited 1): one paragraph
+    naming the model.* key, its value and what is valid."""
+    import numpy as np
+
+    from specsamp.runner.task import run_task
+    from tiny_weights import write_tiny_inception
+
+    path, sha = checkpoint
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    monkeypatch.setenv("SPECSAMP_OFFLINE", "1")
+    if case != "missing-weights":
+        write_tiny_inception(tmp_path / "torch-home")
+    ref, extra = fid_ref, []
+    if case == "fid_ref":
+        ref = "/nonexistent.npz"
+    if case == "fid_extractor":
+        extra = ["model.fid_extractor=nope.mod:Cls"]
+    if case == "bad-reference":  # 3-d statistics against Inception's 2048-d features
+        ref = tmp_path / "ref3.npz"
+        np.savez(ref, mu=np.zeros(3), sigma=np.eye(3))
+    if case == "one-image":
+        extra = ["n_samples=1"]
+    with pytest.raises(SystemExit) as e:
+        run_task(_compose(f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]", f"model.fid_ref={ref}", *extra))
+    err = capsys.readouterr()
+    assert e.value.code == 2 and err.err.count("\n") == 1 and "Traceback" not in err.err, err.err
+    assert {"fid_ref": "model.fid_ref='/nonexistent.npz' is invalid: no such file or folder",
+            "fid_extractor": "model.fid_extractor='nope.mod:Cls' is invalid: cannot import module 'nope.mod'",
+            "missing-weights": "model.fid_weights is not set and the FID's Inception weights are not in the torch hub cache",
+            "bad-reference": "statistics have 3 dimensions and the features 2048",
+            "one-image": "metrics=[fid] is invalid with n_samples=1: an FID needs at least 2 images"}[case] in err.err
+    assert "weights_path" not in err.err
+    assert err.out == "" and not (tmp_path / "result.json").exists()  # nothing sampled
 
 
 # ----------------------------------------------------------------------------------------------
