@@ -387,7 +387,9 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         _help_without_schemas()
-    as_key = conflicting_modes(sys.argv[1:]) or group_given_as_key(sys.argv[1:])
+    from .config import override_problem
+
+    as_key = conflicting_modes(sys.argv[1:]) or group_given_as_key(sys.argv[1:]) or override_problem(sys.argv[1:])
     if as_key is not None:
         print(f"error: {as_key}", file=sys.stderr)
         sys.exit(USAGE)

@@ -28,7 +28,7 @@ from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, given_profile
 from .treerules import check_search
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
-from .memory import STEP_BYTES, check_memory, check_tree_memory
+from .memory import STEP_BYTES, check_memory, check_nominal_budget, check_tree_memory
 from .records import config_hash, make_record, versions
 
 
@@ -213,6 +213,8 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
     per_step = run.tree == "optimal_per_step"
     given = tree = None
     if optimal:
+        if run.budget is None:
+            check_nominal_budget(run)
         check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
         given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
     else:  # a tree that needs no profile is built (and its size checked) before the model loads
@@ -234,6 +236,12 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
         with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
             tree, B = build_tree(run, coupling, horizon, calibrated or given, callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
+    if tree is not None and run.refine > min(largest.max_depth, horizon):
+        depth = min(largest.max_depth, horizon)
+        raise ConfigError(f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
+                          f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
+                          "further sweeps change nothing but each costs a batched target call per round; use "
+                          f"refine={depth} or less.")
     given_ids = None if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if given_ids is not None and (given_ids.numel() == 0 or int(given_ids.min()) < 0 or int(given_ids.max()) >= run.n_samples):
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
