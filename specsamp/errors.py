@@ -7,3 +7,18 @@ valid, in one paragraph. ``run.py`` turns it into exit status 2 without a traceb
 
 class ConfigError(ValueError):
     """A user error in the configuration: names the key, its value and what is valid."""
+
+
+class NonFiniteSamplesError(RuntimeError):
+    """A run whose samples hold NaN or inf: not a result. ``run.py`` exits with status 4 and records it in
+    ``failed.json`` (kind ``non_finite``) with :attr:`details` (how many, which trajectories, from which step).
+
+    Attributes:
+        details: JSON-ready ``{"samples", "of", "trajectories", "first_step", ...}``.
+    """
+
+    record_kind = "non_finite"
+
+    def __init__(self, message: str, details: dict):
+        super().__init__(message)
+        self.details = details
