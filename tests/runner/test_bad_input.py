@@ -427,3 +427,15 @@ def test_a_sweep_with_non_finite_samples_exits_4():
     assert exits.sweep_exit_status({"kinds": ["config", "non_finite"]}) == 4
     assert exits.sweep_exit_status({"kinds": ["non_finite", "exception"]}) == 1
     assert exits.sweep_exit_status({"kinds": ["non_finite"], "infrastructure": True}) == 3
+
+
+def test_other_sizes_and_paths_of_the_commands_are_bounded():
+    from specsamp.models.sd3 import SD3Config
+
+    with pytest.raises(ConfigError, match=r"model.max_sequence_length=100000 is invalid: must be an integer in 1..512"):
+        SD3Config(max_sequence_length=100000).build("cpu")
+    from experiments.calibrate import main as calibrate_main
+
+    for bad, shown in (("out=", "out='' is invalid: it is empty"), ("out=a\nb.json", r"out='a\\nb.json' is invalid: it holds")):
+        with pytest.raises(ConfigError, match=shown):
+            calibrate_main([*TINY, bad])
