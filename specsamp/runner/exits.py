@@ -154,8 +154,8 @@ def sweep_exit_status(state: dict | None = None) -> int:
     130 when it was interrupted; 3 when a job met an infrastructure failure (``failed.json`` of kind
     ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
     exception, was killed, or was stopped by the scheduler's time limit (``failed.json`` of kind
-    ``timed_out``); 4 when a job's samples held NaN or inf (kind ``non_finite``); 2 when the only failures are bad per-job values or configs that do not
-    compose; 0 otherwise.
+    ``timed_out``); 4 when a job's samples held NaN or inf (kind ``non_finite``); 2 when the only
+    failures are bad per-job values or configs that do not compose; 0 otherwise.
     """
     from .callback import SWEEP_STATE
 
