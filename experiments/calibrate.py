@@ -35,7 +35,7 @@ import torch
 from specsamp.errors import ConfigError
 from specsamp.io import atomic_write
 from specsamp.runner.build import build_target, calibrate, calibration_cost
-from specsamp.runner.config import PROFILE_DIR, compose, load_config
+from specsamp.runner.config import PROFILE_DIR, compose, load_config, path_problem
 from specsamp.runner.jobs import fresh_dir
 from specsamp.schedule import Schedule
 
@@ -45,6 +45,9 @@ def main(argv: list[str]) -> Path:
     out, n, overwrite, overrides = None, 64, False, []
     for a in argv:
         if a.startswith("out="):
+            problem = path_problem(a[4:])
+            if problem:
+                raise ConfigError(f"out={a[4:]!r} is invalid: {problem}; must be the path of the .json file to write.")
             out = Path(a[4:]).expanduser()
         elif a.startswith("overwrite="):
             value = a[len("overwrite="):]

@@ -39,6 +39,7 @@ import torch
 from . import rng
 from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, initial_noise: public here)
     ContractError,
+    NonFiniteSampleError,
     _Context,
     _final_step,
     _first_step,

@@ -196,3 +196,18 @@ class NaNBelow:
         bad = (sigma < 0.6) & (x[:, 0] > 0)
         v[bad] = float("nan")
         return v
+
+
+def nan_residual_coupling(**_):
+    """A coupling (``sampler.coupling={_target_: helpers.nan_residual_coupling}``) that rejects every child and
+    returns NaN for the residual, checking nothing: a rule whose residual draw went wrong."""
+    import torch
+
+    from specsamp.coupling import Coupling, Verdict
+
+    def verify(children, mean_p, mean_q, sigma, generator=None):
+        n, k = children.shape[:2]
+        return Verdict(torch.full_like(mean_q, float("nan")), torch.zeros(n, dtype=torch.bool, device=children.device),
+                       torch.full((n,), k, dtype=torch.long, device=children.device))
+
+    return Coupling("nan_residual", verify)

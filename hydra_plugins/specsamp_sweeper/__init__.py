@@ -166,6 +166,21 @@ def check_sweeper_keys(max_batch_size: Any, params: Any, validate: Any) -> None:
         raise bad("validate", validate)
 
 
+def check_sweep_name(config: DictConfig) -> None:
+    """Refuse a ``sweep_name`` that does not name a folder below ``multirun/`` (empty, ``..``, absolute, null,
+    a control character: :func:`specsamp.runner.config.sweep_name_ok`), before anything is written.
+
+    Raises:
+        specsamp.errors.ConfigError: names the value and what is valid.
+    """
+    from specsamp.runner.config import SWEEP_NAME_TEXT, sweep_name_ok
+
+    name = OmegaConf.select(config, "sweep_name", default=None)
+    if not sweep_name_ok(name):
+        shown = "null" if name is None else repr(name)
+        raise ConfigError(f"sweep_name={shown} is invalid: must be {SWEEP_NAME_TEXT}.")
+
+
 def _task_config(cfg: DictConfig) -> DictConfig:
     """A job's composed config without Hydra's node: what :func:`specsamp.runner.task.run_task` receives."""
     task = copy.deepcopy(cfg)
@@ -278,6 +293,7 @@ class SpecsampSweeper(BasicSweeper):
         from specsamp.runner.exits import is_infrastructure
 
         check_launcher(self.launcher)
+        check_sweep_name(self.config)
         params_conf = self._parse_config()
         params_conf.extend(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)

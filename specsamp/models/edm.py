@@ -41,6 +41,7 @@ from ..hub import is_url, resolve_path, verify_sha256
 from . import nvlabs_compat
 from .base import Target, TargetConfig, check_positive, parse_dtype
 
+NET_DTYPES = ("float16", "bfloat16")  # model.net_dtype: the network under torch.autocast in half precision (null: none)
 SIGMA_CLIP = (1e-3, 80.0)  # EDM noise levels s the network is evaluated at (paper section 5.2)
 
 
@@ -476,7 +477,10 @@ class EDMConfig(TargetConfig):
                               "state dtype, float32 or float64; to run the network "
                               f"itself in half precision, keep model.dtype=float32 and set model.net_dtype={self.dtype}.")
         dtype = self.torch_dtype("dtype", ("float32", "float64"))
-        net_dtype = self.torch_dtype("net_dtype")
+        if self.net_dtype is not None and str(self.net_dtype).removeprefix("torch.") not in NET_DTYPES:
+            raise ConfigError(f"model.net_dtype={self.net_dtype!r} is invalid: valid values are {', '.join(NET_DTYPES)} "
+                              "(the network under torch.autocast in half precision) or null (the network in model.dtype).")
+        net_dtype = self.torch_dtype("net_dtype", NET_DTYPES)
         check_positive("max_batch", self.max_batch, optional=True)
         if self.labels not in ("uniform", "none", None):
             raise ConfigError(f"model.labels={self.labels!r} is invalid: valid values are uniform, none.")

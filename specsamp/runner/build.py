@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -221,4 +222,37 @@ def given_profile(run: RunConfig):
 
         print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
               + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)
-    return rows if run.tree == "optimal_per_step" else data["profile"]
+    entry = "per_root" if run.tree == "optimal_per_step" else "profile"
+    _check_profile_entry(v, profile_path(v), entry, data[entry])
+    return data[entry]
+
+
+def _first_bad(values):
+    """The first item of a (possibly nested) list that is not a finite number >= 0, or None."""
+    for x in values if isinstance(values, (list, tuple)) else [values]:
+        if isinstance(x, (list, tuple)):
+            bad = _first_bad(x)
+            if bad is not None:
+                return bad
+        elif isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            return x
+    return None
+
+
+def _check_profile_entry(value, path, entry: str, rows) -> None:
+    """Refuse a profile file's entry that is not a non-empty list of finite numbers >= 0 (``per_root``: a list of
+    such lists), naming the key, the file, the entry and its first bad value.
+
+    Raises:
+        ConfigError: the paragraph.
+    """
+    lists = rows if entry == "per_root" and isinstance(rows, list) and rows and all(isinstance(r, list) for r in rows) else [rows]
+    empty = any(not isinstance(r, list) or not r for r in lists)
+    bad = None if empty else _first_bad(rows)
+    if not empty and bad is None:
+        return
+    shape = "a non-empty list of lists (one per root step) of" if entry == "per_root" else "a non-empty list (one per depth) of"
+    held = "an empty or malformed list" if empty else f"the value {bad!r}"
+    raise ConfigError(f"delta_profile={value!r} is invalid: the {entry!r} entry of {path} must be {shape} finite numbers "
+                      f">= 0, and it holds {held}. Calibrate a new one (python -m experiments.calibrate), give delta_profile "
+                      "as a list of values, or delta_profile=null (calibrate).")

@@ -69,9 +69,13 @@ RUNNER_KEYS = ("hydra", "sweep_name")
 UNHASHED_KEYS = ("progress", "skip_existing", "logger", "threads", "check_contract")
 
 
-def rule(text: str, ok: Callable[[Any], bool], default: Any = MISSING, factory: Callable | None = None) -> Any:
-    """A dataclass field whose value must satisfy ``ok`` (``text`` says what is valid, for the error)."""
-    meta = {"text": text, "ok": ok}
+def rule(text: str, ok: Callable[[Any], bool], default: Any = MISSING, factory: Callable | None = None,
+         nullable: bool | None = None) -> Any:
+    """A dataclass field whose value must satisfy ``ok`` (``text`` says what is valid, for the error).
+
+    ``nullable``: null is valid without ``ok`` (default: where the default is null); a field that is not
+    nullable checks null like any other value."""
+    meta = {"text": text, "ok": ok, "nullable": default is None if nullable is None else nullable}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
@@ -81,19 +85,59 @@ def _int(v) -> bool:
 
 def at_least(lo: int, default: Any = MISSING, optional: bool = False) -> Any:
     """A dataclass field holding an integer ``>= lo`` (:func:`rule`); ``optional``: or null, which its text says."""
-    return rule(f"an integer >= {lo}" + (" or null" if optional else ""), lambda v: _int(v) and v >= lo, default)
+    return rule(f"an integer >= {lo}" + (" or null" if optional else ""), lambda v: _int(v) and v >= lo, default,
+                nullable=optional)
+
+
+def between(lo: int, hi: int, default: Any = MISSING, optional: bool = False, why: str = "") -> Any:
+    """A dataclass field holding an integer in ``lo..hi`` (:func:`rule`); ``why`` says where the upper bound comes from."""
+    return rule(f"an integer >= {lo}" + (" or null" if optional else "") + f", at most {hi}" + (f" ({why})" if why else ""),
+                lambda v: _int(v) and lo <= v <= hi, default, nullable=optional)
 
 
 def one_of(valid: Sequence | Callable[[], Sequence], default: Any = MISSING) -> Any:
     """A dataclass field holding one of ``valid`` (a sequence, or a callable giving one: a registry's names)."""
     pool = valid if callable(valid) else (lambda: valid)
     return field(default=default, metadata={"text": lambda: "one of " + ", ".join(map(str, pool())),
-                                            "ok": lambda v: v in pool()})
+                                            "ok": lambda v: v in pool(), "nullable": False})
 
 
 def _finite_list(v) -> bool:
     return isinstance(v, (list, tuple)) and len(v) > 0 and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
+
+
+# threads: torch's CPU thread pool; at 2**31 torch's call overflows and far above the cores OpenMP crashes
+MAX_THREADS = 1024
+# L: trees are cut at T - 2 levels; the bound keeps the nominal budget K + ... + K^L computable
+MAX_L = 100_000
+# sweep_name: the folder multirun/<sweep_name>/ (one or more '/'-separated parts of these characters)
+_NAME_PART = re.compile(r"[A-Za-z0-9._+=,@-]+")
+SWEEP_NAME_TEXT = ("a folder name under multirun/: one or more parts separated by '/', each made of ASCII letters, "
+                   "digits and . _ - + = , @ (no part empty, '.' or '..'; no leading '/'), e.g. sweep_name=grid or "
+                   "sweep_name=2024-05-01/grid; give any other folder with hydra.sweep.dir=DIR")
+
+
+def sweep_name_ok(v) -> bool:
+    """``v`` names a folder below ``multirun/`` (:data:`SWEEP_NAME_TEXT`): never ``multirun/`` itself, never
+    above it, never an absolute path, no control character or space."""
+    if not isinstance(v, str) or not v:
+        return False
+    parts = v.split("/")
+    return all(_NAME_PART.fullmatch(p) and p not in (".", "..") for p in parts)
+
+
+def path_problem(v) -> str | None:
+    """What is wrong with a path a user gave (``model.cache_dir``, ``hydra.run.dir``), or None: an empty
+    one, or one holding a control character (a newline makes a folder whose name has a line break)."""
+    if not isinstance(v, str):
+        return None
+    if not v:
+        return "it is empty"
+    bad = sorted({c for c in v if ord(c) < 32 or ord(c) == 127})
+    if bad:
+        return f"it holds the control character(s) {', '.join(repr(c) for c in bad)}"
+    return None
 
 
 def launch_dir() -> Path:
@@ -137,7 +181,7 @@ def registered(kind: str) -> Any:
 
     return field(default={"draft": "velocity", "tree": "uniform"}[kind],
                  metadata={"text": lambda: registry().valid_text(), "ok": lambda v: registry().valid(v),
-                           "get": lambda v: registry().get(v)})
+                           "get": lambda v: registry().get(v), "nullable": False})
 
 
 def _sampler_const(name: str):
@@ -174,7 +218,7 @@ class RunConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     K: int = at_least(1)
-    L: int = at_least(1)
+    L: int = between(1, MAX_L, why="rounds use at most T-2 levels")
     eps: float = rule("a finite number in (0, 1] (eps=0 is the deterministic ODE, where speculation is vacuous)",
                       lambda v: math.isfinite(v) and 0.0 < v <= 1.0)
     steps: int = at_least(3)
@@ -197,21 +241,21 @@ class RunConfig:
     warmup: str = one_of(_sampler_const("WARMUPS"), "call")
     evaluate_leaves: bool = True
     check_contract: Any = rule("one of auto (on for couplings defined outside specsamp), true, false",
-                               lambda v: v == "auto" or isinstance(v, bool), "auto")
+                               lambda v: v == "auto" or isinstance(v, bool), "auto", nullable=False)
     match: str = one_of(MATCH, "budget")
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
     refine: int = at_least(0, 0)
     compile: bool = False
     batch_size: Optional[int] = at_least(1, None, optional=True)
     max_batch: Optional[int] = at_least(1, None, optional=True)
-    threads: Optional[int] = at_least(1, 1, optional=True)
+    threads: Optional[int] = between(1, MAX_THREADS, 1, optional=True, why="null: torch's default, one per core")
     progress: Any = rule("one of auto (a bar on a terminal, a line every 30 s in a log), true, false",
-                         lambda v: v == "auto" or isinstance(v, bool), "auto")
+                         lambda v: v == "auto" or isinstance(v, bool), "auto", nullable=False)
     save_samples: bool = False
     metrics: list[str] = rule("a list of fid, clip, e.g. metrics=[fid]", lambda v: all(m in METRICS for m in v),
                               factory=list)
     skip_existing: bool = True
-    sweep_name: Optional[str] = None
+    sweep_name: Optional[str] = rule(SWEEP_NAME_TEXT, sweep_name_ok, None)
     num_shards: int = at_least(1, 1)
     shard: int = at_least(0, 0)
 
@@ -366,9 +410,14 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
         meta, v = f.metadata, getattr(run, f.name)
         if meta and v is not None and "get" in meta:
             meta["get"](v)  # a registry's own paragraph: unknown name (with the valid ones), failed import
-        if meta and v is not None and not meta["ok"](v):
+        if meta and (v is not None or not meta.get("nullable", True)) and not meta["ok"](v):
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
-            raise ConfigError(f"{f.name}={v!r} is invalid: must be {text}.")
+            raise ConfigError(f"{f.name}={'null' if v is None else repr(v)} is invalid: must be {text}.")
+    for key, v in _model_paths(run.model):
+        problem = path_problem(v)
+        if problem:
+            raise ConfigError(f"{key}={v!r} is invalid: {problem}; must be a folder or file path without control "
+                              "characters (null: the default location).")
     if here:
         check_device(run.device)
     from .loggers import check_logger
@@ -380,6 +429,12 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
         raise ConfigError(f"refine={run.refine} is invalid with execution={run.execution}: a Picard sweep evaluates every "
                           "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
                           "set execution=tree, or refine=0 (plain drafts).")
+    if run.refine > run.steps - 2 and run.sampler.coupling is not None:
+        raise ConfigError(f"refine={run.refine} is invalid with steps={run.steps}: a round's tree is cut at T-2 = "
+                          f"{run.steps - 2} levels, and after as many Picard sweeps as the tree has levels every proposal "
+                          "mean is the target kernel mean at its parent, so further sweeps change nothing but each costs "
+                          f"a batched target call per round; use refine={max(run.steps - 2, 0)} or less (at most the "
+                          "tree's depth).")
     if run.compile and run.sampler.coupling is not None:
         if run.refine > 0:
             raise ConfigError(f"compile=true is invalid with refine={run.refine}: Picard sweeps run the reference round, "
@@ -395,6 +450,92 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
             what = (f"the number of batches ceil(n_samples/batch_size) = {units}" if run.batch_size
                     else f"n_samples={run.n_samples}")
             raise ConfigError(f"num_shards={run.num_shards} is invalid: must be <= {what}, so that no shard is empty.")
+
+
+PATH_FIELDS = ("cache_dir", "path")  # model keys that name a place on disk
+
+
+def _model_paths(node, prefix: str = "model", depth: int = 0):
+    """``(key, value)`` of every path key (:data:`PATH_FIELDS`) of a model config, nested configs included."""
+    if depth > 2 or node is None:
+        return
+    items = (node.items() if isinstance(node, Mapping) else
+             ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else ())
+    for name, v in items:
+        if name in PATH_FIELDS and isinstance(v, str):
+            yield f"{prefix}.{name}", v
+        elif isinstance(v, Mapping) or dataclasses.is_dataclass(v):
+            yield from _model_paths(v, f"{prefix}.{name}", depth + 1)
+
+
+HYDRA_PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")  # Hydra's keys that name an output folder
+
+
+def _bool_keys() -> set[str]:
+    """The keys that take true or false: :class:`RunConfig`'s and every model config's (``model.KEY``)."""
+    from typing import get_type_hints
+
+    from ..models import MODEL_SCHEMAS
+
+    keys = {k for k, t in get_type_hints(RunConfig).items() if t is bool}
+    for schema in MODEL_SCHEMAS.values():
+        keys |= {f"model.{k}" for k, t in get_type_hints(schema).items() if t is bool}
+    return keys
+
+
+def override_problem(argv: Sequence[str]) -> str | None:
+    """One paragraph for a command-line override whose value Hydra's grammar reads as something else than
+    what was typed, where composing it would pass silently; None when every override is fine.
+
+    - a key that takes true or false given a number (``compile=2``, which OmegaConf would read as true);
+    - ``sweep_name`` given a value that is not a folder name under ``multirun/`` (:func:`sweep_name_ok`),
+      or one that the grammar turns into another value (``1_1_1`` is the integer 111, ``true`` a bool,
+      ``null`` no name), or characters the grammar cannot read unquoted (non-ASCII letters);
+    - an output folder (:data:`HYDRA_PATH_KEYS`) that is empty or holds a control character (a newline).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, bools = None, None
+    for arg in argv:
+        if arg.startswith("-"):
+            continue
+        key, eq, raw = arg.lstrip("+~").partition("=")
+        if not eq:
+            continue
+        if bools is None and key.startswith(("model.", "compile", "save_samples", "skip_existing", "evaluate_leaves")):
+            bools = _bool_keys()
+        is_path = key == "sweep_name" or key in HYDRA_PATH_KEYS or key.rpartition(".")[2] in PATH_FIELDS
+        if is_path and path_problem(raw) and raw:  # a newline: Hydra's grammar cannot read it, nor a shell show it
+            return f"{key}={raw!r} is invalid: {path_problem(raw)}; must be " + (
+                f"{SWEEP_NAME_TEXT}." if key == "sweep_name" else "a folder path without control characters.")
+        if not is_path and key not in (bools or ()):
+            continue
+        parser = parser or OverridesParser.create()
+        try:
+            o = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001 - Hydra's own paragraph says where (exits.composition_message)
+            if key == "sweep_name":
+                return f"{arg} is invalid: must be {SWEEP_NAME_TEXT}."
+            continue
+        if o.is_sweep_override():
+            continue
+        v = o.value()
+        if key in (bools or ()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return f"{arg} is invalid: {key} takes true or false, not a number."
+        elif key == "sweep_name":
+            if not isinstance(v, str) and str(v) != raw:
+                read = "null (no name)" if v is None else f"the {type(v).__name__} {v!r}"
+                return (f"{arg} is invalid: Hydra's override grammar reads {raw} as {read}, not as the name {raw!r} "
+                        f"(underscores between digits make a number; true, false and null are keywords); quote it to "
+                        f"keep it as typed: \"sweep_name='{raw}'\".")
+            if not sweep_name_ok(str(v)):
+                return f"sweep_name={str(v)!r} is invalid: must be {SWEEP_NAME_TEXT}."
+        else:
+            problem = path_problem(v) if isinstance(v, str) else None
+            if problem:
+                return f"{key}={v!r} is invalid: {problem}; must be a folder path without control characters."
+    return None
 
 
 def check_device(device) -> str:
@@ -476,6 +617,10 @@ def valid_keys(path: str, schema: type | None = None) -> list[str]:
     set on) under ``path``'s parent; without it, top-level keys (with the groups ``shape``, ``experiment``),
     or those under ``model`` (of every model config), ``sampler`` or ``logger``."""
     head = path.split(".")[0]
+    if path.startswith("hydra.sweeper."):
+        from hydra_plugins.specsamp_sweeper import SWEEPER_KEYS
+
+        return sorted(f"hydra.sweeper.{k}" for k in SWEEPER_KEYS)
     if dataclasses.is_dataclass(schema) and "." in path:
         return sorted(_keys(schema, path.rsplit(".", 1)[0] + "."))
     if "." not in path:
@@ -506,9 +651,12 @@ def unknown_key_message(key: str, shown: str | None = None, schema: type | None 
     guess = closest_key(key, valid)
     shown = shown or repr(key)
     where = (f"{schema.__name__} (the config of {key.rsplit('.', 1)[0]})" if "." in key and dataclasses.is_dataclass(schema)
+             else "specsamp's sweeper (hydra/sweeper=specsamp)" if key.startswith("hydra.sweeper.")
              else "specsamp's config")
     return (f"{shown} is not a key of {where}" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
-            + (f". Valid keys here: {', '.join(valid)} (see conf/config.yaml, conf/model/ and docs/extending.md)." if valid else "."))
+            + (f". Valid keys here: {', '.join(valid)} (see " + ("conf/hydra/sweeper/specsamp.yaml and docs/running.md"
+               if key.startswith("hydra.sweeper.") else "conf/config.yaml, conf/model/ and docs/extending.md") + ")."
+               if valid else "."))
 
 
 def _rule_text(key: str) -> str | None:
@@ -552,6 +700,23 @@ def _schema_of_node(node) -> type | None:
         return None
 
 
+def unreadable_override(error: BaseException) -> str | None:
+    """One paragraph for an override that Hydra's grammar cannot read (its ``LexerNoViableAltException``: a
+    non-ASCII letter, a space or a bracket in an unquoted value), naming the key and how to give the value;
+    None for any other error."""
+    text = str(error)
+    m = re.search(r"LexerNoViableAltException: (.*)", text)
+    if m is None:
+        return None
+    arg = m.group(1).strip()
+    key, _, value = arg.lstrip("+~").partition("=")
+    if key == "sweep_name":
+        return f"{arg} is invalid: must be {SWEEP_NAME_TEXT}."
+    return (f"{arg} could not be read: Hydra's override grammar takes unquoted values made of ASCII letters, digits and "
+            "a few symbols (_ - + . / : @ ...), and {key} was given other characters; quote the value to pass it as "
+            f"text: \"{key}='{value}'\" (see docs/running.md for the keys and their values).").replace("{key}", key)
+
+
 def explain(error: BaseException, value: Any = MISSING) -> str | None:
     """One paragraph for an OmegaConf/Hydra composition error about a key (unknown key, wrong type), or None.
 
@@ -562,6 +727,9 @@ def explain(error: BaseException, value: Any = MISSING) -> str | None:
     """
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+    unread = unreadable_override(error)
+    if unread is not None:
+        return unread
     seen = error
     while seen is not None and not (isinstance(seen, OmegaConfBaseException) and getattr(seen, "full_key", None)):
         seen = seen.__cause__ or seen.__context__

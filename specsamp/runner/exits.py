@@ -11,10 +11,14 @@
        command (``sbatch``/``srun``) is missing, a logger failed after the record was written; one
        paragraph names the path, the command or the logger. Relaunching into the same directory once it
        is fixed resumes (and retries the logging): a sweep's ``sweep_name``, a run's ``hydra.run.dir``
+  4    the samples are not finite: a run's samples hold NaN or inf (a coupling or draft returning
+       non-finite values, a network overflowing in half precision); one paragraph says how many, from
+       which step and the likely cause; ``failed.json`` (kind ``non_finite``) records it, and no
+       ``result.json`` or samples are written for that run
  130   interrupted (Ctrl-C, SIGINT): one line, and for a sweep its summary; finished records stay
 =====  ==========================================================================================
 
-A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 2. A config error
+A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 4, then 2. A config error
 that stops every job is the sweeper's to report, once, before launching (``hydra_plugins/specsamp_sweeper``).
 
 :func:`main` wraps the Hydra entry point and applies this policy to what happened: an exception, or the
@@ -36,6 +40,7 @@ BUG = 1
 USAGE = 2
 INFRASTRUCTURE = 3
 INTERRUPTED = 130
+NON_FINITE = 4  # the samples hold NaN or inf (specsamp.errors.NonFiniteSamplesError)
 
 # errno values that say the machine (storage, permissions on the output side) failed, not the input;
 # ENOTDIR and EEXIST: an output directory that cannot be created because a file stands in its path
@@ -149,8 +154,8 @@ def sweep_exit_status(state: dict | None = None) -> int:
     130 when it was interrupted; 3 when a job met an infrastructure failure (``failed.json`` of kind
     ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
     exception, was killed, or was stopped by the scheduler's time limit (``failed.json`` of kind
-    ``timed_out``); 2 when the only failures are bad per-job values or configs that do not
-    compose; 0 otherwise.
+    ``timed_out``); 4 when a job's samples held NaN or inf (kind ``non_finite``); 2 when the only
+    failures are bad per-job values or configs that do not compose; 0 otherwise.
     """
     from .callback import SWEEP_STATE
 
@@ -162,6 +167,8 @@ def sweep_exit_status(state: dict | None = None) -> int:
         return INFRASTRUCTURE
     if "exception" in kinds or "timed_out" in kinds or state.get("killed"):
         return BUG
+    if "non_finite" in kinds:
+        return NON_FINITE
     if kinds or state.get("failed"):
         return USAGE
     return OK
@@ -387,7 +394,9 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         _help_without_schemas()
-    as_key = conflicting_modes(sys.argv[1:]) or group_given_as_key(sys.argv[1:])
+    from .config import override_problem
+
+    as_key = conflicting_modes(sys.argv[1:]) or group_given_as_key(sys.argv[1:]) or override_problem(sys.argv[1:])
     if as_key is not None:
         print(f"error: {as_key}", file=sys.stderr)
         sys.exit(USAGE)

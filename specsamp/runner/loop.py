@@ -20,8 +20,9 @@ from omegaconf import DictConfig
 
 import torch
 
-from ..coupling import Coupling
-from ..errors import ConfigError
+from ..chains import NonFiniteSampleError
+from ..coupling import Coupling, NonFiniteError
+from ..errors import ConfigError, NonFiniteSamplesError
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
 from ..models.base import Target
@@ -29,7 +30,7 @@ from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, given_profile
 from .treerules import check_search
 from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
-from .memory import STEP_BYTES, check_memory, check_tree_memory
+from .memory import STEP_BYTES, check_memory, check_nominal_budget, check_tree_memory
 from .outputs import check_metrics, scoring_settings
 from .records import config_hash, make_record, versions
 
@@ -93,6 +94,65 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
         return False
+
+
+def non_finite_causes(run: RunConfig) -> str:
+    """The likely causes of non-finite samples, for the error paragraph."""
+    dtype, net = getattr(run.model, "dtype", None), getattr(run.model, "net_dtype", None)
+    half = [f"model.{k}={v}" for k, v in (("dtype", dtype), ("net_dtype", net)) if str(v) in ("float16", "bfloat16")]
+    return ("Likely causes: a coupling or a draft that returns non-finite values (check_contract=true checks every "
+            "verdict and names the first bad one), or a network that overflows in half precision"
+            + (f" ({', '.join(half)} here)" if half else "") + ": try model.net_dtype=null and model.dtype=float32.")
+
+
+class _Watched:
+    """A velocity model that notes the first call seeing a non-finite state or returning a non-finite velocity:
+    the largest ``sigma`` among such rows (the earliest step), and whether the input or the output was bad."""
+
+    def __init__(self, model):
+        self._model, self.first = model, None
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, x, sigma, **cond):
+        out = self._model(x, sigma, **cond)
+        if self.first is None:
+            bad_in = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(1)
+            bad_out = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
+            if bool((bad_in | bad_out).any()):
+                rows = (bad_in | bad_out).nonzero()[:, 0]
+                s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1).expand(x.shape[0])
+                r = int(rows[torch.argmax(s[rows])])
+                self.first = (float(s[r]), "state" if bool(bad_in[r]) else "velocity")
+        return out
+
+
+def non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches: int, batch: int) -> NonFiniteSamplesError:
+    """The error for a batch whose samples hold NaN or inf: how many, which trajectories, and from which step,
+    found by sampling the first such trajectory once more, alone, with a model that watches its calls
+    (:class:`_Watched`; trajectory ``i``'s randomness is keyed by ``(seed, i)``, so it meets the same values)."""
+    bad_ids = chunk[~finite].tolist()
+    watched = _Watched(target.model)
+    first_step = sigma = what = None
+    try:
+        sample(watched, chunk[~finite][:1], None, False)
+    except Exception:  # noqa: BLE001 - the search is a courtesy: the error below is the finding
+        pass
+    if watched.first is not None:
+        sigma, what = watched.first
+        first_step = int(torch.argmin((schedule.sigmas.double().cpu() - sigma).abs()))
+    where = (f"the first non-finite value was a {what} at step {first_step} of T={schedule.steps} (sigma={sigma:.4g}), "
+             f"met when trajectory {bad_ids[0]} was sampled again alone" if first_step is not None else
+             f"every target call saw finite states and returned finite velocities when trajectory {bad_ids[0]} was "
+             "sampled again alone, so the last update (or a coupling's output) made them")
+    of = f"batch {batch + 1} of {n_batches} ({chunk.numel()} samples)" if n_batches > 1 else f"the {chunk.numel()} samples"
+    shown = ", ".join(map(str, bad_ids[:10])) + (" ..." if len(bad_ids) > 10 else "")
+    message = (f"{len(bad_ids)} of {of} hold NaN or inf (trajectories {shown}): {where}. They are not a result: no "
+               f"result.json or samples were written for this run. {non_finite_causes(run)}")
+    details = {"samples": len(bad_ids), "of": int(chunk.numel()), "batch": batch, "batches": n_batches,
+               "trajectories": bad_ids, "first_step": first_step, "first_sigma": sigma, "first_kind": what}
+    return NonFiniteSamplesError(message, details)
 
 
 def check_config_sizes(run: RunConfig) -> None:
@@ -215,6 +275,8 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
     per_step = run.tree == "optimal_per_step"
     given = tree = None
     if optimal:
+        if run.budget is None:
+            check_nominal_budget(run)
         check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
         given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
     else:  # a tree that needs no profile is built (and its size checked) before the model loads
@@ -244,6 +306,12 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
         with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
             tree, B = build_tree(run, coupling, horizon, calibrated or given, callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
+    if tree is not None and run.refine > min(largest.max_depth, horizon):
+        depth = min(largest.max_depth, horizon)
+        raise ConfigError(f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
+                          f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
+                          "further sweeps change nothing but each costs a batched target call per round; use "
+                          f"refine={depth} or less.")
     given_ids = None if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     if given_ids is not None and (given_ids.numel() == 0 or int(given_ids.min()) < 0 or int(given_ids.max()) >= run.n_samples):
         raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
@@ -263,6 +331,17 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
     if before_sampling is not None:
         before_sampling()
     dev = torch.device(getattr(target.model, "device", run.device))
+
+    def sample(model, chunk, callback=None, compile=run.compile) -> SampleResult:
+        common = dict(seed=run.seed, indices=chunk, max_batch=max_batch, callback=callback,
+                      cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {})
+        if tree is None:
+            return sample_standard(model, schedule, **common)
+        return sample_speculative(model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
+                                  evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
+                                  refine=run.refine, compile=compile,
+                                  check_contract=None if run.check_contract == "auto" else run.check_contract, **common)
+
     results = []
     per_traj = horizon  # the bar counts trajectory-steps of the speculative range, per round or step
     n_batches = -(-ids.numel() // bs)
@@ -276,18 +355,17 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
                 results.append(r)
                 bar.to(base + chunk.numel() * per_traj)
                 continue
-            common = dict(seed=run.seed, indices=chunk, max_batch=max_batch,
-                          cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {},
-                          # no callback without a bar: its progress counts would cost the sampler host syncs
-                          callback=(lambda info, base=base: bar.to(base + info["steps_done"])) if bar.enabled else None)
-            if tree is None:
-                r = sample_standard(target.model, schedule, **common)
-            else:
-                r = sample_speculative(target.model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
-                                       evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup, refine=run.refine,
-                                       compile=run.compile,
-                                       check_contract=None if run.check_contract == "auto" else run.check_contract,
-                                       **common)
+            # no callback without a bar: its progress counts would cost the sampler host syncs
+            progress = (lambda info, base=base: bar.to(base + info["steps_done"])) if bar.enabled else None
+            try:
+                r = sample(target.model, chunk, progress)
+            except (NonFiniteError, NonFiniteSampleError) as e:  # found while sampling, where it happened
+                raise NonFiniteSamplesError(f"{str(e).rstrip('.')}. {non_finite_causes(run)}",
+                                            {"error": str(e), "trajectories": getattr(e, "rows", None)}) from None
+            # one reduction per batch, after its last round: samples holding NaN or inf are not a result
+            finite = torch.isfinite(r.samples.reshape(r.samples.shape[0], -1)).all(1)
+            if not bool(finite.all()):
+                raise non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches, start // bs)
             if store is not None:
                 store.save(chunk, r)
             results.append(r)

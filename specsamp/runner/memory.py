@@ -101,6 +101,40 @@ STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root 
 TREE_BYTES_PER_NODE = 160  # DraftTree's arrays, their construction and the sampler's tensor copies (int64)
 
 
+MAX_BUDGET = 2**63 - 1  # the nominal budget B is recorded as a 64-bit integer (and printed in the result line)
+
+
+def capped_budget(K: int, L: int, cap: int = MAX_BUDGET) -> int:
+    """``min(K + K^2 + ... + K^L, cap + 1)``, in at most 64 multiplications for ``K >= 2`` whatever ``L``
+    (:func:`specsamp.trees.budget` computes ``K^(L+1)``, which never ends for ``L`` near ``2**63``)."""
+    if K == 1:
+        return min(L, cap + 1)
+    total, layer = 0, 1
+    for _ in range(L):
+        layer *= K
+        total += layer
+        if total > cap:
+            return cap + 1
+    return total
+
+
+def check_nominal_budget(run) -> None:
+    """Refuse a ``(K, L)`` whose nominal budget ``B = K + ... + K^L`` is above :data:`MAX_BUDGET`, before it is
+    computed: naming the largest ``L`` that fits with this ``K``.
+
+    Raises:
+        ConfigError: names K, L and the largest L that fits.
+    """
+    if capped_budget(run.K, run.L) <= MAX_BUDGET:
+        return
+    fits = 0
+    while capped_budget(run.K, fits + 1) <= MAX_BUDGET:
+        fits += 1
+    lower = f"L={fits} or less fits with K={run.K} (or lower K)" if fits else "lower K"
+    raise ConfigError(f"K={run.K}, L={run.L} is invalid: the nominal budget B = K + K^2 + ... + K^L it records is above "
+                      f"2**63 - 1 (a 64-bit integer); a round uses at most T-2 = {run.steps - 2} levels anyway: {lower}.")
+
+
 def tree_nodes(run, coupling, horizon: int) -> int:
     """Nodes of the tree :func:`specsamp.runner.build.build_tree` would build, without building it
     (0: no tree, or a tree rule other than ``uniform`` and ``widths``: a search sizes its own, and the
@@ -108,7 +142,7 @@ def tree_nodes(run, coupling, horizon: int) -> int:
     if coupling is None or (run.tree not in ("uniform", "widths") and coupling.max_children != 1):
         return 0
     if coupling.max_children == 1:
-        return min(uniform_budget(run.K, run.L), horizon) + 1
+        return min(capped_budget(run.K, run.L, horizon), horizon) + 1
     widths = run.widths[:horizon] if run.tree == "widths" else [run.K] * min(run.L, horizon)
     nodes, layer = 1, 1
     for w in widths:
@@ -127,6 +161,8 @@ def check_tree_nodes(run, coupling, horizon: int) -> None:
     shape = f"widths={run.widths}" if run.tree == "widths" else f"K={run.K}, L={run.L}"
     check_memory(f"the draft tree ({shape}: {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
                  nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
+    if coupling is not None and (run.tree == "uniform" or coupling.max_children == 1):
+        check_nominal_budget(run)  # the rule records B = K + ... + K^L (RMC: its chain's length)
 
 
 def sampler_bytes(nodes: int | None, widest: int, depth: int, numel: int, elem: int, *, execution: str = "tree",
@@ -177,7 +213,7 @@ def run_memory_bytes(run) -> int:
     horizon = max(run.steps - 2, 1)
     nodes = tree_nodes(run, coupling, horizon)
     if coupling is not None and nodes == 0:  # a searched tree: its budget of drafted states, plus the root
-        nodes = (run.budget or uniform_budget(run.K, run.L)) + 1
+        nodes = (run.budget or capped_budget(run.K, run.L)) + 1
     total += nodes * TREE_BYTES_PER_NODE
     dim = getattr(run.model, "dim", None)
     on_cpu = not str(run.device).startswith("cuda")

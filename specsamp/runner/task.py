@@ -40,8 +40,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..errors import ConfigError
-from .exits import INFRASTRUCTURE, USAGE, infrastructure_message, is_infrastructure
+from ..errors import ConfigError, NonFiniteSamplesError
+from .exits import INFRASTRUCTURE, NON_FINITE, USAGE, infrastructure_message, is_infrastructure
 from ..io import torch_save_atomic, write_json_atomic
 from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
 from .loop import prepare, run_config
@@ -144,12 +144,14 @@ def write_failure(out_dir: Path, error: BaseException, cfg_dict: dict | None, cf
     """Record a failed job atomically in ``out_dir/failed.json`` and return the record."""
     kind = "config" if isinstance(error, ConfigError) else "infrastructure" if is_infrastructure(error) else "exception"
     kind = getattr(error, "record_kind", None) or kind  # e.g. timed_out (the SLURM launcher's time-limit signal)
+    details = getattr(error, "details", None)  # non_finite: how many samples, which trajectories, from which step
     rec = {
         "status": "failed",
         "kind": kind,
         "error": infrastructure_message(error) if kind == "infrastructure" else (str(error) or type(error).__name__),
         "error_type": type(error).__name__,
-        "traceback": None if kind == "config" else "".join(traceback.format_exception(error)),
+        "traceback": None if kind in ("config", "non_finite") else "".join(traceback.format_exception(error)),
+        **({"non_finite": details} if kind == "non_finite" and isinstance(details, dict) else {}),
         "overrides": _job_overrides(),
         "config_hash": cfg_hash,
         "config": cfg_dict,
@@ -347,6 +349,16 @@ def run_task(cfg: DictConfig) -> float | None:
             discard_refused_dir(out_dir)
             fail(str(e))
         err: Exception = e
+    except NonFiniteSamplesError as e:
+        if not multirun:  # the run's record of it is failed.json; no result.json, no samples
+            try:
+                write_failure(out_dir, e, state.get("cfg"), state.get("hash"))
+                see = f" Details: {shown(out_dir / FAILED)}."
+            except OSError as e2:
+                see = f" (its failed.json could not be written: {e2})"
+            print(f"error: {e}{see}", file=sys.stderr, flush=True)
+            sys.exit(NON_FINITE)
+        err = e
     except Exception as e:
         if not multirun:
             if is_infrastructure(e):

@@ -258,3 +258,184 @@ def test_an_ad_hoc_sweep_resumes_with_the_sweep_name_its_summary_prints(tmp_path
     again = run(["-m", *TINY, "K=1,0", f"sweep_name={name}"], tmp_path)
     assert again.returncode == 2 and "1 skipped (done before)" in again.stdout, again.stdout
     assert len(list((tmp_path / "multirun").glob("*/*/K=1,*/result.json"))) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# paths: sweep_name stays below multirun/, output folders hold no control characters
+
+
+def _inprocess(args, cwd, monkeypatch):
+    from test_validation import run_inprocess
+
+    monkeypatch.chdir(cwd)
+    return run_inprocess(args, cwd / "single", monkeypatch)
+
+
+BAD_SWEEP_NAMES = [("sweep_name=..", "sweep_name='..' is invalid"), ("sweep_name=../../x", "sweep_name='../../x' is invalid"),
+                   ("sweep_name=", "sweep_name='' is invalid"), ("sweep_name=/tmp/abs", "sweep_name='/tmp/abs' is invalid"),
+                   ("sweep_name=a\nb", r"sweep_name='a\nb' is invalid: it holds the control character(s) '\n'"),
+                   ("sweep_name=1_1_1", "reads 1_1_1 as the int 111"), ("sweep_name=true", "reads true as the bool True"),
+                   ("sweep_name=null", "reads null as null"), ("sweep_name=é", "sweep_name=é is invalid: must be a folder name")]
+
+
+@pytest.mark.parametrize("arg,needle", BAD_SWEEP_NAMES, ids=[a.replace("\n", "NL") for a, _ in BAD_SWEEP_NAMES])
+def test_a_sweep_name_that_leaves_multirun_is_refused(tmp_path, monkeypatch, arg, needle):
+    code, out, err = _inprocess(["-m", *TINY, "n_samples=2", "K=1,2", arg], tmp_path, monkeypatch)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert needle in err and ("multirun/" in err or "quote it" in err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # nothing written, anywhere
+
+
+def test_sweep_name_is_checked_as_resolved_too():
+    """A name from an experiment config or the API (no override to read) is checked by the rule and the sweeper."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.specsamp_sweeper import check_sweep_name
+
+    for bad in ("..", "a/../b", "", "/abs", None, "a b", "x\ty"):
+        with pytest.raises(ConfigError, match="sweep_name=.* is invalid: must be a folder name under multirun/"):
+            check_sweep_name(OmegaConf.create({"sweep_name": bad}))
+    check_sweep_name(OmegaConf.create({"sweep_name": "2024-05-01/12-00-00"}))
+    with pytest.raises(ConfigError, match=r"sweep_name='a/\.\./b' is invalid"):
+        load_config(compose([*TINY, "sweep_name=a/../b"]))
+    load_config(compose([*TINY, "sweep_name=gmm_grid/v2"]))
+
+
+def test_overrides_read_otherwise_than_typed_are_refused():
+    from specsamp.runner.config import override_problem
+
+    assert override_problem(["compile=2"]) == "compile=2 is invalid: compile takes true or false, not a number."
+    assert "model.trust_checkpoint=1 is invalid" in override_problem(["model.trust_checkpoint=1"])
+    assert "hydra.run.dir='out\\nx' is invalid: it holds the control character(s) '\\n'" in override_problem(["hydra.run.dir=out\nx"])
+    assert "model.cache_dir='a\\rb' is invalid" in override_problem(["model.cache_dir=a\rb"])
+    for fine in (["compile=true"], ["compile=yes"], ["sweep_name=2024"], ["sweep_name='1_1_1'"], ["hydra.run.dir=out/x"],
+                 ["-m", "K=1,2"], ["sweep_name=a,b"]):
+        assert override_problem(fine) is None, fine
+
+
+def test_a_path_key_with_a_control_character_is_refused():
+    with pytest.raises(ConfigError, match=r"model.cache_dir='a\\nb' is invalid: it holds the control character"):
+        load_config({**load_config(compose(TINY))[1], "model": {"_target_": "specsamp.models.edm.EDMConfig",
+                                                               "name": "x", "cache_dir": "a\nb"}})
+
+
+def test_an_unreadable_override_names_its_key_and_the_quoting():
+    with pytest.raises(Exception) as e:
+        compose([*TINY, "model.dim=é"])
+    text = exits.composition_message(e.value)
+    assert text.startswith("model.dim=é could not be read") and "\"model.dim='é'\"" in text and "LexerNoViable" not in text
+
+
+def test_a_mistyped_sweeper_key_lists_the_valid_ones(tmp_path, monkeypatch):
+    code, _, err = _inprocess(["-m", *TINY, "K=1,2", "hydra.sweeper.nope=1"], tmp_path, monkeypatch)
+    assert code == 2 and "hydra.sweeper.nope=1 is not a key of specsamp's sweeper" in err, err
+    assert "hydra.sweeper.max_batch_size, hydra.sweeper.params, hydra.sweeper.validate" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# a profile file's values, the documented values of model.net_dtype
+
+
+@pytest.mark.parametrize("values,shown", [('["a"]', "'a'"), ("[NaN]", "nan"), ("[1.0, -1]", "-1"), ("[Infinity]", "inf"), ("[]", "empty")])
+def test_a_profile_file_with_bad_values_names_the_file_and_the_value(tmp_path, values, shown):
+    from specsamp.runner.build import given_profile
+
+    path = tmp_path / "p.json"
+    path.write_text(f'{{"profile": {values}, "per_root": [{values}]}}')
+    for tree, entry in (("optimal", "'profile'"), ("optimal_per_step", "'per_root'")):
+        run_, _ = load_config(compose([*TINY, f"tree={tree}", f"delta_profile={path}"]))
+        with pytest.raises(ConfigError) as e:
+            given_profile(run_)
+        text = str(e.value)
+        assert text.startswith(f"delta_profile='{path}' is invalid: the {entry} entry of {path}") and shown in text, text
+        assert "array(" not in text and "deltas=" not in text
+
+
+def test_net_dtype_takes_its_documented_values():
+    from specsamp.models.edm import EDMConfig
+
+    for bad in ("float64", "float32", "int8"):
+        with pytest.raises(ConfigError, match=f"model.net_dtype='{bad}' is invalid: valid values are float16, bfloat16 .* or null"):
+            EDMConfig(name="edm-digits-8x8-cond", net_dtype=bad).build("cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# samples holding NaN or inf are an error (exit 4), recorded in failed.json; nothing else is written
+
+NAN_COUPLING = "sampler.coupling={_target_: helpers.nan_residual_coupling}"
+
+
+def test_the_contract_check_refuses_a_non_finite_sample():
+    from helpers import MODEL, SCHED, nan_residual_coupling
+
+    from specsamp.sampler import NonFiniteSampleError, sample_speculative
+    from specsamp.trees import DraftTree
+
+    for execution in ("path", "tree"):
+        with pytest.raises(NonFiniteSampleError, match=r"returned a sample holding NaN or inf at trajectory 0, step 1"):
+            sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 2), nan_residual_coupling(), 2, execution=execution,
+                               check_contract=True)
+
+
+@pytest.mark.parametrize("contract", ["true", "false"])
+def test_non_finite_samples_exit_4_and_are_recorded(tmp_path, monkeypatch, contract):
+    out = tmp_path / "single"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    code, stdout, err = _inprocess([*TINY, "n_samples=3", NAN_COUPLING, f"check_contract={contract}"], tmp_path, monkeypatch)
+    assert code == exits.NON_FINITE == 4 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "net_dtype" in err and "check_contract=true" in err, err
+    failed = json.loads((out / "failed.json").read_text())
+    assert failed["kind"] == "non_finite" and failed["traceback"] is None and failed["non_finite"]
+    if contract == "false":  # found by the final check: how many and from which step
+        assert "3 of the 3 samples hold NaN or inf (trajectories 0, 1, 2)" in err and "state at step 2 of T=8" in err
+        assert failed["non_finite"]["samples"] == 3 and failed["non_finite"]["first_step"] == 2
+    else:  # found by the contract check, where it happened
+        assert "returned a sample holding NaN or inf at trajectory 0, step 1" in err
+    assert sorted(p.name for p in out.iterdir() if p.name != ".hydra") == ["failed.json", "keep.txt", "run.log"]
+    assert not (out / "result.json").exists() and not (out / "samples.pt").exists()
+    assert (out / "keep.txt").read_text() == "precious"
+
+
+def test_an_overflowing_network_names_the_step_of_its_first_inf():
+    from specsamp.errors import NonFiniteSamplesError
+    from specsamp.runner.build import build_target
+    from specsamp.runner.loop import run_config
+
+    cfg = compose([*TINY, "n_samples=4", "sampler=standard", "batch_size=2"])
+    target = build_target(load_config(cfg)[0])
+    inner = target.model
+
+    class Overflows:  # the velocity is inf below sigma 0.3, as a network overflowing in half precision
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def __call__(self, x, sigma, **cond):
+            v = inner(x, sigma, **cond)
+            return torch.where((torch.as_tensor(sigma).reshape(-1, 1) < 0.3), torch.full_like(v, float("inf")), v)
+
+    target.model = Overflows()
+    with pytest.raises(NonFiniteSamplesError) as e:
+        run_config(cfg, target=target)
+    d = e.value.details
+    assert d == {**d, "samples": 2, "of": 2, "batch": 0, "batches": 2, "trajectories": [0, 1], "first_step": 5,
+                 "first_kind": "velocity"}, d
+    assert str(e.value).startswith("2 of batch 1 of 2 (2 samples) hold NaN or inf") and "a velocity at step 5 of T=8" in str(e.value)
+
+
+def test_a_sweep_with_non_finite_samples_exits_4():
+    assert exits.sweep_exit_status({"kinds": ["config", "non_finite"]}) == 4
+    assert exits.sweep_exit_status({"kinds": ["non_finite", "exception"]}) == 1
+    assert exits.sweep_exit_status({"kinds": ["non_finite"], "infrastructure": True}) == 3
+
+
+def test_other_sizes_and_paths_of_the_commands_are_bounded():
+    from specsamp.models.sd3 import SD3Config
+
+    with pytest.raises(ConfigError, match=r"model.max_sequence_length=100000 is invalid: must be an integer in 1..512"):
+        SD3Config(max_sequence_length=100000).build("cpu")
+    from experiments.calibrate import main as calibrate_main
+
+    for bad, shown in (("out=", "out='' is invalid: it is empty"), ("out=a\nb.json", r"out='a\\nb.json' is invalid: it holds")):
+        with pytest.raises(ConfigError, match=shown):
+            calibrate_main([*TINY, bad])

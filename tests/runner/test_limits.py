@@ -202,3 +202,29 @@ def test_log_file_gets_periodic_lines_and_bar_moves_per_round(monkeypatch, capsy
     assert lines[-1].startswith("sampling: 100% (48/48 traj-step)")
     loop.run_config(compose([*TINY, "progress=false"]))
     assert "sampling" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# upper bounds of the size keys that no memory estimate covers
+
+
+def test_refine_beyond_the_trees_depth_is_refused_with_the_largest_that_helps():
+    """refine=100000 ran without end even at n_samples=2: sweeps beyond the tree's depth change nothing."""
+    with pytest.raises(ConfigError, match=r"refine=100000 is invalid with steps=8: .* use refine=6 or less"):
+        load_config(compose([*TINY, "n_samples=2", "execution=tree", "refine=100000"]))
+    with pytest.raises(ConfigError, match=r"refine=4 is invalid for this tree \(uniform\(2,3\), 3 level\(s\) .* use refine=3 or less"):
+        loop.run_config(compose([*TINY, "n_samples=2", "execution=tree", "L=3", "refine=4"]))
+    rec, _ = loop.run_config(compose([*TINY, "n_samples=2", "execution=tree", "L=3", "refine=3"]))
+    assert rec["refine"] == 3
+
+
+def test_a_nominal_budget_beyond_64_bits_is_refused_before_it_is_computed():
+    """sampler=rmc L=20000 printed a traceback (B had 6021 digits); L=2**62 computed K^L for ever."""
+    assert [memory.capped_budget(K, L) for K, L in ((1, 5), (2, 3), (3, 4))] == [5, 14, 120]
+    assert memory.capped_budget(2, 2**62) == memory.MAX_BUDGET + 1 and memory.capped_budget(1, 2**70) == memory.MAX_BUDGET + 1
+    with pytest.raises(ConfigError, match=r"K=2, L=20000 is invalid: the nominal budget .* L=62 or less fits with K=2"):
+        loop.run_config(compose([*TINY, "n_samples=2", "sampler=rmc", "L=20000"]))
+    with pytest.raises(ConfigError, match=rf"K={2**63}, L=3 is invalid: .* lower K\."):
+        loop.run_config(compose([*TINY, "n_samples=2", "sampler=rmc", f"K={2**63}"]))
+    with pytest.raises(ConfigError, match=r"K=2, L=99999 is invalid: the nominal budget"):
+        loop.run_config(compose([*TINY, "n_samples=2", "tree=optimal", "L=99999", "delta_profile=[0.5]"]))

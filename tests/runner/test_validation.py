@@ -67,6 +67,15 @@ BAD = [
     # a model key of the wrong type says what its field takes
     (["model.dim=abc"], ["model.dim=abc", "Integer; must be an integer."]),
     (["model.components=1.5"], ["model.components=1.5", "must be an integer"]),
+    # documented values only: null is not one of auto/true/false, a number is not a bool
+    (["check_contract=null"], ["check_contract=null is invalid", "auto", "true, false"]),
+    (["progress=null"], ["progress=null is invalid"]),
+    (["compile=2"], ["compile=2 is invalid", "true or false"]),
+    # upper bounds: threads (2**31 overflowed torch, 100000 crashed OpenMP), L (the nominal budget K^L)
+    ([f"threads={2**31}"], [f"threads={2**31} is invalid", "at most 1024"]),
+    (["threads=100000"], ["threads=100000 is invalid", "at most 1024"]),
+    ([f"L={2**63}"], [f"L={2**63} is invalid", "at most 100000"]),
+    (["execution=tree", "refine=100000"], ["refine=100000 is invalid with steps=8", "refine=6 or less"]),
 ]
 
 
