@@ -46,11 +46,13 @@ back to step 0) drafts like ``x0``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .batching import row_sums
 from .registry import Registry
 from .schedule import Schedule, per_row
 
@@ -306,7 +308,7 @@ def _x0_extrap(gate: bool = False):
             older, ok1 = rate(1)
             d1 = pts_x[0] - pts_x[1]
             pred = older * per_row((f[0] - f[1]).to(d_r.dtype), d_r)
-            red = lambda t: t.reshape(t.shape[0], -1).square().sum(1)
+            red = lambda t: row_sums(t.reshape(t.shape[0], -1).square())
             ok = ok & ok1 & (red(d1 - pred) < red(d1))
         slope = slope * per_row(ok.to(d_r.dtype), d_r)
         f_r = feature(sig[root.n]).to(d_r.dtype)
@@ -328,6 +330,9 @@ def _gauss_gain(s2: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, to
     return sigma * sigma / v, a * s2 / v
 
 
+_LN10 = math.log(10.0)
+
+
 def _fit_s2(dA, xA, sA, dB, xB, sB, grid: int = 241, rounds: int = 5):
     """Least-squares ``s^2`` of the one-Gaussian posterior through two exact records, per row.
 
@@ -340,27 +345,33 @@ def _fit_s2(dA, xA, sA, dB, xB, sB, grid: int = 241, rounds: int = 5):
     Returns: ``(s2 [m], residual [m])`` (residual: ``||d_B - prediction||^2`` at ``s2``).
     """
     m = dA.shape[0]
-    V = torch.stack([t.reshape(m, -1) for t in (dB, dA, xA, xB)], 1).double()  # [m, 4, D]
-    G = V @ V.transpose(1, 2)  # [m, 4, 4]
+    V = [t.reshape(m, -1).double() for t in (dB, dA, xA, xB)]
+    # the Gram matrix's 10 entries, each a product and a sum over the row's own coordinates: no batched matrix
+    # product (a BLAS rounds a row by the batch's size) and no einsum, so a row's fit is the same in any batch
+    G = {(i, j): row_sums(V[i] * V[j]) for i in range(4) for j in range(i, 4)}  # [m] each
     sA, sB = sA.double()[:, None], sB.double()[:, None]
 
-    def resid(s2):  # s2 [m, g] -> [m, g]
+    def resid(s2):  # s2 [m, g] -> [m, g]: w' G w with w = (-1, alpha, beta, gamma), in a fixed order
         bA, cA = _gauss_gain(s2, sA)
         bB, cB = _gauss_gain(s2, sB)
-        w = torch.stack([-torch.ones_like(s2), bB / bA, -bB * cA / bA, cB], -1)  # [m, g, 4]
-        return torch.einsum("mgi,mij,mgj->mg", w, G, w)
+        w = (-torch.ones_like(s2), bB / bA, -bB * cA / bA, cB)
+        out = torch.zeros_like(s2)
+        for (i, j), g in G.items():
+            term = w[i] * w[j] * g[:, None]
+            out += term if i == j else 2.0 * term
+        return out
 
     lo = torch.full((m, 1), -6.0, dtype=torch.float64, device=dA.device)
     hi = torch.full((m, 1), 2.0, dtype=torch.float64, device=dA.device)
     t = torch.linspace(0, 1, grid, dtype=torch.float64, device=dA.device)[None]
     for _ in range(rounds):
         e = lo + (hi - lo) * t
-        r = resid(10.0 ** e)
+        r = resid(torch.exp(e * _LN10))  # 10^e; torch.pow rounds its vectorised body and scalar tail differently
         best = r.argmin(1, keepdim=True)
         step = (hi - lo) / (grid - 1)
         c = e.gather(1, best)
         lo, hi = c - step, c + step
-    s2 = 10.0 ** c[:, 0]
+    s2 = torch.exp(c[:, 0] * _LN10)
     return s2, resid(s2[:, None])[:, 0].clamp(min=0)
 
 
@@ -389,7 +400,7 @@ def _x0_affine():
         usable = (nA >= 1) & (nB >= 1) & (nA != nB)  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
         sA, sB = sig[nA.clamp(min=0)], sig[nB.clamp(min=0)]
         s2, res = _fit_s2(dA, xA, sA, dB, xB, sB)
-        red = lambda t: t.reshape(t.shape[0], -1).double().square().sum(1)
+        red = lambda t: row_sums(t.reshape(t.shape[0], -1).double().square())
         # reliable: the fit predicts record B better than a frozen data prediction (the x0 draft) would
         ok = usable & (res < red(dB - dA)) & torch.isfinite(s2)
         s2 = torch.where(ok, s2, torch.full_like(s2, -1.0))
