@@ -338,27 +338,50 @@ def _fit_s2(dA, xA, sA, dB, xB, sB, grid: int = 241, rounds: int = 5):
 
     Anchored at record A (``mu = (d_A - c_A x_A) / b_A``), record B's data prediction is predicted as
     ``alpha d_A + beta x_A + gamma x_B`` with ``alpha = b_B / b_A``, ``beta = -b_B c_A / b_A``, ``gamma = c_B``;
-    the squared residual is a quadratic form in the Gram matrix of ``(d_B, d_A, x_A, x_B)``, scanned on a
-    log grid of ``s^2`` in ``[1e-6, 1e2]`` and refined ``rounds`` times around the best point.
+    the squared residual ``||V' w||^2``, ``V = (d_B, d_A, x_A, x_B)`` and ``w = (-1, alpha, beta, gamma)``, is
+    scanned on a log grid of ``s^2`` in ``[1e-6, 1e2]`` and refined ``rounds`` times around the best point.
+
+    It is evaluated as ``||R w||^2`` from the triangular factor of ``V' = Q R`` (Gram--Schmidt, each column
+    orthogonalised twice, so ``Q`` is orthonormal to working precision), not as ``w' G w`` from the Gram matrix
+    ``G = V V'``: near a good fit the residual is small while ``G``'s entries are ``|V|^2``, so the Gram form's
+    rounding (``eps |w|^2 |V|^2``) would swamp it, and its minimiser would move with the square root of any
+    rounding of the records. ``R w``'s rounding is ``eps |w| |V|``, so the squared residual's is ``2 eps |w| |V|
+    sqrt(r)`` and the minimiser moves linearly with a perturbation of the records, by ``|w| |V| / |dR w / ds^2|``
+    times it (the fit's condition number). Every step is a product, a sum over a row's own coordinates
+    (:func:`specsamp.batching.row_sums`) or elementwise: a row's fit is the same in a batch of any size.
 
     Args: ``dA, xA, dB, xB [m, *e]``; ``sA, sB [m]`` noise levels in ``(0, 1)``.
     Returns: ``(s2 [m], residual [m])`` (residual: ``||d_B - prediction||^2`` at ``s2``).
     """
     m = dA.shape[0]
     V = [t.reshape(m, -1).double() for t in (dB, dA, xA, xB)]
-    # the Gram matrix's 10 entries, each a product and a sum over the row's own coordinates: no batched matrix
-    # product (a BLAS rounds a row by the batch's size) and no einsum, so a row's fit is the same in any batch
-    G = {(i, j): row_sums(V[i] * V[j]) for i in range(4) for j in range(i, 4)}  # [m] each
+    Q: list[torch.Tensor] = []
+    R = {}  # (j, k) -> [m], j <= k
+    for k in range(4):
+        v = V[k].clone()
+        coef = [torch.zeros(m, dtype=torch.float64, device=v.device) for _ in range(k)]
+        for _ in range(2):  # twice: orthogonal to working precision
+            for j in range(k):
+                cj = row_sums(Q[j] * v)
+                v = v.sub_(Q[j] * cj[:, None])
+                coef[j] = coef[j] + cj
+        norm = row_sums(v * v).sqrt_()
+        Q.append(v.div_(torch.where(norm > 0, norm, torch.ones_like(norm))[:, None]))  # a column in the others' span: 0
+        for j in range(k):
+            R[j, k] = coef[j]
+        R[k, k] = norm
     sA, sB = sA.double()[:, None], sB.double()[:, None]
 
-    def resid(s2):  # s2 [m, g] -> [m, g]: w' G w with w = (-1, alpha, beta, gamma), in a fixed order
+    def resid(s2):  # s2 [m, g] -> [m, g]: ||R w||^2 with w = (-1, alpha, beta, gamma), in a fixed order
         bA, cA = _gauss_gain(s2, sA)
         bB, cB = _gauss_gain(s2, sB)
         w = (-torch.ones_like(s2), bB / bA, -bB * cA / bA, cB)
         out = torch.zeros_like(s2)
-        for (i, j), g in G.items():
-            term = w[i] * w[j] * g[:, None]
-            out += term if i == j else 2.0 * term
+        for j in range(4):
+            comp = torch.zeros_like(s2)
+            for k in range(j, 4):
+                comp = comp + R[j, k][:, None] * w[k]
+            out = out + comp * comp
         return out
 
     lo = torch.full((m, 1), -6.0, dtype=torch.float64, device=dA.device)

@@ -101,10 +101,12 @@ def _log_uniform(n, lo, hi, g):
 
 
 def test_logaddexp_is_rowwise_and_agrees_with_torch():
-    # seed 0: 4000 pairs, normal of scale 30 with infinities and equal pairs mixed in; torch.logaddexp's values
-    # within 2 ulps (it is the same formula, with exp and log1p rounded by other kernels)
+    # seed 0: 4000 pairs, normal of scale 2 (gaps where log1p(exp(-gap)) counts) with infinities and equal pairs
+    # mixed in; torch.logaddexp's values within 2 ulps (the same formula, exp and log1p rounded by other kernels).
+    # torch.logaddexp itself fails the first check on AVX2 and AVX-512 builds (about one element in 80 differs
+    # between its vectorised body and its scalar tail)
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(2, BIG, dtype=F64, generator=g) * 30
+    a, b = torch.randn(2, BIG, dtype=F64, generator=g) * 2
     a[:20], b[10:20] = -math.inf, -math.inf
     a[20:30], b[20:30] = math.inf, math.inf
     b[30:40] = a[30:40]
