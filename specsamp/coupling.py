@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batching import row_reduce, row_sums
 from .errors import ConfigError
 from .grs import (  # noqa: F401  (re-exported: the GRS scalar machinery is public here too)
     GRID,
@@ -397,22 +398,24 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
     mant, _ = torch.frexp(scale)
     pow2 = scale.div_(mant.mul_(2.0))
     unit = diff.div_(pow2[:, None])  # exact; the largest coordinate is in [1, 2)
-    dist = torch.linalg.vector_norm(unit, dim=1, dtype=torch.float64)  # ||mean_q - mean_p|| / pow2, 0 or >= 1
+    dist = row_reduce(lambda t: torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64), unit)  # ||mean_q - mean_p|| / pow2, 0 or >= 1
     p64 = pow2.double()
     full = dist * p64  # exact where it neither over- nor underflows: then delta is the unscaled quotient
     direct = full.clamp(torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max) == full
     delta = torch.where(direct, full / sigma, p64 / sigma * dist)
     e = unit.mul_(dist.clamp_min(1.0).reciprocal_().to(w)[:, None])  # the difference buffer becomes the direction
+    # the dot products as products and a sum over each row's own coordinates, never a batched matrix product
+    # (a BLAS rounds a row by the batch's size, so a row alone and inside a batch would differ)
     if n * k * flat.shape[2] <= BATCHED_ELEMENTS:
         dev = flat.to(w) - mp[:, None]
-        s_hat = torch.bmm(dev, e[:, :, None]).reshape(n, k).double()
+        s_hat = row_sums(dev.mul_(e[:, None])).double()
         del dev
     else:
         s_hat = torch.empty(n, k, dtype=torch.float64, device=children.device)
         for j in range(k):
             d_j = flat[:, j].to(w, copy=True)
             d_j -= mp
-            s_hat[:, j] = torch.bmm(d_j[:, None], e[:, :, None]).reshape(n).double()
+            s_hat[:, j] = row_sums(d_j.mul_(e)).double()
         del d_j
     s_hat /= sigma[:, None]
     total = s_hat.sum(1).add_(delta)  # finite iff delta and every projection are

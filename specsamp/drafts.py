@@ -46,11 +46,13 @@ back to step 0) drafts like ``x0``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .batching import row_sums
 from .registry import Registry
 from .schedule import Schedule, per_row
 
@@ -306,7 +308,7 @@ def _x0_extrap(gate: bool = False):
             older, ok1 = rate(1)
             d1 = pts_x[0] - pts_x[1]
             pred = older * per_row((f[0] - f[1]).to(d_r.dtype), d_r)
-            red = lambda t: t.reshape(t.shape[0], -1).square().sum(1)
+            red = lambda t: row_sums(t.reshape(t.shape[0], -1).square())
             ok = ok & ok1 & (red(d1 - pred) < red(d1))
         slope = slope * per_row(ok.to(d_r.dtype), d_r)
         f_r = feature(sig[root.n]).to(d_r.dtype)
@@ -328,39 +330,71 @@ def _gauss_gain(s2: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, to
     return sigma * sigma / v, a * s2 / v
 
 
+_LN10 = math.log(10.0)
+
+
 def _fit_s2(dA, xA, sA, dB, xB, sB, grid: int = 241, rounds: int = 5):
     """Least-squares ``s^2`` of the one-Gaussian posterior through two exact records, per row.
 
     Anchored at record A (``mu = (d_A - c_A x_A) / b_A``), record B's data prediction is predicted as
     ``alpha d_A + beta x_A + gamma x_B`` with ``alpha = b_B / b_A``, ``beta = -b_B c_A / b_A``, ``gamma = c_B``;
-    the squared residual is a quadratic form in the Gram matrix of ``(d_B, d_A, x_A, x_B)``, scanned on a
-    log grid of ``s^2`` in ``[1e-6, 1e2]`` and refined ``rounds`` times around the best point.
+    the squared residual ``||V' w||^2``, ``V = (d_B, d_A, x_A, x_B)`` and ``w = (-1, alpha, beta, gamma)``, is
+    scanned on a log grid of ``s^2`` in ``[1e-6, 1e2]`` and refined ``rounds`` times around the best point.
+
+    It is evaluated as ``||R w||^2`` from the triangular factor of ``V' = Q R`` (Gram--Schmidt, each column
+    orthogonalised twice, so ``Q`` is orthonormal to working precision), not as ``w' G w`` from the Gram matrix
+    ``G = V V'``: near a good fit the residual is small while ``G``'s entries are ``|V|^2``, so the Gram form's
+    rounding (``eps |w|^2 |V|^2``) would swamp it, and its minimiser would move with the square root of any
+    rounding of the records. ``R w``'s rounding is ``eps |w| |V|``, so the squared residual's is ``2 eps |w| |V|
+    sqrt(r)`` and the minimiser moves linearly with a perturbation of the records, by ``|w| |V| / |dR w / ds^2|``
+    times it (the fit's condition number). Every step is a product, a sum over a row's own coordinates
+    (:func:`specsamp.batching.row_sums`) or elementwise: a row's fit is the same in a batch of any size.
 
     Args: ``dA, xA, dB, xB [m, *e]``; ``sA, sB [m]`` noise levels in ``(0, 1)``.
     Returns: ``(s2 [m], residual [m])`` (residual: ``||d_B - prediction||^2`` at ``s2``).
     """
     m = dA.shape[0]
-    V = torch.stack([t.reshape(m, -1) for t in (dB, dA, xA, xB)], 1).double()  # [m, 4, D]
-    G = V @ V.transpose(1, 2)  # [m, 4, 4]
+    V = [t.reshape(m, -1).double() for t in (dB, dA, xA, xB)]
+    Q: list[torch.Tensor] = []
+    R = {}  # (j, k) -> [m], j <= k
+    for k in range(4):
+        v = V[k].clone()
+        coef = [torch.zeros(m, dtype=torch.float64, device=v.device) for _ in range(k)]
+        for _ in range(2):  # twice: orthogonal to working precision
+            for j in range(k):
+                cj = row_sums(Q[j] * v)
+                v = v.sub_(Q[j] * cj[:, None])
+                coef[j] = coef[j] + cj
+        norm = row_sums(v * v).sqrt_()
+        Q.append(v.div_(torch.where(norm > 0, norm, torch.ones_like(norm))[:, None]))  # a column in the others' span: 0
+        for j in range(k):
+            R[j, k] = coef[j]
+        R[k, k] = norm
     sA, sB = sA.double()[:, None], sB.double()[:, None]
 
-    def resid(s2):  # s2 [m, g] -> [m, g]
+    def resid(s2):  # s2 [m, g] -> [m, g]: ||R w||^2 with w = (-1, alpha, beta, gamma), in a fixed order
         bA, cA = _gauss_gain(s2, sA)
         bB, cB = _gauss_gain(s2, sB)
-        w = torch.stack([-torch.ones_like(s2), bB / bA, -bB * cA / bA, cB], -1)  # [m, g, 4]
-        return torch.einsum("mgi,mij,mgj->mg", w, G, w)
+        w = (-torch.ones_like(s2), bB / bA, -bB * cA / bA, cB)
+        out = torch.zeros_like(s2)
+        for j in range(4):
+            comp = torch.zeros_like(s2)
+            for k in range(j, 4):
+                comp = comp + R[j, k][:, None] * w[k]
+            out = out + comp * comp
+        return out
 
     lo = torch.full((m, 1), -6.0, dtype=torch.float64, device=dA.device)
     hi = torch.full((m, 1), 2.0, dtype=torch.float64, device=dA.device)
     t = torch.linspace(0, 1, grid, dtype=torch.float64, device=dA.device)[None]
     for _ in range(rounds):
         e = lo + (hi - lo) * t
-        r = resid(10.0 ** e)
+        r = resid(torch.exp(e * _LN10))  # 10^e; torch.pow rounds its vectorised body and scalar tail differently
         best = r.argmin(1, keepdim=True)
         step = (hi - lo) / (grid - 1)
         c = e.gather(1, best)
         lo, hi = c - step, c + step
-    s2 = 10.0 ** c[:, 0]
+    s2 = torch.exp(c[:, 0] * _LN10)
     return s2, resid(s2[:, None])[:, 0].clamp(min=0)
 
 
@@ -389,7 +423,7 @@ def _x0_affine():
         usable = (nA >= 1) & (nB >= 1) & (nA != nB)  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
         sA, sB = sig[nA.clamp(min=0)], sig[nB.clamp(min=0)]
         s2, res = _fit_s2(dA, xA, sA, dB, xB, sB)
-        red = lambda t: t.reshape(t.shape[0], -1).double().square().sum(1)
+        red = lambda t: row_sums(t.reshape(t.shape[0], -1).double().square())
         # reliable: the fit predicts record B better than a frozen data prediction (the x0 draft) would
         ok = usable & (res < red(dB - dA)) & torch.isfinite(s2)
         s2 = torch.where(ok, s2, torch.full_like(s2, -1.0))

@@ -14,6 +14,18 @@ import math
 import torch
 
 
+def logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``log(exp(a) + exp(b))`` elementwise, each element rounded the same wherever it sits in its tensor.
+
+    ``max(a, b) + log1p(exp(-|a - b|))`` (``-inf`` and ``+inf`` pairs give themselves, NaN stays NaN), the
+    formula of ``torch.logaddexp``, whose CPU kernel rounds the elements of its vectorised body and of its
+    scalar tail differently, so that a row's value would depend on the batch it is in. Its parts (``exp``,
+    ``log1p``, and exact ones) round an element by its value alone; within 2 ulps of ``torch.logaddexp``.
+    """
+    gap = torch.sub(a, b).abs_().nan_to_num_(nan=math.inf, posinf=math.inf)  # equal infinities: no gap, the pair itself
+    return torch.maximum(a, b).add_(gap.neg_().exp_().log1p_())
+
+
 def log_sf(x: torch.Tensor) -> torch.Tensor:
     """log of the standard normal survival function, stable in both tails (float64)."""
     return torch.special.log_ndtr(-x)
@@ -154,7 +166,10 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     ``1 - 2^-53``; measured on such grids (six seeds): at most ``3.6 eps max(1, |s|)`` where ``nu <= eps
     max(1, |s|)``, and ``2.2 nu`` beyond ``8 eps max(1, |s|)`` elsewhere. (Three grid levels with one
     step, or two with two, miss the bound by orders of magnitude at small ``delta`` and tiny ``u``.)
-    Cost: 119 ATen operations whatever ``n`` (a 64-step bisection takes about 1110), but ``2 (GRID_LEVELS
+    Every row is computed from its own inputs, rounded the same in a batch of any size (``tests/core/
+    test_rowwise.py``): the grid elementwise and :func:`logaddexp`, never a matrix product or a kernel whose
+    vectorised body and scalar tail round differently.
+    Cost: about 160 ATen operations whatever ``n`` (a 64-step bisection takes about 1110), but ``2 (GRID_LEVELS
     (GRID - 1) + RESIDUAL_STEPS) = 506`` ``log_ndtr`` evaluations per row (a bisection 128): fewer
     launches, four times the arithmetic. ``nu`` is large only at small ``delta`` (``G ~ delta``) and
     for ``u`` within ``1e-10`` of 1 (``r`` vanishes at ``c``).
@@ -193,16 +208,19 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     lo = torch.minimum(torch.maximum(z_lo, c), hi)
     # grid levels: the survival at GRID - 1 interior points of the bracket in one evaluation; the
     # bracket becomes the cell where it crosses u (a static-shape GRID-ary bisection). The cell's
-    # ends and the points are one product [lo, hi] @ [1 - f; f] with f = 0, 1/GRID, ..., 1.
+    # ends and the points are lo (1 - f) + hi f with f = 0, 1/GRID, ..., 1, two products and a sum,
+    # each rounded once: elementwise, never a matrix product, whose rounding of a row depends on the
+    # batch's size and the BLAS's kernel (a row alone and inside a batch would differ in the last bit)
     ends = torch.stack([lo, hi], 1)
     if grid_levels:
         weights, pair = _grid_constants(u.device)
+        w_lo, w_hi = weights.unbind(0)
         d2, lam2, t2 = delta[:, None], log_lam[:, None], log_t[:, None]
         for _ in range(grid_levels):
-            grid = ends @ weights  # [n, GRID + 1]: lo, the GRID - 1 points, hi
+            grid = torch.mul(ends[:, :1], w_lo).add_(torch.mul(ends[:, 1:], w_hi))  # [n, GRID + 1]: lo, the points, hi
             pts = grid[:, 1:GRID]
             # S(s) > u, i.e. Phibar(s - delta) > lam Phibar(s) + u G, in log space: the root lies above
-            above = torch.special.log_ndtr(d2 - pts) > torch.logaddexp(torch.special.log_ndtr(-pts) + lam2, t2)
+            above = torch.special.log_ndtr(d2 - pts) > logaddexp(torch.special.log_ndtr(-pts) + lam2, t2)
             ends = grid.gather(1, above.sum(1, keepdim=True) + pair)
     lo, hi = ends.unbind(1)
     s = torch.lerp(lo, hi, 0.5)

@@ -16,12 +16,18 @@ import numpy as np
 import torch
 
 from . import rng
+from .batching import row_reduce
 from .chains import _Chains, _Context, _contract_violation, _final_step, _Tally
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
 from . import leantree
 from .leantree import COEFS, NC, _coef_table, _draw_tables, _LeanTree, _root_tables, _upload
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm over the last dimension."""
+    return torch.linalg.vector_norm(t, dim=-1)
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
@@ -183,7 +189,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
             ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
-            dist = torch.linalg.vector_norm(states[ch, lt.ar_col] - out[:, None], dim=-1)
+            dist = row_reduce(_norm, states[ch, lt.ar_col] - out[:, None])
             best = torch.where(ok, dist, lt.inf).argmin(1)
             v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r

@@ -362,9 +362,8 @@ def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
     :func:`specsamp.markmax_params.share_table`), where a row whose share the table cannot certify sets the
     context's flag instead (:func:`static_plan`), so that the caller repeats the call outside it; outside it
     about a dozen (:func:`plan`, the rows of each branch). Both give the same ``index``, ``accepted`` and
-    ``sample`` bits, but for the last bit of a residual where a float kernel torch vectorises (its
-    ``logaddexp``, in the lower residual's inversion) rounds the row in another lane: seen once, in one row of
-    64 of a GMM run (4e-16), counts unchanged.
+    ``sample`` bits: every row is computed from its own inputs with operations that round it the same in any
+    batch (``tests/core/test_rowwise.py``).
     """
     proj = project(children, mean_p, mean_q, sigma)
     n, K = proj.s_hat.shape

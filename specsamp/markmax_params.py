@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .coupling import log_sf
+from .grs import logaddexp
 
 Y_LO = -40.0  # projections below this have probability < 1e-349; parameter searches start here
 Y_SPAN = 40.0  # ... and stop at delta + Y_SPAN (target mass above it < 1e-349)
@@ -154,7 +155,7 @@ def make_params(delta: torch.Tensor, K: int, t: torch.Tensor, c=None, log_R=None
         c = crossing(delta, K)
     if log_R is None:
         log_R = log_bound_gap(delta, K, c)
-    log_A = torch.logaddexp(torch.log1p(-t) + _log_cdf(c - delta), log_R)
+    log_A = logaddexp(torch.log1p(-t) + _log_cdf(c - delta), log_R)
     return MarkMaxParams(delta=delta, K=K, c=c, log_R=log_R, t=t, log_A=log_A)
 
 
@@ -173,7 +174,7 @@ def _at(y: torch.Tensor, p: MarkMaxParams) -> _At:
     d = p.delta.reshape(shape)
     log_t = torch.log(p.t).reshape(shape)
     log_rho = d * y - 0.5 * d * d
-    lvk = torch.logaddexp(p.log_A.reshape(shape), log_t + _log_cdf(y - d))
+    lvk = logaddexp(p.log_A.reshape(shape), log_t + _log_cdf(y - d))
     below = log_t + log_rho - math.log(p.K) - (p.K - 1) / p.K * lvk
     lk = torch.where(y > p.c.reshape(shape), torch.zeros_like(y), below)
     lr = torch.log1p(-p.t).reshape(shape) + log_rho - _log1mexp(lk)
@@ -186,7 +187,7 @@ def _log_z(y: torch.Tensor, p: MarkMaxParams) -> torch.Tensor:
     shape = p.delta.shape + (1,) * (y.ndim - p.delta.ndim)
     d = p.delta.reshape(shape)
     log_t = torch.log(p.t).reshape(shape)
-    return log_t + _log_phi(y - d) - torch.logaddexp(p.log_A.reshape(shape), log_t + _log_cdf(y - d))
+    return log_t + _log_phi(y - d) - logaddexp(p.log_A.reshape(shape), log_t + _log_cdf(y - d))
 
 
 def log_kappa(y: torch.Tensor, p: MarkMaxParams) -> torch.Tensor:
@@ -227,7 +228,7 @@ def feasible(p: MarkMaxParams) -> torch.Tensor:
     log_a = p.log_A - torch.log(q.t)
 
     def w_pos(s):  # sign of -s (a + Phi(s)) - phi(s), in logs (a may underflow)
-        return (s < 0) & (torch.log(torch.clamp(-s, min=1e-300)) + torch.logaddexp(log_a, _log_cdf(s)) > _log_phi(s))
+        return (s < 0) & (torch.log(torch.clamp(-s, min=1e-300)) + logaddexp(log_a, _log_cdf(s)) > _log_phi(s))
 
     s_lo = torch.minimum(Y_LO - delta, torch.full_like(delta, Y_LO))
     s_m = _bisect(w_pos, s_lo, torch.zeros_like(delta), CERT_STEPS)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import rng
+from .batching import row_reduce
 from .chains import _Chains, _Context, _Tally, check_verdict_contract
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction
@@ -459,7 +460,7 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
                 continue
             rej, ids, kids = sub[at], ids[at], kids[at]
             ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
-            dist = torch.linalg.vector_norm((kids - x_cur[rej][:, None]).reshape(*ids.shape, -1), dim=-1)
+            dist = row_reduce(lambda t: torch.linalg.vector_norm(t, dim=-1), (kids - x_cur[rej][:, None]).reshape(*ids.shape, -1))
             dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
             best = dist.argmin(1)
             has = ok.any(1).nonzero(as_tuple=True)[0]

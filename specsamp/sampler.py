@@ -6,7 +6,9 @@ batched: one batched target call serves every live trajectory of a round. All ra
 not depend on the batch it ran in, and the two executions of the speculative sampler draw identical
 numbers. A trajectory's counts are then equal bitwise across executions, ``max_batch``, batches and index
 subsets; its sample is equal to the rounding of the model's batched evaluation (a row's output may
-differ in the last bits with its batch), not bitwise (``tests/runner/test_reproducibility.py``):
+differ in the last bits with its batch), not bitwise (``tests/runner/test_reproducibility.py``), and bitwise
+where the model evaluates a row alone: the sampler's own functions round each row the same in any batch
+(``tests/core/test_rowwise.py``):
 
 - ``tree``: draft every node of ``T|_{L_n}``, evaluate all of them in one batched target call, then walk
   (what runs on a GPU);

@@ -180,9 +180,11 @@ PINNED_DELTAS = (0.0, 1e-7, 1e-3, 0.1, 1.0, 5.0, 50.0, 300.0)
 # before it had a static path (its plan and branches on the rows that need them), with this torch build and CPU
 # kernels: a transcendental function of another build or vector width may round differently in its last bit
 PINNED_BUILD = ("2.14.1+cu130", "AVX512")
-PINS = {("float64", 1): "476b7f125604e866", ("float64", 2): "e3051add03026d82", ("float64", 4): "d961f5b102df8c62",
-        ("float64", 16): "d42068a3bd497883", ("float32", 1): "b9ada15612beb832", ("float32", 2): "9212ec67430a3c48",
-        ("float32", 4): "bb5b8857f851e302", ("float32", 16): "66424e63c178f655"}
+# re-pinned when the projections and logaddexp became row-independent: index and accepted unchanged, samples
+# within 1 ulp (float64) and 2 ulps (float32) of the earlier pins
+PINS = {("float64", 1): "3c22b4dbf0f7dcac", ("float64", 2): "24912ced8c3b5887", ("float64", 4): "2bebacdb13b5f1d8",
+        ("float64", 16): "7b85c34dda4e7da2", ("float32", 1): "de49410e953e524b", ("float32", 2): "b59b66a8bc8b06f1",
+        ("float32", 4): "78a084fec02d715d", ("float32", 16): "a8a035cef52d1706"}
 
 
 def _pinned_problem(K, dtype, per=24, dim=6, seed=17):

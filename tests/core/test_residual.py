@@ -118,12 +118,14 @@ def _problem(K, n=16, dim=64, delta=30.0, seed=1):
 
 
 @pytest.mark.parametrize("n", [1, 16])
-@pytest.mark.parametrize("name,K,budget", [("rmc", 1, 64), ("dgrs", 1, 200), ("dgrs", 2, 220), ("dgrs", 5, 260)])
+@pytest.mark.parametrize("name,K,budget", [("rmc", 1, 64), ("dgrs", 1, 240), ("dgrs", 2, 260), ("dgrs", 5, 300)])
 def test_verification_is_sync_free_with_a_bounded_op_count(name, K, n, budget):
     # delta = 30: every child rejected, so the residual runs. Inside deferred_checks no call asks the
     # host for a value (no .item(), nonzero, boolean mask); the ATen ops per call do not depend on n.
     # The 64-step bisection and per-child loops took 1249 (K = 1), 1306 (K = 2), 1477 (K = 5) for D-GRS;
-    # two grid levels and three Newton steps 378, 401, 455 (RMC 91). Now 198, 215, 257 (RMC 61).
+    # two grid levels and three Newton steps 378, 401, 455 (RMC 91); four grid levels by a matrix product and
+    # torch.logaddexp 191, 211, 253 (RMC 61). Now, the grid and logaddexp elementwise (each row rounded the same
+    # in any batch), 236, 256, 298 (RMC 61).
     children, mean_p, mean_q, sigma, g = _problem(K, n)
     coupling = get_coupling(name)
     with deferred_checks() as checks:
@@ -200,5 +202,5 @@ def test_coupling_ops_benchmark_counts_what_the_test_above_bounds():
     from benchmarks.coupling_ops import count
 
     ops, syncs = count("dgrs", 1, 2)
-    assert syncs == 0 and ops <= 220
+    assert syncs == 0 and ops <= 260
     assert count("rmc", 1, 1, deferred=False)[1] == 2  # eager: one sync for sigma, one for the values

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def test_overhead_and_memory_benchmarks_report_rows():
     assert r["overhead_s"] > 0 and r["rounds"] >= 1 and r["budget"] == 14
     rows = overhead_table(LinearVelocity((3, 8, 8)), "proxy", budgets=(14,), probe=2, progress=None)
     assert rows[0]["fraction"] == pytest.approx(rows[0]["overhead_s"] / rows[0]["call_s"])
-    out = subprocess.run(["python", "-m", "benchmarks.memory", "--one", "coupling", "3x32x32", "--trajectories", "2"],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--one", "coupling", "3x32x32", "--trajectories", "2"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["what"] == "coupling"
 

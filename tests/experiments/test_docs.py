@@ -115,3 +115,27 @@ def test_dead_code_scan_is_clean():
     pytest.importorskip("vulture")
     scan = subprocess.run([sys.executable, "-m", "vulture"], cwd=ROOT, capture_output=True, text=True)
     assert scan.returncode == 0, scan.stdout + scan.stderr
+
+
+def test_subprocesses_start_python_by_sys_executable():
+    """A test, benchmark or experiment that starts Python in a subprocess names the running interpreter
+    (``sys.executable``), never a bare ``python``/``python3``: a venv called by path rather than activated
+    puts no ``python`` of its own on PATH, so the child would run another interpreter or none. Checked on
+    the syntax tree: every call of ``subprocess.*``/``os.*`` whose command is a literal list or string."""
+    import ast
+
+    calls = {"run", "Popen", "call", "check_call", "check_output", "system", "execv", "execvp", "spawnv"}
+    bare = re.compile(r"^(python3?(\.\d+)?)(\s|$)")
+    found = []
+    for folder in ("tests", "benchmarks", "experiments"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls
+                        and node.args):
+                    continue
+                first = node.args[0]
+                if isinstance(first, (ast.List, ast.Tuple)) and first.elts:
+                    first = first.elts[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str) and bare.match(first.value):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"subprocesses started with a bare python (use sys.executable): {found}"

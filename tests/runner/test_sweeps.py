@@ -184,7 +184,7 @@ def test_collect_cli_bad_dir_exits_2(tmp_path):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_tables_without_a_sweep_names_the_variable():
-    p = subprocess.run(["make", "-s", "tables"], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(["make", "-s", "tables", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "error: SWEEP is unset" in p.stderr and "make tables SWEEP=multirun/" in p.stderr
     assert "the following arguments are required" not in p.stderr  # stopped before the collector ran
 
