@@ -446,12 +446,14 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
 
 
 def launched(sweep_dir: str | os.PathLike) -> bool:
-    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer)."""
+    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer) or was
+    submitted to SLURM (its ``slurm.json`` is newer)."""
     root = Path(sweep_dir)
     launch = _mtime(root / "multirun.yaml")
     if launch is None:
         return False
-    return any((_mtime(j / ".hydra" / "overrides.yaml") or 0) >= launch for j in job_dirs(root))
+    return any(max(_mtime(j / ".hydra" / "overrides.yaml") or 0, _mtime(j / queue.SLURM_FILE) or 0) >= launch
+               for j in job_dirs(root))
 
 
 # ----------------------------------------------------------------------------------------------
