@@ -7,15 +7,21 @@ What it changes (the job body, the sbatch script and the submitit folder layout 
   shard) is dropped, and so is a cell whose ``slurm.json`` names an array task that ``squeue``/``sacct``
   still report as pending or running (:data:`specsamp.runner.slurm.ALIVE`), or whose ``running.json``
   belongs to a live process; the counts are printed. Nothing is submitted when nothing is left.
+* **Time limit**: a ``timeout_min`` that leaves less than a minute before the warning signal
+  (``signal_delay_s``) is refused before anything is submitted (:func:`check_time_limit`, exit 2).
 * **Memory**: when ``mem_gb`` is unset (``slurm``, ``slurm_cpu``), it is the largest of the cells' own
   memory estimates with a margin (:func:`specsamp.runner.memory.mem_gb_for`), printed at submission.
 * **At submission** it prints the array job id, the log folder and the ``squeue``/``sacct``/``scancel``
-  commands, and writes ``slurm.json`` (array job id, task id, paths) into each submitted cell's directory.
+  commands (for one cell, which submitit submits as a plain job, its own log path and ``scancel ID``),
+  and writes ``slurm.json`` (job id, task id, paths) into each submitted cell's directory.
 * **It waits for every task** (the queue holding none of the array's tasks: ``squeue -j ARRAY``, polled
-  every ``poll_s`` seconds, printing a line when the counts change), then collects what each task left,
-  whatever the others did. hydra-submitit-launcher reads the results in order and stops at the first
-  failed task (a ``scancel``, an OOM kill), leaving the others running unreported.
-* **Ctrl-C** while waiting says that the array keeps running and prints its ``scancel`` command; with
+  every ``poll_s`` seconds, printing a line when the counts change, pending tasks with SLURM's reason),
+  then collects what each task left, whatever the others did. hydra-submitit-launcher reads the results
+  in order and stops at the first failed task (a ``scancel``, an OOM kill), leaving the others running
+  unreported. When every task left pends for a reason that waiting does not resolve (:func:`stuck_reason`:
+  no node of the partition can take the request), it cancels them and exits 2 with a paragraph.
+* **Ctrl-C** while waiting says that the array keeps running and prints its ``scancel`` command; the
+  summary counts its cells as running or pending and says to wait before rerunning. With
   ``cancel_on_interrupt: true`` it cancels the array instead.
 * **sbatch refusals** exit 2 with one paragraph naming the launcher setting (partition, account, qos,
   CPUs, memory, GPUs, time); an unreachable controller raises an infrastructure error (exit 3).

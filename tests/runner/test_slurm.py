@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,13 +85,16 @@ def accounted(array: str, n: int) -> dict[str, str]:
 
 
 def array_of(out: str) -> str:
-    line = next(ln for ln in out.splitlines() if ln.startswith("submitted SLURM array job "))
-    return line.split()[4].rstrip(":")
+    """The job id of the submission line (``submitted SLURM array job 43: ...``, or ``submitted SLURM job 43: ...``
+    for one cell, a plain job)."""
+    m = re.search(r"^submitted SLURM (?:array )?job (\d+)", out, re.M)
+    assert m, out
+    return m.group(1)
 
 
 def submitted_array(log: Path) -> str:
-    """The array job id, once the launcher's log at ``log`` has printed its submission line."""
-    return wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    """The (array) job id, once the launcher's log at ``log`` has printed its submission line."""
+    return wait_until("the submission line", lambda: "submitted SLURM " in log.read_text() and array_of(log.read_text()))
 
 
 def records(sweep: Path, name: str = "result.json") -> dict[str, dict]:
@@ -197,9 +201,10 @@ def test_relaunch_while_the_array_runs_after_the_launcher_died_submits_nothing_a
     proc.wait()
     sweep = tmp_path / "multirun/r"
     assert set(report.collect(sweep)["status"]) == {"running"}
-    again = run(args, tmp_path)
+    again = run(args, tmp_path, check=False)
+    assert again.returncode == 75, again.out  # not every job wrote its record: not 0
     assert "2 of 2 cells still pending or running: not submitted again" in again.stdout and "submitted SLURM" not in again.stdout
-    assert "2 not finished" in again.stdout
+    assert "2 running" in again.stdout and "wait: 2 jobs are still queued or running" in again.stdout, again.out
     go.touch()
     queue_empty(array)
     assert set(accounted(array, 2).values()) == {"COMPLETED"}
@@ -360,6 +365,24 @@ def test_an_sbatch_refusal_names_the_setting_and_an_unreachable_controller_exits
     conf.write_text(Path("/etc/slurm/slurm.conf").read_text() + "\nSlurmctldPort=1\n")  # nobody listens there
     p = run(["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=y"], tmp_path, check=False, env={"SLURM_CONF": str(conf)})
     assert p.returncode == 3 and "could not reach the SLURM controller" in p.stderr and "Traceback" not in p.out, p.out
+
+
+@slurm
+def test_a_request_no_node_can_satisfy_shows_the_pending_reason_stops_waiting_and_exits_2(tmp_path):
+    """8 CPUs per task on the test cluster's node (its `nproc` CPUs, 2 on CI): sbatch accepts the array, SLURM
+    keeps it pending with reason PartitionConfig; the launcher shows the reason, cancels the tasks and exits 2
+    naming the setting; the relaunch with a request that fits submits them again."""
+    cpus = int(subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0])
+    args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=big"]
+    p = run([*args, f"hydra.launcher.cpus_per_task={4 * cpus}"], tmp_path, check=False, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.out, p.out
+    array = array_of(p.stdout)
+    assert f"array job {array}: 2 pending (PartitionConfig)" in p.stdout, p.out
+    assert f"SLURM cannot run job {array}" in p.stderr and f"hydra.launcher.cpus_per_task={4 * cpus}" in p.stderr, p.out
+    assert f"{cpus} CPUs" in p.stderr and "cancelled" in p.stderr, p.out
+    assert set(accounted(array, 2).values()) == {"CANCELLED"}
+    again = run(args, tmp_path)
+    assert "2 jobs, 2 ran, 0 skipped (done before), 0 failed" in again.stdout, again.out
 
 
 @slurm
