@@ -286,7 +286,7 @@ def stuck_message(job: str, view: QueueView, params: Dict[str, Any], nodes: str,
             "; compare with `sinfo -N -o '%N %c %m %G'` (CPUs, MB, GPUs per node)")
     done = (f"The {len(view.stuck)} pending task{'s were' if len(view.stuck) > 1 else ' was'} cancelled (scancel); "
             if cancelled else f"Cancel the pending tasks with scancel {job}; ")
-    return (f"SLURM cannot run job {job}: {len(view.stuck)} task{'s' if len(view.stuck) > 1 else ''} pend with reason "
+    return (f"SLURM cannot run job {job}: {len(view.stuck)} task{'s pend' if len(view.stuck) > 1 else ' pends'} with reason "
             f"{', '.join(reasons)}, which waiting does not resolve (no node of the partition can take the request). "
             f"The request: {asked}{have}. Lower the request (or choose another partition or launcher preset: "
             f"hydra/launcher=slurm_cpu for a CPU partition). {done}then rerun the same command with the new settings "

@@ -430,13 +430,14 @@ def test_queue_states_parse_pending_ranges_and_accounting(tmp_path, monkeypatch)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "squeue").write_text("#!/bin/sh\necho '7_[2-3%2]|PENDING|Resources'\necho '7_1|RUNNING|None'\n")
-    (bindir / "sacct").write_text("#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\n")
+    # 9: an array cancelled while all its tasks were pending, which accounting records under the bare id
+    (bindir / "sacct").write_text("#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\necho '9|CANCELLED by 0|0:0'\n")
     for f in bindir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    got = queue.states([f"7_{t}" for t in range(5)] + ["8_0"])
+    got = queue.states([f"7_{t}" for t in range(5)] + ["8_0", "9_0", "9_1"])
     assert got == {"7_0": ("OUT_OF_MEMORY", "exit code 0:125"), "7_1": ("RUNNING", "None"), "7_2": ("PENDING", "Resources"),
-                   "7_3": ("PENDING", "Resources"), "7_4": ("CANCELLED", "")}
+                   "7_3": ("PENDING", "Resources"), "7_4": ("CANCELLED", ""), "9_0": ("CANCELLED", ""), "9_1": ("CANCELLED", "")}
 
 
 def test_job_identity_names_the_array_task_as_squeue_does():
