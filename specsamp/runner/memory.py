@@ -205,7 +205,7 @@ def _file_size(path) -> int | None:
         return None
 
 
-def network_size(model, dtype_bytes: int) -> tuple[int, tuple | None, int]:
+def network_size(model) -> tuple[int, tuple | None, int]:
     """``(weight bytes, event shape or None, row bytes)`` of a checkpoint model's config, nothing loaded: the
     weights from the checkpoint file where it is on this machine (``model.path``, the shipped file, the cache),
     else from :data:`EDM_NETWORKS` / :data:`SD3_PARAMS`; a checkpoint neither knows gets
@@ -274,7 +274,7 @@ def run_memory_bytes(run) -> int:
     dim = getattr(run.model, "dim", None)
     shape, row_bytes = ((dim,), 0) if isinstance(dim, int) and dim > 0 else (None, 0)
     if shape is None and (hasattr(run.model, "model_id") or hasattr(run.model, "trust_checkpoint")):
-        weights, shape, row_bytes = network_size(run.model, elem)
+        weights, shape, row_bytes = network_size(run.model)
         total += WEIGHT_LOAD_FACTOR * weights
         if shape is None:  # an unknown network: its activations as one allowance
             total += row_bytes
