@@ -10,7 +10,7 @@ install:  ## install the package with every extra (what CI does)
 	$(PYTHON) -m pip install -e ".[all]"
 
 test:  ## default test run (slow tests excluded), with the line coverage of specsamp/
-	$(PYTHON) -m pytest -q --cov --cov-report=term-missing
+	$(PYTHON) -m pytest -q --cov --cov-report=term-missing -n auto --maxprocesses=4 --dist worksteal
 
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""

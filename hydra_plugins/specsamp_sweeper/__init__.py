@@ -21,8 +21,10 @@ is left to the jobs there.
 The sweeper's own keys (:data:`SWEEPER_KEYS`) are checked when it is built: a bad value exits 2 with a
 paragraph naming ``hydra.sweeper.KEY``, its value and what is valid.
 
-Before launching, ``hydra/launcher=slurm`` is checked for the SLURM commands, so a sweep started off a
-cluster fails at once with an infrastructure error (exit status 3) naming the missing command.
+Before launching, ``hydra/launcher=slurm`` is checked for a ``timeout_min`` that leaves no time before
+the warning signal (exit status 2, naming ``timeout_min`` and ``signal_delay_s``) and for the SLURM
+commands, so a sweep started off a cluster fails at once with an infrastructure error (exit status 3)
+naming the missing command.
 """
 
 from __future__ import annotations
@@ -119,15 +121,21 @@ class TolerantConfigLoader:
 
 
 def check_launcher(launcher: Any) -> None:
-    """Refuse a SLURM launcher on a machine without ``sbatch``/``srun`` (an infrastructure error).
+    """Refuse a SLURM launcher whose ``timeout_min`` leaves no time before its warning signal (a user error,
+    :func:`.slurm.check_time_limit`), or on a machine without ``sbatch``/``srun`` (an infrastructure error).
 
     Raises:
+        specsamp.errors.ConfigError: ``hydra.launcher.timeout_min`` too short for ``signal_delay_s``.
         specsamp.runner.exits.InfrastructureError: a SLURM command is missing.
     """
     from specsamp.runner.exits import InfrastructureError
 
     if not _is_slurm(launcher):
         return
+    if hasattr(launcher, "params"):  # a time limit that leaves no time before the warning signal (exit 2)
+        from .slurm import check_time_limit
+
+        check_time_limit(launcher.params)
     missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
     if missing:
         raise InfrastructureError(

@@ -7,15 +7,21 @@ What it changes (the job body, the sbatch script and the submitit folder layout 
   shard) is dropped, and so is a cell whose ``slurm.json`` names an array task that ``squeue``/``sacct``
   still report as pending or running (:data:`specsamp.runner.slurm.ALIVE`), or whose ``running.json``
   belongs to a live process; the counts are printed. Nothing is submitted when nothing is left.
+* **Time limit**: a ``timeout_min`` that leaves less than a minute before the warning signal
+  (``signal_delay_s``) is refused before anything is submitted (:func:`check_time_limit`, exit 2).
 * **Memory**: when ``mem_gb`` is unset (``slurm``, ``slurm_cpu``), it is the largest of the cells' own
   memory estimates with a margin (:func:`specsamp.runner.memory.mem_gb_for`), printed at submission.
 * **At submission** it prints the array job id, the log folder and the ``squeue``/``sacct``/``scancel``
-  commands, and writes ``slurm.json`` (array job id, task id, paths) into each submitted cell's directory.
+  commands (for one cell, which submitit submits as a plain job, its own log path and ``scancel ID``),
+  and writes ``slurm.json`` (job id, task id, paths) into each submitted cell's directory.
 * **It waits for every task** (the queue holding none of the array's tasks: ``squeue -j ARRAY``, polled
-  every ``poll_s`` seconds, printing a line when the counts change), then collects what each task left,
-  whatever the others did. hydra-submitit-launcher reads the results in order and stops at the first
-  failed task (a ``scancel``, an OOM kill), leaving the others running unreported.
-* **Ctrl-C** while waiting says that the array keeps running and prints its ``scancel`` command; with
+  every ``poll_s`` seconds, printing a line when the counts change, pending tasks with SLURM's reason),
+  then collects what each task left, whatever the others did. hydra-submitit-launcher reads the results
+  in order and stops at the first failed task (a ``scancel``, an OOM kill), leaving the others running
+  unreported. When every task left pends for a reason that waiting does not resolve (:func:`stuck_reason`:
+  no node of the partition can take the request), it cancels them and exits 2 with a paragraph.
+* **Ctrl-C** while waiting says that the array keeps running and prints its ``scancel`` command; the
+  summary counts its cells as running or pending and says to wait before rerunning. With
   ``cancel_on_interrupt: true`` it cancels the array instead.
 * **sbatch refusals** exit 2 with one paragraph naming the launcher setting (partition, account, qos,
   CPUs, memory, GPUs, time); an unreachable controller raises an infrastructure error (exit 3).
@@ -155,6 +161,136 @@ def explain_refusal(error: BaseException, params: Dict[str, Any]) -> tuple[int, 
     return USAGE, (f"sbatch refused the sweep's job array: {said} Check the hydra.launcher settings (partition, account, "
                    "qos, cpus_per_task, mem_gb, gpus_per_node, timeout_min, additional_parameters) against the cluster "
                    "(`sinfo -s`); hydra.launcher.dry_run=true prints the sbatch script without submitting. Nothing was submitted.")
+
+
+SIGNAL_SLACK_S = 60  # SLURM sends the warning signal up to about a minute early (the controller polls)
+
+
+def check_time_limit(params: Dict[str, Any]) -> None:
+    """Refuse a ``timeout_min`` that leaves no time before submitit's warning signal.
+
+    SLURM sends ``USR2`` ``signal_delay_s`` seconds before ``timeout_min`` (``--signal=USR2@signal_delay_s``),
+    give or take :data:`SIGNAL_SLACK_S`; with ``timeout_min * 60 - signal_delay_s`` below that, every cell
+    would receive its own early-warning signal within seconds of starting and stop, on every relaunch.
+
+    Raises:
+        specsamp.errors.ConfigError: names ``hydra.launcher.timeout_min`` and ``hydra.launcher.signal_delay_s``,
+            their values and what is valid.
+    """
+    from specsamp.errors import ConfigError
+
+    timeout, delay = params.get("timeout_min"), params.get("signal_delay_s")
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1:
+        raise ConfigError(f"hydra.launcher.timeout_min={timeout!r} is invalid: must be a whole number of minutes >= 1 "
+                          "(sbatch --time).")
+    if delay is None:
+        return
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+        raise ConfigError(f"hydra.launcher.signal_delay_s={delay!r} is invalid: must be a whole number of seconds >= 0.")
+    if timeout * 60 - delay >= SIGNAL_SLACK_S:
+        return
+    least = -(-(delay + SIGNAL_SLACK_S) // 60)
+    lower = (f", or lower hydra.launcher.signal_delay_s to at most {timeout * 60 - SIGNAL_SLACK_S}"
+             if timeout * 60 - SIGNAL_SLACK_S >= 0 else "")
+    raise ConfigError(
+        f"hydra.launcher.timeout_min={timeout} ({timeout * 60} s) is too short for hydra.launcher.signal_delay_s="
+        f"{delay}: SLURM sends the time-limit warning signal signal_delay_s seconds before timeout_min (up to "
+        f"{SIGNAL_SLACK_S} s earlier), so every cell would be stopped by its own warning as soon as it starts, "
+        f"and again on every relaunch. Use hydra.launcher.timeout_min={least} or more{lower}. Nothing was submitted.")
+
+
+# squeue's pending reasons that no wait resolves: the request exceeds every node of the partition
+# (PartitionConfig, BadConstraints), the partition's node or time limits (PartitionNodeLimit,
+# PartitionTimeLimit), or no node at all can take it (ReqNodeNotAvail with an empty node list)
+STUCK_REASONS = frozenset({"PartitionConfig", "BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit"})
+
+
+def stuck_reason(reason: str) -> bool:
+    """True for a pending reason that cannot resolve by waiting (:data:`STUCK_REASONS`, or
+    ``ReqNodeNotAvail, UnavailableNodes:`` naming no node)."""
+    reason = str(reason).strip()
+    if reason.split(",")[0].strip() in STUCK_REASONS:
+        return True
+    if reason.startswith("ReqNodeNotAvail"):
+        nodes = reason.partition("UnavailableNodes:")
+        return bool(nodes[1]) and not nodes[2].strip()
+    return False
+
+
+@dataclass
+class QueueView:
+    """One ``squeue -h -r -j JOB -o '%i|%T|%r'`` answer: ``states`` {STATE: n}, ``reasons`` {pending
+    reason: n}, ``stuck`` (ids of the tasks pending for a :func:`stuck_reason`)."""
+
+    states: Dict[str, int]
+    reasons: Dict[str, int]
+    stuck: List[str]
+
+    @property
+    def left(self) -> int:
+        return sum(self.states.values())
+
+    def line(self) -> str:
+        """``2 pending (PartitionConfig), 1 running``: each state with its count, pending with its reasons."""
+        parts = []
+        for state, n in sorted(self.states.items()):
+            part = f"{n} {state.lower()}"
+            if state == "PENDING" and self.reasons:
+                part += " (" + ", ".join(r if len(self.reasons) == 1 else f"{k} {r}" for r, k in sorted(self.reasons.items())) + ")"
+            parts.append(part)
+        return ", ".join(parts)
+
+
+def queue_view(text: str) -> QueueView:
+    """Parse ``squeue -h -r -o '%i|%T|%r'`` lines (one per task; a reason may hold commas)."""
+    states: Dict[str, int] = {}
+    reasons: Dict[str, int] = {}
+    stuck: List[str] = []
+    for line in str(text).splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) < 2 or not parts[1].strip():
+            continue
+        job, state, reason = parts[0].strip(), parts[1].split()[0], (parts[2].strip() if len(parts) > 2 else "")
+        states[state] = states.get(state, 0) + 1
+        if state == "PENDING" and reason and reason != "None":
+            reasons[reason] = reasons.get(reason, 0) + 1
+            if stuck_reason(reason):
+                stuck.append(job)
+    return QueueView(states, reasons, stuck)
+
+
+def _nodes_of(partition: Optional[str]) -> str:
+    """``node: 2 CPUs, 11980 MB, gres (null)`` for (at most 3 of) the partition's nodes, or '' when sinfo does not answer."""
+    cmd = ["sinfo", "-h", "-N", "-o", "%N|%c|%m|%G"] + (["-p", str(partition)] if partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=queue.QUERY_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    rows = []
+    for line in dict.fromkeys(out.split()):
+        f = line.split("|")
+        if len(f) == 4:
+            rows.append(f"{f[0]}: {f[1]} CPUs, {f[2]} MB, gres {f[3]}")
+    return "; ".join(rows[:3]) + (f" (and {len(rows) - 3} more)" if len(rows) > 3 else "")
+
+
+def stuck_message(job: str, view: QueueView, params: Dict[str, Any], nodes: str, cancelled: bool) -> str:
+    """The paragraph of a job whose tasks pend for a reason that cannot resolve (exit 2)."""
+    reasons = sorted({r for r in view.reasons if stuck_reason(r)})
+    asked = ", ".join(f"hydra.launcher.{k}={params.get(k)!r}" for k in ("cpus_per_task", "mem_gb", "gpus_per_node", "partition")
+                      if k in params)
+    extra = params.get("additional_parameters") or {}
+    if extra:
+        asked += f", hydra.launcher.additional_parameters={dict(extra)!r}"
+    have = (f"; the partition's nodes: {nodes}" if nodes else
+            "; compare with `sinfo -N -o '%N %c %m %G'` (CPUs, MB, GPUs per node)")
+    done = (f"The {len(view.stuck)} pending task{'s were' if len(view.stuck) > 1 else ' was'} cancelled (scancel); "
+            if cancelled else f"Cancel the pending tasks with scancel {job}; ")
+    return (f"SLURM cannot run job {job}: {len(view.stuck)} task{'s pend' if len(view.stuck) > 1 else ' pends'} with reason "
+            f"{', '.join(reasons)}, which waiting does not resolve (no node of the partition can take the request). "
+            f"The request: {asked}{have}. Lower the request (or choose another partition or launcher preset: "
+            f"hydra/launcher=slurm_cpu for a CPU partition). {done}then rerun the same command with the new settings "
+            "(finished cells are kept and skipped).")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +456,8 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         if ids and not st:
             print(f"warning: neither squeue nor sacct knows the {len(ids)} earlier SLURM task(s) of this sweep (or they do "
                   "not answer): those cells are judged by their running.json", file=sys.stderr, flush=True)
-        live = {d: f"SLURM job {j} {st[j][0]}" for d, j in ids.items() if j in st and st[j][0] in queue.ALIVE}
+        live = {d: f"SLURM job {j} {st[j][0]}" + (f" ({st[j][1]})" if st[j][1] and st[j][1] != "None" else "")
+                for d, j in ids.items() if j in st and st[j][0] in queue.ALIVE}
         for _, d in cells:
             if d in live or (d / jobs.RESULT).exists() or (d / jobs.FAILED).exists() or (d in ids and ids[d] in st):
                 continue
@@ -334,6 +471,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         from hydra.core.singleton import Singleton
 
         assert self.config is not None and self.hydra_context is not None
+        check_time_limit(self.params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         cells = [(list(o), self._job_dir(o)) for o in job_overrides]
@@ -357,6 +495,9 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                   "choose it)", flush=True)
         executor = self._executor()
         if self.dry_run:
+            from specsamp.runner.callback import SWEEP_STATE
+
+            SWEEP_STATE["dry_run"] = True  # nothing was meant to run: the cells left are not a reason for exit 75
             ex = executor._executor
             ex.parameters["map_count"] = len(todo)
             print(ex._make_submission_file_text(ex._submitit_command_str, "dry_run"), flush=True)
@@ -385,28 +526,50 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 "sbatch_script": str((folder / f"{array}_submission.sh").absolute())})
         where = f" to partition {self.params['partition']}" if self.params.get("partition") else ""
         par = self.params.get("array_parallelism")
-        print(f"submitted SLURM array job {array}{where}: {len(todo)} task{'s' if len(todo) > 1 else ''}"
-              f"{f' (at most {par} at once)' if par and par < len(todo) else ''}\n"
-              f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
-              f"  logs:          {folder.parent}/{array}_<task>/{array}_<task>_0_log.out (.err)\n"
-              f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
-              f"  cancel:        scancel {array}        (one task: scancel {array}_<task>)", flush=True)
+        if len(todo) == 1:  # submitit submits one cell as a plain job: no array, no task ids
+            job = submitted[0]
+            print(f"submitted SLURM job {array}{where}: 1 task (one cell: a plain job, not an array)\n"
+                  f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
+                  f"  logs:          {job.paths.stdout} (.err)\n"
+                  f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
+                  f"  cancel:        scancel {array}", flush=True)
+        else:
+            print(f"submitted SLURM array job {array}{where}: {len(todo)} tasks"
+                  f"{f' (at most {par} at once)' if par and par < len(todo) else ''}\n"
+                  f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
+                  f"  logs:          {folder.parent}/{array}_<task>/{array}_<task>_0_log.out (.err)\n"
+                  f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
+                  f"  cancel:        scancel {array}        (one task: scancel {array}_<task>)", flush=True)
         try:
             self._wait(array, submitted)
         except KeyboardInterrupt:
+            from specsamp.runner.callback import SWEEP_STATE
+
+            what = "array job" if len(todo) > 1 else "job"
             if self.cancel_on_interrupt:
                 subprocess.run(["scancel", array], check=False)
-                print(f"interrupted: cancelled SLURM array job {array} (scancel {array}).", file=sys.stderr, flush=True)
+                self._settle([str(j.job_id) for j in submitted], limit_s=10.0)  # so that the summary reads CANCELLED
+                print(f"interrupted: cancelled SLURM {what} {array} (scancel {array}).", file=sys.stderr, flush=True)
             else:
-                print(f"interrupted: SLURM array job {array} keeps running on the cluster (its cells still write their "
-                      f"records); cancel it with: scancel {array}   (or relaunch the same command: live cells are not "
-                      "submitted again)", file=sys.stderr, flush=True)
+                SWEEP_STATE["left_running"] = array  # exits.main's Ctrl-C line: wait for it, do not rerun yet
+                print(f"interrupted: SLURM {what} {array} keeps running on the cluster, and its cells write their "
+                      f"records as they finish (squeue -j {array}); to stop it: scancel {array}",
+                      file=sys.stderr, flush=True)
             raise
         return [self._outcome(job, overrides) for (_, (overrides, _)), job in zip(todo, submitted)]
 
     def _wait(self, array: str, submitted: Sequence[Any]) -> None:
-        """Until ``squeue`` holds no task of ``array``: poll every ``poll_s`` seconds, print changes."""
+        """Until ``squeue`` holds no task of ``array``: poll every ``poll_s`` seconds, print changes (each
+        state's count, the pending tasks with SLURM's reason).
+
+        Raises:
+            specsamp.errors.ConfigError: every task left pends for a reason that waiting does not resolve
+                (:func:`stuck_reason`: no node can take the request); those tasks are cancelled first.
+        """
+        from specsamp.errors import ConfigError
+
         ids = [str(j.job_id) for j in submitted]
+        what = "array job" if len(ids) > 1 else "job"
         last, failures = None, 0
         while True:
             text = None
@@ -422,24 +585,28 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             if text is None:
                 failures += 1
                 if failures == 3:
-                    print(f"warning: squeue does not answer; still waiting for array job {array} (Ctrl-C leaves it running)",
+                    print(f"warning: squeue does not answer; still waiting for {what} {array} (Ctrl-C leaves it running)",
                           file=sys.stderr, flush=True)
                 time.sleep(self.poll_s)
                 continue
             failures = 0
-            counts: Dict[str, int] = {}
-            for line in text.splitlines():
-                state = (line.split("|") + ["", ""])[1].split()[0] if "|" in line else ""
-                if state:
-                    counts[state] = counts.get(state, 0) + 1
-            if not counts:
+            view = queue_view(text)
+            if not view.left:
                 self._settle(ids)
                 return
-            now = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
+            now = view.line()
             if now != last:
-                left = sum(counts.values())
-                print(f"array job {array}: {now}; {len(ids) - left} of {len(ids)} finished", flush=True)
+                print(f"{what} {array}: {now}; {len(ids) - view.left} of {len(ids)} finished", flush=True)
                 last = now
+            if view.stuck and len(view.stuck) == view.left:  # nothing left that can ever run
+                try:
+                    cancelled = subprocess.run(["scancel", *view.stuck], capture_output=True, text=True,
+                                               timeout=queue.QUERY_TIMEOUT_S).returncode == 0
+                except (OSError, subprocess.TimeoutExpired):
+                    cancelled = False
+                if cancelled:
+                    self._settle(view.stuck, limit_s=10.0)
+                raise ConfigError(stuck_message(array, view, self.params, _nodes_of(self.params.get("partition")), cancelled))
             time.sleep(self.poll_s)
 
     def _settle(self, ids: Sequence[str], limit_s: float = 60.0) -> None:

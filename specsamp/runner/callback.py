@@ -47,7 +47,7 @@ class SweepReport(Callback):
             print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
             return
         SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"],
-                           kinds=s["kinds"], killed=s["killed"])
+                           kinds=s["kinds"], killed=s["killed"], unfinished=s["running"] + s["pending"] + s["missing"])
         if s["unlogged"]:  # a logger failed after the records were written: status 3, as for a single run
             SWEEP_STATE["infrastructure"] = True
         if self.merge_shards and any(sweep_dir.rglob(SHARD)):

@@ -15,10 +15,13 @@
        non-finite values, a network overflowing in half precision); one paragraph says how many, from
        which step and the likely cause; ``failed.json`` (kind ``non_finite``) records it, and no
        ``result.json`` or samples are written for that run
+  75   a sweep ended with jobs that have no record yet, none of them failed: they are still queued or
+       running (a relaunch that finds a SLURM sweep's cells still in the queue submits nothing and
+       exits 75), or were never started; relaunch once they have ended (sysexits' EX_TEMPFAIL)
  130   interrupted (Ctrl-C, SIGINT): one line, and for a sweep its summary; finished records stay
 =====  ==========================================================================================
 
-A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 4, then 2. A config error
+A sweep exits with the most serious status among its jobs: 130, then 3, then 1, then 4, then 2, then 75. A config error
 that stops every job is the sweeper's to report, once, before launching (``hydra_plugins/specsamp_sweeper``).
 
 :func:`main` wraps the Hydra entry point and applies this policy to what happened: an exception, or the
@@ -39,6 +42,7 @@ OK = 0
 BUG = 1
 USAGE = 2
 INFRASTRUCTURE = 3
+NOT_FINISHED = 75  # sysexits.h EX_TEMPFAIL: try again later
 INTERRUPTED = 130
 NON_FINITE = 4  # the samples hold NaN or inf (specsamp.errors.NonFiniteSamplesError)
 
@@ -155,7 +159,9 @@ def sweep_exit_status(state: dict | None = None) -> int:
     ``infrastructure``, or a job that could not even write that); 1 when a job raised an unexpected
     exception, was killed, or was stopped by the scheduler's time limit (``failed.json`` of kind
     ``timed_out``); 4 when a job's samples held NaN or inf (kind ``non_finite``); 2 when the only
-    failures are bad per-job values or configs that do not compose; 0 otherwise.
+    failures are bad per-job values or configs that do not compose; 75 when no job failed but some
+    have no record yet (``unfinished``: still queued or running, or never started); 0 otherwise:
+    every job wrote its record.
     """
     from .callback import SWEEP_STATE
 
@@ -171,6 +177,8 @@ def sweep_exit_status(state: dict | None = None) -> int:
         return NON_FINITE
     if kinds or state.get("failed"):
         return USAGE
+    if state.get("unfinished") and not state.get("dry_run"):  # a dry run (SLURM launcher) submits nothing by design
+        return NOT_FINISHED
     return OK
 
 
@@ -405,7 +413,14 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
         hydra_main()
     except KeyboardInterrupt:
         where = SWEEP_STATE.get("sweep_dir")
-        if where:
+        left = SWEEP_STATE.get("left_running")  # a SLURM job the launcher stopped waiting for
+        if where and left:
+            from .report import resume_hint
+
+            rest = (f"SLURM job {left} is still queued or running and its cells write their records as they end "
+                    f"(squeue -j {left}; python -m specsamp.runner.report collect {where}); do not rerun yet. Once "
+                    f"it has left the queue, {resume_hint(where)}, to run what failed or was killed")
+        elif where:
             from .report import resume_hint
 
             rest = f"to run the unfinished jobs, {resume_hint(where)}"

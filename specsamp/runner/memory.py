@@ -9,6 +9,7 @@ config before it is built (:func:`check_tree_nodes`), the sampler's states befor
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -186,20 +187,108 @@ def sampler_bytes(nodes: int | None, widest: int, depth: int, numel: int, elem: 
     return int(fixed), int(per_traj)
 
 
-PROCESS_BYTES = 2**30  # Python, torch, Hydra and the runner imported: 0.70 GB resident measured for a tiny GMM run
-NETWORK_BYTES = 3 * 2**30  # a network whose size only its checkpoint knows (EDM, SD3), or a CUDA context on the host
+PROCESS_BYTES = 800 * 2**20  # Python, torch, Hydra and the runner imported, one run done: 0.67 GiB peak RSS measured (GMM or digits cell)
+CUDA_HOST_BYTES = 2 * 2**30  # host memory of a CUDA context and the libraries it maps (cuBLAS, cuDNN): an allowance, not measured
+WEIGHT_LOAD_FACTOR = 2  # a checkpoint is read whole and then unpickled (or converted to net_dtype): two copies at the peak
+UNKNOWN_NETWORK_BYTES = 3 * 2**30  # activations of a network none of the tables below knows (its architecture is in the pickle)
 MEM_MARGIN = 1.5  # the estimate is of the large arrays; the margin covers temporaries and the allocator
+
+
+@dataclass(frozen=True)
+class NetworkSize:
+    """What a checkpoint costs on the host, without loading it.
+
+    Attributes:
+        weight_bytes: the checkpoint's weights in bytes (used when its file is not on this machine).
+        event_shape: the state shape of the network (``(C, H, W)``).
+        row_bytes: host memory per row of one forward pass on the CPU (activations and temporaries).
+    """
+
+    weight_bytes: int
+    event_shape: tuple
+    row_bytes: int
+
+
+# EDM checkpoints by name. digits and patches32 ship with the package: row_bytes measured as the peak RSS
+# increase of one forward pass of 256 and 1024 rows on the CPU (digits 104 and 93 KiB per row, patches32 956
+# and 857 KiB). CIFAR-10 and FFHQ are not on this machine: weights are their parameter counts (56 M and 62 M,
+# float32; the file itself counts when it is in the cache), row_bytes derived from the DDPM++ architecture
+# (256 channels at 32x32, 128 at 64x64; the encoder's skip activations plus 14 times the widest feature map,
+# the ratio measured on patches32).
+EDM_NETWORKS = {
+    "edm-digits-8x8-cond": NetworkSize(441_889, (1, 8, 8), 112 * 2**10),
+    "edm-patches-32x32-uncond": NetworkSize(5_568_900, (3, 32, 32), 1 * 2**20),
+    "edm-cifar10-32x32-cond-vp": NetworkSize(56_000_000 * 4, (3, 32, 32), 24 * 2**20),
+    "edm-ffhq-64x64-uncond-vp": NetworkSize(62_000_000 * 4, (3, 64, 64), 48 * 2**20),
+}
+
+# Stable Diffusion 3 by diffusers id: parameters of the transformer, the text encoders (CLIP-L, CLIP-G,
+# T5-XXL) and the VAE, from the model cards; weights are those counts times net_dtype's bytes. row_bytes
+# (a transformer row on the CPU: 1,024 image and 256 text tokens, attention included) is an allowance.
+SD3_PARAMS = {  # (transformer, CLIP-L + CLIP-G + VAE, T5-XXL)
+    "stabilityai/stable-diffusion-3.5-medium": (2.47e9, 0.90e9, 4.76e9),
+    "stabilityai/stable-diffusion-3-medium-diffusers": (2.03e9, 0.90e9, 4.76e9),
+    "stabilityai/stable-diffusion-3.5-large": (8.1e9, 0.90e9, 4.76e9),
+}
+SD3_ROW_BYTES = 256 * 2**20
+
+
+def _file_size(path) -> int | None:
+    try:
+        p = Path(str(path)).expanduser()
+        return p.stat().st_size if p.is_file() else None
+    except OSError:
+        return None
+
+
+def network_size(model) -> tuple[int, tuple | None, int]:
+    """``(weight bytes, event shape or None, row bytes)`` of a checkpoint model's config, nothing loaded: the
+    weights from the checkpoint file where it is on this machine (``model.path``, the shipped file, the cache),
+    else from :data:`EDM_NETWORKS` / :data:`SD3_PARAMS`; a checkpoint neither knows gets
+    :data:`UNKNOWN_NETWORK_BYTES` as its row bytes (charged once, not per row) and no event shape."""
+    if hasattr(model, "model_id"):  # SD3Config
+        mid = str(model.model_id)
+        local = Path(mid).expanduser()
+        files = sum(f.stat().st_size for f in local.rglob("*.safetensors")) if local.is_dir() else 0
+        t, other, t5 = SD3_PARAMS.get(mid, SD3_PARAMS["stabilityai/stable-diffusion-3.5-large"])
+        net_bytes = 2 if str(getattr(model, "net_dtype", "bfloat16")).removeprefix("torch.") in ("float16", "bfloat16") else 4
+        weights = files or int((t + other + (0 if getattr(model, "drop_t5", False) else t5)) * net_bytes)
+        res = getattr(model, "resolution", 512)
+        h, w = (res, res) if isinstance(res, int) else tuple(res)
+        return weights, (16, int(h) // 8, int(w) // 8), SD3_ROW_BYTES
+    from ..models.edm import CHECKPOINTS
+    from ..hub import default_cache_dir
+
+    name = str(getattr(model, "name", ""))
+    known = EDM_NETWORKS.get(name) if not getattr(model, "path", None) else None
+    size = _file_size(model.path) if getattr(model, "path", None) else None
+    if size is None:
+        url = getattr(model, "url", None) or (CHECKPOINTS[name].url if name in CHECKPOINTS else None)
+        if url and str(url).startswith("file://"):
+            from urllib.parse import urlparse
+            from urllib.request import url2pathname
+
+            size = _file_size(url2pathname(urlparse(str(url)).path))
+        elif url:
+            root = Path(model.cache_dir).expanduser() if getattr(model, "cache_dir", None) else default_cache_dir()
+            size = _file_size(root / "edm" / Path(str(url)).name)
+    if known is None:
+        return size or 0, None, UNKNOWN_NETWORK_BYTES
+    return size or known.weight_bytes, known.event_shape, known.row_bytes
 
 
 def run_memory_bytes(run) -> int:
     """Host memory, in bytes, one run of ``run`` (a :class:`~specsamp.runner.config.RunConfig`) needs by the
     estimates the runner refuses sizes with, from its config alone (nothing is built).
 
-    The sum of :data:`PROCESS_BYTES`; the schedule and per-step tables and the model's config-sized arrays
-    (:func:`specsamp.runner.loop.check_config_sizes`); the draft tree (:func:`tree_nodes`); and, when the
-    config gives the state shape (``model.dim`` of the GMM) and the states live on the CPU, the sampler's
-    states of one batch and the kept samples (:func:`sampler_bytes`). A model loaded from a checkpoint
-    (whose state shape and weights only the file knows), or a CUDA device, adds :data:`NETWORK_BYTES`.
+    The sum of :data:`PROCESS_BYTES` (a torch process, measured); the schedule and per-step tables and the
+    model's config-sized arrays (:func:`specsamp.runner.loop.check_config_sizes`); the draft tree
+    (:func:`tree_nodes`); for a checkpoint model (EDM, SD3), :data:`WEIGHT_LOAD_FACTOR` times its weights
+    (:func:`network_size`: the file's bytes, or its parameters); on a CUDA device, :data:`CUDA_HOST_BYTES`
+    and the kept samples; on the CPU, the sampler's states of one batch plus the kept samples
+    (:func:`sampler_bytes`, where the state shape is known: ``model.dim`` of the GMM, the checkpoint's) and
+    the network's activations for the rows of its largest call (the batch's trajectories times the nodes of
+    a round in tree execution, times ``K`` in path execution; at most ``max_batch``).
     Used by the SLURM launcher for ``mem_gb`` when its config leaves it unset (:func:`mem_gb_for`).
     The estimate reads only the coupling's ``max_children``: ``sampler.coupling`` is instantiated here as
     :func:`specsamp.runner.build.build_coupling` instantiates it, without its refusals (the task refuses).
@@ -215,23 +304,40 @@ def run_memory_bytes(run) -> int:
     if coupling is not None and nodes == 0:  # a searched tree: its budget of drafted states, plus the root
         nodes = (run.budget or capped_budget(run.K, run.L)) + 1
     total += nodes * TREE_BYTES_PER_NODE
-    dim = getattr(run.model, "dim", None)
     on_cpu = not str(run.device).startswith("cuda")
-    if isinstance(dim, int) and dim > 0 and on_cpu:
-        elem = torch.tensor([], dtype=run.model.torch_dtype()).element_size()
+    dtype = run.model.torch_dtype() if hasattr(run.model, "torch_dtype") else None
+    elem = torch.tensor([], dtype=dtype or torch.float32).element_size()
+    dim = getattr(run.model, "dim", None)
+    shape, row_bytes = ((dim,), 0) if isinstance(dim, int) and dim > 0 else (None, 0)
+    if shape is None and (hasattr(run.model, "model_id") or hasattr(run.model, "trust_checkpoint")):
+        weights, shape, row_bytes = network_size(run.model)
+        total += WEIGHT_LOAD_FACTOR * weights
+        if shape is None:  # an unknown network: its activations as one allowance
+            total += row_bytes
+            row_bytes = 0
+    elif shape is None:
+        total += UNKNOWN_NETWORK_BYTES
+    if not on_cpu:
+        total += CUDA_HOST_BYTES
+    if shape is not None:
+        numel = int(np.prod(shape))
         depth = min(run.L, horizon) if coupling is not None else 0
-        fixed, per_traj = sampler_bytes(nodes if coupling is not None else None, max(run.K, 1), depth, dim, elem,
+        fixed, per_traj = sampler_bytes(nodes if coupling is not None else None, max(run.K, 1), depth, numel, elem,
                                         execution=run.execution, n_total=run.n_samples, steps=run.steps,
                                         refine=run.refine)
-        total += fixed + min(run.batch_size or run.n_samples, run.n_samples) * per_traj
-    else:
-        total += NETWORK_BYTES
+        total += fixed  # the kept samples come back to the host
+        if on_cpu:
+            batch = min(run.batch_size or run.n_samples, run.n_samples)
+            per_call = nodes if coupling is not None and run.execution == "tree" else max(run.K, 1) if coupling is not None else 1
+            rows = batch * per_call
+            max_batch = run.max_batch or getattr(run.model, "max_batch", None)
+            total += batch * per_traj + min(rows, max_batch or rows) * row_bytes
     return int(total)
 
 
 def mem_gb_for(run) -> int:
     """``mem_gb`` (whole GiB, SLURM's ``--mem=NG``; at least 1) of a SLURM task running ``run``: :func:`run_memory_bytes` times
-    :data:`MEM_MARGIN`, rounded up (2 for a tiny GMM cell)."""
+    :data:`MEM_MARGIN`, rounded up (2 for a GMM or digits cell)."""
     return max(1, int(np.ceil(MEM_MARGIN * run_memory_bytes(run) / 2**30)))
 
 

@@ -367,7 +367,8 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
 
     Returns:
         ``{"sweep_dir", "table" (DataFrame of this launch's jobs), "ran", "skipped", "failed"
-        (list of rows), "running", "killed", "missing", "config_errors_only" (bool), "kinds" (the
+        (list of rows), "running" (a live process, or SLURM's RUNNING), "pending" (queued or requeued on SLURM),
+        "killed", "missing" (planned, not started), "config_errors_only" (bool), "kinds" (the
         ``kind`` of every failure: ``config``, ``exception``, ``infrastructure``), "unlogged" (``(path,
         logger_error)`` of the ok jobs whose logging failed)}``.
     """
@@ -394,7 +395,8 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
         "ran": len(ok) - len(skipped),
         "skipped": len(skipped),
         "failed": failed.to_dict("records"),
-        "running": int(mine["status"].isin(["running", "pending"]).sum()),
+        "running": int((mine["status"] == "running").sum()),
+        "pending": int((mine["status"] == "pending").sum()),
         "killed": int((mine["status"] == "killed").sum()),
         "missing": int((mine["status"] == "missing").sum()),
         "config_errors_only": bool(kinds) and all(k == "config" for k in kinds),
@@ -421,26 +423,37 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
     parts = [f"{s['ran']} ran", f"{s['skipped']} skipped (done before)", f"{len(s['failed'])} failed"]
     if s["killed"]:
         parts.append(f"{s['killed']} killed (no record; rerun on relaunch)")
-    if s["running"] or s["missing"]:
-        parts.append(f"{s['running'] + s['missing']} not finished")
+    if s["running"]:
+        parts.append(f"{s['running']} running")
+    if s["pending"]:
+        parts.append(f"{s['pending']} pending (queued)")
+    if s["missing"]:
+        parts.append(f"{s['missing']} not started")
     print(f"sweep {s['sweep_dir']}: {n} jobs, " + ", ".join(parts), file=file)
     for row in s["failed"]:
         print(f"  failed: {row['job'] or '.'}: {row['error']}  ({Path(row['path']) / FAILED})", file=file)
     for path, error in s["unlogged"]:  # the record is there, its logging is not: a relaunch retries it
         print(f"  not logged: {Path(path).name}: {error} (relaunch to retry)", file=file)
-    if s["failed"] or s["killed"] or s["running"] or s["missing"] or s["unlogged"]:
-        print(f"  resume: {resume_hint(s['sweep_dir'])}", file=file)
+    alive = s["running"] + s["pending"]
+    if alive:  # they write their records by themselves: a rerun now would not run them again
+        print(f"  wait: {alive} job{'s are' if alive > 1 else ' is'} still queued or running and will write "
+              f"{'their records' if alive > 1 else 'its record'}; python -m specsamp.runner.report collect "
+              f"{s['sweep_dir']} shows where they stand", file=file)
+    if s["failed"] or s["killed"] or s["missing"] or s["unlogged"]:
+        print(f"  resume: {'once they have ended, ' if alive else ''}{resume_hint(s['sweep_dir'])}", file=file)
     print(f"  table: python -m specsamp.runner.report collect {s['sweep_dir']}", file=file, flush=True)
     return s
 
 
 def launched(sweep_dir: str | os.PathLike) -> bool:
-    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer)."""
+    """True when a job of the latest launch into ``sweep_dir`` has started (its ``.hydra/`` is newer) or was
+    submitted to SLURM (its ``slurm.json`` is newer)."""
     root = Path(sweep_dir)
     launch = _mtime(root / "multirun.yaml")
     if launch is None:
         return False
-    return any((_mtime(j / ".hydra" / "overrides.yaml") or 0) >= launch for j in job_dirs(root))
+    return any(max(_mtime(j / ".hydra" / "overrides.yaml") or 0, _mtime(j / queue.SLURM_FILE) or 0) >= launch
+               for j in job_dirs(root))
 
 
 # ----------------------------------------------------------------------------------------------

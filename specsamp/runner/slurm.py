@@ -103,7 +103,8 @@ def states(job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
 
     ``squeue`` answers for tasks still in the queue (``reason`` is its ``%r``: ``Resources``,
     ``Priority``, ``None``...); ``sacct`` for the others (``reason`` is empty, or ``ExitCode`` when not
-    ``0:0``). A state with a suffix (``CANCELLED by 0``) is cut to its first word. Ids unknown to both are
+    ``0:0``; the tasks of an array cancelled before any of them started are accounted under the bare array
+    id, which then answers for them). A state with a suffix (``CANCELLED by 0``) is cut to its first word. Ids unknown to both are
     absent; so are all of them when neither command is available or answers.
     """
     wanted = {str(j) for j in job_ids if j}
@@ -123,6 +124,7 @@ def states(job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
     if left and shutil.which("sacct"):
         text = _run(["sacct", "-n", "-X", "-P", "-j", ",".join(sorted({j.split("_")[0] for j in left})),
                      "-o", "JobID,State,ExitCode"]) or ""
+        whole = {}  # an array cancelled before any task started: accounting has one line, the bare array id
         for line in text.splitlines():
             parts = line.strip().split("|")
             if len(parts) >= 3:
@@ -131,4 +133,9 @@ def states(job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
                 for j in _expand(parts[0]):
                     if j in left:
                         out[j] = (state, reason)
+                if "_" not in parts[0]:
+                    whole[parts[0]] = (state, reason)
+        for j in left - set(out):
+            if j.split("_")[0] in whole and "_" in j:
+                out[j] = whole[j.split("_")[0]]
     return out

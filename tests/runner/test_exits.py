@@ -73,6 +73,7 @@ def test_exit_policy_is_one_table():
     for status in ("130", "  3 ", "  2 "):
         assert status in doc
     assert "## Exit status" in readme and "| 3 |" in readme and "| 130 |" in readme
+    assert exitcodes.NOT_FINISHED == 75 and " 75 " in doc and "| 75 |" in readme
     state = {"kinds": ["config"]}
     assert exitcodes.sweep_exit_status(state) == 2
     assert exitcodes.sweep_exit_status({"kinds": ["config", "exception"]}) == 1

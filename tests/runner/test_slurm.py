@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,13 +85,16 @@ def accounted(array: str, n: int) -> dict[str, str]:
 
 
 def array_of(out: str) -> str:
-    line = next(ln for ln in out.splitlines() if ln.startswith("submitted SLURM array job "))
-    return line.split()[4].rstrip(":")
+    """The job id of the submission line (``submitted SLURM array job 43: ...``, or ``submitted SLURM job 43: ...``
+    for one cell, a plain job)."""
+    m = re.search(r"^submitted SLURM (?:array )?job (\d+)", out, re.M)
+    assert m, out
+    return m.group(1)
 
 
 def submitted_array(log: Path) -> str:
-    """The array job id, once the launcher's log at ``log`` has printed its submission line."""
-    return wait_until("the submission line", lambda: "submitted SLURM array job" in log.read_text() and array_of(log.read_text()))
+    """The (array) job id, once the launcher's log at ``log`` has printed its submission line."""
+    return wait_until("the submission line", lambda: "submitted SLURM " in log.read_text() and array_of(log.read_text()))
 
 
 def records(sweep: Path, name: str = "result.json") -> dict[str, dict]:
@@ -197,9 +201,10 @@ def test_relaunch_while_the_array_runs_after_the_launcher_died_submits_nothing_a
     proc.wait()
     sweep = tmp_path / "multirun/r"
     assert set(report.collect(sweep)["status"]) == {"running"}
-    again = run(args, tmp_path)
+    again = run(args, tmp_path, check=False)
+    assert again.returncode == 75, again.out  # not every job wrote its record: not 0
     assert "2 of 2 cells still pending or running: not submitted again" in again.stdout and "submitted SLURM" not in again.stdout
-    assert "2 not finished" in again.stdout
+    assert "2 running" in again.stdout and "wait: 2 jobs are still queued or running" in again.stdout, again.out
     go.touch()
     queue_empty(array)
     assert set(accounted(array, 2).values()) == {"COMPLETED"}
@@ -363,6 +368,24 @@ def test_an_sbatch_refusal_names_the_setting_and_an_unreachable_controller_exits
 
 
 @slurm
+def test_a_request_no_node_can_satisfy_shows_the_pending_reason_stops_waiting_and_exits_2(tmp_path):
+    """8 CPUs per task on the test cluster's node (its `nproc` CPUs, 2 on CI): sbatch accepts the array, SLURM
+    keeps it pending with reason PartitionConfig; the launcher shows the reason, cancels the tasks and exits 2
+    naming the setting; the relaunch with a request that fits submits them again."""
+    cpus = int(subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0])
+    args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=big"]
+    p = run([*args, f"hydra.launcher.cpus_per_task={4 * cpus}"], tmp_path, check=False, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.out, p.out
+    array = array_of(p.stdout)
+    assert f"array job {array}: 2 pending (PartitionConfig)" in p.stdout, p.out
+    assert f"SLURM cannot run job {array}" in p.stderr and f"hydra.launcher.cpus_per_task={4 * cpus}" in p.stderr, p.out
+    assert f"{cpus} CPUs" in p.stderr and "cancelled" in p.stderr, p.out
+    assert set(accounted(array, 2).values()) == {"CANCELLED"}
+    again = run(args, tmp_path)
+    assert "2 jobs, 2 ran, 0 skipped (done before), 0 failed" in again.stdout, again.out
+
+
+@slurm
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(tmp_path):
     p = run(["-m", *LAUNCH, *TINY, "K=1,2", "hydra.launcher.dry_run=true", "sweep_name=d"], tmp_path)
     assert "#SBATCH --array=0-1%2" in p.stdout and "#SBATCH --signal=USR2@120" in p.stdout and "#SBATCH --gpus-per-node=0" in p.stdout
@@ -407,13 +430,14 @@ def test_queue_states_parse_pending_ranges_and_accounting(tmp_path, monkeypatch)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "squeue").write_text("#!/bin/sh\necho '7_[2-3%2]|PENDING|Resources'\necho '7_1|RUNNING|None'\n")
-    (bindir / "sacct").write_text("#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\n")
+    # 9: an array cancelled while all its tasks were pending, which accounting records under the bare id
+    (bindir / "sacct").write_text("#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\necho '9|CANCELLED by 0|0:0'\n")
     for f in bindir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    got = queue.states([f"7_{t}" for t in range(5)] + ["8_0"])
+    got = queue.states([f"7_{t}" for t in range(5)] + ["8_0", "9_0", "9_1"])
     assert got == {"7_0": ("OUT_OF_MEMORY", "exit code 0:125"), "7_1": ("RUNNING", "None"), "7_2": ("PENDING", "Resources"),
-                   "7_3": ("PENDING", "Resources"), "7_4": ("CANCELLED", "")}
+                   "7_3": ("PENDING", "Resources"), "7_4": ("CANCELLED", ""), "9_0": ("CANCELLED", ""), "9_1": ("CANCELLED", "")}
 
 
 def test_job_identity_names_the_array_task_as_squeue_does():
@@ -504,7 +528,7 @@ def fake_slurm_commands(tmp_path, monkeypatch):
 
 def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_header(tmp_path, monkeypatch):
     from specsamp.runner.config import compose, load_config
-    from specsamp.runner.memory import MEM_MARGIN, NETWORK_BYTES, PROCESS_BYTES, mem_gb_for, run_memory_bytes
+    from specsamp.runner.memory import MEM_MARGIN, PROCESS_BYTES, mem_gb_for, run_memory_bytes
 
     fake_slurm_commands(tmp_path, monkeypatch)
     assert compose_hydra(["hydra/launcher=slurm"]).hydra.launcher.mem_gb is None
@@ -516,7 +540,6 @@ def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_h
     # execution=path holds 2K+16 float64 states per trajectory of a batch (20000 x 20 x 2000 x 8 B = 5.96 GiB) and
     # keeps the samples twice (100000 x 2 x 2000 x 8 B = 2.98 GiB): times the margin, at least 13.4 GiB
     assert want >= MEM_MARGIN * (20000 * 20 + 100000 * 2) * 2000 * 8 / 2**30
-    assert mem_gb_for(load_config(compose(["model=digits"]))[0]) >= MEM_MARGIN * (PROCESS_BYTES + NETWORK_BYTES) / 2**30
     dry = ["-m", "hydra/launcher=slurm_cpu", "hydra.launcher.dry_run=true"]
     p = run([*dry, "steps=16", "threads=1", "model.dim=16,2000", "n_samples=8,100000", "batch_size=20000", "sweep_name=m"], tmp_path)
     assert f"#SBATCH --mem={want}GB" in p.stdout and f"mem_gb={want} per task" in p.stdout, p.out  # the largest cell's
@@ -531,3 +554,133 @@ def test_a_gpu_sweep_submitted_from_a_node_without_a_gpu_is_checked_and_sized_th
     p = run(["-m", "hydra/launcher=slurm", "hydra.launcher.dry_run=true", *TINY, "device=cuda", "K=1,2", "sweep_name=g"], tmp_path)
     assert p.returncode == 0 and "torch sees no CUDA device" not in p.out, p.out
     assert "mem_gb=" in p.stdout and "per task" in p.stdout and "#SBATCH --gpus-per-node=1" in p.stdout, p.out
+
+
+def test_the_memory_estimate_of_a_network_follows_its_checkpoint_and_batch_not_a_flat_allowance():
+    """The digits network (0.1 M parameters, 0.67 GiB peak measured for a whole run) asks 2 GiB, so several
+    tasks share a 12 GB node; the estimate grows with the rows of a call on the CPU and with the weights, and
+    stays large for the big networks: CIFAR-10's 56 M parameters, SD3.5 medium's 8 G (3.4 G without T5)."""
+    from specsamp.runner.config import compose, load_config
+    from specsamp.runner.memory import CUDA_HOST_BYTES, EDM_NETWORKS, PROCESS_BYTES, WEIGHT_LOAD_FACTOR, mem_gb_for, run_memory_bytes
+
+    def est(*o):
+        return run_memory_bytes(load_config(compose(list(o)), here=False)[0])
+
+    def gb(*o):
+        return mem_gb_for(load_config(compose(list(o)), here=False)[0])
+
+    assert gb("model=digits") == 2 and gb("model=patches32") == 2  # the flat 3 GiB per network asked 7
+    digits = EDM_NETWORKS["edm-digits-8x8-cond"]
+    # path execution, K=2: a call evaluates 2 rows per trajectory; 1000 more trajectories add their rows' activations
+    grown = est("model=digits", "n_samples=2000") - est("model=digits", "n_samples=1000")
+    assert grown >= 1000 * 2 * digits.row_bytes
+    assert est("model=digits", "n_samples=2000", "max_batch=100") < est("model=digits", "n_samples=2000") - 1000 * digits.row_bytes
+    cifar = est("model=cifar10", "device=cuda")
+    assert cifar >= PROCESS_BYTES + CUDA_HOST_BYTES + WEIGHT_LOAD_FACTOR * EDM_NETWORKS["edm-cifar10-32x32-cond-vp"].weight_bytes
+    assert est("model=cifar10") > cifar - CUDA_HOST_BYTES  # on the CPU the rows of a call come on top
+    assert gb("model=sd3", "device=cuda") >= 1.5 * WEIGHT_LOAD_FACTOR * 8.1e9 * 2 / 2**30  # bfloat16 weights, loaded
+    assert 20 < gb("model=sd3", "device=cuda", "model.drop_t5=true") < gb("model=sd3", "device=cuda")
+
+
+def test_a_timeout_at_or_below_the_signal_delay_is_refused_naming_both_keys():
+    """timeout_min=2 with signal_delay_s=120 would send every cell its warning signal as it starts: refused
+    (exit 2 in a sweep, before anything is written); timeout_min=3 (a minute of running before the signal) passes."""
+    from specsamp.errors import ConfigError
+
+    check = sys.modules["hydra_plugins.specsamp_sweeper.slurm"].check_time_limit
+    for timeout, delay, hint in ((1, 120, "timeout_min=3 or more"), (2, 120, "timeout_min=3 or more"),
+                                 (3, 150, "signal_delay_s to at most 120"), (1, 60, "signal_delay_s to at most 0")):
+        with pytest.raises(ConfigError, match=f"hydra.launcher.timeout_min={timeout} .*hydra.launcher.signal_delay_s={delay}") as e:
+            check({"timeout_min": timeout, "signal_delay_s": delay})
+        assert hint in str(e.value)
+    check({"timeout_min": 3, "signal_delay_s": 120})
+    check({"timeout_min": 240, "signal_delay_s": 120})
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_timeout_leaves_no_time_before_the_signal_exits_2_before_writing_anything(tmp_path, monkeypatch):
+    fake_slurm_commands(tmp_path, monkeypatch)
+    p = run(["-m", *LAUNCH[:2], "hydra.launcher.timeout_min=2", *TINY, "K=1,2", "sweep_name=short"], tmp_path, check=False)
+    assert p.returncode == 2 and "hydra.launcher.timeout_min=2 (120 s)" in p.stderr, p.out
+    assert "hydra.launcher.signal_delay_s=120" in p.stderr and "Traceback" not in p.out
+    assert not (tmp_path / "multirun").exists()  # refused before the sweep folder exists
+
+
+def test_squeue_lines_give_states_pending_reasons_and_the_tasks_that_cannot_run():
+    mod = sys.modules["hydra_plugins.specsamp_sweeper.slurm"]
+    # recorded from `squeue -h -r -j 4 -o '%i|%T|%r'` on a 2-CPU node after sbatch -c 8 --array=0-1
+    v = mod.queue_view("4_0|PENDING|PartitionConfig\n4_1|PENDING|PartitionConfig\n")
+    assert v.line() == "2 pending (PartitionConfig)" and v.stuck == ["4_0", "4_1"] and v.left == 2
+    v = mod.queue_view("7_0|RUNNING|None\n7_1|PENDING|Resources\n7_2|PENDING|Priority\n7_3|PENDING|Resources\n")
+    assert v.line() == "3 pending (1 Priority, 2 Resources), 1 running" and not v.stuck
+    assert mod.stuck_reason("ReqNodeNotAvail, UnavailableNodes:") and not mod.stuck_reason("ReqNodeNotAvail, UnavailableNodes:n[1-2]")
+    assert not mod.stuck_reason("ReqNodeNotAvail, Reserved for maintenance") and not mod.stuck_reason("None")
+    assert mod.stuck_reason("BadConstraints") and mod.stuck_reason("PartitionTimeLimit")
+
+
+def fake_cluster(tmp_path, monkeypatch, job="43"):
+    """sbatch, srun, squeue, sacct, scancel, sinfo that answer from files: sbatch submits job ``job``; squeue
+    prints ``tmp_path/queue`` (empty: the job is over); scancel appends its arguments to ``tmp_path/scancel``
+    and empties the queue; sacct prints ``tmp_path/acct``. Returns the queue file."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    q = tmp_path / "queue"
+    q.write_text("")
+    (tmp_path / "acct").write_text("")
+    scripts = {"sbatch": f"echo 'Submitted batch job {job}'", "srun": "exit 1", "sacct": f"cat {tmp_path / 'acct'}",
+               "squeue": f"cat {q}", "scancel": f"echo \"$@\" >> {tmp_path / 'scancel'}; : > {q}",
+               "sinfo": "echo 'n1|2|11980|(null)'"}
+    for cmd, body in scripts.items():
+        (bindir / cmd).write_text(f"#!/bin/sh\n{body}\n")
+        (bindir / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return q
+
+
+@pytest.mark.slow
+def test_tasks_pending_for_a_reason_that_never_resolves_are_cancelled_and_the_sweep_exits_2(tmp_path, monkeypatch):
+    q = fake_cluster(tmp_path, monkeypatch)
+    q.write_text("43_0|PENDING|PartitionConfig\n43_1|PENDING|PartitionConfig\n")
+    p = run(["-m", *LAUNCH, "hydra.launcher.cpus_per_task=8", *TINY, "K=1,2", "sweep_name=big"], tmp_path, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.out, p.out
+    assert "array job 43: 2 pending (PartitionConfig); 0 of 2 finished" in p.stdout, p.out
+    assert "SLURM cannot run job 43: 2 tasks pend with reason PartitionConfig" in p.stderr, p.out
+    assert "hydra.launcher.cpus_per_task=8" in p.stderr and "n1: 2 CPUs, 11980 MB" in p.stderr, p.out
+    assert (tmp_path / "scancel").read_text().split() == ["43_0", "43_1"]
+
+
+@pytest.mark.slow
+def test_one_cell_is_a_plain_job_whose_log_path_and_scancel_exist(tmp_path, monkeypatch):
+    fake_cluster(tmp_path, monkeypatch)
+    (tmp_path / "acct").write_text("43|FAILED|1:0\n")  # the fake job never ran
+    p = run(["-m", *LAUNCH, *TINY, "K=1", "sweep_name=one"], tmp_path, check=False)
+    assert "submitted SLURM job 43: 1 task" in p.stdout and "<task>" not in p.stdout and "scancel 43_" not in p.stdout, p.out
+    sweep = (tmp_path / "multirun/one").resolve()
+    assert f"logs:          {sweep}/.submitit/43/43_0_log.out (.err)" in p.stdout and "cancel:        scancel 43\n" in p.stdout, p.out
+    assert (sweep / ".submitit/43/43_submission.sh").is_file()  # where the printed sbatch script is
+
+
+@pytest.mark.slow
+def test_a_relaunch_while_every_cell_is_still_queued_exits_75_and_ctrl_c_says_to_wait(tmp_path, monkeypatch):
+    """75: not every job wrote its record (0 would say they all did). Ctrl-C while the array runs: the
+    summary counts running and pending cells as such, and the advice is to wait, not to rerun now."""
+    from specsamp.runner import exits
+
+    q = fake_cluster(tmp_path, monkeypatch)
+    args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=q"]
+    q.write_text("43_0|RUNNING|None\n43_1|PENDING|Priority\n")
+    proc = start(args, tmp_path)
+    log = tmp_path / "launch.log"
+    wait_until("the progress line", lambda: "1 pending (Priority), 1 running; 0 of 2 finished" in log.read_text(), timeout=120)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, log.read_text()
+    out = log.read_text()
+    assert "SLURM array job 43 keeps running on the cluster" in out and "do not rerun yet" in out, out
+    assert "1 running, 1 pending (queued)" in out and "not finished" not in out and "  resume:" not in out, out
+    again = run(args, tmp_path, check=False)
+    assert again.returncode == exits.NOT_FINISHED == 75, again.out
+    assert "2 of 2 cells still pending or running: not submitted again" in again.stdout and "(Priority)" in again.stdout
+    assert "1 running, 1 pending (queued)" in again.stdout and "wait: 2 jobs are still queued or running" in again.stdout
+    assert exits.sweep_exit_status({"kinds": [], "unfinished": 2}) == 75
+    assert exits.sweep_exit_status({"kinds": ["config"], "unfinished": 2}) == 2
+    assert exits.sweep_exit_status({"kinds": [], "unfinished": 2, "dry_run": True}) == 0

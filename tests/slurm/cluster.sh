@@ -7,7 +7,8 @@
 #
 # Needs root (Debian packages, daemons running as root) and no systemd: every daemon is started by hand.
 # Every start is clean: the controller's state, the node's spool and the accounting database are created
-# anew, so no job or accounting row of an earlier run survives. The node is this host with its `nproc`
+# anew, so no job or accounting row of an earlier run survives; a start that fails stops the daemons it
+# had started (exit status non-zero, the logs' tails printed). The node is this host with its `nproc`
 # CPUs and SPECSAMP_SLURM_MEM_SHARE percent (default 50) of its memory, in partition `debug`; memory is
 # a consumable resource (select/cons_tres, CR_Core_Memory) and enforced by polling (jobacct_gather/linux
 # with OverMemoryKill, every second), so a job above its --mem is killed and recorded as OUT_OF_MEMORY.
@@ -130,7 +131,20 @@ StorageUser=slurm
 StoragePass=specsamp
 StorageLoc=slurm_acct_db
 EOF
+    # slurmdbd refuses a slurmdbd.conf not owned by its SlurmUser (root here): an existing file keeps its
+    # owner when rewritten (the slurmdbd package's, for one), so set it
+    chown root:root "$ETC/slurm.conf" "$ETC/slurmdbd.conf"
     chmod 600 "$ETC/slurmdbd.conf"
+}
+
+failed_start() {  # EXIT trap of start: a start that fails stops what it started (munged, MariaDB, ...)
+    local rc=$?
+    trap - EXIT
+    if [ "$rc" -ne 0 ]; then
+        log "start failed (exit $rc): stopping the daemons it started; logs in $D/log"
+        stop >/dev/null 2>&1 || true
+    fi
+    exit "$rc"
 }
 
 start() {
@@ -138,6 +152,7 @@ start() {
     stop >/dev/null 2>&1 || true
     rm -rf "$D"
     mkdir -p "$D"/{state,spool,log,munge,mysql}
+    trap failed_start EXIT
     chmod 711 "$D/munge"
     mkdir -p /run/munge && chmod 755 /run/munge
     write_configs
@@ -156,6 +171,7 @@ start() {
     mariadbd --user=root --datadir="$D/mysql" --socket="$D/mysql.sock" --port="$DB_PORT" \
         --bind-address=127.0.0.1 --pid-file="$D/mariadbd.pid" --log-error="$D/log/mariadb.log" \
         --innodb-buffer-pool-size=32M --skip-log-bin >/dev/null 2>&1 &
+    echo $! >"$D/mariadbd.pid"  # before it writes its own (the same pid), so that a failed start can stop it
     wait_for 60 MariaDB mariadb --socket="$D/mysql.sock" -e "select 1"
     mariadb --socket="$D/mysql.sock" -e "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'specsamp';
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
@@ -168,6 +184,7 @@ start() {
     slurmd
     wait_for 60 "the node (idle in sinfo)" sh -c 'sinfo -h -N -o %T | grep -qx idle'
     wait_for 60 "srun hostname" timeout 20 srun -N1 -n1 -t 1 hostname
+    trap - EXIT
     log "up: $(sinfo -h -N -o '%N %T %c CPUs %m MB' | head -1), partition debug; state in $D"
 }
 
