@@ -80,6 +80,11 @@ def test_exit_policy_is_one_table():
     assert exitcodes.sweep_exit_status({"kinds": ["config", "infrastructure"]}) == 3
     assert exitcodes.sweep_exit_status({"kinds": ["infrastructure"], "interrupted": True}) == 130
     assert exitcodes.sweep_exit_status({"kinds": []}) == 0
+    assert exitcodes.NON_FINITE == 4 and "  4 " in doc and "| 4 |" in readme
+    assert exitcodes.sweep_exit_status({"kinds": ["config", "non_finite"]}) == 4
+    assert exitcodes.sweep_exit_status({"kinds": ["non_finite", "exception"]}) == 1
+    assert exitcodes.sweep_exit_status({"kinds": ["config"], "unfinished": 2}) == 2
+    assert "130, then 3, then 1, then 4, then 2, then 75" in doc and "130, then 3, then 1, then 4, then 2, then 75" in readme
 
 
 # ------------------------------------------------------------------------------------------------
