@@ -25,6 +25,12 @@ from .errors import ConfigError
 
 COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++")  # any of these on PATH builds inductor's CPU kernels
 RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
+# Inductor's buffer planning off: with it on (torch 2.14 on the CPU), a round whose verification runs in several
+# chunks of equal shape, drawing its uniforms from keys in the round, read buffers that a later kernel had
+# already reused, so verdicts and residual draws came out wrong (not rounding: a different law). Without reuse
+# and in-place buffers every kernel writes a buffer of its own; memory is freed as before, only not recycled
+# within the graph (tests/core/test_compiled.py, the several-chunk tests).
+INDUCTOR_OPTIONS = (("allow_buffer_reuse", False), ("inplace_buffers", False))
 
 
 def unavailable(device) -> str | None:
@@ -153,5 +159,5 @@ def compiled_round() -> Callable:
 
         logging.getLogger("torch.utils.cpp_extension").addFilter(_QuietCudaHome())
         _network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
-        _ROUND.append(torch.compile(_lean_round, dynamic=False))
+        _ROUND.append(torch.compile(_lean_round, dynamic=False, options=dict(INDUCTOR_OPTIONS)))
     return _ROUND[0]
