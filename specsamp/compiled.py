@@ -8,9 +8,11 @@ evaluates varies from round to round, while every shape the graphs see is static
 batch is kept in every round, finished rows padded). So each distinct tree (and batch size, dtype, device)
 compiles once per process, and the round keeps its one host synchronisation, in the loop's test.
 
-Compiled kernels may fuse and reorder float operations (a fused multiply-add rounds once where eager rounds
-twice), so a compiled run's samples equal the eager run's to a few units in the last place per operation, not
-bitwise; its counts are identical wherever that rounding flips no verdict (``tests/core/test_compiled.py``).
+What is guaranteed is the law: the same as the eager round's (the law tests run with compile on). Compiled
+kernels may fuse and reorder float operations (a fused multiply-add rounds once where eager rounds twice), so a
+compiled run's samples equal the eager run's to rounding, not bitwise, and its counts are identical wherever
+that rounding flips no verdict (``tests/core/test_compiled.py``). Inductor's buffer reuse is off
+(:data:`INDUCTOR_OPTIONS`): with it, a verification split into several chunks came out wrong.
 """
 
 from __future__ import annotations
