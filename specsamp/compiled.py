@@ -27,11 +27,11 @@ from .errors import ConfigError
 
 COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++")  # any of these on PATH builds inductor's CPU kernels
 RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
-# Inductor's buffer planning off: with it on (torch 2.14 on the CPU), a round whose verification runs in several
-# chunks of equal shape, drawing its uniforms from keys in the round, read buffers that a later kernel had
-# already reused, so verdicts and residual draws came out wrong (not rounding: a different law). Without reuse
-# and in-place buffers every kernel writes a buffer of its own; memory is freed as before, only not recycled
-# within the graph (tests/core/test_compiled.py, the several-chunk tests).
+# Inductor's buffer reuse off: with it on (torch 2.14, CPU), the graph after the network call of a round whose
+# verification ran in several chunks (leantree.bind) gave wrong verdicts and residual draws: not rounding, a
+# different law (the same graph without inductor, and inductor with buffer reuse off alone, were exact). Without
+# reuse and in-place buffers each kernel writes a buffer of its own: freed after its last use as before, only not
+# recycled within the graph (tests/core/test_compiled.py, the several-chunk tests).
 INDUCTOR_OPTIONS = (("allow_buffer_reuse", False), ("inplace_buffers", False))
 
 
