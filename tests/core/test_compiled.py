@@ -76,6 +76,17 @@ def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
     assert active_checks() is None
 
 
+def test_compiled_round_is_built_without_inductor_buffer_reuse(monkeypatch):
+    # the lean round is compiled with inductor's buffer reuse and in-place buffers off (compiled.INDUCTOR_OPTIONS): with
+    # them on, a verification in several chunks of equal shape read buffers a later kernel had reused (the several-chunk
+    # tests below show the wrong law it gave); nothing is compiled here, torch.compile's arguments are recorded
+    seen = []
+    monkeypatch.setattr(compiled, "_ROUND", [])
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    compiled.compiled_round()
+    assert seen == [dict(dynamic=False, options={"allow_buffer_reuse": False, "inplace_buffers": False})]
+
+
 def test_compile_refusals_name_the_key():
     tree = DraftTree.uniform(2, 3)
     with pytest.raises(ConfigError, match=r"compile='yes' is invalid: must be true or false"):
@@ -278,3 +289,72 @@ def test_run_py_with_an_uncreatable_inductor_cache_exits_3(tmp_path):
     assert err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
         "\n" not in err and "TORCHINDUCTOR_CACHE_DIR" in err and "does not support" not in err
     assert p.stdout == "" and not (tmp_path / "out" / "result.json").exists()
+
+
+# the setup where compiled D-GRS was biased: the d=2 mixture of five components (layout 0), T=8, eps=0.1, the
+# (2, 3) tree, seed 104. Before inductor's buffer reuse was turned off, a verification split into several chunks of
+# equal shape made compiled and eager part: with one chunk per internal node and the uniforms drawn in the round,
+# 190 of 500 trajectories differed (by up to 2.2) and 27 NFE more were charged; at 50,000 trajectories (seven chunks
+# of one node by the memory rule alone) 17,980 rows differed and the law was plainly off
+SMALL = GaussianMixture(dim=2, components=5, layout_seed=0)
+SMALL_SCHED = Schedule.make(8, 0.1)
+
+
+@pytest.mark.slow
+@needs_inductor
+def test_compiled_round_with_several_verification_chunks_equals_eager(monkeypatch):
+    # 500 trajectories, one internal node per verification chunk (VERIFY_FLOOR = 1), no per-run uniform table:
+    # identical counts and samples to ATOL (measured after the fix: 2.1e-15; before it, 190 rows off by up to 2.2)
+    from specsamp import leantree
+
+    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
+    monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
+    monkeypatch.setattr(leantree, "UNIFORM_CACHE", 0)
+    kw = dict(execution="tree", seed=104)
+    ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 500, **kw)
+    got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 500, compile=True, **kw)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert (got.accepts < got.attempts).any()
+    torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
+@needs_inductor
+def test_compiled_dgrs_law_with_several_verification_chunks():
+    # 50,000 compiled D-GRS trajectories (the memory rule splits the verification into seven chunks of one node),
+    # seed 104, against 50,000 of the standard sampler, seed 10_104: two-sample KS on 5 fixed projections and on
+    # the norm, chi-square of the mixture components; every p-value > 1e-3 (7 tests: a false alarm below 0.7%).
+    # The biased round gave p = 0 on every one of them at this n.
+    from helpers import chi2_same_counts, two_sample_pvalues
+    from scipy import stats
+
+    from specsamp import leantree
+
+    n = 50_000
+    lt = leantree._LeanTree(DraftTree.uniform(2, 3), "cpu", torch.float64)
+    lt.bind(n, 2)
+    assert len(lt.buffers.chunks) > 1  # the case that failed: several chunks of one shape
+    r = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", n, execution="tree",
+                                   seed=104, compile=True)
+    ref = sampler.sample_standard(SMALL, SMALL_SCHED, n, seed=10_104).samples
+    p = two_sample_pvalues(r.samples, ref, directions=5, seed=0)
+    p.append(stats.ks_2samp(r.samples.norm(dim=1).numpy(), ref.norm(dim=1).numpy()).pvalue)
+    p.append(chi2_same_counts(SMALL.component(r.samples).numpy(), SMALL.component(ref).numpy(), 5))
+    assert min(p) > 1e-3, p
+
+
+@pytest.mark.slow
+@needs_inductor
+def test_compiled_round_equals_eager_on_the_default_cell():
+    # `python run.py execution=tree` with compile=true against compile=false: the d=500 mixture, T=30, eps=0.1, D-GRS
+    # on the (2, 3) tree, velocity draft, 100 trajectories, seed 0 (the verification in chunks of 2, 2, 2 and 1 nodes).
+    # Identical counts and samples to ATOL (measured: 4.4e-15). Before buffer reuse was turned off, 16 of the 100
+    # trajectories changed their NFE and samples differed by up to 0.17, equal NFE or not.
+    model = GaussianMixture(dim=500, components=5, layout_seed=0)
+    sched, tree, kw = Schedule.make(30, 0.1, shift=1.0), DraftTree.uniform(2, 3), dict(execution="tree", seed=0)
+    ref = sampler.sample_speculative(model, sched, tree, "dgrs", 100, **kw)
+    got = sampler.sample_speculative(model, sched, tree, "dgrs", 100, compile=True, **kw)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=ATOL)
