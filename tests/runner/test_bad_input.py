@@ -265,7 +265,7 @@ def test_an_ad_hoc_sweep_resumes_with_the_sweep_name_its_summary_prints(tmp_path
 
 
 def _inprocess(args, cwd, monkeypatch):
-    from test_validation import run_inprocess
+    from helpers import run_inprocess
 
     monkeypatch.chdir(cwd)
     return run_inprocess(args, cwd / "single", monkeypatch)

@@ -3,36 +3,14 @@ its value and what is valid, no traceback, and leaves an existing record (same o
 config otherwise) byte for byte unchanged. Also: keys the sampler does not read are recorded as unused
 and hashed at their default; a typo'd key names the closest valid key."""
 
-import contextlib
-import io
-import runpy
 import shutil
 
 import pytest
-from helpers import ROOT, TINY, run
+from helpers import TINY, run, run_inprocess
 
 from specsamp.errors import ConfigError
 from specsamp.runner.config import closest_key, compose, load_config, valid_keys
 from specsamp.runner.loop import record_hash, run_config
-
-
-def run_inprocess(args, out_dir, monkeypatch):
-    """``python run.py ARGS`` in this process (runpy, as ``__main__``): ``(exit status, stdout, stderr)``.
-
-    Same code path as the command line at a tenth of a subprocess's cost; two cases below also run
-    as real subprocesses."""
-    monkeypatch.setattr("sys.argv", [str(ROOT / "run.py"), *args, f"hydra.run.dir={out_dir}"])
-    monkeypatch.setenv("PYTHONPATH", "")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
