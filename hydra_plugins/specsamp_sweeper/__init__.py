@@ -176,7 +176,7 @@ def check_sweeper_keys(max_batch_size: Any, params: Any, validate: Any) -> None:
 
 def check_sweep_name(config: DictConfig) -> None:
     """Refuse a ``sweep_name`` that does not name a folder below ``multirun/`` (empty, ``..``, absolute, null,
-    a control character: :func:`specsamp.runner.config.sweep_name_ok`), before anything is written.
+    a control character: :func:`specsamp.runner.overrides.sweep_name_ok`), before anything is written.
 
     Raises:
         specsamp.errors.ConfigError: names the value and what is valid.

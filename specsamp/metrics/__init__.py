@@ -1,7 +1,8 @@
 """Sample-quality metrics computed as a separate step over saved samples.
 
 - :mod:`specsamp.metrics.fid`: Frechet Inception Distance with torch-fidelity's extractors
-  (:func:`~specsamp.metrics.fid.compute_fid`, :func:`~specsamp.metrics.fid.frechet_distance`).
+  (:func:`~specsamp.metrics.fid.compute_fid`, :func:`~specsamp.metrics.fid.frechet_distance`); what it reads
+  and its checks before sampling in :mod:`specsamp.metrics.fid_inputs`.
 - :mod:`specsamp.metrics.clip`: per-image CLIP scores with open_clip (paper section 5.3).
 
 Both take images in the package's one convention (:func:`specsamp.images.as_pixels`: uint8 pixels or

@@ -4,7 +4,7 @@ FID on the digits target is the Frechet distance between Gaussian fits of the cl
 penultimate features (Heusel et al. 2017, with a domain classifier in place of Inception, as is usual
 for small image sets), computed by :func:`specsamp.metrics.fid.compute_fid` through torch-fidelity's
 own machinery (``create_feature_extractor``, ``get_featuresdict_from_dataset``). The reference
-statistics (``digits-8x8`` in :data:`specsamp.metrics.fid.REFERENCE_STATS`) are the same features of
+statistics (``digits-8x8`` in :data:`specsamp.metrics.fid_inputs.REFERENCE_STATS`) are the same features of
 all 1,797 images of scikit-learn's digits.
 
 :func:`register` adds the extractor to torch-fidelity's registry (once); :mod:`specsamp.metrics.fid`

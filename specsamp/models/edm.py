@@ -435,7 +435,7 @@ class EDMConfig(TargetConfig):
         label_dim: check of the net's number of classes (null: the net's).
         labels: ``uniform`` (one class per image, :func:`uniform_labels`) for a conditional net, ``none``
             for an unconditional one.
-        fid_ref: FID reference statistics (a :data:`specsamp.metrics.fid.REFERENCE_STATS` name, URL or path).
+        fid_ref: FID reference statistics (a :data:`specsamp.metrics.fid_inputs.REFERENCE_STATS` name, URL or path).
         fid_extractor, fid_layer, fid_weights: :func:`specsamp.metrics.fid.compute_fid`'s
             ``feature_extractor``, ``feature_layer``, ``weights_path`` (null: its defaults).
         max_batch: rows per forward pass (null: all at once).

@@ -28,8 +28,8 @@ from ..schedule import Schedule
 from ..models.base import Target
 from ..trees import budget as uniform_budget
 from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, given_profile
-from .treerules import check_search
-from .config import SEARCHED_TREES, RunConfig, load_config, unused_keys
+from .treerules import SEARCHED_TREES, check_search
+from .config import RunConfig, load_config, unused_keys
 from .memory import STEP_BYTES, check_memory, check_nominal_budget, check_tree_memory
 from .outputs import check_metrics, scoring_settings
 from .records import config_hash, make_record, versions

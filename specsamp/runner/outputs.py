@@ -68,7 +68,7 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
     ``fid``: the reference (``model.fid_ref``), the extractor (``model.fid_extractor``: a registered name, or
     ``package.module:Class`` that imports and resolves), its layer and weights (``model.fid_weights``, or
     Inception's in the torch hub cache, downloaded now when missing and allowed), and at least
-    :data:`specsamp.metrics.fid.MIN_IMAGES` images (:func:`specsamp.metrics.fid.check_fid_inputs`; no network is
+    :data:`specsamp.metrics.fid_inputs.MIN_IMAGES` images (:func:`specsamp.metrics.fid_inputs.check_fid_inputs`; no network is
     loaded). ``clip``: the open_clip model, tag, checkpoint and cached weights (``model.clip.*``,
     :func:`specsamp.metrics.clip.check_clip_inputs`). A model without the metric's inputs (no ``fid_ref``, no
     CLIP settings) is left to the runner's own check.
@@ -81,7 +81,7 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
 
     Returns:
         Notes to print before sampling: an FID of no more images than feature dimensions
-        (:func:`specsamp.metrics.fid.few_images_warning`), an Inception Score left out for want of images.
+        (:func:`specsamp.metrics.fid_inputs.few_images_warning`), an Inception Score left out for want of images.
 
     Raises:
         ConfigError: one paragraph naming the key, its value and what is valid.
@@ -89,7 +89,7 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
     notes = []
     for name in names:
         if name == "fid" and fid_ref:
-            from ..metrics.fid import MIN_IMAGES, INCEPTION, check_fid_inputs, few_images_warning
+            from ..metrics.fid_inputs import MIN_IMAGES, INCEPTION, check_fid_inputs, few_images_warning
             from ..metrics.isc import SPLITS, isc_layer
 
             if n_images < MIN_IMAGES:

@@ -242,7 +242,7 @@ def scores_text(rec: dict) -> str:
     """The record's metric scores as printed, e.g. ``FID 3.512  CLIP 0.31 ± 0.01``; empty when none."""
     parts = [f"FID {rec['fid']:.3f}"] if isinstance(rec.get("fid"), (int, float)) else []
     detail = (rec.get("metrics") or {}).get("fid_detail") or {}
-    if parts and detail.get("warning"):  # specsamp.metrics.fid.few_images_warning
+    if parts and detail.get("warning"):  # specsamp.metrics.fid_inputs.few_images_warning
         parts[0] += f" (not usable: {detail.get('n_samples')} images, needs at least {detail.get('min_images')})"
     if isinstance(rec.get("isc"), (int, float)):
         parts.append(f"IS {rec['isc']:.3f} ± {rec.get('isc_se', float('nan')):.3f}")

@@ -88,6 +88,20 @@ def get_tree_rule(name: str | TreeRule) -> TreeRule:
     return TREE_RULES.get(name)
 
 
+class _SearchedTrees:
+    """``name in SEARCHED_TREES``: the tree rule ``name`` searches its tree from a displacement profile
+    (given, shipped, or calibrated); iterates over the registered ones."""
+
+    def __contains__(self, name) -> bool:
+        return TREE_RULES.valid(name) and TREE_RULES.get(name).searched
+
+    def __iter__(self):
+        return iter([n for n in TREE_RULES.names() if TREE_RULES.get(n).searched])
+
+
+SEARCHED_TREES = _SearchedTrees()
+
+
 @register_tree_rule("uniform", reads=("K", "L"))
 def uniform(run, coupling, horizon, delta_profile=None, callback=None):
     """The uniform ``(K, L)`` tree (``L`` capped at the horizon), ``B = K + ... + K^L``."""
