@@ -18,8 +18,9 @@ test-all:  ## every test, slow ones included
 bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, ops and syncs per round), about 3 min; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
 
-bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv (about 6 min)
+bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv, then where a round's own time goes (about 8 min; both name the CPU)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.latency --out results/digits/latency.csv $(ARGS)
+	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.roundcost
 
 gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
 	python3 -m benchmarks.gpu_check $(ARGS)
