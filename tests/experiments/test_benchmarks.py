@@ -81,3 +81,28 @@ def test_gmm_batch1_reports_every_arm_and_refuses_bad_sizes(tmp_path, capsys):
     assert all((r["ops_per_traj"] or 0) > 0 for r in rows if r["arm"].endswith("n=1"))
     assert gmm_batch1.main(["--repeats", "0"]) == 2
     assert "--repeats=0" in capsys.readouterr().err
+
+
+def test_timings_name_the_cpu_and_roundcost_refuses_bad_arguments(capsys):
+    """Every timing table names its CPU (model, vector ISA, CPU count); benchmarks.roundcost (which splits a
+    sampler call into network, per-run tables, ATen operators, allocation and Python) refuses bad arguments."""
+    from benchmarks import roundcost
+    from benchmarks.common import cpu_model
+
+    name = cpu_model()
+    assert name and f"{__import__('os').cpu_count()} CPUs)" in name and "(" in name
+    assert roundcost.main(["--arms", "nope"]) == 2 and "--arms='nope' --n=1 --repeats=5 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_roundcost_parts_add_up_to_the_wall_time():
+    """A sampler call's split (one arm, one repeat: about 6 s) adds up to its uninstrumented wall time."""
+    from benchmarks import roundcost
+
+    rows = roundcost.measure(("rmc chain14",), n=1, repeats=1, progress=None)
+    (rmc,) = rows
+    assert rmc["rounds"] > 0 and rmc["ops"] > 0
+    for r in rows:  # the parts add up to the uninstrumented wall time
+        parts = r["network_ms"] + r["tables_ms"] + r["aten_ms"] + r["alloc_ms"] + r["python_ms"]
+        assert math.isclose(parts, r["wall_ms"], rel_tol=1e-9) and min(r["network_ms"], r["aten_ms"], r["python_ms"]) >= 0
+    assert rmc["tables_ms"] > 0
