@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import ConfigError, InfrastructureError
+from .errors import ConfigError, InfrastructureError, error_chain
 
 COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++")  # any of these on PATH builds inductor's CPU kernels
 RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
@@ -187,12 +187,6 @@ def check_cache_dir() -> str:
     return d
 
 
-def _chain(error: BaseException | None, depth: int = 8):
-    for _ in range(depth):
-        if error is None:
-            return
-        yield error
-        error = error.__cause__ or error.__context__
 
 
 def classify_compile_error(error: BaseException) -> InfrastructureError | None:
@@ -206,7 +200,7 @@ def classify_compile_error(error: BaseException) -> InfrastructureError | None:
     import os
 
     d = inductor_cache_dir()
-    for e in _chain(error):
+    for e in error_chain(error):
         text = str(e)
         if any(sign in text for sign in NOEXEC_SIGNS) and (d in text or ".so" in text):
             return cache_fault(d, "a compiled kernel written there cannot be loaded (dlopen: "

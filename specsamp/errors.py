@@ -32,3 +32,12 @@ class NonFiniteSamplesError(RuntimeError):
     def __init__(self, message: str, details: dict):
         super().__init__(message)
         self.details = details
+
+
+def error_chain(error: BaseException | None, depth: int = 8):
+    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), at most ``depth``."""
+    for _ in range(depth):
+        if error is None:
+            return
+        yield error
+        error = error.__cause__ or error.__context__

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, error_chain
 
 OK = 0
 BUG = 1
@@ -76,15 +76,6 @@ def _is_infra_oserror(error: BaseException) -> bool:
     return error.errno in INFRA_ERRNOS or (error.errno == errno.ENOENT and _creating_directory(error))
 
 
-def _chain(error: BaseException | None, depth: int = 8):
-    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), at most ``depth``."""
-    for _ in range(depth):
-        if error is None:
-            return
-        yield error
-        error = error.__cause__ or error.__context__
-
-
 from ..errors import InfrastructureError  # noqa: E402  (defined beside ConfigError, so the core can raise it)
 
 
@@ -92,17 +83,17 @@ def is_infrastructure(error: BaseException | None) -> bool:
     """True for :class:`InfrastructureError`, for an ``OSError`` whose errno is in :data:`INFRA_ERRNOS`, and
     for ENOENT raised while creating a directory (an output folder whose parent cannot hold one); also when
     it is the cause or context of ``error``."""
-    return any(isinstance(e, InfrastructureError) or _is_infra_oserror(e) for e in _chain(error))
+    return any(isinstance(e, InfrastructureError) or _is_infra_oserror(e) for e in error_chain(error))
 
 
 def user_error(error: BaseException | None) -> ConfigError | None:
     """The :class:`~specsamp.errors.ConfigError` that ``error`` is or wraps (Hydra wraps what a plugin's
     constructor raises), or None."""
-    return next((e for e in _chain(error) if isinstance(e, ConfigError)), None)
+    return next((e for e in error_chain(error) if isinstance(e, ConfigError)), None)
 
 
 def _root_oserror(error: BaseException | None) -> OSError | None:
-    return next((e for e in _chain(error) if _is_infra_oserror(e)), None)
+    return next((e for e in error_chain(error) if _is_infra_oserror(e)), None)
 
 
 RUN_ELSEWHERE = "hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR for a sweep"
