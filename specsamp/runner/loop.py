@@ -284,9 +284,8 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
     # what scoring will need is checked before the model is loaded (a given target: once it is known)
     n_images = run.n_samples if indices is None else int(torch.as_tensor(indices).numel())
     count = f"n_samples={run.n_samples}" + (f" (this shard scores {n_images})" if indices is not None else "")
-    notes = check_metrics(run.metrics, *scoring_settings(run.model), n_images, count) if run.metrics and target is None else []
-    if target is not None and run.metrics:
-        notes = check_metrics(run.metrics, *scoring_settings(target), n_images, count)
+    settings = scoring_settings(run.model if target is None else target)
+    notes = check_metrics(run.metrics, *settings, n_images, count) if run.metrics else []
     target = target if target is not None else build_target(run)
     for note in notes:
         print(f"note: {note}", file=sys.stderr, flush=True)
