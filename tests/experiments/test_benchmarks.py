@@ -106,3 +106,25 @@ def test_roundcost_parts_add_up_to_the_wall_time():
         parts = r["network_ms"] + r["tables_ms"] + r["aten_ms"] + r["alloc_ms"] + r["python_ms"]
         assert math.isclose(parts, r["wall_ms"], rel_tol=1e-9) and min(r["network_ms"], r["aten_ms"], r["python_ms"]) >= 0
     assert rmc["tables_ms"] > 0
+
+
+def test_golden_compare_sees_a_changed_bit_and_ignores_wall_time(tmp_path):
+    """benchmarks.golden: records equal minus volatile keys, samples bitwise (one flipped ulp is a difference)."""
+    import json
+
+    import torch
+
+    from benchmarks import golden
+
+    for side, wall in (("a", 0.5), ("b", 0.7)):
+        d = tmp_path / side / "cfg"
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps({"nfe": {"mean": 3.0}, "wall_seconds": wall,
+                                                   "versions": {"git": side}, "output_dir": str(d)}))
+        torch.save(torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float64), d / "samples.pt")
+    assert golden.compare(tmp_path / "a", tmp_path / "b") == []
+    x = torch.tensor([1.0, 0.0, float("nan")], dtype=torch.float64)  # -0.0 -> 0.0: equal under ==, not bitwise
+    torch.save(x, tmp_path / "b" / "cfg" / "samples.pt")
+    assert golden.compare(tmp_path / "a", tmp_path / "b") == ["cfg: samples.pt differs"]
+    assert set(golden.CONFIGS) >= {"gmm_dgrs_path", "gmm_dgrs_tree", "gmm_markmax", "gmm_refine1",
+                                   "digits_x0_optimal14", "patches32_dgrs"}
