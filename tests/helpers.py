@@ -1,5 +1,5 @@
-"""What the test folders share: the repository root, ``run.py`` in a subprocess (a tiny GMM's overrides, an
-offline digits run), two-sample statistical checks for the sampler and model tests (one-sample ones:
+"""What the test folders share: the repository root, ``run.py`` and the CLIs as child processes forked from
+the test process (:func:`python`: a tiny GMM's overrides, an offline digits run), two-sample statistical checks for the sampler and model tests (one-sample ones:
 :mod:`specsamp.testing`), and stand-ins for a logger and a model."""
 
 from __future__ import annotations
@@ -9,8 +9,12 @@ import io
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,102 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository root: run.py, conf/
 TINY = ["model.dim=16", "steps=8", "n_samples=8"]  # a GMM small enough for a subprocess run in seconds
 
 
+def python(argv, *, cwd, env=None, timeout=300, capture_output=True,
+           text=True) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` as a child process, with text output captured.
+
+    ``argv`` is a command line that starts with ``sys.executable``. The child is forked from this test process,
+    which has imported torch, Hydra and specsamp already, and runs the script or module as ``__main__`` with
+    its own arguments, environment (``env``, default this process's), working directory, file descriptors 1
+    and 2 and exit status: the command line's behaviour for a few tenths of a second instead of the three
+    seconds a fresh interpreter takes to import torch. Coverage follows the child (``patch = ["fork"]``). The
+    child sees modules this process imported already, so a test whose command depends on what happens at
+    import time (an environment variable read when a module loads, the interpreter's start-up) uses
+    ``subprocess`` instead; so does one that limits the child's resources (a ``preexec_fn`` would run after
+    the fork, where this process's address space and open files are already there). Returns a :class:`subprocess.CompletedProcess`; a child still running after
+    ``timeout`` seconds is killed and :class:`subprocess.TimeoutExpired` raised.
+    """
+    if not (capture_output and text):
+        raise ValueError("python(): output is always captured as text")
+    argv = [str(a) for a in argv]
+    if argv[0] != sys.executable or len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) \
+            or (argv[1] != "-m" and argv[1].startswith("-")):
+        raise ValueError(f"python(): expected [sys.executable, script | -m module, ...], got {argv[:3]}")
+    env = dict(os.environ if env is None else env)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            _forked_main(argv, cwd, env, out, err)
+        t0 = time.monotonic()
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() - t0 > timeout:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            time.sleep(0.005)
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
+
+
+def _forked_main(argv, cwd, env, out, err) -> None:
+    """The forked child of :func:`python`: run the script or module as ``__main__``, then ``os._exit``."""
+    code = 1
+    try:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False, buffering=1)
+        sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
+        sys.stdin = open(os.devnull)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the test runner's handlers are not the command's
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        head = [str(Path(cwd, argv[1]).resolve().parent) if argv[1] != "-m" else str(Path(cwd).resolve()),
+                *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]  # as the interpreter builds sys.path
+        sys.path[:] = [*head, *(p for p in sys.path[1:] if p not in head)]
+        try:
+            if argv[1] == "-m":
+                sys.argv = [argv[2], *argv[3:]]
+                runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = argv[1:]
+                runpy.run_path(str(Path(cwd, argv[1])), run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # sys.exit("message"): printed to stderr, status 1
+                print(e.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = 130
+        except BaseException:  # noqa: BLE001 - an uncaught error: the interpreter's traceback and status 1
+            traceback.print_exc()
+            code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            import coverage
+
+            cov = coverage.Coverage.current()
+            if cov is not None:  # the child's own data file (coverage restarted it at the fork)
+                cov.stop()
+                cov.save()
+        finally:
+            os._exit(code)
+
+
 def run(args, tmp_path, check=True):
     """``python run.py ARGS hydra.run.dir=tmp_path`` in ``tmp_path`` (wandb offline, Hydra's short errors).
 
@@ -32,7 +132,7 @@ def run(args, tmp_path, check=True):
     """
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
     cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}"]
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    p = python(cmd, cwd=tmp_path, env=env)
     if check:
         assert p.returncode == 0, p.stderr
     return p

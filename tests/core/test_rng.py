@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, python
 from scipy import stats
 
 from specsamp import rng
@@ -209,7 +209,7 @@ def test_runner_refuses_seeds_outside_the_key_range():
 
     root = ROOT
     for bad in (str(2**70),):  # sampled bit-identically to seed=0 when seeds were reduced mod 2**64
-        p = subprocess.run([sys.executable, "run.py", f"seed={bad}", "n_samples=2", "model.dim=4", "steps=6"], cwd=root,
+        p = python([sys.executable, "run.py", f"seed={bad}", "n_samples=2", "model.dim=4", "steps=6"], cwd=root,
                            capture_output=True, text=True)
         assert p.returncode == 2 and "seed=" in p.stderr + p.stdout and "Traceback" not in p.stderr
 

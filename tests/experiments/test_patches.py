@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, two_sample_pvalues
+from helpers import ROOT, python, two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
 from specsamp.hub import CheckpointTrustError, file_sha256
@@ -69,7 +69,7 @@ def test_run_py_patches32_prints_speedup(tmp_path):
     env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
     cmd = [sys.executable, str(ROOT / "run.py"), "model=patches32", "sampler=dgrs", "K=2", "L=3", "steps=12",
            "n_samples=4", "threads=1", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    out = python(cmd, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert "speedup" in out.stdout, out.stdout
     rec = json.loads((tmp_path / "result.json").read_text())

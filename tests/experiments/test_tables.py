@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, python
 
 
 def test_beyond_table_writer_is_deterministic(tmp_path):
@@ -45,11 +45,12 @@ def test_gmm_grid_collect_is_deterministic(tmp_path):
     outs = []
     for i in range(2):
         sweep = tmp_path / f"s{i}"
-        subprocess.run(
+        p = python(
             [sys.executable, "run.py", "-m", "sampler=dgrs", "K=2", "L=2,3", "model.dim=8", "steps=6", "n_samples=4",
              "progress=false", f"hydra.sweep.dir={sweep}", "sweep_name=t"],
-            cwd=ROOT, check=True, capture_output=True, text=True,
+            cwd=ROOT,
         )
+        assert p.returncode == 0, p.stderr
         out = tmp_path / f"grid{i}.csv"
         gmm.collect(str(sweep), out=out)
         outs.append(out.read_bytes())

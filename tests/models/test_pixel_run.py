@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, python
 from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
 
@@ -28,7 +28,7 @@ def run(tmp_path, *args, **env_extra):
     env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", **env_extra)
     cmd = [sys.executable, str(ROOT / "run.py"), "model=cifar10", "steps=5", "n_samples=6", "K=2", "L=2",
            "device=cpu", f"hydra.run.dir={tmp_path}", *args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    return python(cmd, cwd=tmp_path, env=env)
 
 
 @pytest.mark.parametrize("sampler", ["dgrs", "rmc", "standard"])

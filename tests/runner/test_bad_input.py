@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, python
 
 from specsamp.errors import ConfigError
 from specsamp.runner import exits
@@ -29,7 +29,7 @@ def run(args, cwd, module=None):
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     head = ["-m", module] if module else [str(ROOT / "run.py")]
-    p = subprocess.run([sys.executable, *head, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+    p = python([sys.executable, *head, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
     p.err = p.stderr.strip()
     return p
 

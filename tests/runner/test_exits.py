@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, python
 
 from specsamp.runner import exits as exitcodes, jobs, report
 
@@ -39,8 +39,11 @@ def _env_unmeasured():
 
 
 def run(args, cwd, env=None, preexec_fn=None, timeout=300):
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
-                       env=env or _env(), timeout=timeout, preexec_fn=preexec_fn)
+    cmd = [sys.executable, str(ROOT / "run.py"), *args]
+    if preexec_fn is None and env is None:  # forked (tests/helpers.py:python); a resource limit needs a fresh process
+        p = python(cmd, cwd=cwd, env=_env(), timeout=timeout)
+    else:
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout, preexec_fn=preexec_fn)
     p.out = p.stdout + p.stderr
     return p
 

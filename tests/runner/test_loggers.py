@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, python
 
 TINY = ["model.dim=8", "steps=6", "n_samples=4", "K=2", "L=2", "progress=false"]
 
@@ -17,7 +17,7 @@ def test_wandb_offline_run_holds_the_record(tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "out"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), "logger=wandb", *TINY, f"hydra.run.dir={out}"],
+    p = python([sys.executable, str(ROOT / "run.py"), "logger=wandb", *TINY, f"hydra.run.dir={out}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     rec = json.loads((out / "result.json").read_text())
@@ -43,7 +43,7 @@ def test_logger_none_and_missing_wandb(tmp_path, monkeypatch, capsys):
 def _run(args, out, **env):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]), **env}
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args, *TINY, f"hydra.run.dir={out}"],
+    return python([sys.executable, str(ROOT / "run.py"), *args, *TINY, f"hydra.run.dir={out}"],
                           cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -88,12 +88,12 @@ def test_a_logger_failure_in_a_sweep_is_listed_exits_3_and_is_retried(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, str(ROOT / "run.py"), "-m", "logger._target_=helpers.FlakyLogger", "logger.name=flaky",
            *TINY[:-2], "K=1,2", "L=2", "progress=false", "sweep_name=lg"]
-    p = subprocess.run(cmd, cwd=tmp_path, env={**env, "FLAKY_LOGGER_DOWN": "1"}, capture_output=True, text=True, timeout=300)
+    p = python(cmd, cwd=tmp_path, env={**env, "FLAKY_LOGGER_DOWN": "1"}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 3, p.stdout + p.stderr
     assert p.stdout.count("not logged: ") == 2 and "Traceback" not in p.stderr
     jobs = [d for d in (tmp_path / "multirun" / "lg").iterdir() if (d / "result.json").exists()]
     assert len(jobs) == 2 and all("logger_error" in json.loads((d / "result.json").read_text()) for d in jobs)
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = python(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.count("logged (retried)") == 2 and "not logged" not in again.stdout
     assert all((d / "logged.txt").read_text().count("\n") == 1 for d in jobs)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TINY, run
+from helpers import ROOT, TINY, python, run
 from omegaconf import OmegaConf
 
 from specsamp.runner.config import compose
@@ -148,7 +148,7 @@ def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
     import sys
 
     out = tmp_path / "prof.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", *TINY, "draft=x0", "threads=1", f"out={out}",
+    p = python([sys.executable, "-m", "experiments.calibrate", *TINY, "draft=x0", "threads=1", f"out={out}",
                         "trajectories=16"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("delta_profile=[")
@@ -167,7 +167,7 @@ def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
 def test_calibrate_command_refuses_bad_input_in_one_paragraph(tmp_path, args, needle):
     """The calibration command exits 2 with run.py's paragraph for overrides that do not compose, and
     writes nothing."""
-    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", *args, f"out={tmp_path / 'p.json'}"],
+    p = python([sys.executable, "-m", "experiments.calibrate", *args, f"out={tmp_path / 'p.json'}"],
                        capture_output=True, text=True, cwd=ROOT)
     err = p.stderr.strip()
     assert p.returncode == 2 and err.startswith("error: " + needle) and "\n" not in err, p.stderr
@@ -175,7 +175,7 @@ def test_calibrate_command_refuses_bad_input_in_one_paragraph(tmp_path, args, ne
 
 
 def test_calibrate_command_help_prints_its_usage():
-    p = subprocess.run([sys.executable, "-m", "experiments.calibrate", "--help"], capture_output=True, text=True, cwd=ROOT)
+    p = python([sys.executable, "-m", "experiments.calibrate", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0 and "out=PATH" in p.stdout and "trajectories=N" in p.stdout and not p.stderr
 
 
@@ -223,7 +223,7 @@ def test_two_runs_in_the_same_second_get_two_directories(tmp_path):
     """The default run dir is claimed with an exclusive mkdir; a second run of the same second gets TIME_2."""
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
     py = [sys.executable, str(ROOT / "run.py"), *TINY]
-    first = subprocess.run(py, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    first = python(py, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
     (rec1,) = list(tmp_path.glob("outputs/*/*/result.json"))
     assert first.stdout.rstrip().endswith(f"record: {rec1.relative_to(tmp_path)}")  # the line says where
@@ -310,7 +310,7 @@ def test_relative_profile_path_is_read_from_the_launch_directory_under_chdir(tmp
     shutil.copy(CONF / "profiles" / "gmm_x0.json", tmp_path / "prof.json")
     out = tmp_path / "out"
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, "tree=optimal", "budget=6", "draft=x0",
+    p = python([sys.executable, str(ROOT / "run.py"), *TINY, "tree=optimal", "budget=6", "draft=x0",
                         "delta_profile=prof.json", "hydra.job.chdir=true", f"hydra.run.dir={out}"],
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr

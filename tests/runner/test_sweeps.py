@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import ROOT, write_shard_job
+from helpers import ROOT, python, write_shard_job
 from omegaconf import OmegaConf
 
 from specsamp.errors import ConfigError
@@ -33,7 +33,7 @@ GRID = [*TINY, "K=1,2", "L=2,3"]  # 4 jobs
 def run(args, cwd, check=True, timeout=300):
     """``python run.py ARGS`` in ``cwd``; returns the CompletedProcess (stdout + stderr in ``.out``)."""
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+    p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
     p.out = p.stdout + p.stderr
     if check:
         assert p.returncode == 0, p.out
@@ -159,7 +159,7 @@ def test_collect_gives_one_tidy_row_per_job(grid, tmp_path):
     assert (df["model.dim"] == "8").all()  # a swept/overridden key that is not a standard column
     assert df["acceptance"].str.count("/").tolist() == [l - 1 for l in df["L"]]
     out = tmp_path / "t.csv"
-    p = subprocess.run([sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
+    p = python([sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "4 jobs: 4 ok, 0 failed, 0 running, 0 killed, 0 missing" in p.stdout
     csv = pd.read_csv(out)
@@ -178,7 +178,7 @@ def test_collect_while_running_marks_running_and_missing(grid, tmp_path):
 
 
 def test_collect_cli_bad_dir_exits_2(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "specsamp.runner.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
+    p = python([sys.executable, "-m", "specsamp.runner.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "SWEEP_DIR=" in p.stderr and "Traceback" not in p.stderr
 
 
