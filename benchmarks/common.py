@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: timing, peak memory, tables, stand-in models."""
+"""Shared pieces of the benchmarks: timing, peak memory, the environment, tables, stand-in models."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +31,93 @@ def best_of(fn: Callable[[int], object], repeats: int, device="cpu") -> tuple[fl
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best, out
+
+
+def now(device) -> float:
+    """Seconds (``time.perf_counter``) after the device's queued work is done (:func:`sync`)."""
+    sync(device)
+    return time.perf_counter()
+
+
+def stats(values) -> dict:
+    """``{median, min, max, n}`` of a list of numbers."""
+    v = [float(x) for x in values]
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def fmt_stats(s: dict, scale: float = 1e3, unit: str = "ms") -> str:
+    """``median [min-max] unit`` of a :func:`stats` dict, scaled (milliseconds by default)."""
+    return f"{s['median'] * scale:.3g} [{s['min'] * scale:.3g}-{s['max'] * scale:.3g}] {unit}"
+
+
+def peak_reset(device) -> None:
+    """Restart the GPU's peak-memory counter (no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mib(device) -> float | None:
+    """Peak GPU memory allocated since :func:`peak_reset`, in MiB; None on CPU."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if torch.device(device).type == "cuda" else None
+
+
+class TimedModel:
+    """A velocity model that records the rows and the time of every call, without synchronising.
+
+    On CUDA a pair of CUDA events brackets each call (their elapsed times are read by :meth:`network_s`
+    after the run); on the CPU the host clock does. ``rows``: rows of each call, in order.
+
+    Args:
+        model: the velocity model (``event_shape``, ``dtype``, ``device`` are passed through).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.event_shape, self.dtype = model.event_shape, model.dtype
+        self.device = torch.device(getattr(model, "device", "cpu"))
+        self.label_dim = getattr(model, "label_dim", 0)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the recorded calls."""
+        self.rows: list[int] = []
+        self._events: list = []
+        self._cpu_s = 0.0
+
+    def __call__(self, x, sigma, **cond):
+        self.rows.append(int(x.shape[0]))
+        if self.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = self.model(x, sigma, **cond)
+            b.record()
+            self._events.append((a, b))
+            return out
+        t0 = time.perf_counter()
+        out = self.model(x, sigma, **cond)
+        self._cpu_s += time.perf_counter() - t0
+        return out
+
+    def network_s(self) -> float:
+        """Seconds spent inside the network's calls since :meth:`reset` (synchronises first)."""
+        if self.device.type != "cuda":
+            return self._cpu_s
+        torch.cuda.synchronize(self.device)
+        return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+
+
+def environment(device) -> dict:
+    """Device, versions and the numerics flags timings run under (GPU name and memory on CUDA)."""
+    device = torch.device(device)
+    env = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+           "cpu_threads": torch.get_num_threads(), "cuda": torch.version.cuda,
+           "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+           "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return env
 
 
 def cpu_model() -> str:

@@ -128,7 +128,7 @@ def test_edm_cifar10_layout_has_edms_parameter_count_and_shapes():
 
 def test_x0_optimal_arms_are_the_runners_tree_optimal():
     # the wall-clock arms search the same tree that `tree=optimal budget=B delta_profile=<shipped>` builds
-    from benchmarks import gpu_check
+    from benchmarks.gpu_check.wallclock import x0_optimal_tree
     from specsamp.coupling import get_coupling
     from specsamp.runner.build import build_tree, given_profile
     from specsamp.runner.config import compose, load_config
@@ -138,34 +138,37 @@ def test_x0_optimal_arms_are_the_runners_tree_optimal():
                                    "delta_profile=edm-digits-8x8-cond_x0"]))[0]
         tree, budget = build_tree(run, get_coupling("dgrs"), run.steps - 2, given_profile(run))
         assert budget == B and torch.equal(torch.as_tensor(tree.parent),
-                                           torch.as_tensor(gpu_check.x0_optimal_tree(B, run.steps).parent))
+                                           torch.as_tensor(x0_optimal_tree(B, run.steps).parent))
 
 
 def test_timed_model_records_rows_and_projection_prices_them():
-    from benchmarks import gpu_check
+    from benchmarks.common import TimedModel
+    from benchmarks.gpu_check.projection import _interp
     from specsamp.models.gmm import GaussianMixture
 
-    m = gpu_check.TimedModel(GaussianMixture(4, 2, 0))
+    m = TimedModel(GaussianMixture(4, 2, 0))
     m(torch.zeros(3, 4, dtype=torch.float64), torch.full((3,), 0.5))
     m(torch.zeros(5, 4, dtype=torch.float64), torch.full((5,), 0.5))
     assert m.rows == [3, 5] and m.network_s() > 0
     curve = [{"rows": 1, "seconds": {"median": 1.0}}, {"rows": 4, "seconds": {"median": 2.5}}, {"rows": 8, "error": "oom"}]
-    assert [gpu_check._interp(curve, r) for r in (1, 2, 4, 8)] == [1.0, 1.5, 2.5, 5.0]
+    assert [_interp(curve, r) for r in (1, 2, 4, 8)] == [1.0, 1.5, 2.5, 5.0]
 
 
 def test_cuda_vs_cpu_comparison_sees_a_perturbed_run():
     # the comparison is not vacuous: a run whose velocities carry a 1e-3 relative error is caught
-    from benchmarks import gpu_check
+    from benchmarks.gpu_check.cuda_vs_cpu import _compare, _Scaled
+    from benchmarks.gpu_check.support import run_arm
     from specsamp.models.gmm import GaussianMixture
     from specsamp.schedule import Schedule
+    from specsamp.trees import DraftTree
 
     gmm = GaussianMixture(8, 3, 0)
     sched = Schedule.make(12, 0.3)
-    arm = {"name": "dgrs", "tree": gpu_check.DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"}
-    a = gpu_check.run_arm(gmm, arm, sched, 32, 0)
-    same, diff = gpu_check._compare(a, gpu_check.run_arm(gmm, arm, sched, 32, 0))
+    arm = {"name": "dgrs", "tree": DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"}
+    a = run_arm(gmm, arm, sched, 32, 0)
+    same, diff = _compare(a, run_arm(gmm, arm, sched, 32, 0))
     assert bool(same.all()) and float(diff.max()) == 0.0
-    same, diff = gpu_check._compare(a, gpu_check.run_arm(gpu_check._Scaled(gmm, 1e-3), arm, sched, 32, 0))
+    same, diff = _compare(a, run_arm(_Scaled(gmm, 1e-3), arm, sched, 32, 0))
     assert float(diff.max()) > 1e-6
 
 
@@ -180,6 +183,7 @@ def test_stand_in_preset_of_edms_layout_needs_no_diffusers():
 def test_sampler_compile_keyword_is_used_when_the_sampler_takes_it(monkeypatch):
     # another module may add sample_speculative(..., compile=...): the check then times both settings
     from benchmarks import gpu_check
+    from benchmarks.gpu_check import compile_check
 
     seen = []
 
@@ -187,10 +191,10 @@ def test_sampler_compile_keyword_is_used_when_the_sampler_takes_it(monkeypatch):
         seen.append(compile)
         return real(*args, **kw)
 
-    real = gpu_check.sample_speculative
-    monkeypatch.setattr(gpu_check, "sample_speculative", with_compile)
+    real = compile_check.sample_speculative
+    monkeypatch.setattr(compile_check, "sample_speculative", with_compile)
     ctx = gpu_check.Context(gpu_check._args(["--device", "cpu", "--tiny"]))
-    rows = gpu_check._sampler_compiled(ctx)
+    rows = compile_check._sampler_compiled(ctx)
     assert [r["variant"] for r in rows] == ["sampler compile=False", "sampler compile=True"]
     assert rows[1]["counts_equal"] is True and rows[1]["speedup_vs_eager"] > 0
     assert sorted(set(seen)) == [False, True] and len(seen) == 2 * (1 + ctx.repeats)
@@ -222,21 +226,41 @@ def test_host_syncs_are_counted_by_source_line(monkeypatch):
     # words at every call, so the count is the number of calls, all at one line of this file
     import warnings
 
-    from benchmarks import gpu_check
+    from benchmarks.common import TimedModel
+    from benchmarks.gpu_check.wallclock import host_syncs
     from specsamp.models.gmm import GaussianMixture
     from specsamp.schedule import Schedule
+    from specsamp.trees import DraftTree
 
     modes = []
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
 
-    class Syncing(gpu_check.TimedModel):
+    class Syncing(TimedModel):
         def __call__(self, x, sigma, **cond):
             warnings.warn("called a synchronizing CUDA operation")
             return super().__call__(x, sigma, **cond)
 
     model = Syncing(GaussianMixture(4, 2, 0))
-    arm = {"name": "dgrs", "tree": gpu_check.DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"}
-    out = gpu_check.host_syncs(model, arm, Schedule.make(10, 0.3), 3, 0)
+    arm = {"name": "dgrs", "tree": DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"}
+    out = host_syncs(model, arm, Schedule.make(10, 0.3), 3, 0)
     assert out["total"] == len(model.rows) > 0 and modes == ["warn", 0]
     assert len(out["where"]) == 1 and out["where"][0][0].startswith("tests/experiments/test_gpu_check.py:")
+
+
+def test_the_command_runs_the_package_and_writes_each_record_once(tmp_path):
+    # `python3 -m benchmarks.gpu_check` runs the package's __main__; one section's record and the summary,
+    # written atomically (no temporary file left), the record's fields as results/gpu/README.md documents them
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--tiny", "--sections",
+                        "compile", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["compile.json", "summary.txt"]
+    rec = json.loads((tmp_path / "compile.json").read_text())
+    assert list(rec) == ["section", "env", "tiny", "seed", "status", "passed", "result", "seconds", "elapsed_s"]
+    assert rec["env"]["device"] == "cpu" and {"torch", "python", "cpu_threads", "matmul_allow_tf32", "date"} <= set(rec["env"])
+    assert "# every section ran: compile ok" in (tmp_path / "summary.txt").read_text()
