@@ -201,7 +201,7 @@ def run_digits_with_fid(tmp_path: Path, *, steps: int, n_samples: int):
     env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
     cmd = [sys.executable, str(ROOT / "run.py"), "model=digits", "sampler=dgrs", "K=2", "L=3", f"steps={steps}",
            f"n_samples={n_samples}", "metrics=[fid]", "threads=1", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    out = python(cmd, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout, json.loads((tmp_path / "result.json").read_text())
 
