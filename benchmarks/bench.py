@@ -5,7 +5,7 @@ Sections, each printed as soon as it is measured (timings are best-of-``repeats`
 
 1. **overhead**: sampler work per speculative round (drafting, noise, coupling, prefetch,
    bookkeeping; the network excluded) as a fraction of one batched network call, at B = 14, 62, 155
-   (:mod:`benchmarks.overhead`). The network is a parameter: :func:`benchmarks.overhead.overhead_table`
+   (:mod:`benchmarks.overhead_tables`). The network is a parameter: :func:`benchmarks.overhead_tables.overhead_table`
    takes any velocity model; here the CIFAR-sized stand-in of :mod:`benchmarks.stand_in`.
 2. **scaling**: per-round sampler cost against the state dimension (500, 3072, 16384) and the budget
    (14, 340), for the ``path`` and ``tree`` executions.
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     out = {}
     log = lambda s: print(s, flush=True)  # noqa: E731
     if "overhead" in sections:
-        from benchmarks.overhead import overhead_table
+        from benchmarks.overhead_tables import overhead_table
         from benchmarks.stand_in import stand_in_velocity
 
         model, params = stand_in_velocity(a.preset)
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         print(table(out["overhead"], [("network", "network", "s"), ("budget", "B", "d"), ("overhead_s", "overhead s/round", ".4f"),
                                       ("call_s", "network call s", ".2f"), ("fraction", "fraction", ".2e")]), flush=True)
     if "scaling" in sections:
-        from benchmarks.overhead import scaling_table
+        from benchmarks.overhead_tables import scaling_table
 
         m = 16 if a.full else 4
         log(f"[scaling] {m} trajectories, proxy target v = -x (excluded), seconds per round")

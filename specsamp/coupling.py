@@ -484,7 +484,7 @@ def reconstruct(children, proj: Projection, s_new: torch.Tensor, accepted, index
 
 
 def _dgrs_positional(delta, K: int):
-    from .theory import dgrs_positional  # theory imports this module
+    from .theory import dgrs_positional  # the closed forms (theory) are read on first use
 
     return dgrs_positional(delta, K)
 

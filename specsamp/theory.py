@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from scipy import special  # optimize and stats are imported where used: they cost ~1 s at start-up
 
-from .coupling import grs_levels
+from .grs import grs_levels
 from .trees import DraftTree, check_int
 
 

@@ -46,6 +46,7 @@ from specsamp.runner import jobs  # also registers the specsamp.job_dir / specsa
 from specsamp.errors import ConfigError
 from specsamp.runner.callback import SWEEP_STATE
 from specsamp.runner.jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV
+from specsamp.runner.overrides import SWEEPER_KEYS  # the sweeper's keys and what each accepts
 
 
 def _kind(error: BaseException) -> str:
@@ -143,14 +144,6 @@ def check_launcher(launcher: Any) -> None:
             "on PATH, and this machine has none: start the sweep on a cluster's login node (with its SLURM "
             "module loaded), or run it here with hydra/launcher=local (submitit, one process per job) or "
             "hydra/launcher=basic (one job after another). Nothing was launched.")
-
-
-# the sweeper's keys (conf/hydra/sweeper/specsamp.yaml, docs/running.md) and what each one accepts
-SWEEPER_KEYS = {
-    "max_batch_size": "an integer >= 1 (jobs launched together) or null (the whole grid at once)",
-    "params": "a mapping {key: 'a,b,c'} of sweep parameters, or null",
-    "validate": "true (refuse the whole sweep when one job is bad) or false (the bad jobs fail alone)",
-}
 
 
 KEEP_COMPOSED = 512  # composed job configs kept from the pre-check for the launcher (the rest are composed again)

@@ -38,6 +38,7 @@ from .. import rng
 from ..errors import ConfigError
 from .overrides import (  # what a user typed, read as typed (overrides), importable from here as before
     SWEEP_NAME_TEXT,
+    SWEEPER_KEYS,
     _keys,
     _model_paths,
     _type_text,
@@ -499,8 +500,6 @@ def valid_keys(path: str, schema: type | None = None) -> list[str]:
     or those under ``model`` (of every model config), ``sampler`` or ``logger``."""
     head = path.split(".")[0]
     if path.startswith("hydra.sweeper."):
-        from hydra_plugins.specsamp_sweeper import SWEEPER_KEYS
-
         return sorted(f"hydra.sweeper.{k}" for k in SWEEPER_KEYS)
     if dataclasses.is_dataclass(schema) and "." in path:
         return sorted(_keys(schema, path.rsplit(".", 1)[0] + "."))

@@ -11,7 +11,8 @@ Checks that need no schema, so :mod:`~specsamp.runner.config` (the typed config)
 - :func:`path_problem`, :data:`PATH_FIELDS`, :data:`HYDRA_PATH_KEYS`: paths a user gives (a model's
   ``cache_dir``/``path``, Hydra's output folders), refused when empty or holding a control character, and
   :func:`launch_dir`, where a relative one is read from;
-- :func:`closest_key` and the key and type texts that the paragraphs about a mistyped key use.
+- :func:`closest_key` and the key and type texts that the paragraphs about a mistyped key use, the
+  sweeper's keys (:data:`SWEEPER_KEYS`) among them.
 
 Those that :mod:`specsamp.runner.config` defined before stay importable from there (it imports them).
 """
@@ -82,6 +83,14 @@ def _model_paths(node, prefix: str = "model", depth: int = 0):
 
 
 HYDRA_PATH_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")  # Hydra's keys that name an output folder
+
+# the sweeper's keys (conf/hydra/sweeper/specsamp.yaml, docs/running.md) and what each one accepts: the
+# sweeper (hydra_plugins/specsamp_sweeper) checks them, and the paragraph about a mistyped one lists them
+SWEEPER_KEYS = {
+    "max_batch_size": "an integer >= 1 (jobs launched together) or null (the whole grid at once)",
+    "params": "a mapping {key: 'a,b,c'} of sweep parameters, or null",
+    "validate": "true (refuse the whole sweep when one job is bad) or false (the bad jobs fail alone)",
+}
 
 
 def misread_override(argv: Sequence[str], bool_keys: Callable[[], Collection[str]]) -> str | None:

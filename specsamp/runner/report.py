@@ -483,15 +483,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def __getattr__(name: str):
-    """``SweepReport`` and ``SWEEP_STATE``, which live in :mod:`specsamp.runner.callback`, under their former
-    names here (resolved on first use, so that this module never imports the callback's)."""
-    if name in ("SweepReport", "SWEEP_STATE"):
-        from . import callback
-
-        return getattr(callback, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 if __name__ == "__main__":
     sys.exit(main())
