@@ -1,6 +1,6 @@
 """Every example of ``docs/extending.md`` runs as written: each section's files (blocks whose first line is
 ``# file: PATH``) go into a temporary folder ``ext/``, its command runs through ``python run.py`` (a
-subprocess, with ``ext`` on ``PYTHONPATH`` and ``hydra.searchpath`` pointing at ``ext/myconf``), and
+child process, with ``ext`` on ``PYTHONPATH`` and ``hydra.searchpath`` pointing at ``ext/myconf``), and
 the one line it prints starts with the section's ``text`` block."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, python
 
 DOC = ROOT / "docs" / "extending.md"
 SECTIONS = ("A coupling", "A draft", "A tree rule", "A model")
@@ -49,8 +48,8 @@ def test_example_runs_through_run_py(title, tmp_path):
     words = shlex.split(command.replace("$PWD/ext", str(ext)))
     assert words[:3] == ["PYTHONPATH=ext", "python", "run.py"], command
     env = dict(os.environ, PYTHONPATH=str(ext), WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *words[3:], f"hydra.run.dir={tmp_path / 'out'}"],
-                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    p = python([sys.executable, str(ROOT / "run.py"), *words[3:], f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT,
+               env=env)
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("model=")]
     assert line.startswith(expected + "  speedup "), line
@@ -66,8 +65,7 @@ def test_a_typo_in_the_models_keys_names_its_own(tmp_path):
             path.write_text(body)
     env = dict(os.environ, PYTHONPATH=str(ext), WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
     args = ["model=gaussian", "model.ss=1", f"hydra.searchpath=[file://{ext / 'myconf'}]", f"hydra.run.dir={tmp_path / 'out'}"]
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True, text=True, env=env,
-                       timeout=300)
+    p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env)
     claim = re.search(r'exits 2 with "(.*?)"', section("A model"), re.S).group(1)
     assert p.returncode == 2 and " ".join(claim.split()) in p.stderr, p.stderr
     assert "model.label_dim" not in p.stderr  # none of the built-in models' keys

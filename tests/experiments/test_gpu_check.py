@@ -251,13 +251,12 @@ def test_host_syncs_are_counted_by_source_line(monkeypatch):
 def test_the_command_runs_the_package_and_writes_each_record_once(tmp_path):
     # `python3 -m benchmarks.gpu_check` runs the package's __main__; one section's record and the summary,
     # written atomically (no temporary file left), the record's fields as results/gpu/README.md documents them
-    import subprocess
     import sys
 
-    from helpers import ROOT
+    from helpers import ROOT, python
 
-    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--tiny", "--sections",
-                        "compile", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = python([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--tiny", "--sections",
+                "compile", "--out", str(tmp_path)], cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["compile.json", "summary.txt"]
     rec = json.loads((tmp_path / "compile.json").read_text())

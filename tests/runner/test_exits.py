@@ -283,8 +283,7 @@ def test_liveness_on_another_host_follows_the_heartbeat(tmp_path):
 
 def _bare(args, cwd):
     """run.py with its default output directory (outputs/DATE/TIME under ``cwd``)."""
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          env=_env(), timeout=300)
+    return python([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=_env())
 
 
 @pytest.mark.parametrize("args, needles, absent", [

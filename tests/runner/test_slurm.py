@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, python
 
 from specsamp.runner import report
 from specsamp.runner import slurm as queue
@@ -38,7 +38,7 @@ WAIT_S = 240  # the longest any one wait may take before the test fails (a hung 
 def run(args, cwd, check=True, env=None, timeout=WAIT_S):
     """``python run.py ARGS`` in ``cwd``; the CompletedProcess with ``.out`` (stdout + stderr)."""
     e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", SPECSAMP_OFFLINE="1", **(env or {}))
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=e, timeout=timeout)
+    p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=e, timeout=timeout)
     p.out = p.stdout + p.stderr
     if check:
         assert p.returncode == 0, p.out
