@@ -25,8 +25,8 @@ from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
 from .config import CALIBRATION_SEED_OFFSET, RunConfig, profile_path
-from .memory import check_tree_nodes
-from .treerules import get_tree_rule
+from .memory import check_config_sizes, check_nominal_budget, check_tree_nodes
+from .treerules import SEARCHED_TREES, check_search, get_tree_rule
 
 
 def build_target(run: RunConfig) -> Target:
@@ -71,6 +71,39 @@ def build_coupling(run: RunConfig) -> Coupling | None:
     return coupling
 
 
+def build_schedule(run: RunConfig) -> Schedule:
+    """The time grid of ``steps`` and ``eps`` (with the model's ``shift``), once what the config alone sizes is
+    checked (:func:`specsamp.runner.memory.check_config_sizes`).
+
+    Raises:
+        ConfigError: a size that cannot fit, or a grid that cannot be made.
+    """
+    check_config_sizes(run)
+    try:
+        return Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def is_searched(run: RunConfig, coupling: Coupling | None) -> bool:
+    """The run's tree is searched from a displacement profile (``tree=optimal*`` with a coupling of more than
+    one child): given, or calibrated on the target first."""
+    return coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
+
+
+def searched_profile(run: RunConfig, coupling: Coupling):
+    """Refuse a searched tree's nominal budget, its search and its given profile, before the model is loaded
+    and before any calibration run; return that profile (:func:`given_profile`; None: calibrate).
+
+    Raises:
+        ConfigError: the first of those that cannot serve this run.
+    """
+    if run.budget is None:
+        check_nominal_budget(run)
+    check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
+    return given_profile(run)
+
+
 def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_profile=None,
                callback: Callable[[int, int], None] | None = None):
     """The round tree and its nominal drafted-state budget ``B``, built by the tree rule ``run.tree``
@@ -95,7 +128,8 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         searched at the depth its root has left, minimising the expected rounds to the end).
 
     Raises:
-        ConfigError: a tree that does not fit in memory, or a search refused up front.
+        ConfigError: a tree that does not fit in memory, a search refused up front, or more Picard sweeps
+            (``refine``) than the tree has levels within ``T - 2``.
     """
     if coupling is None:
         return None, 0
@@ -113,6 +147,12 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         tree, budget = get_tree_rule(run.tree).build(run, coupling, horizon, delta_profile, callback)
     if isinstance(tree, DraftTree):
         coupling.check_tree(tree)
+    depth = min(getattr(tree, "largest", tree).max_depth, horizon)  # step-dependent trees: their largest round's
+    if run.refine > depth:
+        raise ConfigError(f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
+                          f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
+                          "further sweeps change nothing but each costs a batched target call per round; use "
+                          f"refine={depth} or less.")
     return tree, budget
 
 
@@ -155,6 +195,13 @@ def calibrate(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K
     first, end = schedule.first_speculative, schedule.end_speculative
     return {"profile": [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")],
             "per_root": [[float(d) for d in row] for row in table[first:end]]}, r
+
+
+def calibrated_profile(target: Target, schedule: Schedule, run: RunConfig) -> tuple[list, dict]:
+    """The profile a searched tree (``run.tree``) reads, calibrated on ``target`` (:func:`calibrate`), and the
+    calibration's cost as the record holds it (:func:`calibration_cost`, not charged to the speedup)."""
+    profiles, r = calibrate(target, schedule, run)
+    return profiles["per_root" if run.tree == "optimal_per_step" else "profile"], {**calibration_cost(r), "charged": False}
 
 
 def calibration_cost(r: SampleResult) -> dict:
