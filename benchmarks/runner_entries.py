@@ -6,7 +6,8 @@
 entered it from another module: ``from runner`` counts calls made by another runner module (the runner
 handing the config from module to module), ``from anywhere`` adds calls from outside the runner (the core
 calling back into the runner's progress bar, Hydra instantiating a structured config). A call within a
-module (a helper of the same module, a comprehension) is not an entry. Counting is by function call, so a
+module (a helper of the same module, a comprehension) is not an entry, nor is code Python writes for a
+class (a dataclass's ``__init__``). Counting is by function call, so a
 number is the same on every machine; it does not time anything.
 """
 
@@ -38,7 +39,7 @@ def count_entries(overrides: list[str], calls: list | None = None) -> tuple[dict
         if event != "call":
             return
         mod = frame.f_globals.get("__name__", "")
-        if not mod.startswith(RUNNER):
+        if not mod.startswith(RUNNER) or frame.f_code.co_filename.startswith("<"):
             return
         back = frame.f_back
         caller = back.f_globals.get("__name__", "") if back is not None else ""

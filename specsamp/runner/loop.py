@@ -35,13 +35,11 @@ from ..errors import ConfigError, NonFiniteSamplesError
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
 from ..models.base import Target
-from .build import (build_coupling, build_schedule, build_target, build_tree, calibrated_profile, is_searched,
-                    searched_profile)
+from .build import build_coupling, build_schedule, find_tree, load_target
 from .config import RunConfig, load_config, unused_keys
 from .jobs import shard_indices
 from .memory import check_tree_memory
-from .outputs import check_scoring, check_target_scores
-from .records import Job, Sampled, config_hash, make_record, versions
+from .records import Job, Sampled, config_hash, make_record
 
 
 LOG_INTERVAL = 30.0  # seconds between plain progress lines when stderr is not a terminal (progress=auto)
@@ -164,17 +162,6 @@ def non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches: 
     return NonFiniteSamplesError(message, details)
 
 
-def half_precision_note(dtype: torch.dtype) -> None:
-    """One line on stderr when the sampler's states are half precision: rounding then enters every kernel mean
-    and lowers the acceptance, so the speedup is not that of float32 (measured on the GMM's default cell,
-    ``python run.py model.dtype=D``: 2.03x in float64 and float32, 2.01x in float16, 1.75x in bfloat16)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        bits = 11 if dtype == torch.float16 else 8
-        print(f"note: model.dtype={str(dtype).removeprefix('torch.')} holds the states and velocities with {bits} significant "
-              "bits; that rounding enters every kernel mean and lowers the acceptance, so speedups are below float32's "
-              "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
-
-
 @dataclass(frozen=True)
 class PreparedRun:
     """One configuration loaded and checked once: what a job derives from its config before any model is built
@@ -188,6 +175,7 @@ class PreparedRun:
         unused_defaults: ``{key: default}`` of the keys this sampler and tree never read
             (:func:`specsamp.runner.config.unused_keys`); hashed at their default.
         config_hash: :func:`specsamp.runner.records.config_hash` of ``recorded`` with those keys at their default.
+        unused: ``{key: value}`` of those keys set away from their default (the record's ``unused``).
         indices: the trajectory ids this run samples (a shard's ``range``, or given ids), None for all.
         job: the :class:`~specsamp.runner.records.Job` that writes the record (``run.py``'s task), or None.
     """
@@ -197,13 +185,9 @@ class PreparedRun:
     coupling: Coupling | None
     unused_defaults: dict
     config_hash: str
+    unused: dict
     indices: Sequence[int] | torch.Tensor | None = None
     job: Job | None = None
-
-    @property
-    def unused(self) -> dict:
-        """``{key: value}`` of the unused keys set away from their default (the record's ``unused``)."""
-        return {k: self.recorded[k] for k, d in self.unused_defaults.items() if self.recorded.get(k, d) != d}
 
     @property
     def n_trajectories(self) -> int:
@@ -260,6 +244,7 @@ def prepare(cfg: DictConfig | Mapping | PreparedRun, indices=None, *, job: Job |
     if job is not None and job.multirun and run.sweep_name is not None:
         job = dataclasses.replace(job, sweep=str(run.sweep_name))
     return PreparedRun(run, recorded, coupling, unused, config_hash(recorded, unused),
+                       {k: recorded[k] for k, d in unused.items() if recorded.get(k, d) != d},
                        _checked_indices(indices, run.n_samples), job)
 
 
@@ -309,30 +294,13 @@ class Built:
                                   check_contract=None if run.check_contract == "auto" else run.check_contract, **common)
 
 
-def load_target(prepared: PreparedRun, target: Target | None = None) -> Target:
-    """The run's target: what scoring will need is checked first (against the config's model, or the given
-    target), then the target is built (unless given), its notes printed, and a metric it has no inputs for
-    refused.
-
-    Raises:
-        ConfigError: a metric that cannot be scored, or a model that cannot be loaded.
-    """
-    run = prepared.run
-    notes = check_scoring(run, run.model if target is None else target, prepared.n_trajectories, prepared.indices is not None)
-    target = target if target is not None else build_target(run)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr, flush=True)
-    half_precision_note(target.model.dtype)
-    check_target_scores(run, target)
-    return target
-
-
 def build(prepared: PreparedRun, target: Target | None = None) -> Built:
     """Stage 2: sizes, schedule, tree, target, and what scoring will need; every refusal before sampling.
 
     In order: what the config alone sizes and the schedule; a searched tree's budget, search and given
     profile; the tree (a rule's, built before the model loads; a searched one from its profile, or from a
-    calibration run on the target); the target (:func:`load_target`); the sampler's states of one batch
+    calibration run on the target; :func:`~specsamp.runner.build.find_tree`); the target
+    (:func:`~specsamp.runner.build.load_target`); the sampler's states of one batch
     (:func:`~specsamp.runner.memory.check_tree_memory`). Then the note on keys that do nothing.
 
     Args:
@@ -347,16 +315,12 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
         torch.set_num_threads(run.threads)
     started = time.perf_counter()
     schedule = build_schedule(run)
-    searched = is_searched(run, coupling)
-    profile = searched_profile(run, coupling) if searched else None  # refused before the model loads
-    get_target = functools.cache(functools.partial(load_target, prepared, target))  # loaded once, when first needed
-    calibrated = calibration = None
-    if searched and run.delta_profile is None:  # calibrate then search: the calibration samples the target
-        calibrated, calibration = calibrated_profile(get_target(), schedule, run)
-    per_step = run.tree == "optimal_per_step"
-    with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as bar:
-        tree, budget = build_tree(run, coupling, schedule.steps - 2, calibrated or profile,
-                                  callback=bar.to if searched else None)
+    # the target, loaded once, when first needed (a calibration needs it before the tree, any other run after)
+    get_target = functools.cache(functools.partial(load_target, run, target, prepared.n_trajectories,
+                                                   prepared.indices is not None))
+    search = "root" if run.tree == "optimal_per_step" else "depth"
+    with _Progress(run.progress, "tree search", search, min_seconds=2.0) as bar:  # opened by a search only
+        tree, tree_fields, calibration = find_tree(run, coupling, schedule, get_target, callback=bar.to)
     target = get_target()
     max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
@@ -372,14 +336,6 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
               f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
               + (f" with tree={run.tree}" if coupling is not None else "")
               + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
-    tree_fields = {
-        "tree": tree.describe() if tree is not None else "none",
-        "budget": budget,
-        "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
-        **({"refine": run.refine} if tree is not None and run.refine else {}),
-        **({"delta_profile": calibrated} if searched else {}),
-        **({"trees_by_root": tree.parents()} if searched and per_step else {"tree_parent": tree.parent.tolist()} if searched else {}),
-    }
     return Built(prepared, schedule, tree, target, max_batch, tree_fields, calibration, started)
 
 
@@ -436,7 +392,7 @@ def sample(built: Built, batches=None) -> Sampled:
     res.extra.update(target=target, indices=ids, max_batch=built.max_batch)
     return Sampled(res, [r.batch_speedup for r in results], built.tree_fields, built.calibration,
                    resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
-                   wall_seconds=time.perf_counter() - built.started, versions=versions())
+                   wall_seconds=time.perf_counter() - built.started)
 
 
 def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None = None, indices=None,

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +134,7 @@ class Sampled:
             or None when none ran; adds ``speedup_with_calibration``.
         resumed: ``{batches, of}`` when batches were read from an earlier attempt, else None.
         wall_seconds: the run's wall time (the shards' sum for a merge).
-        versions: :func:`versions` of the run.
+        versions: the software that sampled (default: this process's, :func:`versions`).
     """
 
     result: SampleResult
@@ -143,7 +143,7 @@ class Sampled:
     calibration: Mapping | None = None
     resumed: Mapping | None = None
     wall_seconds: float = 0.0
-    versions: Mapping | None = None
+    versions: Mapping | None = field(default_factory=lambda: versions())
 
 
 def make_record(prepared, sampled: Sampled) -> dict:
