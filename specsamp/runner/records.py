@@ -164,7 +164,16 @@ def make_record(prepared, sampled: Sampled) -> dict:
     unused = prepared.unused
     tree = {k: sampled.tree_fields[k] for k in TREE_FIELDS if k in sampled.tree_fields}
     calibration = sampled.calibration
-    shard = job is not None and run.num_shards > 1
+    shard = job is not None and run.num_shards > 1  # a shard job's record counts the shard's own trajectories
+    job_fields = {} if job is None else {
+        "output_dir": job.output_dir,
+        **({"merged_from": list(job.merged_from)} if job.merged_from is not None else {}),
+        "overrides": list(job.overrides),
+        **({"slurm": job.slurm} if job.slurm else {}),
+        **({"sweep": job.sweep} if job.sweep is not None else {}),
+        **({"shard": run.shard, "num_shards": run.num_shards, "indices": [prepared.indices.start, prepared.indices.stop]}
+           if shard else {}),
+    }
     return {
         "status": "ok",
         "config": prepared.recorded,
@@ -189,13 +198,7 @@ def make_record(prepared, sampled: Sampled) -> dict:
            if calibration else {}),
         "wall_seconds": sampled.wall_seconds,
         "versions": sampled.versions,
-        **({"output_dir": job.output_dir} if job is not None else {}),
-        **({"merged_from": list(job.merged_from)} if job is not None and job.merged_from is not None else {}),
-        **({"overrides": list(job.overrides)} if job is not None else {}),
-        **({"slurm": job.slurm} if job is not None and job.slurm else {}),
-        **({"sweep": job.sweep} if job is not None and job.sweep is not None else {}),
-        **({"shard": run.shard, "num_shards": run.num_shards, "indices": [prepared.indices.start, prepared.indices.stop]}
-           if shard else {}),
+        **job_fields,
     }
 
 
