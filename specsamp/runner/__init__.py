@@ -3,18 +3,19 @@
 Modules, top down: each imports (at module level or inside a function) only modules listed after it,
 and the core (``tests/runner/test_runner_imports.py`` checks both this order and that there is no circle):
 
-- :mod:`~specsamp.runner.task`: the Hydra task of one job (skip, run, write, score, log, ``failed.json``);
+- :mod:`~specsamp.runner.task`: the Hydra task of one job: the stages of :func:`run_config` with the job's own
+  steps (skip a run that is done, write, score, log, ``failed.json``);
 - :mod:`~specsamp.runner.exits`: the exit-status policy of ``run.py`` (0, 1, 2, 3, 130);
 - :mod:`~specsamp.runner.callback`: the sweep's Hydra callback (summary, shard merge) and its outcome;
 - :mod:`~specsamp.runner.report`: sweep tables and the end-of-sweep summary;
 - :mod:`~specsamp.runner.shards`: one run split by trajectory index, and merged back;
-- :mod:`~specsamp.runner.loop`: one config loaded and checked once (:func:`prepare`), and the batch loop
-  of one run (:func:`run_config`);
+- :mod:`~specsamp.runner.loop`: the stages of one run (:func:`run_config`): ``prepare`` (the config loaded,
+  checked and hashed once), ``build`` (every refusal), ``sample`` (the batch loop);
 - :mod:`~specsamp.runner.resume`: a sweep job's finished batches, kept so that an interrupted job resumes;
-- :mod:`~specsamp.runner.outputs`: images and their FID / CLIP scores;
 - :mod:`~specsamp.runner.build`: target, coupling, schedule and tree from the config;
-- :mod:`~specsamp.runner.records`: the record (:func:`make_record`), statistics, provenance, config hash,
-  resume, the printed line;
+- :mod:`~specsamp.runner.outputs`: images and their FID / CLIP scores, and what scoring will need;
+- :mod:`~specsamp.runner.records`: the record (:func:`make_record`, the one place it is assembled, job fields
+  included), statistics, provenance, config hash, resume, the printed line;
 - :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
 - :mod:`~specsamp.runner.overrides`: what a user typed, read as typed: raw command-line overrides, sweep
   names and path-like keys, the closest valid key to a mistyped one;
@@ -22,7 +23,8 @@ and the core (``tests/runner/test_runner_imports.py`` checks both this order and
   searched rules' limits and checks;
 - :mod:`~specsamp.runner.memory`: sizes refused before they are allocated;
 - :mod:`~specsamp.runner.loggers`: optional wandb;
-- :mod:`~specsamp.runner.jobs`: job directories and liveness (atomic writes: :mod:`specsamp.io`);
+- :mod:`~specsamp.runner.jobs`: job directories and liveness (atomic writes: :mod:`specsamp.io`), a shard's
+  block of trajectories;
 - :mod:`~specsamp.runner.slurm`: a SLURM task's identity, and the queue's view of it (squeue, sacct).
 
 Library use::

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import json
 import math
+import sys
 
 import numpy as np
 import torch
@@ -25,8 +26,9 @@ from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
 from .config import CALIBRATION_SEED_OFFSET, RunConfig, profile_path
-from .memory import check_tree_nodes
-from .treerules import get_tree_rule
+from .memory import check_config_sizes, check_nominal_budget, check_tree_nodes
+from .outputs import check_scoring, check_target_scores
+from .treerules import SEARCHED_TREES, check_search, get_tree_rule
 
 
 def build_target(run: RunConfig) -> Target:
@@ -45,6 +47,40 @@ def build_target(run: RunConfig) -> Target:
         raise ConfigError(f"model._target_={run.model._target_!r} could not be built: {e.__cause__ or e}") from None
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"model={run.model.name!r} could not be loaded: {e}") from None
+
+
+def half_precision_note(dtype: torch.dtype) -> None:
+    """One line on stderr when the sampler's states are half precision: rounding then enters every kernel mean
+    and lowers the acceptance, so the speedup is not that of float32 (measured on the GMM's default cell,
+    ``python run.py model.dtype=D``: 2.03x in float64 and float32, 2.01x in float16, 1.75x in bfloat16)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        bits = 11 if dtype == torch.float16 else 8
+        print(f"note: model.dtype={str(dtype).removeprefix('torch.')} holds the states and velocities with {bits} significant "
+              "bits; that rounding enters every kernel mean and lowers the acceptance, so speedups are below float32's "
+              "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
+
+
+def load_target(run: RunConfig, target: Target | None, n_images: int, subset: bool) -> Target:
+    """The run's target: what scoring will need is checked first (against the config's model, or the given
+    target; :func:`specsamp.runner.outputs.check_scoring`), then the target is built (unless given), its notes
+    printed, and a metric it has no inputs for refused.
+
+    Args:
+        run: the typed config.
+        target: an already-built target to use instead of the config's model, or None.
+        n_images: the trajectories the run samples (the images it scores).
+        subset: the run samples a subset of ``n_samples`` (a shard, given ids).
+
+    Raises:
+        ConfigError: a metric that cannot be scored, or a model that cannot be loaded.
+    """
+    notes = check_scoring(run, run.model if target is None else target, n_images, subset)
+    target = target if target is not None else build_target(run)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    half_precision_note(target.model.dtype)
+    check_target_scores(run, target)
+    return target
 
 
 def build_coupling(run: RunConfig) -> Coupling | None:
@@ -71,6 +107,61 @@ def build_coupling(run: RunConfig) -> Coupling | None:
     return coupling
 
 
+def build_schedule(run: RunConfig) -> Schedule:
+    """The time grid of ``steps`` and ``eps`` (with the model's ``shift``), once what the config alone sizes is
+    checked (:func:`specsamp.runner.memory.check_config_sizes`).
+
+    Raises:
+        ConfigError: a size that cannot fit, or a grid that cannot be made.
+    """
+    check_config_sizes(run)
+    try:
+        return Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def find_tree(run: RunConfig, coupling: Coupling | None, schedule: Schedule, target: Callable[[], Target],
+              callback: Callable[[int, int], None] | None = None) -> tuple[object, dict, dict | None]:
+    """The run's round tree, found once: a tree rule's (built before the model loads), or a searched one
+    (``tree=optimal*``): its nominal budget, search and given profile refused first, then the tree searched
+    from that profile, or from one calibrated on the target (:func:`calibrated_profile`).
+
+    Args:
+        run: the typed config; coupling: its coupling (None: the standard sampler, no tree).
+        schedule: the run's grid (the tree is cut at ``T - 2`` levels).
+        target: returns the run's target (loaded on its first call; only a calibration calls it here).
+        callback: the search's progress, ``callback(done, total)``.
+
+    Returns:
+        ``(tree, tree_fields, calibration)``: the tree (None for the standard sampler), the record's fields
+        of it (:data:`specsamp.runner.records.TREE_FIELDS`), and the calibration run's cost (None: none ran).
+
+    Raises:
+        ConfigError: what :func:`build_tree` refuses, and a searched tree's budget, search or profile.
+    """
+    searched = coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
+    profile = calibrated = calibration = None
+    if searched:  # refused before the model loads and before any calibration run
+        if run.budget is None:
+            check_nominal_budget(run)
+        check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
+        profile = given_profile(run)
+    if searched and run.delta_profile is None:  # calibrate then search: the calibration samples the target
+        calibrated, calibration = calibrated_profile(target(), schedule, run)
+    tree, budget = build_tree(run, coupling, schedule.steps - 2, calibrated or profile, callback if searched else None)
+    fields = {
+        "tree": tree.describe() if tree is not None else "none",
+        "budget": budget,
+        "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
+        **({"refine": run.refine} if tree is not None and run.refine else {}),
+        **({"delta_profile": calibrated} if searched else {}),
+        **({"trees_by_root": tree.parents()} if searched and run.tree == "optimal_per_step"
+           else {"tree_parent": tree.parent.tolist()} if searched else {}),
+    }
+    return tree, fields, calibration
+
+
 def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_profile=None,
                callback: Callable[[int, int], None] | None = None):
     """The round tree and its nominal drafted-state budget ``B``, built by the tree rule ``run.tree``
@@ -95,7 +186,8 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         searched at the depth its root has left, minimising the expected rounds to the end).
 
     Raises:
-        ConfigError: a tree that does not fit in memory, or a search refused up front.
+        ConfigError: a tree that does not fit in memory, a search refused up front, or more Picard sweeps
+            (``refine``) than the tree has levels within ``T - 2``.
     """
     if coupling is None:
         return None, 0
@@ -113,6 +205,12 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         tree, budget = get_tree_rule(run.tree).build(run, coupling, horizon, delta_profile, callback)
     if isinstance(tree, DraftTree):
         coupling.check_tree(tree)
+    depth = min(getattr(tree, "largest", tree).max_depth, horizon)  # step-dependent trees: their largest round's
+    if run.refine > depth:
+        raise ConfigError(f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
+                          f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
+                          "further sweeps change nothing but each costs a batched target call per round; use "
+                          f"refine={depth} or less.")
     return tree, budget
 
 
@@ -155,6 +253,13 @@ def calibrate(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K
     first, end = schedule.first_speculative, schedule.end_speculative
     return {"profile": [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")],
             "per_root": [[float(d) for d in row] for row in table[first:end]]}, r
+
+
+def calibrated_profile(target: Target, schedule: Schedule, run: RunConfig) -> tuple[list, dict]:
+    """The profile a searched tree (``run.tree``) reads, calibrated on ``target`` (:func:`calibrate`), and the
+    calibration's cost as the record holds it (:func:`calibration_cost`, not charged to the speedup)."""
+    profiles, r = calibrate(target, schedule, run)
+    return profiles["per_root" if run.tree == "optimal_per_step" else "profile"], {**calibration_cost(r), "charged": False}
 
 
 def calibration_cost(r: SampleResult) -> dict:
@@ -218,8 +323,6 @@ def given_profile(run: RunConfig):
     mine = {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps}
     differ = {k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x}
     if differ:
-        import sys
-
         print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
               + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)
     entry = "per_root" if run.tree == "optimal_per_step" else "profile"

@@ -1,4 +1,5 @@
-"""Where a job lives and whether it is alive: directory names, single-run directories, ``running.json``.
+"""Where a job lives and whether it is alive: directory names, single-run directories, ``running.json``,
+and a shard job's block of trajectories (:func:`shard_indices`).
 
 A sweep job's directory is named by its overrides (:func:`job_dirname`); a single run gets a directory of
 its own (:func:`fresh_dir`). Both are OmegaConf resolvers used by ``conf/config.yaml``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -120,6 +122,29 @@ def fresh_dir(base: str) -> str:
         return base
     _CLAIMED[base] = str(cand)
     return str(cand)
+
+
+def shard_indices(n_samples: int, shard: int, num_shards: int, batch_size: int | None = None) -> range:
+    """Trajectory ids of one shard: a contiguous block, cut at batch boundaries when batching.
+
+    With ``batch_size`` set, the ``ceil(n_samples / batch_size)`` batches of the unsharded run are dealt
+    out in contiguous runs, so every shard runs exactly the unsharded run's batches (and reproduces its
+    samples bitwise). Otherwise trajectories are split as evenly as possible.
+
+    Args:
+        n_samples: trajectories of the whole run.
+        shard: this shard, in ``0 .. num_shards - 1``.
+        num_shards: number of shards, at most the number of batches (or of trajectories).
+        batch_size: trajectories per batch, or None for one batch per job.
+
+    Returns:
+        ``range(start, stop)`` of trajectory ids; the shards partition ``range(n_samples)`` in order.
+    """
+    if batch_size:
+        units = math.ceil(n_samples / batch_size)
+        lo, hi = shard * units // num_shards, (shard + 1) * units // num_shards
+        return range(lo * batch_size, min(hi * batch_size, n_samples))
+    return range(shard * n_samples // num_shards, (shard + 1) * n_samples // num_shards)
 
 
 def register_resolvers() -> None:

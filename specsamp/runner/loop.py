@@ -1,19 +1,28 @@
-"""The batch loop: one run of one configuration, from its config to its record.
+"""The runner's stages: one run of one configuration, from its config to its record.
 
-:func:`prepare` loads and checks a config once (:mod:`~specsamp.runner.config`), builds its coupling and
-takes its config hash; :func:`run_config` takes that :class:`PreparedRun` (or a config, which it prepares),
-refuses sizes that cannot fit (:mod:`~specsamp.runner.memory`) and what scoring could not use
-(:func:`specsamp.runner.outputs.check_metrics`), builds the target and tree
-(:mod:`~specsamp.runner.build`), samples the trajectories in batches with a progress bar, and returns the
-record (:func:`specsamp.runner.records.make_record`) with the concatenated :class:`~specsamp.sampler.SampleResult`.
+:func:`run_config` and the Hydra task (:func:`specsamp.runner.task.run_task`) make the same calls, in order:
+
+1. :func:`prepare`, once: the typed, checked config (:mod:`~specsamp.runner.config`), its coupling, its
+   unused keys and config hash, and this job's trajectory ids (a shard's block, given ``indices``, or all);
+   the task then skips a run whose record is already there;
+2. :func:`build`: sizes, schedule, tree (from a profile, or calibrate then search), target, and what scoring
+   will need (:mod:`~specsamp.runner.build`, :mod:`~specsamp.runner.memory`,
+   :mod:`~specsamp.runner.outputs`); every refusal of a value or a size happens here, before any
+   trajectory is sampled;
+3. :func:`sample`: the batch loop with its progress bar, and resume (:mod:`~specsamp.runner.resume`);
+4. :func:`specsamp.runner.records.make_record`: the record, the one place it is assembled.
+
+The task then writes, scores, writes again and logs (:mod:`~specsamp.runner.task`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -26,13 +35,11 @@ from ..errors import ConfigError, NonFiniteSamplesError
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
 from ..models.base import Target
-from ..trees import budget as uniform_budget
-from .build import build_coupling, build_target, build_tree, calibrate, calibration_cost, given_profile
-from .treerules import SEARCHED_TREES, check_search
+from .build import build_coupling, build_schedule, find_tree, load_target
 from .config import RunConfig, load_config, unused_keys
-from .memory import STEP_BYTES, check_memory, check_nominal_budget, check_tree_memory
-from .outputs import check_metrics, scoring_settings
-from .records import config_hash, make_record, versions
+from .jobs import shard_indices
+from .memory import check_tree_memory
+from .records import Job, Sampled, config_hash, make_record
 
 
 LOG_INTERVAL = 30.0  # seconds between plain progress lines when stderr is not a terminal (progress=auto)
@@ -155,34 +162,10 @@ def non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches: 
     return NonFiniteSamplesError(message, details)
 
 
-def check_config_sizes(run: RunConfig) -> None:
-    """Refuse, before anything is allocated, what ``steps`` and the model's own keys size alone (the schedule,
-    the per-step tables; the GMM's means). Per-trajectory sizes are checked once the model's state shape is
-    known (:func:`specsamp.runner.memory.check_tree_memory`).
-
-    Raises:
-        ConfigError: names the key, the bytes needed and available.
-    """
-    check_memory(f"steps={run.steps} (the schedule and the per-step tables)", run.steps * STEP_BYTES, "cpu", "lower steps.")
-    size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
-    if size is not None:
-        check_memory(size[0], size[1], run.device, "lower them.")
-
-
-def half_precision_note(dtype: torch.dtype) -> None:
-    """One line on stderr when the sampler's states are half precision: rounding then enters every kernel mean
-    and lowers the acceptance, so the speedup is not that of float32 (measured on the GMM's default cell,
-    ``python run.py model.dtype=D``: 2.03x in float64 and float32, 2.01x in float16, 1.75x in bfloat16)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        bits = 11 if dtype == torch.float16 else 8
-        print(f"note: model.dtype={str(dtype).removeprefix('torch.')} holds the states and velocities with {bits} significant "
-              "bits; that rounding enters every kernel mean and lowers the acceptance, so speedups are below float32's "
-              "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
-
-
 @dataclass(frozen=True)
 class PreparedRun:
-    """One configuration loaded and checked once: what a job derives from its config before any model is built.
+    """One configuration loaded and checked once: what a job derives from its config before any model is built
+    (:func:`prepare`).
 
     Attributes:
         run: the typed config (:func:`specsamp.runner.config.load_config`).
@@ -192,6 +175,9 @@ class PreparedRun:
         unused_defaults: ``{key: default}`` of the keys this sampler and tree never read
             (:func:`specsamp.runner.config.unused_keys`); hashed at their default.
         config_hash: :func:`specsamp.runner.records.config_hash` of ``recorded`` with those keys at their default.
+        unused: ``{key: value}`` of those keys set away from their default (the record's ``unused``).
+        indices: the trajectory ids this run samples (a shard's ``range``, or given ids), None for all.
+        job: the :class:`~specsamp.runner.records.Job` that writes the record (``run.py``'s task), or None.
     """
 
     run: RunConfig
@@ -199,29 +185,67 @@ class PreparedRun:
     coupling: Coupling | None
     unused_defaults: dict
     config_hash: str
+    unused: dict
+    indices: Sequence[int] | torch.Tensor | None = None
+    job: Job | None = None
 
     @property
-    def unused(self) -> dict:
-        """``{key: value}`` of the unused keys set away from their default (the record's ``unused``)."""
-        return {k: self.recorded[k] for k, d in self.unused_defaults.items() if self.recorded.get(k, d) != d}
+    def n_trajectories(self) -> int:
+        """How many trajectories this run samples (nothing allocated)."""
+        if self.indices is None:
+            return self.run.n_samples
+        return len(self.indices) if isinstance(self.indices, range) else int(torch.as_tensor(self.indices).numel())
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The trajectory ids this run samples, ``[n]`` int64 (``0 .. n_samples-1`` without ``indices``)."""
+        if self.indices is None:
+            return torch.arange(self.run.n_samples)
+        return torch.as_tensor(self.indices, dtype=torch.long).reshape(-1)
 
 
-def prepare(cfg: DictConfig | Mapping | PreparedRun) -> PreparedRun:
-    """Load and check a config once: typed run, recorded dict, coupling, unused keys and config hash.
+def _checked_indices(indices, n_samples: int):
+    """``indices`` as given, once each id is checked to lie in ``[0, n_samples)`` (None: all).
+
+    Raises:
+        ConfigError: an empty set, or an id out of range.
+    """
+    if indices is None:
+        return None
+    ids = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= n_samples:
+        raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={n_samples}).")
+    return indices
+
+
+def prepare(cfg: DictConfig | Mapping | PreparedRun, indices=None, *, job: Job | None = None) -> PreparedRun:
+    """Stage 1: load and check a config once: typed run, recorded dict, coupling, unused keys, config hash, and
+    this job's trajectory ids.
 
     Args:
         cfg: the composed config, a plain mapping with the keys of ``conf/config.yaml``, or a
-            :class:`PreparedRun` (returned as it is).
+            :class:`PreparedRun` (returned as it is, or with ``indices`` when they are given).
+        indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all.
+        job: ``run.py``'s job (:class:`~specsamp.runner.records.Job`), whose fields the record holds; with a job,
+            a shard (``num_shards > 1``) runs its block of trajectories
+            (:func:`~specsamp.runner.jobs.shard_indices`) and a sweep's job names its sweep (``sweep_name``).
 
     Raises:
-        ConfigError: the first invalid key (with its value and what is valid), or a coupling that cannot be built.
+        ConfigError: the first invalid key (with its value and what is valid), a coupling that cannot be built,
+            or ids outside ``[0, n_samples)``.
     """
     if isinstance(cfg, PreparedRun):
-        return cfg
+        return cfg if indices is None else dataclasses.replace(cfg, indices=_checked_indices(indices, cfg.run.n_samples))
     run, recorded = load_config(cfg)
     coupling = build_coupling(run)
     unused = unused_keys(run, coupling)
-    return PreparedRun(run, recorded, coupling, unused, config_hash(recorded, unused))
+    if job is not None and run.num_shards > 1:
+        indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size)
+    if job is not None and job.multirun and run.sweep_name is not None:
+        job = dataclasses.replace(job, sweep=str(run.sweep_name))
+    return PreparedRun(run, recorded, coupling, unused, config_hash(recorded, unused),
+                       {k: recorded[k] for k, d in unused.items() if recorded.get(k, d) != d},
+                       _checked_indices(indices, run.n_samples), job)
 
 
 def record_hash(cfg: DictConfig | Mapping | PreparedRun) -> tuple[RunConfig, dict, str]:
@@ -230,123 +254,118 @@ def record_hash(cfg: DictConfig | Mapping | PreparedRun) -> tuple[RunConfig, dic
     return p.run, p.recorded, p.config_hash
 
 
-def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None = None, indices=None,
-               before_sampling: Callable[[], None] | None = None, batches=None) -> tuple[dict, SampleResult]:
-    """Run one configuration and return ``(record, result)``.
+@dataclass(frozen=True)
+class Built:
+    """What :func:`build` makes of a :class:`PreparedRun`: every part its sampling needs, each value and size
+    already checked.
+
+    Attributes:
+        prepared: the run.
+        schedule: its time grid.
+        tree: the round tree (a :class:`~specsamp.trees.DraftTree`, or a
+            :class:`~specsamp.treesearch.TreesByRoot` per root step), None for the standard sampler.
+        target: the built (or given) target.
+        max_batch: rows per forward pass (``max_batch``, else the model's own).
+        tree_fields: the record's fields of the tree (:data:`specsamp.runner.records.TREE_FIELDS`).
+        calibration: the cost of the calibration run that ``tree=optimal*`` ran, or None.
+        started: ``time.perf_counter()`` when the stage began (the record's ``wall_seconds`` counts from it).
+    """
+
+    prepared: PreparedRun
+    schedule: Schedule
+    tree: object
+    target: Target
+    max_batch: int | None
+    tree_fields: dict
+    calibration: dict | None
+    started: float
+
+    def draw(self, model, chunk: torch.Tensor, callback=None, compile: bool | None = None) -> SampleResult:
+        """Sample the trajectories ``chunk`` (ids) with ``model`` (the target's, or a copy that watches it):
+        :func:`~specsamp.sampler.sample_speculative` on the tree, or :func:`~specsamp.sampler.sample_standard`."""
+        run, target = self.prepared.run, self.target
+        common = dict(seed=run.seed, indices=chunk, max_batch=self.max_batch, callback=callback,
+                      cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {})
+        if self.tree is None:
+            return sample_standard(model, self.schedule, **common)
+        return sample_speculative(model, self.schedule, self.tree, self.prepared.coupling, draft=run.draft,
+                                  prefetch=run.prefetch, evaluate_leaves=run.evaluate_leaves, execution=run.execution,
+                                  warmup=run.warmup, refine=run.refine, compile=run.compile if compile is None else compile,
+                                  check_contract=None if run.check_contract == "auto" else run.check_contract, **common)
+
+
+def build(prepared: PreparedRun, target: Target | None = None) -> Built:
+    """Stage 2: sizes, schedule, tree, target, and what scoring will need; every refusal before sampling.
+
+    In order: what the config alone sizes and the schedule; a searched tree's budget, search and given
+    profile; the tree (a rule's, built before the model loads; a searched one from its profile, or from a
+    calibration run on the target; :func:`~specsamp.runner.build.find_tree`); the target
+    (:func:`~specsamp.runner.build.load_target`); the sampler's states of one batch
+    (:func:`~specsamp.runner.memory.check_tree_memory`). Then the note on keys that do nothing.
 
     Args:
-        cfg: the composed config (``run.py``, :func:`specsamp.runner.config.compose`), a plain mapping
-            with the keys of ``conf/config.yaml``, or a :class:`PreparedRun` (:func:`prepare`: loaded and
-            checked once by the caller, as :func:`specsamp.runner.task.run_task` does).
-        target: an already-built :class:`~specsamp.models.base.Target` to use instead of ``cfg.model``'s
-            (notebooks, benchmarks: build once, run many configs).
-        indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
-            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run's counts
-            bitwise and its samples to the rounding of the model's batched evaluation (bitwise when the
-            batches are the same; docs/architecture.md, "What is equal across splits").
-        before_sampling: called once every value and size is checked, the target built and the tree found,
-            just before the first trajectory is sampled (the runner refuses a used output directory there,
-            so that a bad value is still reported as such).
-        batches: a :class:`~specsamp.runner.resume.BatchStore` of the job's directory: with more than one
-            batch, each finished batch is written there, and a batch already there (an earlier, interrupted
-            attempt of the same config) is read instead of sampled; the record then holds
-            ``resumed: {batches, of}``. None: every batch is sampled, nothing is written.
-
-    Returns:
-        The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
-        ``result.extra`` holds ``target`` and ``indices`` for images and metrics.
+        prepared: the run (:func:`prepare`).
+        target: an already-built target to use instead of the config's model.
 
     Raises:
-        ConfigError: invalid configuration, a size that cannot fit, or a model that cannot be loaded.
+        ConfigError: the first value or size that cannot serve this run.
     """
-    prepared = prepare(cfg)
     run, coupling = prepared.run, prepared.coupling
     if run.threads is not None:
         torch.set_num_threads(run.threads)
-    t0 = time.perf_counter()
-    check_config_sizes(run)
-    try:
-        schedule = Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    horizon = schedule.steps - 2
-    # sizes that follow from the config alone are refused before the model is loaded or calibrated
-    optimal = coupling is not None and run.tree in SEARCHED_TREES and coupling.max_children != 1
-    per_step = run.tree == "optimal_per_step"
-    given = tree = None
-    if optimal:
-        if run.budget is None:
-            check_nominal_budget(run)
-        check_search(run, coupling, run.budget or uniform_budget(run.K, run.L))
-        given = given_profile(run)  # a profile that cannot serve this run is refused before the model loads
-    else:  # a tree that needs no profile is built (and its size checked) before the model loads
-        tree, B = build_tree(run, coupling, horizon)
-    # what scoring will need is checked before the model is loaded (a given target: once it is known)
-    n_images = run.n_samples if indices is None else int(torch.as_tensor(indices).numel())
-    count = f"n_samples={run.n_samples}" + (f" (this shard scores {n_images})" if indices is not None else "")
-    settings = scoring_settings(run.model if target is None else target)
-    notes = check_metrics(run.metrics, *settings, n_images, count) if run.metrics else []
-    target = target if target is not None else build_target(run)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr, flush=True)
-    half_precision_note(target.model.dtype)
+    started = time.perf_counter()
+    schedule = build_schedule(run)
+    # the target, loaded once, when first needed (a calibration needs it before the tree, any other run after)
+    get_target = functools.cache(functools.partial(load_target, run, target, prepared.n_trajectories,
+                                                   prepared.indices is not None))
+    search = "root" if run.tree == "optimal_per_step" else "depth"
+    with _Progress(run.progress, "tree search", search, min_seconds=2.0) as bar:  # opened by a search only
+        tree, tree_fields, calibration = find_tree(run, coupling, schedule, get_target, callback=bar.to)
+    target = get_target()
     max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
-    for m in run.metrics:  # refuse before sampling what no scoring step could serve
-        if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
-            need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
-            raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not "
-                              "have (fid: model=digits, cifar10 or ffhq; clip: model=sd3).")
-    calibrated = calibration = None
-    if optimal and run.delta_profile is None:
-        profiles, cal = calibrate(target, schedule, run)
-        calibrated = profiles["per_root" if run.tree == "optimal_per_step" else "profile"]
-        calibration = {**calibration_cost(cal), "charged": False}
-    if optimal:
-        with _Progress(run.progress, "tree search", "root" if per_step else "depth", min_seconds=2.0) as search_bar:
-            tree, B = build_tree(run, coupling, horizon, calibrated or given, callback=search_bar.to)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
-    if tree is not None and run.refine > min(largest.max_depth, horizon):
-        depth = min(largest.max_depth, horizon)
-        raise ConfigError(f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
-                          f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
-                          "further sweeps change nothing but each costs a batched target call per round; use "
-                          f"refine={depth} or less.")
-    given_ids = None if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
-    if given_ids is not None and (given_ids.numel() == 0 or int(given_ids.min()) < 0 or int(given_ids.max()) >= run.n_samples):
-        raise ConfigError(f"indices are invalid: need a non-empty set of trajectory ids in [0, n_samples={run.n_samples}).")
-    n_total = run.n_samples if given_ids is None else given_ids.numel()
-    bs = run.batch_size or n_total
+    n_total = prepared.n_trajectories
     # every per-trajectory array (the ids included) is sized here, before the first one is allocated
-    check_tree_memory(largest.restrict(min(largest.max_depth, horizon)) if tree is not None else None, min(bs, n_total),
-                      target.model, run.device, execution=run.execution, n_total=n_total, steps=schedule.steps,
-                      refine=run.refine if tree is not None else 0, sampler=run.sampler.name)
-    ids = torch.arange(run.n_samples) if given_ids is None else given_ids
+    check_tree_memory(largest.restrict(min(largest.max_depth, schedule.steps - 2)) if tree is not None else None,
+                      min(run.batch_size or n_total, n_total), target.model, run.device, execution=run.execution,
+                      n_total=n_total, steps=schedule.steps, refine=run.refine if tree is not None else 0,
+                      sampler=run.sampler.name)
     unused = prepared.unused
     if unused:
         print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
               f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
               + (f" with tree={run.tree}" if coupling is not None else "")
               + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
-    if before_sampling is not None:
-        before_sampling()
+    return Built(prepared, schedule, tree, target, max_batch, tree_fields, calibration, started)
+
+
+def sample(built: Built, batches=None) -> Sampled:
+    """Stage 3: sample the run's trajectories in batches of ``batch_size``, with a progress bar, and resume.
+
+    Args:
+        built: the run's parts (:func:`build`).
+        batches: a :class:`~specsamp.runner.resume.BatchStore` of the job's directory: with more than one
+            batch, each finished batch is written there, and a batch already there (an earlier, interrupted
+            attempt of the same config) is read instead of sampled; the record then holds
+            ``resumed: {batches, of}``. None: every batch is sampled, nothing is written.
+
+    Returns:
+        What the record reads (:class:`~specsamp.runner.records.Sampled`); its ``result`` is the concatenated
+        :class:`SampleResult`, whose ``extra`` holds ``target``, ``indices`` and ``max_batch`` for images and
+        metrics.
+
+    Raises:
+        NonFiniteSamplesError: a batch whose samples hold NaN or inf (:func:`non_finite_samples`).
+    """
+    run, target, ids = built.prepared.run, built.target, built.prepared.ids
     dev = torch.device(getattr(target.model, "device", run.device))
-
-    def sample(model, chunk, callback=None, compile=run.compile) -> SampleResult:
-        common = dict(seed=run.seed, indices=chunk, max_batch=max_batch, callback=callback,
-                      cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {})
-        if tree is None:
-            return sample_standard(model, schedule, **common)
-        return sample_speculative(model, schedule, tree, coupling, draft=run.draft, prefetch=run.prefetch,
-                                  evaluate_leaves=run.evaluate_leaves, execution=run.execution, warmup=run.warmup,
-                                  refine=run.refine, compile=compile,
-                                  check_contract=None if run.check_contract == "auto" else run.check_contract, **common)
-
     results = []
-    per_traj = horizon  # the bar counts trajectory-steps of the speculative range, per round or step
+    per_traj = built.schedule.steps - 2  # the bar counts trajectory-steps of the speculative range, per round or step
+    bs = run.batch_size or ids.numel()
     n_batches = -(-ids.numel() // bs)
     store = batches if n_batches > 1 else None  # one batch: nothing to keep between attempts
     with _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar, \
-            (store.running(n_batches, max_batch=max_batch) if store is not None else contextlib.nullcontext()):
+            (store.running(n_batches, max_batch=built.max_batch) if store is not None else contextlib.nullcontext()):
         for start in range(0, ids.numel(), bs):
             chunk = ids[start : start + bs].to(dev)
             base = start * per_traj
@@ -357,29 +376,53 @@ def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None
             # no callback without a bar: its progress counts would cost the sampler host syncs
             progress = (lambda info, base=base: bar.to(base + info["steps_done"])) if bar.enabled else None
             try:
-                r = sample(target.model, chunk, progress)
+                r = built.draw(target.model, chunk, progress)
             except (NonFiniteError, NonFiniteSampleError) as e:  # found while sampling, where it happened
                 raise NonFiniteSamplesError(f"{str(e).rstrip('.')}. {non_finite_causes(run)}",
                                             {"error": str(e), "trajectories": getattr(e, "rows", None)}) from None
             # one reduction per batch, after its last round: samples holding NaN or inf are not a result
             finite = torch.isfinite(r.samples.reshape(r.samples.shape[0], -1)).all(1)
             if not bool(finite.all()):
-                raise non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches, start // bs)
+                raise non_finite_samples(run, built.schedule, target, built.draw, chunk, finite, n_batches, start // bs)
             if store is not None:
                 store.save(chunk, r)
             results.append(r)
             bar.to(base + chunk.numel() * per_traj)
     res = SampleResult.concat(results)
-    res.extra.update(target=target, indices=ids, max_batch=max_batch)
-    tree_fields = {
-        "tree": tree.describe() if tree is not None else "none",
-        "budget": B,
-        "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
-        **({"refine": run.refine} if tree is not None and run.refine else {}),
-        **({"delta_profile": calibrated} if optimal else {}),
-        **({"trees_by_root": tree.parents()} if optimal and per_step else {"tree_parent": tree.parent.tolist()} if optimal else {}),
-    }
-    record = make_record(prepared, res, [r.batch_speedup for r in results], tree_fields, calibration=calibration,
-                         resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
-                         wall_seconds=time.perf_counter() - t0, versions=versions())
-    return record, res
+    res.extra.update(target=target, indices=ids, max_batch=built.max_batch)
+    return Sampled(res, [r.batch_speedup for r in results], built.tree_fields, built.calibration,
+                   resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
+                   wall_seconds=time.perf_counter() - built.started)
+
+
+def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None = None, indices=None,
+               before_sampling: Callable[[], None] | None = None, batches=None) -> tuple[dict, SampleResult]:
+    """Run one configuration and return ``(record, result)``: :func:`prepare`, :func:`build`, :func:`sample`,
+    :func:`~specsamp.runner.records.make_record`.
+
+    Args:
+        cfg: the composed config (``run.py``, :func:`specsamp.runner.config.compose`), a plain mapping
+            with the keys of ``conf/config.yaml``, or a :class:`PreparedRun`.
+        target: an already-built :class:`~specsamp.models.base.Target` to use instead of ``cfg.model``'s
+            (notebooks, benchmarks: build once, run many configs).
+        indices: trajectory ids to run (a shard), each in ``[0, n_samples)``; default all. Trajectory
+            ``i``'s randomness is keyed by ``(seed, i)``, so any split reproduces the full run's counts
+            bitwise and its samples to the rounding of the model's batched evaluation (bitwise when the
+            batches are the same; docs/architecture.md, "What is equal across splits").
+        before_sampling: called once every value and size is checked, the target built and the tree found,
+            just before the first trajectory is sampled.
+        batches: a :class:`~specsamp.runner.resume.BatchStore` of the job's directory (:func:`sample`).
+
+    Returns:
+        The JSON-ready record (README, "The main job") and the concatenated :class:`SampleResult`;
+        ``result.extra`` holds ``target`` and ``indices`` for images and metrics.
+
+    Raises:
+        ConfigError: invalid configuration, a size that cannot fit, or a model that cannot be loaded.
+    """
+    prepared = prepare(cfg, indices)
+    built = build(prepared, target)
+    if before_sampling is not None:
+        before_sampling()
+    sampled = sample(built, batches)
+    return make_record(prepared, sampled), sampled.result

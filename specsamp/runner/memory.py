@@ -119,6 +119,20 @@ def capped_budget(K: int, L: int, cap: int = MAX_BUDGET) -> int:
     return total
 
 
+def check_config_sizes(run) -> None:
+    """Refuse, before anything is allocated, what ``steps`` and the model's own keys size alone (the schedule,
+    the per-step tables; the GMM's means). Per-trajectory sizes are checked once the model's state shape is
+    known (:func:`check_tree_memory`).
+
+    Raises:
+        ConfigError: names the key, the bytes needed and available.
+    """
+    check_memory(f"steps={run.steps} (the schedule and the per-step tables)", run.steps * STEP_BYTES, "cpu", "lower steps.")
+    size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
+    if size is not None:
+        check_memory(size[0], size[1], run.device, "lower them.")
+
+
 def check_nominal_budget(run) -> None:
     """Refuse a ``(K, L)`` whose nominal budget ``B = K + ... + K^L`` is above :data:`MAX_BUDGET`, before it is
     computed: naming the largest ``L`` that fits with this ``K``.
@@ -282,7 +296,7 @@ def run_memory_bytes(run) -> int:
     estimates the runner refuses sizes with, from its config alone (nothing is built).
 
     The sum of :data:`PROCESS_BYTES` (a torch process, measured); the schedule and per-step tables and the
-    model's config-sized arrays (:func:`specsamp.runner.loop.check_config_sizes`); the draft tree
+    model's config-sized arrays (:func:`check_config_sizes`); the draft tree
     (:func:`tree_nodes`); for a checkpoint model (EDM, SD3), :data:`WEIGHT_LOAD_FACTOR` times its weights
     (:func:`network_size`: the file's bytes, or its parameters); on a CUDA device, :data:`CUDA_HOST_BYTES`
     and the kept samples; on the CPU, the sampler's states of one batch plus the kept samples

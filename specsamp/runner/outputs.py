@@ -117,6 +117,38 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
     return notes
 
 
+def check_scoring(run, model, n_images: int, shard: bool) -> list[str]:
+    """:func:`check_metrics` of ``run.metrics`` for ``n_images`` images, with the settings of ``model`` (the
+    config's model before it is built, or a given :class:`Target`; :func:`scoring_settings`).
+
+    Args:
+        run: the typed config.
+        model: ``run.model`` or a built target.
+        n_images: the images this run scores.
+        shard: the run samples a subset of ``n_samples`` (a shard, ``indices``): the messages say so.
+
+    Returns:
+        The notes to print (none without metrics).
+    """
+    count = f"n_samples={run.n_samples}" + (f" (this shard scores {n_images})" if shard else "")
+    settings = scoring_settings(model)
+    return check_metrics(run.metrics, *settings, n_images, count) if run.metrics else []
+
+
+def check_target_scores(run, target: Target) -> None:
+    """Refuse, before sampling, a metric that the built target has no inputs for: images (``decode``) for every
+    metric, prompts for ``clip``, reference statistics for ``fid``.
+
+    Raises:
+        ConfigError: names the metric, the model and the models that have it.
+    """
+    for m in run.metrics:
+        if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
+            need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
+            raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not "
+                              "have (fid: model=digits, cifar10 or ffhq; clip: model=sd3).")
+
+
 def compute_metrics(names, result: SampleResult, image_dir: Path | None, device: str = "cpu") -> dict:
     """Score the saved images: ``fid`` (torch-fidelity against ``model.fid_ref``) and ``clip`` (per image).
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -97,30 +98,82 @@ TREE_FIELDS = ("tree", "budget", "call_rows", "refine", "delta_profile", "trees_
 """The record's keys that describe the tree a run drafted (the same in every shard of a run)."""
 
 
-def make_record(prepared, result: SampleResult, batch_speedups: list[float], tree_fields: Mapping, *,
-                calibration: Mapping | None = None, resumed: Mapping | None = None, wall_seconds: float,
-                versions: Mapping | None) -> dict:
-    """The record of a run, as ``result.json`` holds it: from one run, or from its shards merged.
+@dataclass(frozen=True)
+class Job:
+    """The job that writes a record (``run.py``'s task, or a shard merge): the record's job fields.
 
-    Args:
-        prepared: the run's :class:`specsamp.runner.loop.PreparedRun` (its ``run``, ``recorded``,
-            ``config_hash`` and ``unused`` are read).
-        result: the run's :class:`SampleResult` over all its trajectories (or the shards' concatenated).
+    Attributes:
+        output_dir: its directory (``output_dir``).
+        overrides: its command-line overrides (``overrides``).
+        multirun: a job of a sweep (``-m``): its record names the sweep (``sweep``, set by
+            :func:`specsamp.runner.loop.prepare` from ``sweep_name``).
+        slurm: :func:`specsamp.runner.slurm.job_identity` inside a SLURM job (``slurm``), else None.
+        merged_from: a merge's shard directories (``merged_from``), else None.
+        sweep: the sweep's name (``sweep``), or None.
+    """
+
+    output_dir: str
+    overrides: list
+    multirun: bool = False
+    slurm: Mapping | None = None
+    merged_from: list | None = None
+    sweep: str | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What a run produced, as its record reads it (:func:`specsamp.runner.loop.sample`; a shard merge's, over its
+    shards).
+
+    Attributes:
+        result: the :class:`SampleResult` over all the run's trajectories (or the shards' concatenated).
         batch_speedups: the speedup of every batch that ran.
-        tree_fields: the :data:`TREE_FIELDS` that apply (``tree``, ``budget``, ``call_rows`` always;
-            ``refine``, ``delta_profile``, ``trees_by_root`` or ``tree_parent`` when the run has them).
+        tree_fields: the :data:`TREE_FIELDS` that apply (``tree``, ``budget``, ``call_rows`` always; ``refine``,
+            ``delta_profile``, ``trees_by_root`` or ``tree_parent`` when the run has them).
         calibration: the cost of ``tree=optimal``'s calibration run (:func:`specsamp.runner.build.calibration_cost`),
             or None when none ran; adds ``speedup_with_calibration``.
         resumed: ``{batches, of}`` when batches were read from an earlier attempt, else None.
         wall_seconds: the run's wall time (the shards' sum for a merge).
-        versions: :func:`versions` of the run.
+        versions: the software that sampled (default: this process's, :func:`versions`).
+    """
+
+    result: SampleResult
+    batch_speedups: list
+    tree_fields: Mapping
+    calibration: Mapping | None = None
+    resumed: Mapping | None = None
+    wall_seconds: float = 0.0
+    versions: Mapping | None = field(default_factory=lambda: versions())
+
+
+def make_record(prepared, sampled: Sampled) -> dict:
+    """The record of a run, as ``result.json`` holds it: from one run, or from its shards merged. The one place
+    a record is assembled, the job's fields included.
+
+    Args:
+        prepared: the run's :class:`specsamp.runner.loop.PreparedRun` (its ``run``, ``recorded``,
+            ``config_hash``, ``unused``, ``indices`` and ``job`` are read).
+        sampled: what it produced (:class:`Sampled`).
 
     Returns:
-        The JSON-ready record; keys in the order ``result.json`` has always had them.
+        The JSON-ready record; keys in the order ``result.json`` has always had them. With a :class:`Job`, its
+        fields follow; a shard's record (``num_shards > 1``) then counts its own trajectories (``n_samples``)
+        and names its block (``shard``, ``num_shards``, ``indices``: ``[start, stop]``).
     """
-    run = prepared.run
+    run, job, result = prepared.run, prepared.job, sampled.result
     unused = prepared.unused
-    tree = {k: tree_fields[k] for k in TREE_FIELDS if k in tree_fields}
+    tree = {k: sampled.tree_fields[k] for k in TREE_FIELDS if k in sampled.tree_fields}
+    calibration = sampled.calibration
+    shard = job is not None and run.num_shards > 1  # a shard job's record counts the shard's own trajectories
+    job_fields = {} if job is None else {
+        "output_dir": job.output_dir,
+        **({"merged_from": list(job.merged_from)} if job.merged_from is not None else {}),
+        "overrides": list(job.overrides),
+        **({"slurm": job.slurm} if job.slurm else {}),
+        **({"sweep": job.sweep} if job.sweep is not None else {}),
+        **({"shard": run.shard, "num_shards": run.num_shards, "indices": [prepared.indices.start, prepared.indices.stop]}
+           if shard else {}),
+    }
     return {
         "status": "ok",
         "config": prepared.recorded,
@@ -131,20 +184,21 @@ def make_record(prepared, result: SampleResult, batch_speedups: list[float], tre
         "L": run.L,
         "eps": run.eps,
         "steps": run.steps,
-        "n_samples": run.n_samples,
+        "n_samples": len(prepared.indices) if shard else run.n_samples,
         **{k: tree[k] for k in TREE_FIELDS[:4] if k in tree},
         **({"unused": unused} if unused else {}),
         **{k: tree[k] for k in TREE_FIELDS[4:] if k in tree},
-        **summarize_result(result, run.steps, batch_speedups),
-        **({"resumed": dict(resumed)} if resumed else {}),
+        **summarize_result(result, run.steps, sampled.batch_speedups),
+        **({"resumed": dict(sampled.resumed)} if sampled.resumed else {}),
         # the calibration run's calls, paid by this run but not in its speedup; charged like with like: its
         # calls on the speculative steps, as the run's own nfe counts them (endpoints excluded), shared by
         # the run's trajectories, in the same estimator as ``speedup`` (a mean of per-trajectory ratios)
         **({"calibration": dict(calibration),
             "speedup_with_calibration": result.speedup_charged(calibration["nfe"], result.nfe.numel())}
            if calibration else {}),
-        "wall_seconds": wall_seconds,
-        "versions": versions,
+        "wall_seconds": sampled.wall_seconds,
+        "versions": sampled.versions,
+        **job_fields,
     }
 
 

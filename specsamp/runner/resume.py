@@ -4,7 +4,7 @@ A run with more than one batch (``batch_size`` below ``n_samples``, or below a s
 finished batch atomically to ``batches/<first id>-<last id>.pt`` in its job directory: its trajectory
 ids, the per-trajectory arrays of its :class:`~specsamp.sampler.SampleResult` and ``batch_nfe``, with
 the config hash (and ``max_batch``) it was computed under. When the job runs again (a requeue after
-SLURM's time-limit or preemption signal, a relaunch after a kill), :func:`specsamp.runner.loop.run_config`
+SLURM's time-limit or preemption signal, a relaunch after a kill), :func:`specsamp.runner.loop.sample`
 takes every batch whose file matches the hash, the ``max_batch`` and the exact ids from disk and samples
 only the others. Trajectory ``i``'s randomness is keyed by ``(seed, i)`` and a batch is the same set of
 ids in both attempts, so the resumed run's counts and samples are bitwise those of an uninterrupted one

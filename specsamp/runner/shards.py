@@ -1,7 +1,7 @@
 """Split one large sampling job into shards by trajectory index, and merge the shards back.
 
 A job with ``num_shards=S`` and ``shard=k`` runs one contiguous block of the trajectory ids
-``0 .. n_samples-1`` (see :func:`shard_indices`) and writes, atomically, ``shard.pt`` (its samples and
+``0 .. n_samples-1`` (see :func:`~specsamp.runner.jobs.shard_indices`) and writes, atomically, ``shard.pt`` (its samples and
 per-trajectory statistics) and then ``result.json`` (the statistics of its block). Sweep over ``shard``
 to run every block as its own job::
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
@@ -39,33 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import torch_save_atomic, write_json_atomic
-from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE, job_dirname
+from .jobs import RESULT as RESULT_FILE, SHARD as SHARD_FILE, job_dirname, shard_indices  # noqa: F401 (shard_indices: its former home)
 
 SAMPLES_FILE = "samples.pt"
 SHARD_KEYS = ("shard", "num_shards")
-
-
-def shard_indices(n_samples: int, shard: int, num_shards: int, batch_size: int | None = None) -> range:
-    """Trajectory ids of one shard: a contiguous block, cut at batch boundaries when batching.
-
-    With ``batch_size`` set, the ``ceil(n_samples / batch_size)`` batches of the unsharded run are dealt
-    out in contiguous runs, so every shard runs exactly the unsharded run's batches (and reproduces its
-    samples bitwise). Otherwise trajectories are split as evenly as possible.
-
-    Args:
-        n_samples: trajectories of the whole run.
-        shard: this shard, in ``0 .. num_shards - 1``.
-        num_shards: number of shards, at most the number of batches (or of trajectories).
-        batch_size: trajectories per batch, or None for one batch per job.
-
-    Returns:
-        ``range(start, stop)`` of trajectory ids; the shards partition ``range(n_samples)`` in order.
-    """
-    if batch_size:
-        units = math.ceil(n_samples / batch_size)
-        lo, hi = shard * units // num_shards, (shard + 1) * units // num_shards
-        return range(lo * batch_size, min(hi * batch_size, n_samples))
-    return range(shard * n_samples // num_shards, (shard + 1) * n_samples // num_shards)
 
 
 def unsharded_config(cfg: Mapping) -> dict:
@@ -220,8 +196,9 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     The record is built by :func:`specsamp.runner.records.make_record`, the function that builds an
     unsharded run's record, over the concatenated per-trajectory arrays: the same keys (``unused``, the
     tree's fields, ``calibration`` included) and the same statistics over all trajectories.
-    ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches;
-    ``merged_from`` names the shards' directories.
+    ``wall_seconds`` is the sum over shards, ``batch_speedup`` the mean over every shard's batches; its job
+    fields (:class:`~specsamp.runner.records.Job`) are the merged directory, ``merged_from`` (the shards'
+    directories), the shards' overrides without ``num_shards``/``shard``, and their sweep.
 
     Returns:
         The merged record.
@@ -233,7 +210,7 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
 
     from ..sampler import SampleResult
     from .loop import prepare
-    from .records import TREE_FIELDS, make_record
+    from .records import TREE_FIELDS, Job, Sampled, make_record
 
     if group.missing:
         raise ValueError(f"shards {group.missing} of {group.num_shards} are missing")
@@ -252,20 +229,14 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
         speculative_steps=parts[0]["speculative_steps"],
     )
     first = parts[0]["record"]
-    prepared = dataclasses.replace(prepare(base), recorded=base)  # the shards' own recorded config, as written
-    record = make_record(prepared, merged, [b for p in parts for b in p["batch_speedups"]],
-                         {k: first[k] for k in TREE_FIELDS if k in first},
-                         # every shard calibrates alike (same seed, same config); the unsharded run pays one calibration
-                         calibration=first.get("calibration"),
-                         wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
-                         versions=first.get("versions"))
-    record.update({
-        "output_dir": str(out_dir.resolve()),
-        "merged_from": [str(group.found[k].resolve()) for k in range(group.num_shards)],
-        "overrides": [o for o in first.get("overrides") or [] if o.partition("=")[0].lstrip("+~") not in SHARD_KEYS],
-    })
-    if "sweep" in first:
-        record["sweep"] = first["sweep"]
+    job = Job(str(out_dir.resolve()), [o for o in first.get("overrides") or [] if o.partition("=")[0].lstrip("+~") not in SHARD_KEYS],
+              merged_from=[str(group.found[k].resolve()) for k in range(group.num_shards)], sweep=first.get("sweep"))
+    prepared = dataclasses.replace(prepare(base), recorded=base, job=job)  # the shards' own recorded config, as written
+    record = make_record(prepared, Sampled(
+        merged, [b for p in parts for b in p["batch_speedups"]], {k: first[k] for k in TREE_FIELDS if k in first},
+        # every shard calibrates alike (same seed, same config); the unsharded run pays one calibration
+        calibration=first.get("calibration"),
+        wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)), versions=first.get("versions")))
     torch_save_atomic(out_dir / SAMPLES_FILE, cat["samples"])
     merge_images([group.found[k] for k in range(group.num_shards)], out_dir)
     write_json_atomic(out_dir / RESULT_FILE, record)  # last: a record means every file of the set is there

@@ -44,13 +44,13 @@ from ..errors import ConfigError, NonFiniteSamplesError
 from .exits import INFRASTRUCTURE, NON_FINITE, USAGE, infrastructure_message, is_infrastructure
 from ..io import torch_save_atomic, write_json_atomic
 from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
-from .loop import prepare, run_config
+from .loop import build, prepare, sample
 from .outputs import MetricError, compute_metrics, save_images
 from .resume import BatchStore
-from .shards import save_shard, shard_indices
+from .shards import save_shard
 from .loggers import log_record
 from .slurm import job_identity
-from .records import existing_record, refuse_other_record, scores_text, summary_line, versions
+from .records import Job, existing_record, make_record, refuse_other_record, scores_text, summary_line, versions
 
 def _hydra_cfg():
     try:
@@ -174,57 +174,26 @@ def slurm_fields() -> dict:
 
 
 def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> float | None:
-    prepared = prepare(cfg)  # before the skip: a bad value is refused even when a record exists
-    run, recorded, h = prepared.run, prepared.recorded, prepared.config_hash
-    state.update(cfg=recorded, hash=h)
-    sharded = run.num_shards > 1
-    if run.skip_existing:
-        rec = existing_record(out_dir, h)
-        if rec is not None and (not sharded or (out_dir / SHARD).exists()):
-            _clear_failure(out_dir)
-            print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
-            if rec.get("logger_error") and run.logger._target_ is not None:  # the logging failed last time: retry it
-                _log(run, recorded, rec, out_dir, multirun)
-            return rec["speedup"]["mean"]
+    """One job: the stages of :func:`specsamp.runner.loop.run_config` (prepare, build, sample, make_record), with
+    the job's own steps between them (skip a run that is done; refuse a directory that holds another config's
+    record), then write, score, write and log."""
+    # once, before the skip: a bad value is refused even when a record exists
+    prepared = prepare(cfg, job=Job(str(out_dir), _job_overrides(), multirun=multirun, slurm=job_identity()))
+    state.update(cfg=prepared.recorded, hash=prepared.config_hash)
+    done = _skip_if_done(prepared, out_dir, multirun)
+    if done is not None:
+        return done
     _clear_failure(out_dir)
-    indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size) if sharded else None
+    built = build(prepared)
     # a second config's files never mix with the first's: refused once every value is checked, before sampling
+    refuse_other_record(out_dir, prepared.config_hash, prepared.recorded)
     # a sweep job keeps its finished batches, so a requeue or a relaunch continues from them (specsamp.runner.resume)
-    batches = BatchStore(out_dir, h) if multirun and run.skip_existing else None
-    record, result = run_config(prepared, indices=indices, before_sampling=lambda: refuse_other_record(out_dir, h, recorded),
-                                batches=batches)
-    record["output_dir"] = str(out_dir)
-    record["overrides"] = _job_overrides()
-    record.update(slurm_fields())
-    if multirun and run.sweep_name is not None:
-        record["sweep"] = str(run.sweep_name)
-    if sharded:  # a shard's record (and its printed line) counts the shard's own trajectories
-        record.update(shard=run.shard, num_shards=run.num_shards, n_samples=len(indices), indices=[indices.start, indices.stop])
-    # the numbers reach the terminal before any file is written: a full disk loses no result
-    tag = f"[shard {run.shard}/{run.num_shards}] " if sharded else ""
-    print(tag + summary_line(record) + f"  record: {shown(out_dir / RESULT)}", flush=True)
-    if sharded:
-        save_shard(out_dir, result, indices, record)
-    elif run.save_samples:
-        torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())
-    image_dir = save_images(result, out_dir) if run.save_samples or run.metrics else None  # a PNG per image + grid
-    # the record goes to disk before any metric is scored, so a scoring failure loses no samples
-    write_json_atomic(out_dir / RESULT, record)
-    if batches is not None:
-        batches.clear()  # the record holds them now
-    metric_error = None
-    if run.metrics:
-        try:
-            record["metrics"] = compute_metrics(run.metrics, result, image_dir, run.device)
-        except MetricError as e:  # whatever went wrong, the record keeps the samples' statistics
-            metric_error = e
-            record["metrics"] = e.values
-            record["metrics_error"] = str(e)
-        record.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
-        write_json_atomic(out_dir / RESULT, record)
-        if scores_text(record):  # the result line was printed before scoring: the scores get their own
-            print(f"{tag}{scores_text(record)}  record: {shown(out_dir / RESULT)}", flush=True)
-    logged = _log(run, recorded, record, out_dir, multirun, exit_on_failure=False)
+    batches = BatchStore(out_dir, prepared.config_hash) if multirun and prepared.run.skip_existing else None
+    sampled = sample(built, batches)
+    record = make_record(prepared, sampled)
+    image_dir = _write(prepared, record, sampled.result, out_dir, batches)
+    metric_error = _score(prepared, record, sampled.result, image_dir, out_dir)
+    logged = _log(prepared.run, prepared.recorded, record, out_dir, multirun, exit_on_failure=False)
     if metric_error is not None:
         message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
                    "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
@@ -238,6 +207,70 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     if not logged and not multirun:
         sys.exit(INFRASTRUCTURE)
     return record["speedup"]["mean"]
+
+
+def _skip_if_done(prepared, out_dir: Path, multirun: bool) -> float | None:
+    """The mean speedup of a run whose record is already in ``out_dir`` with the same config hash (and, for a
+    shard, its ``shard.pt``), said so on stdout, its failed logging retried; None when the run is to be done."""
+    run, h = prepared.run, prepared.config_hash
+    if not run.skip_existing:
+        return None
+    rec = existing_record(out_dir, h)
+    if rec is None or (run.num_shards > 1 and not (out_dir / SHARD).exists()):
+        return None
+    _clear_failure(out_dir)
+    print(f"skipped (done, config {h}): {summary_line(rec)}  record: {shown(out_dir / RESULT)}", flush=True)
+    if rec.get("logger_error") and run.logger._target_ is not None:  # the logging failed last time: retry it
+        _log(run, prepared.recorded, rec, out_dir, multirun)
+    return rec["speedup"]["mean"]
+
+
+def _shard_tag(run) -> str:
+    return f"[shard {run.shard}/{run.num_shards}] " if run.num_shards > 1 else ""
+
+
+def _write(prepared, record: dict, result, out_dir: Path, batches: BatchStore | None) -> Path | None:
+    """Print the result line, then write the run's files: ``shard.pt`` or ``samples.pt``, the images, and
+    ``result.json`` last (before any metric is scored, so a scoring failure loses no samples).
+
+    Returns:
+        The images' directory, or None when none were saved.
+    """
+    run = prepared.run
+    # the numbers reach the terminal before any file is written: a full disk loses no result
+    print(_shard_tag(run) + summary_line(record) + f"  record: {shown(out_dir / RESULT)}", flush=True)
+    if run.num_shards > 1:
+        save_shard(out_dir, result, prepared.indices, record)
+    elif run.save_samples:
+        torch_save_atomic(out_dir / "samples.pt", result.samples.cpu())
+    image_dir = save_images(result, out_dir) if run.save_samples or run.metrics else None  # a PNG per image + grid
+    write_json_atomic(out_dir / RESULT, record)
+    if batches is not None:
+        batches.clear()  # the record holds them now
+    return image_dir
+
+
+def _score(prepared, record: dict, result, image_dir: Path | None, out_dir: Path) -> MetricError | None:
+    """Score the saved images (``metrics``) into the record, write it again and print the scores.
+
+    Returns:
+        The scoring's :class:`~specsamp.runner.outputs.MetricError` (its values kept in the record), or None.
+    """
+    run = prepared.run
+    if not run.metrics:
+        return None
+    metric_error = None
+    try:
+        record["metrics"] = compute_metrics(run.metrics, result, image_dir, run.device)
+    except MetricError as e:  # whatever went wrong, the record keeps the samples' statistics
+        metric_error = e
+        record["metrics"] = e.values
+        record["metrics_error"] = str(e)
+    record.update({k: v for k, v in record["metrics"].items() if isinstance(v, (int, float))})
+    write_json_atomic(out_dir / RESULT, record)
+    if scores_text(record):  # the result line was printed before scoring: the scores get their own
+        print(f"{_shard_tag(run)}{scores_text(record)}  record: {shown(out_dir / RESULT)}", flush=True)
+    return metric_error
 
 
 def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, exit_on_failure: bool = True) -> bool:

@@ -274,12 +274,12 @@ def test_per_root_profile_for_another_T_is_refused_before_the_model_is_built(mon
     """gmm_x0 holds 28 root steps (T=30): a T=8 run with tree=optimal_per_step is refused, naming both T,
     before the target is built, and without announcing the profile as used."""
     from specsamp.errors import ConfigError
-    from specsamp.runner import loop
+    from specsamp.runner import build, loop
 
     def no_build(run):
         raise AssertionError("the target was built before the profile was checked")
 
-    monkeypatch.setattr(loop, "build_target", no_build)
+    monkeypatch.setattr(build, "build_target", no_build)
     with pytest.raises(ConfigError, match=r"calibrated for steps=30 \(28 root steps\).*6 root steps"):
         loop.run_config(compose([*TINY, "tree=optimal_per_step", "budget=6", "delta_profile=gmm_x0"]))
     with pytest.raises(ConfigError, match="it has 3 rows.*one per root step 1..6"):

@@ -101,3 +101,72 @@ def test_merged_shards_record_equals_the_unsharded_record_on_every_field(tmp_pat
         assert merged[key] == full[key], key
     if "tree=optimal" in overrides:
         assert {"calibration", "speedup_with_calibration", "delta_profile", "tree_parent", "unused"} <= set(merged)
+
+
+STAGES = ("prepare", "build", "sample", "make_record")
+
+
+def _record_stages(monkeypatch) -> list:
+    """Wrap the stage functions where the task and ``run_config`` call them; the calls, in order."""
+    from specsamp.runner import loop, task
+
+    seen: list = []
+    for mod in (loop, task):
+        for name in STAGES:
+            fn = getattr(mod, name, None)
+            if callable(fn):
+                monkeypatch.setattr(mod, name, functools.wraps(fn)(lambda *a, _n=name, _f=fn, **k: seen.append(_n) or _f(*a, **k)))
+    return seen
+
+
+def test_a_job_and_run_config_make_the_same_stage_calls_in_order(tmp_path, monkeypatch):
+    """prepare, build, sample, make_record: once each, in that order, from run.py's task and from run_config."""
+    monkeypatch.chdir(tmp_path)
+    seen = _record_stages(monkeypatch)
+    assert run_task(compose(TINY)) is not None
+    assert seen == list(STAGES)
+    seen.clear()
+    run_config(compose(TINY))
+    assert seen == list(STAGES)
+
+
+@pytest.mark.parametrize("overrides, calibrations", [([], 0), (["sampler=rmc"], 0), (["tree=optimal", "budget=6"], 1),
+                                                     (["tree=optimal_per_step", "budget=6", "delta_profile=[0.5,1.0]"], 0)],
+                         ids=["uniform", "chain", "optimal-calibrated", "per-step-profile"])
+def test_a_run_builds_its_tree_and_its_target_once(monkeypatch, overrides, calibrations):
+    from specsamp.runner import build
+
+    counts = dict.fromkeys(("build_tree", "build_target", "calibrate"), 0)
+    for name in counts:
+        fn = getattr(build, name)
+        monkeypatch.setattr(build, name, functools.wraps(fn)(
+            lambda *a, _n=name, _f=fn, **k: counts.__setitem__(_n, counts[_n] + 1) or _f(*a, **k)))
+    run_config(compose([*TINY, *overrides]))
+    assert counts == {"build_tree": 1, "build_target": 1, "calibrate": calibrations}
+
+
+def test_a_shard_jobs_record_holds_the_job_fields_last_in_their_order():
+    """The record of a sweep's shard job: the run's fields, then output_dir, overrides, slurm, sweep, and the
+    shard's block; its n_samples (in its usual place) counts the shard's own trajectories."""
+    from specsamp.runner.loop import build, sample
+    from specsamp.runner.records import Job, make_record
+
+    cfg = compose([*TINY, "n_samples=6", "batch_size=2", "num_shards=2", "shard=1", "sweep_name=s"])
+    prepared = prepare(cfg, job=Job("/d", ["shard=1"], multirun=True, slurm={"job_id": "7"}))
+    assert prepared.indices == range(2, 6) and prepared.job.sweep == "s"  # batches 2 and 3 of 3
+    rec = make_record(prepared, sample(build(prepared)))
+    keys = list(rec)
+    assert keys[keys.index("versions") + 1:] == ["output_dir", "overrides", "slurm", "sweep", "shard", "num_shards", "indices"]
+    assert keys[keys.index("steps") + 1] == "n_samples" and rec["n_samples"] == 4 and rec["indices"] == [2, 6]
+    assert (rec["output_dir"], rec["overrides"], rec["slurm"], rec["sweep"]) == ("/d", ["shard=1"], {"job_id": "7"}, "s")
+    library = run_config(cfg)[0]  # a library call is no job: all trajectories, no job fields
+    assert library["n_samples"] == 6 and "output_dir" not in library and "shard" not in library
+
+
+def test_one_job_enters_the_stage_module_once_per_stage():
+    """benchmarks.runner_entries: a run.py job enters loop from the rest of the runner three times (prepare,
+    build, sample) and never calls back into the task."""
+    from benchmarks.runner_entries import count_entries
+
+    inner, _, code = count_entries([*TINY, "n_samples=2"])
+    assert code == 0 and inner["loop"] == 3 and "task" not in inner and inner["records"] <= 5
