@@ -66,13 +66,22 @@ class _Context:
     evaluate_leaves: bool
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
-    tables: dict | None = None  # Schedule.tables on the model's device (float64)
-    coef_table: torch.Tensor | None = None  # [T, NC] the lean.COEFS columns of the tables, in the states' dtype
+    coef_table: torch.Tensor | None = None  # [T, C] the kernel's coefficient table in the states' dtype (lean round)
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
     x_event: tuple = ()  # event shape of the states
     check_contract: bool = False  # check every verdict against the coupling contract
     refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
     compiled: bool = False  # the lean round runs under torch.compile (specsamp.compiled)
+
+
+def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
+    """``(internal, evaluated)`` of nodes at depth ``depth`` (with children where ``has_children``) in a round whose
+    tree is ``T|_{L_n}``, ``L_n = depth_limit``: internal, a verification where the walk reaches it; evaluated, a row
+    of the round's batched call (the B=|V| protocol, ``evaluate_leaves``: every node of ``T|_{L_n}``; else the
+    internal ones), before a root whose velocity is known is taken out. Torch or numpy, broadcasting; the one
+    statement of these sets for every layout."""
+    internal = (depth < depth_limit) & has_children
+    return internal, (depth <= depth_limit) & (internal | evaluate_leaves)
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
@@ -206,10 +215,13 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
 
 def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
     """The roots' exact velocities in a call of their own: the warm-up at the first round (warmup=call,
-    charged to ``nfe``), and every round with prefetch=none."""
+    charged to ``nfe``), and every round with prefetch=none. ``live``: the live rows, never empty (the loop
+    stops before), so the call is charged without asking the device."""
     st.v_root[live] = ctx.velocity(st.x[live], st.n[live], live)
     st.root_exact[live] = True
-    tally.charge(live, torch.ones_like(live))
+    tally.nfe[live] += 1
+    tally.call_rows[live] += 1
+    tally.batch_nfe += 1
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,12 +17,12 @@ import torch
 
 from . import rng
 from .batching import row_reduce
-from .chains import _Chains, _Context, _contract_violation, _final_step, _Tally
+from .chains import _Chains, _Context, _contract_violation, _final_step, _root_call, _Tally
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
 from . import leantree
-from .leantree import COEFS, NC, _coef_table, _draw_tables, _LeanTree, _root_tables, _upload
+from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         discards the round and repeats it with :func:`specsamp.rounds._round`, which raises the precise error); ``live [M]``
         the rows the round served.
     """
-    sch, tab, draft = ctx.schedule, ctx.tables, ctx.draft
+    sch, draft = ctx.schedule, ctx.draft
+    kern = sch.kernel
+    NC, std = len(kern.columns), kern.col("std")
     x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
     M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
     end = sch.end_speculative
@@ -75,7 +77,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     n_lim = n if sel is None else torch.where(live, n, end)
     v_root, root_exact = st.v_root, st.root_exact
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
-    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1] (COEFS), node-major
+    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1], node-major
     coefs = lt.coefs_by_root.index_select(2, n)
     per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
     # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
@@ -93,10 +95,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
         states[1:] = lt.noise_cache[:, ar, n]
     elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
-        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, 4], out=states[1:])  # std z, as _Nodes.draft scales it
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as _Nodes.draft scales it
     else:
         rng.normal(keys, e, out=states[1:])
-        states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+        states[1:] *= coefs[lt.dm1, std]  # std z, as _Nodes.draft scales it
     # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
     drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
     lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
@@ -108,14 +110,13 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         frozen_col = frozen.reshape(1, M, D)
         frozen_at = lambda d: frozen_col  # noqa: E731
     else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
-        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None],
-                                        dict(zip(COEFS, coefs.unbind(1))))  # [L, M, D]: the parents' steps
+        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1)))  # [L, M, D]: the parents' steps
         if isinstance(frozen_col, tuple):
             frozen_at = lambda d: tuple(f[d] for f in frozen_col)  # noqa: E731
         else:
             frozen_at = lambda d: frozen_col[d]  # noqa: E731
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
-        c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
+        c_l = kern.named(per_depth[NC * (l - 1) : NC * l])
         mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
         out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
     # the batched target call over the planned rows (what the reference round evaluates); where they are
@@ -140,9 +141,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                 vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
-            cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
+            cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
             mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
-            mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
+            mean_q = kern.mean(xu, vu, cu)
             sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
             if k == 1 and ch_sl is not None:
                 kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
@@ -305,7 +306,8 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     xs = states[node, ar]  # [M, H, D]
     vs = torch.where((node == 0)[..., None], v0[:, None], vrest[(node - 1).clamp(min=0), ar])
     nn = n[:, None] + lt.depth[node]
-    x0 = xs - ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), 3][..., None] * vs  # data_prediction's operations
+    sigma = ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), ctx.schedule.kernel.col("sigma")]
+    x0 = xs - sigma[..., None] * vs  # data_prediction's operations
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
@@ -321,7 +323,8 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
         w = torch.where(mine, ustar, rep)  # rows whose node has another width verify a stand-in
         xw = states[w, ar]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
-        cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
+        kern = ctx.schedule.kernel
+        cw = kern.named(coefs[lt.depth[w], :, ar].unbind(1))  # [M, 1] each
         if ctx.draft.table_frozen is None:
             fr = frozen_col[0]
         elif isinstance(frozen_col, tuple):
@@ -329,7 +332,7 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
         else:
             fr = frozen_col[lt.depth[w], ar]
         mean_p = ctx.draft.table_mean(fr, xw, cw)
-        mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
+        mean_q = kern.mean(xw, vw, cw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
         verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
@@ -338,17 +341,8 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
     return out
 
 
-def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tensor) -> None:
-    """:func:`specsamp.chains._root_call` for the live ``rows`` the host already knows (no host sync)."""
-    st.v_root[rows] = ctx.velocity(st.x[rows], st.n[rows], rows)
-    st.root_exact[rows] = True
-    tally.nfe[rows] += 1
-    tally.call_rows[rows] += 1
-    tally.batch_nfe += 1
-
-
 def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _Chains, tally: _Tally, warmup: str,
-              callback) -> torch.Tensor:
+              callback, round_fn: Callable | None = None) -> torch.Tensor:
     """The speculative rounds and the final step with :func:`_lean_round` (the tree execution); returns the samples.
 
     ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees (one lean tree per distinct ``T_n``, built
@@ -357,9 +351,8 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
     """
     schedule, dev = ctx.schedule, st.x.device
     M, T = st.x.shape[0], schedule.steps
-    ctx.tables = schedule.tables(dev)
     ctx.x_event = tuple(st.x.shape[1:])
-    ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
+    ctx.coef_table = schedule.kernel.table(dev, st.x.dtype)  # [T, C]
     steps_all = torch.arange(T, device=dev)[None]
     ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
     D = st.x[0].numel()
@@ -391,11 +384,11 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
                 _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
         return lts[g]
 
-    return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
+    return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback, round_fn)
 
 
 def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
-               warmup: str, callback) -> torch.Tensor:
+               warmup: str, callback, round_fn: Callable | None = None) -> torch.Tensor:
     """The rounds of :func:`specsamp.sampler.sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
 
     ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
@@ -415,16 +408,12 @@ def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, refer
     M = st.x.shape[0]
     n_host = np.full(M, ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
     exact_host = np.zeros(M, dtype=bool)
-    lean_round = _lean_round
-    if ctx.compiled:  # the same round under torch.compile (the network call outside it)
-        from .compiled import compiled_round
-
-        lean_round = compiled_round()
+    lean_round = round_fn or _lean_round
     r = 0
     while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
         live_host = n_host < end
         if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
-            _lean_root_call(ctx, st, tally, _upload(np.flatnonzero(live_host), dev))
+            _root_call(ctx, st, _upload(np.flatnonzero(live_host), dev), tally)
             exact_host = exact_host | live_host
         which = np.where(live_host, lt_of_root[np.minimum(n_host, len(lt_of_root) - 1)], -1)
         groups = np.unique(which[live_host])

@@ -22,10 +22,9 @@ import torch
 
 from . import rng
 from .batching import row_reduce
-from .chains import _Chains, _Context, _Tally, check_verdict_contract
+from .chains import _Chains, _Context, _Tally, check_verdict_contract, round_masks
 from .coupling import NonFiniteError
-from .drafts import DraftHistory, DraftRoot, data_prediction
-from .leantree import COEFS, NC, _coef_table
+from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .schedule import per_row
 from .trees import DraftTree
 
@@ -47,14 +46,9 @@ class _Round:
 
 
 def _coefs(ctx: _Context, step: torch.Tensor, like: torch.Tensor) -> dict:
-    """The kernel coefficients of steps ``step [s]`` (:data:`specsamp.leantree.COEFS`), each ``[s, 1, ..., 1]`` to scale
-    the rows of ``like [s, *e]``, in the states' dtype: one gather of the run's table, bit for bit what
-    :meth:`~specsamp.schedule.Schedule.mean` and :meth:`~specsamp.schedule.Schedule.std` compute (eqs. 36--37)."""
-    if ctx.coef_table is None:  # the run's table, made at its first reference round (the lean round makes its own)
-        ctx.tables = ctx.schedule.tables(like.device) if ctx.tables is None else ctx.tables
-        ctx.coef_table = _coef_table(ctx.tables, like.dtype)
-    c = ctx.coef_table[step]  # [s, NC]
-    return dict(zip(COEFS, c.reshape(c.shape[0], NC, *(1,) * (like.ndim - 1)).unbind(1)))
+    """The kernel coefficients of steps ``step [s]`` (:meth:`specsamp.kernels.Kernel.coefs`), each ``[s, 1, ..., 1]``
+    to scale the rows of ``like [s, *e]``, in the states' dtype: one gather of the kernel's table."""
+    return ctx.schedule.kernel.coefs(step, like)
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -63,25 +57,23 @@ def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t if rows.numel() == t.shape[0] else t[rows]
 
 
-def _kernel_mean(x: torch.Tensor, v: torch.Tensor, c: dict) -> torch.Tensor:
-    """The target kernel mean of eq. 36 at ``x, v [s, *e]`` from :func:`_coefs` (``Schedule.mean``'s operations)."""
-    return x + c["dt"] * (c["a"] * v + c["b"] * x)
-
-
 class _Nodes:
     """How an execution obtains node states and velocities. Subclasses: tree and path."""
 
     def __init__(self, tree: DraftTree, tensors: dict, rnd: _Round, ctx: _Context):
         self.tree, self.t, self.r, self.ctx = tree, tensors, rnd, ctx
 
+    def masks(self, u: torch.Tensor, sub: torch.Tensor):
+        """:func:`specsamp.chains.round_masks` of nodes ``u`` (one per selected trajectory ``sub``)."""
+        return round_masks(self.t["depth"][u], self.t["num_children"][u] > 0, self.r.depth_limit[sub], self.ctx.evaluate_leaves)
+
     def internal_in_round(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
         """Whether node ``u`` (one per selected trajectory ``sub``) is internal in ``T|_{L_n}``."""
-        return (self.t["depth"][u] < self.r.depth_limit[sub]) & (self.t["num_children"][u] > 0)
+        return self.masks(u, sub)[0]
 
     def evaluated(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
         """Whether the round's batched call evaluated node ``u`` (the B=|V| or B=|I| protocol)."""
-        inside = self.t["depth"][u] <= self.r.depth_limit[sub]
-        return inside & (self.internal_in_round(u, sub) | self.ctx.evaluate_leaves)
+        return self.masks(u, sub)[1]
 
     def child_ids(self, u: torch.Tensor, k: int) -> torch.Tensor:
         """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
@@ -90,16 +82,15 @@ class _Nodes:
     def proposal_mean(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, c: dict) -> torch.Tensor:
         """The draft's proposal means ``[s, P, *e]`` of the children of ``x_parents [s, P, *e]`` at step ``step [s]``.
 
-        ``c``: the steps' kernel coefficients (:func:`_coefs`). A draft with a table form (``Draft.table_mean``, no
-        ``table_frozen``) computes from them with the operations of its ``mean`` (the same bits); any other calls ``mean``.
+        ``c``: the steps' kernel coefficients (:func:`_coefs`). A draft with a table form (``Draft.table_mean``)
+        computes from them (:func:`specsamp.drafts.table_means`, its one formula); any other calls ``mean``.
         """
         draft = self.ctx.draft
-        if draft.table_mean is None or draft.table_frozen is not None:
+        if draft.table_mean is None:
             return draft.mean(_take(self.r.frozen, sub), x_parents, step, self.ctx.schedule)
         s, p = x_parents.shape[:2]
-        flat = {k: v.reshape(s, 1, 1) for k, v in c.items()}
-        mean = draft.table_mean(_take(self.r.frozen, sub).reshape(s, 1, -1), x_parents.reshape(s, p, -1), flat)
-        return mean.reshape(x_parents.shape)
+        flat = {k: v if k == "kernel" else v.reshape(s, 1, 1) for k, v in c.items()}
+        return table_means(draft, _take(self.r.frozen, sub), x_parents.reshape(s, p, -1), flat).reshape(x_parents.shape)
 
     def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None,
               out=None, c: dict | None = None):
@@ -223,7 +214,7 @@ class _TreeNodes(_Nodes):
         m, e, dev = states.shape[1], states.shape[2:], states.device
         last = ctx.schedule.steps - 1
         node = torch.arange(len(tree), device=dev)
-        internal = (t["depth"][:, None] < rnd.depth_limit[None]) & (t["num_children"][:, None] > 0)  # [N, m]
+        internal = round_masks(t["depth"][:, None], t["num_children"][:, None] > 0, rnd.depth_limit[None], False)[0]  # [N, m]
         # the innovations std(s) xi_c, drawn exactly as the draft drew them (same keys, same buffers' dtype)
         innov = torch.empty_like(states)
         for l in range(1, tree.max_depth + 1):
@@ -257,7 +248,7 @@ class _TreeNodes(_Nodes):
     def children(self, sub, x_u, u, k, step, c):
         ids = self.child_ids(u, k)
         if self.refined_v is not None:  # the refined proposal mean (see _picard)
-            mean = _kernel_mean(x_u, self.refined_v[u, sub], c)
+            mean = self.ctx.schedule.kernel.mean(x_u, self.refined_v[u, sub], c)
         else:
             mean = self.proposal_mean(sub, x_u[:, None], step, c)[:, 0]
         return mean, self.states[ids, sub[:, None]], ids
@@ -379,7 +370,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
             x_u = _take(x_cur, sub)  # x_cur itself at the first depth: read before x_cur moves below
             c = _coefs(ctx, step, x_u)
             mean_p, kids, ids = nodes.children(sub, x_u, u, k, step, c)
-            mean_q = _kernel_mean(x_u, _take(v_cur, sub), c)
+            mean_q = ctx.schedule.kernel.mean(x_u, _take(v_cur, sub), c)
             try:
                 verdict = ctx.coupling(kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))  # line 17
             except NonFiniteError as err:

@@ -51,7 +51,7 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     check_verdict_contract,
     initial_noise,
 )
-from .compiled import check_compile, for_compile
+from .compiled import check_compile, compiled_round, for_compile
 from .coupling import Coupling, get_coupling
 from .drafts import Draft, get_draft
 from .errors import ConfigError
@@ -337,7 +337,8 @@ def sample_speculative(
             reference = lambda live: _round(ctx, tree, tensors, _TreeNodes, st, live, tally)  # noqa: E731
         else:
             reference = lambda live: _reference_groups(ctx, reference_trees(), st, live, tally)  # noqa: E731
-        samples = _lean_run(ctx, tree if isinstance(tree, DraftTree) else by_root, reference, st, tally, warmup, callback)
+        samples = _lean_run(ctx, tree if isinstance(tree, DraftTree) else by_root, reference, st, tally, warmup, callback,
+                            compiled_round() if ctx.compiled else None)
         return _with_refine(tally.result(samples, T), 0)
     r = 0
     while True:  # line 2
