@@ -84,6 +84,24 @@ def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
     return internal, (depth <= depth_limit) & (internal | evaluate_leaves)
 
 
+def count_verifications(tally: _Tally, n: torch.Tensor, cols: torch.Tensor, ver: torch.Tensor, acc: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> None:
+    """Section 5's verification counts of a round: ``ver [m, X]`` and ``acc [m, X]`` (long, 0 or 1) say which
+    verifications were made and accepted, ``cols [m, X]`` their depth column (depth of the verified node), for
+    rows ``rows [m]`` of the batch (distinct; None: every row) in rounds rooted at ``n [m]``. Counted per row and
+    depth, and per (root state index, depth) summed over rows."""
+    if rows is None:
+        tally.attempts.scatter_add_(1, cols, ver)
+        tally.accepts.scatter_add_(1, cols, acc)
+    else:
+        mine = (rows[:, None].expand_as(cols), cols)
+        tally.attempts.index_put_(mine, ver, accumulate=True)
+        tally.accepts.index_put_(mine, acc, accumulate=True)
+    at = (n[:, None].expand_as(cols), cols)
+    tally.root_attempts.index_put_(at, ver, accumulate=True)
+    tally.root_accepts.index_put_(at, acc, accumulate=True)
+
+
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
     """``[n]`` bool: the verdict breaks the contract (an accepted sample that is not the child its index
     names, ``accepted`` that disagrees with ``index < K``, or a sample holding NaN or inf, which no draw
@@ -222,6 +240,27 @@ def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) ->
     tally.nfe[live] += 1
     tally.call_rows[live] += 1
     tally.batch_nfe += 1
+
+
+def run_rounds(ctx: _Context, st: _Chains, tally: _Tally, warmup: str, callback, layout) -> torch.Tensor:
+    """The loop over rounds (Algorithm 1, line 2) in either layout, then the last step; returns the samples.
+
+    Written once for both: a round runs while a row is live (its state index before the end of speculation); the
+    roots' own call comes first where the protocol asks for it (the warm-up at the first round with
+    ``warmup=call``, every round with ``prefetch=none``); the callback follows the round; the deterministic last
+    step ends the run. The layout (:class:`specsamp.rounds.SparseLayout`, :class:`specsamp.lean.DenseLayout`) says
+    which rows are live (``live()``, None when none is), calls their roots (``root_call``), runs the round
+    (``round``), reports progress (``progress``) and, where it knows them without asking the device, the rows
+    the last step must evaluate (``need_rows()``)."""
+    r = 0
+    while (live := layout.live()) is not None:
+        if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
+            layout.root_call(live)
+        layout.round(live)
+        r += 1
+        if callback is not None:
+            callback(layout.progress(r, live))
+    return _final_step(ctx, st, tally, layout.need_rows())
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:

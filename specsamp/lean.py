@@ -17,7 +17,7 @@ import torch
 
 from . import rng
 from .batching import row_reduce
-from .chains import _Chains, _Context, _contract_violation, _final_step, _root_call, _Tally
+from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, count_verifications, run_rounds
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
@@ -202,13 +202,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
 
     def commit(tally: _Tally):
-        dcol = lt.dcol_m
-        ver, ver_acc = verified.long(), (verified & acc).long()
-        tally.attempts.scatter_add_(1, dcol, ver)
-        tally.accepts.scatter_add_(1, dcol, ver_acc)
-        at = (n[:, None].expand(M, N), dcol)
-        tally.root_attempts.index_put_(at, ver, accumulate=True)
-        tally.root_accepts.index_put_(at, ver_acc, accumulate=True)
+        count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
         tally.nfe += charged
         tally.call_rows += call_rows
         col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
@@ -403,31 +397,47 @@ def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, refer
     discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
     raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
     """
-    end = ctx.schedule.end_speculative
-    dev = st.x.device
-    M = st.x.shape[0]
-    n_host = np.full(M, ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
-    exact_host = np.zeros(M, dtype=bool)
-    lean_round = round_fn or _lean_round
-    r = 0
-    while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
-        live_host = n_host < end
-        if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
-            _root_call(ctx, st, _upload(np.flatnonzero(live_host), dev), tally)
-            exact_host = exact_host | live_host
-        which = np.where(live_host, lt_of_root[np.minimum(n_host, len(lt_of_root) - 1)], -1)
+    layout = DenseLayout(ctx, st, tally, lean_tree, lt_of_root, reference, round_fn or _lean_round)
+    return run_rounds(ctx, st, tally, warmup, callback, layout)
+
+
+class DenseLayout:
+    """The lean round's layout for :func:`specsamp.chains.run_rounds`: host copies of every row's state index and
+    root flag, read in the round's one synchronisation; each round one :func:`_lean_round` per distinct tree of
+    the live rows (every row of the batch, the others padded), committed one after the other, or, where a deferred
+    check failed, the reference round on the live rows."""
+
+    def __init__(self, ctx, st, tally, lean_tree, lt_of_root, reference, lean_round):
+        self.ctx, self.st, self.tally = ctx, st, tally
+        self.lean_tree, self.lt_of_root, self.reference, self.lean_round = lean_tree, lt_of_root, reference, lean_round
+        self.end = ctx.schedule.end_speculative
+        self.n_host = np.full(st.x.shape[0], ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
+        self.exact_host = np.zeros(st.x.shape[0], dtype=bool)
+
+    def live(self):
+        live_host = self.n_host < self.end
+        return live_host if live_host.any() else None
+
+    def root_call(self, live_host):
+        _root_call(self.ctx, self.st, _upload(np.flatnonzero(live_host), self.st.x.device), self.tally)
+        self.exact_host = self.exact_host | live_host
+
+    def round(self, live_host):
+        ctx, st, tally, end = self.ctx, self.st, self.tally, self.end
+        n_host, exact_host, dev, M = self.n_host, self.exact_host, st.x.device, st.x.shape[0]
+        which = np.where(live_host, self.lt_of_root[np.minimum(n_host, len(self.lt_of_root) - 1)], -1)
         groups = np.unique(which[live_host])
         rounds, called = [], False
         n_new, exact_new = st.n, st.root_exact
         for g in groups:
-            lt = lean_tree(int(g))
+            lt = self.lean_tree(int(g))
             mine = which == g
             plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves, None if len(groups) == 1 else mine)
             kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
             plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
             sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
             plan_arg = _Hidden(plan_t) if ctx.compiled else plan_t
-            commit, n_g, exact_g, bad_g, live_g = lean_round(ctx, lt, st, plan_arg, kind, sel)
+            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, plan_arg, kind, sel)
             rounds.append((commit, bad_g))
             called = called or plan.size > 0
             if len(groups) == 1:
@@ -438,18 +448,18 @@ def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, refer
             bad = torch.stack([b for _, b in rounds]).any()
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
         if payload[0]:
-            reference((st.n < end).nonzero(as_tuple=True)[0])
-            n_host, exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
+            self.reference((st.n < end).nonzero(as_tuple=True)[0])
+            self.n_host, self.exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
             for commit, _ in rounds:
                 commit(tally)
             tally.batch_nfe += int(called)  # a round with nothing to evaluate costs no call
-            n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
-            exact_host = np.asarray(payload[M + 1 :], dtype=bool)
-        r += 1
-        if callback is not None:
-            callback({"round": r, "live": int((n_host < end).sum()), "batch_nfe": tally.batch_nfe,
-                      "steps_done": int((n_host - ctx.schedule.first_speculative).clip(min=0).sum())})
-        if not (n_host < end).any():
-            break
-    return _final_step(ctx, st, tally, _upload(np.flatnonzero(~exact_host), dev))
+            self.n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
+            self.exact_host = np.asarray(payload[M + 1 :], dtype=bool)
+
+    def progress(self, r: int, live_host) -> dict:
+        return {"round": r, "live": int((self.n_host < self.end).sum()), "batch_nfe": self.tally.batch_nfe,
+                "steps_done": int((self.n_host - self.ctx.schedule.first_speculative).clip(min=0).sum())}
+
+    def need_rows(self):
+        return _upload(np.flatnonzero(~self.exact_host), self.st.x.device)

@@ -22,7 +22,7 @@ import torch
 
 from . import rng
 from .batching import row_reduce
-from .chains import _Chains, _Context, _Tally, check_verdict_contract, round_masks
+from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, count_verifications, round_masks
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .schedule import per_row
@@ -406,16 +406,12 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
 
 
 def _count(tally: _Tally, rnd: _Round, steps: torch.Tensor, rejected: torch.Tensor, L: int) -> None:
-    """Section 5's verification counts of a walk: row ``r`` was verified at depths ``1..steps[r]`` and accepted at all
-    of them but the last where it was ``rejected`` (``steps, rejected [m]``; the tree's depth ``L``)."""
-    depth = torch.arange(L, device=steps.device)[None]
+    """The walk's verifications for :func:`specsamp.chains.count_verifications`: row ``r`` was verified at depths
+    ``1..steps[r]`` and accepted at all of them but the last where it was ``rejected`` (``steps, rejected [m]``)."""
+    depth = torch.arange(L, device=steps.device)[None].expand(steps.shape[0], -1)
     attempts = (depth < steps[:, None]).long()  # [m, L]
     accepts = (depth < (steps - rejected.long())[:, None]).long()
-    tally.attempts[rnd.rows, :L] += attempts
-    tally.accepts[rnd.rows, :L] += accepts
-    at = (rnd.n[:, None].expand(-1, L), depth.expand(steps.shape[0], -1))
-    tally.root_attempts.index_put_(at, attempts, accumulate=True)
-    tally.root_accepts.index_put_(at, accepts, accumulate=True)
+    count_verifications(tally, rnd.n, depth, attempts, accepts, rnd.rows)
 
 
 def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
@@ -504,3 +500,29 @@ def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Te
         _round(ctx, *per_root[n], nodes_cls or _TreeNodes, st, live[roots == n], tally)
         most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
     tally.batch_nfe = calls + most
+
+
+class SparseLayout:
+    """The reference round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one
+    host synchronisation to find them), each round ``run(live)`` on those rows alone."""
+
+    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, run):
+        self.ctx, self.st, self.tally, self.run = ctx, st, tally, run
+
+    def live(self):
+        live = (self.st.n < self.ctx.schedule.end_speculative).nonzero(as_tuple=True)[0]
+        return live if live.numel() else None
+
+    def root_call(self, live):
+        _root_call(self.ctx, self.st, live, self.tally)
+
+    def round(self, live):
+        self.run(live)
+
+    def progress(self, r: int, live) -> dict:
+        first = self.ctx.schedule.first_speculative
+        return {"round": r, "live": int(live.numel()), "batch_nfe": self.tally.batch_nfe,
+                "steps_done": int((self.st.n - first).clamp(min=0).sum())}
+
+    def need_rows(self):
+        return None
