@@ -6,8 +6,15 @@ the trajectories' state between rounds (:class:`_Chains`, with the draft's
 :class:`~specsamp.drafts.DraftHistory`); section 5's per-trajectory counts (:class:`_Tally`, which becomes the
 :class:`~specsamp.result.SampleResult`); the deterministic first and last steps and the roots' own calls; and
 the run-time check of a coupling's verdicts against the contract of :class:`~specsamp.coupling.Coupling`
-(:func:`check_verdict_contract`). The rounds themselves: :mod:`specsamp.rounds` (reference) and
-:mod:`specsamp.lean` (lean).
+(:func:`check_verdict_contract`). And the policy both layouts of the round share, written once: the loop over
+rounds with the roots' own call (:func:`run_rounds`, :func:`_root_call`), which nodes a round verifies and
+evaluates (:func:`round_masks`), and the verification counts (:func:`count_verifications`). The layouts:
+:mod:`specsamp.rounds` (sparse: the reference round, both executions) and :mod:`specsamp.lean` (dense: the lean
+round of the tree execution).
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations

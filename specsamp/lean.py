@@ -6,6 +6,10 @@ one gather of the run's pre-drawn noise and uniforms (:func:`~specsamp.leantree.
 node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, in the loop's "are we
 done" test (:func:`_lean_loop`). The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
 the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations

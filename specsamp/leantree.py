@@ -7,6 +7,10 @@ coefficient and node index by root step, and :func:`_draw_tables` draws every (r
 and coupling uniforms once where they are small (same keys, same numbers as drawing them per round). The
 round itself is :mod:`specsamp.lean`. The module constants bound the memory each cache may take; tests set
 them to 0 to check that every fallback draws the same numbers.
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Both executions gather a step's kernel coefficients from the run's table (:func:
 into the keys once per round; the walk draws a round's verification uniforms in one keyed draw
 (:func:`_verify_uniforms`) and writes its counts once (:func:`_count`). Keyed numbers depend on their key alone and
 the tables hold what the schedule computes, so the bits are those of per-call draws and coefficients.
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations
