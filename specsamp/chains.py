@@ -8,7 +8,7 @@ the trajectories' state between rounds (:class:`_Chains`, with the draft's
 the run-time check of a coupling's verdicts against the contract of :class:`~specsamp.coupling.Coupling`
 (:func:`check_verdict_contract`). And the policy both layouts of the round share, written once: the loop over
 rounds with the roots' own call (:func:`run_rounds`, :func:`_root_call`), which nodes a round verifies and
-evaluates (:func:`round_masks`), and the verification counts (:func:`count_verifications`). The layouts:
+evaluates (:func:`round_masks`), the verification counts (:func:`count_verifications`) and the commit (:func:`commit_round`). The layouts:
 :mod:`specsamp.rounds` (sparse: the reference round, both executions) and :mod:`specsamp.lean` (dense: the lean
 round of the tree execution).
 
@@ -107,6 +107,35 @@ def count_verifications(tally: _Tally, n: torch.Tensor, cols: torch.Tensor, ver:
     at = (n[:, None].expand_as(cols), cols)
     tally.root_attempts.index_put_(at, ver, accumulate=True)
     tally.root_accepts.index_put_(at, acc, accumulate=True)
+
+
+def commit_round(st: _Chains, tally: _Tally, live: torch.Tensor, x: torch.Tensor, n_new: torch.Tensor, steps: torch.Tensor,
+                 v: torch.Tensor, exact: torch.Tensor, history=None) -> None:
+    """Line 24 of Algorithm 1 for the rows a round served, in either layout: the committed state ``x``, its index
+    ``n_new``, the next root's velocity ``v`` and whether it is exact, the draft's history, the steps the round
+    committed and the round count. Sparse: ``live`` long ``[m]`` (distinct rows) with values for those rows,
+    written in place. Dense: ``live`` bool ``[M]`` with values for every row (``steps`` 0 outside ``live``, whose
+    rows keep theirs), assigned anew: another tree's round may have committed its rows since this one read ``st``."""
+    if live.dtype == torch.bool:
+        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
+        tally.committed.scatter_add_(1, col, steps[:, None])
+        tally.rounds += live
+        live_e = live.reshape((-1,) + (1,) * (st.x.ndim - 1))
+        st.x = torch.where(live_e, x, st.x)
+        st.n = torch.where(live, n_new, st.n)
+        st.v_root = torch.where(live_e, v, st.v_root)
+        st.root_exact = torch.where(live, exact, st.root_exact)
+        if st.history is not None:
+            st.history = st.history.where(~live, history)
+        return
+    tally.committed[live, tally.rounds[live]] = steps
+    tally.rounds[live] += 1
+    st.x[live] = x
+    st.n[live] = n_new
+    st.v_root[live] = v
+    st.root_exact[live] = exact
+    if st.history is not None:
+        st.history.put(live, history)
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from . import rng
 from .batching import row_reduce
-from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, count_verifications, run_rounds
+from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, run_rounds
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
@@ -209,16 +209,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
         tally.nfe += charged
         tally.call_rows += call_rows
-        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
-        tally.committed.scatter_add_(1, col, steps[:, None])
-        tally.rounds += live
-        live_e = live.reshape((-1,) + (1,) * len(e))
-        st.x = torch.where(live_e, out.reshape(x.shape), st.x)  # st as it is now: another tree's round may have
-        st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
-        st.v_root = torch.where(live_e, v_next.reshape(x.shape), st.v_root)
-        st.root_exact = torch.where(live, exact_new, st.root_exact)
-        if st.history is not None:
-            st.history = st.history.where(~live, hist)
+        commit_round(st, tally, live, out.reshape(x.shape), n_new, steps, v_next.reshape(x.shape), exact_new,
+                     hist if st.history is not None else None)
 
     return commit, n_new, exact_new, bad, live
 

@@ -26,7 +26,7 @@ import torch
 
 from . import rng
 from .batching import row_reduce
-from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, count_verifications, round_masks
+from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, round_masks
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .schedule import per_row
@@ -484,14 +484,7 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     for rows in getattr(nodes, "sweep_rows", ()):  # Picard sweeps (refine): one batched call each
         tally.charge(live, rows)
     tally.charge(live, nodes.call_rows)  # a round with nothing to evaluate costs no call
-    tally.committed[live, tally.rounds[live]] = steps
-    tally.rounds[live] += 1
-    st.x[live] = new_x
-    st.n[live] += steps  # line 24
-    st.v_root[live] = v_next
-    st.root_exact[live] = exact_next
-    if st.history is not None:
-        st.history.put(live, rnd.history)
+    commit_round(st, tally, live, new_x, n + steps, steps, v_next, exact_next, rnd.history)  # line 24
 
 
 def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls=None) -> None:
