@@ -3,8 +3,8 @@
 Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
 operations over static shapes per tree (:class:`~specsamp.leantree._LeanTree`, its buffers and per-root tables, in :mod:`specsamp.leantree`):
 one gather of the run's pre-drawn noise and uniforms (:func:`~specsamp.leantree._draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
-node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, in the loop's "are we
-done" test (:func:`_lean_loop`). The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
+node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, where the loop's layout
+(:class:`DenseLayout`) reads the round's outcome. The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
 the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
 
 It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
@@ -374,34 +374,26 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
                 _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
         return lts[g]
 
-    return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback, round_fn)
-
-
-def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
-               warmup: str, callback, round_fn: Callable | None = None) -> torch.Tensor:
-    """The rounds of :func:`specsamp.sampler.sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
-
-    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
-    index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the live
-    rows, committed one after the other, charged as one batched call); ``reference(live)`` runs the
-    reference round(s) on the live rows.
-
-    One host synchronisation per round: it reads whether a deferred check failed and the rows' new
-    state indices and root flags. From those the host knows, before the next round, which rows are live,
-    which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
-    round sends; finished rows and known velocities are not evaluated). Where a check failed, the round is
-    discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
-    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
-    """
     layout = DenseLayout(ctx, st, tally, lean_tree, lt_of_root, reference, round_fn or _lean_round)
     return run_rounds(ctx, st, tally, warmup, callback, layout)
 
 
 class DenseLayout:
-    """The lean round's layout for :func:`specsamp.chains.run_rounds`: host copies of every row's state index and
-    root flag, read in the round's one synchronisation; each round one :func:`_lean_round` per distinct tree of
-    the live rows (every row of the batch, the others padded), committed one after the other, or, where a deferred
-    check failed, the reference round on the live rows."""
+    """The lean round's layout for :func:`specsamp.chains.run_rounds`.
+
+    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted
+    at each state index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the
+    live rows, every row of the batch, the others padded, committed one after the other, charged as one batched
+    call); ``reference(live)`` runs the reference round(s) on the live rows; ``lean_round``: :func:`_lean_round`
+    as it runs (``compile=true``: :func:`specsamp.compiled.compiled_round`).
+
+    One host synchronisation per round: it reads whether a deferred check failed and the rows' new state indices
+    and root flags, kept here as host copies. From those the host knows, before the next round, which rows are
+    live, which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
+    round sends; finished rows and known velocities are not evaluated). Where a check failed, the round is
+    discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
+    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
+    """
 
     def __init__(self, ctx, st, tally, lean_tree, lt_of_root, reference, lean_round):
         self.ctx, self.st, self.tally = ctx, st, tally

@@ -4,8 +4,10 @@ One round for the live trajectories: draft (line 7), evaluate, walk down with th
 the draft's history, prefetch the next root's velocity and commit (line 24). The executions differ only in how a
 node's state and velocity are obtained: :class:`_TreeNodes` drafts every node of ``T|_{L_n}`` and evaluates them
 in one batched call (optionally refined by Picard sweeps first), :class:`_PathNodes` drafts and evaluates only
-what the walk visits. The lean round (:mod:`specsamp.lean`) repeats this policy as a fixed sequence of tensor
-operations and falls back on :func:`_round` where a deferred check fails.
+what the walk visits. This is the sparse layout of the round (live rows only, the loop's :class:`SparseLayout`);
+the dense layout (:mod:`specsamp.lean`) runs the same policy as a fixed sequence of tensor operations over every
+row and falls back on :func:`_round` where a deferred check fails. What both write once (the loop, the node
+sets, the counts, the commit, the roots' own call): :mod:`specsamp.chains`.
 
 Both executions gather a step's kernel coefficients from the run's table (:func:`_coefs`) and fold the root index
 into the keys once per round; the walk draws a round's verification uniforms in one keyed draw
