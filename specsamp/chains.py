@@ -8,7 +8,8 @@ the trajectories' state between rounds (:class:`_Chains`, with the draft's
 the run-time check of a coupling's verdicts against the contract of :class:`~specsamp.coupling.Coupling`
 (:func:`check_verdict_contract`). And the policy both layouts of the round share, written once: the loop over
 rounds with the roots' own call (:func:`run_rounds`, :func:`_root_call`), which nodes a round verifies and
-evaluates (:func:`round_masks`), the verification counts (:func:`count_verifications`) and the commit (:func:`commit_round`). The layouts:
+evaluates (:func:`round_masks`), the verification counts (:func:`count_verifications`), the prefetch's nearest sibling (:func:`nearest_sibling`) and
+the commit (:func:`commit_round`). The layouts:
 :mod:`specsamp.rounds` (sparse: the reference round, both executions) and :mod:`specsamp.lean` (dense: the lean
 round of the tree execution).
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-from .batching import batched
+from .batching import batched, row_reduce
 from .coupling import Coupling, Verdict
 from .drafts import Draft, DraftHistory, data_prediction
 from .result import SampleResult
@@ -136,6 +137,22 @@ def commit_round(st: _Chains, tally: _Tally, live: torch.Tensor, x: torch.Tensor
     st.root_exact[live] = exact
     if st.history is not None:
         st.history.put(live, history)
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm over the last dimension."""
+    return torch.linalg.vector_norm(t, dim=-1)
+
+
+def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefetch rule ``nearest`` where a row's walk stopped at a rejection: of the stopped node's children
+    ``kids [r, K, ...]``, those the round's call evaluated (``ok [r, K]``), the one nearest the committed state
+    ``x [r, ...]`` (Euclidean, per row). Returns ``(has [r], best [r])``: whether there is one, and its index.
+    (The other rules: the committed leaf's own velocity where the walk finished at a leaf the call evaluated,
+    else the last verified node's; ``prefetch=none``: neither, the next round calls its root.)"""
+    d = kids - x[:, None]
+    dist = row_reduce(_norm, d if d.ndim == 3 else d.reshape(*ok.shape, -1))
+    return ok.any(1), torch.where(ok, dist, inf).argmin(1)
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:

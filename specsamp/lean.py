@@ -20,18 +20,12 @@ import numpy as np
 import torch
 
 from . import rng
-from .batching import row_reduce
-from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, run_rounds
+from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, nearest_sibling, run_rounds
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
 from . import leantree
 from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
-
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm over the last dimension."""
-    return torch.linalg.vector_norm(t, dim=-1)
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
@@ -185,7 +179,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
     v_cur = torch.where(lt.is_root_col[last], v0, vrest[lt.vrest_row[last], ar])
     v_leaf = vrest[lt.vrest_row[ustar], ar]  # where finished, u* is a leaf of depth >= 1
-    # prefetch (same rules as _prefetch)
+    # prefetch (the rules of chains.nearest_sibling)
     evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
     v_next, exact = v_cur, torch.zeros_like(live)
     if ctx.prefetch != "none":
@@ -193,10 +187,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         v_next = torch.where(exact[:, None], v_leaf, v_next)
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
-            ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
-            dist = row_reduce(_norm, states[ch, lt.ar_col] - out[:, None])
-            best = torch.where(ok, dist, lt.inf).argmin(1)
-            v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
+            has, best = nearest_sibling(lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col, states[ch, lt.ar_col], out, lt.inf)
+            v_next = torch.where(has[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
     if st.history is not None:
         hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from . import rng
-from .batching import row_reduce
-from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, round_masks
+from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, nearest_sibling, round_masks
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .schedule import per_row
@@ -452,11 +451,8 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
             if not at.numel():
                 continue
             rej, ids, kids = sub[at], ids[at], kids[at]
-            ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
-            dist = row_reduce(lambda t: torch.linalg.vector_norm(t, dim=-1), (kids - x_cur[rej][:, None]).reshape(*ids.shape, -1))
-            dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
-            best = dist.argmin(1)
-            has = ok.any(1).nonzero(as_tuple=True)[0]
+            has, best = nearest_sibling(nodes.evaluated(ids, rej[:, None].expand_as(ids)), kids, x_cur[rej], float("inf"))
+            has = has.nonzero(as_tuple=True)[0]
             if has.numel():
                 r2 = rej[has]
                 v_next[r2] = nodes.inner_velocity(r2, ids[has, best[has]], kids[has, best[has]], l)
