@@ -6,8 +6,16 @@ the trajectories' state between rounds (:class:`_Chains`, with the draft's
 :class:`~specsamp.drafts.DraftHistory`); section 5's per-trajectory counts (:class:`_Tally`, which becomes the
 :class:`~specsamp.result.SampleResult`); the deterministic first and last steps and the roots' own calls; and
 the run-time check of a coupling's verdicts against the contract of :class:`~specsamp.coupling.Coupling`
-(:func:`check_verdict_contract`). The rounds themselves: :mod:`specsamp.rounds` (reference) and
-:mod:`specsamp.lean` (lean).
+(:func:`check_verdict_contract`). And the policy both layouts of the round share, written once: the loop over
+rounds with the roots' own call (:func:`run_rounds`, :func:`_root_call`), which nodes a round verifies and
+evaluates (:func:`round_masks`), the verification counts (:func:`count_verifications`), the prefetch's nearest sibling (:func:`nearest_sibling`) and
+the commit (:func:`commit_round`). The layouts:
+:mod:`specsamp.rounds` (sparse: the reference round, both executions) and :mod:`specsamp.lean` (dense: the lean
+round of the tree execution).
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-from .batching import batched
+from .batching import batched, row_reduce
 from .coupling import Coupling, Verdict
 from .drafts import Draft, DraftHistory, data_prediction
 from .result import SampleResult
@@ -66,13 +74,85 @@ class _Context:
     evaluate_leaves: bool
     velocity: _Velocity
     ids: torch.Tensor | None = None  # [M] trajectory ids (for messages)
-    tables: dict | None = None  # Schedule.tables on the model's device (float64)
-    coef_table: torch.Tensor | None = None  # [T, NC] the lean.COEFS columns of the tables, in the states' dtype
+    coef_table: torch.Tensor | None = None  # [T, C] the kernel's coefficient table in the states' dtype (lean round)
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each
     x_event: tuple = ()  # event shape of the states
     check_contract: bool = False  # check every verdict against the coupling contract
     refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
     compiled: bool = False  # the lean round runs under torch.compile (specsamp.compiled)
+
+
+def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
+    """``(internal, evaluated)`` of nodes at depth ``depth`` (with children where ``has_children``) in a round whose
+    tree is ``T|_{L_n}``, ``L_n = depth_limit``: internal, a verification where the walk reaches it; evaluated, a row
+    of the round's batched call (the B=|V| protocol, ``evaluate_leaves``: every node of ``T|_{L_n}``; else the
+    internal ones), before a root whose velocity is known is taken out. Torch or numpy, broadcasting; the one
+    statement of these sets for every layout."""
+    internal = (depth < depth_limit) & has_children
+    return internal, (depth <= depth_limit) & (internal | evaluate_leaves)
+
+
+def count_verifications(tally: _Tally, n: torch.Tensor, cols: torch.Tensor, ver: torch.Tensor, acc: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> None:
+    """Section 5's verification counts of a round: ``ver [m, X]`` and ``acc [m, X]`` (long, 0 or 1) say which
+    verifications were made and accepted, ``cols [m, X]`` their depth column (depth of the verified node), for
+    rows ``rows [m]`` of the batch (distinct; None: every row) in rounds rooted at ``n [m]``. Counted per row and
+    depth, and per (root state index, depth) summed over rows."""
+    if rows is None:
+        tally.attempts.scatter_add_(1, cols, ver)
+        tally.accepts.scatter_add_(1, cols, acc)
+    else:
+        mine = (rows[:, None].expand_as(cols), cols)
+        tally.attempts.index_put_(mine, ver, accumulate=True)
+        tally.accepts.index_put_(mine, acc, accumulate=True)
+    at = (n[:, None].expand_as(cols), cols)
+    tally.root_attempts.index_put_(at, ver, accumulate=True)
+    tally.root_accepts.index_put_(at, acc, accumulate=True)
+
+
+def commit_round(st: _Chains, tally: _Tally, live: torch.Tensor, x: torch.Tensor, n_new: torch.Tensor, steps: torch.Tensor,
+                 v: torch.Tensor, exact: torch.Tensor, history=None) -> None:
+    """Line 24 of Algorithm 1 for the rows a round served, in either layout: the committed state ``x``, its index
+    ``n_new``, the next root's velocity ``v`` and whether it is exact, the draft's history, the steps the round
+    committed and the round count. Sparse: ``live`` long ``[m]`` (distinct rows) with values for those rows,
+    written in place. Dense: ``live`` bool ``[M]`` with values for every row (``steps`` 0 outside ``live``, whose
+    rows keep theirs), assigned anew: another tree's round may have committed its rows since this one read ``st``."""
+    if live.dtype == torch.bool:
+        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
+        tally.committed.scatter_add_(1, col, steps[:, None])
+        tally.rounds += live
+        live_e = live.reshape((-1,) + (1,) * (st.x.ndim - 1))
+        st.x = torch.where(live_e, x, st.x)
+        st.n = torch.where(live, n_new, st.n)
+        st.v_root = torch.where(live_e, v, st.v_root)
+        st.root_exact = torch.where(live, exact, st.root_exact)
+        if st.history is not None:
+            st.history = st.history.where(~live, history)
+        return
+    tally.committed[live, tally.rounds[live]] = steps
+    tally.rounds[live] += 1
+    st.x[live] = x
+    st.n[live] = n_new
+    st.v_root[live] = v
+    st.root_exact[live] = exact
+    if st.history is not None:
+        st.history.put(live, history)
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm over the last dimension."""
+    return torch.linalg.vector_norm(t, dim=-1)
+
+
+def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefetch rule ``nearest`` where a row's walk stopped at a rejection: of the stopped node's children
+    ``kids [r, K, ...]``, those the round's call evaluated (``ok [r, K]``), the one nearest the committed state
+    ``x [r, ...]`` (Euclidean, per row). Returns ``(has [r], best [r])``: whether there is one, and its index.
+    (The other rules: the committed leaf's own velocity where the walk finished at a leaf the call evaluated,
+    else the last verified node's; ``prefetch=none``: neither, the next round calls its root.)"""
+    d = kids - x[:, None]
+    dist = row_reduce(_norm, d if d.ndim == 3 else d.reshape(*ok.shape, -1))
+    return ok.any(1), torch.where(ok, dist, inf).argmin(1)
 
 
 def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
@@ -206,10 +286,34 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
 
 def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
     """The roots' exact velocities in a call of their own: the warm-up at the first round (warmup=call,
-    charged to ``nfe``), and every round with prefetch=none."""
+    charged to ``nfe``), and every round with prefetch=none. ``live``: the live rows, never empty (the loop
+    stops before), so the call is charged without asking the device."""
     st.v_root[live] = ctx.velocity(st.x[live], st.n[live], live)
     st.root_exact[live] = True
-    tally.charge(live, torch.ones_like(live))
+    tally.nfe[live] += 1
+    tally.call_rows[live] += 1
+    tally.batch_nfe += 1
+
+
+def run_rounds(ctx: _Context, st: _Chains, tally: _Tally, warmup: str, callback, layout) -> torch.Tensor:
+    """The loop over rounds (Algorithm 1, line 2) in either layout, then the last step; returns the samples.
+
+    Written once for both: a round runs while a row is live (its state index before the end of speculation); the
+    roots' own call comes first where the protocol asks for it (the warm-up at the first round with
+    ``warmup=call``, every round with ``prefetch=none``); the callback follows the round; the deterministic last
+    step ends the run. The layout (:class:`specsamp.rounds.SparseLayout`, :class:`specsamp.lean.DenseLayout`) says
+    which rows are live (``live()``, None when none is), calls their roots (``root_call``), runs the round
+    (``round``), reports progress (``progress``) and, where it knows them without asking the device, the rows
+    the last step must evaluate (``need_rows()``)."""
+    r = 0
+    while (live := layout.live()) is not None:
+        if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
+            layout.root_call(live)
+        layout.round(live)
+        r += 1
+        if callback is not None:
+            callback(layout.progress(r, live))
+    return _final_step(ctx, st, tally, layout.need_rows())
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .errors import ConfigError, InfrastructureError, error_chain
+from .lean import _lean_round, _network_outside
 
 COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++")  # any of these on PATH builds inductor's CPU kernels
 RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
@@ -281,8 +282,6 @@ def compiled_round() -> Callable:
     """
     if not _ROUND:
         import torch._dynamo
-
-        from .lean import _lean_round, _network_outside
 
         cfg = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):

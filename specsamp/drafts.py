@@ -46,6 +46,7 @@ back to step 0) drafts like ``x0``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ import torch
 
 from .batching import row_sums
 from .registry import Registry
+from .kernels import lsnr as _lsnr_feature
 from .schedule import Schedule, per_row
 
 
@@ -177,15 +179,18 @@ class Draft:
         name: registry key (``sampler.draft`` in configs).
         freeze: ``(root: DraftRoot, schedule) -> frozen [M, ...]`` (leading dimension: the round's rows).
         mean: ``(frozen [M, ...], x [M, m, *e], n [M] long, schedule) -> [M, m, *e]`` proposal means
-            of the children of nodes ``x`` (all of one depth, at step ``n``).
+            of the children of nodes ``x`` (all of one depth, at step ``n``). ``None`` (a draft given by its table
+            form, as every registered draft is): the table form at the kernel's coefficients of ``n``
+            (:func:`table_means`), so both executions run one formula.
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
             (``DraftRoot.history``, with the states they were computed at); 0: none are kept.
         table_mean: optional ``(frozen [M, 1, D], x [M, g, D], coef) -> [M, g, D]``: the proposal means of
             nodes ``x`` (event flattened to ``D``; ``frozen`` likewise, with a node axis of 1), computed with the
             same operations as ``mean`` (so the same bits) from coefficients already gathered for each node's
-            step: ``coef`` maps ``dt``, ``a``, ``b``, ``sigma``, ``std`` (:meth:`specsamp.schedule.Schedule.tables`) and ``lsnr``
-            (``log((1 - sigma) / sigma)`` of that ``sigma``, both
-            in ``x``'s dtype) to tensors that broadcast against ``x``. With it the tree execution runs its lean round (no coefficient recomputed per call);
+            step: ``coef`` maps each column of the kernel's table (:meth:`specsamp.kernels.Kernel.table`: for
+            Euler--Maruyama ``dt``, ``a``, ``b``, ``sigma``, ``std`` and ``lsnr``, ``log((1 - sigma) / sigma)`` of that
+            ``sigma``, in ``x``'s dtype) to tensors that broadcast against ``x``, and ``kernel`` to the kernel
+            (``coef["kernel"].mean(x, out, coef)``: the target kernel's mean). With it the tree execution runs its lean round (no coefficient recomputed per call);
             the same bits matter because the couplings project on ``mean_q - mean_p``, small where the draft
             is good, so a last-bit change of a state can turn the residual's direction.
         table_frozen: optional ``(frozen [C, ..., D], coef) -> frozen for table_mean``, for a draft whose frozen
@@ -197,10 +202,32 @@ class Draft:
 
     name: str
     freeze: Callable[..., torch.Tensor]
-    mean: Callable[..., torch.Tensor]
+    mean: Callable[..., torch.Tensor] | None = None
     history: int = 0
     table_mean: Callable[..., torch.Tensor] | None = None
     table_frozen: Callable[..., torch.Tensor] | None = None
+
+    def __post_init__(self):
+        if self.mean is None:  # one formula: the table form, read at the steps' coefficients
+            if self.table_mean is None:
+                raise ValueError(f"draft {self.name!r} needs a mean or a table_mean")
+            object.__setattr__(self, "mean", functools.partial(_mean_from_table, self))
+
+
+def table_means(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, coef: dict) -> torch.Tensor:
+    """The proposal means ``[M, g, D]`` of nodes ``x [M, g, D]`` (event flattened) of a draft with a table form, from
+    its frozen quantity ``frozen [M, ...]`` and the steps' coefficients ``coef`` (each ``[M, 1, 1]``, with ``kernel``;
+    :meth:`specsamp.kernels.Kernel.coefs`): ``table_frozen`` (where the draft has one) then ``table_mean``."""
+    M, D = x.shape[0], x.shape[2]
+    if draft.table_frozen is None:
+        return draft.table_mean(frozen.reshape(M, 1, D), x, coef)
+    return draft.table_mean(draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, :, None], coef), x, coef)
+
+
+def _mean_from_table(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, n: torch.Tensor, sch: Schedule) -> torch.Tensor:
+    """``Draft.mean`` of a draft given by its table form: :func:`table_means` at the kernel's coefficients of ``n``."""
+    flat = x.reshape(x.shape[0], x.shape[1], -1)
+    return table_means(draft, frozen, flat, sch.kernel.coefs(n, flat)).reshape(x.shape)
 
 
 DRAFTS: Registry[Draft] = Registry("draft", Draft)
@@ -239,29 +266,12 @@ def data_prediction(x: torch.Tensor, v: torch.Tensor, n: torch.Tensor, schedule:
     return x - per_row(schedule.sigmas.to(x.device)[n].to(x.dtype), x) * v
 
 
-def _flat_mean(schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Kernel means (eq. 36) of nodes ``x [M, m, *e]`` with velocities ``v`` like ``x``, all at step ``n [M]``."""
-    m, k = x.shape[:2]
-    out = schedule.mean(x.reshape(m * k, *x.shape[2:]), v.reshape(m * k, *x.shape[2:]), n.repeat_interleave(k))
-    return out.reshape(x.shape)
-
-
 def _x0_freeze(root: DraftRoot, sch: Schedule):
     return data_prediction(root.x, root.v, root.n, sch)
 
 
-def _x0_mean(fr, x, n, sch: Schedule):
-    s = per_row(sch.sigmas.to(x.device)[n].to(x.dtype), x)
-    return _flat_mean(sch, x, (x - fr[:, None]) / s, n)
-
-
-def _lsnr_feature(sigma: torch.Tensor) -> torch.Tensor:
-    """Half log-SNR ``log((1 - sigma) / sigma)`` of the linear path; ``-inf`` at ``sigma = 1``."""
-    return torch.log1p(-sigma) - torch.log(sigma)
-
-
 def _x0_extrap(gate: bool = False):
-    """``(freeze, mean)`` of the extrapolating data-prediction draft in the half log-SNR ``lambda(sigma)``.
+    """``freeze`` of the extrapolating data-prediction draft in the half log-SNR ``lambda(sigma)``.
 
     Frozen: ``[m, 2, *e]`` = ``(a, s)`` with ``x0_hat(sigma) = a + s lambda(sigma)``, anchored at the root's
     ``x0_r`` (``a = x0_r - s lambda(sigma_r)``). The slope comes from the two most recent exact records
@@ -314,12 +324,7 @@ def _x0_extrap(gate: bool = False):
         f_r = feature(sig[root.n]).to(d_r.dtype)
         return torch.stack([d_r - per_row(f_r, d_r) * slope, slope], dim=1)
 
-    def mean(fr, x, n, sch: Schedule):
-        sig = sch.sigmas.to(x.device)[n].to(x.dtype)
-        x0 = fr[:, 0] + per_row(feature(sig), fr[:, 0]) * fr[:, 1]
-        return _flat_mean(sch, x, (x - x0[:, None]) / per_row(sig, x), n)
-
-    return freeze, mean
+    return freeze
 
 
 def _gauss_gain(s2: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,12 +404,12 @@ def _fit_s2(dA, xA, sA, dB, xB, sB, grid: int = 241, rounds: int = 5):
 
 
 def _x0_affine():
-    """``(freeze, mean)`` of the local-affine data-prediction draft (``x0_affine``).
+    """``freeze`` of the local-affine data-prediction draft (``x0_affine``).
 
     Frozen: ``[m, 4, *e]`` = ``(a, s, mu, s2)``: the ``x0_extrap_gated`` fallback ``a + s lambda(sigma)``, the
     fitted component mean ``mu`` and its variance ``s2`` broadcast over the event (``-1``: use the fallback).
     """
-    fb_freeze = _x0_extrap(gate=True)[0]  # the x0_extrap_gated fallback's frozen part
+    fb_freeze = _x0_extrap(gate=True)  # the x0_extrap_gated fallback's frozen part
 
     def freeze(root: DraftRoot, sch: Schedule):
         sig = sch.sigmas.to(root.x.device)
@@ -432,39 +437,27 @@ def _x0_affine():
         mu = torch.where(per_row(ok, mu), mu, torch.zeros_like(mu)).to(d_r.dtype)
         return torch.cat([fb, mu[:, None], per_row(s2.to(d_r.dtype), d_r)[:, None].expand_as(mu[:, None])], 1)
 
-    def mean(fr, x, n, sch: Schedule):
-        sig = sch.sigmas.to(x.device)[n].to(x.dtype)  # [M]
-        use = fr[:, 3].reshape(fr.shape[0], -1)[:, 0] >= 0  # [M]
-        s2 = fr[:, 3].reshape(fr.shape[0], -1)[:, 0].clamp(min=0)
-        b, c = _gauss_gain(s2, sig)
-        c = torch.minimum(c, 1.0 / (1.0 - sig))  # clip to [0, 1 / (1 - sigma)]
-        x0_aff = per_row(b, fr[:, 2])[:, None] * fr[:, 2:3] + per_row(c, x) * x  # [M, m, *e]
-        x0_fb = (fr[:, 0] + per_row(_lsnr_feature(sig), fr[:, 0]) * fr[:, 1])[:, None]
-        x0 = torch.where(per_row(use, x), x0_aff, x0_fb)
-        return _flat_mean(sch, x, (x - x0) / per_row(sig, x), n)
-
-    return freeze, mean
+    return freeze
 
 
 def _velocity_table_mean(fr, x, coef):
-    # Schedule.mean with the frozen root velocity: x + dt (a v_r + b x)
-    return x + coef["dt"] * (coef["a"] * fr + coef["b"] * x)
+    # the kernel mean with the frozen root velocity as the network's output
+    return coef["kernel"].mean(x, fr, coef)
 
 
 def _x0_table_mean(fr, x, coef):
-    # _x0_mean: the velocity (x - x0_hat) / sigma, then Schedule.mean
-    v = (x - fr) / coef["sigma"]
-    return x + coef["dt"] * (coef["a"] * v + coef["b"] * x)
+    # the velocity (x - x0_hat) / sigma of the frozen data prediction, then the kernel mean
+    return coef["kernel"].mean(x, (x - fr) / coef["sigma"], coef)
 
 
 def _extrap_table_frozen(fr, coef):
-    # _x0_extrap's mean: x0_hat(sigma) = a + lambda(sigma) s, lambda the half log-SNR column of the tables
+    # x0_hat(sigma) = a + lambda(sigma) s, lambda the half log-SNR column of the kernel's table
     return fr[0] + coef["lsnr"] * fr[1]
 
 
 def _affine_table_frozen(fr, coef):
-    # _x0_affine's mean, the parts that depend on the step only: (b mu, c, the x0_extrap_gated fallback, use),
-    # each with the coefficients' leading axes (use and c broadcast over the event as [..., 1])
+    # the parts that depend on the step only: (b mu, c, the x0_extrap_gated fallback, use), each with the
+    # coefficients' leading axes (use and c broadcast over the event as [..., 1])
     s2_raw = fr[3][..., :1]
     sig = coef["sigma"]
     b, c = _gauss_gain(s2_raw.clamp(min=0), sig)
@@ -473,21 +466,19 @@ def _affine_table_frozen(fr, coef):
 
 
 def _affine_table_mean(fr, x, coef):
-    # _x0_affine's mean from _affine_table_frozen's parts: x0_hat = b mu + c x (or the fallback), then the x0 draft's mean
+    # from _affine_table_frozen's parts: x0_hat = b mu + c x (or the fallback), then the x0 draft's mean
     bmu, c, fb, use = fr
     x0 = torch.where(use, bmu + c * x, fb)
     return _x0_table_mean(x0, x, coef)
 
 
 for _draft in (
-    Draft("velocity", freeze=lambda root, sch: root.v, mean=lambda fr, x, n, sch: _flat_mean(sch, x, fr[:, None].expand_as(x), n),
-          table_mean=_velocity_table_mean),
-    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, mean=lambda fr, x, n, sch: x + fr[:, None],
-          table_mean=lambda fr, x, coef: x + fr),
-    Draft("x0", freeze=_x0_freeze, mean=_x0_mean, table_mean=_x0_table_mean),
-    Draft("x0_extrap", *_x0_extrap(), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
-    Draft("x0_extrap_gated", *_x0_extrap(gate=True), history=3, table_mean=_x0_table_mean,
+    Draft("velocity", freeze=lambda root, sch: root.v, table_mean=_velocity_table_mean),
+    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, table_mean=lambda fr, x, coef: x + fr),
+    Draft("x0", freeze=_x0_freeze, table_mean=_x0_table_mean),
+    Draft("x0_extrap", _x0_extrap(), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
+    Draft("x0_extrap_gated", _x0_extrap(gate=True), history=3, table_mean=_x0_table_mean,
           table_frozen=_extrap_table_frozen),
-    Draft("x0_affine", *_x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
+    Draft("x0_affine", _x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
 ):
     DRAFTS.register(_draft.name, _draft)

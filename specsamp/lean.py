@@ -3,9 +3,13 @@
 Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
 operations over static shapes per tree (:class:`~specsamp.leantree._LeanTree`, its buffers and per-root tables, in :mod:`specsamp.leantree`):
 one gather of the run's pre-drawn noise and uniforms (:func:`~specsamp.leantree._draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
-node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, in the loop's "are we
-done" test (:func:`_lean_loop`). The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
+node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, where the loop's layout
+(:class:`DenseLayout`) reads the round's outcome. The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
 the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations
@@ -16,18 +20,12 @@ import numpy as np
 import torch
 
 from . import rng
-from .batching import row_reduce
-from .chains import _Chains, _Context, _contract_violation, _final_step, _Tally
+from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, nearest_sibling, run_rounds
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
 from . import leantree
-from .leantree import COEFS, NC, _coef_table, _draw_tables, _LeanTree, _root_tables, _upload
-
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm over the last dimension."""
-    return torch.linalg.vector_norm(t, dim=-1)
+from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
 
 
 def _lean_supported(tree, execution: str, draft: Draft) -> bool:
@@ -63,7 +61,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         discards the round and repeats it with :func:`specsamp.rounds._round`, which raises the precise error); ``live [M]``
         the rows the round served.
     """
-    sch, tab, draft = ctx.schedule, ctx.tables, ctx.draft
+    sch, draft = ctx.schedule, ctx.draft
+    kern = sch.kernel
+    NC, std = len(kern.columns), kern.col("std")
     x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
     M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
     end = sch.end_speculative
@@ -75,7 +75,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     n_lim = n if sel is None else torch.where(live, n, end)
     v_root, root_exact = st.v_root, st.root_exact
     frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
-    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1] (COEFS), node-major
+    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1], node-major
     coefs = lt.coefs_by_root.index_select(2, n)
     per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
     # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
@@ -93,10 +93,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
         states[1:] = lt.noise_cache[:, ar, n]
     elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
-        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, 4], out=states[1:])  # std z, as _Nodes.draft scales it
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as _Nodes.draft scales it
     else:
         rng.normal(keys, e, out=states[1:])
-        states[1:] *= coefs[lt.dm1, 4]  # std z, as _Nodes.draft scales it
+        states[1:] *= coefs[lt.dm1, std]  # std z, as _Nodes.draft scales it
     # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
     drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
     lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
@@ -108,14 +108,13 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         frozen_col = frozen.reshape(1, M, D)
         frozen_at = lambda d: frozen_col  # noqa: E731
     else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
-        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None],
-                                        dict(zip(COEFS, coefs.unbind(1))))  # [L, M, D]: the parents' steps
+        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1)))  # [L, M, D]: the parents' steps
         if isinstance(frozen_col, tuple):
             frozen_at = lambda d: tuple(f[d] for f in frozen_col)  # noqa: E731
         else:
             frozen_at = lambda d: frozen_col[d]  # noqa: E731
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
-        c_l = dict(zip(COEFS, per_depth[NC * (l - 1) : NC * l]))
+        c_l = kern.named(per_depth[NC * (l - 1) : NC * l])
         mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
         out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
     # the batched target call over the planned rows (what the reference round evaluates); where they are
@@ -140,9 +139,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                 vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
-            cu = dict(zip(COEFS, coefs[du].unbind(1)))  # [c, M, 1] each
+            cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
             mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
-            mean_q = xu + cu["dt"] * (cu["a"] * vu + cu["b"] * xu)
+            mean_q = kern.mean(xu, vu, cu)
             sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
             if k == 1 and ch_sl is not None:
                 kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
@@ -180,7 +179,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
     v_cur = torch.where(lt.is_root_col[last], v0, vrest[lt.vrest_row[last], ar])
     v_leaf = vrest[lt.vrest_row[ustar], ar]  # where finished, u* is a leaf of depth >= 1
-    # prefetch (same rules as _prefetch)
+    # prefetch (the rules of chains.nearest_sibling)
     evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
     v_next, exact = v_cur, torch.zeros_like(live)
     if ctx.prefetch != "none":
@@ -188,10 +187,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         v_next = torch.where(exact[:, None], v_leaf, v_next)
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
-            ok = lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col
-            dist = row_reduce(_norm, states[ch, lt.ar_col] - out[:, None])
-            best = torch.where(ok, dist, lt.inf).argmin(1)
-            v_next = torch.where(ok.any(1)[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
+            has, best = nearest_sibling(lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col, states[ch, lt.ar_col], out, lt.inf)
+            v_next = torch.where(has[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
     if st.history is not None:
         hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
@@ -201,25 +198,11 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
 
     def commit(tally: _Tally):
-        dcol = lt.dcol_m
-        ver, ver_acc = verified.long(), (verified & acc).long()
-        tally.attempts.scatter_add_(1, dcol, ver)
-        tally.accepts.scatter_add_(1, dcol, ver_acc)
-        at = (n[:, None].expand(M, N), dcol)
-        tally.root_attempts.index_put_(at, ver, accumulate=True)
-        tally.root_accepts.index_put_(at, ver_acc, accumulate=True)
+        count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
         tally.nfe += charged
         tally.call_rows += call_rows
-        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
-        tally.committed.scatter_add_(1, col, steps[:, None])
-        tally.rounds += live
-        live_e = live.reshape((-1,) + (1,) * len(e))
-        st.x = torch.where(live_e, out.reshape(x.shape), st.x)  # st as it is now: another tree's round may have
-        st.n = torch.where(live, n_new, st.n)                  # committed its rows since this one read it
-        st.v_root = torch.where(live_e, v_next.reshape(x.shape), st.v_root)
-        st.root_exact = torch.where(live, exact_new, st.root_exact)
-        if st.history is not None:
-            st.history = st.history.where(~live, hist)
+        commit_round(st, tally, live, out.reshape(x.shape), n_new, steps, v_next.reshape(x.shape), exact_new,
+                     hist if st.history is not None else None)
 
     return commit, n_new, exact_new, bad, live
 
@@ -305,7 +288,8 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     xs = states[node, ar]  # [M, H, D]
     vs = torch.where((node == 0)[..., None], v0[:, None], vrest[(node - 1).clamp(min=0), ar])
     nn = n[:, None] + lt.depth[node]
-    x0 = xs - ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), 3][..., None] * vs  # data_prediction's operations
+    sigma = ctx.coef_table[nn.clamp(max=ctx.schedule.steps - 1), ctx.schedule.kernel.col("sigma")]
+    x0 = xs - sigma[..., None] * vs  # data_prediction's operations
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
@@ -321,7 +305,8 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
         w = torch.where(mine, ustar, rep)  # rows whose node has another width verify a stand-in
         xw = states[w, ar]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
-        cw = dict(zip(COEFS, coefs[lt.depth[w], :, ar].unbind(1)))  # [M, 1] each
+        kern = ctx.schedule.kernel
+        cw = kern.named(coefs[lt.depth[w], :, ar].unbind(1))  # [M, 1] each
         if ctx.draft.table_frozen is None:
             fr = frozen_col[0]
         elif isinstance(frozen_col, tuple):
@@ -329,7 +314,7 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
         else:
             fr = frozen_col[lt.depth[w], ar]
         mean_p = ctx.draft.table_mean(fr, xw, cw)
-        mean_q = xw + cw["dt"] * (cw["a"] * vw + cw["b"] * xw)
+        mean_q = kern.mean(xw, vw, cw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
         verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
@@ -338,17 +323,8 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
     return out
 
 
-def _lean_root_call(ctx: _Context, st: _Chains, tally: _Tally, rows: torch.Tensor) -> None:
-    """:func:`specsamp.chains._root_call` for the live ``rows`` the host already knows (no host sync)."""
-    st.v_root[rows] = ctx.velocity(st.x[rows], st.n[rows], rows)
-    st.root_exact[rows] = True
-    tally.nfe[rows] += 1
-    tally.call_rows[rows] += 1
-    tally.batch_nfe += 1
-
-
 def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _Chains, tally: _Tally, warmup: str,
-              callback) -> torch.Tensor:
+              callback, round_fn: Callable | None = None) -> torch.Tensor:
     """The speculative rounds and the final step with :func:`_lean_round` (the tree execution); returns the samples.
 
     ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees (one lean tree per distinct ``T_n``, built
@@ -357,9 +333,8 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
     """
     schedule, dev = ctx.schedule, st.x.device
     M, T = st.x.shape[0], schedule.steps
-    ctx.tables = schedule.tables(dev)
     ctx.x_event = tuple(st.x.shape[1:])
-    ctx.coef_table = _coef_table(ctx.tables, st.x.dtype)  # [T, NC]
+    ctx.coef_table = schedule.kernel.table(dev, st.x.dtype)  # [T, C]
     steps_all = torch.arange(T, device=dev)[None]
     ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
     D = st.x[0].numel()
@@ -391,54 +366,58 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
                 _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
         return lts[g]
 
-    return _lean_loop(ctx, lean_tree, lt_of_root, reference, st, tally, warmup, callback)
+    layout = DenseLayout(ctx, st, tally, lean_tree, lt_of_root, reference, round_fn or _lean_round)
+    return run_rounds(ctx, st, tally, warmup, callback, layout)
 
 
-def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, reference: Callable, st: _Chains, tally: _Tally,
-               warmup: str, callback) -> torch.Tensor:
-    """The rounds of :func:`specsamp.sampler.sample_speculative` with :func:`_lean_round`, then the final step; returns the samples.
+class DenseLayout:
+    """The lean round's layout for :func:`specsamp.chains.run_rounds`.
 
-    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted at each state
-    index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the live
-    rows, committed one after the other, charged as one batched call); ``reference(live)`` runs the
-    reference round(s) on the live rows.
+    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted
+    at each state index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the
+    live rows, every row of the batch, the others padded, committed one after the other, charged as one batched
+    call); ``reference(live)`` runs the reference round(s) on the live rows; ``lean_round``: :func:`_lean_round`
+    as it runs (``compile=true``: :func:`specsamp.compiled.compiled_round`).
 
-    One host synchronisation per round: it reads whether a deferred check failed and the rows' new
-    state indices and root flags. From those the host knows, before the next round, which rows are live,
-    which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
+    One host synchronisation per round: it reads whether a deferred check failed and the rows' new state indices
+    and root flags, kept here as host copies. From those the host knows, before the next round, which rows are
+    live, which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
     round sends; finished rows and known velocities are not evaluated). Where a check failed, the round is
     discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
     raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
     """
-    end = ctx.schedule.end_speculative
-    dev = st.x.device
-    M = st.x.shape[0]
-    n_host = np.full(M, ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
-    exact_host = np.zeros(M, dtype=bool)
-    lean_round = _lean_round
-    if ctx.compiled:  # the same round under torch.compile (the network call outside it)
-        from .compiled import compiled_round
 
-        lean_round = compiled_round()
-    r = 0
-    while True:  # line 2; every row is live at the first round (n = 1 < T - 1)
-        live_host = n_host < end
-        if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
-            _lean_root_call(ctx, st, tally, _upload(np.flatnonzero(live_host), dev))
-            exact_host = exact_host | live_host
-        which = np.where(live_host, lt_of_root[np.minimum(n_host, len(lt_of_root) - 1)], -1)
+    def __init__(self, ctx, st, tally, lean_tree, lt_of_root, reference, lean_round):
+        self.ctx, self.st, self.tally = ctx, st, tally
+        self.lean_tree, self.lt_of_root, self.reference, self.lean_round = lean_tree, lt_of_root, reference, lean_round
+        self.end = ctx.schedule.end_speculative
+        self.n_host = np.full(st.x.shape[0], ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
+        self.exact_host = np.zeros(st.x.shape[0], dtype=bool)
+
+    def live(self):
+        live_host = self.n_host < self.end
+        return live_host if live_host.any() else None
+
+    def root_call(self, live_host):
+        _root_call(self.ctx, self.st, _upload(np.flatnonzero(live_host), self.st.x.device), self.tally)
+        self.exact_host = self.exact_host | live_host
+
+    def round(self, live_host):
+        ctx, st, tally, end = self.ctx, self.st, self.tally, self.end
+        n_host, exact_host, dev, M = self.n_host, self.exact_host, st.x.device, st.x.shape[0]
+        which = np.where(live_host, self.lt_of_root[np.minimum(n_host, len(self.lt_of_root) - 1)], -1)
         groups = np.unique(which[live_host])
         rounds, called = [], False
         n_new, exact_new = st.n, st.root_exact
         for g in groups:
-            lt = lean_tree(int(g))
+            lt = self.lean_tree(int(g))
             mine = which == g
             plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves, None if len(groups) == 1 else mine)
             kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
             plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
             sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
             plan_arg = _Hidden(plan_t) if ctx.compiled else plan_t
-            commit, n_g, exact_g, bad_g, live_g = lean_round(ctx, lt, st, plan_arg, kind, sel)
+            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, plan_arg, kind, sel)
             rounds.append((commit, bad_g))
             called = called or plan.size > 0
             if len(groups) == 1:
@@ -449,18 +428,18 @@ def _lean_loop(ctx: _Context, lean_tree: Callable, lt_of_root: np.ndarray, refer
             bad = torch.stack([b for _, b in rounds]).any()
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
         if payload[0]:
-            reference((st.n < end).nonzero(as_tuple=True)[0])
-            n_host, exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
+            self.reference((st.n < end).nonzero(as_tuple=True)[0])
+            self.n_host, self.exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
             for commit, _ in rounds:
                 commit(tally)
             tally.batch_nfe += int(called)  # a round with nothing to evaluate costs no call
-            n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
-            exact_host = np.asarray(payload[M + 1 :], dtype=bool)
-        r += 1
-        if callback is not None:
-            callback({"round": r, "live": int((n_host < end).sum()), "batch_nfe": tally.batch_nfe,
-                      "steps_done": int((n_host - ctx.schedule.first_speculative).clip(min=0).sum())})
-        if not (n_host < end).any():
-            break
-    return _final_step(ctx, st, tally, _upload(np.flatnonzero(~exact_host), dev))
+            self.n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
+            self.exact_host = np.asarray(payload[M + 1 :], dtype=bool)
+
+    def progress(self, r: int, live_host) -> dict:
+        return {"round": r, "live": int((self.n_host < self.end).sum()), "batch_nfe": self.tally.batch_nfe,
+                "steps_done": int((self.n_host - self.ctx.schedule.first_speculative).clip(min=0).sum())}
+
+    def need_rows(self):
+        return _upload(np.flatnonzero(~self.exact_host), self.st.x.device)

@@ -7,6 +7,10 @@ coefficient and node index by root step, and :func:`_draw_tables` draws every (r
 and coupling uniforms once where they are small (same keys, same numbers as drawing them per round). The
 round itself is :mod:`specsamp.lean`. The module constants bound the memory each cache may take; tests set
 them to 0 to check that every fallback draws the same numbers.
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from . import rng
-from .drafts import _lsnr_feature
+from .chains import round_masks
 from .trees import DraftTree
 
 if TYPE_CHECKING:
@@ -26,8 +30,6 @@ if TYPE_CHECKING:
 
 
 HISTORY_SLOTS = 16  # most records a draft's history may keep in the lean round (Draft.history)
-COEFS = ("dt", "a", "b", "sigma", "std", "lsnr")  # the coefficients a lean round gathers per step (lsnr: drafts.table_frozen)
-NC = len(COEFS)
 RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
 KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
 NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
@@ -86,7 +88,7 @@ class _LeanTree:
         depth, internal = np.asarray(tree.depth), np.asarray(tree.num_children) > 0
         d = np.arange(L + 1)[:, None]
         self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
-            leaves: (depth[None] <= d) & ((internal[None] & (depth[None] < d)) | leaves) for leaves in (False, True)}
+            leaves: round_masks(depth[None], internal[None], d, leaves)[1] for leaves in (False, True)}
         self.internal = (self.num_children > 0)[None]
         self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
         self.groups = [(k, u, ch, self.depth[u]) for k, u, ch in self.groups]
@@ -197,13 +199,6 @@ def _as_slice(ids: list[int]) -> slice | None:
     return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
 
 
-def _coef_table(tables: dict, dtype) -> torch.Tensor:
-    """``[T, NC]`` the :data:`COEFS` columns in ``dtype``: the kernel's (:meth:`specsamp.schedule.Schedule.tables`) and the half log-SNR
-    of ``sigma`` in that dtype (what the extrapolating drafts' ``mean`` computes per call)."""
-    cols = [tables[k].to(dtype) for k in COEFS[:-1]]
-    return torch.stack(cols + [_lsnr_feature(cols[COEFS.index("sigma")])], 1)
-
-
 def _upload(a: np.ndarray, dev) -> torch.Tensor:
     """Host indices to the device without waiting for it (pinned, non-blocking copy on CUDA)."""
     t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
@@ -214,7 +209,7 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
 
 def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     """Per-root tables of a lean tree (built once per run; a round gathers its rows by root index ``n``):
-    ``coefs_by_root [L, NC, T, 1]`` the :data:`COEFS` of each depth's parent step, ``node_step_by_root [N, T]``
+    ``coefs_by_root [L, C, T, 1]`` the kernel's coefficients (:meth:`specsamp.kernels.Kernel.table`) of each depth's parent step, ``node_step_by_root [N, T]``
     the step of each node, with ``L_n = clip(end - n, 0, L)``: ``internal_by_root [T, N]`` the nodes verified if
     visited, ``evaluated_by_root [T, N]`` the nodes the batched call evaluates (the protocol's, the root
     included) and ``evaluated_count [T]`` their number, ``sigma_by_root`` per verification chunk ``[c, T]``
@@ -222,16 +217,16 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     T, L, dev = ctx.schedule.steps, lt.L, lt.depth.device
     roots = torch.arange(T, device=dev)
     step = (roots[:, None] + lt.levels).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
+    lt.std_col = ctx.schedule.kernel.col("std")
     lt.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
     lt.node_step_by_root = step[:, lt.depth].T.contiguous()
     dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
-    lt.internal_by_root = lt.internal & (lt.depth_row < dl)
-    lt.evaluated_by_root = (lt.depth_row <= dl) & (lt.internal_by_root | ctx.evaluate_leaves)
+    lt.internal_by_root, lt.evaluated_by_root = round_masks(lt.depth_row, lt.internal, dl, ctx.evaluate_leaves)
     lt.evaluated_count = lt.evaluated_by_root.sum(1)
     lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
     lt.false = torch.zeros((), dtype=torch.bool, device=dev)
     lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)
-    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, COEFS.index("std"), :, 0], lt.one)
+    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, lt.std_col, :, 0], lt.one)
                         for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
 
 
@@ -248,7 +243,7 @@ def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared:
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
         if shared is None:
             z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
-            std = lt.coefs_by_root[lt.dm1, COEFS.index("std")]  # [N-1, T, 1]: each node's parent step, per root
+            std = lt.coefs_by_root[lt.dm1, lt.std_col]  # [N-1, T, 1]: each node's parent step, per root
             lt.noise_cache, lt.noise_scaled = (z * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
         else:
             if ("noise", N) not in shared:

@@ -4,13 +4,19 @@ One round for the live trajectories: draft (line 7), evaluate, walk down with th
 the draft's history, prefetch the next root's velocity and commit (line 24). The executions differ only in how a
 node's state and velocity are obtained: :class:`_TreeNodes` drafts every node of ``T|_{L_n}`` and evaluates them
 in one batched call (optionally refined by Picard sweeps first), :class:`_PathNodes` drafts and evaluates only
-what the walk visits. The lean round (:mod:`specsamp.lean`) repeats this policy as a fixed sequence of tensor
-operations and falls back on :func:`_round` where a deferred check fails.
+what the walk visits. This is the sparse layout of the round (live rows only, the loop's :class:`SparseLayout`);
+the dense layout (:mod:`specsamp.lean`) runs the same policy as a fixed sequence of tensor operations over every
+row and falls back on :func:`_round` where a deferred check fails. What both write once (the loop, the node
+sets, the counts, the commit, the roots' own call): :mod:`specsamp.chains`.
 
 Both executions gather a step's kernel coefficients from the run's table (:func:`_coefs`) and fold the root index
 into the keys once per round; the walk draws a round's verification uniforms in one keyed draw
 (:func:`_verify_uniforms`) and writes its counts once (:func:`_count`). Keyed numbers depend on their key alone and
 the tables hold what the schedule computes, so the bits are those of per-call draws and coefficients.
+
+It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
+:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
+:mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations
@@ -21,11 +27,9 @@ import numpy as np
 import torch
 
 from . import rng
-from .batching import row_reduce
-from .chains import _Chains, _Context, _Tally, check_verdict_contract
+from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, nearest_sibling, round_masks
 from .coupling import NonFiniteError
-from .drafts import DraftHistory, DraftRoot, data_prediction
-from .leantree import COEFS, NC, _coef_table
+from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .schedule import per_row
 from .trees import DraftTree
 
@@ -47,14 +51,9 @@ class _Round:
 
 
 def _coefs(ctx: _Context, step: torch.Tensor, like: torch.Tensor) -> dict:
-    """The kernel coefficients of steps ``step [s]`` (:data:`specsamp.leantree.COEFS`), each ``[s, 1, ..., 1]`` to scale
-    the rows of ``like [s, *e]``, in the states' dtype: one gather of the run's table, bit for bit what
-    :meth:`~specsamp.schedule.Schedule.mean` and :meth:`~specsamp.schedule.Schedule.std` compute (eqs. 36--37)."""
-    if ctx.coef_table is None:  # the run's table, made at its first reference round (the lean round makes its own)
-        ctx.tables = ctx.schedule.tables(like.device) if ctx.tables is None else ctx.tables
-        ctx.coef_table = _coef_table(ctx.tables, like.dtype)
-    c = ctx.coef_table[step]  # [s, NC]
-    return dict(zip(COEFS, c.reshape(c.shape[0], NC, *(1,) * (like.ndim - 1)).unbind(1)))
+    """The kernel coefficients of steps ``step [s]`` (:meth:`specsamp.kernels.Kernel.coefs`), each ``[s, 1, ..., 1]``
+    to scale the rows of ``like [s, *e]``, in the states' dtype: one gather of the kernel's table."""
+    return ctx.schedule.kernel.coefs(step, like)
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -63,25 +62,23 @@ def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t if rows.numel() == t.shape[0] else t[rows]
 
 
-def _kernel_mean(x: torch.Tensor, v: torch.Tensor, c: dict) -> torch.Tensor:
-    """The target kernel mean of eq. 36 at ``x, v [s, *e]`` from :func:`_coefs` (``Schedule.mean``'s operations)."""
-    return x + c["dt"] * (c["a"] * v + c["b"] * x)
-
-
 class _Nodes:
     """How an execution obtains node states and velocities. Subclasses: tree and path."""
 
     def __init__(self, tree: DraftTree, tensors: dict, rnd: _Round, ctx: _Context):
         self.tree, self.t, self.r, self.ctx = tree, tensors, rnd, ctx
 
+    def masks(self, u: torch.Tensor, sub: torch.Tensor):
+        """:func:`specsamp.chains.round_masks` of nodes ``u`` (one per selected trajectory ``sub``)."""
+        return round_masks(self.t["depth"][u], self.t["num_children"][u] > 0, self.r.depth_limit[sub], self.ctx.evaluate_leaves)
+
     def internal_in_round(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
         """Whether node ``u`` (one per selected trajectory ``sub``) is internal in ``T|_{L_n}``."""
-        return (self.t["depth"][u] < self.r.depth_limit[sub]) & (self.t["num_children"][u] > 0)
+        return self.masks(u, sub)[0]
 
     def evaluated(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
         """Whether the round's batched call evaluated node ``u`` (the B=|V| or B=|I| protocol)."""
-        inside = self.t["depth"][u] <= self.r.depth_limit[sub]
-        return inside & (self.internal_in_round(u, sub) | self.ctx.evaluate_leaves)
+        return self.masks(u, sub)[1]
 
     def child_ids(self, u: torch.Tensor, k: int) -> torch.Tensor:
         """Node ids ``[s, k]`` of the ``k`` children of nodes ``u [s]`` (contiguous, drafting order)."""
@@ -90,16 +87,15 @@ class _Nodes:
     def proposal_mean(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, c: dict) -> torch.Tensor:
         """The draft's proposal means ``[s, P, *e]`` of the children of ``x_parents [s, P, *e]`` at step ``step [s]``.
 
-        ``c``: the steps' kernel coefficients (:func:`_coefs`). A draft with a table form (``Draft.table_mean``, no
-        ``table_frozen``) computes from them with the operations of its ``mean`` (the same bits); any other calls ``mean``.
+        ``c``: the steps' kernel coefficients (:func:`_coefs`). A draft with a table form (``Draft.table_mean``)
+        computes from them (:func:`specsamp.drafts.table_means`, its one formula); any other calls ``mean``.
         """
         draft = self.ctx.draft
-        if draft.table_mean is None or draft.table_frozen is not None:
+        if draft.table_mean is None:
             return draft.mean(_take(self.r.frozen, sub), x_parents, step, self.ctx.schedule)
         s, p = x_parents.shape[:2]
-        flat = {k: v.reshape(s, 1, 1) for k, v in c.items()}
-        mean = draft.table_mean(_take(self.r.frozen, sub).reshape(s, 1, -1), x_parents.reshape(s, p, -1), flat)
-        return mean.reshape(x_parents.shape)
+        flat = {k: v if k == "kernel" else v.reshape(s, 1, 1) for k, v in c.items()}
+        return table_means(draft, _take(self.r.frozen, sub), x_parents.reshape(s, p, -1), flat).reshape(x_parents.shape)
 
     def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None,
               out=None, c: dict | None = None):
@@ -223,7 +219,7 @@ class _TreeNodes(_Nodes):
         m, e, dev = states.shape[1], states.shape[2:], states.device
         last = ctx.schedule.steps - 1
         node = torch.arange(len(tree), device=dev)
-        internal = (t["depth"][:, None] < rnd.depth_limit[None]) & (t["num_children"][:, None] > 0)  # [N, m]
+        internal = round_masks(t["depth"][:, None], t["num_children"][:, None] > 0, rnd.depth_limit[None], False)[0]  # [N, m]
         # the innovations std(s) xi_c, drawn exactly as the draft drew them (same keys, same buffers' dtype)
         innov = torch.empty_like(states)
         for l in range(1, tree.max_depth + 1):
@@ -257,7 +253,7 @@ class _TreeNodes(_Nodes):
     def children(self, sub, x_u, u, k, step, c):
         ids = self.child_ids(u, k)
         if self.refined_v is not None:  # the refined proposal mean (see _picard)
-            mean = _kernel_mean(x_u, self.refined_v[u, sub], c)
+            mean = self.ctx.schedule.kernel.mean(x_u, self.refined_v[u, sub], c)
         else:
             mean = self.proposal_mean(sub, x_u[:, None], step, c)[:, 0]
         return mean, self.states[ids, sub[:, None]], ids
@@ -379,7 +375,7 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
             x_u = _take(x_cur, sub)  # x_cur itself at the first depth: read before x_cur moves below
             c = _coefs(ctx, step, x_u)
             mean_p, kids, ids = nodes.children(sub, x_u, u, k, step, c)
-            mean_q = _kernel_mean(x_u, _take(v_cur, sub), c)
+            mean_q = ctx.schedule.kernel.mean(x_u, _take(v_cur, sub), c)
             try:
                 verdict = ctx.coupling(kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))  # line 17
             except NonFiniteError as err:
@@ -415,16 +411,12 @@ def _walk(nodes: _Nodes, rnd: _Round, ctx: _Context, tally: _Tally):
 
 
 def _count(tally: _Tally, rnd: _Round, steps: torch.Tensor, rejected: torch.Tensor, L: int) -> None:
-    """Section 5's verification counts of a walk: row ``r`` was verified at depths ``1..steps[r]`` and accepted at all
-    of them but the last where it was ``rejected`` (``steps, rejected [m]``; the tree's depth ``L``)."""
-    depth = torch.arange(L, device=steps.device)[None]
+    """The walk's verifications for :func:`specsamp.chains.count_verifications`: row ``r`` was verified at depths
+    ``1..steps[r]`` and accepted at all of them but the last where it was ``rejected`` (``steps, rejected [m]``)."""
+    depth = torch.arange(L, device=steps.device)[None].expand(steps.shape[0], -1)
     attempts = (depth < steps[:, None]).long()  # [m, L]
     accepts = (depth < (steps - rejected.long())[:, None]).long()
-    tally.attempts[rnd.rows, :L] += attempts
-    tally.accepts[rnd.rows, :L] += accepts
-    at = (rnd.n[:, None].expand(-1, L), depth.expand(steps.shape[0], -1))
-    tally.root_attempts.index_put_(at, attempts, accumulate=True)
-    tally.root_accepts.index_put_(at, accepts, accumulate=True)
+    count_verifications(tally, rnd.n, depth, attempts, accepts, rnd.rows)
 
 
 def _record(ctx: _Context, rnd: _Round, rows: torch.Tensor, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
@@ -459,11 +451,8 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
             if not at.numel():
                 continue
             rej, ids, kids = sub[at], ids[at], kids[at]
-            ok = nodes.evaluated(ids, rej[:, None].expand_as(ids))
-            dist = row_reduce(lambda t: torch.linalg.vector_norm(t, dim=-1), (kids - x_cur[rej][:, None]).reshape(*ids.shape, -1))
-            dist = torch.where(ok, dist, torch.full_like(dist, float("inf")))
-            best = dist.argmin(1)
-            has = ok.any(1).nonzero(as_tuple=True)[0]
+            has, best = nearest_sibling(nodes.evaluated(ids, rej[:, None].expand_as(ids)), kids, x_cur[rej], float("inf"))
+            has = has.nonzero(as_tuple=True)[0]
             if has.numel():
                 r2 = rej[has]
                 v_next[r2] = nodes.inner_velocity(r2, ids[has, best[has]], kids[has, best[has]], l)
@@ -493,14 +482,7 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     for rows in getattr(nodes, "sweep_rows", ()):  # Picard sweeps (refine): one batched call each
         tally.charge(live, rows)
     tally.charge(live, nodes.call_rows)  # a round with nothing to evaluate costs no call
-    tally.committed[live, tally.rounds[live]] = steps
-    tally.rounds[live] += 1
-    st.x[live] = new_x
-    st.n[live] += steps  # line 24
-    st.v_root[live] = v_next
-    st.root_exact[live] = exact_next
-    if st.history is not None:
-        st.history.put(live, rnd.history)
+    commit_round(st, tally, live, new_x, n + steps, steps, v_next, exact_next, rnd.history)  # line 24
 
 
 def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls=None) -> None:
@@ -513,3 +495,29 @@ def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Te
         _round(ctx, *per_root[n], nodes_cls or _TreeNodes, st, live[roots == n], tally)
         most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
     tally.batch_nfe = calls + most
+
+
+class SparseLayout:
+    """The reference round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one
+    host synchronisation to find them), each round ``run(live)`` on those rows alone."""
+
+    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, run):
+        self.ctx, self.st, self.tally, self.run = ctx, st, tally, run
+
+    def live(self):
+        live = (self.st.n < self.ctx.schedule.end_speculative).nonzero(as_tuple=True)[0]
+        return live if live.numel() else None
+
+    def root_call(self, live):
+        _root_call(self.ctx, self.st, live, self.tally)
+
+    def round(self, live):
+        self.run(live)
+
+    def progress(self, r: int, live) -> dict:
+        first = self.ctx.schedule.first_speculative
+        return {"round": r, "live": int(live.numel()), "batch_nfe": self.tally.batch_nfe,
+                "steps_done": int((self.st.n - first).clamp(min=0).sum())}
+
+    def need_rows(self):
+        return None

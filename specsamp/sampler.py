@@ -43,21 +43,20 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     ContractError,
     NonFiniteSampleError,
     _Context,
-    _final_step,
     _first_step,
-    _root_call,
     _Tally,
     _Velocity,
     check_verdict_contract,
     initial_noise,
+    run_rounds,
 )
-from .compiled import check_compile, for_compile
+from .compiled import check_compile, compiled_round, for_compile
 from .coupling import Coupling, get_coupling
 from .drafts import Draft, get_draft
 from .errors import ConfigError
 from .lean import _lean_run, _lean_supported
 from .result import SampleResult
-from .rounds import _PathNodes, _reference_groups, _round, _TreeNodes
+from .rounds import _PathNodes, _reference_groups, _round, _TreeNodes, SparseLayout
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -332,29 +331,16 @@ def sample_speculative(
         tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
     st = _first_step(ctx, model, seed, ids, warmup, tally)
+    if isinstance(tree, DraftTree):
+        reference = lambda live, cls=_TreeNodes: _round(ctx, tree, tensors, cls, st, live, tally)  # noqa: E731
+    else:
+        reference = lambda live, cls=_TreeNodes: _reference_groups(ctx, reference_trees(), st, live, tally, cls)  # noqa: E731
     if _lean_supported(tree, execution, ctx.draft) and ctx.refine == 0:
-        if isinstance(tree, DraftTree):
-            reference = lambda live: _round(ctx, tree, tensors, _TreeNodes, st, live, tally)  # noqa: E731
-        else:
-            reference = lambda live: _reference_groups(ctx, reference_trees(), st, live, tally)  # noqa: E731
-        samples = _lean_run(ctx, tree if isinstance(tree, DraftTree) else by_root, reference, st, tally, warmup, callback)
-        return _with_refine(tally.result(samples, T), 0)
-    r = 0
-    while True:  # line 2
-        live = (st.n < end).nonzero(as_tuple=True)[0]
-        if live.numel() == 0:
-            break
-        if prefetch == "none" or (r == 0 and warmup == "call"):
-            _root_call(ctx, st, live, tally)
-        if isinstance(tree, DraftTree):
-            _round(ctx, tree, tensors, nodes_cls, st, live, tally)
-        else:
-            _reference_groups(ctx, reference_trees(), st, live, tally, nodes_cls)
-        r += 1
-        if callback is not None:
-            callback({"round": r, "live": int(live.numel()), "batch_nfe": tally.batch_nfe,
-                      "steps_done": int((st.n - schedule.first_speculative).clamp(min=0).sum())})
-    return _with_refine(tally.result(_final_step(ctx, st, tally), T), ctx.refine)
+        samples = _lean_run(ctx, tree if isinstance(tree, DraftTree) else by_root, reference, st, tally, warmup, callback,
+                            compiled_round() if ctx.compiled else None)
+    else:
+        samples = run_rounds(ctx, st, tally, warmup, callback, SparseLayout(ctx, st, tally, lambda live: reference(live, nodes_cls)))
+    return _with_refine(tally.result(samples, T), ctx.refine)
 
 
 def _check_refine(refine, execution: str) -> int:

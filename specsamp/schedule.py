@@ -1,11 +1,12 @@
-"""Time grid and Euler--Maruyama kernel of the linear path (paper appendix C.3, eqs. 36--38).
+"""Time grid of the linear path and its transition kernel (paper appendix C.3, eqs. 36--38).
 
 Forward noise levels ``sigma`` live in ``[0, 1]`` with ``x_sigma = (1 - sigma) x0 + sigma xi``. Reverse
 step ``n`` goes ``sigma_n -> sigma_{n+1}``. The grid is ``linspace(1, sigma_min, T)`` followed by 0
 (``T + 1`` levels, ``T`` steps; diffusers' FlowMatchEuler layout), optionally shifted by eq. 38 before
 the final 0 is appended.
 
-The kernel of step ``n`` (paper appendix C.3, eqs. 36--37)::
+The kernel (:mod:`specsamp.kernels`; :attr:`Schedule.kernel`, by default the Euler--Maruyama kernel) of step
+``n`` (paper appendix C.3, eqs. 36--37)::
 
     mean = x + (sigma_{n+1} - sigma_n) (v - eps^2 g^2 s / 2),   s = -(x + (1 - sigma) v) / sigma,
     g^2  = 2 sigma / (1 - sigma),   std = eps g sqrt(sigma_n - sigma_{n+1}),   sigma = sigma_n.
@@ -17,14 +18,12 @@ steps ``1 .. T-2``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-
-def per_row(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """View ``t [m]`` as ``[m, 1, ..., 1]`` with ``like.ndim`` dimensions, to scale the rows of ``like``."""
-    return t.reshape((-1,) + (1,) * (like.ndim - 1))
+from .kernels import Kernel, get_kernel, per_row  # noqa: F401  (per_row: public here)
 
 
 def check_churn(eps: float) -> float:
@@ -56,10 +55,12 @@ class Schedule:
     Attributes:
         sigmas: float64 ``[T + 1]``, decreasing from 1 to 0.
         eps: churn in (0, 1].
+        kernel_name: the registered transition kernel (:mod:`specsamp.kernels`).
     """
 
     sigmas: torch.Tensor
     eps: float
+    kernel_name: str = "euler_maruyama"
 
     @classmethod
     def make(cls, steps: int, eps: float, shift: float = 1.0, sigma_min: float = 1e-3) -> Schedule:
@@ -98,6 +99,12 @@ class Schedule:
         """State index where speculation ends: ``T - 1`` (steps ``1 .. T-2`` are stochastic)."""
         return self.steps - 1
 
+    @functools.cached_property
+    def kernel(self) -> Kernel:
+        """The run's transition kernel (:mod:`specsamp.kernels`, registered as :attr:`kernel_name`) on this grid:
+        it owns every step's coefficients (mean and std)."""
+        return get_kernel(self.kernel_name)(self.sigmas, self.eps)
+
     def std(self, n: torch.Tensor) -> torch.Tensor:
         """Kernel std of step ``n`` (eq. 37): ``eps g(sigma_n) sqrt(sigma_n - sigma_{n+1})``; 0 at the endpoints.
 
@@ -107,28 +114,12 @@ class Schedule:
         Returns:
             float64 tensor like ``n``.
         """
-        s0 = self.sigmas.to(n.device)[n]
-        s1 = self.sigmas.to(n.device)[n + 1]
-        stochastic = (n >= 1) & (n <= self.steps - 2)
-        g2 = 2.0 * s0 / torch.where(stochastic, 1.0 - s0, torch.ones_like(s0))
-        out = self.eps * torch.sqrt(g2 * (s0 - s1))
-        return torch.where(stochastic, out, torch.zeros_like(out))
+        return self.kernel.table(n.device, torch.float64)[n, self.kernel.col("std")]
 
     def tables(self, device) -> dict[str, torch.Tensor]:
-        """Per-step coefficient tables of the kernel, float64 ``[T]`` on ``device``, indexed by step ``n``.
-
-        Keys: ``sigma`` (``sigma_n``), ``dt`` (``sigma_{n+1} - sigma_n``), ``a`` and ``b`` (the mean is
-        ``x + dt (a v + b x)``, eq. 36), ``std`` (eq. 37). Each entry equals, bit for bit, what
-        :meth:`mean` and :meth:`std` compute for that step, so a sampler can gather a round's
-        coefficients once instead of recomputing them per call.
-        """
-        n = torch.arange(self.steps, device=device)
-        sig = self.sigmas.to(device)
-        s0, s1 = sig[n], sig[n + 1]
-        stochastic = (n >= 1) & (n <= self.steps - 2)
-        a = torch.where(stochastic, torch.full_like(s0, 1.0 + self.eps**2), torch.ones_like(s0))
-        b = torch.where(stochastic, self.eps**2 / torch.where(stochastic, 1.0 - s0, torch.ones_like(s0)), torch.zeros_like(s0))
-        return {"sigma": s0, "dt": s1 - s0, "a": a, "b": b, "std": self.std(n)}
+        """Per-step coefficient columns of the kernel, float64 ``[T]`` on ``device``, indexed by step n
+        (:meth:`specsamp.kernels.Kernel.columns64`; for Euler--Maruyama ``sigma``, ``dt``, ``a``, ``b``, ``std``)."""
+        return self.kernel.columns64(device)
 
     def mean(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """Kernel mean of step ``n`` at state ``x`` with velocity ``v`` (eq. 36); Euler at the endpoints.
@@ -141,12 +132,4 @@ class Schedule:
         Returns:
             ``[b, *event]`` in ``x``'s dtype.
         """
-        sig = self.sigmas.to(x.device)
-        s0 = sig[n]
-        s1 = sig[n + 1]
-        stochastic = (n >= 1) & (n <= self.steps - 2)
-        # v - eps^2 g^2 s / 2 = v + eps^2 (x + (1 - sigma) v) / (1 - sigma) = (1 + eps^2) v + eps^2 x / (1 - sigma)
-        a = torch.where(stochastic, torch.full_like(s0, 1.0 + self.eps**2), torch.ones_like(s0))
-        b = torch.where(stochastic, self.eps**2 / torch.where(stochastic, 1.0 - s0, torch.ones_like(s0)), torch.zeros_like(s0))
-        dt, a, b = (per_row(t.to(x.dtype), x) for t in (s1 - s0, a, b))
-        return x + dt * (a * v + b * x)
+        return self.kernel.mean(x, v, self.kernel.coefs(n, x))

@@ -73,8 +73,8 @@ def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
     fr = draft.freeze(root, sch)
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
-    tab = lean._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
-    coef = dict(zip(lean.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
+    tab = sch.kernel.table("cpu", dtype)[step]  # [M, C]
+    coef = sch.kernel.named(tab[:, None, :, None].unbind(2))  # [M, 1, 1] each
     assert torch.equal(draft.table_mean(fr.reshape(M, 1, D), x, coef), draft.mean(fr, x, step, sch))
 
 
@@ -137,8 +137,8 @@ def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
         fr[:, 3] = torch.tensor([0.5, -1.0, 2.0], dtype=dtype)[:, None]
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
-    tab = lean._coef_table(sch.tables("cpu"), dtype)[step]  # [M, NC]
-    coef = dict(zip(lean.COEFS, tab[:, None, :, None].unbind(2)))  # [M, 1, 1] each
+    tab = sch.kernel.table("cpu", dtype)[step]  # [M, C]
+    coef = sch.kernel.named(tab[:, None, :, None].unbind(2))  # [M, 1, 1] each
     got = draft.table_mean(draft.table_frozen(fr.permute(1, 0, 2)[:, :, None], coef), x, coef)
     assert torch.equal(got, draft.mean(fr, x, step, sch))
 

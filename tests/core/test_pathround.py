@@ -63,7 +63,7 @@ def test_kernel_coefficients_from_the_table_equal_the_schedule_bit_for_bit(dtype
     x, v = (torch.randn(40, 3, 2, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
     c = rounds._coefs(ctx, n, x)
     assert c["std"].shape == (40, 1, 1) and c["std"].dtype == dtype
-    assert torch.equal(rounds._kernel_mean(x, v, c), sch.mean(x, v, n))
+    assert torch.equal(sch.kernel.mean(x, v, c), sch.mean(x, v, n))
     assert torch.equal(c["std"].reshape(-1), sch.std(n).to(dtype))
 
 

@@ -1,0 +1,74 @@
+"""Which round serves what. The tree execution runs the dense (lean) round for a draft with a table form; a draft
+given by ``mean`` alone runs the reference round's tree layout; rows the dense round cannot finish without
+asking the host (markmax rows its share table cannot certify, a deferred value check) are served by repeating
+the round with the reference round on the same keys. The path execution always runs the reference round's
+path layout. Each route gives the path execution's counts and, with a target evaluated row by row, its bits."""
+
+import pytest
+import torch
+from helpers import RowwiseMixture
+
+from specsamp import lean, listcoupling, rounds, sampler
+from specsamp.drafts import Draft, get_draft
+from specsamp.schedule import Schedule
+from specsamp.trees import DraftTree
+
+SCHED = Schedule.make(8, 1.0)
+FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
+
+
+def _spy(monkeypatch):
+    """Counts of calls of the dense round and of the reference round."""
+    calls = {"dense": 0, "reference": 0}
+    dense, reference = lean._lean_round, rounds._round
+
+    def d(*a, **k):
+        calls["dense"] += 1
+        return dense(*a, **k)
+
+    def r(*a, **k):
+        calls["reference"] += 1
+        return reference(*a, **k)
+
+    monkeypatch.setattr(lean, "_lean_round", d)
+    monkeypatch.setattr(rounds, "_round", r)
+    monkeypatch.setattr(sampler, "_round", r)
+    return calls
+
+
+def _same(got, want):
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert torch.equal(got.samples, want.samples)
+
+
+@pytest.mark.parametrize("tree", [DraftTree.uniform(2, 3), lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]])
+def test_a_draft_without_a_table_form_runs_the_reference_round(monkeypatch, tree):
+    # a draft given by its mean alone (the velocity draft's, so the same numbers): the tree execution runs the
+    # reference round's tree layout, never the dense round; GMM dim 4, T = 8, 30 trajectories, seed 3, float64
+    model = RowwiseMixture(dim=4, components=3, layout_seed=1)
+    plain = Draft("plain_velocity", freeze=get_draft("velocity").freeze, mean=get_draft("velocity").mean)
+    assert plain.table_mean is None
+    path = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="path", draft="velocity", seed=3)
+    calls = _spy(monkeypatch)
+    got = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="tree", draft=plain, seed=3)
+    assert calls["dense"] == 0 and calls["reference"] > 0, calls
+    _same(got, path)
+    calls["reference"] = 0
+    dense = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="tree", draft="velocity", seed=3)
+    assert calls["dense"] > 0 and calls["reference"] == 0, calls
+    _same(dense, path)
+
+
+def test_markmax_rows_the_share_table_cannot_certify_are_served_by_the_reference_round(monkeypatch):
+    # every row reported uncertified: each dense round raises the deferred flag, is discarded and repeated by the
+    # reference round on the same keys; the run equals the path execution (GMM dim 4, T = 8, 30 trajectories, seed 3)
+    model = RowwiseMixture(dim=4, components=3, layout_seed=1)
+    tree = DraftTree.uniform(2, 3)
+    path = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="path", draft="x0", seed=3)
+    share = listcoupling.static_share
+    monkeypatch.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+    calls = _spy(monkeypatch)
+    got = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="tree", draft="x0", seed=3)
+    assert calls["dense"] > 0 and calls["reference"] == calls["dense"], calls  # every dense round repeated
+    _same(got, path)
