@@ -21,10 +21,6 @@ from helpers import ROOT
 
 PACKAGES = ("specsamp", "experiments", "benchmarks", "hydra_plugins")
 
-# Cycles allowed until the change that removes them is merged, each as the exact set of modules of its
-# component; delete the entry then (test_each_allowed_cycle_is_still_there asks for it).
-_BEING_REMOVED = {frozenset({"specsamp.compiled", "specsamp.lean"})}  # gone when the round is written once
-
 
 def _modules() -> dict[str, Path]:
     """Module name -> file, for every module of :data:`PACKAGES` (a package by its ``__init__.py``)."""
@@ -157,14 +153,9 @@ def test_the_cycle_finder_finds_components_and_self_imports():
 
 def test_no_module_imports_itself_through_others():
     graph = import_graph()
-    found = [c for c in cycles(graph) if frozenset(c) not in _BEING_REMOVED]
+    found = cycles(graph)
     for component in found:
         print("import cycle:", _describe(component, graph))
     assert not found, "import cycles (a strongly connected component, or a self-import):\n" + "\n".join(
         _describe(c, graph) for c in found)
 
-
-def test_each_allowed_cycle_is_still_there():
-    """An entry of :data:`_BEING_REMOVED` whose cycle is gone is deleted, so that it cannot come back unseen."""
-    gone = _BEING_REMOVED - {frozenset(c) for c in cycles(import_graph())}
-    assert not gone, f"no longer a cycle, delete from _BEING_REMOVED: {[sorted(g) for g in gone]}"
