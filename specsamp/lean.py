@@ -88,14 +88,14 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         keys = lt.key_cache[0][ar, n].T if lt.noise_cache is None else None  # [N-1, M]
         vkeys_all = lt.key_cache[1][ar, n].T if need_vkeys else None  # [N, M]
     else:
-        keys = rng.fold(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
-        vkeys_all = rng.fold(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
+        keys = rng.node_keys(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
+        vkeys_all = rng.node_keys(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
     if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
         states[1:] = lt.noise_cache[:, ar, n]
     elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
         torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as _Nodes.draft scales it
     else:
-        rng.normal(keys, e, out=states[1:])
+        rng.draft_noise(keys, e, out=states[1:])
         states[1:] *= coefs[lt.dm1, std]  # std z, as _Nodes.draft scales it
     # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
     drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
@@ -336,7 +336,7 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
     ctx.x_event = tuple(st.x.shape[1:])
     ctx.coef_table = schedule.kernel.table(dev, st.x.dtype)  # [T, C]
     steps_all = torch.arange(T, device=dev)[None]
-    ctx.key_tables = (rng.fold(st.draft_keys[:, None], steps_all), rng.fold(st.verify_keys[:, None], steps_all))
+    ctx.key_tables = (rng.round_keys(st.draft_keys[:, None], steps_all), rng.round_keys(st.verify_keys[:, None], steps_all))
     D = st.x[0].numel()
     if isinstance(tree, DraftTree):
         trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
@@ -358,8 +358,8 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
             lt.bind(M, D, pool, ctx.x_event)
             if M * T * lt.N <= leantree.KEY_CACHE:
                 if ("keys", lt.N) not in shared:
-                    shared["keys", lt.N] = (rng.fold(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                                            rng.fold(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+                    shared["keys", lt.N] = (rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+                                            rng.node_keys(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
                 lt.key_cache = shared["keys", lt.N]
             _root_tables(lt, ctx)
             if lt.key_cache is not None:

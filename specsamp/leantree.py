@@ -242,18 +242,18 @@ def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared:
     N = lt.N
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
         if shared is None:
-            z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
+            z = rng.draft_noise(lt.key_cache[0], e, dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
             std = lt.coefs_by_root[lt.dm1, lt.std_col]  # [N-1, T, 1]: each node's parent step, per root
             lt.noise_cache, lt.noise_scaled = (z * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
         else:
             if ("noise", N) not in shared:
-                z = rng.normal(lt.key_cache[0], e, dtype=dtype).reshape(M, T, N - 1, D)
+                z = rng.draft_noise(lt.key_cache[0], e, dtype).reshape(M, T, N - 1, D)
                 shared["noise", N] = z.permute(2, 0, 1, 3).contiguous()
             lt.noise_cache = shared["noise", N]
-    widths = (max(int(lt.num_children_np.max()), 1), 1)
+    widths = rng.verify_widths(lt.num_children_np)
     if M * T * N * sum(widths) <= UNIFORM_CACHE:
         if shared is None or ("uniform", N, widths) not in shared:
-            tabs = [u.permute(2, 0, 1, 3).contiguous() for u in rng.uniform_table(lt.key_cache[1], widths)]
+            tabs = [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(lt.key_cache[1], widths)]
             if shared is None:
                 lt.uniform_cache = tabs
                 return

@@ -295,3 +295,38 @@ class GeneratorRows:
         u = torch.rand(self.n, m, dtype=torch.float64, device=self.device, generator=self.generator)
         # torch.rand is in [0, 1): move an exact 0 inside the interval.
         return u.clamp_min(2.0**-60)
+
+
+# The speculative round's keyed numbers, stated once for both layouts and the per-run tables. A round of row
+# (trajectory) i at root step n has the key fold(k_i, n) per stream (``draft``, ``verify``); node v of its tree
+# has fold(fold(k_i, n), v). A node's draft noise and its verification uniforms are functions of that key alone,
+# so the sparse and dense layouts, and the tables drawn once per run, give the same numbers.
+
+
+def round_keys(stream_keys: torch.Tensor, steps) -> torch.Tensor:
+    """The keys of rounds: ``fold(k, n)`` of a row's stream key ``k`` and the round's root step ``n`` (broadcast)."""
+    return fold(stream_keys, steps)
+
+
+def node_keys(keys_of_round: torch.Tensor, nodes) -> torch.Tensor:
+    """The keys of a round's nodes: ``fold(key of the round, v)`` (broadcast, as :func:`fold`)."""
+    return fold(keys_of_round, nodes)
+
+
+def draft_noise(keys: torch.Tensor, event, dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The draft noise ``z ~ N(0, I)`` of nodes from their keys (:func:`node_keys` of the ``draft`` stream), in
+    the states' ``dtype`` (or into ``out``): a child is its parent's proposal mean plus ``std z``."""
+    return normal(keys, event, dtype=dtype, out=out)
+
+
+def verify_widths(num_children) -> tuple[int, int]:
+    """The widths of a verification's first two calls of :class:`KeyedRows` that a round draws at once: ``K_max``
+    (at least 1) and 1, D-GRS's acceptance and residual uniforms (the reflection coupling reads the first)."""
+    return max(int(max(num_children)), 1), 1
+
+
+def verify_uniforms(keys: torch.Tensor, widths) -> list[torch.Tensor]:
+    """The verification uniforms of nodes from their keys (:func:`node_keys` of the ``verify`` stream), the
+    first ``len(widths)`` calls at once (:func:`uniform_table`); a verification reads them through
+    :class:`KeyedRows` ``(keys, drawn)``, which draws any further call from the keys."""
+    return uniform_table(keys, widths)

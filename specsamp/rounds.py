@@ -120,16 +120,14 @@ class _Nodes:
         e = x_parents.shape[2:]
         std = c["std"]  # [s, 1, ...]: the kernel std of eq. 37 in the states' dtype
         if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
-            keys = rng.fold(_take(self.r.draft_keys, sub)[None], ids.reshape(-1, 1))  # [C, s]
-            rng.normal(keys, e, out=out)
+            rng.draft_noise(rng.node_keys(_take(self.r.draft_keys, sub)[None], ids.reshape(-1, 1)), e, out=out)  # [C, s]
             out *= std
             bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
             for p in range(mean.shape[1]):
                 if bounds[p + 1] > bounds[p]:
                     out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
             return mean, out.transpose(0, 1)
-        keys = rng.fold(_take(self.r.draft_keys, sub)[:, None], ids)
-        noise = rng.normal(keys, e, dtype=x_parents.dtype)
+        noise = rng.draft_noise(rng.node_keys(_take(self.r.draft_keys, sub)[:, None], ids), e, x_parents.dtype)
         noise *= std[:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
         if pos is None:
             noise += mean
@@ -224,9 +222,8 @@ class _TreeNodes(_Nodes):
         innov = torch.empty_like(states)
         for l in range(1, tree.max_depth + 1):
             layer = tree.layer(l)
-            keys = rng.fold(rnd.draft_keys[None], torch.as_tensor(layer, device=dev).reshape(-1, 1))
             block = innov[layer[0] : layer[-1] + 1]
-            rng.normal(keys, e, out=block)
+            rng.draft_noise(rng.node_keys(rnd.draft_keys[None], torch.as_tensor(layer, device=dev).reshape(-1, 1)), e, out=block)
             step = (rnd.n + l - 1).clamp(max=last)
             block *= per_row(ctx.schedule.std(step).to(states.dtype), states[0])[None]
         vel = torch.zeros_like(states)
@@ -315,19 +312,19 @@ def _verify_uniforms(tree: DraftTree, rnd: _Round):
     """
     nc = np.asarray(tree.num_children)
     internal = np.flatnonzero(nc > 0)
-    widths = (max(int(nc.max()), 1), 1)
+    widths = rng.verify_widths(nc)
     m = rnd.x.shape[0]
     if m * internal.size * sum(widths) > UNIFORM_TABLE:
         def uniforms(sub, u, k):
-            keys = rng.fold(_take(rnd.verify_keys, sub), u)
-            return rng.KeyedRows(keys, rng.uniform_table(keys, (k, 1)))  # the same numbers, drawn at once
+            keys = rng.node_keys(_take(rnd.verify_keys, sub), u)
+            return rng.KeyedRows(keys, rng.verify_uniforms(keys, (k, 1)))  # the same numbers, drawn at once
         return uniforms
     dev = rnd.x.device
     col = np.full(nc.size, -1, dtype=np.int64)
     col[internal] = np.arange(internal.size)
     col = torch.as_tensor(col, device=dev)
-    keys = rng.fold(rnd.verify_keys[:, None], torch.as_tensor(internal, device=dev)[None])  # [m, I]
-    drawn = rng.uniform_table(keys, widths)  # [m, I, W_c] per call c
+    keys = rng.node_keys(rnd.verify_keys[:, None], torch.as_tensor(internal, device=dev)[None])  # [m, I]
+    drawn = rng.verify_uniforms(keys, widths)  # [m, I, W_c] per call c
 
     def uniforms(sub, u, k):
         j = col[u]
@@ -473,8 +470,8 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         frozen=ctx.draft.freeze(root, ctx.schedule),
         v_root=root.v,
         root_exact=root.exact,
-        draft_keys=rng.fold(st.draft_keys[live], n),  # (trajectory, root): the nodes fold in per draw
-        verify_keys=rng.fold(st.verify_keys[live], n),
+        draft_keys=rng.round_keys(st.draft_keys[live], n),  # (trajectory, root): the nodes fold in per draw
+        verify_keys=rng.round_keys(st.verify_keys[live], n),
         history=None if hist is None else hist.clone(),  # the walk records into its own copy
     )
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call

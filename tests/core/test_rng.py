@@ -233,3 +233,23 @@ def test_uniform_table_and_drawn_rows_give_the_keyed_numbers():
     assert u.is_contiguous() and torch.equal(u, rng.KeyedRows(keys).uniform(3)[:, :2])
     wide = rng.KeyedRows(keys, [table[1]])
     assert torch.equal(wide.uniform(3), want[0])  # wider than the table: drawn from the keys
+
+
+def test_round_numbers_are_those_of_the_node_key():
+    """The round's keyed numbers (one statement for both layouts and the per-run tables): node ``v`` of the
+    round of row ``i`` at root step ``n`` draws its noise and uniforms from ``fold(fold(k_i, n), v)``, however
+    the keys are batched (per row, node-major, or a per-run (row, root, node) table)."""
+    k = rng.base_key(3, torch.arange(4), "draft")
+    n, v = torch.tensor([0, 5, 2, 9]), torch.tensor([1, 2, 3])
+    per_run = rng.node_keys(rng.round_keys(k[:, None], torch.arange(10)[None])[:, :, None], v[None, None])  # [4, 10, 3]
+    node_major = rng.node_keys(rng.round_keys(k, n)[None], v[:, None])  # [3, 4]
+    assert torch.equal(per_run[torch.arange(4), n], node_major.T)
+    assert torch.equal(node_major, rng.fold(k[None], n[None], v[:, None]))
+    z = rng.draft_noise(node_major, (5,), torch.float32)
+    out = torch.empty(3, 4, 5, dtype=torch.float32)
+    rng.draft_noise(node_major, (5,), out=out)
+    assert torch.equal(z, out) and torch.equal(z, rng.normal(node_major, (5,)).float())
+    assert rng.verify_widths([0, 3, 1, 0]) == (3, 1) and rng.verify_widths([0]) == (1, 1)
+    drawn = rng.verify_uniforms(node_major.reshape(-1), (3, 1))
+    rows = rng.KeyedRows(node_major.reshape(-1))
+    assert torch.equal(drawn[0], rows.uniform(3)) and torch.equal(drawn[1], rows.uniform(1))
