@@ -231,12 +231,19 @@ class _Tally:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
         return cls(z(M), z(M), z(M), z(M), z(M, T - 2), z(M, L), z(M, L), z(T, L), z(T, L))
 
-    def charge(self, rows: torch.Tensor, call_rows: torch.Tensor) -> None:
-        """One batched call in which trajectories ``rows`` had ``call_rows`` states each (0: not in it)."""
+    def charge(self, rows: torch.Tensor | None, call_rows: torch.Tensor, batch: bool = True) -> None:
+        """One batched call in which trajectories ``rows`` (``None``: all) had ``call_rows`` states each (0: not in
+        it). ``batch``: count the call in ``batch_nfe`` here (one host synchronisation); the dense layout counts it
+        from its host plan instead."""
         charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
-        self.nfe[rows] += charged.long()
-        self.call_rows[rows] += call_rows
-        self.batch_nfe += int(bool(charged.any()))
+        if rows is None:
+            self.nfe += charged
+            self.call_rows += call_rows
+        else:
+            self.nfe[rows] += charged.long()
+            self.call_rows[rows] += call_rows
+        if batch:
+            self.batch_nfe += int(bool(charged.any()))
 
     def result(self, samples: torch.Tensor, T: int) -> SampleResult:
         return SampleResult(

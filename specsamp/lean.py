@@ -195,12 +195,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
-    charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
 
     def commit(tally: _Tally):
         count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
-        tally.nfe += charged
-        tally.call_rows += call_rows
+        tally.charge(None, call_rows, batch=False)  # the call itself is counted by the layout, from its host plan
         commit_round(st, tally, live, out.reshape(x.shape), n_new, steps, v_next.reshape(x.shape), exact_new,
                      hist if st.history is not None else None)
 
