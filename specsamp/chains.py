@@ -144,6 +144,16 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dim=-1)
 
 
+def leaf_prefetch(prefetch: str, finished: torch.Tensor, leaf_evaluated: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The prefetch rules' leaf half, ``exact [m]``: where the walk finished at a leaf (``finished [m]``) that the
+    round's call evaluated (``leaf_evaluated()``, asked only when read), the leaf's own velocity is the next
+    root's, exact; ``prefetch=none``: nowhere (the next round calls its root). Elsewhere the next root's
+    velocity is the last verified node's, or for ``nearest`` that of :func:`nearest_sibling`'s pick."""
+    if prefetch == "none":
+        return torch.zeros_like(finished)
+    return finished & leaf_evaluated()
+
+
 def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefetch rule ``nearest`` where a row's walk stopped at a rejection: of the stopped node's children
     ``kids [r, K, ...]``, those the round's call evaluated (``ok [r, K]``), the one nearest the committed state

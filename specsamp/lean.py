@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import rng
-from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, nearest_sibling, run_rounds
+from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, run_rounds
 from .coupling import deferred_checks
 from .drafts import Draft, DraftHistory, DraftRoot
 from .trees import DraftTree
@@ -181,9 +181,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     v_leaf = vrest[lt.vrest_row[ustar], ar]  # where finished, u* is a leaf of depth >= 1
     # prefetch (the rules of chains.nearest_sibling)
     evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
-    v_next, exact = v_cur, torch.zeros_like(live)
+    v_next, exact = v_cur, leaf_prefetch(ctx.prefetch, finished, lambda: evaluated[ar, ustar])
     if ctx.prefetch != "none":
-        exact = finished & evaluated[ar, ustar]
         v_next = torch.where(exact[:, None], v_leaf, v_next)
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import rng
-from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, nearest_sibling, round_masks
+from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .schedule import per_row
@@ -434,14 +434,13 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
     m = rnd.x.shape[0]
     dev = rnd.x.device
     v_next = v_cur  # the walk's own; for finished rows: the leaf's parent velocity (the last verified node's)
-    exact = torch.zeros(m, dtype=torch.bool, device=dev)
+    exact = leaf_prefetch(ctx.prefetch, finished, lambda: nodes.evaluated(cur, torch.arange(m, device=dev)))
     if ctx.prefetch == "none":
         return v_next, exact
-    idx = (finished & nodes.evaluated(cur, torch.arange(m, device=dev))).nonzero(as_tuple=True)[0]
+    idx = exact.nonzero(as_tuple=True)[0]
     if idx.numel():
         # a finished row accepted at depth 1 at least (every live row's root has children): its leaf is not the root
         v_next[idx] = nodes.inner_velocity(idx, cur[idx], _take(x_cur, idx), nodes.t["depth"][cur[idx]])
-        exact[idx] = True
     if ctx.prefetch == "nearest":
         for l, sub, ids, kids, stopped in verified:
             at = stopped.nonzero(as_tuple=True)[0]
