@@ -147,11 +147,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
                 kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
             else:
                 kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
-            if drawn_all is None:
-                rows = rng.KeyedRows(vkeys_all[u].reshape(-1))
-            else:
-                drawn = [(d[u_sl] if u_sl is not None else d[u]).reshape(c * M, -1) for d in drawn_all]
-                rows = rng.KeyedRows(_chunk_keys(lt, vkeys_all, ar, n, u), drawn)
+            rows = _verify_rows(vkeys_all, drawn_all, lambda t: (t[u_sl] if u_sl is not None else t[u]).reshape(c * M, *t.shape[2:]),
+                                lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
             verdict = verify(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
                              rows)  # line 17, every internal node at once
             acc[:, u] = verdict.accepted.reshape(c, M).T
@@ -204,21 +201,13 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     return commit, n_new, exact_new, bad, live
 
 
-def _chunk_keys(lt, vkeys_all, ar, n, u):
-    """The verification keys ``[c M]`` of the nodes ``u`` (node-major), as a function for :class:`specsamp.rng.KeyedRows`:
-    drawn only where a coupling asks for numbers the per-run uniform table does not hold."""
-    if vkeys_all is not None:
-        return vkeys_all[u].reshape(-1)
-    return lambda: lt.key_cache[1][ar, n].T[u].reshape(-1)
-
-
-def _rows_of(lt, vkeys_all, drawn_all, ar, n, w):
-    """The uniform source of node ``w[i]`` of every row ``i`` (long ``[M]``): its rows of the run's uniform table
-    where there is one (its keys drawn only if a coupling asks for more), else its keys."""
+def _verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
+    """The uniform source of the verification of the nodes ``take`` picks from node-major ``[N, M, ...]`` tables: their
+    rows of the run's uniform table ``drawn_all`` where there is one (their keys, ``lazy_keys()`` where ``vkeys_all``
+    is not at hand, drawn only if a coupling asks for more numbers), else their keys."""
     if drawn_all is None:
-        return rng.KeyedRows(vkeys_all[w, ar])
-    keys = vkeys_all[w, ar] if vkeys_all is not None else (lambda: lt.key_cache[1][ar, n, w])  # [M]
-    return rng.KeyedRows(keys, [d[w, ar] for d in drawn_all])
+        return rng.KeyedRows(take(vkeys_all))
+    return rng.KeyedRows(take(vkeys_all) if vkeys_all is not None else lazy_keys, [take(d) for d in drawn_all])
 
 
 def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
@@ -315,7 +304,7 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
         verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
-                               _rows_of(lt, vkeys_all, drawn_all, ar, n, w))
+                               _verify_rows(vkeys_all, drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]))
         out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
     return out
 
