@@ -90,7 +90,7 @@ def run(out: Path, names: list[str], cwd: Path = ROOT) -> None:
         print(f"{name:28s} {status}  {done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ''}",
               flush=True)
         if done.returncode != 0:
-            (target).mkdir(parents=True, exist_ok=True)
+            target.mkdir(parents=True, exist_ok=True)
             (target / "stderr.txt").write_text(done.stderr)
 
 

@@ -54,8 +54,8 @@ from dataclasses import dataclass
 import torch
 
 from .batching import row_sums
+from .kernels import lsnr
 from .registry import Registry
-from .kernels import lsnr as _lsnr_feature
 from .schedule import Schedule, per_row
 
 
@@ -281,7 +281,7 @@ def _x0_extrap(gate: bool = False):
     records, or a pair whose ``lambda`` difference is not finite (a record at ``sigma = 1``), the
     slope is 0 (the ``x0`` draft).
     """
-    feature = _lsnr_feature
+    feature = lsnr
 
     def freeze(root: DraftRoot, sch: Schedule):
         sig = sch.sigmas.to(root.x.device)
