@@ -80,6 +80,7 @@ class _Context:
     check_contract: bool = False  # check every verdict against the coupling contract
     refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
     compiled: bool = False  # the lean round runs under torch.compile (specsamp.compiled)
+    step_keys: torch.Tensor | None = None  # [M] the standard sampler's step keys (kernels with noisy endpoints)
 
 
 def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
@@ -277,17 +278,45 @@ class _Chains:
     history: DraftHistory | None = None  # [M, H, ...] exact records along the trajectories (drafts with history)
 
 
-def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally) -> _Chains:
-    """Step 0, a deterministic Euler step from sigma = 1 (Algorithm 1, line 1: the chain's first state)."""
+def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape, dtype, init=None) -> torch.Tensor:
+    """The trajectories' first states ``[M, *event]``: ``init`` where given (on the linear path, at ``sigmas[0]``),
+    else the keyed noise (:func:`initial_noise`) times the kernel's initial scale where it has one."""
+    if init is not None:
+        x = torch.as_tensor(init).to(device=ids.device, dtype=dtype)
+        if tuple(x.shape) != (ids.numel(), *event_shape):
+            raise ValueError(f"init has shape {tuple(x.shape)}: need {(ids.numel(), *event_shape)} (trajectories, event)")
+        return x.clone()
+    x = initial_noise(seed, ids, event_shape, dtype)
+    scale = schedule.initial_scale()
+    return x if scale is None else x * scale
+
+
+def endpoint_noise(ctx: _Context, x: torch.Tensor, n: int, rows=None) -> torch.Tensor:
+    """``x`` plus the kernel's noise of endpoint step ``n`` (0 or ``T - 1``) where the kernel has one there,
+    keyed as the standard sampler keys its step ``n``; ``x`` itself for Euler--Maruyama (no noise, no bits)."""
+    if not ctx.schedule.stochastic_endpoints:
+        return x
+    std = float(ctx.schedule.std(torch.tensor([n]))[0])
+    if std == 0.0:
+        return x
+    keys = ctx.step_keys if rows is None else ctx.step_keys[rows]
+    return x + std * rng.normal(rng.fold(keys, n), tuple(x.shape[1:]), dtype=x.dtype)
+
+
+def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally, init=None) -> _Chains:
+    """Step 0 from the first level (Algorithm 1, line 1: the chain's first state): a deterministic Euler step for
+    Euler--Maruyama (from sigma = 1), the scheduler's own step for the others."""
     dev = ids.device
     M = ids.numel()
-    x = initial_noise(seed, ids, model.event_shape, model.dtype)
+    x = initial_state(ctx.schedule, seed, ids, model.event_shape, model.dtype, init)
     n = torch.zeros(M, dtype=torch.long, device=dev)
     v0 = ctx.velocity(x, n, torch.arange(M, device=dev))
     tally.endpoint_nfe += 1
+    if ctx.schedule.stochastic_endpoints:
+        ctx.step_keys = rng.base_key(seed, ids, "step", device=dev)
     # warmup=step0 drafts the first round from the step-0 velocity (at sigma = 1, so not exact at the root)
     st = _Chains(
-        x=ctx.schedule.mean(x, v0, n),
+        x=endpoint_noise(ctx, ctx.schedule.mean(x, v0, n), 0),
         n=n + 1,
         v_root=v0 if warmup == "step0" else torch.zeros_like(x),
         root_exact=torch.zeros(M, dtype=torch.bool, device=dev),
@@ -350,4 +379,4 @@ def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tens
     if w is not None and w.numel():
         v_last[w] = ctx.velocity(st.x[w], last[w], w)
         tally.endpoint_nfe[w] += 1
-    return ctx.schedule.mean(st.x, v_last, last)
+    return endpoint_noise(ctx, ctx.schedule.mean(st.x, v_last, last), ctx.schedule.steps - 1)

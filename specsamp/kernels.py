@@ -139,3 +139,171 @@ class EulerMaruyama(Kernel):
 
     def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
         return x + c["dt"] * (c["a"] * out + c["b"] * x)
+
+
+KERNELS.register("em", EulerMaruyama)  # the config's short name (``kernel=em``)
+
+
+def _clip_x0(x0: torch.Tensor, c: dict) -> torch.Tensor:
+    """The data prediction after the scheduler's own clip or dynamic threshold (none unless its options ask)."""
+    k = c["kernel"]
+    if k.threshold is not None:  # diffusers' dynamic thresholding: per sample, over its event dimensions
+        ratio, max_value = k.threshold
+        e = k.event_ndim
+        flat = x0.flatten(x0.ndim - e) if e > 1 else x0
+        up = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        s = torch.quantile(up.abs(), ratio, dim=-1, keepdim=True).clamp(min=1.0, max=max_value)
+        return (torch.maximum(torch.minimum(up, s), -s) / s).to(x0.dtype).reshape(x0.shape)
+    if k.clip is not None:
+        return x0.clamp(-k.clip, k.clip)
+    return x0
+
+
+class DataPredictionKernel(Kernel):
+    """A kernel whose mean is affine in the state and the data prediction ``x0 = x - sigma v``::
+
+        mean = c_x x + c_x0 clip(x - sigma v),   std = std_n,
+
+    on the linear path (``x = (1 - sigma) x0 + sigma xi``, the states the sampler holds). A scheduler that works
+    in its own coordinates ``y = k_n x`` (variance preserving: ``k = alpha + sigma_vp``; variance exploding:
+    ``k = 1 + sigma_ve``) has its step ``y' = A y + B x0 + S z`` written here as ``c_x = A k_n / k_{n+1}``,
+    ``c_x0 = B / k_{n+1}``, ``std = S / k_{n+1}``: the same Gaussian, so every coupling and draft applies
+    unchanged, and the entry points convert ``y`` at the start and the end (``k = 1`` at ``sigma = 0``).
+
+    Options common to these kernels: ``clip`` (clip the data prediction to ``[-clip, clip]``, diffusers'
+    ``clip_sample``), ``threshold`` (``(ratio, max_value)``: diffusers' dynamic thresholding over the last
+    ``event_ndim`` dimensions) and ``init_scale`` (the initial state is ``init_scale * xi``).
+    """
+
+    columns = ("c_x", "c_x0", "sigma", "std", "lsnr")
+    stochastic_endpoints = True
+
+    def __init__(self, sigmas: torch.Tensor, eps: float, clip: float | None = None, threshold=None,
+                 event_ndim: int = 1, init_scale: float | None = None, **options):
+        super().__init__(sigmas, eps)
+        self.clip, self.threshold, self.event_ndim = clip, threshold, int(event_ndim)
+        self.options = options
+        self._init_scale = init_scale
+
+    def level_scale(self) -> torch.Tensor:
+        """float64 ``[T + 1]``: ``k_n``, the scheduler's state over the linear path's at each level."""
+        return torch.ones_like(self.sigmas)
+
+    @property
+    def init_scale(self) -> float:
+        """The initial state is ``init_scale * xi``, ``xi ~ N(0, I)`` (the scheduler's start, on the linear path)."""
+        if self._init_scale is not None:
+            return float(self._init_scale)
+        return float(1.0 / self.level_scale()[0])
+
+    def step_coefficients(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(A, B, S)`` float64 ``[T]``: the step in the scheduler's coordinates, ``y' = A y + B x0 + S z``."""
+        raise NotImplementedError
+
+    def columns64(self, device) -> dict[str, torch.Tensor]:
+        A, B, S = self.step_coefficients(device)
+        k = self.level_scale().to(device)
+        return {"c_x": A * k[:-1] / k[1:], "c_x0": B / k[1:], "sigma": self.sigmas.to(device)[:-1], "std": S / k[1:]}
+
+    def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
+        return c["c_x"] * x + c["c_x0"] * _clip_x0(x - c["sigma"] * out, c)
+
+
+DDPM_VARIANCES = ("fixed_small", "fixed_small_log", "fixed_large")
+
+
+@register_kernel("ddpm")
+class DDPM(DataPredictionKernel):
+    """Ancestral DDPM as ``diffusers.DDPMScheduler.step`` computes it (Ho et al. 2020, eqs. 6-7).
+
+    The grid is the linear path's image of the scheduler's levels: ``sigma = sigma_vp / (alpha + sigma_vp)``
+    with ``alpha^2 = alphas_cumprod[t]``, ``sigma_vp^2 = 1 - alpha^2``, and ``alpha = 1`` after the last
+    timestep. With ``a_t``, ``a_p`` the cumulative alphas of step ``n``'s two levels::
+
+        A = sqrt(a_t / a_p) (1 - a_p) / (1 - a_t),   B = sqrt(a_p) (1 - a_t / a_p) / (1 - a_t),
+        S^2 = max((1 - a_p) / (1 - a_t) (1 - a_t / a_p), 1e-20)   (fixed_small; fixed_large: 1 - a_t / a_p),
+
+    and no noise at a step whose timestep is 0 (``final_noise=False``: diffusers adds noise where ``t > 0``).
+    """
+
+    def __init__(self, sigmas, eps, variance_type: str = "fixed_small", final_noise: bool = False, **options):
+        super().__init__(sigmas, eps, **options)
+        if variance_type not in DDPM_VARIANCES:
+            raise ValueError(f"variance_type={variance_type!r} is not reproduced: supported are {', '.join(DDPM_VARIANCES)}")
+        self.variance_type, self.final_noise = variance_type, bool(final_noise)
+
+    def alphas_cumprod(self) -> torch.Tensor:
+        """float64 ``[T + 1]``: ``alpha^2`` at each level, from the grid (``sigma_vp / alpha = sigma / (1 - sigma)``)."""
+        r = self.sigmas / (1.0 - self.sigmas)
+        return 1.0 / (1.0 + r * r)
+
+    def level_scale(self) -> torch.Tensor:
+        a = self.alphas_cumprod()
+        return a.sqrt() + (1.0 - a).sqrt()
+
+    def step_coefficients(self, device):
+        a = self.alphas_cumprod().to(device)
+        a_t, a_p = a[:-1], a[1:]
+        cur_alpha = a_t / a_p
+        cur_beta = 1.0 - cur_alpha
+        A = cur_alpha.sqrt() * (1.0 - a_p) / (1.0 - a_t)
+        B = a_p.sqrt() * cur_beta / (1.0 - a_t)
+        var = cur_beta if self.variance_type == "fixed_large" else ((1.0 - a_p) / (1.0 - a_t) * cur_beta).clamp(min=1e-20)
+        S = var.sqrt()
+        if not self.final_noise:
+            S = torch.cat([S[:-1], S.new_zeros(1)])
+        return A, B, S
+
+
+@register_kernel("euler_ancestral")
+class EulerAncestral(DataPredictionKernel):
+    """k-diffusion's ``sample_euler_ancestral`` (and ``diffusers.EulerAncestralDiscreteScheduler``, ``eta = 1``).
+
+    In the variance-exploding coordinates ``y = x0 + sigma_ve xi`` (``sigma_ve = sigma / (1 - sigma)``,
+    ``k = 1 + sigma_ve``), with ``sigma_up = min(s', eta sqrt(s'^2 (s^2 - s'^2) / s^2))`` and
+    ``sigma_down = sqrt(s'^2 - sigma_up^2)`` for the step ``s -> s'``::
+
+        y' = y + (y - x0) / s (sigma_down - s) + s_noise sigma_up z,
+
+    so ``A = sigma_down / s``, ``B = 1 - A``, ``S = s_noise sigma_up``. The initial state is
+    ``sigma_ve[0] xi`` (k-diffusion's ``x = noise * sigmas[0]``) unless ``init_scale`` is given.
+    """
+
+    def __init__(self, sigmas, eps, eta: float = 1.0, s_noise: float = 1.0, **options):
+        super().__init__(sigmas, eps, **options)
+        if not (eta > 0 and s_noise > 0):
+            raise ValueError(f"eta={eta!r}, s_noise={s_noise!r}: both must be > 0 (eta=0 is the deterministic "
+                             "Euler sampler, where speculation is vacuous)")
+        self.eta, self.s_noise = float(eta), float(s_noise)
+
+    def sigmas_ve(self) -> torch.Tensor:
+        """float64 ``[T + 1]``: the variance-exploding levels ``sigma / (1 - sigma)``."""
+        return self.sigmas / (1.0 - self.sigmas)
+
+    def level_scale(self) -> torch.Tensor:
+        return 1.0 + self.sigmas_ve()
+
+    @property
+    def init_scale(self) -> float:
+        if self._init_scale is not None:
+            return float(self._init_scale)
+        return float(self.sigmas_ve()[0] / self.level_scale()[0])
+
+    def step_coefficients(self, device):
+        s = self.sigmas_ve().to(device)
+        s0, s1 = s[:-1], s[1:]
+        up = torch.minimum(s1, self.eta * (s1 * s1 * (s0 * s0 - s1 * s1) / (s0 * s0)).sqrt())
+        down = (s1 * s1 - up * up).sqrt()
+        A = down / s0
+        return A, 1.0 - A, self.s_noise * up
+
+
+@register_kernel("flow_stochastic")
+class FlowStochastic(DataPredictionKernel):
+    """``diffusers.FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``: the data prediction moved to the
+    next level with fresh noise, ``x' = (1 - s') (x - s v) + s' z`` (SD3/Flux's flow models; the grid is the
+    scheduler's shifted sigmas, already the linear path's)."""
+
+    def step_coefficients(self, device):
+        s1 = self.sigmas.to(device)[1:]
+        return torch.zeros_like(s1), 1.0 - s1, s1.clone()

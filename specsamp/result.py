@@ -22,7 +22,8 @@ class SampleResult:
         samples: ``[M, *event]`` final states (sigma = 0).
         nfe: ``[M]`` batched target calls on the speculative steps ``1..T-2`` (warm-up included).
         nfe_total: ``[M]`` all batched target calls, the two endpoint steps included.
-        target_rows: ``[M]`` states evaluated by the speculative calls.
+        target_rows: ``[M]`` network rows of the speculative calls: states evaluated, times the model's
+            ``rows_per_state`` (2 under classifier-free guidance, :class:`specsamp.models.parametrisation.Guided`).
         rounds: ``[M]`` speculative rounds.
         committed: ``[M, R]`` steps committed by each round (0-padded).
         attempts: ``[M, L]`` verifications attempted at each depth.

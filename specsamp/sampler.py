@@ -48,6 +48,7 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     _Velocity,
     check_verdict_contract,
     initial_noise,
+    initial_state,
     run_rounds,
 )
 from .compiled import check_compile, compiled_round, for_compile
@@ -117,6 +118,7 @@ def sample_standard(
     cond: dict | None = None,
     max_batch: int | None = None,
     callback: Callable[[dict], None] | None = None,
+    init: torch.Tensor | None = None,
 ) -> SampleResult:
     """The standard Euler--Maruyama sampler: one target call per step (eqs. 4--5, 36--37).
 
@@ -130,6 +132,8 @@ def sample_standard(
         max_batch: rows per forward pass.
         callback: called after each step with ``{"step", "steps_done"}`` (``steps_done``: steps of the
             speculative range ``1..T-2`` done, summed over trajectories; for progress bars).
+        init: ``[M, *event]`` first states on the linear path at ``sigmas[0]`` (an entry point's given noise);
+            None: the keyed noise times the kernel's initial scale (:func:`specsamp.chains.initial_state`).
 
     Returns:
         :class:`SampleResult` with ``nfe = T - 2`` for every trajectory.
@@ -141,7 +145,7 @@ def sample_standard(
     ids = _trajectory_ids(n_samples, indices, dev)
     m = ids.numel()
     velocity = _Velocity(model, schedule, cond, max_batch)
-    x = initial_noise(seed, ids, model.event_shape, model.dtype)
+    x = initial_state(schedule, seed, ids, model.event_shape, model.dtype, init)
     step_keys = rng.base_key(seed, ids, "step", device=dev)
     traj = torch.arange(m, device=dev)
     for n in range(schedule.steps):
@@ -158,7 +162,7 @@ def sample_standard(
         samples=x,
         nfe=z + (T - 2),
         nfe_total=z + T,
-        target_rows=z + (T - 2),
+        target_rows=(z + (T - 2)) * rows_per_state(model),
         rounds=z + (T - 2),
         committed=torch.ones(m, T - 2, dtype=torch.long, device=dev),
         attempts=torch.zeros(m, 0, dtype=torch.long, device=dev),
@@ -210,6 +214,7 @@ def sample_speculative(
     check_contract: bool | None = None,
     refine: int = 0,
     compile: bool = False,
+    init: torch.Tensor | None = None,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
 
@@ -261,6 +266,8 @@ def sample_speculative(
             Each distinct tree and batch size compiles once per process (seconds to tens of seconds). The
             law is the same; the samples equal the eager ones to the rounding of fused float operations, the
             counts wherever that rounding flips no verdict. Tree execution, lean round only.
+        init: ``[M, *event]`` first states on the linear path at ``sigmas[0]`` (an entry point's given noise);
+            None: the keyed noise times the kernel's initial scale.
 
     The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
     ``x0_extrap``, ``x0_extrap_gated``, ``x0_affine``: every registered draft), on a fixed tree or a tree per root step (one lean round per distinct tree
@@ -330,7 +337,7 @@ def sample_speculative(
 
         tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
 
-    st = _first_step(ctx, model, seed, ids, warmup, tally)
+    st = _first_step(ctx, model, seed, ids, warmup, tally, init)
     if isinstance(tree, DraftTree):
         reference = lambda live, cls=_TreeNodes: _round(ctx, tree, tensors, cls, st, live, tally)  # noqa: E731
     else:
@@ -340,7 +347,15 @@ def sample_speculative(
                             compiled_round() if ctx.compiled else None)
     else:
         samples = run_rounds(ctx, st, tally, warmup, callback, SparseLayout(ctx, st, tally, lambda live: reference(live, nodes_cls)))
-    return _with_refine(tally.result(samples, T), ctx.refine)
+    res = _with_refine(tally.result(samples, T), ctx.refine)
+    if rows_per_state(model) != 1:
+        res.target_rows = res.target_rows * rows_per_state(model)
+    return res
+
+
+def rows_per_state(model) -> int:
+    """Network rows one state costs (``model.rows_per_state``: 2 under classifier-free guidance, else 1)."""
+    return int(getattr(model, "rows_per_state", 1))
 
 
 def _check_refine(refine, execution: str) -> int:

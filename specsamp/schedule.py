@@ -19,7 +19,7 @@ steps ``1 .. T-2``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,11 +56,14 @@ class Schedule:
         sigmas: float64 ``[T + 1]``, decreasing from 1 to 0.
         eps: churn in (0, 1].
         kernel_name: the registered transition kernel (:mod:`specsamp.kernels`).
+        kernel_options: keyword arguments of the kernel's constructor (a scheduler's options: DDPM's
+            ``variance_type``, Euler ancestral's ``eta``, ``clip``, ...); empty for Euler--Maruyama.
     """
 
     sigmas: torch.Tensor
     eps: float
     kernel_name: str = "euler_maruyama"
+    kernel_options: dict = field(default_factory=dict)
 
     @classmethod
     def make(cls, steps: int, eps: float, shift: float = 1.0, sigma_min: float = 1e-3) -> Schedule:
@@ -103,7 +106,18 @@ class Schedule:
     def kernel(self) -> Kernel:
         """The run's transition kernel (:mod:`specsamp.kernels`, registered as :attr:`kernel_name`) on this grid:
         it owns every step's coefficients (mean and std)."""
-        return get_kernel(self.kernel_name)(self.sigmas, self.eps)
+        return get_kernel(self.kernel_name)(self.sigmas, self.eps, **self.kernel_options)
+
+    @property
+    def stochastic_endpoints(self) -> bool:
+        """Whether the kernel may add noise at the two steps outside speculation (step 0 and ``T - 1``): the
+        schedulers' kernels do (their first step is an ancestral step), Euler--Maruyama's endpoints are Euler steps."""
+        return bool(getattr(self.kernel, "stochastic_endpoints", False))
+
+    def initial_scale(self) -> float | None:
+        """The initial state is ``scale * xi`` on the linear path (a scheduler's start, e.g. DDPM's
+        ``xi / (alpha + sigma_vp)``); None: ``xi`` itself (Euler--Maruyama from ``sigma = 1``)."""
+        return getattr(self.kernel, "init_scale", None)
 
     def std(self, n: torch.Tensor) -> torch.Tensor:
         """Kernel std of step ``n`` (eq. 37): ``eps g(sigma_n) sqrt(sigma_n - sigma_{n+1})``; 0 at the endpoints.
