@@ -13,7 +13,10 @@ The kernel (:mod:`specsamp.kernels`; :attr:`Schedule.kernel`, by default the Eul
 
 The first step (from ``sigma = 1``, where ``g`` is infinite) and the last (to ``sigma = 0``) are plain
 Euler steps with no noise: no coupling exists there, so they lie outside speculation, which covers
-steps ``1 .. T-2``.
+steps ``1 .. T-2``. The schedulers' kernels (``ddpm``, ``euler_ancestral``, ``flow_stochastic``: a
+grid from :mod:`specsamp.integrations.schedulers`) keep that split; their step 0 is an ancestral step with
+noise (:attr:`Schedule.stochastic_endpoints`), and their first state is the scheduler's initial noise
+(:meth:`Schedule.initial_scale`).
 """
 
 from __future__ import annotations
