@@ -126,8 +126,9 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     try:
         res = sample_speculative(target, schedule, draft_tree, coupling, x.shape[0], draft=draft, execution=execution,
                                  seed=seed, cond=rows or None, init=init, callback=report.round, **passed)
-    finally:
-        report.close_on_error()
+    except BaseException:
+        report.bar.close()
+        raise
     out = res.samples.to(x.dtype)
     report.finish(out)
     if stats is not None:
@@ -177,10 +178,6 @@ class _Reporter:
         self._emit(self.T - 1, final, final)  # only where no round reported them (a run without rounds)
         self._emit(self.T, x_last, final)
         self.bar.close()
-
-    def close_on_error(self) -> None:
-        if self.done < self.T:
-            self.bar.close()
 
 
 def _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats):
