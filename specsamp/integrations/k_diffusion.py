@@ -14,8 +14,6 @@ k-diffusion is not imported: its conventions are reproduced here, its code is no
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from .. import rng
