@@ -48,11 +48,13 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
             "denoised"}`` (``sigma = sigma_hat = sigmas[i]``). A round commits several steps at once and the rows of a
             batch advance at their own pace, so step ``i`` is reported as soon as every row has committed it (several
             steps after one round). ``x`` is then the batch's state: each row at its own level, at or below
-            ``sigmas[i + 1]``, in k-diffusion's coordinates; ``denoised`` each row's data prediction there (the
-            network's at that state where the round evaluated it, else at the nearest evaluated draft of the same
-            level). At the last step they are k-diffusion's: ``x`` the states at ``sigmas[-2]``, ``denoised`` the
-            returned samples (the last step returns its data prediction). Previews and progress bars read them; they
-            are not the chain's states at ``sigmas[i]``.
+            ``sigmas[i + 1]``, in k-diffusion's coordinates; ``denoised`` each row's data prediction there, from the
+            velocity its next round drafts from (the network's at that state where the round evaluated it, else a
+            stand-in: under the default ``prefetch=nearest``, the nearest evaluated draft's of the same level). At
+            the last step they are k-diffusion's: ``x`` the states at ``sigmas[-2]``, ``denoised`` the returned
+            samples (the last step returns its data prediction). Previews and progress bars read them; they are not
+            the chain's states at ``sigmas[i]``. A two-step ``sigmas`` runs no round: both steps are reported at the
+            end with the returned samples.
         disable: no progress bar (tqdm's ``disable``: None hides it off a terminal).
         eta: the ancestral noise's share, > 0 (k-diffusion's ``get_ancestral_step``; 1: the full ancestral step).
         s_noise: the noise's scale, > 0.

@@ -337,14 +337,43 @@ def test_returns_x_dtype_shape_and_device_and_hands_the_model_sigmas_as_k_diffus
     assert {float(v) for s in levels for v in s} <= {float(v) for v in sig[:-1]}  # exactly the caller's levels
 
 
-def test_ksamplers_call_binds_and_runs():
+def docs_node(monkeypatch):
+    """The ComfyUI node of ``docs/integrations.md``, run against a stand-in ``comfy.samplers.KSAMPLER`` that keeps
+    what ComfyUI's keeps: the function and its ``extra_options``."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "KSAMPLER" in b]
+
+    class KSAMPLER:
+        def __init__(self, sampler_function, extra_options={}, inpaint_options={}):
+            self.sampler_function, self.extra_options = sampler_function, extra_options
+
+    samplers = types.ModuleType("comfy.samplers")
+    samplers.KSAMPLER = KSAMPLER
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.samplers", samplers)
+    sys.modules["comfy"].samplers = samplers
+    namespace = {}
+    exec(compile(code, "docs/integrations.md", "exec"), namespace)
+    (node,) = namespace["NODE_CLASS_MAPPINGS"].values()
+    defaults = {k: v[1]["default"] if len(v) > 1 else v[0][0] for k, v in node.INPUT_TYPES()["required"].items()}
+    return getattr(node(), node.FUNCTION)(**defaults)[0]
+
+
+def test_ksamplers_call_binds_and_runs(monkeypatch):
     """ComfyUI's ``KSAMPLER(sampler_function, extra_options)`` calls ``sampler_function(model_k, noise, sigmas,
     extra_args=..., callback=..., disable=..., **extra_options)``; its model wrapper takes ``denoise_mask``,
-    ``model_options`` and ``seed`` keywords (``denoise_mask=None`` without inpainting)."""
+    ``model_options`` and ``seed`` keywords (``denoise_mask=None`` without inpainting). The sampler is the docs' node's."""
+    sampler = docs_node(monkeypatch)
+    assert sampler.sampler_function is sample_euler_ancestral
     sig = karras(8)
     noise = torch.randn(2, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * sig[0]
     info = {}
-    extra_options = {"K": 2, "L": 2, "coupling": "dgrs", "execution": "tree", "stats": info}
+    extra_options = {**sampler.extra_options, "stats": info}
     extra_args = {"cond": [], "uncond": [], "cond_scale": 5.0, "model_options": {}, "seed": 7, "denoise_mask": None}
     previews = []
 
