@@ -179,7 +179,8 @@ def test_digits_network_as_a_k_diffusion_denoiser(digits):
     r = info["result"]
     assert out.shape == x.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
     assert info["steps"] == 12 and info["calls"] < 12
-    assert bool((r.nfe < 10).all()) and bool((r.nfe_total == r.nfe + 2).all() | (r.nfe_total == r.nfe + 1).all())
+    endpoint_calls = r.nfe_total - r.nfe  # step 0, and step T - 1 unless the last round left its velocity
+    assert bool((r.nfe < 10).all()) and bool(((endpoint_calls >= 1) & (endpoint_calls <= 2)).all())
     assert float(out.abs().max()) < 3  # images in [-1, 1] (the network's data), not noise at sigma 80
 
 
