@@ -425,7 +425,8 @@ class DenseLayout:
 
     def progress(self, r: int, live_host) -> dict:
         return {"round": r, "live": int((self.n_host < self.end).sum()), "batch_nfe": self.tally.batch_nfe,
-                "steps_done": int((self.n_host - self.ctx.schedule.first_speculative).clip(min=0).sum())}
+                "steps_done": int((self.n_host - self.ctx.schedule.first_speculative).clip(min=0).sum()),
+                "n": self.st.n, "x": self.st.x, "v": self.st.v_root}
 
     def need_rows(self):
         return _upload(np.flatnonzero(~self.exact_host), self.st.x.device)

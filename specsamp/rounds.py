@@ -513,7 +513,7 @@ class SparseLayout:
     def progress(self, r: int, live) -> dict:
         first = self.ctx.schedule.first_speculative
         return {"round": r, "live": int(live.numel()), "batch_nfe": self.tally.batch_nfe,
-                "steps_done": int((self.st.n - first).clamp(min=0).sum())}
+                "steps_done": int((self.st.n - first).clamp(min=0).sum()), "n": self.st.n, "x": self.st.x, "v": self.st.v_root}
 
     def need_rows(self):
         return None

@@ -244,8 +244,10 @@ def sample_speculative(
         indices: explicit trajectory ids ``[M]``.
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass of one batched call.
-        callback: called after each round with ``{"round", "live", "batch_nfe", "steps_done"}``
-            (``steps_done``: speculative steps committed so far, summed over trajectories).
+        callback: called after each round with ``{"round", "live", "batch_nfe", "steps_done", "n", "x", "v"}``
+            (``steps_done``: speculative steps committed so far, summed over trajectories; ``n [M]``, ``x [M, *e]``:
+            each trajectory's state index and state, ``v``: the velocity its next round drafts from, the network's at
+            ``x`` where the round evaluated it; the batch's own tensors, to be read, not kept or written).
         warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``nfe``) or
             ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
         check_contract: check every verdict at run time against the coupling contract (an accepted sample

@@ -1,0 +1,310 @@
+"""k-diffusion's ``sample_euler_ancestral``, exact and speculative, with k-diffusion's calling convention.
+
+:func:`sample_euler_ancestral` takes what k-diffusion's sampler takes (the function ComfyUI hands to
+``comfy.samplers.KSAMPLER``): a denoiser ``model(x, sigma, **extra_args) -> x0`` in variance-exploding coordinates
+(``x = x0 + sigma * noise``), the first state ``x`` at ``sigmas[0]``, a decreasing ``sigmas`` ending at 0. Each of
+its steps is the Gaussian transition of the ``euler_ancestral`` kernel (:class:`specsamp.kernels.EulerAncestral`),
+written on the linear path: levels ``s = sigma / (1 + sigma)``, states ``x / (1 + sigma)``, the same law. The
+speculative sampler (:func:`specsamp.sampler.sample_speculative`) draws from that chain's law in fewer network
+calls; what differs from k-diffusion's own loop is the source of the noise (keyed by seed, row and step, not
+``torch.randn_like``) and when the callback runs (:func:`sample_euler_ancestral`, ``callback``).
+
+k-diffusion is not imported: its conventions are reproduced here, its code is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import rng
+from ..errors import ConfigError
+from ..models.parametrisation import GridTimesteps, Parametrised
+from ..sampler import EXECUTIONS, sample_speculative
+from ..schedule import Schedule
+from ..trees import DraftTree, budget as uniform_budget, check_int
+
+# keyword options handed on to :func:`specsamp.sampler.sample_speculative`, and the tree search's own
+PASSED_ON = ("prefetch", "evaluate_leaves", "max_batch", "warmup", "check_contract", "refine", "compile")
+SEARCH = ("delta_profile", "max_width")
+DEFAULT_K, DEFAULT_L = 2, 3
+
+
+def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1.0, s_noise=1.0,
+                           noise_sampler=None, *, K=None, L=None, coupling="dgrs", draft="x0", tree=None, budget=None,
+                           execution="path", seed=None, stats=None, **options):
+    """k-diffusion's Euler ancestral sampler, exact and speculative: the same law, fewer network calls.
+
+    Args:
+        model: a k-diffusion denoiser, ``model(x [b, ...], sigma [b], **extra_args) -> x0 [b, ...]`` (ComfyUI's model
+            wrapper is one). It is called with the sampler's rows: a batch of ``m`` states, any mix of the batch's
+            trajectories and levels, ``sigma`` one of ``sigmas`` per row in ``x``'s dtype.
+        x: ``[b, ...]`` the first states at ``sigmas[0]`` (k-diffusion: the noise times ``sigmas[0]``; ComfyUI adds
+            the latent image).
+        sigmas: ``[T + 1]`` decreasing noise levels, ``sigmas[-1] == 0`` and the others > 0.
+        extra_args: the model's keywords. A tensor whose first dimension is ``b`` is per row: each call gets the rows
+            of the trajectories it evaluates. Everything else (scalars, dicts, ComfyUI's ``cond``, ``model_options``,
+            ``seed``) reaches every call unchanged.
+        callback: called once per step ``i = 0 .. T - 1``, in order, with ``{"x", "i", "sigma", "sigma_hat",
+            "denoised"}`` (``sigma = sigma_hat = sigmas[i]``). A round commits several steps at once and the rows of a
+            batch advance at their own pace, so step ``i`` is reported as soon as every row has committed it (several
+            steps after one round). ``x`` is then the batch's state: each row at its own level, at or below
+            ``sigmas[i + 1]``, in k-diffusion's coordinates; ``denoised`` each row's data prediction there, from the
+            velocity its next round drafts from (the network's at that state where the round evaluated it, else a
+            stand-in: under the default ``prefetch=nearest``, the nearest evaluated draft's of the same level). At
+            the last step they are k-diffusion's: ``x`` the states at ``sigmas[-2]``, ``denoised`` the returned
+            samples (the last step returns its data prediction). Previews and progress bars read them; they are not
+            the chain's states at ``sigmas[i]``. A two-step ``sigmas`` runs no round: both steps are reported at the
+            end with the returned samples.
+        disable: no progress bar (tqdm's ``disable``: None hides it off a terminal).
+        eta: the ancestral noise's share, > 0 (k-diffusion's ``get_ancestral_step``; 1: the full ancestral step).
+        s_noise: the noise's scale, > 0.
+        noise_sampler: must be None (refused otherwise: the noise is drawn by key).
+        K, L: the uniform draft tree (``K`` children per node, ``L`` levels; default 2 and 3). A one-child coupling
+            (``rmc``) runs a chain of the same drafted-state budget ``K + ... + K^L``.
+        coupling: ``dgrs``, ``rmc``, ``markmax``, or any registered coupling.
+        draft: the draft (default ``x0``: the data prediction frozen at the round's root).
+        tree: a :class:`specsamp.trees.DraftTree` (or ``tree(n) -> DraftTree``) in place of ``K`` and ``L``.
+        budget: drafted states per round: a one-child coupling's chain length; for the others, the tree searched for
+            that budget (:func:`specsamp.treesearch.optimal_tree`) from ``delta_profile``, which must then be given
+            (the displacement per depth, e.g. :func:`specsamp.treesearch.deltas_from_acceptance` of an earlier run's
+            acceptance).
+        execution: ``path`` or ``tree`` (every node of a round in one batched call: the choice on a GPU). Both draw
+            the same numbers and give the same counts.
+        seed: the run's seed in ``[0, 2**60)``; None: drawn from torch's global generator, so ``torch.manual_seed``
+            (ComfyUI's noise preparation calls it with the node's seed) reproduces the run.
+        stats: a dict filled in with the run's counts: ``result`` (:class:`specsamp.result.SampleResult`: ``nfe``,
+            ``nfe_total``, ``target_rows``, ``accepts`` per row; None for a one-step ``sigmas``), ``seed``, ``steps``
+            (``T``: the network calls of k-diffusion's loop) and ``calls`` (the batched network calls this run made).
+        **options: ``prefetch``, ``evaluate_leaves``, ``max_batch``, ``warmup``, ``check_contract``, ``refine``,
+            ``compile`` (as :func:`specsamp.sampler.sample_speculative`), and the search's ``delta_profile`` and
+            ``max_width``.
+
+    Returns:
+        ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device: what k-diffusion returns.
+
+    Raises:
+        ConfigError: a ``noise_sampler``; ``sigmas`` not decreasing to 0; ``eta`` or ``s_noise`` out of range; a bad
+            ``K``, ``L``, ``budget``, ``tree``, ``coupling``, ``draft``, ``execution``, ``seed`` or option; a ComfyUI
+            flow model (its Euler ancestral step is another) or inpainting mask.
+    """
+    if noise_sampler is not None:
+        raise ConfigError("noise_sampler is not supported: the speculative sampler draws every step's noise by key "
+                          "(seed, row, step), so it cannot take noise from a sampler such as BrownianTreeNoiseSampler; "
+                          "pass noise_sampler=None and set seed= to choose the noise.")
+    unknown = sorted(set(options) - set(PASSED_ON) - set(SEARCH))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}={options[unknown[0]]!r} is not an option of sample_euler_ancestral: valid are "
+                          f"{', '.join(PASSED_ON + SEARCH)} besides k-diffusion's arguments and K, L, coupling, draft, "
+                          "tree, budget, execution, seed, stats.")
+    x = _check_x(x)
+    sig = _check_sigmas(sigmas)
+    _check_model(model)
+    static, rows = _split_extra_args(extra_args, x.shape[0])
+    eta, s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
+    if execution not in EXECUTIONS:
+        raise ConfigError(f"execution={execution!r} is invalid; valid: {', '.join(EXECUTIONS)}")
+    T = sig.numel() - 1
+    draft_tree = _tree(coupling, tree, K, L, budget, options, T)
+    seed = _seed(seed)
+    if T == 1:  # one step to 0 is the data prediction itself (no noise): k-diffusion's loop, one call
+        return _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats)
+
+    lin = sig / (1.0 + sig)
+    lin[-1] = 0.0
+    schedule = Schedule(lin, 1.0, "euler_ancestral", {"eta": eta, "s_noise": s_noise})
+    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    levels = _user_levels(sigmas, x)
+
+    def net(y, t, **per_row):
+        return model(y, t, **static, **per_row)
+
+    target = Parametrised(net, "sample", "ve", x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype)
+    target.device = x.device
+    init = (x.to(torch.float64) / (1.0 + sig[0])).to(state_dtype)
+    report = _Reporter(callback, disable, sigmas, sig, lin, x.dtype, T)
+    passed = {k: v for k, v in options.items() if k in PASSED_ON}
+    try:
+        res = sample_speculative(target, schedule, draft_tree, coupling, x.shape[0], draft=draft, execution=execution,
+                                 seed=seed, cond=rows or None, init=init, callback=report.round, **passed)
+    except BaseException:
+        report.bar.close()
+        raise
+    out = res.samples.to(x.dtype)
+    report.finish(out)
+    if stats is not None:
+        endpoint_calls = int((res.nfe_total - res.nfe).max())  # step 0, and step T - 1 where a row needed a call
+        stats.update(result=res, seed=seed, steps=T, calls=res.batch_nfe + endpoint_calls)
+    return out
+
+
+class _Reporter:
+    """The callback and the progress bar: step ``i`` reported once every row has committed it."""
+
+    def __init__(self, callback, disable, sigmas, sig, lin, dtype, T):
+        self.callback, self.sigmas, self.sig, self.lin, self.dtype, self.T = callback, sigmas, sig, lin, dtype, T
+        self.done, self.last = 0, None  # steps reported; the last round's (x, n) when every row was at T - 1
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=T, disable=disable)
+
+    def _emit(self, upto: int, x, denoised) -> None:
+        for i in range(self.done, upto):
+            if self.callback is not None:
+                s = self.sigmas[i]
+                self.callback({"x": x, "i": i, "sigma": s, "sigma_hat": s, "denoised": denoised})
+            self.bar.update(1)
+        self.done = max(self.done, upto)
+
+    def round(self, info: dict) -> None:
+        n = info["n"]
+        upto = int(n.min())  # every row has committed steps 0 .. upto - 1
+        if upto <= self.done and upto < self.T - 1:
+            return
+        with torch.inference_mode(False):  # ordinary tensors for the caller (the sampler runs in inference mode)
+            xl = info["x"]
+            shape = (-1,) + (1,) * (xl.ndim - 1)
+            k = (1.0 + self.sig.to(xl.device)[n]).reshape(shape)
+            x_ve = (xl.to(torch.float64) * k).to(self.dtype)
+            s = self.lin.to(xl.device)[n].to(xl.dtype).reshape(shape)
+            denoised = (xl - s * info["v"]).to(self.dtype)
+            if upto >= self.T - 1:
+                self.last = x_ve
+        self._emit(min(upto, self.T - 1), x_ve, denoised)
+
+    def finish(self, out) -> None:
+        with torch.inference_mode(False):
+            final = out.clone()
+        x_last = self.last if self.last is not None else final
+        self._emit(self.T - 1, final, final)  # only where no round reported them (a run without rounds)
+        self._emit(self.T, x_last, final)
+        self.bar.close()
+
+
+def _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats):
+    from tqdm.auto import tqdm
+
+    sigma = _user_levels(sigmas, x)[0]
+    with tqdm(total=1, disable=disable) as bar:
+        denoised = model(x, sigma * x.new_ones([x.shape[0]]), **(extra_args or {}))
+        if callback is not None:
+            callback({"x": x, "i": 0, "sigma": sigmas[0], "sigma_hat": sigmas[0], "denoised": denoised})
+        bar.update(1)
+    if stats is not None:
+        stats.update(result=None, seed=seed, steps=1, calls=1)
+    return denoised.to(x.dtype)
+
+
+def _check_x(x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1 or x.shape[0] < 1:
+        what = f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ConfigError(f"x is {what}: it must be a floating-point tensor [batch, ...] of the first states.")
+    return x
+
+
+def _check_sigmas(sigmas) -> torch.Tensor:
+    """``sigmas`` as float64 on the CPU; ConfigError unless 1-D, finite, decreasing, positive and ending at 0."""
+    try:
+        s = torch.as_tensor(sigmas).detach().to("cpu", torch.float64).clone()
+    except (TypeError, ValueError, RuntimeError):
+        s = None
+    why = None
+    if s is None or s.ndim != 1:
+        why = "it must be a 1-D tensor of noise levels"
+    elif s.numel() < 2:
+        why = "it needs at least two levels (one step)"
+    elif not bool(torch.isfinite(s).all()):
+        why = "it has a value that is not finite"
+    elif float(s[-1]) != 0.0:
+        why = f"it ends at {float(s[-1])!r}: the sampler ends at 0 (k-diffusion's append_zero)"
+    elif not bool((s[:-1] > 0).all()) or not bool((s[1:] < s[:-1]).all()):
+        why = "it must decrease strictly, every level but the last > 0"
+    if why:
+        shown = sigmas.tolist() if isinstance(sigmas, torch.Tensor) and sigmas.numel() <= 8 else \
+            f"a {type(sigmas).__name__}" + (f" of shape {tuple(sigmas.shape)}" if hasattr(sigmas, "shape") else "")
+        raise ConfigError(f"sigmas={shown} is invalid: {why}.")
+    return s
+
+
+def _user_levels(sigmas, x) -> torch.Tensor:
+    """The caller's own ``sigmas`` in ``x``'s dtype, as k-diffusion hands them to the model (``sigmas[i] * s_in``)."""
+    return torch.as_tensor(sigmas).detach().to("cpu").to(x.dtype)[:-1]
+
+
+def _check_model(model) -> None:
+    """Refuse a ComfyUI flow model (``model_sampling`` CONST): its Euler ancestral step is the rectified-flow one."""
+    inner = getattr(getattr(model, "inner_model", None), "inner_model", None)
+    sampling = getattr(inner, "model_sampling", None)
+    if sampling is not None and any(c.__name__ == "CONST" for c in type(sampling).__mro__):
+        raise ConfigError("model is a flow model (model_sampling CONST: SD3, Flux): its Euler ancestral step is the "
+                          "rectified-flow one, which this sampler does not compute; use it with variance-exploding "
+                          "denoisers (SD1.x, SDXL), or use specsamp.integrations.schedulers' flow_stochastic kernel.")
+
+
+def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
+    """``(static, rows)``: the keywords every call gets unchanged, and the per-row tensors (first dimension ``b``)."""
+    if extra_args is None:
+        return {}, {}
+    if not isinstance(extra_args, dict):
+        raise ConfigError(f"extra_args is a {type(extra_args).__name__}: it must be a dict of the model's keywords.")
+    if extra_args.get("denoise_mask") is not None:
+        raise ConfigError("extra_args['denoise_mask'] is not supported: ComfyUI's inpainting wrapper blends the batch's "
+                          "own latent rows into every call, and a speculative call evaluates other rows; sample "
+                          "without a mask.")
+    rows = {k: v for k, v in extra_args.items() if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == b}
+    return {k: v for k, v in extra_args.items() if k not in rows}, rows
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        extra = " (eta=0 is the deterministic Euler sampler, where speculation is vacuous)" if name == "eta" else ""
+        raise ConfigError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}.")
+    return float(value)
+
+
+def _seed(seed) -> int:
+    if seed is None:  # the global generator: torch.manual_seed reproduces the run
+        return int(torch.randint(0, rng.MAX_SEED + 1, (), dtype=torch.int64))
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= rng.MAX_SEED:
+        raise ConfigError(f"seed={seed!r} is invalid: must be an integer in [0, {rng.MAX_SEED}], or None (drawn from "
+                          "torch's global generator).")
+    return seed
+
+
+def _tree(coupling, tree, K, L, budget, options: dict, T: int):
+    """The round tree: ``tree`` as given, else the (K, L) tree (a one-child coupling: the chain of its budget), else
+    the tree searched for ``budget`` from ``delta_profile``."""
+    from ..coupling import get_coupling
+
+    c = get_coupling(coupling)
+    if tree is not None:
+        if K is not None or L is not None or budget is not None:
+            raise ConfigError("tree= is given together with K, L or budget: give the tree, or K and L, or budget.")
+        if not (isinstance(tree, DraftTree) or callable(tree)):
+            raise ConfigError(f"tree={tree!r} is invalid: it must be a specsamp.trees.DraftTree, tree(n) -> DraftTree, "
+                              "or None (the uniform K, L tree).")
+        return tree
+    try:
+        K = DEFAULT_K if K is None else check_int("K", K)
+        L = DEFAULT_L if L is None else check_int("L", L)
+        budget = None if budget is None else check_int("budget", budget)
+    except ValueError as e:
+        raise ConfigError(f"{e}.") from None
+    horizon = max(T - 2, 1)
+    if c.max_children == 1:
+        return DraftTree.chain(min(budget or uniform_budget(K, L), horizon))
+    if budget is None:
+        if "delta_profile" in options or "max_width" in options:
+            raise ConfigError("delta_profile and max_width are for a searched tree: give budget= as well.")
+        return DraftTree.uniform(K, min(L, horizon))
+    if options.get("delta_profile") is None:
+        raise ConfigError(f"budget={budget} with coupling={c.name!r} needs delta_profile=[...]: the tree searched for a "
+                          "budget depends on the displacement per depth (e.g. specsamp.treesearch."
+                          "deltas_from_acceptance of an earlier run's accepts / attempts); or give K and L.")
+    from .. import treesearch
+
+    try:
+        positional = treesearch.profile_positional(options["delta_profile"], c)
+        width = options.get("max_width") or 32
+        return treesearch.optimal_tree(budget, positional, min(horizon, budget), min(check_int("max_width", width), budget))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
