@@ -154,7 +154,12 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
     shape = event_shape if event_shape is not None else config_event_shape(run.model)
     k = run.kernel
     options = {"eta": k.eta, "s_noise": k.s_noise} if name == "euler_ancestral" else {}
-    plan = from_scheduler(kernel_scheduler(run), run.steps, event_ndim=len(shape) if shape else 3, **options)
+    try:
+        plan = from_scheduler(kernel_scheduler(run), run.steps, event_ndim=len(shape) if shape else 3, **options)
+    except ConfigError as e:
+        spacing = (f", kernel.timestep_spacing={k.timestep_spacing}, kernel.steps_offset={k.steps_offset}"
+                   if hasattr(k, "timestep_spacing") else "")
+        raise ConfigError(f"steps={run.steps} is invalid with kernel={name}{spacing}: {str(e).rstrip('.')}.") from None
     return plan.schedule, plan
 
 
