@@ -236,3 +236,16 @@ def test_the_memory_estimate_counts_two_rows_per_state_under_guidance():
     # SD3's paper cell on the CPU: 100 trajectories x K=6 rows per call, capped at max_batch=64 states; guidance
     # evaluates a conditional and an unconditional row per state
     assert est("model.guidance=7.0") - est("model.guidance=1.0") == 64 * SD3_ROW_BYTES
+
+
+def test_a_model_yaml_in_package_global_selects_kernel_auto_and_the_command_line_wins(tmp_path):
+    """How a model that brings its own scheduler makes ``kernel=auto`` its default (docs/architecture.md)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "own.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /model/gmm_schema@model\n  - override /kernel: auto\n  - _self_\n"
+        "model:\n  _target_: specsamp.models.gmm.GMMConfig\n  name: gmm\n  dim: 16\n")
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    assert compose([search, "model=own"]).kernel.name == "auto"
+    assert compose([search, "model=own", "kernel=ddpm"]).kernel.name == "ddpm"
+    assert compose([search, "model=own", "model.dim=4"]).model.dim == 4
+    assert compose([]).kernel.name == "em"
