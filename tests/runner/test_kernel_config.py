@@ -249,3 +249,13 @@ def test_a_model_yaml_in_package_global_selects_kernel_auto_and_the_command_line
     assert compose([search, "model=own", "kernel=ddpm"]).kernel.name == "ddpm"
     assert compose([search, "model=own", "model.dim=4"]).model.dim == 4
     assert compose([]).kernel.name == "em"
+
+
+def test_keys_a_scheduler_kernel_does_not_read_are_noted_once(capsys):
+    rec, _ = run_config(compose([*SMALL, "kernel=ddpm", "eps=0.5", "model.shift=2.0", "sampler=standard"]))
+    err = capsys.readouterr().err
+    assert ("note: eps=0.5, model.shift=2.0 are not read by kernel=ddpm, whose grid and noise are its scheduler's "
+            "(eps is recorded as null).") in err
+    assert rec["eps"] is None and rec["config"]["eps"] is None
+    run_config(compose([*SMALL, "kernel=flow_stochastic", "model.shift=2.0", "sampler=standard"]))
+    assert "not read" not in capsys.readouterr().err  # the flow kernel reads model.shift (kernel.shift=null)
