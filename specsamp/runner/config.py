@@ -470,6 +470,8 @@ def load_config(cfg: DictConfig | Mapping, *, here: bool = True) -> tuple[RunCon
         raise refuse(e, model, "model.") from None
     kernel = plain.get("kernel")
     kernel = {"name": "em"} if kernel is None else kernel
+    if plain.get("eps", 0) is None and isinstance(kernel, Mapping) and kernel.get("name") != "em":
+        plain["eps"] = _paper_value(plain.get("model"), "eps")  # a recorded config: no kernel but em reads the churn
     kschema = _kernel_schema(kernel)
     try:
         kernel = OmegaConf.merge(OmegaConf.structured(kschema), kernel)

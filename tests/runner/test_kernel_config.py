@@ -38,6 +38,10 @@ def test_em_is_the_default_and_its_records_hold_no_kernel():
     # eps is not read by a scheduler kernel: another eps is the same config
     assert record_hash(compose(["kernel=ddpm", "eps=0.5"]))[2] == h
     assert record_hash(compose(["kernel=ddpm", "kernel.variance_type=fixed_large"]))[2] != h
+    # a recorded config (shard merges and resume read it again) gives its own hash back
+    assert record_hash(recorded)[2] == h
+    with pytest.raises(ConfigError, match="eps=None is invalid"):
+        load_config({**record_hash(compose([]))[1], "eps": None})  # em reads eps: null stays refused
 
 
 def test_a_scheduler_kernels_grid_is_the_schedulers():
