@@ -25,14 +25,16 @@ from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
-from .config import CALIBRATION_SEED_OFFSET, RunConfig, profile_path
+from .config import CALIBRATION_SEED_OFFSET, RunConfig, brings_scheduler, profile_path
 from .memory import check_config_sizes, check_nominal_budget, check_tree_nodes
 from .outputs import check_scoring, check_target_scores
 from .treerules import SEARCHED_TREES, check_search, get_tree_rule
 
 
-def build_target(run: RunConfig) -> Target:
-    """The configured target: ``instantiate(model)`` (its ``_target_``), then ``build(device)``.
+def build_target(run: RunConfig, plan=None) -> Target:
+    """The configured target: ``instantiate(model)`` (its ``_target_``), then ``build(device)``; a model that brings
+    its own scheduler (:func:`~specsamp.runner.config.brings_scheduler`) is built with ``build(device, plan=plan)``,
+    ``plan`` the run's :class:`~specsamp.integrations.schedulers.SchedulerPlan` (None: ``kernel=em``).
 
     Raises:
         ConfigError: a bad model value, a missing or untrusted checkpoint, weights that cannot be loaded.
@@ -40,7 +42,8 @@ def build_target(run: RunConfig) -> Target:
     from hydra.utils import instantiate
 
     try:
-        return instantiate(OmegaConf.structured(run.model), _convert_="object").build(run.device)
+        cfg = instantiate(OmegaConf.structured(run.model), _convert_="object")
+        return cfg.build(run.device, plan=plan) if brings_scheduler(run.model) else cfg.build(run.device)
     except ConfigError:
         raise
     except InstantiationException as e:
@@ -60,7 +63,7 @@ def half_precision_note(dtype: torch.dtype) -> None:
               "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
 
 
-def load_target(run: RunConfig, target: Target | None, n_images: int, subset: bool) -> Target:
+def load_target(run: RunConfig, target: Target | None, n_images: int, subset: bool, plan=None) -> Target:
     """The run's target: what scoring will need is checked first (against the config's model, or the given
     target; :func:`specsamp.runner.outputs.check_scoring`), then the target is built (unless given), its notes
     printed, and a metric it has no inputs for refused.
@@ -70,12 +73,13 @@ def load_target(run: RunConfig, target: Target | None, n_images: int, subset: bo
         target: an already-built target to use instead of the config's model, or None.
         n_images: the trajectories the run samples (the images it scores).
         subset: the run samples a subset of ``n_samples`` (a shard, given ids).
+        plan: the run's scheduler plan (:func:`build_schedule`), handed to a model that brings its own scheduler.
 
     Raises:
         ConfigError: a metric that cannot be scored, or a model that cannot be loaded.
     """
     notes = check_scoring(run, run.model if target is None else target, n_images, subset)
-    target = target if target is not None else build_target(run)
+    target = target if target is not None else build_target(run, plan)
     for note in notes:
         print(f"note: {note}", file=sys.stderr, flush=True)
     half_precision_note(target.model.dtype)
@@ -107,18 +111,86 @@ def build_coupling(run: RunConfig) -> Coupling | None:
     return coupling
 
 
-def build_schedule(run: RunConfig) -> Schedule:
-    """The time grid of ``steps`` and ``eps`` (with the model's ``shift``), once what the config alone sizes is
-    checked (:func:`specsamp.runner.memory.check_config_sizes`).
+def build_schedule(run: RunConfig, event_shape: tuple | None = None):
+    """The run's time grid and kernel, once what the config alone sizes is checked
+    (:func:`specsamp.runner.memory.check_config_sizes`), and the scheduler plan it came from (None: ``kernel=em``).
+
+    In order: the model's own scheduler where it brings one (``run.model.scheduler_plan(steps, kernel)``, the
+    kernel's name, None for ``kernel=auto``; :meth:`specsamp.models.base.TargetConfig.scheduler_plan`); else
+    ``kernel=em``: the paper's grid of ``steps`` and ``eps`` with the model's ``shift``; else the diffusers scheduler
+    that the kernel's keys configure (:func:`kernel_scheduler`), read by
+    :func:`specsamp.integrations.schedulers.from_scheduler` at ``steps`` (the shipped models return the linear
+    path's velocity, which every kernel takes, so their grid is all a run reads of the plan).
+
+    Args:
+        run: the typed config.
+        event_shape: the shape of one state where already known (a given target); else it is read from the
+            config (:func:`specsamp.runner.memory.config_event_shape`). Only DDPM's dynamic thresholding reads it.
+
+    Returns:
+        ``(schedule, plan)``.
 
     Raises:
-        ConfigError: a size that cannot fit, or a grid that cannot be made.
+        ConfigError: a size that cannot fit, or a grid or scheduler option that cannot be made or is not reproduced.
     """
+    from .config import kernel_name
+    from .memory import config_event_shape
+
     check_config_sizes(run)
+    name = kernel_name(run)
+    plan = run.model.scheduler_plan(run.steps, None if name == "auto" else name) if hasattr(run.model, "scheduler_plan") else None
+    if plan is not None:
+        return plan.schedule, plan
+    if name == "auto":
+        raise ConfigError(f"kernel=auto is invalid with model={run.model.name}: the model brings no scheduler of its own "
+                          "here; set kernel=em, ddpm, euler_ancestral or flow_stochastic.")
+    if name == "em":
+        try:
+            return Schedule.make(run.steps, run.eps, shift=float(run.model.shift)), None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    from ..integrations.schedulers import from_scheduler
+
+    shape = event_shape if event_shape is not None else config_event_shape(run.model)
+    k = run.kernel
+    options = {"eta": k.eta, "s_noise": k.s_noise} if name == "euler_ancestral" else {}
     try:
-        return Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        plan = from_scheduler(kernel_scheduler(run), run.steps, event_ndim=len(shape) if shape else 3, **options)
+    except ConfigError as e:
+        spacing = (f", kernel.timestep_spacing={k.timestep_spacing}, kernel.steps_offset={k.steps_offset}"
+                   if hasattr(k, "timestep_spacing") else "")
+        raise ConfigError(f"steps={run.steps} is invalid with kernel={name}{spacing}: {str(e).rstrip('.')}.") from None
+    return plan.schedule, plan
+
+
+def kernel_scheduler(run: RunConfig):
+    """The diffusers scheduler that ``run.kernel``'s keys configure: ``DDPMScheduler``,
+    ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)`` (its
+    ``shift`` the kernel's, or ``model.shift`` when null).
+
+    Raises:
+        ConfigError: diffusers is not installed, or the scheduler refuses the keys.
+    """
+    import dataclasses
+
+    k = run.kernel
+    keys = {f.name: getattr(k, f.name) for f in dataclasses.fields(k) if f.name not in ("name", "eta", "s_noise")}
+    try:
+        import diffusers
+    except ImportError as e:
+        raise ConfigError(f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, which cannot "
+                          f"be imported ({e}); pip install diffusers, or use kernel=em.") from None
+    if k.name == "flow_stochastic":
+        shift = float(run.model.shift) if k.shift is None else float(k.shift)
+        cls, keys = diffusers.FlowMatchEulerDiscreteScheduler, {**keys, "shift": shift, "stochastic_sampling": True}
+    else:
+        cls = {"ddpm": diffusers.DDPMScheduler, "euler_ancestral": diffusers.EulerAncestralDiscreteScheduler}[k.name]
+    try:
+        return cls(**keys)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        raise ConfigError(f"kernel={k.name} is invalid with " + ", ".join(f"kernel.{a}={b!r}" for a, b in keys.items()
+                                                                           if a != "stochastic_sampling")
+                          + f": diffusers' {cls.__name__} refuses them ({' '.join(str(e).split())}).") from None
 
 
 def find_tree(run: RunConfig, coupling: Coupling | None, schedule: Schedule, target: Callable[[], Target],

@@ -36,7 +36,7 @@ from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
 from ..models.base import Target
 from .build import build_coupling, build_schedule, find_tree, load_target
-from .config import RunConfig, load_config, unused_keys
+from .config import RunConfig, _paper_value, kernel_name, load_config, unused_keys
 from .jobs import shard_indices
 from .memory import check_tree_memory
 from .records import Job, Sampled, config_hash, make_record
@@ -294,6 +294,24 @@ class Built:
                                   check_contract=None if run.check_contract == "auto" else run.check_contract, **common)
 
 
+def kernel_notes(run: RunConfig) -> None:
+    """One line on stderr for each key that a kernel other than ``em`` does not read and that is set away from its
+    default: ``eps`` (recorded as null) and, for ``ddpm`` and ``euler_ancestral``, ``model.shift`` (the grid is
+    the scheduler's levels; ``flow_stochastic`` reads it where ``kernel.shift`` is null)."""
+    name = kernel_name(run)
+    if name == "em":
+        return
+    unread = []
+    if run.eps != _paper_value(run.model, "eps"):
+        unread.append(f"eps={run.eps!r}")
+    shift = getattr(run.model, "shift", 1.0)
+    if name in ("ddpm", "euler_ancestral") and shift != 1.0:
+        unread.append(f"model.shift={shift!r}")
+    if unread:
+        print(f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by kernel={name}, whose grid and "
+              "noise are its scheduler's (eps is recorded as null).", file=sys.stderr, flush=True)
+
+
 def build(prepared: PreparedRun, target: Target | None = None) -> Built:
     """Stage 2: sizes, schedule, tree, target, and what scoring will need; every refusal before sampling.
 
@@ -314,10 +332,11 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
     if run.threads is not None:
         torch.set_num_threads(run.threads)
     started = time.perf_counter()
-    schedule = build_schedule(run)
+    schedule, plan = build_schedule(run, tuple(target.model.event_shape) if target is not None else None)
+    kernel_notes(run)
     # the target, loaded once, when first needed (a calibration needs it before the tree, any other run after)
     get_target = functools.cache(functools.partial(load_target, run, target, prepared.n_trajectories,
-                                                   prepared.indices is not None))
+                                                   prepared.indices is not None, plan))
     search = "root" if run.tree == "optimal_per_step" else "depth"
     with _Progress(run.progress, "tree search", search, min_seconds=2.0) as bar:  # opened by a search only
         tree, tree_fields, calibration = find_tree(run, coupling, schedule, get_target, callback=bar.to)

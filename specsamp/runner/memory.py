@@ -291,6 +291,24 @@ def network_size(model) -> tuple[int, tuple | None, int]:
     return size or known.weight_bytes, known.event_shape, known.row_bytes
 
 
+def config_event_shape(model) -> tuple | None:
+    """The shape of one state as the model's config gives it before anything loads (the GMM's ``dim``, a known
+    checkpoint's; :func:`network_size`), or None."""
+    dim = getattr(model, "dim", None)
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
+        return (dim,)
+    if hasattr(model, "model_id") or hasattr(model, "trust_checkpoint"):
+        return network_size(model)[1]
+    return None
+
+
+def rows_per_state(model) -> int:
+    """Network rows one state costs, from the model's config (``rows_per_state()``: 2 under classifier-free
+    guidance, whose conditional and unconditional rows are one call; 1 otherwise)."""
+    f = getattr(model, "rows_per_state", None)
+    return max(int(f()), 1) if callable(f) else 1
+
+
 def run_memory_bytes(run) -> int:
     """Host memory, in bytes, one run of ``run`` (a :class:`~specsamp.runner.config.RunConfig`) needs by the
     estimates the runner refuses sizes with, from its config alone (nothing is built).
@@ -302,7 +320,8 @@ def run_memory_bytes(run) -> int:
     and the kept samples; on the CPU, the sampler's states of one batch plus the kept samples
     (:func:`sampler_bytes`, where the state shape is known: ``model.dim`` of the GMM, the checkpoint's) and
     the network's activations for the rows of its largest call (the batch's trajectories times the nodes of
-    a round in tree execution, times ``K`` in path execution; at most ``max_batch``).
+    a round in tree execution, times ``K`` in path execution; at most ``max_batch``), times the rows one state
+    costs (:func:`rows_per_state`: 2 under classifier-free guidance).
     Used by the SLURM launcher for ``mem_gb`` when its config leaves it unset (:func:`mem_gb_for`).
     The estimate reads only the coupling's ``max_children``: ``sampler.coupling`` is instantiated here as
     :func:`specsamp.runner.build.build_coupling` instantiates it, without its refusals (the task refuses).
@@ -345,7 +364,8 @@ def run_memory_bytes(run) -> int:
             per_call = nodes if coupling is not None and run.execution == "tree" else max(run.K, 1) if coupling is not None else 1
             rows = batch * per_call
             max_batch = run.max_batch or getattr(run.model, "max_batch", None)
-            total += batch * per_traj + min(rows, max_batch or rows) * row_bytes
+            # max_batch counts states; under guidance each state is two network rows
+            total += batch * per_traj + min(rows, max_batch or rows) * rows_per_state(run.model) * row_bytes
     return int(total)
 
 

@@ -115,7 +115,7 @@ def misread_override(argv: Sequence[str], bool_keys: Callable[[], Collection[str
         key, eq, raw = arg.lstrip("+~").partition("=")
         if not eq:
             continue
-        if bools is None and key.startswith(("model.", "compile", "save_samples", "skip_existing", "evaluate_leaves")):
+        if bools is None and key.startswith(("model.", "kernel.", "compile", "save_samples", "skip_existing", "evaluate_leaves")):
             bools = bool_keys()
         is_path = key == "sweep_name" or key in HYDRA_PATH_KEYS or key.rpartition(".")[2] in PATH_FIELDS
         if is_path and path_problem(raw) and raw:  # a newline: Hydra's grammar cannot read it, nor a shell show it

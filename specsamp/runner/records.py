@@ -182,7 +182,8 @@ def make_record(prepared, sampled: Sampled) -> dict:
         "sampler": run.sampler.name,
         "K": run.K,
         "L": run.L,
-        "eps": run.eps,
+        "eps": prepared.recorded.get("eps", run.eps),  # null for a kernel other than em (it reads no churn)
+        **({"kernel": prepared.recorded["kernel"]["name"]} if "kernel" in prepared.recorded else {}),
         "steps": run.steps,
         "n_samples": len(prepared.indices) if shard else run.n_samples,
         **{k: tree[k] for k in TREE_FIELDS[:4] if k in tree},
@@ -275,12 +276,14 @@ def summary_line(rec: dict) -> str:
     coupling = ((rec.get("config") or {}).get("sampler") or {}).get("coupling")
     name = coupling.get("name") if isinstance(coupling, dict) else None
     sampler = rec["sampler"] + (f" coupling={name}" if isinstance(name, str) and name != rec["sampler"] else "")
+    # the churn of the em kernel; another kernel is named in its place (it reads no eps)
+    eps = f"eps={rec['eps']:g}" if rec.get("eps") is not None else f"kernel={rec.get('kernel')}"
     if rec["sampler"] == "standard":
-        head = f"model={rec['model']} sampler=standard eps={rec['eps']:g} T={rec['steps']}"
+        head = f"model={rec['model']} sampler=standard {eps} T={rec['steps']}"
     elif (rec.get("config") or {}).get("tree", "uniform") != "uniform":
-        head = f"model={rec['model']} sampler={sampler} tree={rec['tree']} eps={rec['eps']:g} B={rec['budget']}"
+        head = f"model={rec['model']} sampler={sampler} tree={rec['tree']} {eps} B={rec['budget']}"
     else:
-        head = f"model={rec['model']} sampler={sampler} K={rec['K']} L={rec['L']} eps={rec['eps']:g} B={rec['budget']}"
+        head = f"model={rec['model']} sampler={sampler} K={rec['K']} L={rec['L']} {eps} B={rec['budget']}"
     sp = rec["speedup"]
     scores = scores_text(rec)
     cal = rec.get("calibration")  # tree=optimal*'s calibration run, which the speedup does not charge

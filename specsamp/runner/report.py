@@ -166,6 +166,8 @@ def _fill_from_config(row: dict, cfg: dict) -> None:
 
 def _record_columns(rec: dict) -> dict:
     row: dict[str, Any] = {k: rec.get(k) for k in ("model", "sampler", "K", "L", "eps", "steps", "n_samples", "tree", "budget", "call_rows")}
+    if rec.get("kernel"):  # a kernel other than em (whose eps is null): a column of its own, as a swept key gets
+        row["kernel"] = rec["kernel"]
     for name in ("speedup", "nfe"):
         for s in ("mean", "std", "sem"):
             row[f"{name}_{s}"] = (rec.get(name) or {}).get(s)

@@ -37,7 +37,8 @@ class StopAfter(BatchStore):
         return path
 
 
-@pytest.mark.parametrize("extra", [[], ["sampler=standard"], ["num_shards=2", "shard=1"]])
+@pytest.mark.parametrize("extra", [[], ["sampler=standard"], ["num_shards=2", "shard=1"], ["kernel=ddpm"],
+                                   ["kernel=euler_ancestral", "sampler=standard"]])
 def test_a_run_interrupted_after_k_batches_resumes_and_records_what_an_uninterrupted_run_does(tmp_path, extra):
     cfg = compose(CFG + extra)
     indices = range(15, 24) if extra[:1] == ["num_shards=2"] else None  # shard 1 of 2: batches 3..4 (ids 15..23)

@@ -124,6 +124,11 @@ class SD3Config(TargetConfig):
     clip: ClipConfig = field(default_factory=ClipConfig)
     shift: float = 3.0
 
+    def rows_per_state(self) -> int:
+        """Transformer rows per state: 2 under guidance (the conditional and unconditional halves of one call), 1 at
+        ``guidance=1``."""
+        return 1 if self.guidance == 1 else 2
+
     def build(self, device: str, *, pipeline=None, prompts=None) -> Target:
         """Load the pipeline, draw and encode the prompts, wrap the transformer in :class:`SD3Velocity`.
 
