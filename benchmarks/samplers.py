@@ -212,6 +212,72 @@ def counts(target: Target, plan, cfg: Config, n: int, steps: int) -> dict:
             "attempts_by_depth": [int(a) for a in att]}
 
 
+def estimate(target: Target, plan, n: int, chains=(14, 62), seed: int = 0) -> dict:
+    """The frozen-``x0`` RMC chain's acceptance predicted from standard trajectories (no speculation run).
+
+    Along ``n`` standard trajectories of the kernel (``sample_standard``'s law; states ``x_m``, data predictions
+    ``x0_m = clip(x_m - sigma_m v_m)``), the draft of a chain rooted at ``x_r`` that freezes ``x0_r`` misses the
+    target mean of step ``m >= r`` by ``c_x0[m] |x0_m - x0_r| / std[m]`` (``delta``), and RMC accepts it with
+    probability ``2 Phi(-delta / 2)``. A chain of ``L`` from root ``r`` then commits ``1 + sum_d prod_{j <= d} a_j``
+    steps per call (the drafts accepted in a row, then one exact step), if the root's velocity is exact and the
+    drafted states follow the standard trajectory. Returns ``{"chain L": steps per call}`` (the mean over roots of
+    the speculative range and images) and ``"acceptance_by_depth"`` (the mean predicted acceptance at depth
+    ``d = 1..max(chains)`` over the roots that reach it).
+    """
+    from specsamp import rng
+    from specsamp.chains import initial_state
+
+    sch, model = plan.schedule, target.model
+    ids = torch.arange(n)
+    cond = target.cond(list(range(n)))
+    T = sch.steps
+    x = initial_state(sch, seed, ids, model.event_shape, model.dtype, None)
+    keys = rng.base_key(seed, ids, "step")
+    cols = sch.tables("cpu")
+    x0s = []
+    with torch.inference_mode():
+        for m in range(T):
+            mm = torch.full((n,), m, dtype=torch.long)
+            v = model(x, sch.sigmas[mm], **cond).to(x.dtype)
+            x0s.append(_x0(sch, x, v, mm))
+            x = sch.mean(x, v, mm) + per_row_std(sch, mm, x) * rng.normal(rng.fold(keys, m), model.event_shape, dtype=x.dtype)
+    x0 = torch.stack(x0s).double().reshape(T, n, -1)  # [T, n, d]
+    c0, std = cols["c_x0"], cols["std"]
+    Lmax = max(chains)
+    first, end = 1, T - 1  # the speculative range: roots 1..T-2, steps up to T-2
+    out, acc_sum, acc_cnt = {}, torch.zeros(Lmax), torch.zeros(Lmax)
+    per_chain = {L: [] for L in chains}
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for r in range(first, end):
+        m = torch.arange(r, min(r + Lmax, end))
+        delta = c0[m, None] * (x0[m] - x0[r]).norm(dim=-1) / std[m, None]  # [d, n]
+        a = 2 * normal.cdf(-delta / 2)
+        acc_sum[: len(m)] += a.mean(1)
+        acc_cnt[: len(m)] += 1
+        cum = torch.cumprod(a, 0)
+        for L in chains:
+            per_chain[L].append(1 + cum[: min(L, len(m) - 1)].sum(0).mean())  # at most the steps left, then one exact
+    for L in chains:
+        e = torch.stack(per_chain[L])  # [roots]: expected steps per call from each root
+        out[f"chain {L}"] = round(float(e.mean()), 3)
+        # the walk's own average: a call from root r covers e[r] steps, so the range takes sum_r 1 / e[r] calls
+        out[f"chain {L} walk"] = round(float(len(e) / (1.0 / e).sum()), 3)
+    out["acceptance_by_depth"] = [round(float(s / c), 4) for s, c in zip(acc_sum, acc_cnt) if c > 0]
+    return out
+
+
+def _x0(sch, x, v, n):
+    """The kernel's data prediction ``clip(x - sigma v)`` (its mean with ``c_x = 0``, ``c_x0 = 1``)."""
+    c = sch.kernel.coefs(n, x)
+    return sch.kernel.mean(x, v, {**c, "c_x": torch.zeros_like(c["c_x"]), "c_x0": torch.ones_like(c["c_x0"])})
+
+
+def per_row_std(sch, n, x):
+    from specsamp.schedule import per_row
+
+    return per_row(sch.std(n).to(x.dtype), x)
+
+
 def timings(target: Target, plan, kernel: str, steps: int, configs, repeats: int, progress=None) -> dict:
     """Seconds for one image, loop and each configuration interleaved in one process (see the module docstring)."""
     net = SchedulerNetwork(target.model, plan)
