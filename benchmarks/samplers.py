@@ -57,7 +57,7 @@ class Config:
 
     name: str
     coupling: str
-    shape: tuple  # ("chain", L) or ("uniform", K, L)
+    shape: tuple  # ("chain", L), ("uniform", K, L) or ("widths", K_1, K_2, ...) (DraftTree.from_widths)
     draft: str = "x0"
     execution: str = "tree"
     prefetch: str = "nearest"
@@ -65,7 +65,10 @@ class Config:
     def tree(self):
         from specsamp.trees import DraftTree
 
-        return DraftTree.chain(self.shape[1]) if self.shape[0] == "chain" else DraftTree.uniform(*self.shape[1:])
+        kind, *args = self.shape
+        if kind == "chain":
+            return DraftTree.chain(*args)
+        return DraftTree.uniform(*args) if kind == "uniform" else DraftTree.from_widths(args)
 
     @property
     def budget(self) -> int:
