@@ -77,11 +77,26 @@ class Config:
 
 CONFIGS = (
     Config("rmc chain14 x0", "rmc", ("chain", 14)),
-    Config("rmc chain30 x0", "rmc", ("chain", 30)),
     Config("rmc chain62 x0", "rmc", ("chain", 62)),
-    Config("dgrs (2,5) x0", "dgrs", ("uniform", 2, 5)),
+    Config("rmc chain62 x0_affine", "rmc", ("chain", 62), "x0_affine"),
+    Config("dgrs (2,3) x0", "dgrs", ("uniform", 2, 3)),
 )
-"""The default speculative configurations (every case and target)."""
+"""The speculative configurations timed in every case: RMC chains at B = 14 and 62 with the frozen-``x0`` draft (the
+estimate's), the chain of 62 with the ``x0_affine`` draft, and D-GRS on the paper's (2, 3) tree."""
+
+SEARCH = (
+    *(Config(f"rmc chain{L} x0", "rmc", ("chain", L)) for L in (14, 30, 45, 62)),
+    *(Config(f"rmc chain62 {d}", "rmc", ("chain", 62), d) for d in ("velocity", "x0_extrap", "x0_extrap_gated", "x0_affine")),
+    Config("rmc chain62 x0 prefetch=parent", "rmc", ("chain", 62), prefetch="parent"),
+    Config("rmc chain62 x0 prefetch=none", "rmc", ("chain", 62), prefetch="none"),
+    Config("dgrs (2,3) x0", "dgrs", ("uniform", 2, 3)),
+    Config("dgrs (2,5) x0", "dgrs", ("uniform", 2, 5)),
+    Config("dgrs (3,3) x0", "dgrs", ("uniform", 3, 3)),
+    Config("dgrs 2 then chain30 x0", "dgrs", ("widths", 2, *(1,) * 30)),
+    Config("dgrs 3 then chain20 x0", "dgrs", ("widths", 3, *(1,) * 20)),
+)
+"""The configurations searched on DDPM at 1000 steps (counts only; ``--search``): chain lengths, drafts, prefetch
+rules, D-GRS trees within B <= 63."""
 
 
 def scheduler(kernel: str, target: str):
@@ -142,14 +157,16 @@ class SchedulerNetwork:
         return from_velocity(v, x, s, self.prediction, self.coords).to(y.dtype)
 
 
-def scheduler_loop(sch, steps: int, net, event_shape, dtype, seed: int, cond: dict | None = None) -> torch.Tensor:
-    """The pipeline's own loop at one image: ``set_timesteps``, initial noise from a seeded ``torch.Generator``
-    times ``init_noise_sigma``, then per step ``scale_model_input``, one network call and ``step``."""
+def scheduler_loop(sch, steps: int, net, event_shape, dtype, seed: int, cond: dict | None = None,
+                   batch: int = 1) -> torch.Tensor:
+    """The pipeline's own loop (``batch`` images; one in the timings): ``set_timesteps``, initial noise from a seeded
+    ``torch.Generator`` times ``init_noise_sigma`` (1 where the scheduler has none), then per step
+    ``scale_model_input`` (where the scheduler has it), one network call and ``step``."""
     cond = cond or {}
     with torch.no_grad():
         sch.set_timesteps(steps)
         g = torch.Generator().manual_seed(seed)
-        y = torch.randn((1, *event_shape), generator=g, dtype=dtype) * sch.init_noise_sigma
+        y = torch.randn((batch, *event_shape), generator=g, dtype=dtype) * getattr(sch, "init_noise_sigma", 1.0)
         scale = getattr(sch, "scale_model_input", None)
         for t in sch.timesteps:
             inp = scale(y, t) if scale is not None else y
@@ -355,11 +372,51 @@ def measure(cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: 
                 if progress:
                     progress(f"    {cfg.name}: {c['calls_per_image']:.2f} calls/image ({c['nfe_speedup']:.1f}x fewer), "
                              f"{c['steps_per_call']:.1f} steps per speculative call, rows/image {c['rows_per_image']:.0f}")
+            if (kernel, steps) == ("ddpm", 1000) or tiny:
+                est = estimate(target, plan, n, chains=(14, 62))
+                out.setdefault("estimate", []).append({"target": tname, "case": case, **est})
+                if progress:
+                    progress(f"    estimate (frozen x0, RMC): " + ", ".join(f"{k} {v}" for k, v in est.items() if k.startswith("chain")))
             if repeats:
                 for arm, t in timings(target, plan, kernel, steps, configs, repeats, progress).items():
                     out["timings"].append({"target": tname, "case": case, "arm": arm, **t})
     out["load_average"] = [load0, _load()]
     return out
+
+
+def search(targets=TARGETS, configs=SEARCH, n: int = 8, steps: int = 1000, tiny: bool = False, progress=print) -> list[dict]:
+    """Counts of every configuration of ``configs`` on DDPM at ``steps`` (no timing), with the estimate beside them."""
+    torch.set_num_threads(1)
+    rows = []
+    for tname in targets:
+        target = make_target(tname, tiny)
+        plan = plan_of("ddpm", steps, target)
+        for cfg in configs:
+            c = counts(target, plan, cfg, n, steps)
+            rows.append({"target": tname, "case": f"ddpm {steps}", "config": cfg.name, "coupling": cfg.coupling,
+                         "tree": list(cfg.shape), "budget": cfg.budget, "draft": cfg.draft, "execution": cfg.execution,
+                         "prefetch": cfg.prefetch, **c})
+            if progress:
+                progress(f"  [{tname}] {cfg.name} (B={cfg.budget}): {c['nfe_speedup']:.1f}x fewer calls, "
+                         f"{c['steps_per_call']:.1f} steps per speculative call")
+    return rows
+
+
+CSV_FIELDS = ("target", "case", "config", "budget", "loop_calls_per_image", "calls_per_image", "nfe_speedup",
+              "rows_per_image", "row_ratio", "steps_per_call", "loop_median_s", "median_s", "min_s", "max_s",
+              "wall_speedup", "network_share")
+
+
+def csv_rows(res: dict) -> list[dict]:
+    """One row per target, case and configuration: its counts and its timing (the loop's rows carry the timing only)."""
+    timed = {(t["target"], t["case"], t["arm"]): t for t in res["timings"]}
+    rows = []
+    for c in res["counts"]:
+        t = timed.get((c["target"], c["case"], c["config"]), {})
+        loop = timed.get((c["target"], c["case"], "loop"), {})
+        rows.append({**{k: c.get(k) for k in CSV_FIELDS}, **{k: t.get(k) for k in ("median_s", "min_s", "max_s", "wall_speedup", "network_share")},
+                     "loop_median_s": loop.get("median_s")})
+    return rows
 
 
 def _load():
@@ -373,29 +430,57 @@ def _load():
 
 def main(argv=None) -> int:
     """CLI (see the module docstring); returns the exit status."""
+    from benchmarks.common import table
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.samplers", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=8, help="images for the counts (ids 0..n-1)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats of one image per arm")
     p.add_argument("--cases", default=",".join(f"{k}:{s}" for k, s in CASES), help="kernel:steps, comma-separated")
-    p.add_argument("--targets", default=",".join(TARGETS))
-    p.add_argument("--out", default=None, help="JSON to write (results/samplers.json)")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: digits, gmm")
+    p.add_argument("--search", action="store_true", help="also the counts of the searched configurations on DDPM at 1000 steps")
+    p.add_argument("--tiny", action="store_true", help="the mixture at d = 8 (a rehearsal of the code path)")
+    p.add_argument("--out", default=None, help="JSON to write (results/samplers.json); its CSV beside it (.csv)")
     a = p.parse_args(argv)
     try:
         cases = [(k, int(s)) for k, s in (c.split(":") for c in a.cases.split(","))]
-    except ValueError:
-        print(f"error: --cases={a.cases!r} is invalid: use kernel:steps pairs, e.g. ddpm:1000,euler_ancestral:50", file=sys.stderr)
+        bad = [k for k, _ in cases if k not in {c[0] for c in CASES}]
+        assert not bad
+    except (ValueError, AssertionError):
+        print(f"error: --cases={a.cases!r} is invalid: use kernel:steps pairs of ddpm, euler_ancestral or flow_stochastic, "
+              "e.g. ddpm:1000,euler_ancestral:50", file=sys.stderr)
         return 2
-    bad = [t for t in a.targets.split(",") if t not in TARGETS]
-    if bad or min(a.n, a.repeats) < 1:
+    targets = a.targets.split(",")
+    if any(t not in TARGETS for t in targets) or min(a.n, a.repeats) < 1:
         print(f"error: --targets={a.targets!r}, --n={a.n}, --repeats={a.repeats}: targets are {', '.join(TARGETS)}, "
               "n and repeats integers >= 1", file=sys.stderr)
         return 2
-    res = measure(cases, a.targets.split(","), n=a.n, repeats=a.repeats, progress=lambda s: print(s, flush=True))
+    print(f"scheduler kernels vs the scheduler's own loop: torch {torch.__version__}, 1 thread, counts from {a.n} images, "
+          f"one-image wall clock median of {a.repeats} interleaved repeats", flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    res = measure(cases, targets, n=a.n, repeats=a.repeats, tiny=a.tiny, progress=log)
+    if a.search:
+        log("[search] DDPM at 1000 steps, counts only")
+        res["search"] = search(targets, n=a.n, tiny=a.tiny, progress=log)
+    rows = csv_rows(res)
+    print(table(rows, [("target", "target", "s"), ("case", "case", "s"), ("config", "config", "s"), ("budget", "B", "d"),
+                       ("nfe_speedup", "NFE speedup", ".1f"), ("steps_per_call", "steps/call", ".1f"),
+                       ("rows_per_image", "rows/image", ".0f"), ("loop_median_s", "loop s", ".3f"),
+                       ("median_s", "spec s", ".3f"), ("wall_speedup", "wall speedup", ".2f")]), flush=True)
     if a.out:
-        from specsamp.io import write_json_atomic
+        import csv
+        import io
 
-        write_json_atomic(a.out, res)
-        print(f"wrote {a.out}")
+        from specsamp.io import atomic_write, write_json_atomic
+
+        out = Path(a.out)
+        write_json_atomic(out, res)
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v)) for k, v in r.items()})
+        atomic_write(out.with_suffix(".csv"), lambda f: f.write(buf.getvalue()), mode="w")
+        print(f"wrote {out} and {out.with_suffix('.csv')}")
     return 0
 
 
