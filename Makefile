@@ -22,7 +22,7 @@ bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs e
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.latency --out results/digits/latency.csv $(ARGS)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.roundcost
 
-bench-samplers:  ## DDPM (1000, 100 steps), Euler ancestral (50) and stochastic flow matching (28) against the scheduler's own loop on the digits network and the mixture: calls, acceptance per depth and one-image wall clock, interleaved, the searched configurations' counts: results/samplers.json and .csv (about 15 min on 2 shared cores)
+bench-samplers:  ## DDPM (1000, 100 steps), Euler ancestral (50) and stochastic flow matching (28) against the scheduler's own loop on the digits network and the mixture: calls, acceptance per depth and one-image wall clock, X
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.samplers --search --n 16 --out results/samplers.json $(ARGS)
 
 gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
