@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench bench-latency gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
+.PHONY: help install test test-all bench bench-latency bench-samplers gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -21,6 +21,9 @@ bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, o
 bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv, then where a round's own time goes (about 8 min; both name the CPU)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.latency --out results/digits/latency.csv $(ARGS)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.roundcost
+
+bench-samplers:  ## DDPM (1000, 100 steps), Euler ancestral (50) and stochastic flow matching (28) against the scheduler's own loop on the digits network and the mixture: calls, acceptance per depth and one-image wall clock, X
+	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.samplers --search --n 16 --out results/samplers.json $(ARGS)
 
 gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
 	python3 -m benchmarks.gpu_check $(ARGS)

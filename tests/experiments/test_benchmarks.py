@@ -51,8 +51,8 @@ def test_overhead_and_memory_benchmarks_report_rows():
 
 
 def test_make_targets_point_at_the_benchmarks():
-    out = subprocess.run(["make", "-n", "bench", "gpu-check"], capture_output=True, text=True, check=True).stdout
-    assert "benchmarks.bench" in out and "benchmarks.gpu_check" in out
+    out = subprocess.run(["make", "-n", "bench", "gpu-check", "bench-samplers"], capture_output=True, text=True, check=True).stdout
+    assert "benchmarks.bench" in out and "benchmarks.gpu_check" in out and "benchmarks.samplers" in out
 
 
 def test_overhead_module_has_a_command_line(monkeypatch):
@@ -128,3 +128,63 @@ def test_golden_compare_sees_a_changed_bit_and_ignores_wall_time(tmp_path):
     assert golden.compare(tmp_path / "a", tmp_path / "b") == ["cfg: samples.pt differs"]
     assert set(golden.CONFIGS) >= {"gmm_dgrs_path", "gmm_dgrs_tree", "gmm_markmax", "gmm_refine1",
                                    "digits_x0_optimal14", "patches32_dgrs"}
+
+
+def test_samplers_benchmark_keeps_counts_apart_from_timings_and_refuses_bad_arguments(tmp_path, capsys):
+    # the mixture at d = 8, DDPM at 12 steps and flow matching at 6, one image for the counts, one timed repeat:
+    # every configuration has a counts row (no timing in it) and a timing row beside the loop's, the estimate
+    # is there, the CSV has one row per counts row
+    import csv
+
+    from benchmarks import samplers
+
+    out = tmp_path / "s.json"
+    assert samplers.main(["--tiny", "--n", "1", "--repeats", "1", "--cases", "ddpm:12,flow_stochastic:6",
+                          "--targets", "gmm", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["n"] == 1 and (len(res["commit"]) == 40 or res["commit"] == "unknown")
+    names = [c.name for c in samplers.CONFIGS]
+    for case in ("ddpm 12", "flow_stochastic 6"):
+        counts = [c for c in res["counts"] if c["case"] == case]
+        assert [c["config"] for c in counts] == names
+        for c in counts:
+            assert not {"median_s", "wall_speedup"} & set(c)
+            assert c["loop_calls_per_image"] / c["calls_per_image"] == pytest.approx(c["nfe_speedup"])
+            assert c["calls_per_image"] <= c["rows_per_image"] and all(0 <= a <= 1 for a in c["acceptance_by_depth"] if a is not None)
+        timed = [t["arm"] for t in res["timings"] if t["case"] == case]
+        assert timed == ["loop", *names]
+    assert {"chain 14", "chain 62", "chain 14 walk", "chain 62 walk"} <= set(res["estimate"][0])
+    with open(out.with_suffix(".csv"), newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(res["counts"])
+    rows = samplers.search(("gmm",), configs=samplers.SEARCH[:1], n=1, steps=12, tiny=True, progress=None)
+    assert rows[0]["config"] == samplers.SEARCH[0].name and rows[0]["calls_per_image"] >= 1
+    capsys.readouterr()
+    assert samplers.main(["--cases", "ddim:50"]) == 2
+    assert "--cases='ddim:50'" in capsys.readouterr().err
+    assert samplers.main(["--targets", "cifar"]) == 2
+    assert "--targets='cifar'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernel,steps", [("ddpm", 20), ("euler_ancestral", 10), ("flow_stochastic", 8)])
+def test_samplers_benchmark_loop_samples_the_kernels_law(kernel, steps):
+    """The benchmark's baseline (diffusers' own loop on the mixture presented in the scheduler's parametrisation)
+    and specsamp's standard sampler of the same plan draw the same law. Seed 0 for the loop's torch.Generator and
+    for specsamp, n = 2000 per side, d = 8; the smallest two-sample KS p over 4 fixed projections and the norm must
+    exceed 1e-3 (a fixed draw, so the test is deterministic; under the null, min of 5 is below 1e-3 with
+    probability about 0.005)."""
+    from scipy import stats
+
+    from benchmarks import samplers
+    from specsamp.sampler import sample_standard
+
+    target = samplers.make_target("gmm", tiny=True)
+    plan = samplers.plan_of(kernel, steps, target)
+    net = samplers.SchedulerNetwork(target.model, plan)
+    n = 2000
+    ref = samplers.scheduler_loop(samplers.scheduler(kernel, "gmm"), steps, net, (8,), torch.float64, seed=0, batch=n)
+    ours = sample_standard(target.model, plan.schedule, n, seed=0).samples
+    g = torch.Generator().manual_seed(7)
+    dirs = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    p = [stats.ks_2samp((ref @ d).numpy(), (ours @ d).numpy()).pvalue for d in dirs]
+    p.append(stats.ks_2samp(ref.norm(dim=1).numpy(), ours.norm(dim=1).numpy()).pvalue)
+    assert min(p) > 1e-3, p
