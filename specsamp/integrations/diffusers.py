@@ -120,7 +120,7 @@ def network_call(pipe, kind: str, cond: Conditioning):
         if guide is None:
             return pos[row]
         g = guide.reshape((-1,) + (1,) * (pos.ndim - 1)).bool()
-        return torch.where(g, pos[row], neg[row])
+        return torch.where(g, pos[row], neg[row] if neg.shape[0] != 1 else neg.expand((row.numel(),) + neg.shape[1:]))
 
     if kind == "sd":
         unet = pipe.unet
@@ -139,22 +139,42 @@ def network_call(pipe, kind: str, cond: Conditioning):
 
 def velocity_model(pipe, kind: str, plan: SchedulerPlan, cond: Conditioning, event_shape, guidance_scale: float,
                    dtype: torch.dtype = torch.float32):
-    """The pipeline's network as the velocity model of ``plan`` (guided when ``guidance_scale > 1``), and the
-    per-image conditioning ``{name: [M]}`` its calls take for ``M`` images (None without text)."""
+    """The pipeline's network as the velocity model of ``plan``: :class:`Parametrised` on the plan's timesteps,
+    wrapped in :class:`Guided` when ``guidance_scale > 1`` (its calls then take ``guide [b]``: 1 on every
+    row, which the guided call doubles into ``[0 (unconditional); 1 (conditional)]``). Its calls take ``row [b]``,
+    the image's row of ``cond`` (none for ``ddpm``). ``model.device`` is the network's device."""
     module = pipe.unet if kind != "sd3" else pipe.transformer
     net_dtype, device = _net_dtype_device(module)
     model = Parametrised(network_call(pipe, kind, cond), plan.prediction, plan.coords, event_shape, dtype,
                          time=GridTimesteps(plan.schedule.sigmas, plan.timesteps), net_dtype=net_dtype)
     model.device = device
-    if kind == "ddpm":
-        return model, None
-    m = cond.embeds.shape[0]
-    rows = {"row": torch.arange(m, device=device)}
-    if guidance_scale > 1:
+    if kind != "ddpm" and guidance_scale > 1:
         model = Guided(model, guidance_scale, torch.zeros(1, dtype=torch.long, device=device), cond_key="guide")
         model.device = device
-        rows["guide"] = torch.ones(m, dtype=torch.long, device=device)
-    return model, rows
+    return model
+
+
+def rows_of(model, rows: torch.Tensor) -> dict:
+    """The conditioning ``{"row", "guide"}`` of images whose text is row ``rows [M]`` of the model's table."""
+    cond = {"row": rows.to(model.device)}
+    if isinstance(model, Guided):
+        cond["guide"] = torch.ones_like(cond["row"])
+    return cond
+
+
+def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_prompt: int = 1, *,
+           clip_skip=None, max_sequence_length: int = 256, extra: dict | None = None) -> Conditioning:
+    """The prompts encoded by the pipeline's own ``encode_prompt`` (one row per image, prompt-major, as the
+    pipeline repeats them), the negative ones when ``guided``."""
+    device = pipe._execution_device
+    if kind == "sd":
+        embeds, negative = pipe.encode_prompt(prompt, device, images_per_prompt, guided, negative_prompt,
+                                              clip_skip=clip_skip)
+        return Conditioning(embeds, negative)
+    e, n, p, np_ = pipe.encode_prompt(prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guided,
+                                      device=device, clip_skip=clip_skip, num_images_per_prompt=images_per_prompt,
+                                      max_sequence_length=max_sequence_length, **(extra or {}))
+    return Conditioning(e, n, p, np_)
 
 
 class SpeculativePipeline:
@@ -244,8 +264,8 @@ class SpeculativePipeline:
         net_dtype, device = _net_dtype_device(pipe.unet)
         noise = self._noise(shape, a["generator"], net_dtype, device)
         seed = self._seed(a["seed"], a["generator"])
-        model, cond = velocity_model(pipe, "ddpm", plan, Conditioning(), shape[1:], 1.0, self.dtype)
-        res = self._sample(model, plan, noise, cond, seed)
+        model = velocity_model(pipe, "ddpm", plan, Conditioning(), shape[1:], 1.0, self.dtype)
+        res = self._sample(model, plan, noise, None, seed)
         image = (res.samples.to(net_dtype) / 2 + 0.5).clamp(0, 1)
         if a["output_type"] != "pt":
             image = image.cpu().permute(0, 2, 3, 1).numpy()
@@ -294,13 +314,12 @@ class SpeculativePipeline:
         shape = (b * n, pipe.unet.config.in_channels, h // f, wd // f)
         plan = self._plan(a["num_inference_steps"], shape)
         device = pipe._execution_device
-        guided = w > 1
-        embeds, negative = pipe.encode_prompt(a["prompt"], device, n, guided, a["negative_prompt"],
-                                              clip_skip=a["clip_skip"])
-        noise = self._noise(shape, a["generator"], embeds.dtype, device)
+        c = encode(pipe, "sd", a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"])
+        noise = self._noise(shape, a["generator"], c.embeds.dtype, device)
         seed = self._seed(a["seed"], a["generator"])
-        model, cond = velocity_model(pipe, "sd", plan, Conditioning(embeds, negative), shape[1:], w, self.dtype)
-        res = self._sample(model, plan, noise, cond, seed)
+        model = velocity_model(pipe, "sd", plan, c, shape[1:], w, self.dtype)
+        res = self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed)
+        embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] != "latent":
             image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False,
@@ -325,17 +344,14 @@ class SpeculativePipeline:
         shape = (b * n, pipe.transformer.config.in_channels, h // f, wd // f)
         plan = self._plan(a["num_inference_steps"], shape, a["mu"])
         device = pipe._execution_device
-        guided = w > 1
-        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=a["prompt"], prompt_2=a["prompt_2"], prompt_3=a["prompt_3"], negative_prompt=a["negative_prompt"],
-            negative_prompt_2=a["negative_prompt_2"], negative_prompt_3=a["negative_prompt_3"],
-            do_classifier_free_guidance=guided, device=device, clip_skip=a["clip_skip"], num_images_per_prompt=n,
-            max_sequence_length=a["max_sequence_length"])
-        noise = self._noise(shape, a["generator"], embeds.dtype, device)
+        c = encode(pipe, "sd3", a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"],
+                   max_sequence_length=a["max_sequence_length"],
+                   extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")})
+        noise = self._noise(shape, a["generator"], c.embeds.dtype, device)
         seed = self._seed(a["seed"], a["generator"])
-        model, cond = velocity_model(pipe, "sd3", plan, Conditioning(embeds, negative, pooled, negative_pooled),
-                                     shape[1:], w, self.dtype)
-        res = self._sample(model, plan, noise, cond, seed)
+        model = velocity_model(pipe, "sd3", plan, c, shape[1:], w, self.dtype)
+        res = self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed)
+        embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] == "latent":
             image = latents
@@ -394,4 +410,5 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
     return SpeculativePipeline(pipe, tree, coupling, draft, dict(options))
 
 
-__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "network_call", "speculative", "velocity_model"]
+__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "encode", "network_call", "rows_of", "speculative",
+           "velocity_model"]
