@@ -109,6 +109,17 @@ class TargetConfig:
         """
         raise NotImplementedError
 
+    def scheduler_plan(self, steps: int, kernel: str | None):
+        """The model's own scheduler at ``steps`` as a :class:`specsamp.integrations.schedulers.SchedulerPlan`
+        (its grid, kernel, timesteps and the network's coordinates), for the run's ``kernel`` name (None:
+        ``kernel=auto``, the model's own choice); None (every shipped model): the run's ``kernel`` config decides."""
+        return None
+
+    def rows_per_state(self) -> int:
+        """Network rows one state costs, known from the config before the model loads (2 under classifier-free
+        guidance, which evaluates a conditional and an unconditional row per state): the memory estimate reads it."""
+        return 1
+
     def size_from_config(self) -> tuple[str, float] | None:
         """``(what, bytes)`` that building this target allocates, when its config alone decides it (the keys
         named in ``what``), so the runner can refuse it before :meth:`build`; None when it does not (a
