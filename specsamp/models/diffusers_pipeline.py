@@ -229,16 +229,38 @@ class DiffusersConfig(TargetConfig):
         Raises:
             ConfigError: a folder without safetensors weights or that diffusers cannot load.
         """
+        import importlib.util
+
         from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as dlog
 
         self.check_weights()
-        dtype = self.torch_dtype("net_dtype")
+        kwargs = {"use_safetensors": True, "local_files_only": True,
+                  "low_cpu_mem_usage": importlib.util.find_spec("accelerate") is not None}
+        try:  # diffusers >= 0.36 renamed torch_dtype to dtype
+            from diffusers.utils import deprecation_utils
+
+            kwargs["dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"] = self.torch_dtype("net_dtype")
+        except ImportError:
+            kwargs["torch_dtype"] = self.torch_dtype("net_dtype")
+        loggers = [dlog]
         try:
-            pipe = DiffusionPipeline.from_pretrained(os.path.expanduser(self.path), use_safetensors=True,
-                                                     local_files_only=True, torch_dtype=dtype)
-        except (OSError, ValueError, KeyError, EnvironmentError) as e:
+            from transformers.utils import logging as tlog
+
+            loggers.append(tlog)
+        except ImportError:  # pragma: no cover - an unconditional pipeline needs no transformers
+            pass
+        bars = [lg for lg in loggers if lg.is_progress_bar_enabled()]
+        for lg in bars:  # loading bars of a few components: noise in a run's log
+            lg.disable_progress_bar()
+        try:
+            pipe = DiffusionPipeline.from_pretrained(os.path.expanduser(self.path), **kwargs)
+        except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"model.path={self.path!r} is invalid: diffusers cannot load it with safetensors "
                               f"weights ({str(e).splitlines()[0] if str(e) else type(e).__name__}).") from None
+        finally:
+            for lg in bars:
+                lg.enable_progress_bar()
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(device)
 
