@@ -328,3 +328,27 @@ def test_build_gives_the_plans_velocity_model_and_the_pipelines_decoding(saved):
     ddpm = _config(saved["ddpm"])
     t2 = ddpm.build("cpu", plan=ddpm.scheduler_plan(10, None))
     assert t2.cond_for is None and t2.model.event_shape == (3, 8, 8)
+
+
+def _runner_takes_kernels() -> bool:
+    try:
+        from specsamp.runner.config import brings_scheduler  # noqa: F401  (the runner's kernel= wiring)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _runner_takes_kernels(), reason="the runner has no kernel= key here")
+def test_run_py_samples_a_saved_pipeline_folder_and_refuses_em(saved, tmp_path):
+    from helpers import run
+
+    args = ["model=diffusers", f"model.path={saved['sd']}", "model.guidance=3", "steps=6", "n_samples=2", "K=2", "L=2",
+            "device=cpu", "progress=false"]
+    for sub in ("auto", "em"):
+        (tmp_path / sub).mkdir()
+    p = run([*args, "kernel=auto"], tmp_path / "auto")
+    rec = json.loads((tmp_path / "auto" / "result.json").read_text())
+    assert rec["model"] == "diffusers" and rec["status"] == "ok" and rec["steps"] == 6, p.stdout
+    bad = run([*args, "kernel=em"], tmp_path / "em", check=False)
+    assert bad.returncode == 2 and "kernel=em is invalid with model=diffusers" in bad.stderr
+    assert "Traceback" not in bad.stderr
