@@ -25,6 +25,7 @@ import torch
 from ..errors import ConfigError
 from .base import MISSING, Target, TargetConfig, check_positive
 from .sd3 import ClipConfig, PromptsConfig
+from .sd3.pipeline import _absent_components
 
 PIPELINES = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
 KERNEL_SCHEDULERS = {"ddpm": "DDPMScheduler", "euler_ancestral": "EulerAncestralDiscreteScheduler",
@@ -254,7 +255,8 @@ class DiffusersConfig(TargetConfig):
         for lg in bars:  # loading bars of a few components: noise in a run's log
             lg.disable_progress_bar()
         try:
-            pipe = DiffusionPipeline.from_pretrained(os.path.expanduser(self.path), **kwargs)
+            folder = os.path.expanduser(self.path)  # components saved as null (SD3 without T5) load as None
+            pipe = DiffusionPipeline.from_pretrained(folder, **{**_absent_components(folder), **kwargs})
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"model.path={self.path!r} is invalid: diffusers cannot load it with safetensors "
                               f"weights ({str(e).splitlines()[0] if str(e) else type(e).__name__}).") from None
