@@ -171,9 +171,10 @@ def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_pr
         embeds, negative = pipe.encode_prompt(prompt, device, images_per_prompt, guided, negative_prompt,
                                               clip_skip=clip_skip)
         return Conditioning(embeds, negative)
+    extra = {"prompt_2": None, "prompt_3": None, **(extra or {})}  # None: the first prompt for every encoder
     e, n, p, np_ = pipe.encode_prompt(prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guided,
                                       device=device, clip_skip=clip_skip, num_images_per_prompt=images_per_prompt,
-                                      max_sequence_length=max_sequence_length, **(extra or {}))
+                                      max_sequence_length=max_sequence_length, **extra)
     return Conditioning(e, n, p, np_)
 
 
