@@ -25,7 +25,7 @@ IMAGE = 8  # DDPM image side; SD latent side (image 16)
 TEXT_HIDDEN = 8
 
 
-def tiny_unet2d(seed: int = 0, prediction_type: str = "epsilon"):
+def tiny_unet2d(seed: int = 0):
     """An attention-free ``UNet2DModel`` on 3 x 8 x 8 images (two levels, widths 8 and 16)."""
     from diffusers import UNet2DModel
 
