@@ -11,11 +11,13 @@ Hydra's ConfigStore (group ``model``); :func:`register_model` adds a user's. Opt
 from __future__ import annotations
 
 from .base import Paper, Target, TargetConfig, VelocityModel, batched
+from .diffusers_pipeline import DiffusersConfig
 from .edm import EDMConfig
 from .gmm import GaussianMixture, GMMConfig
 from .sd3 import SD3Config
 
-MODEL_SCHEMAS = {"gmm_schema": GMMConfig, "edm_schema": EDMConfig, "sd3_schema": SD3Config}
+MODEL_SCHEMAS = {"gmm_schema": GMMConfig, "edm_schema": EDMConfig, "sd3_schema": SD3Config,
+                 "diffusers_schema": DiffusersConfig}
 
 
 def register_model(name: str, schema: type | None = None):
@@ -50,5 +52,5 @@ def register_model(name: str, schema: type | None = None):
     return schema
 
 
-__all__ = ["MODEL_SCHEMAS", "EDMConfig", "GMMConfig", "GaussianMixture", "Paper", "SD3Config", "Target", "TargetConfig",
+__all__ = ["MODEL_SCHEMAS", "DiffusersConfig", "EDMConfig", "GMMConfig", "GaussianMixture", "Paper", "SD3Config", "Target", "TargetConfig",
            "VelocityModel", "batched", "register_model"]

@@ -114,6 +114,31 @@ PROBES = {
         "shift": ([], 1.0),
         **{k: v for k, v in EDM_COMMON.items() if k.startswith("paper.")},
     },
+    # a saved tiny StableDiffusionPipeline (tests/tiny_diffusers.py); max_sequence_length on the tiny SD3 folder
+    "diffusers": {
+        "_target_": ([], "specsamp.models.nope.Config"),
+        "name": ([], "another-name"),
+        "path": ([], "{missing}"),
+        "dtype": ([], "float64"),
+        "net_dtype": ([], "bfloat16"),
+        "guidance": ([], 3.0),
+        "negative_prompt": ([], "blurry"),
+        "resolution": ([], 32),
+        "max_sequence_length": (["model.path={sd3_dir}", "kernel=flow_stochastic", "model.resolution=64"], 8),
+        "max_batch": ([], 1),
+        "decode_chunk": ([], 0),
+        "images_per_prompt": ([], 2),
+        "prompts.source": ([], "file"),
+        "prompts.captions_json": (["model.prompts.source=coco", "model.prompts.captions_json={captions}"], "{tmp}/none.json"),
+        "prompts.n": ([], 1),
+        "prompts.seed": (["model.prompts.source=coco", "model.prompts.captions_json={captions}"], 7),
+        "prompts.path": (["model.prompts.source=file", "model.prompts.path={prompt_file}"], "{prompt_file2}"),
+        "clip.model": ([], "ViT-B-32-quickgelu"),
+        "clip.pretrained": ([], "laion400m_e32"),
+        "clip.checkpoint": ([], "{tmp}/clip.safetensors"),
+        "clip.quick_gelu": ([], True),
+        "clip.cache_dir": ([], "{tmp}/clip-cache"),
+    },
 }
 # what every run of a model adds (small and fast); top-level keys, so paper.* is compared without them
 BASE = {
@@ -124,6 +149,7 @@ BASE = {
     "patches32": ["model.path={ckpt}", "model.sha256={sha}"],
     "sd3": ["model.model_id={sd3_dir}", "model.prompts.source=demo", "model.resolution=64", "model.net_dtype=float32",
             "model.max_sequence_length=16", "model.encode_batch=2"],
+    "diffusers": ["model.path={diffusers_dir}", "kernel=auto"],
 }
 RUN = ["steps=4", "n_samples=2", "K=2", "L=2", "device=cpu", "progress=false", "execution=tree"]
 
@@ -165,11 +191,27 @@ def sd3_dir(tmp_path_factory):
     return str(write_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3") / "pipeline"))
 
 
-def _fill(value, model, files, sd3_dir):
+@pytest.fixture(scope="module")
+def diffusers_dir(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    from tiny_diffusers import save_pipeline, tiny_sd
+
+    return str(save_pipeline(tiny_sd(), tmp_path_factory.mktemp("tiny-diffusers") / "pipeline"))
+
+
+def _runner_takes_kernels() -> bool:
+    try:
+        from specsamp.runner.config import brings_scheduler  # noqa: F401  (the runner's kernel= wiring)
+    except ImportError:
+        return False
+    return True
+
+
+def _fill(value, model, files, sd3_dir, diffusers_dir=""):
     if not isinstance(value, str):
         return value
     subs = {**{k.split(":")[1]: v for k, v in files.items() if k.startswith(model + ":")},
-            **{k: v for k, v in files.items() if ":" not in k}, "sd3_dir": sd3_dir}
+            **{k: v for k, v in files.items() if ":" not in k}, "sd3_dir": sd3_dir, "diffusers_dir": diffusers_dir}
     return value.format(**subs)
 
 
@@ -247,11 +289,14 @@ _OUTCOMES: dict = {}
 CASES = [(m, k) for m in MODELS for k in sorted(PROBES.get(m, {}))]
 
 
-@pytest.mark.parametrize("model,key", [pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits", "patches32") else (m, k) for m, k in CASES])
+@pytest.mark.parametrize("model,key", [pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits", "patches32", "diffusers") else (m, k) for m, k in CASES])
 def test_model_key_is_used_or_rejected(model, key, files, request, monkeypatch, tmp_path_factory):
     from specsamp.models import sd3 as sd3_mod
 
-    sd3_dir = request.getfixturevalue("sd3_dir") if model == "sd3" else ""
+    if model == "diffusers" and not _runner_takes_kernels():
+        pytest.skip("the runner has no kernel= key here: model=diffusers needs its scheduler plan")
+    sd3_dir = request.getfixturevalue("sd3_dir") if model in ("sd3", "diffusers") else ""
+    diffusers_dir = request.getfixturevalue("diffusers_dir") if model == "diffusers" else ""
     monkeypatch.setenv("SPECSAMP_OFFLINE", "1")
     home = Path(files["tmp"])  # one environment for the module, so that unchanged runs can be cached
     monkeypatch.setenv("SPECSAMP_CACHE", str(home / "cache"))
@@ -261,8 +306,8 @@ def test_model_key_is_used_or_rejected(model, key, files, request, monkeypatch, 
     monkeypatch.setattr(sd3_mod, "load_sd3", spy.load_sd3)
     monkeypatch.setattr(sd3_mod, "encode_prompts", spy.encode_prompts)
     context, value = PROBES[model][key]
-    base = [_fill(o, model, files, sd3_dir) for o in (*BASE[model], *context)]
-    value = _fill(value, model, files, sd3_dir)
+    base = [_fill(o, model, files, sd3_dir, diffusers_dir) for o in (*BASE[model], *context)]
+    value = _fill(value, model, files, sd3_dir, diffusers_dir)
     literal = json.dumps(value) if not isinstance(value, str) else value
     before = outcome(model, base, spy)
     after = outcome(model, [*base, f"model.{key}={literal}"], spy)

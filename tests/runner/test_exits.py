@@ -294,7 +294,7 @@ def _bare(args, cwd):
                                                "model.net_dtype=float16"], "valid values are float32, float64."),
     (["K=0"], ["K=0 is invalid"], "Traceback"),
     (["model=nosuch"], ["model=nosuch is not an option of the config group model",
-                        "valid: cifar10, digits, ffhq, gmm, patches32, sd3 (conf/model/)", "hydra.searchpath="], "_schema"),
+                        "valid: cifar10, diffusers, digits, ffhq, gmm, patches32, sd3 (conf/model/)", "hydra.searchpath="], "_schema"),
     (["sampler=nosuch"], ["sampler=nosuch is not an option", "valid: dgrs, markmax, rmc, standard"], "Available options"),
     ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),
 ])

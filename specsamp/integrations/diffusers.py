@@ -1,0 +1,415 @@
+"""A diffusers pipeline, sampled speculatively and exactly: :func:`speculative`.
+
+``speculative(pipe, K, L, coupling, draft, **options)`` returns a :class:`SpeculativePipeline`, a callable that
+takes the pipeline's own arguments and returns the pipeline's own output. Everything outside the sampling loop
+is the pipeline's: its ``encode_prompt``, its latent shape (from the network's config and ``vae_scale_factor``),
+its first latents (``randn_tensor`` from the ``generator``, as ``prepare_latents`` draws them), its VAE decoding,
+safety checker and ``image_processor.postprocess``. The loop is replaced: the scheduler becomes a
+:class:`~specsamp.integrations.schedulers.SchedulerPlan` (its own grid and kernel, :func:`from_scheduler`), the
+network a velocity model on the linear path (:class:`~specsamp.models.parametrisation.Parametrised`, wrapped
+in :class:`~specsamp.models.parametrisation.Guided` when ``guidance_scale > 1``: one call of ``[uncond; cond]``
+rows, as diffusers batches it), and :func:`specsamp.sampler.sample_speculative` runs the draft tree.
+The samples follow the law of the pipeline's own loop; the noise after the first latents is the sampler's keyed
+noise, so the images are not the pipeline's bit for bit.
+
+Covered: ``DDPMPipeline`` (``UNet2DModel``), ``StableDiffusionPipeline`` (``UNet2DConditionModel``; epsilon,
+v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), under ``DDPMScheduler``,
+``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``. Any other
+scheduler (DPM-Solver++, DDIM, UniPC, any multistep solver) or pipeline is refused by :func:`speculative`
+itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..models.base import parse_dtype
+from ..models.parametrisation import GridTimesteps, Guided, Parametrised
+from ..rng import MAX_SEED
+from .schedulers import SchedulerPlan, from_scheduler
+
+KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
+"""The pipeline classes covered (subclasses included) and the kind each is driven as."""
+
+ARGUMENTS = {
+    "ddpm": ("batch_size", "generator", "seed", "num_inference_steps", "output_type", "return_dict"),
+    "sd": ("prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
+           "num_images_per_prompt", "generator", "seed", "output_type", "return_dict", "guidance_rescale", "clip_skip"),
+    "sd3": ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "height",
+            "width", "num_inference_steps", "guidance_scale", "num_images_per_prompt", "generator", "seed",
+            "output_type", "return_dict", "mu", "max_sequence_length", "clip_skip"),
+}
+"""The pipeline arguments each kind takes (plus ``seed``); their defaults are the pipeline's own."""
+
+OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "warmup", "refine", "compile",
+           "check_contract", "dtype")
+"""The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
+
+
+
+def _kind(pipe) -> str:
+    for cls in type(pipe).__mro__:
+        if cls.__name__ in KINDS:
+            return KINDS[cls.__name__]
+    raise ConfigError(f"pipeline={type(pipe).__name__!r} is not supported: speculative() drives "
+                      f"{', '.join(KINDS)} (and their subclasses), whose loops it reproduces; load one of them "
+                      "with the same components.")
+
+
+def _defaults(pipe) -> dict:
+    sig = inspect.signature(type(pipe).__call__).parameters
+    return {k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty}
+
+
+def _net_dtype_device(module) -> tuple[torch.dtype, torch.device]:
+    p = next(iter(module.parameters()))
+    return getattr(module, "dtype", p.dtype), torch.device(getattr(module, "device", p.device))
+
+
+def _check_int(key: str, value, lo: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{key}={value!r} is invalid: must be an integer >= {lo}.")
+    return value
+
+
+def _scheduler_mu(pipe, latent_shape, mu):
+    """The flow scheduler's shift as ``StableDiffusion3Pipeline`` computes it from the image size."""
+    cfg = pipe.scheduler.config
+    if mu is not None or not cfg.get("use_dynamic_shifting", False):
+        return mu
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+    patch = pipe.transformer.config.patch_size
+    seq = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
+    return calculate_shift(seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                           cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))
+
+
+@dataclass
+class Conditioning:
+    """A batch's encoded prompts, one row per image (``None`` where the network takes none).
+
+    Attributes:
+        embeds: ``[M, S, D]`` the conditional text states (``encoder_hidden_states``).
+        negative: ``[M, S, D]`` the unconditional ones (guidance only).
+        pooled, negative_pooled: ``[M, P]`` SD3's pooled projections.
+    """
+
+    embeds: torch.Tensor | None = None
+    negative: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    negative_pooled: torch.Tensor | None = None
+
+
+def network_call(pipe, kind: str, cond: Conditioning):
+    """``net(y, t, row, guide=None)``: the pipeline's network on its own state ``y`` at timesteps ``t``, image
+    ``row``'s text (the unconditional text where ``guide == 0``)."""
+    if kind == "ddpm":
+        unet = pipe.unet
+
+        def net(y, t, row=None):
+            return unet(y, t).sample
+        return net
+
+    def pick(pos, neg, row, guide):
+        if guide is None:
+            return pos[row]
+        g = guide.reshape((-1,) + (1,) * (pos.ndim - 1)).bool()
+        return torch.where(g, pos[row], neg[row] if neg.shape[0] != 1 else neg.expand((row.numel(),) + neg.shape[1:]))
+
+    if kind == "sd":
+        unet = pipe.unet
+
+        def net(y, t, row, guide=None):
+            return unet(y, t, encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide), return_dict=False)[0]
+        return net
+
+    transformer = pipe.transformer
+
+    def net(y, t, row, guide=None):
+        return transformer(hidden_states=y, timestep=t, encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide),
+                           pooled_projections=pick(cond.pooled, cond.negative_pooled, row, guide), return_dict=False)[0]
+    return net
+
+
+def velocity_model(pipe, kind: str, plan: SchedulerPlan, cond: Conditioning, event_shape, guidance_scale: float,
+                   dtype: torch.dtype = torch.float32):
+    """The pipeline's network as the velocity model of ``plan``: :class:`Parametrised` on the plan's timesteps,
+    wrapped in :class:`Guided` when ``guidance_scale > 1`` (its calls then take ``guide [b]``: 1 on every
+    row, which the guided call doubles into ``[0 (unconditional); 1 (conditional)]``). Its calls take ``row [b]``,
+    the image's row of ``cond`` (none for ``ddpm``). ``model.device`` is the network's device."""
+    module = pipe.unet if kind != "sd3" else pipe.transformer
+    net_dtype, device = _net_dtype_device(module)
+    model = Parametrised(network_call(pipe, kind, cond), plan.prediction, plan.coords, event_shape, dtype,
+                         time=GridTimesteps(plan.schedule.sigmas, plan.timesteps), net_dtype=net_dtype)
+    model.device = device
+    if kind != "ddpm" and guidance_scale > 1:
+        model = Guided(model, guidance_scale, torch.zeros(1, dtype=torch.long, device=device), cond_key="guide")
+        model.device = device
+    return model
+
+
+def rows_of(model, rows: torch.Tensor) -> dict:
+    """The conditioning ``{"row", "guide"}`` of images whose text is row ``rows [M]`` of the model's table."""
+    cond = {"row": rows.to(model.device)}
+    if isinstance(model, Guided):
+        cond["guide"] = torch.ones_like(cond["row"])
+    return cond
+
+
+def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_prompt: int = 1, *,
+           clip_skip=None, max_sequence_length: int = 256, extra: dict | None = None) -> Conditioning:
+    """The prompts encoded by the pipeline's own ``encode_prompt`` (one row per image, prompt-major, as the
+    pipeline repeats them), the negative ones when ``guided``."""
+    device = pipe._execution_device
+    if kind == "sd":
+        embeds, negative = pipe.encode_prompt(prompt, device, images_per_prompt, guided, negative_prompt,
+                                              clip_skip=clip_skip)
+        return Conditioning(embeds, negative)
+    extra = {"prompt_2": None, "prompt_3": None, **(extra or {})}  # None: the first prompt for every encoder
+    e, n, p, np_ = pipe.encode_prompt(prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guided,
+                                      device=device, clip_skip=clip_skip, num_images_per_prompt=images_per_prompt,
+                                      max_sequence_length=max_sequence_length, **extra)
+    return Conditioning(e, n, p, np_)
+
+
+class SpeculativePipeline:
+    """A diffusers pipeline's ``__call__`` with the sampling loop replaced by the speculative sampler.
+
+    Call it with the pipeline's own arguments (its defaults apply): ``DDPMPipeline``: ``batch_size``,
+    ``generator``, ``num_inference_steps``, ``output_type``, ``return_dict``; ``StableDiffusionPipeline``: also
+    ``prompt``, ``negative_prompt``, ``height``, ``width``, ``guidance_scale``, ``num_images_per_prompt``,
+    ``clip_skip`` (``guidance_rescale`` must stay 0); ``StableDiffusion3Pipeline``: also ``prompt_2``, ``prompt_3``,
+    ``negative_prompt_2``, ``negative_prompt_3``, ``mu``, ``max_sequence_length``. ``seed`` (an integer) keys the
+    sampler's noise; without it the seed is drawn from ``generator`` after the first latents (from torch's global
+    generator when there is none, so ``torch.manual_seed`` reproduces a run).
+
+    Returns the pipeline's output (``ImagePipelineOutput``, ``StableDiffusionPipelineOutput``,
+    ``StableDiffusion3PipelineOutput``; ``output_type`` as the pipeline takes it) with the run's
+    :class:`~specsamp.result.SampleResult` as its attribute ``speculative`` (``nfe``, ``nfe_total``,
+    ``target_rows``, ``speedup``, per-depth ``attempts``/``accepts``; ``samples`` are the final latents). With
+    ``return_dict=False``, the pipeline's tuple; the result is then :attr:`last` (also set otherwise).
+    """
+
+    def __init__(self, pipe, tree, coupling, draft, options: dict):
+        self.pipe, self.kind = pipe, _kind(pipe)
+        self.tree, self.coupling, self.draft = tree, coupling, draft
+        self.dtype = parse_dtype(options.pop("dtype", "float32"), "dtype")
+        self.options = options
+        self.defaults = _defaults(pipe)
+        self.last = None
+
+    def __call__(self, **kwargs):
+        unknown = sorted(set(kwargs) - set(ARGUMENTS[self.kind]))
+        if unknown:
+            raise ConfigError(f"{unknown[0]}={kwargs[unknown[0]]!r} is not supported by the speculative "
+                              f"{type(self.pipe).__name__}: it takes {', '.join(ARGUMENTS[self.kind])}.")
+        a = {k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]}
+        with torch.no_grad():  # as the pipeline's own __call__
+            return getattr(self, f"_{self.kind}")(a)
+
+    # --- the parts every kind shares -----------------------------------------------------------------
+    def _plan(self, steps, latent_shape, mu=None) -> SchedulerPlan:
+        return from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
+                              mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None)
+
+    def _noise(self, shape, generator, dtype, device):
+        from diffusers.utils.torch_utils import randn_tensor
+
+        return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+
+    def _seed(self, seed, generator) -> int:
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+                raise ConfigError(f"seed={seed!r} is invalid: must be an integer in [0, {MAX_SEED}].")
+            return seed
+        g = generator[0] if isinstance(generator, list) else generator
+        return int(torch.randint(0, MAX_SEED + 1, (1,), generator=g, device=g.device if g is not None else "cpu"))
+
+    def _sample(self, model, plan: SchedulerPlan, noise, cond, seed):
+        from ..sampler import sample_speculative
+
+        m = noise.shape[0]
+        init = noise.to(self.dtype) * plan.init_scale
+        bar = self.pipe.progress_bar(total=m * (plan.schedule.steps - 2))
+        done = [0]
+
+        def progress(info):
+            bar.update(info["steps_done"] - done[0])
+            done[0] = info["steps_done"]
+
+        with bar:
+            res = sample_speculative(model, plan.schedule, self.tree, self.coupling, m, draft=self.draft, seed=seed,
+                                     cond=cond, init=init, callback=progress, **self.options)
+        self.last = res
+        return res
+
+    def _finish(self, output, res):
+        if isinstance(output, tuple):
+            return output
+        output.speculative = res
+        return output
+
+    # --- the pipelines -------------------------------------------------------------------------------
+    def _ddpm(self, a):
+        pipe = self.pipe
+        b = _check_int("batch_size", a["batch_size"])
+        size = pipe.unet.config.sample_size
+        shape = (b, pipe.unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+        plan = self._plan(a["num_inference_steps"], shape)
+        net_dtype, device = _net_dtype_device(pipe.unet)
+        noise = self._noise(shape, a["generator"], net_dtype, device)
+        seed = self._seed(a["seed"], a["generator"])
+        model = velocity_model(pipe, "ddpm", plan, Conditioning(), shape[1:], 1.0, self.dtype)
+        res = self._sample(model, plan, noise, None, seed)
+        image = (res.samples.to(net_dtype) / 2 + 0.5).clamp(0, 1)
+        if a["output_type"] != "pt":
+            image = image.cpu().permute(0, 2, 3, 1).numpy()
+            if a["output_type"] == "pil":
+                image = pipe.numpy_to_pil(image)
+        pipe.maybe_free_model_hooks()
+        from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
+
+        return self._finish((image,) if not a["return_dict"] else ImagePipelineOutput(images=image), res)
+
+    def _guidance(self, a) -> float:
+        w = a["guidance_scale"]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"guidance_scale={w!r} is invalid: must be a finite number (1 or less: no guidance).")
+        return float(w)
+
+    def _batch(self, a) -> int:
+        p = a["prompt"]
+        if isinstance(p, str):
+            return 1
+        if isinstance(p, list) and p and all(isinstance(s, str) for s in p):
+            return len(p)
+        raise ConfigError(f"prompt={p!r} is invalid: must be a string or a non-empty list of strings.")
+
+    def _hw(self, a, default_side: int) -> tuple[int, int]:
+        h, w = a["height"] or default_side, a["width"] or default_side
+        f = self.pipe.vae_scale_factor
+        for key, v in (("height", h), ("width", w)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % f:
+                raise ConfigError(f"{key}={v!r} is invalid: must be a positive multiple of the VAE factor {f}.")
+        return h, w
+
+    def _sd(self, a):
+        pipe = self.pipe
+        if a["guidance_rescale"]:
+            raise ConfigError(f"guidance_rescale={a['guidance_rescale']!r} is not supported: the speculative pipeline "
+                              "reproduces plain classifier-free guidance only; set guidance_rescale=0.")
+        if pipe.unet.config.time_cond_proj_dim is not None:
+            raise ConfigError("unet.config.time_cond_proj_dim is set (a guidance-embedded, LCM-style network): its "
+                              "scheduler is not one of the exact kernels; use a plain UNet2DConditionModel.")
+        b, w, n = self._batch(a), self._guidance(a), _check_int("num_images_per_prompt", a["num_images_per_prompt"])
+        size = pipe.unet.config.sample_size
+        side = (size if isinstance(size, int) else size[0]) * pipe.vae_scale_factor
+        h, wd = self._hw(a, side)
+        f = pipe.vae_scale_factor
+        shape = (b * n, pipe.unet.config.in_channels, h // f, wd // f)
+        plan = self._plan(a["num_inference_steps"], shape)
+        device = pipe._execution_device
+        c = encode(pipe, "sd", a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"])
+        noise = self._noise(shape, a["generator"], c.embeds.dtype, device)
+        seed = self._seed(a["seed"], a["generator"])
+        model = velocity_model(pipe, "sd", plan, c, shape[1:], w, self.dtype)
+        res = self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed)
+        embeds = c.embeds
+        latents = res.samples.to(embeds.dtype)
+        if a["output_type"] != "latent":
+            image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False,
+                                    generator=a["generator"])[0]
+            image, nsfw = pipe.run_safety_checker(image, device, embeds.dtype)
+        else:
+            image, nsfw = latents, None
+        denorm = [True] * image.shape[0] if nsfw is None else [not x for x in nsfw]
+        image = pipe.image_processor.postprocess(image, output_type=a["output_type"], do_denormalize=denorm)
+        pipe.maybe_free_model_hooks()
+        from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
+
+        out = (image, nsfw) if not a["return_dict"] else StableDiffusionPipelineOutput(images=image,
+                                                                                     nsfw_content_detected=nsfw)
+        return self._finish(out, res)
+
+    def _sd3(self, a):
+        pipe = self.pipe
+        b, w, n = self._batch(a), self._guidance(a), _check_int("num_images_per_prompt", a["num_images_per_prompt"])
+        h, wd = self._hw(a, pipe.default_sample_size * pipe.vae_scale_factor)
+        f = pipe.vae_scale_factor
+        shape = (b * n, pipe.transformer.config.in_channels, h // f, wd // f)
+        plan = self._plan(a["num_inference_steps"], shape, a["mu"])
+        device = pipe._execution_device
+        c = encode(pipe, "sd3", a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"],
+                   max_sequence_length=a["max_sequence_length"],
+                   extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")})
+        noise = self._noise(shape, a["generator"], c.embeds.dtype, device)
+        seed = self._seed(a["seed"], a["generator"])
+        model = velocity_model(pipe, "sd3", plan, c, shape[1:], w, self.dtype)
+        res = self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed)
+        embeds = c.embeds
+        latents = res.samples.to(embeds.dtype)
+        if a["output_type"] == "latent":
+            image = latents
+        else:
+            z = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+            image = pipe.image_processor.postprocess(pipe.vae.decode(z, return_dict=False)[0], output_type=a["output_type"])
+        pipe.maybe_free_model_hooks()
+        from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutput
+
+        return self._finish((image,) if not a["return_dict"] else StableDiffusion3PipelineOutput(images=image), res)
+
+
+def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str = "x0", **options) -> SpeculativePipeline:
+    """``pipe`` with its sampling loop run by the exact speculative sampler (:class:`SpeculativePipeline`).
+
+    Args:
+        pipe: a ``DDPMPipeline``, ``StableDiffusionPipeline`` or ``StableDiffusion3Pipeline`` whose scheduler is
+            ``DDPMScheduler``, ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler`` with
+            ``stochastic_sampling=True``.
+        K, L: the uniform draft tree (``K`` children per node, ``L`` levels; ``rmc`` takes ``K = 1``, a chain).
+        coupling: ``dgrs``, ``rmc``, ``markmax`` or any registered coupling.
+        draft: ``x0`` (the data prediction frozen at the root), ``velocity``, ... (:mod:`specsamp.drafts`).
+        **options: ``tree`` (a :class:`~specsamp.trees.DraftTree` or a callable per root step, instead of ``K``,
+            ``L``), ``execution`` (``path``, the default, or ``tree``), ``prefetch``, ``evaluate_leaves``,
+            ``max_batch``, ``warmup``, ``refine``, ``compile``, ``check_contract`` (as
+            :func:`~specsamp.sampler.sample_speculative` takes them) and ``dtype`` of the sampler's states
+            (``float32``; the network runs in its own dtype).
+
+    Raises:
+        ConfigError: a pipeline, scheduler or scheduler option whose loop is not reproduced exactly (one paragraph
+            naming the kernels there are), an unknown option, coupling or draft, a tree the coupling does not
+            take; all before any work.
+    """
+    from ..coupling import get_coupling
+    from ..drafts import get_draft
+    from ..trees import DraftTree
+
+    _kind(pipe)
+    try:  # the scheduler's own check: a grid of a few steps is enough to refuse what is not reproduced
+        from_scheduler(pipe.scheduler, 3, mu=1.0)
+    except ConfigError as e:
+        if not str(e).startswith("num_inference_steps="):
+            raise
+    bad = sorted(set(options) - set(OPTIONS))
+    if bad:
+        raise ConfigError(f"{bad[0]}={options[bad[0]]!r} is not an option of speculative(): valid are K, L, coupling, "
+                          f"draft, {', '.join(OPTIONS)}.")
+    tree = options.pop("tree", None)
+    c = get_coupling(coupling)
+    get_draft(draft)
+    if tree is None:
+        tree = DraftTree.uniform(_check_int("K", K), _check_int("L", L))
+    if isinstance(tree, DraftTree):
+        c.check_tree(tree)
+    parse_dtype(options.get("dtype", "float32"), "dtype")
+    return SpeculativePipeline(pipe, tree, coupling, draft, dict(options))
+
+
+__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "encode", "network_call", "rows_of", "speculative",
+           "velocity_model"]
