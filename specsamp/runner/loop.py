@@ -411,7 +411,7 @@ def sample(built: Built, batches=None) -> Sampled:
     res.extra.update(target=target, indices=ids, max_batch=built.max_batch)
     return Sampled(res, [r.batch_speedup for r in results], built.tree_fields, built.calibration,
                    resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
-                   wall_seconds=time.perf_counter() - built.started)
+                   wall_seconds=time.perf_counter() - built.started, kernel=built.schedule.kernel_name)
 
 
 def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None = None, indices=None,

@@ -135,6 +135,7 @@ class Sampled:
         resumed: ``{batches, of}`` when batches were read from an earlier attempt, else None.
         wall_seconds: the run's wall time (the shards' sum for a merge).
         versions: the software that sampled (default: this process's, :func:`versions`).
+        kernel: the kernel that ran (the schedule's; ``kernel=auto`` resolves to the model's own), or None.
     """
 
     result: SampleResult
@@ -144,6 +145,7 @@ class Sampled:
     resumed: Mapping | None = None
     wall_seconds: float = 0.0
     versions: Mapping | None = field(default_factory=lambda: versions())
+    kernel: str | None = None
 
 
 def make_record(prepared, sampled: Sampled) -> dict:
@@ -183,7 +185,8 @@ def make_record(prepared, sampled: Sampled) -> dict:
         "K": run.K,
         "L": run.L,
         "eps": prepared.recorded.get("eps", run.eps),  # null for a kernel other than em (it reads no churn)
-        **({"kernel": prepared.recorded["kernel"]["name"]} if "kernel" in prepared.recorded else {}),
+        # the kernel that ran: kernel=auto is recorded in the config as asked, here as what it resolved to
+        **({"kernel": sampled.kernel or prepared.recorded["kernel"]["name"]} if "kernel" in prepared.recorded else {}),
         "steps": run.steps,
         "n_samples": len(prepared.indices) if shard else run.n_samples,
         **{k: tree[k] for k in TREE_FIELDS[:4] if k in tree},

@@ -236,7 +236,8 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
         merged, [b for p in parts for b in p["batch_speedups"]], {k: first[k] for k in TREE_FIELDS if k in first},
         # every shard calibrates alike (same seed, same config); the unsharded run pays one calibration
         calibration=first.get("calibration"),
-        wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)), versions=first.get("versions")))
+        wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)), versions=first.get("versions"),
+        kernel=first.get("kernel")))
     torch_save_atomic(out_dir / SAMPLES_FILE, cat["samples"])
     merge_images([group.found[k] for k in range(group.num_shards)], out_dir)
     write_json_atomic(out_dir / RESULT_FILE, record)  # last: a record means every file of the set is there

@@ -339,16 +339,17 @@ def _runner_takes_kernels() -> bool:
 
 
 @pytest.mark.skipif(not _runner_takes_kernels(), reason="the runner has no kernel= key here")
-def test_run_py_samples_a_saved_pipeline_folder_and_refuses_em(saved, tmp_path):
+def test_run_py_samples_a_saved_pipeline_folder_on_its_own_scheduler_and_refuses_em(saved, tmp_path):
     from helpers import run
 
     args = ["model=diffusers", f"model.path={saved['sd']}", "model.guidance=3", "steps=6", "n_samples=2", "K=2", "L=2",
             "device=cpu", "progress=false"]
     for sub in ("auto", "em"):
         (tmp_path / sub).mkdir()
-    p = run([*args, "kernel=auto"], tmp_path / "auto")
+    p = run(args, tmp_path / "auto")  # model=diffusers selects kernel=auto: the folder's own scheduler
     rec = json.loads((tmp_path / "auto" / "result.json").read_text())
     assert rec["model"] == "diffusers" and rec["status"] == "ok" and rec["steps"] == 6, p.stdout
+    assert rec["config"]["kernel"]["name"] == "auto" and rec["kernel"] == "euler_ancestral"
     bad = run([*args, "kernel=em"], tmp_path / "em", check=False)
     assert bad.returncode == 2 and "kernel=em is invalid with model=diffusers" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -19,7 +19,11 @@ CONF = ROOT / "conf" / "model"
 def _config(name: str, **overrides):
     """``conf/model/<name>.yaml`` merged onto its schema (as Hydra composes it), under a root with n_samples."""
     y = OmegaConf.load(CONF / f"{name}.yaml")
-    schema, self_ = y.pop("defaults")
+    defaults = y.pop("defaults")
+    if "model" in y:  # package _global_ (a model that selects its kernel): its keys sit under model:
+        defaults = [d.removeprefix("/model/").removesuffix("@model") for d in defaults if "override" not in str(d)]
+        y = y.model
+    schema, self_ = defaults
     assert self_ == "_self_"
     root = OmegaConf.create({"n_samples": 3})
     root.model = OmegaConf.merge(OmegaConf.structured(MODEL_SCHEMAS[schema]), y, overrides)
@@ -30,7 +34,7 @@ def _config(name: str, **overrides):
 def test_every_model_yaml_merges_onto_its_schema(name):
     mandatory = {"path": "/a/pipeline/folder"} if name == "diffusers" else {}  # its one key without a default
     cfg = hydra.utils.instantiate(_config(name, **mandatory), _convert_="object")
-    assert type(cfg) is MODEL_SCHEMAS[OmegaConf.load(CONF / f"{name}.yaml").defaults[0]]
+    assert type(cfg) is MODEL_SCHEMAS[str(OmegaConf.load(CONF / f"{name}.yaml").defaults[0]).removeprefix("/model/").removesuffix("@model")]
     assert cfg._target_ == f"{type(cfg).__module__}.{type(cfg).__name__}"
     if name == "diffusers":  # any pipeline: no protocol of the paper's (the run's defaults apply)
         assert cfg.paper is None and cfg.prompts.n == 3
