@@ -372,11 +372,12 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
         pipe: a ``DDPMPipeline``, ``StableDiffusionPipeline`` or ``StableDiffusion3Pipeline`` whose scheduler is
             ``DDPMScheduler``, ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler`` with
             ``stochastic_sampling=True``.
-        K, L: the uniform draft tree (``K`` children per node, ``L`` levels; ``rmc`` takes ``K = 1``, a chain).
+        K, L: the uniform draft tree (``K`` children per node, ``L`` levels); a one-child coupling (``rmc``) runs the
+            chain of the same drafted-state budget ``K + ... + K^L`` (``K=1, L=62``: a chain of 62).
         coupling: ``dgrs``, ``rmc``, ``markmax`` or any registered coupling.
         draft: ``x0`` (the data prediction frozen at the root), ``velocity``, ... (:mod:`specsamp.drafts`).
         **options: ``tree`` (a :class:`~specsamp.trees.DraftTree` or a callable per root step, instead of ``K``,
-            ``L``), ``execution`` (``path``, the default, or ``tree``), ``prefetch``, ``evaluate_leaves``,
+            ``L``), ``execution`` (``tree``, the default: a round's nodes in one batched call; or ``path``), ``prefetch``, ``evaluate_leaves``,
             ``max_batch``, ``warmup``, ``refine``, ``compile``, ``check_contract`` (as
             :func:`~specsamp.sampler.sample_speculative` takes them) and ``dtype`` of the sampler's states
             (``float32``; the network runs in its own dtype).
@@ -403,8 +404,11 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
     tree = options.pop("tree", None)
     c = get_coupling(coupling)
     get_draft(draft)
-    if tree is None:
+    if tree is None:  # the (K, L) tree; a one-child coupling runs the chain of its budget K + ... + K^L, as run.py's
         tree = DraftTree.uniform(_check_int("K", K), _check_int("L", L))
+        if c.max_children == 1:
+            tree = DraftTree.chain(len(tree) - 1)
+    options.setdefault("execution", "tree")  # every node of a round in one batched call: what saves time
     if isinstance(tree, DraftTree):
         c.check_tree(tree)
     parse_dtype(options.get("dtype", "float32"), "dtype")

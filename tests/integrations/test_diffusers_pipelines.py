@@ -239,8 +239,9 @@ def test_bad_options_are_refused_before_any_work(ddpm):
         speculative(ddpm, nosuch=1)
     with pytest.raises(ConfigError):
         speculative(ddpm, coupling="nosuch")
+    assert speculative(ddpm, K=2, L=3, coupling="rmc").tree.max_depth == 14  # a one-child rule: the chain of B = 14
     with pytest.raises(ConfigError):
-        speculative(ddpm, K=2, coupling="rmc")  # a one-child rule takes a chain
+        speculative(ddpm, coupling="rmc", tree=DraftTree.uniform(2, 2))  # a given tree it cannot verify
     assert speculative(ddpm, coupling="rmc", tree=DraftTree.chain(4)).tree.max_depth == 4
     pipe = _quiet(td.tiny_sd())
     with pytest.raises(ConfigError, match="guidance_rescale=0.7 is not supported"):
