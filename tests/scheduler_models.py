@@ -1,0 +1,83 @@
+"""The Gaussian mixture as the networks diffusers' schedulers drive, in their own coordinates and time, and the
+loops a pipeline runs with them (the reference for the scheduler kernels' exactness tests).
+
+A mixture's posterior mean ``E[x0 | x]`` is exact (:meth:`GaussianMixture.denoise`), so it is an exact epsilon, x0,
+v-prediction or flow network at every level. The network is written here from the scheduler's own tables (its
+``alphas_cumprod`` or ``sigmas`` at the timestep it is handed), not through :mod:`specsamp.models.parametrisation`,
+so the adapters are checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MixtureNet:
+    """``net(y, t) -> out``: the mixture's exact prediction at the network's state ``y [b, *e]`` and timesteps ``t``.
+
+    Args:
+        gmm: :class:`specsamp.models.gmm.GaussianMixture` (``d = prod(e)``).
+        prediction: ``epsilon``, ``sample``, ``v_prediction`` (variance-preserving state
+            ``y = alpha x0 + sigma_vp xi``) or ``flow`` (``y = (1 - s) x0 + s xi``, out ``xi - x0``).
+        timesteps: the scheduler's timesteps ``[T]`` and ``levels [T]`` at each of them: the cumulative alpha
+            (``alpha^2``) for ``vp``, the flow level ``s`` for ``flow``.
+        calls: a list the number of rows of each call is appended to.
+    """
+
+    def __init__(self, gmm, prediction: str, timesteps, levels, calls: list | None = None):
+        self.gmm, self.prediction = gmm, prediction
+        self.ts = torch.as_tensor(timesteps).to(torch.float64).reshape(-1)
+        self.levels = torch.as_tensor(levels).to(torch.float64).reshape(-1)
+        self.calls = calls
+
+    def level(self, t, b: int) -> torch.Tensor:
+        t = torch.as_tensor(t).to(torch.float64).reshape(-1).expand(b)
+        hit = t[:, None] == self.ts[None, :]
+        assert bool(hit.any(1).all()), "the network was called off the scheduler's timesteps"
+        return self.levels[hit.to(torch.int8).argmax(1)]
+
+    def __call__(self, y: torch.Tensor, t, **cond) -> torch.Tensor:
+        b = y.shape[0]
+        if self.calls is not None:
+            self.calls.append(b)
+        lv = self.level(t, b).reshape((-1,) + (1,) * (y.ndim - 1))
+        y64 = y.to(torch.float64)
+        flat = lambda z: z.reshape(b, -1)  # noqa: E731
+        if self.prediction == "flow":
+            s = lv
+            x0 = self.gmm.denoise(flat(y64), s.reshape(-1)).reshape(y.shape)
+            return ((y64 - x0) / s).to(y.dtype)
+        alpha, sig = lv.sqrt(), (1.0 - lv).sqrt()
+        k = alpha + sig
+        x0 = self.gmm.denoise(flat(y64 / k), (sig / k).reshape(-1)).reshape(y.shape)
+        eps = (y64 - alpha * x0) / sig
+        out = {"epsilon": eps, "sample": x0, "v_prediction": alpha * eps - sig * x0}[self.prediction]
+        return out.to(y.dtype)
+
+
+def scheduler_levels(sch) -> torch.Tensor:
+    """What :class:`MixtureNet` reads at each of ``sch.timesteps`` (after ``set_timesteps``): ``alphas_cumprod[t]``
+    for DDPM, ``1 / (1 + sigma^2)`` at the step's sigma for Euler ancestral, the sigma for flow matching."""
+    name = type(sch).__name__
+    if name == "DDPMScheduler":
+        return sch.alphas_cumprod.to(torch.float64)[sch.timesteps.long()]
+    sig = sch.sigmas.to(torch.float64)[: len(sch.timesteps)]
+    if name == "EulerAncestralDiscreteScheduler":
+        return 1.0 / (1.0 + sig * sig)
+    return sig
+
+
+def mixture_net(gmm, sch, prediction: str, calls: list | None = None) -> MixtureNet:
+    """The mixture as ``sch``'s network (``sch`` after ``set_timesteps``)."""
+    return MixtureNet(gmm, prediction, sch.timesteps, scheduler_levels(sch), calls)
+
+
+def pipeline_loop(sch, net, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A pipeline's denoising loop: ``latents * init_noise_sigma`` (1 where the scheduler has none), then for each timestep the network at
+    ``scale_model_input`` of the state (where the scheduler has it) and ``sch.step(..., generator=generator)``."""
+    y = latents * getattr(sch, "init_noise_sigma", 1.0)  # flow matching has none (SD3 starts at N(0, I))
+    for t in sch.timesteps:
+        y_in = sch.scale_model_input(y, t) if hasattr(sch, "scale_model_input") else y
+        out = net(y_in, t)
+        y = sch.step(out, t, y, generator=generator).prev_sample
+    return y
