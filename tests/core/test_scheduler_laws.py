@@ -3,7 +3,7 @@
 The original loop is a pipeline's: ``latents * init_noise_sigma``, then per timestep the network at
 ``scale_model_input`` of the state and ``scheduler.step(out, t, y, generator=g)`` with a ``torch.Generator``
 (:func:`scheduler_models.pipeline_loop`), float32. The network is the Gaussian mixture's exact prediction in the
-scheduler's coordinates (epsilon, v-prediction, x0 or flow; :class:`scheduler_models.MixtureNet`), exact or with
+scheduler's coordinates (epsilon, v-prediction, x0 or flow; :class:`scheduler_models.PredictionNet`), exact or with
 a deliberate level-dependent error (``warp``: with an exact network every sampler ends near the data law, so a
 wrong grid or kernel would hide in the discretisation error; with the warp it shows, see
 ``test_the_statistic_sees_a_wrong_grid``). Specsamp runs
@@ -36,7 +36,7 @@ from diffusers import DDPMScheduler, EulerAncestralDiscreteScheduler, FlowMatchE
 P_MIN = 1e-3
 LOOP_SEED, SPEC_SEED = 0, 5
 TREES = {"dgrs": DraftTree.uniform(2, 4), "rmc": DraftTree.uniform(1, 12)}
-WARP = 1.0  # the network's deliberate error (MixtureNet's warp): the final law then shows a wrong grid or kernel
+WARP = 1.0  # the network's deliberate error (PredictionNet's warp): the final law then shows a wrong grid or kernel
 GMM = GaussianMixture(dim=8, components=3, layout_seed=1, dtype=torch.float64)
 
 
@@ -85,7 +85,7 @@ def check_law(kind, prediction, steps, n, couplings=("dgrs", "rmc"), tree_n=None
             runs[ex] = r = speculative(make(kind, prediction, **cfg), steps, prediction, rows, coupling, ex, dtype, mu,
                                        warp=warp)
             assert bool(torch.isfinite(r.samples).all()) and r.samples.dtype == dtype
-            p = law_pvalues(r.samples, ref, GMM) if rows == n else None
+            p = law_pvalues(r.samples, ref, GMM) if rows == n else None  # the tree's law is tested when tree_n = n
             report[(coupling, ex)] = dict(p_min=min(p.values()) if p else None, nfe=round(float(r.nfe_total.double().mean()), 3),
                                          n=rows, seconds=round(time.time() - t0, 2))
             assert p is None or min(p.values()) > P_MIN, f"{kind}/{prediction} {coupling} {ex}: {p}"
@@ -142,3 +142,27 @@ def test_law_float32_states():
     # the sampler in float32 (states, kernel table): DDPM epsilon, T = 20, n = 1000, dgrs path, tree on 200
     report = check_law("ddpm", "epsilon", 20, 1000, couplings=("dgrs",), tree_n=200, dtype=torch.float32)
     print(report)
+
+
+SLOW = [
+    ("ddpm", "epsilon", 100, {}),
+    ("ddpm", "v_prediction", 100, dict(variance_type="fixed_large", timestep_spacing="trailing")),
+    ("ddpm", "sample", 100, dict(variance_type="fixed_small_log", timestep_spacing="leading", steps_offset=1)),
+    ("ddpm", "epsilon", 1000, {}),
+    ("euler_ancestral", "epsilon", 50, {}),
+    ("euler_ancestral", "v_prediction", 50, dict(timestep_spacing="leading", steps_offset=1)),
+    ("flow_stochastic", "flow", 28, dict(shift=3.0)),
+    ("flow_stochastic", "flow", 28, dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warp", [WARP, 0.0], ids=["warped", "exact"])
+@pytest.mark.parametrize("kind,prediction,steps,cfg", SLOW,
+                         ids=[f"{k}-{p}-T{t}-{'-'.join(map(str, c.values()))}" for k, p, t, c in SLOW])
+def test_law_matches_the_diffusers_loop_thorough(kind, prediction, steps, cfg, warp):
+    # d = 8, n = 10,000 (path and tree: both laws tested, counts equal; at T = 1000 the tree on the first 2,000);
+    # dgrs K=2 L=4, rmc chain L=12; min of 7 p-values > 1e-3; flow with dynamic shifting at mu = 0.8
+    mu = 0.8 if cfg.get("use_dynamic_shifting") else None
+    report = check_law(kind, prediction, steps, 10_000, tree_n=10_000 if steps < 1000 else 2_000, warp=warp, mu=mu, **cfg)
+    print(kind, prediction, steps, cfg, warp, report)
