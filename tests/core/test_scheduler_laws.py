@@ -150,7 +150,6 @@ SLOW = [  # (kind, prediction, T, scheduler config, warp)
     ("ddpm", "v_prediction", 100, dict(variance_type="fixed_large", timestep_spacing="trailing"), WARP),
     ("ddpm", "sample", 100, dict(variance_type="fixed_small_log", timestep_spacing="leading", steps_offset=1), WARP),
     ("ddpm", "epsilon", 1000, {}, WARP),
-    ("ddpm", "epsilon", 1000, {}, 0.0),
     ("euler_ancestral", "epsilon", 50, {}, WARP),
     ("euler_ancestral", "v_prediction", 50, dict(timestep_spacing="leading", steps_offset=1), WARP),
     ("flow_stochastic", "flow", 28, dict(shift=3.0), WARP),
@@ -163,8 +162,8 @@ SLOW = [  # (kind, prediction, T, scheduler config, warp)
                          ids=[f"{k}-{p}-T{t}-{'-'.join(map(str, c.values()))}-{'warped' if w else 'exact'}"
                               for k, p, t, c, w in SLOW])
 def test_law_matches_the_diffusers_loop_thorough(kind, prediction, steps, cfg, warp):
-    # d = 8, n = 10,000 (the path's law), the tree on the first 2,000 (counts equal, samples to rounding);
-    # dgrs K=2 L=4, rmc chain L=12; min of 7 p-values > 1e-3; flow with dynamic shifting at mu = 0.8
+    # d = 8, n = 10,000 (the path's law), the tree on the first 2,000 (500 at T = 1000; counts equal, samples to
+    # rounding); dgrs K=2 L=4, rmc chain L=12; min of 7 p-values > 1e-3; flow with dynamic shifting at mu = 0.8
     mu = 0.8 if cfg.get("use_dynamic_shifting") else None
-    report = check_law(kind, prediction, steps, 10_000, tree_n=2_000, warp=warp, mu=mu, **cfg)
+    report = check_law(kind, prediction, steps, 10_000, tree_n=2_000 if steps < 1000 else 500, warp=warp, mu=mu, **cfg)
     print(kind, prediction, steps, cfg, warp, report)
