@@ -6,11 +6,12 @@ The original loop is a pipeline's: ``latents * init_noise_sigma``, then per time
 scheduler's coordinates (epsilon, v-prediction, x0 or flow; :class:`scheduler_models.PredictionNet`), exact or with
 a deliberate level-dependent error (``warp``: with an exact network every sampler ends near the data law, so a
 wrong grid or kernel would hide in the discretisation error; with the warp it shows, see
-``test_the_statistic_sees_a_wrong_grid``). Specsamp runs
-the same network through :class:`~specsamp.models.parametrisation.Parametrised` on the plan
-:func:`~specsamp.integrations.schedulers.from_scheduler` makes, with dgrs and rmc, in the path and the tree
-executions. The two executions draw the same keyed numbers, so their counts are equal and their samples equal to
-the batched mixture's rounding (``16 T eps`` of the dtype, relative to samples of scale 1).
+``test_the_statistic_sees_a_wrong_grid``). Specsamp runs the same network through
+:class:`~specsamp.models.parametrisation.Parametrised` on the plan :func:`~specsamp.integrations.schedulers.from_scheduler`
+makes, with dgrs and rmc, in the path and the tree executions. The two executions draw the same keyed numbers for
+trajectory ``i`` in runs of any size, so the tree run on the path run's first trajectories has equal counts and
+samples equal to the batched mixture's rounding (``16 T eps`` of the dtype times 4, the samples' scale): the path's
+law is the tree's.
 
 Statistic: KS on 5 fixed random projections and on the norm, and the chi-square of the mixture components
 (7 p-values); a case passes when the smallest is above ``P_MIN = 1e-3`` (about 0.7% of cases fail by chance at a
