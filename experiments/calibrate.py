@@ -34,10 +34,9 @@ import torch
 
 from specsamp.errors import ConfigError
 from specsamp.io import atomic_write
-from specsamp.runner.build import build_target, calibrate, calibration_cost
-from specsamp.runner.config import PROFILE_DIR, compose, load_config, path_problem
+from specsamp.runner.build import build_schedule, build_target, calibrate, calibration_cost
+from specsamp.runner.config import PROFILE_DIR, compose, kernel_name, load_config, path_problem
 from specsamp.runner.jobs import fresh_dir
-from specsamp.schedule import Schedule
 
 
 def main(argv: list[str]) -> Path:
@@ -69,10 +68,12 @@ def main(argv: list[str]) -> Path:
     name = f"{run.model.name}_{run.draft}.json"
     if out is not None:
         refuse_shipped(out, overwrite)
-    schedule = Schedule.make(run.steps, run.eps, shift=float(run.model.shift))
+    schedule, plan = build_schedule(run)  # the run's kernel: em's grid, or a scheduler's
     t0 = time.perf_counter()
-    profiles, r = calibrate(build_target(run), schedule, run, n=n)
-    data = {"config": {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps,
+    profiles, r = calibrate(build_target(run, plan), schedule, run, n=n)
+    kernel = kernel_name(run)
+    where = {"eps": run.eps} if kernel == "em" else {"kernel": schedule.kernel_name}  # em's profiles as they were
+    data = {"config": {"model": run.model.name, "draft": run.draft, "steps": run.steps, **where,
                        "seed": run.seed, "prefetch": run.prefetch, "warmup": run.warmup},
             "calibration": {**calibration_cost(r), "tree": "uniform(2, 8)", "coupling": "dgrs"},
             **profiles}  # no timings: a rerun writes the same file

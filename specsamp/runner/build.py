@@ -25,7 +25,7 @@ from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
-from .config import CALIBRATION_SEED_OFFSET, RunConfig, brings_scheduler, profile_path
+from .config import CALIBRATION_SEED_OFFSET, RunConfig, brings_scheduler, kernel_name, profile_path
 from .memory import check_config_sizes, check_nominal_budget, check_tree_nodes
 from .outputs import check_scoring, check_target_scores
 from .treerules import SEARCHED_TREES, check_search, get_tree_rule
@@ -133,7 +133,6 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
     Raises:
         ConfigError: a size that cannot fit, or a grid or scheduler option that cannot be made or is not reproduced.
     """
-    from .config import kernel_name
     from .memory import config_event_shape
 
     check_config_sizes(run)
@@ -392,8 +391,12 @@ def given_profile(run: RunConfig):
                           f"calibrated for {made} ({len(rows)} root steps), and this run has {horizon} root steps "
                           f"(T-2). Calibrate one for steps={run.steps} (python -m experiments.calibrate ... "
                           f"steps={run.steps}), use tree=optimal (one profile per depth), or delta_profile=null.")
-    mine = {"model": run.model.name, "draft": run.draft, "steps": run.steps, "eps": run.eps}
-    differ = {k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x}
+    # a profile is made on one kernel (em's carry its eps, a scheduler kernel's its name): name what differs
+    em = kernel_name(run) == "em"
+    mine = {"model": run.model.name, "draft": run.draft, "steps": run.steps,
+            **({"eps": run.eps} if em else {}), "kernel": "em" if em else kernel_name(run)}
+    cfg = {"kernel": "em", **cfg}
+    differ = {k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x and not (k == "kernel" and x == "auto")}
     if differ:
         print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
               + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)

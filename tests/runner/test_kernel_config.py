@@ -263,3 +263,22 @@ def test_keys_a_scheduler_kernel_does_not_read_are_noted_once(capsys):
     assert rec["eps"] is None and rec["config"]["eps"] is None
     run_config(compose([*SMALL, "kernel=flow_stochastic", "model.shift=2.0", "sampler=standard"]))
     assert "not read" not in capsys.readouterr().err  # the flow kernel reads model.shift (kernel.shift=null)
+
+
+def test_a_profile_names_its_kernel_and_a_run_on_another_is_told(capsys):
+    # a shipped profile (made on em) read by a ddpm run: one note naming both kernels; em runs read it silently
+    run_config(compose([*SMALL, "kernel=ddpm", "draft=x0", "tree=optimal", "delta_profile=gmm_x0", "steps=30"]))
+    err = capsys.readouterr().err
+    assert "kernel='em'" in err and "kernel='ddpm'" in err and "used as given" in err
+    run_config(compose([*SMALL, "draft=x0", "tree=optimal", "delta_profile=gmm_x0", "steps=30", "model.dim=500"]))
+    assert "kernel=" not in capsys.readouterr().err
+
+
+def test_calibrate_samples_the_runs_kernel_and_records_it(tmp_path):
+    # experiments.calibrate on kernel=ddpm: the profile is the scheduler kernel's, and says so
+    out = tmp_path / "p.json"
+    p = python([sys.executable, "-m", "experiments.calibrate", "kernel=ddpm", "steps=12", "model.dim=8", "trajectories=8", f"out={out}"],
+               cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["kernel"] == "ddpm" and "eps" not in cfg
