@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import TimedModel
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = (("ddpm", 1000), ("ddpm", 100), ("euler_ancestral", 50), ("flow_stochastic", 28))
@@ -117,28 +119,6 @@ def scheduler(kernel: str, target: str):
     raise ValueError(f"kernel={kernel!r} is invalid: valid are ddpm, euler_ancestral, flow_stochastic")
 
 
-class Counted:
-    """A velocity model that counts its calls and rows and times them (host clock; the CPU runs synchronously)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.event_shape, self.dtype = model.event_shape, model.dtype
-        self.device = torch.device(getattr(model, "device", "cpu"))
-        self.label_dim = getattr(model, "label_dim", 0)
-        self.reset()
-
-    def reset(self) -> None:
-        self.calls, self.rows, self.seconds = 0, 0, 0.0
-
-    def __call__(self, x, sigma, **cond):
-        t0 = time.perf_counter()
-        out = self.model(x, sigma, **cond)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        self.rows += int(x.shape[0])
-        return out
-
-
 class SchedulerNetwork:
     """A velocity model presented as the network a scheduler's loop calls: ``net(y, t, **cond)`` in the scheduler's
     coordinates and prediction (the plan's), at its timesteps ``t`` (looked up on the plan's grid)."""
@@ -178,7 +158,7 @@ def scheduler_loop(sch, steps: int, net, event_shape, dtype, seed: int, cond: di
 @dataclass
 class Target:
     name: str
-    model: Counted
+    model: TimedModel
     event_ndim: int
     cond: object = None  # callable ids -> cond dict
     info: dict = field(default_factory=dict)
@@ -191,14 +171,14 @@ def make_target(name: str, tiny: bool = False) -> Target:
         from specsamp.runner import build_target, compose, load_config
 
         model = build_target(load_config(compose(["model=digits"]))[0]).model
-        return Target(name, Counted(model), 3, lambda ids: {"class_labels": torch.as_tensor(ids) % 10},
+        return Target(name, TimedModel(model), 3, lambda ids: {"class_labels": torch.as_tensor(ids) % 10},
                       {"network": "edm-digits-8x8-cond", "event_shape": list(model.event_shape), "dtype": "float32"})
     if name == "gmm":
         from specsamp.models import GaussianMixture
 
         d = 8 if tiny else 500
         model = GaussianMixture(dim=d, components=5, layout_seed=0, dtype=torch.float64)
-        return Target(name, Counted(model), 1, lambda ids: {},
+        return Target(name, TimedModel(model), 1, lambda ids: {},
                       {"network": f"GaussianMixture(dim={d}, components=5, layout_seed=0)", "event_shape": [d], "dtype": "float64"})
     raise ValueError(f"target={name!r} is invalid: valid are {', '.join(TARGETS)}")
 
@@ -310,7 +290,7 @@ def timings(target: Target, plan, kernel: str, steps: int, configs, repeats: int
             scheduler_loop(scheduler(kernel, target.name), steps, net, shape, dtype, seed=i, cond=target.cond([i]))
         else:
             speculative(target, plan, arm, [i])
-        return time.perf_counter() - t0, target.model.seconds
+        return time.perf_counter() - t0, target.model.network_s()
 
     arms = [None, *configs]
     for a in arms:  # warm-up: allocation, lazy imports, per-tree tables

@@ -299,6 +299,16 @@ class SpeculativePipeline:
                 raise ConfigError(f"{key}={v!r} is invalid: must be a positive multiple of the VAE factor {f}.")
         return h, w
 
+    def _text_sample(self, a, kind: str, shape, w: float, n: int, plan: SchedulerPlan, **encode_kw):
+        """A text pipeline's prompts encoded, its noise drawn as the pipeline draws it, and the speculative run:
+        ``(SampleResult, encoded prompts)``."""
+        pipe = self.pipe
+        c = encode(pipe, kind, a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"], **encode_kw)
+        noise = self._noise(shape, a["generator"], c.embeds.dtype, pipe._execution_device)
+        seed = self._seed(a["seed"], a["generator"])
+        model = velocity_model(pipe, kind, plan, c, shape[1:], w, self.dtype)
+        return self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed), c
+
     def _sd(self, a):
         pipe = self.pipe
         if a["guidance_rescale"]:
@@ -313,13 +323,8 @@ class SpeculativePipeline:
         h, wd = self._hw(a, side)
         f = pipe.vae_scale_factor
         shape = (b * n, pipe.unet.config.in_channels, h // f, wd // f)
-        plan = self._plan(a["num_inference_steps"], shape)
         device = pipe._execution_device
-        c = encode(pipe, "sd", a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"])
-        noise = self._noise(shape, a["generator"], c.embeds.dtype, device)
-        seed = self._seed(a["seed"], a["generator"])
-        model = velocity_model(pipe, "sd", plan, c, shape[1:], w, self.dtype)
-        res = self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed)
+        res, c = self._text_sample(a, "sd", shape, w, n, self._plan(a["num_inference_steps"], shape))
         embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] != "latent":
@@ -343,15 +348,9 @@ class SpeculativePipeline:
         h, wd = self._hw(a, pipe.default_sample_size * pipe.vae_scale_factor)
         f = pipe.vae_scale_factor
         shape = (b * n, pipe.transformer.config.in_channels, h // f, wd // f)
-        plan = self._plan(a["num_inference_steps"], shape, a["mu"])
-        device = pipe._execution_device
-        c = encode(pipe, "sd3", a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"],
-                   max_sequence_length=a["max_sequence_length"],
-                   extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")})
-        noise = self._noise(shape, a["generator"], c.embeds.dtype, device)
-        seed = self._seed(a["seed"], a["generator"])
-        model = velocity_model(pipe, "sd3", plan, c, shape[1:], w, self.dtype)
-        res = self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed)
+        res, c = self._text_sample(a, "sd3", shape, w, n, self._plan(a["num_inference_steps"], shape, a["mu"]),
+                                   max_sequence_length=a["max_sequence_length"],
+                                   extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")})
         embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] == "latent":
