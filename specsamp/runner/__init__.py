@@ -19,6 +19,9 @@ and the core (``tests/runner/test_runner_imports.py`` checks both this order and
 - :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
 - :mod:`~specsamp.runner.overrides`: what a user typed, read as typed: raw command-line overrides, sweep
   names and path-like keys, the closest valid key to a mistyped one;
+- :mod:`~specsamp.runner.kernelconfig`: the transition kernel's schemas (``conf/kernel/``), their checks, and which
+  kernel a run uses;
+- :mod:`~specsamp.runner.fields`: typed config fields, each with the rule its value must meet;
 - :mod:`~specsamp.runner.treerules`: one registered rule per ``tree=`` value, with the keys it reads, and the
   searched rules' limits and checks;
 - :mod:`~specsamp.runner.memory`: sizes refused before they are allocated;

@@ -15,8 +15,9 @@ from helpers import ROOT
 
 TESTS = ROOT / "tests"
 # core: the sampler and its parts; runner: run.py, sweeps, records; models: the target adapters and their
-# configs; metrics: FID, CLIP, IS, images; experiments: the experiment, benchmark and document checks
-GROUPS = ("core", "runner", "models", "metrics", "experiments")
+# configs; metrics: FID, CLIP, IS, images; experiments: the experiment, benchmark and document checks;
+# integrations: the entry points for diffusers pipelines and k-diffusion's loop
+GROUPS = ("core", "runner", "models", "metrics", "experiments", "integrations")
 
 
 def test_every_test_module_sits_in_a_group_folder():

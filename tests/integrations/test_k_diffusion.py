@@ -351,7 +351,7 @@ def docs_node(monkeypatch):
 
     class KSAMPLER:
         def __init__(self, sampler_function, extra_options={}, inpaint_options={}):
-            self.sampler_function, self.extra_options = sampler_function, extra_options
+            self.sampler_function, self.extra_options, self.inpaint_options = sampler_function, extra_options, inpaint_options
 
     samplers = types.ModuleType("comfy.samplers")
     samplers.KSAMPLER = KSAMPLER

@@ -36,6 +36,8 @@ def leaf_keys(node: dict, prefix="") -> list[str]:
 def yaml_keys(model: str) -> list[str]:
     node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml"), resolve=False)
     node.pop("defaults", None)  # Hydra's directive (the schema), not a key
+    if "model" in node:  # package _global_ (a model that selects its kernel): its keys sit under model:
+        node = node["model"]
     return leaf_keys(node)
 
 
