@@ -80,3 +80,29 @@ def test_a_kernel_is_one_class_and_a_registration():
         assert torch.equal(res.samples, initial_noise(2, torch.arange(3), (4,), torch.float64))
     finally:
         KERNELS._entries.pop("test_euler_ode", None)
+
+
+def test_every_coupling_and_draft_runs_on_every_scheduler_kernel_with_equal_counts_in_both_executions():
+    # d = 4 mixture, 12 trajectories, T = 12: each registered draft with markmax (a tree of 2 x 2) and rmc (a chain of
+    # 6), the ten pairs spread over ddpm (thresholding), euler_ancestral and flow_stochastic; path and tree count the same and agree to
+    # the batched mixture's rounding (16 T eps)
+    pytest.importorskip("diffusers")
+    from diffusers import DDPMScheduler, EulerAncestralDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+
+    from specsamp.integrations.schedulers import from_scheduler
+    from specsamp.models.gmm import GaussianMixture
+    from specsamp.sampler import sample_speculative
+    from specsamp.trees import DraftTree
+
+    gmm = GaussianMixture(dim=4, components=3, layout_seed=1)
+    plans = [from_scheduler(DDPMScheduler(thresholding=True), 12, event_ndim=1),
+             from_scheduler(EulerAncestralDiscreteScheduler(), 12),
+             from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True), 12)]
+    for i, (coupling, tree) in enumerate((("markmax", DraftTree.uniform(2, 2)), ("rmc", DraftTree.chain(6)))):
+        for j, draft in enumerate(("velocity", "x0", "x0_extrap", "drift", "x0_affine")):
+            for plan in (plans[(i + j) % 3],):  # each kernel meets every draft and both couplings across the pairs
+                a, b = (sample_speculative(gmm, plan.schedule, tree, coupling, 12, draft=draft, execution=ex, seed=3)
+                        for ex in ("path", "tree"))
+                where = (plan.kernel, coupling, draft)
+                assert torch.equal(a.nfe, b.nfe) and torch.equal(a.accepts, b.accepts), where
+                assert torch.allclose(a.samples, b.samples, rtol=0, atol=16 * 12 * 2.2e-16 * 10), where
