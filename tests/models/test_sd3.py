@@ -122,6 +122,8 @@ def test_guided_velocity_exact():
     plain, net1, _ = _gmm_model(1.0)
     torch.testing.assert_close(plain(x, sigma, prompt=prompt), v_c, rtol=1e-12, atol=1e-12)
     assert net1.batch_sizes == [4]
+    # what the samplers charge to target_rows per state: the guided call's two rows, or one
+    assert model.rows_per_state == 2 and plain.rows_per_state == 1
 
 
 def test_diffusers_timestep_and_sign_convention():

@@ -162,6 +162,12 @@ class SD3Velocity:
         self.calls = 0
 
     # --- validation ----------------------------------------------------------------------------
+    @property
+    def rows_per_state(self) -> int:
+        """Network rows one state costs: 2 under classifier-free guidance (one call of the unconditional and the
+        conditional rows), 1 at ``guidance == 1``; the samplers charge it to ``target_rows``."""
+        return 1 if self.guidance == 1.0 else 2
+
     def _check_latent_shape(self, latent_shape) -> tuple[int, int, int]:
         c = _config_get(self.transformer, "in_channels")
         patch = int(_config_get(self.transformer, "patch_size", 1) or 1)
