@@ -291,7 +291,7 @@ def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape,
     return x if scale is None else x * scale
 
 
-def endpoint_noise(ctx: _Context, x: torch.Tensor, n: int, rows=None) -> torch.Tensor:
+def endpoint_noise(ctx: _Context, x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` plus the kernel's noise of endpoint step ``n`` (0 or ``T - 1``) where the kernel has one there,
     keyed as the standard sampler keys its step ``n``; ``x`` itself for Euler--Maruyama (no noise, no bits)."""
     if not ctx.schedule.stochastic_endpoints:
@@ -299,8 +299,7 @@ def endpoint_noise(ctx: _Context, x: torch.Tensor, n: int, rows=None) -> torch.T
     std = float(ctx.schedule.std(torch.tensor([n]))[0])
     if std == 0.0:
         return x
-    keys = ctx.step_keys if rows is None else ctx.step_keys[rows]
-    return x + std * rng.normal(rng.fold(keys, n), tuple(x.shape[1:]), dtype=x.dtype)
+    return x + std * rng.normal(rng.fold(ctx.step_keys, n), tuple(x.shape[1:]), dtype=x.dtype)
 
 
 def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally, init=None) -> _Chains:

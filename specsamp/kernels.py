@@ -179,10 +179,9 @@ class DataPredictionKernel(Kernel):
     stochastic_endpoints = True
 
     def __init__(self, sigmas: torch.Tensor, eps: float, clip: float | None = None, threshold=None,
-                 event_ndim: int = 1, init_scale: float | None = None, **options):
+                 event_ndim: int = 1, init_scale: float | None = None):
         super().__init__(sigmas, eps)
         self.clip, self.threshold, self.event_ndim = clip, threshold, int(event_ndim)
-        self.options = options
         self._init_scale = init_scale
 
     def level_scale(self) -> torch.Tensor:
