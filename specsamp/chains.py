@@ -280,7 +280,9 @@ class _Chains:
 
 def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape, dtype, init=None) -> torch.Tensor:
     """The trajectories' first states ``[M, *event]``: ``init`` where given (on the linear path, at ``sigmas[0]``),
-    else the keyed noise (:func:`initial_noise`) times the kernel's initial scale where it has one."""
+    else the keyed noise (:func:`initial_noise`) times the kernel's initial scale where it has one. Binds the event shape to
+    the kernel first (:meth:`specsamp.kernels.Kernel.bind_event`)."""
+    schedule.kernel.bind_event(event_shape)
     if init is not None:
         x = torch.as_tensor(init).to(device=ids.device, dtype=dtype)
         if tuple(x.shape) != (ids.numel(), *event_shape):

@@ -63,6 +63,10 @@ class Kernel:
         """Every coefficient but ``lsnr`` as float64 ``[T]`` on ``device``, indexed by step."""
         raise NotImplementedError
 
+    def bind_event(self, event_shape) -> None:
+        """Learn the shape of one state before a run (a kernel whose mean reduces over a sample needs it); default:
+        nothing to learn."""
+
     def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
         """The kernel mean at states ``x`` with the network's outputs ``out``; ``c`` maps each column to a tensor that
         broadcasts against ``x`` (the steps' coefficients, in ``x``'s dtype)."""
@@ -149,8 +153,8 @@ def _clip_x0(x0: torch.Tensor, c: dict) -> torch.Tensor:
     k = c["kernel"]
     if k.threshold is not None:  # diffusers' dynamic thresholding: per sample, over its event dimensions
         ratio, max_value = k.threshold
-        e = k.event_ndim
-        flat = x0.flatten(x0.ndim - e) if e > 1 else x0
+        size = k.event_size or x0.shape[x0.ndim - k.event_ndim :].numel()
+        flat = x0.reshape(-1, size)  # one sample per row, whatever the layout's leading dimensions
         up = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
         s = torch.quantile(up.abs(), ratio, dim=-1, keepdim=True).clamp(min=1.0, max=max_value)
         return (torch.maximum(torch.minimum(up, s), -s) / s).to(x0.dtype).reshape(x0.shape)
@@ -183,6 +187,13 @@ class DataPredictionKernel(Kernel):
         super().__init__(sigmas, eps)
         self.clip, self.threshold, self.event_ndim = clip, threshold, int(event_ndim)
         self._init_scale = init_scale
+        self.event_size: int | None = None  # elements of one state, once a sampler binds it (bind_event)
+
+    def bind_event(self, event_shape) -> None:
+        """Fix the elements of one state (``prod(event_shape)``), so that dynamic thresholding stays per sample in
+        every layout: the dense round holds states flat and stacked, ``[nodes, rows, D]``, where the last
+        ``event_ndim`` dimensions are not one sample's. The samplers call it before their first step."""
+        self.event_size = int(torch.Size(event_shape).numel())
 
     def level_scale(self) -> torch.Tensor:
         """float64 ``[T + 1]``: ``k_n``, the scheduler's state over the linear path's at each level."""

@@ -180,6 +180,36 @@ def test_threshold_with_leading_dims_is_per_sample():
     assert torch.allclose(batched, want, rtol=1e-14, atol=1e-14)
 
 
+class _Elementwise(torch.nn.Module):
+    """A velocity network computed element by element (no reduction or product across rows): its bits do not
+    depend on the batch a row is evaluated in."""
+
+    event_shape, dtype = (1, 4, 4), torch.float64
+
+    def forward(self, x, sigma):
+        return 0.2 * x - 0.3 * (1 - sigma).reshape(-1, 1, 1, 1) * x / (1 + x * x)
+
+
+@pytest.mark.parametrize("tree,coupling", [("uniform", "dgrs"), ("chain", "rmc")])
+def test_thresholding_is_per_sample_in_both_executions(tree, coupling):
+    # the dense round holds states flat and stacked ([nodes, rows, D]): the threshold's quantile must still be one
+    # sample's C*H*W, so the tree execution's counts and samples equal the path execution's bit for bit (an
+    # elementwise network; DDPM T = 12 with thresholding, 20 trajectories of [1, 4, 4] scaled so it acts, seed 1)
+    from specsamp.sampler import sample_speculative
+    from specsamp.trees import DraftTree
+
+    sch = DDPMScheduler(num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.75, sample_max_value=1.5)
+    plan = from_scheduler(sch, 12, event_ndim=3)
+    init = torch.randn(20, 1, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    init *= torch.linspace(0.5, 4.0, 20, dtype=torch.float64).reshape(20, 1, 1, 1)
+    t = DraftTree.uniform(2, 3) if tree == "uniform" else DraftTree.chain(3)
+    runs = [sample_speculative(_Elementwise(), plan.schedule, t, coupling, 20, execution=ex, seed=1, draft="x0", init=init)
+            for ex in ("path", "tree")]
+    for f in ("nfe", "rounds", "committed", "attempts", "accepts"):
+        assert torch.equal(getattr(runs[0], f), getattr(runs[1], f)), f
+    assert torch.equal(runs[0].samples, runs[1].samples)
+
+
 EA_CASES = [
     dict(prediction_type="epsilon"),
     dict(prediction_type="v_prediction"),
