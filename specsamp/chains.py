@@ -10,8 +10,8 @@ the run-time check of a coupling's verdicts against the contract of :class:`~spe
 rounds with the roots' own call (:func:`run_rounds`, :func:`_root_call`), which nodes a round verifies and
 evaluates (:func:`round_masks`), the verification counts (:func:`count_verifications`), the prefetch's nearest sibling (:func:`nearest_sibling`) and
 the commit (:func:`commit_round`). The layouts:
-:mod:`specsamp.rounds` (sparse: the reference round, both executions) and :mod:`specsamp.lean` (dense: the lean
-round of the tree execution).
+:mod:`specsamp.rounds` (sparse: the path execution, and the checked walk) and :mod:`specsamp.lean` (dense: the
+tree execution).
 
 It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
 :mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by

@@ -1,11 +1,14 @@
-"""The lean round of the tree execution (a fixed tree or a tree per root step, a draft with a table form).
+"""The dense round: the tree execution (a fixed tree or a tree per root step, any draft, Picard sweeps).
 
 Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
 operations over static shapes per tree (:class:`~specsamp.leantree._LeanTree`, its buffers and per-root tables, in :mod:`specsamp.leantree`):
-one gather of the run's pre-drawn noise and uniforms (:func:`~specsamp.leantree._draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``) layer by layer, one batched target call, one coupling call per
+one gather of the run's pre-drawn noise and uniforms (:func:`~specsamp.leantree._draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``; else ``Draft.mean`` per depth) layer by layer, the Picard sweeps
+(``refine``, :func:`_picard`), one batched target call, one coupling call per
 node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, where the loop's layout
 (:class:`DenseLayout`) reads the round's outcome. The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
-the reference round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
+the sparse round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
+Where a deferred check fails, the round's tree is drafted again and walked by the sparse round's walk
+(:class:`_DenseNodes`), which raises each check where it fails.
 
 It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
 :mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
@@ -15,6 +18,7 @@ It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,18 +26,15 @@ import torch
 from . import rng
 from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, run_rounds
 from .coupling import deferred_checks
-from .drafts import Draft, DraftHistory, DraftRoot
+from .drafts import DraftHistory, DraftRoot
+from .rounds import _Nodes, _round
 from .trees import DraftTree
 from . import leantree
 from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
 
 
-def _lean_supported(tree, execution: str, draft: Draft) -> bool:
-    return execution == "tree" and draft.table_mean is not None
-
-
 def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
-                sel: torch.Tensor | None = None):
+                sel: torch.Tensor | None = None, sweeps: tuple = (), drafted_only: bool = False):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
 
     Drafting: all of the round's noise gathered from the run's table or drawn in one keyed draw (keys
@@ -52,6 +53,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             (every node of every row) or ``some``: the first two read the states in place.
         sel: optional bool ``[M]``: the rows whose round uses this tree (step-dependent trees: one lean round
             per distinct tree of the live rows); the others are padded like finished rows.
+        sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``; :func:`_picard`), before the round's own.
+        drafted_only: stop after the batched call and return the drafted tree (:class:`_Drafted`), for the checked
+            walk (:class:`_DenseNodes`).
 
     Returns:
         ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
@@ -104,7 +108,10 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
     # (no gather), other layers gather their parents first
     D = states.shape[2]
-    if draft.table_frozen is None:
+    innov = states[1:].clone() if sweeps else None  # the drafts' std z, which the Picard sweeps reuse
+    if draft.table_mean is None:  # a draft given by its mean alone: Draft.mean per depth (_plain_mean)
+        frozen_col = frozen_at = None
+    elif draft.table_frozen is None:
         frozen_col = frozen.reshape(1, M, D)
         frozen_at = lambda d: frozen_col  # noqa: E731
     else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
@@ -115,13 +122,23 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             frozen_at = lambda d: frozen_col[d]  # noqa: E731
     for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
         c_l = kern.named(per_depth[NC * (l - 1) : NC * l])
-        mean = draft.table_mean(frozen_at(l - 1), parent_view if parents is None else states[parents], c_l)
+        x_par = parent_view if parents is None else states[parents]
+        mean = draft.table_mean(frozen_at(l - 1), x_par, c_l) if frozen_at else _plain_mean(ctx, frozen, x_par, n, [l - 1])
         out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
     # the batched target call over the planned rows (what the reference round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     network = _network_outside() if ctx.compiled else _network
+    sweep_rows, refined = [], None
+    for sweep_plan, sweep_kind in sweeps:
+        sweep_rows.append(torch.where(live, lt.internal_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
+        v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, sweep_plan, sweep_kind)
+        v_root, root_exact = torch.where(live[:, None], v0, v_root.reshape(M, -1)), root_exact | live
+        refined = _picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, NC)
     v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, plan, plan_kind)
+    if drafted_only:
+        return _Drafted(states, v0, vrest, refined,
+                        torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long), sweep_rows)
 
     # verdicts of every internal node, in chunks of nodes sized to the states' memory
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
@@ -140,7 +157,12 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             else:
                 vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
             cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
-            mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
+            if refined is None and frozen_at is None:
+                mean_p = _plain_mean(ctx, frozen, xu, n, du.tolist())
+            elif refined is None:
+                mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
+            else:  # the refined proposal mean: the target's kernel mean at the parent's last sweep (_picard)
+                mean_p = kern.mean(xu, refined[u_sl] if u_sl is not None else refined[u], cu)
             mean_q = kern.mean(xu, vu, cu)
             sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
             if k == 1 and ch_sl is not None:
@@ -167,7 +189,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         if res is not None:
             out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
         else:  # its checks deferred too: no host synchronisation
-            out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, drawn_all, n, ustar, rejected)
+            out = _residual_again(ctx, lt, states, v0, vrest, coefs, (frozen, frozen_col), vkeys_all, drawn_all, n, ustar, rejected, refined)
     if checks.bad is not None:
         bad = bad | checks.bad
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
@@ -194,11 +216,84 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
 
     def commit(tally: _Tally):
         count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
+        for rows in sweep_rows:  # the Picard sweeps' calls, then the round's own (the layout counts the calls)
+            tally.charge(None, rows, batch=False)
         tally.charge(None, call_rows, batch=False)  # the call itself is counted by the layout, from its host plan
         commit_round(st, tally, live, out.reshape(x.shape), n_new, steps, v_next.reshape(x.shape), exact_new,
                      hist if st.history is not None else None)
 
     return commit, n_new, exact_new, bad, live
+
+
+def _plain_mean(ctx: _Context, frozen, x: torch.Tensor, n: torch.Tensor, depths: list) -> torch.Tensor:
+    """The proposal means of a draft without a table form, node-major: ``Draft.mean`` of parents ``x [P, M, D]`` (or
+    ``[P, 1, M, D]``) at depth ``depths[0]`` (one entry) or ``depths[p]`` per parent, of rounds rooted at ``n [M]``,
+    called on ``[M, P, *event]`` with each depth's step as the sparse round calls it."""
+    M, D, last = n.shape[0], x.shape[-1], ctx.schedule.steps - 1
+    xp = x.reshape(-1, M, D)
+    if len(depths) > 1:
+        return torch.stack([_plain_mean(ctx, frozen, xp[p], n, [d]) for p, d in enumerate(depths)]).reshape(x.shape)
+    out = ctx.draft.mean(frozen, xp.transpose(0, 1).reshape(M, -1, *ctx.x_event), (n + depths[0]).clamp(max=last), ctx.schedule)
+    return out.reshape(M, -1, D).transpose(0, 1).reshape(x.shape)
+
+
+def _picard(lt: _LeanTree, states: torch.Tensor, vel: torch.Tensor, innov: torch.Tensor, kern, per_depth, NC: int) -> torch.Tensor:
+    """One Picard sweep's rebuild of the drafted tree, in place on ``states [N, M, D]``; returns ``vel``.
+
+    ``vel [N, M, D]``: the sweep's velocities at the current snapshot of every internal node (its batched call: the
+    internal nodes of ``T|_{L_n}``, the root only where its velocity was not exact). Breadth-first, a child ``c`` of
+    ``u`` at step ``s`` becomes ``mean(x_u, v_u, s) + std(s) xi_c`` with ``x_u`` the parent's rebuilt state and
+    ``innov [N-1, M, D]`` the drafts' own ``std(s) xi_c``. This is the Picard iteration of ParaDiGMS (Shih et al.,
+    2023) on a tree: after ``j`` sweeps the first ``j`` levels equal the target tree's, so at ``J >= L_n`` every
+    child's proposal mean is the target kernel mean at its parent.
+
+    Exactness: the snapshot of ``u`` is a function of ``u``'s ancestors' and ``u``'s own innovations (and the
+    round's root), never of ``u``'s children's, so given the path walked to ``u`` each child of ``u`` is
+    ``N(mean(x_u, v_u, s), std(s)^2 I)`` with ``v_u`` already fixed; the coupling is handed that mean (the refined
+    proposal mean), which is all an exact coupling needs."""
+    for l, par in enumerate(lt.layer_parents, start=1):
+        a, b = lt.layer_bounds[l], lt.layer_bounds[l + 1]
+        states[a:b] = kern.mean(states[par], vel[par], kern.named(per_depth[NC * (l - 1) : NC * l])) + innov[a - 1 : b - 1]
+    return vel
+
+
+@dataclass
+class _Drafted:
+    """A dense round's tree after its batched call, for the checked walk (:class:`_DenseNodes`): ``states [N, M, D]``,
+    the roots' and the other nodes' velocities ``v0 [M, D]`` and ``vrest [N-1, M, D]``, the last Picard sweep's
+    velocities ``refined [N, M, D]`` (None without sweeps), and the rows each call evaluated per batch row:
+    ``call_rows [M]`` (the round's own) and ``sweep_rows`` (one ``[M]`` per sweep)."""
+
+    states: torch.Tensor
+    v0: torch.Tensor
+    vrest: torch.Tensor
+    refined: torch.Tensor | None
+    call_rows: torch.Tensor
+    sweep_rows: list
+
+
+class _DenseNodes(_Nodes):
+    """The checked walk over a dense round (:func:`specsamp.rounds._round` with this view of a :class:`_Drafted`):
+    the drafted states and the batched call's velocities, verified one depth at a time with every check raised
+    where it fails, naming trajectory, step and node. Serves the rounds whose deferred checks failed (or whose
+    markmax rows the share table could not certify): same keys, same states, so the same numbers."""
+
+    def __init__(self, tree, tensors, rnd, ctx, d: _Drafted):
+        super().__init__(tree, tensors, rnd, ctx)
+        self.d, self.e = d, rnd.x.shape[1:]
+        self.call_rows = d.call_rows[rnd.rows]
+        self.sweep_rows = [r[rnd.rows] for r in d.sweep_rows]
+
+    def children(self, sub, x_u, u, k, step, c):
+        ids, b = self.child_ids(u, k), self.r.rows[sub]
+        kids = self.d.states[ids, b[:, None]].view(-1, k, *self.e)
+        if self.d.refined is None:
+            return self.proposal_mean(sub, x_u[:, None], step, c)[:, 0], kids, ids
+        return self.ctx.schedule.kernel.mean(x_u, self.d.refined[u, b].view_as(x_u), c), kids, ids
+
+    def velocity(self, sub, u, x_u):
+        b = self.r.rows[sub]
+        return torch.where((u == 0)[:, None], self.d.v0[b], self.d.vrest[(u - 1).clamp(min=0), b]).view_as(x_u)
 
 
 def _verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
@@ -279,7 +374,7 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
-def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, drawn_all, n, ustar, rejected) -> torch.Tensor:
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, drawn_all, n, ustar, rejected, refined) -> torch.Tensor:
     """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
     at a rejection, the verification of that node drawn again (one coupling call per node width, over every
     row: the node's own keys or its rows of the run's uniform table ``drawn_all``, so the same numbers as the
@@ -293,13 +388,22 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
         kern = ctx.schedule.kernel
         cw = kern.named(coefs[lt.depth[w], :, ar].unbind(1))  # [M, 1] each
-        if ctx.draft.table_frozen is None:
+        frozen_col = frozen[1]
+        if refined is not None or ctx.draft.table_mean is None:
+            fr = None
+        elif ctx.draft.table_frozen is None:
             fr = frozen_col[0]
         elif isinstance(frozen_col, tuple):
             fr = tuple(f[lt.depth[w], ar] for f in frozen_col)
         else:
             fr = frozen_col[lt.depth[w], ar]
-        mean_p = ctx.draft.table_mean(fr, xw, cw)
+        if refined is not None:
+            mean_p = kern.mean(xw, refined[w, ar], cw)
+        elif fr is None:  # Draft.mean at each row's own depth
+            mean_p = ctx.draft.mean(frozen[0], xw.reshape(M, 1, *e), (n + lt.depth[w]).clamp(max=ctx.schedule.steps - 1),
+                                    ctx.schedule)[:, 0].reshape(M, -1)
+        else:
+            mean_p = ctx.draft.table_mean(fr, xw, cw)
         mean_q = kern.mean(xw, vw, cw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
@@ -309,13 +413,12 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen_col, vkeys_all, dr
     return out
 
 
-def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _Chains, tally: _Tally, warmup: str,
+def _lean_run(ctx: _Context, tree: DraftTree | dict, st: _Chains, tally: _Tally, warmup: str,
               callback, round_fn: Callable | None = None) -> torch.Tensor:
     """The speculative rounds and the final step with :func:`_lean_round` (the tree execution); returns the samples.
 
     ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees (one lean tree per distinct ``T_n``, built
-    when a round first uses it, all sharing one set of buffers). ``reference(live)`` runs the reference round(s)
-    on the live rows (where a deferred check fails). Fills the lean fields of ``ctx`` (tables, keys per root).
+    when a round first uses it, all sharing one set of buffers). Fills the lean fields of ``ctx`` (tables, keys per root).
     """
     schedule, dev = ctx.schedule, st.x.device
     M, T = st.x.shape[0], schedule.steps
@@ -352,7 +455,7 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, reference: Callable, st: _C
                 _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
         return lts[g]
 
-    layout = DenseLayout(ctx, st, tally, lean_tree, lt_of_root, reference, round_fn or _lean_round)
+    layout = DenseLayout(ctx, st, tally, lean_tree, lt_of_root, round_fn or _lean_round)
     return run_rounds(ctx, st, tally, warmup, callback, layout)
 
 
@@ -362,20 +465,21 @@ class DenseLayout:
     ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted
     at each state index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the
     live rows, every row of the batch, the others padded, committed one after the other, charged as one batched
-    call); ``reference(live)`` runs the reference round(s) on the live rows; ``lean_round``: :func:`_lean_round`
-    as it runs (``compile=true``: :func:`specsamp.compiled.compiled_round`).
+    call per call of the round); ``lean_round``: :func:`_lean_round` as it runs (``compile=true``:
+    :func:`specsamp.compiled.compiled_round`).
 
     One host synchronisation per round: it reads whether a deferred check failed and the rows' new state indices
     and root flags, kept here as host copies. From those the host knows, before the next round, which rows are
-    live, which tree each one uses and which nodes its batched call must evaluate (the same rows the reference
-    round sends; finished rows and known velocities are not evaluated). Where a check failed, the round is
-    discarded and repeated by the reference round on the live rows (same keys, so the same numbers), which
-    raises the precise error (or, where only nodes off the walk's path were bad, commits the same round).
+    live, which tree each one uses and which nodes each batched call must evaluate (the Picard sweeps' internal
+    nodes, then the protocol's; finished rows and known velocities are not evaluated). Where a check failed, the
+    round is discarded and served again by the checked walk (:class:`_DenseNodes`) on the same keys, which raises
+    the precise error (or, where only nodes off the walk's path were bad, or markmax rows its share table could not
+    certify, commits the same round).
     """
 
-    def __init__(self, ctx, st, tally, lean_tree, lt_of_root, reference, lean_round):
+    def __init__(self, ctx, st, tally, lean_tree, lt_of_root, lean_round):
         self.ctx, self.st, self.tally = ctx, st, tally
-        self.lean_tree, self.lt_of_root, self.reference, self.lean_round = lean_tree, lt_of_root, reference, lean_round
+        self.lean_tree, self.lt_of_root, self.lean_round = lean_tree, lt_of_root, lean_round
         self.end = ctx.schedule.end_speculative
         self.n_host = np.full(st.x.shape[0], ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
         self.exact_host = np.zeros(st.x.shape[0], dtype=bool)
@@ -388,40 +492,58 @@ class DenseLayout:
         _root_call(self.ctx, self.st, _upload(np.flatnonzero(live_host), self.st.x.device), self.tally)
         self.exact_host = self.exact_host | live_host
 
+    def _calls(self, lt: _LeanTree, rows: np.ndarray | None) -> list:
+        """``(plan, kind)`` of each batched call of a round of ``lt`` over rows ``rows`` (None: every row): the Picard
+        sweeps' (the internal nodes; after the first, every live root's velocity is exact), then the round's own
+        (the protocol's nodes). ``kind``: ``all``, ``rest`` (read in place, no plan) or ``some``."""
+        out, exact, M = [], self.exact_host, self.st.x.shape[0]
+        for j in range(self.ctx.refine + 1):
+            plan = lt.plan(self.n_host, exact, self.end, self.ctx.evaluate_leaves and j == self.ctx.refine, rows)
+            kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
+            plan_t = _upload(plan, self.st.x.device) if kind == "some" else None
+            out.append((_Hidden(plan_t) if self.ctx.compiled else plan_t, kind, plan.size > 0))
+            exact = exact | (self.n_host < self.end)
+        return out
+
     def round(self, live_host):
         ctx, st, tally, end = self.ctx, self.st, self.tally, self.end
-        n_host, exact_host, dev, M = self.n_host, self.exact_host, st.x.device, st.x.shape[0]
+        n_host, dev, M = self.n_host, st.x.device, st.x.shape[0]
         which = np.where(live_host, self.lt_of_root[np.minimum(n_host, len(self.lt_of_root) - 1)], -1)
         groups = np.unique(which[live_host])
-        rounds, called = [], False
+        rounds, called = [], np.zeros(ctx.refine + 1, dtype=bool)
         n_new, exact_new = st.n, st.root_exact
         for g in groups:
             lt = self.lean_tree(int(g))
-            mine = which == g
-            plan = lt.plan(n_host, exact_host, end, ctx.evaluate_leaves, None if len(groups) == 1 else mine)
-            kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
-            plan_t = _upload(plan, dev) if kind == "some" else None  # the other kinds read the states in place
-            sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
-            plan_arg = _Hidden(plan_t) if ctx.compiled else plan_t
-            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, plan_arg, kind, sel)
+            mine = None if len(groups) == 1 else which == g
+            calls = self._calls(lt, mine)
+            called |= [c[2] for c in calls]
+            sel = None if mine is None else torch.from_numpy(mine).to(dev)
+            sweeps = tuple(c[:2] for c in calls[:-1])
+            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, *calls[-1][:2], sel, sweeps)
             rounds.append((commit, bad_g))
-            called = called or plan.size > 0
-            if len(groups) == 1:
+            if mine is None:
                 n_new, exact_new, bad = n_g, exact_g, bad_g
             else:
                 n_new, exact_new = torch.where(live_g, n_g, n_new), torch.where(live_g, exact_g, exact_new)
         if len(groups) > 1:
             bad = torch.stack([b for _, b in rounds]).any()
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
-        if payload[0]:
-            self.reference((st.n < end).nonzero(as_tuple=True)[0])
+        if payload[0]:  # the checked walk serves the round again, tree by tree, on the same keys
+            for g in groups:
+                lt = self.lean_tree(int(g))
+                mine = live_host if len(groups) == 1 else live_host & (which == g)
+                calls = self._calls(lt, None if len(groups) == 1 else mine)
+                sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
+                d = _lean_round(ctx, lt, st, *calls[-1][:2], sel, tuple(c[:2] for c in calls[:-1]), drafted_only=True)
+                _round(ctx, lt.tree, lt.tensors, lambda *a, d=d: _DenseNodes(*a, d), st, _upload(np.flatnonzero(mine), dev), tally,
+                       batch=False)
             self.n_host, self.exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
             for commit, _ in rounds:
                 commit(tally)
-            tally.batch_nfe += int(called)  # a round with nothing to evaluate costs no call
             self.n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
             self.exact_host = np.asarray(payload[M + 1 :], dtype=bool)
+        tally.batch_nfe += int(called.sum())  # a call with nothing to evaluate is not made
 
     def progress(self, r: int, live_host) -> dict:
         return {"round": r, "live": int((self.n_host < self.end).sum()), "batch_nfe": self.tally.batch_nfe,

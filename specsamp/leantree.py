@@ -69,6 +69,9 @@ class _LeanTree:
         self.depth_np = np.asarray(tree.depth)
         self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
         self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
+        self.layer_bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)]).tolist()  # layer l: nodes [b[l], b[l+1])
+        self.tree = tree
+        self.tensors = {"parent": self.parent, "depth": self.depth, "num_children": self.num_children, "first_child": self.first_child}
         self.ids = torch.arange(1, N, device=dev)
         self.key_cache = None
         self.noise_cache = None
@@ -222,7 +225,7 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     lt.node_step_by_root = step[:, lt.depth].T.contiguous()
     dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
     lt.internal_by_root, lt.evaluated_by_root = round_masks(lt.depth_row, lt.internal, dl, ctx.evaluate_leaves)
-    lt.evaluated_count = lt.evaluated_by_root.sum(1)
+    lt.evaluated_count, lt.internal_count = lt.evaluated_by_root.sum(1), lt.internal_by_root.sum(1)
     lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
     lt.false = torch.zeros((), dtype=torch.bool, device=dev)
     lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)

@@ -428,8 +428,8 @@ def share_table(K: int, device) -> torch.Tensor:
     every bin in a slow test, K = 2..16).
 
     Why the table stops at ``TABLE_DELTA_MAX = 2^10``: a row beyond it is not served by the table
-    (:func:`static_share` reports it uncertified, and the sampler's lean round hands the round to the reference
-    round, which runs :func:`share`: the same law), so the bound sets cost, not the law. Up to ``2^7`` every bin
+    (:func:`static_share` reports it uncertified, and the sampler's dense round hands the round to the checked
+    walk, which runs :func:`share`: the same law), so the bound sets cost, not the law. Up to ``2^7`` every bin
     from ``delta = 1`` on has ``t = 1`` for every K <= 16, and no row below ``delta = 100`` fails its own
     certificate (20,000 log-uniform deltas per decade, K = 2, 4, 16). Above, the float64 rounding of the
     log-space ratios (``delta y - delta^2 / 2`` near ``y = delta / 2``: about ``delta^2 eps``, 4e-12 at 128)

@@ -1,12 +1,12 @@
-"""The reference round of Algorithm 1 (lines 3--24), shared by both executions of the speculative sampler.
+"""The sparse round of Algorithm 1 (lines 3--24): the path execution, and the checked walk of the dense round.
 
 One round for the live trajectories: draft (line 7), evaluate, walk down with the coupling (lines 14--23), record
-the draft's history, prefetch the next root's velocity and commit (line 24). The executions differ only in how a
-node's state and velocity are obtained: :class:`_TreeNodes` drafts every node of ``T|_{L_n}`` and evaluates them
-in one batched call (optionally refined by Picard sweeps first), :class:`_PathNodes` drafts and evaluates only
-what the walk visits. This is the sparse layout of the round (live rows only, the loop's :class:`SparseLayout`);
-the dense layout (:mod:`specsamp.lean`) runs the same policy as a fixed sequence of tensor operations over every
-row and falls back on :func:`_round` where a deferred check fails. What both write once (the loop, the node
+the draft's history, prefetch the next root's velocity and commit (line 24), one depth at a time. How a node's
+state and velocity are obtained is the nodes' view: :class:`_PathNodes` drafts and evaluates only what the walk
+visits (the path execution; the loop's :class:`SparseLayout`), :class:`specsamp.lean._DenseNodes` reads them
+from a dense round's drafted tree (the tree execution's checked walk, where a deferred check failed). The
+dense layout (:mod:`specsamp.lean`) runs the same policy as a fixed sequence of tensor operations over every
+row. What both write once (the loop, the node
 sets, the counts, the commit, the roots' own call): :mod:`specsamp.chains`.
 
 Both executions gather a step's kernel coefficients from the run's table (:func:`_coefs`) and fold the root index
@@ -30,7 +30,6 @@ from . import rng
 from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
 from .coupling import NonFiniteError
 from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
-from .schedule import per_row
 from .trees import DraftTree
 
 
@@ -97,42 +96,14 @@ class _Nodes:
         flat = {k: v if k == "kernel" else v.reshape(s, 1, 1) for k, v in c.items()}
         return table_means(draft, _take(self.r.frozen, sub), x_parents.reshape(s, p, -1), flat).reshape(x_parents.shape)
 
-    def draft(self, sub: torch.Tensor, x_parents: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None,
-              out=None, c: dict | None = None):
-        """Draft children: their parents' proposal means plus keyed kernel noise (Algorithm 1, line 7).
-
-        Args:
-            sub: ``[s]`` rows of the round.
-            x_parents: ``[s, P, *e]`` parent states, all at step ``step [s]``.
-            step: ``[s]`` the parents' step index.
-            ids: ``[s or 1, C]`` node ids of the children (they key the noise).
-            pos: ``[C]`` or ``[s, C]`` position of each child's parent among the ``P``; ``None``: one parent (``P = 1``).
-            out: optional node-major buffer ``[C, s, *e]`` to draft into (then ``ids`` is ``[1, C]`` and
-                ``pos`` is ``[C]``, non-decreasing: children of one parent are contiguous).
-            c: the steps' kernel coefficients (:func:`_coefs`), where the caller already gathered them.
-
-        Returns:
-            ``(means [s, P, *e], children [s, C, *e])``; the children are ``out.transpose(0, 1)`` when
-            ``out`` is given. The numbers are the same either way.
-        """
-        c = _coefs(self.ctx, step, x_parents[:, 0]) if c is None else c
-        mean = self.proposal_mean(sub, x_parents, step, c)
-        e = x_parents.shape[2:]
-        std = c["std"]  # [s, 1, ...]: the kernel std of eq. 37 in the states' dtype
-        if out is not None:  # node-major, in place: no gather of parent means, no copy of the children
-            rng.draft_noise(rng.node_keys(_take(self.r.draft_keys, sub)[None], ids.reshape(-1, 1)), e, out=out)  # [C, s]
-            out *= std
-            bounds = torch.searchsorted(pos, torch.arange(mean.shape[1] + 1, device=pos.device)).tolist()
-            for p in range(mean.shape[1]):
-                if bounds[p + 1] > bounds[p]:
-                    out[bounds[p] : bounds[p + 1]] += mean[:, p][None]
-            return mean, out.transpose(0, 1)
-        noise = rng.draft_noise(rng.node_keys(_take(self.r.draft_keys, sub)[:, None], ids), e, x_parents.dtype)
-        noise *= std[:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
-        if pos is None:
-            noise += mean
-        else:
-            noise += mean[torch.arange(mean.shape[0], device=mean.device)[:, None], pos]
+    def draft(self, sub: torch.Tensor, x_u: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, c: dict):
+        """Draft the children ``ids [s, k]`` of states ``x_u [s, *e]`` at steps ``step [s]`` (rows ``sub [s]`` of the
+        round; ``c`` their kernel coefficients, :func:`_coefs`): the proposal means plus keyed kernel noise
+        (Algorithm 1, line 7). Returns ``(means [s, *e], children [s, k, *e])``."""
+        mean = self.proposal_mean(sub, x_u[:, None], step, c)[:, 0]
+        noise = rng.draft_noise(rng.node_keys(_take(self.r.draft_keys, sub)[:, None], ids), x_u.shape[1:], x_u.dtype)
+        noise *= c["std"][:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
+        noise += mean[:, None]
         return mean, noise
 
     # interface
@@ -147,124 +118,6 @@ class _Nodes:
         return self.velocity(sub, u, x_u)
 
 
-class _TreeNodes(_Nodes):
-    """Tree execution: every node of ``T|_{L_n}`` drafted, one batched call over all of them.
-
-    States and velocities are stored node-major (``[nodes, m, *e]``), so the rows of every non-root
-    node form one contiguous block that goes to the network without a gather copy, and velocities
-    are written into place one ``max_batch`` chunk at a time.
-    """
-
-    def __init__(self, tree, tensors, rnd, ctx):
-        super().__init__(tree, tensors, rnd, ctx)
-        m = rnd.x.shape[0]
-        e = rnd.x.shape[1:]
-        dev = rnd.x.device
-        N = len(tree)
-        states = rnd.x.new_empty(N, m, *e)
-        states[0] = rnd.x
-        all_rows = torch.arange(m, device=dev)
-        for l in range(1, tree.max_depth + 1):
-            layer = torch.as_tensor(tree.layer(l), device=dev)
-            prev = tree.layer(l - 1)
-            step = (rnd.n + l - 1).clamp(max=ctx.schedule.steps - 1)
-            pos = tensors["parent"][layer] - int(prev[0])
-            self.draft(all_rows, states[prev[0] : prev[-1] + 1].transpose(0, 1), step, layer[None], pos, out=states[layer[0] : layer[-1] + 1])
-        self.sweep_rows = []  # [m] rows of each Picard sweep's batched call
-        self.refined_v = None  # [N, m, *e] the last sweep's velocities: the children's proposal means use them
-        if ctx.refine > 0:
-            self._picard(states, ctx.refine)
-        self.states = states
-        node = torch.arange(N, device=dev)
-        mask = self.evaluated(node[None].expand(m, -1), all_rows[:, None].expand(-1, N))
-        mask[:, 0] &= ~rnd.root_exact
-        rest = mask.T  # [node, trajectory]
-        if bool(rest[1:].all()) and not bool(rest[0].any()):
-            # the common case: nodes 1.. form one contiguous block, evaluated in one call straight from
-            # the states (no gather) and kept as returned (no scatter); the roots' velocities are known
-            step = (rnd.n[None] + tensors["depth"][1:, None]).clamp(max=ctx.schedule.steps - 1).reshape(-1)
-            self.block = ctx.velocity(states[1:].reshape(-1, *e), step, rnd.rows.repeat(N - 1)).view(N - 1, m, *e)
-            self.root_vel = rnd.v_root
-        else:
-            self.block = None
-            vel = torch.zeros_like(states)
-            nodes_, traj = rest.nonzero(as_tuple=True)
-            if nodes_.numel():
-                step = (rnd.n[traj] + tensors["depth"][nodes_]).clamp(max=ctx.schedule.steps - 1)
-                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
-            vel[0] = torch.where(per_row(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
-            self.vel = vel
-        self.call_rows = mask.sum(1)
-
-    def _picard(self, states: torch.Tensor, J: int) -> None:
-        """``J`` synchronous Picard sweeps over the drafted tree, in place on ``states [N, m, *e]``.
-
-        Sweep ``j`` evaluates the target at the current snapshot of every internal node of ``T|_{L_n}`` in one
-        batched call (the root only where its velocity is not exact; after the first sweep it is), then rebuilds
-        the tree breadth-first with the same innovations: a child ``c`` of ``u`` at step ``s`` becomes
-        ``mean(x_u, v_u, s) + std(s) xi_c``, with ``x_u`` the parent's rebuilt state, ``v_u`` the sweep's velocity
-        at the parent's snapshot and ``xi_c`` the child's keyed noise (the draft's own numbers). This is the
-        Picard iteration of ParaDiGMS (Shih et al., 2023) on a tree: after ``j`` sweeps the first ``j`` levels
-        equal the target tree's, so at ``J >= L_n`` every child's proposal mean is the target kernel mean at
-        its parent.
-
-        Exactness: the snapshot of ``u`` is a function of ``u``'s ancestors' and ``u``'s own innovations
-        (and the round's root), never of ``u``'s children's, so given the round's history (the path walked to
-        ``u``) each child of ``u`` is ``N(mean(x_u, v_u, s), std(s)^2 I)`` with ``v_u`` already fixed; that
-        mean is what :meth:`children` hands the coupling, which is all an exact coupling needs.
-        """
-        ctx, rnd, t, tree = self.ctx, self.r, self.t, self.tree
-        m, e, dev = states.shape[1], states.shape[2:], states.device
-        last = ctx.schedule.steps - 1
-        node = torch.arange(len(tree), device=dev)
-        internal = round_masks(t["depth"][:, None], t["num_children"][:, None] > 0, rnd.depth_limit[None], False)[0]  # [N, m]
-        # the innovations std(s) xi_c, drawn exactly as the draft drew them (same keys, same buffers' dtype)
-        innov = torch.empty_like(states)
-        for l in range(1, tree.max_depth + 1):
-            layer = tree.layer(l)
-            block = innov[layer[0] : layer[-1] + 1]
-            rng.draft_noise(rng.node_keys(rnd.draft_keys[None], torch.as_tensor(layer, device=dev).reshape(-1, 1)), e, out=block)
-            step = (rnd.n + l - 1).clamp(max=last)
-            block *= per_row(ctx.schedule.std(step).to(states.dtype), states[0])[None]
-        vel = torch.zeros_like(states)
-        for _ in range(J):
-            mask = internal.clone()
-            mask[0] &= ~rnd.root_exact
-            nodes_, traj = mask.nonzero(as_tuple=True)
-            vel = torch.zeros_like(states)
-            if nodes_.numel():  # one batched call at the snapshot
-                step = (rnd.n[traj] + t["depth"][nodes_]).clamp(max=last)
-                vel[nodes_, traj] = ctx.velocity(states[nodes_, traj], step, rnd.rows[traj])
-            vel[0] = torch.where(per_row(rnd.root_exact, rnd.x), rnd.v_root, vel[0])
-            rnd.v_root, rnd.root_exact = vel[0].clone(), torch.ones_like(rnd.root_exact)
-            self.sweep_rows.append(mask.sum(0))
-            for l in range(1, tree.max_depth + 1):  # breadth-first rebuild with the same innovations
-                layer = tree.layer(l)
-                lo, hi = layer[0], layer[-1] + 1
-                par = t["parent"][node[lo:hi]]
-                step = (rnd.n + l - 1).clamp(max=last)
-                mean = ctx.schedule.mean(states[par].reshape(-1, *e), vel[par].reshape(-1, *e), step.repeat(hi - lo))
-                states[lo:hi] = mean.view(hi - lo, m, *e) + innov[lo:hi]
-        self.refined_v = vel
-
-    def children(self, sub, x_u, u, k, step, c):
-        ids = self.child_ids(u, k)
-        if self.refined_v is not None:  # the refined proposal mean (see _picard)
-            mean = self.ctx.schedule.kernel.mean(x_u, self.refined_v[u, sub], c)
-        else:
-            mean = self.proposal_mean(sub, x_u[:, None], step, c)[:, 0]
-        return mean, self.states[ids, sub[:, None]], ids
-
-    def velocity(self, sub, u, x_u):
-        if self.block is None:
-            return self.vel[u, sub]
-        out = self.block[(u - 1).clamp(min=0), sub]
-        root = u == 0
-        if bool(root.any()):
-            out[root] = self.root_vel[sub[root]]
-        return out
-
-
 class _PathNodes(_Nodes):
     """Path execution: only the nodes the walk visits are drafted; velocities computed on demand."""
 
@@ -276,8 +129,8 @@ class _PathNodes(_Nodes):
 
     def children(self, sub, x_u, u, k, step, c):
         ids = self.child_ids(u, k)
-        mean, kids = self.draft(sub, x_u[:, None], step, ids, None, c=c)
-        return mean[:, 0], kids, ids
+        mean, kids = self.draft(sub, x_u, step, ids, c)
+        return mean, kids, ids
 
     def velocity(self, sub, u, x_u):
         root_known = (u == 0) & self.r.root_exact[sub]
@@ -455,8 +308,13 @@ def _prefetch(nodes: _Nodes, rnd: _Round, ctx: _Context, finished, cur, x_cur, v
     return v_next, exact
 
 
-def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
-    """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``."""
+def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally,
+           batch: bool = True) -> None:
+    """One round (Algorithm 1, lines 3--24) for the ``live`` trajectories; updates ``st`` and ``tally``.
+
+    ``nodes_cls(tree, tensors, rnd, ctx)``: how the walk obtains node states and velocities (:class:`_PathNodes`, or
+    the dense round's drafted tree, :class:`specsamp.lean._DenseNodes`); ``batch``: count the calls in ``batch_nfe``
+    here (the dense layout counts them itself)."""
     # line 3: L_n = min(L, N - n) and T_n = T|_{L_n}, with N the end of speculation
     hist = None if st.history is None else st.history.take(live)
     x, n = st.x[live], st.n[live]  # copies: read by the round, never written
@@ -476,19 +334,19 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     nodes = nodes_cls(tree, tensors, rnd, ctx)  # lines 4--13: drafting and (tree execution) the batched call
     new_x, steps, (v_next, exact_next) = _walk(nodes, rnd, ctx, tally)  # lines 14--23
     for rows in getattr(nodes, "sweep_rows", ()):  # Picard sweeps (refine): one batched call each
-        tally.charge(live, rows)
-    tally.charge(live, nodes.call_rows)  # a round with nothing to evaluate costs no call
+        tally.charge(live, rows, batch)
+    tally.charge(live, nodes.call_rows, batch)  # a round with nothing to evaluate costs no call
     commit_round(st, tally, live, new_x, n + steps, steps, v_next, exact_next, rnd.history)  # line 24
 
 
-def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls=None) -> None:
+def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls) -> None:
     """The reference rounds of step-dependent trees: one group per root index (the groups' rows would share
     one batched call: charged once)."""
     calls, most = tally.batch_nfe, 0
     roots = st.n[live]
     for n in torch.unique(roots).tolist():
         before = tally.batch_nfe
-        _round(ctx, *per_root[n], nodes_cls or _TreeNodes, st, live[roots == n], tally)
+        _round(ctx, *per_root[n], nodes_cls, st, live[roots == n], tally)
         most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
     tally.batch_nfe = calls + most
 

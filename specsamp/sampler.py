@@ -14,12 +14,12 @@ where the model evaluates a row alone: the sampler's own functions round each ro
   (what runs on a GPU);
 - ``path``: draft and evaluate only what the acceptance walk visits (cheap sweeps on analytic targets).
 
-This module is the public entry: it checks the arguments and runs the rounds. The reference round
-(:mod:`specsamp.rounds`) serves both executions, differing only in how a node's state and velocity are
-obtained. The tree execution (a fixed tree or a tree per root step, a draft with a table form) runs the lean
-round instead (:mod:`specsamp.lean`): the same policy (drafts, keys, verifications, walk, prefetch, accounting)
-as a fixed sequence of tensor operations over every row of the batch, with one host synchronisation per round;
-tests hold it to identical counts and the same drafted bits as ``path``. What both share between rounds (the
+This module is the public entry: it checks the arguments and runs the rounds. The tree execution runs the
+dense round (:mod:`specsamp.lean`: every row of the batch, a fixed sequence of tensor operations, Picard sweeps
+included, one host synchronisation per round); the path execution, and the tree execution of a draft without
+a table form, run the sparse round (:mod:`specsamp.rounds`: the live rows, the walk one depth at a time), which
+also serves a dense round whose deferred check failed, on its drafted tree. Tests hold the two to identical
+counts and the same drafted bits. What both share between rounds (the
 context, the trajectories' state, the counts, the endpoint steps): :mod:`specsamp.chains`.
 
 Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
@@ -55,9 +55,9 @@ from .compiled import check_compile, compiled_round, for_compile
 from .coupling import Coupling, get_coupling
 from .drafts import Draft, get_draft
 from .errors import ConfigError
-from .lean import _lean_run, _lean_supported
+from .lean import _lean_run
 from .result import SampleResult
-from .rounds import _PathNodes, _reference_groups, _round, _TreeNodes, SparseLayout
+from .rounds import _PathNodes, _reference_groups, _round, SparseLayout
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -259,10 +259,10 @@ def sample_speculative(
             plain drafts). Each sweep is one batched target call at the current snapshot of the round's internal
             nodes, after which the tree is rebuilt breadth-first with the same innovations from the fresh
             velocities at each node's parent; the coupling is handed the refined proposal means, so the law is
-            unchanged (the argument: :meth:`specsamp.rounds._TreeNodes._picard`). At ``J >= L`` every proposal mean is the target
+            unchanged (the argument: :func:`specsamp.lean._picard`). At ``J >= L`` every proposal mean is the target
             kernel mean at its parent (the verifier's ``delta`` is 0 wherever the states coincide). Every sweep
             is charged to ``nfe`` and to ``target_rows``; recorded in ``SampleResult.extra["refine"]``. Tree
-            execution only, and it runs the reference round (the lean round serves ``refine=0``).
+            execution only, in the dense round.
         compile: run the lean round under ``torch.compile`` (inductor, static shapes per tree;
             :mod:`specsamp.compiled`): its tensor maths in compiled kernels, the batched target call outside them.
             Each distinct tree and batch size compiles once per process (seconds to tens of seconds). The
@@ -271,13 +271,14 @@ def sample_speculative(
         init: ``[M, *event]`` first states on the linear path at ``sigmas[0]`` (an entry point's given noise);
             None: the keyed noise times the kernel's initial scale.
 
-    The tree execution with a draft that has a table form (``Draft.table_mean``: ``velocity``, ``drift``, ``x0``,
-    ``x0_extrap``, ``x0_extrap_gated``, ``x0_affine``: every registered draft), on a fixed tree or a tree per root step (one lean round per distinct tree
-    of the live rows), runs the lean round (:func:`specsamp.lean._lean_round`): every row of the batch in every round
-    (finished rows padded, so shapes are static per tree), one keyed draw, one batched product for the
-    states, one coupling call per node width, a walk by gathers, and one host synchronisation per round
-    (the loop's test). Other configurations run the reference round (:func:`specsamp.rounds._round`), which the lean one
-    repeats exactly where a deferred check fails, to raise the precise error.
+    The tree execution, on a fixed tree or a tree per root step (one dense round per distinct tree of the live
+    rows), runs the dense round (:func:`specsamp.lean._lean_round`): every row of the batch in every round
+    (finished rows padded, so shapes are static per tree), one keyed draw, the draft's table form
+    (``Draft.table_mean``, every registered draft; else ``Draft.mean`` per depth) layer by layer, the Picard
+    sweeps, one batched call, one coupling call per node width, a walk by gathers, and one host
+    synchronisation per round (the loop's test). Where a deferred check fails, the round is drafted again and
+    walked depth by depth with every check raised (:class:`specsamp.lean._DenseNodes`). The path execution runs
+    the sparse round (:func:`specsamp.rounds._round`).
 
     Returns:
         :class:`SampleResult`.
@@ -316,43 +317,37 @@ def sample_speculative(
     if ctx.compiled:
         ctx.coupling = for_compile(coupling)
     if ctx.compiled and (ctx.refine > 0 or ctx.draft.table_mean is None):
-        why = f"refine={ctx.refine} runs the reference round" if ctx.refine > 0 else \
-            f"draft={ctx.draft.name!r} has no table form (Draft.table_mean), so its rounds run the reference round"
-        raise ConfigError(f"compile=true is invalid here: {why}, which has no static shapes to compile; only the lean "
-                          "round compiles. Set compile=false, or " + ("refine=0." if ctx.refine > 0 else "a registered draft."))
+        why = f"refine={ctx.refine}: the Picard sweeps run eagerly" if ctx.refine > 0 else \
+            f"draft={ctx.draft.name!r} has no table form (Draft.table_mean), and only table forms compile"
+        raise ConfigError(f"compile=true is invalid here: {why}. Set compile=false, or "
+                          + ("refine=0." if ctx.refine > 0 else "a registered draft."))
     ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
-    nodes_cls = _TreeNodes if execution == "tree" else _PathNodes
-    fields = ("parent", "depth", "num_children", "first_child")
     if isinstance(tree, DraftTree):
         tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
-        tensors = {k: torch.as_tensor(getattr(tree, k), device=dev) for k in fields}
         tally = _Tally.zeros(M, T, tree.max_depth, dev)
-    else:  # step-dependent trees: T_n per root index n, each with its tensors
-        by_root = _trees_by_root(tree, schedule.first_speculative, end, coupling)
-        per_root = {}  # filled where the reference round runs (the lean round keeps its own tensors)
-
-        def reference_trees():
-            if not per_root:
-                per_root.update({n: (t, {k: torch.as_tensor(getattr(t, k), device=dev) for k in fields}) for n, t in by_root.items()})
-            return per_root
-
-        tally = _Tally.zeros(M, T, max(t.max_depth for t in by_root.values()), dev)
-
+    else:  # step-dependent trees: T_n per root index n
+        tree = _trees_by_root(tree, schedule.first_speculative, end, coupling)
+        tally = _Tally.zeros(M, T, max(t.max_depth for t in tree.values()), dev)
     st = _first_step(ctx, model, seed, ids, warmup, tally, init)
-    if isinstance(tree, DraftTree):
-        reference = lambda live, cls=_TreeNodes: _round(ctx, tree, tensors, cls, st, live, tally)  # noqa: E731
+    if execution == "tree":
+        samples = _lean_run(ctx, tree, st, tally, warmup, callback, compiled_round() if ctx.compiled else None)
     else:
-        reference = lambda live, cls=_TreeNodes: _reference_groups(ctx, reference_trees(), st, live, tally, cls)  # noqa: E731
-    if _lean_supported(tree, execution, ctx.draft) and ctx.refine == 0:
-        samples = _lean_run(ctx, tree if isinstance(tree, DraftTree) else by_root, reference, st, tally, warmup, callback,
-                            compiled_round() if ctx.compiled else None)
-    else:
-        samples = run_rounds(ctx, st, tally, warmup, callback, SparseLayout(ctx, st, tally, lambda live: reference(live, nodes_cls)))
+        samples = run_rounds(ctx, st, tally, warmup, callback, SparseLayout(ctx, st, tally, _sparse_round(ctx, tree, st, tally, dev)))
     res = _with_refine(tally.result(samples, T), ctx.refine)
     if rows_per_state(model) != 1:
         res.target_rows = res.target_rows * rows_per_state(model)
     return res
+
+
+def _sparse_round(ctx: _Context, tree: DraftTree | dict, st, tally: _Tally, dev) -> Callable:
+    """``run(live)``: the path execution's round for the live rows (one per root index for step-dependent trees)."""
+    as_tensors = lambda t: {k: torch.as_tensor(getattr(t, k), device=dev) for k in ("parent", "depth", "num_children", "first_child")}  # noqa: E731
+    if isinstance(tree, DraftTree):
+        tensors = as_tensors(tree)
+        return lambda live: _round(ctx, tree, tensors, _PathNodes, st, live, tally)
+    per_root = {n: (t, as_tensors(t)) for n, t in tree.items()}
+    return lambda live: _reference_groups(ctx, per_root, st, live, tally, _PathNodes)
 
 
 def rows_per_state(model) -> int:

@@ -395,8 +395,8 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
                           "tree's depth).")
     if run.compile and run.sampler.coupling is not None:
         if run.refine > 0:
-            raise ConfigError(f"compile=true is invalid with refine={run.refine}: Picard sweeps run the reference round, "
-                              "which has no static shapes to compile; set refine=0, or compile=false.")
+            raise ConfigError(f"compile=true is invalid with refine={run.refine}: the Picard sweeps run eagerly (the "
+                              "compiled round has none); set refine=0, or compile=false.")
         from ..compiled import check_compile
 
         check_compile(True, run.execution, run.device, here=here)

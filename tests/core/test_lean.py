@@ -112,9 +112,9 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     seen, real = [], lean._lean_round
 
-    def spy(ctx, lt, st, plan, kind="some", sel=None):
+    def spy(ctx, lt, st, plan, kind="some", sel=None, *rest, **kw):
         seen.append(sel is not None)
-        return real(ctx, lt, st, plan, kind, sel)
+        return real(ctx, lt, st, plan, kind, sel, *rest, **kw)
 
     monkeypatch.setattr(lean, "_lean_round", spy)
     sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)

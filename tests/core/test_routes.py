@@ -1,8 +1,9 @@
-"""Which round serves what. The tree execution runs the dense (lean) round for a draft with a table form; a draft
-given by ``mean`` alone runs the reference round's tree layout; rows the dense round cannot finish without
-asking the host (markmax rows its share table cannot certify, a deferred value check) are served by repeating
-the round with the reference round on the same keys. The path execution always runs the reference round's
-path layout. Each route gives the path execution's counts and, with a target evaluated row by row, its bits."""
+"""Which round serves what. The tree execution always runs the dense round: a draft with a table form through it,
+a draft given by ``mean`` alone through ``Draft.mean`` per depth, Picard sweeps inside it; rows the dense round cannot
+finish without asking the host (markmax rows its share table cannot certify, a deferred value check) are served
+again by the sparse round's walk over the dense round's drafted tree (the checked walk), on the same keys. The
+path execution always runs the sparse round. Each route gives the path execution's counts and, with a target
+evaluated row by row, its bits."""
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ def _spy(monkeypatch):
     monkeypatch.setattr(lean, "_lean_round", d)
     monkeypatch.setattr(rounds, "_round", r)
     monkeypatch.setattr(sampler, "_round", r)
+    monkeypatch.setattr(lean, "_round", r)
     return calls
 
 
@@ -43,16 +45,16 @@ def _same(got, want):
 
 
 @pytest.mark.parametrize("tree", [DraftTree.uniform(2, 3), lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]])
-def test_a_draft_without_a_table_form_runs_the_reference_round(monkeypatch, tree):
+def test_a_draft_without_a_table_form_runs_the_dense_round_by_its_mean(monkeypatch, tree):
     # a draft given by its mean alone (the velocity draft's, so the same numbers): the tree execution runs the
-    # reference round's tree layout, never the dense round; GMM dim 4, T = 8, 30 trajectories, seed 3, float64
+    # dense round, calling Draft.mean per depth; GMM dim 4, T = 8, 30 trajectories, seed 3, float64
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     plain = Draft("plain_velocity", freeze=get_draft("velocity").freeze, mean=get_draft("velocity").mean)
     assert plain.table_mean is None
     path = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="path", draft="velocity", seed=3)
     calls = _spy(monkeypatch)
     got = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="tree", draft=plain, seed=3)
-    assert calls["dense"] == 0 and calls["reference"] > 0, calls
+    assert calls["dense"] > 0 and calls["reference"] == 0, calls
     _same(got, path)
     calls["reference"] = 0
     dense = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="tree", draft="velocity", seed=3)
@@ -60,9 +62,9 @@ def test_a_draft_without_a_table_form_runs_the_reference_round(monkeypatch, tree
     _same(dense, path)
 
 
-def test_markmax_rows_the_share_table_cannot_certify_are_served_by_the_reference_round(monkeypatch):
-    # every row reported uncertified: each dense round raises the deferred flag, is discarded and repeated by the
-    # reference round on the same keys; the run equals the path execution (GMM dim 4, T = 8, 30 trajectories, seed 3)
+def test_markmax_rows_the_share_table_cannot_certify_are_served_by_the_checked_walk(monkeypatch):
+    # every row reported uncertified: each dense round raises the deferred flag, is discarded and served again by
+    # the checked walk over its drafted tree on the same keys; the run equals the path execution (GMM dim 4, T = 8, 30 trajectories, seed 3)
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     tree = DraftTree.uniform(2, 3)
     path = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="path", draft="x0", seed=3)
@@ -70,5 +72,21 @@ def test_markmax_rows_the_share_table_cannot_certify_are_served_by_the_reference
     monkeypatch.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
     calls = _spy(monkeypatch)
     got = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="tree", draft="x0", seed=3)
-    assert calls["dense"] > 0 and calls["reference"] == calls["dense"], calls  # every dense round repeated
+    # every dense round drafted again for the checked walk
+    assert calls["reference"] > 0 and calls["dense"] == 2 * calls["reference"], calls
     _same(got, path)
+
+
+def test_picard_sweeps_run_inside_the_dense_round_for_any_draft(monkeypatch):
+    # refine=2 in the tree execution: the dense round drafts (by the table form, or by Draft.mean per depth), sweeps
+    # and verifies without the sparse round; both drafts give the same counts and bits (the plain draft is the
+    # velocity draft's mean), and each round charges 1 + 2 calls (GMM dim 4, T = 8, 30 trajectories, seed 3)
+    model = RowwiseMixture(dim=4, components=3, layout_seed=1)
+    tree = DraftTree.uniform(2, 3)
+    plain = Draft("plain_velocity", freeze=get_draft("velocity").freeze, mean=get_draft("velocity").mean)
+    calls = _spy(monkeypatch)
+    table = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="tree", refine=2, seed=3)
+    got = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, execution="tree", draft=plain, refine=2, seed=3)
+    assert calls["dense"] > 0 and calls["reference"] == 0, calls
+    _same(got, table)
+    assert torch.equal(table.nfe, 1 + 3 * table.rounds)  # the warm-up call, then the sweeps' and the round's own
