@@ -510,13 +510,13 @@ class DenseLayout:
         n_host, dev, M = self.n_host, st.x.device, st.x.shape[0]
         which = np.where(live_host, self.lt_of_root[np.minimum(n_host, len(self.lt_of_root) - 1)], -1)
         groups = np.unique(which[live_host])
-        rounds, called = [], np.zeros(ctx.refine + 1, dtype=bool)
+        rounds, called = [], [False] * (ctx.refine + 1)
         n_new, exact_new = st.n, st.root_exact
         for g in groups:
             lt = self.lean_tree(int(g))
             mine = None if len(groups) == 1 else which == g
             calls = self._calls(lt, mine)
-            called |= [c[2] for c in calls]
+            called = [a or c[2] for a, c in zip(called, calls)]
             sel = None if mine is None else torch.from_numpy(mine).to(dev)
             sweeps = tuple(c[:2] for c in calls[:-1])
             commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, *calls[-1][:2], sel, sweeps)
@@ -543,7 +543,7 @@ class DenseLayout:
                 commit(tally)
             self.n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
             self.exact_host = np.asarray(payload[M + 1 :], dtype=bool)
-        tally.batch_nfe += int(called.sum())  # a call with nothing to evaluate is not made
+        tally.batch_nfe += sum(called)  # a call with nothing to evaluate is not made
 
     def progress(self, r: int, live_host) -> dict:
         return {"round": r, "live": int((self.n_host < self.end).sum()), "batch_nfe": self.tally.batch_nfe,
