@@ -90,3 +90,19 @@ def test_picard_sweeps_run_inside_the_dense_round_for_any_draft(monkeypatch):
     assert calls["dense"] > 0 and calls["reference"] == 0, calls
     _same(got, table)
     assert torch.equal(table.nfe, 1 + 3 * table.rounds)  # the warm-up call, then the sweeps' and the round's own
+
+
+def test_the_checked_walk_serves_every_tree_of_a_round_with_trees_per_root_step(monkeypatch):
+    # trees per root step (two shapes alternating) and every markmax row reported uncertified: each tree of a
+    # round is drafted again and walked in turn, charged as the dense round's calls; the run equals the path
+    # execution (GMM dim 4, T = 8, 30 trajectories, seed 3)
+    model = RowwiseMixture(dim=4, components=3, layout_seed=1)
+    tree = lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]  # noqa: E731
+    path = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="path", draft="x0", seed=3)
+    share = listcoupling.static_share
+    monkeypatch.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+    calls = _spy(monkeypatch)
+    got = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="tree", draft="x0", seed=3)
+    assert calls["reference"] > int(got.rounds.max()), calls  # some round walked more than one tree
+    _same(got, path)
+    assert got.batch_nfe == path.batch_nfe
