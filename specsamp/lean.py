@@ -125,7 +125,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         x_par = parent_view if parents is None else states[parents]
         mean = draft.table_mean(frozen_at(l - 1), x_par, c_l) if frozen_at else _plain_mean(ctx, frozen, x_par, n, [l - 1])
         out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
-    # the batched target call over the planned rows (what the reference round evaluates); where they are
+    # the batched target call over the planned rows (what the sparse round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     network = _network_outside() if ctx.compiled else _network
@@ -307,7 +307,7 @@ def _verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
 
 def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
              root_exact: torch.Tensor, plan: torch.Tensor | None, plan_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lean round's batched target call over the planned rows (what the reference round evaluates).
+    """The lean round's batched target call over the planned rows (what the sparse round evaluates).
 
     Where the rows are all non-root nodes (``plan_kind`` ``rest``) or all nodes (``all``), the call reads the
     states ``[N, M, D]`` in place and its output is kept as is; otherwise (``some``) it evaluates ``states``'
@@ -356,7 +356,7 @@ def _network_outside() -> Callable:
 
 
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
-    """The draft history after a lean round, by gathers: the exact data predictions the reference walk records
+    """The draft history after a lean round, by gathers: the exact data predictions the sparse walk records
     (:func:`specsamp.rounds._record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
     order) pushed in front of ``st``'s records, most recent first. Returns the :class:`DraftHistory` of every
     row (rows without a verified node keep their records)."""

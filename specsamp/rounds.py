@@ -339,8 +339,8 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     commit_round(st, tally, live, new_x, n + steps, steps, v_next, exact_next, rnd.history)  # line 24
 
 
-def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls) -> None:
-    """The reference rounds of step-dependent trees: one group per root index (the groups' rows would share
+def _root_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls) -> None:
+    """The sparse rounds of step-dependent trees: one group per root index (the groups' rows would share
     one batched call: charged once)."""
     calls, most = tally.batch_nfe, 0
     roots = st.n[live]
@@ -352,7 +352,7 @@ def _reference_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Te
 
 
 class SparseLayout:
-    """The reference round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one
+    """The sparse round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one
     host synchronisation to find them), each round ``run(live)`` on those rows alone."""
 
     def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, run):

@@ -57,7 +57,7 @@ from .drafts import Draft, get_draft
 from .errors import ConfigError
 from .lean import _lean_run
 from .result import SampleResult
-from .rounds import _PathNodes, _reference_groups, _round, SparseLayout
+from .rounds import _PathNodes, _root_groups, _round, SparseLayout
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -347,7 +347,7 @@ def _sparse_round(ctx: _Context, tree: DraftTree | dict, st, tally: _Tally, dev)
         tensors = as_tensors(tree)
         return lambda live: _round(ctx, tree, tensors, _PathNodes, st, live, tally)
     per_root = {n: (t, as_tensors(t)) for n, t in tree.items()}
-    return lambda live: _reference_groups(ctx, per_root, st, live, tally, _PathNodes)
+    return lambda live: _root_groups(ctx, per_root, st, live, tally, _PathNodes)
 
 
 def rows_per_state(model) -> int:

@@ -87,7 +87,7 @@ def _per_step_rule(n):
 @pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0_affine", "x0"])
 @pytest.mark.parametrize("tree", ["fixed", "per_step"])
 def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype, draft, tree):
-    # the lean round serves drafts with history and step-dependent trees (the reference round is never
+    # the dense round serves drafts with history and step-dependent trees (the sparse round's walk is never
     # called: no check fails here), with counts identical and samples bitwise equal to the path execution
     # (a target evaluated row by row: the executions batch a node differently, helpers.RowwiseMixture)
     model = RowwiseMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
@@ -95,11 +95,12 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     path = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="path", **kw)
 
-    def no_reference(*a, **k):
-        raise AssertionError("the reference round ran")
+    def no_sparse(*a, **k):
+        raise AssertionError("the sparse round ran")
 
-    monkeypatch.setattr(sampler, "_round", no_reference)  # a fixed tree's reference round
-    monkeypatch.setattr(rounds, "_round", no_reference)  # the per-step trees' (rounds._reference_groups)
+    monkeypatch.setattr(lean, "_round", no_sparse)  # the checked walk's
+    monkeypatch.setattr(sampler, "_round", no_sparse)  # the path execution's, fixed tree
+    monkeypatch.setattr(rounds, "_round", no_sparse)  # and per root step (rounds._root_groups)
     got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(path, f)), f
