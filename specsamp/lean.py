@@ -62,7 +62,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         ``tally`` (the other rows are left as they are then, so the rounds of several trees commit one after the
         other); ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
         a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
-        discards the round and repeats it with :func:`specsamp.rounds._round`, which raises the precise error); ``live [M]``
+        discards the round, drafts it again and walks it with the checks raised: :class:`_DenseNodes`); ``live [M]``
         the rows the round served.
     """
     sch, draft = ctx.schedule, ctx.draft
