@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TINY, python, run
+from helpers import ROOT, TINY, Forked, python, run
 from omegaconf import OmegaConf
 
 from specsamp.runner.config import compose
@@ -248,10 +248,11 @@ def test_concurrent_runs_never_share_a_directory(tmp_path):
 
     (tmp_path / "o").mkdir()
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for s in range(3)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    # three children forked at once (tests/helpers.py: no interpreter start-up between them), all claiming o/t
+    procs = [Forked([sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
+                    cwd=tmp_path, env=env) for s in range(3)]
+    outs = [p.wait(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in outs), [(p.stdout, p.stderr) for p in outs]
     seeds = sorted(json.loads(f.read_text())["config"]["seed"] for f in (tmp_path / "o").glob("t*/result.json"))
     assert seeds == [0, 1, 2]
     assert fresh_dir(str(tmp_path / "o" / "t")) == str(tmp_path / "o" / "t_4")  # the next free one
