@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -147,7 +146,7 @@ def test_fig4_sweep_and_collect_at_a_reduced_size(tmp_path, monkeypatch):
     env = dict(os.environ, SPECSAMP_OFFLINE="1", WANDB_MODE="offline")
     cmd = [sys.executable, str(ROOT / "run.py"), "+experiment=patches_fig4", "steps=6", "n_samples=2", "eps=0.3",
            "shape=k2l3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    out = python(cmd, cwd=tmp_path, env=env, timeout=300)  # forked (tests/helpers.py); SPECSAMP_OFFLINE is read per call
     assert out.returncode == 0, out.stderr
     monkeypatch.setattr(px, "OUT", tmp_path)
     df = px.collect_fig4(str(tmp_path / "sweep"))
