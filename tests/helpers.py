@@ -46,32 +46,67 @@ def python(argv, *, cwd, env=None, timeout=300, capture_output=True,
     """
     if not (capture_output and text):
         raise ValueError("python(): output is always captured as text")
-    argv = [str(a) for a in argv]
-    if argv[0] != sys.executable or len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) \
-            or (argv[1] != "-m" and argv[1].startswith("-")):
-        raise ValueError(f"python(): expected [sys.executable, script | -m module, ...], got {argv[:3]}")
-    env = dict(os.environ if env is None else env)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    return Forked(argv, cwd=cwd, env=env).wait(timeout)
+
+
+class Forked:
+    """A :func:`python` child started without waiting for it (several at once, or one to signal):
+    ``pid``, ``returncode``, :meth:`poll`, :meth:`send_signal`, :meth:`kill`, :meth:`communicate` (as
+    :class:`subprocess.Popen`'s) and :meth:`wait`, which returns the :class:`subprocess.CompletedProcess`."""
+
+    def __init__(self, argv, *, cwd, env=None):
+        argv = [str(a) for a in argv]
+        if argv[0] != sys.executable or len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) \
+                or (argv[1] != "-m" and argv[1].startswith("-")):
+            raise ValueError(f"python(): expected [sys.executable, script | -m module, ...], got {argv[:3]}")
+        env = dict(os.environ if env is None else env)
+        self.argv, self.returncode, self._result = argv, None, None
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            _forked_main(argv, cwd, env, out, err)
-        t0 = time.monotonic()
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            _forked_main(argv, cwd, env, self._out, self._err)
+
+    def poll(self):
+        """The exit status, or None while the child runs."""
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
             if done:
-                break
-            if time.monotonic() - t0 > timeout:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(argv, timeout)
-            time.sleep(0.005)
-        code = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(argv, code, out.read().decode(errors="replace"),
-                                           err.read().decode(errors="replace"))
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=300) -> tuple[str, str]:
+        """``(stdout, stderr)`` once the child has ended, as :meth:`subprocess.Popen.communicate`."""
+        p = self.wait(timeout)
+        return p.stdout, p.stderr
+
+    def wait(self, timeout=300) -> subprocess.CompletedProcess:
+        """Wait for the child (killed, and :class:`subprocess.TimeoutExpired` raised, after ``timeout`` s)."""
+        if self._result is None:
+            t0 = time.monotonic()
+            while self.poll() is None:
+                if time.monotonic() - t0 > timeout:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    self._out.close()
+                    self._err.close()
+                    raise subprocess.TimeoutExpired(self.argv, timeout)
+                time.sleep(0.005)
+            outs = []
+            for f in (self._out, self._err):
+                f.seek(0)
+                outs.append(f.read().decode(errors="replace"))
+                f.close()
+            self._result = subprocess.CompletedProcess(self.argv, self.returncode, *outs)
+        return self._result
 
 
 def _forked_main(argv, cwd, env, out, err) -> None:

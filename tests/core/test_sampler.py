@@ -77,7 +77,23 @@ def case_id(case):
     return f"{tree_of(spec).describe()}-{coupling}-{draft}-{prefetch}-{'V' if leaves else 'I'}-{execution}"
 
 
-@pytest.mark.parametrize("i,case", list(enumerate(LAW_CASES)), ids=[case_id(c) for c in LAW_CASES])
+# in the slow set: cases whose coupling and draft appear at least three more times in the default run, on the same
+# trees, prefetches, leaf protocols and executions (each case keeps its seed, 100 + its index)
+LAW_SLOW = [
+    (("uniform", (2, 3)), "dgrs", "velocity", "nearest", True, "path"),
+    (("uniform", (3, 2)), "dgrs", "velocity", "parent", False, "path"),
+    (("uniform", (3, 2)), "dgrs", "x0", "nearest", True, "path"),
+    (("uniform", (3, 2)), "dgrs", "drift", "nearest", True, "path"),
+    (("widths", [3, 1, 2]), "dgrs", "x0", "nearest", False, "path"),
+]
+
+
+def _law_params():
+    return [pytest.param(i, case, marks=pytest.mark.slow) if case in LAW_SLOW else pytest.param(i, case)
+            for i, case in enumerate(LAW_CASES)]
+
+
+@pytest.mark.parametrize("i,case", _law_params(), ids=[case_id(c) for c in LAW_CASES])
 def test_output_law_equals_standard_sampler(i, case, reference):
     spec, coupling, draft, prefetch, leaves, execution = case
     tree = tree_of(spec)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, python
+from helpers import ROOT, Forked, python
 
 from specsamp.runner import exits as exitcodes, jobs, report
 
@@ -40,8 +40,8 @@ def _env_unmeasured():
 
 def run(args, cwd, env=None, preexec_fn=None, timeout=300):
     cmd = [sys.executable, str(ROOT / "run.py"), *args]
-    if preexec_fn is None and env is None:  # forked (tests/helpers.py:python); a resource limit needs a fresh process
-        p = python(cmd, cwd=cwd, env=_env(), timeout=timeout)
+    if preexec_fn is None:  # forked (tests/helpers.py:python); a resource limit needs a fresh process
+        p = python(cmd, cwd=cwd, env=_env() if env is None else env, timeout=timeout)
     else:
         p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout, preexec_fn=preexec_fn)
     p.out = p.stdout + p.stderr
@@ -49,8 +49,8 @@ def run(args, cwd, env=None, preexec_fn=None, timeout=300):
 
 
 def start(args, cwd):
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+    """``python run.py ARGS`` forked in the background (tests/helpers.py:Forked): poll, send_signal, communicate."""
+    return Forked([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=_env())
 
 
 def wait_for(path: Path, proc, timeout=120.0):

@@ -2,11 +2,14 @@
 the message) before anything is allocated; the tree search's tables scale with what a tree of the
 allowed depth and width can hold; progress moves per round or step and reaches log files.
 
-The command-line cases run ``python run.py`` in a subprocess under an address-space cap
-(``resource.setrlimit(RLIMIT_AS)``, :data:`CAP`): without the checks they die there with a
-MemoryError traceback (or the kernel's OOM killer) instead of a message.
+The command-line cases run ``python run.py`` under an address-space cap (``resource.setrlimit(RLIMIT_AS)``,
+:data:`CAP`): without the checks they die there with a MemoryError traceback (or the kernel's OOM killer)
+instead of a message. One capped interpreter per test process imports torch once and forks each command from
+there (:func:`helpers.python`), so every command runs under the cap, with its own arguments, directory, output
+and exit status, without starting an interpreter per command.
 """
 
+import json
 import resource
 import subprocess
 import sys
@@ -28,13 +31,46 @@ from specsamp.trees import DraftTree
 CAP = 6 * 2**30  # python + torch + hydra map about 3.5 GiB of address space before any work
 
 
-def run_capped(args, tmp_path):
+# the capped interpreter: reads one JSON line [directory, args] per command, forks run.py there, answers one
+# JSON line [exit status, stdout, stderr]
+_SERVER = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from helpers import python
+for line in sys.stdin:
+    cwd, args = json.loads(line)
+    p = python([sys.executable, {run_py!r}, *args, 'hydra.run.dir=' + cwd], cwd=cwd, env=dict(os.environ), timeout=120)
+    print(json.dumps([p.returncode, p.stdout, p.stderr]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """The capped interpreter of this module (started once, stopped at its end)."""
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
 
-    cmd = [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}"]
     env = {"PATH": "/usr/bin:/bin", "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120, preexec_fn=cap)
+    code = _SERVER.format(tests=str(ROOT / "tests"), run_py=str(ROOT / "run.py"))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=cap)
+    yield proc
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_capped(capped, args, tmp_path):
+    """``python run.py ARGS hydra.run.dir=tmp_path`` in ``tmp_path`` under :data:`CAP`: the completed process."""
+    capped.stdin.write(json.dumps([str(tmp_path), [str(a) for a in args]]) + "\n")
+    capped.stdin.flush()
+    line = capped.stdout.readline()
+    assert line, f"the capped interpreter died: {capped.stderr.read()[-2000:]}"
+    code, out, err = json.loads(line)
+    return subprocess.CompletedProcess(["run.py", *args], code, out, err)
 
 
 RESOURCE = [
@@ -52,9 +88,9 @@ RESOURCE = [
 
 
 @pytest.mark.parametrize("args,needles", RESOURCE, ids=[" ".join(a) for a, _ in RESOURCE])
-def test_oversized_config_is_refused_under_a_memory_cap(tmp_path, args, needles):
+def test_oversized_config_is_refused_under_a_memory_cap(capped, tmp_path, args, needles):
     (tmp_path / "keep.txt").write_text("precious")
-    p = run_capped([*TINY, *args], tmp_path)
+    p = run_capped(capped, [*TINY, *args], tmp_path)
     assert p.returncode == 2, (p.stdout, p.stderr[-2000:])
     err = p.stderr.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
@@ -63,9 +99,9 @@ def test_oversized_config_is_refused_under_a_memory_cap(tmp_path, args, needles)
     assert not (tmp_path / "result.json").exists() and (tmp_path / "keep.txt").read_text() == "precious"
 
 
-def test_small_width_search_runs_under_the_cap(tmp_path):
+def test_small_width_search_runs_under_the_cap(capped, tmp_path):
     # a huge nominal budget is fine when depth and width bound the tree: 2 + 4 + 8 = 14 states at most
-    p = run_capped([*TINY, "tree=optimal", "budget=1000000000", "max_width=2", "max_depth=3",
+    p = run_capped(capped, [*TINY, "tree=optimal", "budget=1000000000", "max_width=2", "max_depth=3",
                     "delta_profile=[0.5,1.0,1.5]"], tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "B=1000000000" in p.stdout

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TINY, python, run
+from helpers import ROOT, TINY, Forked, python, run, run_inprocess
 from omegaconf import OmegaConf
 
 from specsamp.runner.config import compose
@@ -83,18 +83,28 @@ BAD = [
 ]
 
 
+# run.py as a forked child for these (a config key's refusal and a config group's); in this process
+# (helpers.run_inprocess: run.py as __main__, the same code path) for the rest
+BAD_CLI = ("K=0", "model=nope is not an option of the config group model")
+
+
 @pytest.mark.parametrize("args,needle", BAD, ids=[b[1] for b in BAD])
-def test_bad_input_exits_2_with_message_and_no_traceback(tmp_path, args, needle):
+def test_bad_input_exits_2_with_message_and_no_traceback(tmp_path, monkeypatch, args, needle):
     if args == ["device=cuda"]:
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("a CUDA device is present")
     (tmp_path / "keep.txt").write_text("precious")
-    p = run([*TINY, *args], tmp_path, check=False)
-    assert p.returncode == 2, (p.stdout, p.stderr)
-    assert needle in p.stderr
-    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    if needle in BAD_CLI:
+        p = run([*TINY, *args], tmp_path, check=False)
+        code, stdout, stderr = p.returncode, p.stdout, p.stderr
+    else:
+        monkeypatch.chdir(tmp_path)
+        code, stdout, stderr = run_inprocess([*TINY, *args], tmp_path, monkeypatch)
+    assert code == 2, (stdout, stderr)
+    assert needle in stderr
+    assert "Traceback" not in stderr and "Traceback" not in stdout
     assert not (tmp_path / "result.json").exists()
     assert (tmp_path / "keep.txt").read_text() == "precious"
 
@@ -248,10 +258,11 @@ def test_concurrent_runs_never_share_a_directory(tmp_path):
 
     (tmp_path / "o").mkdir()
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for s in range(3)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    # three children forked at once (tests/helpers.py: no interpreter start-up between them), all claiming o/t
+    procs = [Forked([sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
+                    cwd=tmp_path, env=env) for s in range(3)]
+    outs = [p.wait(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in outs), [(p.stdout, p.stderr) for p in outs]
     seeds = sorted(json.loads(f.read_text())["config"]["seed"] for f in (tmp_path / "o").glob("t*/result.json"))
     assert seeds == [0, 1, 2]
     assert fresh_dir(str(tmp_path / "o" / "t")) == str(tmp_path / "o" / "t_4")  # the next free one
