@@ -106,3 +106,27 @@ def test_the_checked_walk_serves_every_tree_of_a_round_with_trees_per_root_step(
     assert calls["reference"] > int(got.rounds.max()), calls  # some round walked more than one tree
     _same(got, path)
     assert got.batch_nfe == path.batch_nfe
+
+
+@pytest.mark.parametrize("refine,plain", [(1, False), (0, True)], ids=["refine1", "mean-only-draft"])
+def test_walks_drawn_again_keep_the_numbers_with_sweeps_and_mean_only_drafts(monkeypatch, refine, plain):
+    # two routes inside the dense round, each against the dense round's own default: (a) every markmax row reported
+    # uncertified, so each round is drafted again and walked by the checked walk; (b) no verdict sample kept
+    # (RESIDUAL_CACHE = 0), so the walk's residuals are drawn again per row. With Picard sweeps and with a draft
+    # given by its mean alone, both give the default's counts and bits (GMM dim 4, T = 8, 30 trajectories, seed 3)
+    from specsamp import leantree
+
+    model = RowwiseMixture(dim=4, components=3, layout_seed=1)
+    tree = DraftTree.uniform(2, 3)
+    draft = Draft("plain_x0", freeze=get_draft("x0").freeze, mean=get_draft("x0").mean) if plain else "x0"
+    kw = dict(execution="tree", draft=draft, refine=refine, seed=3)
+    want = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, **kw)
+    want_dgrs = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, **dict(kw, draft="x0"))
+    with monkeypatch.context() as m:
+        share = listcoupling.static_share
+        m.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+        calls = _spy(m)
+        _same(sampler.sample_speculative(model, SCHED, tree, "markmax", 30, **kw), want)
+        assert calls["reference"] > 0, calls
+    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    _same(sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, **kw), want_dgrs)
