@@ -136,9 +136,9 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         v_root, root_exact = torch.where(live[:, None], v0, v_root.reshape(M, -1)), root_exact | live
         refined = _picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, NC)
     v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, plan, plan_kind)
+    call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
     if drafted_only:
-        return _Drafted(states, v0, vrest, refined,
-                        torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long), sweep_rows)
+        return _Drafted(states, v0, vrest, refined, call_rows, sweep_rows)
 
     # verdicts of every internal node, in chunks of nodes sized to the states' memory
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
@@ -189,7 +189,8 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         if res is not None:
             out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
         else:  # its checks deferred too: no host synchronisation
-            out = _residual_again(ctx, lt, states, v0, vrest, coefs, (frozen, frozen_col), vkeys_all, drawn_all, n, ustar, rejected, refined)
+            out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, vkeys_all, drawn_all, n, ustar, rejected,
+                                  refined)
     if checks.bad is not None:
         bad = bad | checks.bad
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
@@ -210,7 +211,6 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     verified = on_path & internal_r
     if st.history is not None:
         hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
-    call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
     n_new = n + steps
     exact_new = torch.where(live, exact, root_exact)
 
@@ -374,36 +374,31 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
-def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, vkeys_all, drawn_all, n, ustar, rejected, refined) -> torch.Tensor:
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, vkeys_all, drawn_all, n, ustar, rejected,
+                    refined) -> torch.Tensor:
     """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
     at a rejection, the verification of that node drawn again (one coupling call per node width, over every
     row: the node's own keys or its rows of the run's uniform table ``drawn_all``, so the same numbers as the
     first call); elsewhere the reached leaf."""
-    M, e, ar = states.shape[1], ctx.x_event, lt.ar
+    M, e, ar, kern = states.shape[1], ctx.x_event, lt.ar, ctx.schedule.kernel
     out = states[ustar, ar]
     for k, rep, of_width in lt.width_groups:
         mine = of_width[ustar]
         w = torch.where(mine, ustar, rep)  # rows whose node has another width verify a stand-in
         xw = states[w, ar]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
-        kern = ctx.schedule.kernel
         cw = kern.named(coefs[lt.depth[w], :, ar].unbind(1))  # [M, 1] each
-        frozen_col = frozen[1]
-        if refined is not None or ctx.draft.table_mean is None:
-            fr = None
-        elif ctx.draft.table_frozen is None:
-            fr = frozen_col[0]
-        elif isinstance(frozen_col, tuple):
-            fr = tuple(f[lt.depth[w], ar] for f in frozen_col)
-        else:
-            fr = frozen_col[lt.depth[w], ar]
-        if refined is not None:
+        if refined is not None:  # the refined proposal mean (_picard)
             mean_p = kern.mean(xw, refined[w, ar], cw)
-        elif fr is None:  # Draft.mean at each row's own depth
-            mean_p = ctx.draft.mean(frozen[0], xw.reshape(M, 1, *e), (n + lt.depth[w]).clamp(max=ctx.schedule.steps - 1),
+        elif frozen_col is None:  # a draft given by its mean alone: Draft.mean at each row's own depth
+            mean_p = ctx.draft.mean(frozen, xw.reshape(M, 1, *e), (n + lt.depth[w]).clamp(max=ctx.schedule.steps - 1),
                                     ctx.schedule)[:, 0].reshape(M, -1)
+        elif ctx.draft.table_frozen is None:
+            mean_p = ctx.draft.table_mean(frozen_col[0], xw, cw)
+        elif isinstance(frozen_col, tuple):
+            mean_p = ctx.draft.table_mean(tuple(f[lt.depth[w], ar] for f in frozen_col), xw, cw)
         else:
-            mean_p = ctx.draft.table_mean(fr, xw, cw)
+            mean_p = ctx.draft.table_mean(frozen_col[lt.depth[w], ar], xw, cw)
         mean_q = kern.mean(xw, vw, cw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
@@ -518,28 +513,24 @@ class DenseLayout:
             calls = self._calls(lt, mine)
             called = [a or c[2] for a, c in zip(called, calls)]
             sel = None if mine is None else torch.from_numpy(mine).to(dev)
-            sweeps = tuple(c[:2] for c in calls[:-1])
-            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, *calls[-1][:2], sel, sweeps)
-            rounds.append((commit, bad_g))
+            args = (*calls[-1][:2], sel, tuple(c[:2] for c in calls[:-1]))  # the round's own call, its rows, the sweeps
+            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, *args)
+            rounds.append((commit, bad_g, lt, args, live_host if mine is None else mine))
             if mine is None:
                 n_new, exact_new, bad = n_g, exact_g, bad_g
             else:
                 n_new, exact_new = torch.where(live_g, n_g, n_new), torch.where(live_g, exact_g, exact_new)
         if len(groups) > 1:
-            bad = torch.stack([b for _, b in rounds]).any()
+            bad = torch.stack([r[1] for r in rounds]).any()
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
-        if payload[0]:  # the checked walk serves the round again, tree by tree, on the same keys
-            for g in groups:
-                lt = self.lean_tree(int(g))
-                mine = live_host if len(groups) == 1 else live_host & (which == g)
-                calls = self._calls(lt, None if len(groups) == 1 else mine)
-                sel = None if len(groups) == 1 else torch.from_numpy(mine).to(dev)
-                d = _lean_round(ctx, lt, st, *calls[-1][:2], sel, tuple(c[:2] for c in calls[:-1]), drafted_only=True)
-                _round(ctx, lt.tree, lt.tensors, lambda *a, d=d: _DenseNodes(*a, d), st, _upload(np.flatnonzero(mine), dev), tally,
+        if payload[0]:  # the checked walk serves the round again, tree by tree, on the same keys and calls
+            for _, _, lt, args, rows in rounds:
+                d = _lean_round(ctx, lt, st, *args, drafted_only=True)
+                _round(ctx, lt.tree, lt.tensors, lambda *a, d=d: _DenseNodes(*a, d), st, _upload(np.flatnonzero(rows), dev), tally,
                        batch=False)
             self.n_host, self.exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
-            for commit, _ in rounds:
+            for commit, *_ in rounds:
                 commit(tally)
             self.n_host = np.asarray(payload[1 : M + 1], dtype=np.int64)
             self.exact_host = np.asarray(payload[M + 1 :], dtype=bool)
