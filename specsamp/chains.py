@@ -1,21 +1,14 @@
-"""The batch of trajectories between rounds, shared by both rounds and the samplers.
+"""The batch of trajectories between rounds, and the round's policy that both layouts share, written once.
 
-Owns: the per-run context of a speculative run (:class:`_Context`); target evaluations for rows of given
-trajectories with their conditioning (:class:`_Velocity`); the keyed initial noise (:func:`initial_noise`);
-the trajectories' state between rounds (:class:`_Chains`, with the draft's
-:class:`~specsamp.drafts.DraftHistory`); section 5's per-trajectory counts (:class:`_Tally`, which becomes the
-:class:`~specsamp.result.SampleResult`); the deterministic first and last steps and the roots' own calls; and
-the run-time check of a coupling's verdicts against the contract of :class:`~specsamp.coupling.Coupling`
-(:func:`check_verdict_contract`). And the policy both layouts of the round share, written once: the loop over
-rounds with the roots' own call (:func:`run_rounds`, :func:`_root_call`), which nodes a round verifies and
-evaluates (:func:`round_masks`), the verification counts (:func:`count_verifications`), the prefetch's nearest sibling (:func:`nearest_sibling`) and
-the commit (:func:`commit_round`). The layouts:
-:mod:`specsamp.rounds` (sparse: the path execution, and the checked walk) and :mod:`specsamp.lean` (dense: the
-tree execution).
+Owns the run's context (:class:`_Context`), target calls with their conditioning (:class:`_Velocity`), the keyed
+initial noise, the trajectories' state (:class:`_Chains`, with the draft's history), section 5's counts
+(:class:`_Tally`), the deterministic endpoint steps, and for both layouts (:mod:`specsamp.rounds`, sparse;
+:mod:`specsamp.lean`, dense): the loop over rounds with the roots' own call (:func:`run_rounds`), the node sets
+(:func:`round_masks`), the counts (:func:`count_verifications`), the prefetch rules and the commit
+(:func:`commit_round`). ``docs/architecture.md`` ("One speculative round") draws the round.
 
-It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
-:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
-:mod:`specsamp.compiled`, and by nothing else.
+Round internals: the private names of ``chains``, ``rounds``, ``lean`` and ``leantree`` are imported by those
+modules, :mod:`specsamp.sampler` and :mod:`specsamp.compiled`, and by nothing else.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import torch
 
 from . import rng
 from .batching import batched, row_reduce
-from .coupling import Coupling, Verdict
+from .coupling import Coupling
 from .drafts import Draft, DraftHistory, data_prediction
 from .result import SampleResult
 from .schedule import Schedule
@@ -164,61 +157,6 @@ def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) 
     d = kids - x[:, None]
     dist = row_reduce(_norm, d if d.ndim == 3 else d.reshape(*ok.shape, -1))
     return ok.any(1), torch.where(ok, dist, inf).argmin(1)
-
-
-def _contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
-    """``[n]`` bool: the verdict breaks the contract (an accepted sample that is not the child its index
-    names, ``accepted`` that disagrees with ``index < K``, or a sample holding NaN or inf, which no draw
-    from ``N(mean_q, sigma^2 I)`` is); device operations only."""
-    n, k = kids.shape[:2]
-    flat = kids.reshape(n, k, -1)
-    index = verdict.index.reshape(n)
-    in_range = (index >= 0) & (index <= k)
-    pick = flat[torch.arange(n, device=flat.device), index.clamp(0, k - 1)]
-    sample = verdict.sample.reshape(n, -1)
-    same = (sample == pick).all(1)
-    finite = torch.isfinite(sample).all(1)
-    return ~in_range | (verdict.accepted.reshape(n) != (index < k)) | (verdict.accepted.reshape(n) & ~same) | ~finite
-
-
-def check_verdict_contract(coupling: Coupling, verdict: Verdict, kids: torch.Tensor, describe: Callable[[int], str]) -> None:
-    """Raise if ``verdict`` breaks the contract of :class:`specsamp.coupling.Coupling` for ``kids [n, K, *e]``.
-
-    Args:
-        describe: row -> where it happened (step and node), for the message.
-
-    Raises:
-        ContractError: (a ``ValueError``) naming the coupling and the first offending row's step and node.
-    """
-    bad = _contract_violation(verdict, kids)
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0, 0])
-        k = kids.shape[1]
-        sample = verdict.sample.reshape(kids.shape[0], -1)
-        if not bool(torch.isfinite(sample[r]).all()):
-            where = (f"coupling {coupling.name!r} returned a sample holding NaN or inf at {describe(r)} (accepted="
-                     f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])}, K={k})")
-            if not bool(torch.isfinite(kids[r]).all()):
-                raise NonFiniteSampleError(f"{where}: the children it was handed hold NaN or inf already, so the target's "
-                                           "velocity or the draft produced non-finite states there")
-            raise NonFiniteSampleError(
-                f"{where}, from finite children: a verdict's sample must be a finite draw from N(mean_q, sigma^2 I), "
-                "the accepted child itself or the residual (specsamp.coupling.Coupling); check the rule with "
-                "specsamp.testing.check_exactness")
-        raise ContractError(
-            f"coupling {coupling.name!r} broke its contract at {describe(r)}: it returned accepted="
-            f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])} (K={k}), but an accepted "
-            "sample must be exactly the child its index names and index < K must hold exactly where accepted "
-            "(specsamp.coupling.Coupling); check the rule with specsamp.testing.check_exactness"
-        )
-
-
-class ContractError(ValueError):
-    """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
-
-
-class NonFiniteSampleError(ContractError):
-    """A coupling returned a verdict whose sample holds NaN or inf (its inputs were finite)."""
 
 
 @dataclass

@@ -220,6 +220,61 @@ class Coupling:
             )
 
 
+def contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: the verdict breaks the contract (an accepted sample that is not the child its index
+    names, ``accepted`` that disagrees with ``index < K``, or a sample holding NaN or inf, which no draw
+    from ``N(mean_q, sigma^2 I)`` is); device operations only."""
+    n, k = kids.shape[:2]
+    flat = kids.reshape(n, k, -1)
+    index = verdict.index.reshape(n)
+    in_range = (index >= 0) & (index <= k)
+    pick = flat[torch.arange(n, device=flat.device), index.clamp(0, k - 1)]
+    sample = verdict.sample.reshape(n, -1)
+    same = (sample == pick).all(1)
+    finite = torch.isfinite(sample).all(1)
+    return ~in_range | (verdict.accepted.reshape(n) != (index < k)) | (verdict.accepted.reshape(n) & ~same) | ~finite
+
+
+def check_verdict_contract(coupling: Coupling, verdict: Verdict, kids: torch.Tensor, describe: Callable[[int], str]) -> None:
+    """Raise if ``verdict`` breaks the contract of :class:`specsamp.coupling.Coupling` for ``kids [n, K, *e]``.
+
+    Args:
+        describe: row -> where it happened (step and node), for the message.
+
+    Raises:
+        ContractError: (a ``ValueError``) naming the coupling and the first offending row's step and node.
+    """
+    bad = contract_violation(verdict, kids)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        k = kids.shape[1]
+        sample = verdict.sample.reshape(kids.shape[0], -1)
+        if not bool(torch.isfinite(sample[r]).all()):
+            where = (f"coupling {coupling.name!r} returned a sample holding NaN or inf at {describe(r)} (accepted="
+                     f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])}, K={k})")
+            if not bool(torch.isfinite(kids[r]).all()):
+                raise NonFiniteSampleError(f"{where}: the children it was handed hold NaN or inf already, so the target's "
+                                           "velocity or the draft produced non-finite states there")
+            raise NonFiniteSampleError(
+                f"{where}, from finite children: a verdict's sample must be a finite draw from N(mean_q, sigma^2 I), "
+                "the accepted child itself or the residual (specsamp.coupling.Coupling); check the rule with "
+                "specsamp.testing.check_exactness")
+        raise ContractError(
+            f"coupling {coupling.name!r} broke its contract at {describe(r)}: it returned accepted="
+            f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])} (K={k}), but an accepted "
+            "sample must be exactly the child its index names and index < K must hold exactly where accepted "
+            "(specsamp.coupling.Coupling); check the rule with specsamp.testing.check_exactness"
+        )
+
+
+class ContractError(ValueError):
+    """A coupling returned a verdict that breaks the contract of :class:`specsamp.coupling.Coupling`."""
+
+
+class NonFiniteSampleError(ContractError):
+    """A coupling returned a verdict whose sample holds NaN or inf (its inputs were finite)."""
+
+
 COUPLINGS: Registry[Coupling] = Registry("coupling")
 
 

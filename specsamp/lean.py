@@ -1,18 +1,13 @@
 """The dense round: the tree execution (a fixed tree or a tree per root step, any draft, Picard sweeps).
 
-Every row of the batch is kept in every round (finished rows padded), so a round is a fixed sequence of tensor
-operations over static shapes per tree (:class:`~specsamp.leantree._LeanTree`, its buffers and per-root tables, in :mod:`specsamp.leantree`):
-one gather of the run's pre-drawn noise and uniforms (:func:`~specsamp.leantree._draw_tables`; else one keyed draw), the draft's table form (``Draft.table_mean``; else ``Draft.mean`` per depth) layer by layer, the Picard sweeps
-(``refine``, :func:`_picard`), one batched target call, one coupling call per
-node width, the walk by gathers (:func:`_lean_round`). The host waits once per round, where the loop's layout
-(:class:`DenseLayout`) reads the round's outcome. The policy (drafts, keys, verifications, walk, prefetch, accounting, history) is
-the sparse round's (:mod:`specsamp.rounds`); tests hold the two to identical counts and the same drafted bits.
-Where a deferred check fails, the round's tree is drafted again and walked by the sparse round's walk
-(:class:`_DenseNodes`), which raises each check where it fails.
-
-It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
-:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
-:mod:`specsamp.compiled`, and by nothing else.
+Every row of the batch in every round (finished rows padded), so a round is a fixed sequence of tensor operations
+over shapes static per tree (:mod:`specsamp.leantree`): the noise and uniforms gathered from per-run tables or
+drawn in one keyed draw, drafting layer by layer, the Picard sweeps (:func:`_picard`), one batched target call,
+one coupling call per node width, the walk by gathers (:func:`_lean_round`), and one host synchronisation, where
+the loop's layout (:class:`DenseLayout`) reads the outcome. The policy is the sparse round's
+(:mod:`specsamp.rounds`; equal counts and drafted bits, tested). Where a deferred check fails, the round is
+drafted again and walked by the sparse walk (:class:`_DenseNodes`), which raises each check where it fails.
+Round internals (:mod:`specsamp.chains`).
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ import numpy as np
 import torch
 
 from . import rng
-from .chains import _Chains, _Context, _contract_violation, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, run_rounds
-from .coupling import deferred_checks
+from .chains import _Chains, _Context, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling
+from .coupling import contract_violation, deferred_checks
 from .drafts import DraftHistory, DraftRoot
 from .rounds import _Nodes, _round
 from .trees import DraftTree
@@ -178,7 +173,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             if res is not None:
                 res[pos] = verdict.sample.reshape(c, M, -1)
             if ctx.check_contract:
-                bad = bad | (_contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
+                bad = bad | (contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
             del kids, verdict, mean_p, mean_q, xu, vu
         # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
         p = lt.parent1
@@ -408,38 +403,56 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, vkeys
     return out
 
 
-def _lean_run(ctx: _Context, tree: DraftTree | dict, st: _Chains, tally: _Tally, warmup: str,
-              callback, round_fn: Callable | None = None) -> torch.Tensor:
-    """The speculative rounds and the final step with :func:`_lean_round` (the tree execution); returns the samples.
+class DenseLayout:
+    """The dense round's layout for :func:`specsamp.chains.run_rounds` (the tree execution).
 
-    ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees (one lean tree per distinct ``T_n``, built
-    when a round first uses it, all sharing one set of buffers). Fills the lean fields of ``ctx`` (tables, keys per root).
+    ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees: one :class:`_LeanTree` per distinct
+    ``T_n``, built when a round first uses it, all sharing one set of buffers; a round runs one dense round per
+    distinct tree of the live rows (every row of the batch, the others padded), committed one after the other
+    and charged as one batched call per call of the round. ``lean_round``: :func:`_lean_round` as it runs
+    (``compile=true``: :func:`specsamp.compiled.compiled_round`). Fills the dense round's fields of ``ctx``.
+
+    One host synchronisation per round: whether a deferred check failed, and the rows' new state indices and
+    root flags, kept here as host copies; from those the host knows, before the next round, which rows are live,
+    which tree each uses and which nodes each call evaluates (:meth:`_calls`). Where a check failed, the round is
+    served again by the checked walk (:class:`_DenseNodes`) on the same keys, which raises the precise error (or,
+    where only nodes off the walk's path were bad, or markmax rows its share table could not certify, commits the
+    same round).
     """
-    schedule, dev = ctx.schedule, st.x.device
-    M, T = st.x.shape[0], schedule.steps
-    ctx.x_event = tuple(st.x.shape[1:])
-    ctx.coef_table = schedule.kernel.table(dev, st.x.dtype)  # [T, C]
-    steps_all = torch.arange(T, device=dev)[None]
-    ctx.key_tables = (rng.round_keys(st.draft_keys[:, None], steps_all), rng.round_keys(st.verify_keys[:, None], steps_all))
-    D = st.x[0].numel()
-    if isinstance(tree, DraftTree):
-        trees, lt_of_root, pool = [tree], np.zeros(T, dtype=np.int64), None
-    else:
-        trees, lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
-        for n_root, t_n in tree.items():
-            key = tuple(int(p) for p in t_n.parent)
-            if key not in seen:
-                seen[key] = len(trees)
-                trees.append(t_n)
-            lt_of_root[n_root] = seen[key]
-        internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in trees)
-        pool = {"states": st.x.new_empty(max(len(t) for t in trees) * M * D), "residual": st.x.new_empty(internal * M * D)}
-    lts, shared = {}, {}  # shared: the key and random tables of a node count, the same for every tree of that size
 
-    def lean_tree(g: int) -> _LeanTree:
-        if g not in lts:
-            lt = lts[g] = _LeanTree(trees[g], dev, st.x.dtype)
-            lt.bind(M, D, pool, ctx.x_event)
+    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, tree: DraftTree | dict, lean_round: Callable | None = None):
+        self.ctx, self.st, self.tally, self.lean_round = ctx, st, tally, lean_round or _lean_round
+        schedule, dev, M, T = ctx.schedule, st.x.device, st.x.shape[0], ctx.schedule.steps
+        self.end = schedule.end_speculative
+        self.n_host = np.full(M, schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
+        self.exact_host = np.zeros(M, dtype=bool)
+        ctx.x_event = tuple(st.x.shape[1:])
+        ctx.coef_table = schedule.kernel.table(dev, st.x.dtype)  # [T, C]
+        steps_all = torch.arange(T, device=dev)[None]
+        ctx.key_tables = (rng.round_keys(st.draft_keys[:, None], steps_all), rng.round_keys(st.verify_keys[:, None], steps_all))
+        D = st.x[0].numel()
+        if isinstance(tree, DraftTree):
+            self.trees, self.lt_of_root, self.pool = [tree], np.zeros(T, dtype=np.int64), None
+        else:
+            self.trees, self.lt_of_root, seen = [], np.full(T, -1, dtype=np.int64), {}
+            for n_root, t_n in tree.items():
+                key = tuple(int(p) for p in t_n.parent)
+                if key not in seen:
+                    seen[key] = len(self.trees)
+                    self.trees.append(t_n)
+                self.lt_of_root[n_root] = seen[key]
+            internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in self.trees)
+            self.pool = {"states": st.x.new_empty(max(len(t) for t in self.trees) * M * D),
+                         "residual": st.x.new_empty(internal * M * D)}
+        self.lts, self.shared = {}, {}  # shared: the key and random tables of a node count, the same for every tree of that size
+
+    def lean_tree(self, g: int) -> _LeanTree:
+        """The run's :class:`_LeanTree` number ``g``, built, bound and given its tables on first use."""
+        if g not in self.lts:
+            ctx, st, shared = self.ctx, self.st, self.shared
+            (M, D), T = st.x.reshape(st.x.shape[0], -1).shape, ctx.schedule.steps
+            lt = self.lts[g] = _LeanTree(self.trees[g], st.x.device, st.x.dtype)
+            lt.bind(M, D, self.pool, ctx.x_event)
             if M * T * lt.N <= leantree.KEY_CACHE:
                 if ("keys", lt.N) not in shared:
                     shared["keys", lt.N] = (rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
@@ -447,37 +460,8 @@ def _lean_run(ctx: _Context, tree: DraftTree | dict, st: _Chains, tally: _Tally,
                 lt.key_cache = shared["keys", lt.N]
             _root_tables(lt, ctx)
             if lt.key_cache is not None:
-                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(trees) == 1 else shared)
-        return lts[g]
-
-    layout = DenseLayout(ctx, st, tally, lean_tree, lt_of_root, round_fn or _lean_round)
-    return run_rounds(ctx, st, tally, warmup, callback, layout)
-
-
-class DenseLayout:
-    """The lean round's layout for :func:`specsamp.chains.run_rounds`.
-
-    ``lean_tree(g)``: the run's :class:`_LeanTree` number ``g``, ``lt_of_root [T]`` which one serves a round rooted
-    at each state index (one tree for a fixed tree; step-dependent trees: one lean round per distinct tree of the
-    live rows, every row of the batch, the others padded, committed one after the other, charged as one batched
-    call per call of the round); ``lean_round``: :func:`_lean_round` as it runs (``compile=true``:
-    :func:`specsamp.compiled.compiled_round`).
-
-    One host synchronisation per round: it reads whether a deferred check failed and the rows' new state indices
-    and root flags, kept here as host copies. From those the host knows, before the next round, which rows are
-    live, which tree each one uses and which nodes each batched call must evaluate (the Picard sweeps' internal
-    nodes, then the protocol's; finished rows and known velocities are not evaluated). Where a check failed, the
-    round is discarded and served again by the checked walk (:class:`_DenseNodes`) on the same keys, which raises
-    the precise error (or, where only nodes off the walk's path were bad, or markmax rows its share table could not
-    certify, commits the same round).
-    """
-
-    def __init__(self, ctx, st, tally, lean_tree, lt_of_root, lean_round):
-        self.ctx, self.st, self.tally = ctx, st, tally
-        self.lean_tree, self.lt_of_root, self.lean_round = lean_tree, lt_of_root, lean_round
-        self.end = ctx.schedule.end_speculative
-        self.n_host = np.full(st.x.shape[0], ctx.schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
-        self.exact_host = np.zeros(st.x.shape[0], dtype=bool)
+                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(self.trees) == 1 else shared)
+        return self.lts[g]
 
     def live(self):
         live_host = self.n_host < self.end

@@ -1,16 +1,10 @@
-"""What a lean round is built from: static index tensors per tree, their buffers, and per-run tables.
+"""What a dense round is built from: static index tensors per tree, their buffers, and per-run tables.
 
-:class:`_LeanTree` holds one fixed :class:`~specsamp.trees.DraftTree`'s index tensors and, once bound to a
-batch (:meth:`_LeanTree.bind`), the buffers of its rounds (:class:`_LeanBuffers`); :meth:`_LeanTree.plan`
-says which states a round's batched call evaluates. Per run, :func:`_root_tables` gathers every kernel
-coefficient and node index by root step, and :func:`_draw_tables` draws every (row, root, node)'s draft noise
-and coupling uniforms once where they are small (same keys, same numbers as drawing them per round). The
-round itself is :mod:`specsamp.lean`. The module constants bound the memory each cache may take; tests set
-them to 0 to check that every fallback draws the same numbers.
-
-It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
-:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
-:mod:`specsamp.compiled`, and by nothing else.
+:class:`_LeanTree`: one fixed tree's index tensors, its buffers once bound to a batch (:meth:`_LeanTree.bind`) and
+which states a round's call evaluates (:meth:`_LeanTree.plan`). Per run, :func:`_root_tables` gathers every
+kernel coefficient and node set by root step, and :func:`_draw_tables` draws every (row, root, node)'s draft noise
+and uniforms once where small (same keys, same numbers). The constants bound each cache's memory; tests set them
+to 0 to check that every fallback draws the same numbers. Round internals (:mod:`specsamp.chains`).
 """
 
 from __future__ import annotations

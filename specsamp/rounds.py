@@ -1,22 +1,12 @@
 """The sparse round of Algorithm 1 (lines 3--24): the path execution, and the checked walk of the dense round.
 
-One round for the live trajectories: draft (line 7), evaluate, walk down with the coupling (lines 14--23), record
-the draft's history, prefetch the next root's velocity and commit (line 24), one depth at a time. How a node's
-state and velocity are obtained is the nodes' view: :class:`_PathNodes` drafts and evaluates only what the walk
-visits (the path execution; the loop's :class:`SparseLayout`), :class:`specsamp.lean._DenseNodes` reads them
-from a dense round's drafted tree (the tree execution's checked walk, where a deferred check failed). The
-dense layout (:mod:`specsamp.lean`) runs the same policy as a fixed sequence of tensor operations over every
-row. What both write once (the loop, the node
-sets, the counts, the commit, the roots' own call): :mod:`specsamp.chains`.
-
-Both executions gather a step's kernel coefficients from the run's table (:func:`_coefs`) and fold the root index
-into the keys once per round; the walk draws a round's verification uniforms in one keyed draw
-(:func:`_verify_uniforms`) and writes its counts once (:func:`_count`). Keyed numbers depend on their key alone and
-the tables hold what the schedule computes, so the bits are those of per-call draws and coefficients.
-
-It is part of the round's internals (with :mod:`specsamp.chains`, :mod:`specsamp.rounds`, :mod:`specsamp.lean` and
-:mod:`specsamp.leantree`): its private names are imported by those modules, by :mod:`specsamp.sampler` and by
-:mod:`specsamp.compiled`, and by nothing else.
+One round for the live trajectories, one depth at a time: draft (line 7), evaluate, walk down with the
+coupling (lines 14--23), record the draft's history, prefetch and commit (line 24). The nodes' view says how a
+node's state and velocity are obtained: :class:`_PathNodes` drafts and evaluates only what the walk visits
+(the path execution, :class:`SparseLayout`); :class:`specsamp.lean._DenseNodes` reads them from a dense round's
+drafted tree (where a deferred check failed). Coefficients come from the kernel's table (:func:`_coefs`), a
+round's uniforms from one keyed draw (:func:`_verify_uniforms`): the bits of per-call draws and coefficients.
+Round internals (:mod:`specsamp.chains`).
 """
 
 from __future__ import annotations
@@ -27,8 +17,8 @@ import numpy as np
 import torch
 
 from . import rng
-from .chains import _Chains, _Context, _root_call, _Tally, check_verdict_contract, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
-from .coupling import NonFiniteError
+from .chains import _Chains, _Context, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
+from .coupling import NonFiniteError, check_verdict_contract
 from .drafts import DraftHistory, DraftRoot, data_prediction, table_means
 from .trees import DraftTree
 
@@ -339,24 +329,16 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     commit_round(st, tally, live, new_x, n + steps, steps, v_next, exact_next, rnd.history)  # line 24
 
 
-def _root_groups(ctx: _Context, per_root: dict, st: _Chains, live: torch.Tensor, tally: _Tally, nodes_cls) -> None:
-    """The sparse rounds of step-dependent trees: one group per root index (the groups' rows would share
-    one batched call: charged once)."""
-    calls, most = tally.batch_nfe, 0
-    roots = st.n[live]
-    for n in torch.unique(roots).tolist():
-        before = tally.batch_nfe
-        _round(ctx, *per_root[n], nodes_cls, st, live[roots == n], tally)
-        most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
-    tally.batch_nfe = calls + most
-
-
 class SparseLayout:
-    """The sparse round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one
-    host synchronisation to find them), each round ``run(live)`` on those rows alone."""
+    """The sparse round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one host
+    synchronisation to find them), each round on those rows alone. ``tree``: a fixed tree, or ``{n: T_n}`` with one
+    round per root index in the batch, whose rows would share one batched call (charged once)."""
 
-    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, run):
-        self.ctx, self.st, self.tally, self.run = ctx, st, tally, run
+    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, tree: DraftTree | dict):
+        self.ctx, self.st, self.tally = ctx, st, tally
+        fields = ("parent", "depth", "num_children", "first_child")
+        with_tensors = lambda t: (t, {k: torch.as_tensor(getattr(t, k), device=st.x.device) for k in fields})  # noqa: E731
+        self.trees = with_tensors(tree) if isinstance(tree, DraftTree) else {n: with_tensors(t) for n, t in tree.items()}
 
     def live(self):
         live = (self.st.n < self.ctx.schedule.end_speculative).nonzero(as_tuple=True)[0]
@@ -366,8 +348,15 @@ class SparseLayout:
         _root_call(self.ctx, self.st, live, self.tally)
 
     def round(self, live):
-        self.run(live)
-
+        ctx, st, tally = self.ctx, self.st, self.tally
+        if isinstance(self.trees, tuple):
+            return _round(ctx, *self.trees, _PathNodes, st, live, tally)
+        calls, most, roots = tally.batch_nfe, 0, st.n[live]
+        for n in torch.unique(roots).tolist():
+            before = tally.batch_nfe
+            _round(ctx, *self.trees[n], _PathNodes, st, live[roots == n], tally)
+            most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
+        tally.batch_nfe = calls + most
     def progress(self, r: int, live) -> dict:
         first = self.ctx.schedule.first_speculative
         return {"round": r, "live": int(live.numel()), "batch_nfe": self.tally.batch_nfe,

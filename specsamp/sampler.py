@@ -1,33 +1,22 @@
 """Samplers: the standard Euler--Maruyama chain and speculative sampling on draft trees (Algorithm 1).
 
-Both are plain functions of ``(model, schedule, ...)`` in the k-diffusion style. Trajectories are
-batched: one batched target call serves every live trajectory of a round. All randomness is keyed by
-``(seed, trajectory index, step, node)`` (:mod:`specsamp.rng`), so the random numbers of a trajectory do
-not depend on the batch it ran in, and the two executions of the speculative sampler draw identical
-numbers. A trajectory's counts are then equal bitwise across executions, ``max_batch``, batches and index
-subsets; its sample is equal to the rounding of the model's batched evaluation (a row's output may
-differ in the last bits with its batch), not bitwise (``tests/runner/test_reproducibility.py``), and bitwise
-where the model evaluates a row alone: the sampler's own functions round each row the same in any batch
-(``tests/core/test_rowwise.py``):
+Plain functions of ``(model, schedule, ...)`` in the k-diffusion style, over a batch of trajectories: one
+batched target call serves every live trajectory of a round. Randomness is keyed by ``(seed, trajectory, step,
+node)`` (:mod:`specsamp.rng`), so a trajectory's numbers do not depend on its batch and both executions draw the
+same ones: its counts are equal bitwise across executions, ``max_batch``, batches and index subsets, its sample
+equal to the model's batched rounding (``tests/runner/test_reproducibility.py``), bitwise where the model
+evaluates a row alone (``tests/core/test_rowwise.py``). Executions:
 
-- ``tree``: draft every node of ``T|_{L_n}``, evaluate all of them in one batched target call, then walk
-  (what runs on a GPU);
-- ``path``: draft and evaluate only what the acceptance walk visits (cheap sweeps on analytic targets).
+- ``tree``: draft every node of ``T|_{L_n}``, evaluate them in one batched call, then walk (what runs on a
+  GPU): the dense round, :mod:`specsamp.lean`;
+- ``path``: draft and evaluate only what the walk visits (cheap sweeps on analytic targets): the sparse
+  round, :mod:`specsamp.rounds`.
 
-This module is the public entry: it checks the arguments and runs the rounds. The tree execution runs the
-dense round (:mod:`specsamp.lean`: every row of the batch, a fixed sequence of tensor operations, Picard sweeps
-included, one host synchronisation per round); the path execution, and the tree execution of a draft without
-a table form, run the sparse round (:mod:`specsamp.rounds`: the live rows, the walk one depth at a time), which
-also serves a dense round whose deferred check failed, on its drafted tree. Tests hold the two to identical
-counts and the same drafted bits. What both share between rounds (the
-context, the trajectories' state, the counts, the endpoint steps): :mod:`specsamp.chains`.
-
-Accounting (the paper's protocol, section 5; ``docs/protocol.md``): ``nfe`` counts batched target
-calls on the speculative steps ``1..T-2``, the warm-up call at the first root included;
-``speedup = (T - 2) / nfe``. ``nfe_total`` adds the endpoint steps: step 0 always, step ``T - 1`` unless the
-last round left an exact velocity for it (``docs/protocol.md``). ``target_rows``
-counts the states the speculative calls evaluated. Picard sweeps (``refine``) are batched calls of their own,
-charged to both.
+This module checks the arguments and runs the rounds (``docs/architecture.md``, "One speculative round").
+Accounting (section 5, ``docs/protocol.md``): ``nfe`` counts batched target calls on the speculative steps
+``1..T-2``, the warm-up included, ``speedup = (T - 2) / nfe``; ``nfe_total`` adds the endpoint steps (step
+``T - 1`` unless the last round left its exact velocity); ``target_rows`` counts the states evaluated. Picard
+sweeps (``refine``) are calls of their own, charged to both.
 """
 
 from __future__ import annotations
@@ -39,25 +28,14 @@ import numpy as np
 import torch
 
 from . import rng
-from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, initial_noise: public here)
-    ContractError,
-    NonFiniteSampleError,
-    _Context,
-    _first_step,
-    _Tally,
-    _Velocity,
-    check_verdict_contract,
-    initial_noise,
-    initial_state,
-    run_rounds,
-)
+from .chains import _Context, _first_step, _Tally, _Velocity, initial_noise, initial_state, run_rounds  # noqa: F401  (initial_noise: public here)
 from .compiled import check_compile, compiled_round, for_compile
-from .coupling import Coupling, get_coupling
+from .coupling import Coupling, ContractError, NonFiniteSampleError, check_verdict_contract, get_coupling  # noqa: F401  (public here)
 from .drafts import Draft, get_draft
 from .errors import ConfigError
-from .lean import _lean_run
+from .lean import DenseLayout
 from .result import SampleResult
-from .rounds import _PathNodes, _root_groups, _round, SparseLayout
+from .rounds import SparseLayout
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -255,30 +233,17 @@ def sample_speculative(
             (default): on for couplings defined outside the library (a ``verify`` whose module is not
             under ``specsamp.``), off for the library's own, whose law is tested. The check is device
             operations folded into the round's one host synchronisation.
-        refine: Picard sweeps ``J >= 0`` over each round's drafted tree before its verification (0: off, the
-            plain drafts). Each sweep is one batched target call at the current snapshot of the round's internal
-            nodes, after which the tree is rebuilt breadth-first with the same innovations from the fresh
-            velocities at each node's parent; the coupling is handed the refined proposal means, so the law is
-            unchanged (the argument: :func:`specsamp.lean._picard`). At ``J >= L`` every proposal mean is the target
-            kernel mean at its parent (the verifier's ``delta`` is 0 wherever the states coincide). Every sweep
-            is charged to ``nfe`` and to ``target_rows``; recorded in ``SampleResult.extra["refine"]``. Tree
-            execution only, in the dense round.
-        compile: run the lean round under ``torch.compile`` (inductor, static shapes per tree;
-            :mod:`specsamp.compiled`): its tensor maths in compiled kernels, the batched target call outside them.
-            Each distinct tree and batch size compiles once per process (seconds to tens of seconds). The
-            law is the same; the samples equal the eager ones to the rounding of fused float operations, the
-            counts wherever that rounding flips no verdict. Tree execution, lean round only.
+        refine: Picard sweeps ``J >= 0`` per round before its verification (0: the plain drafts; tree execution
+            only). Each is one batched call at the round's internal nodes, then a breadth-first rebuild with the
+            same innovations from the fresh velocities; the coupling is handed the refined proposal means, so the
+            law is unchanged (:func:`specsamp.lean._picard`). At ``J >= L`` every proposal mean is the target's.
+            Charged to ``nfe`` and ``target_rows``; recorded in ``SampleResult.extra["refine"]``.
+        compile: run the dense round under ``torch.compile`` (:mod:`specsamp.compiled`; tree execution, table-form
+            drafts, ``refine=0``), the batched call outside the compiled graphs. Each distinct tree and batch size
+            compiles once per process. The same law; samples equal the eager ones to the rounding of fused float
+            operations, counts wherever that rounding flips no verdict.
         init: ``[M, *event]`` first states on the linear path at ``sigmas[0]`` (an entry point's given noise);
             None: the keyed noise times the kernel's initial scale.
-
-    The tree execution, on a fixed tree or a tree per root step (one dense round per distinct tree of the live
-    rows), runs the dense round (:func:`specsamp.lean._lean_round`): every row of the batch in every round
-    (finished rows padded, so shapes are static per tree), one keyed draw, the draft's table form
-    (``Draft.table_mean``, every registered draft; else ``Draft.mean`` per depth) layer by layer, the Picard
-    sweeps, one batched call, one coupling call per node width, a walk by gathers, and one host
-    synchronisation per round (the loop's test). Where a deferred check fails, the round is drafted again and
-    walked depth by depth with every check raised (:class:`specsamp.lean._DenseNodes`). The path execution runs
-    the sparse round (:func:`specsamp.rounds._round`).
 
     Returns:
         :class:`SampleResult`.
@@ -331,23 +296,15 @@ def sample_speculative(
         tally = _Tally.zeros(M, T, max(t.max_depth for t in tree.values()), dev)
     st = _first_step(ctx, model, seed, ids, warmup, tally, init)
     if execution == "tree":
-        samples = _lean_run(ctx, tree, st, tally, warmup, callback, compiled_round() if ctx.compiled else None)
+        layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)
     else:
-        samples = run_rounds(ctx, st, tally, warmup, callback, SparseLayout(ctx, st, tally, _sparse_round(ctx, tree, st, tally, dev)))
-    res = _with_refine(tally.result(samples, T), ctx.refine)
+        layout = SparseLayout(ctx, st, tally, tree)
+    samples = run_rounds(ctx, st, tally, warmup, callback, layout)
+    res = tally.result(samples, T)
+    res.extra["refine"] = ctx.refine
     if rows_per_state(model) != 1:
         res.target_rows = res.target_rows * rows_per_state(model)
     return res
-
-
-def _sparse_round(ctx: _Context, tree: DraftTree | dict, st, tally: _Tally, dev) -> Callable:
-    """``run(live)``: the path execution's round for the live rows (one per root index for step-dependent trees)."""
-    as_tensors = lambda t: {k: torch.as_tensor(getattr(t, k), device=dev) for k in ("parent", "depth", "num_children", "first_child")}  # noqa: E731
-    if isinstance(tree, DraftTree):
-        tensors = as_tensors(tree)
-        return lambda live: _round(ctx, tree, tensors, _PathNodes, st, live, tally)
-    per_root = {n: (t, as_tensors(t)) for n, t in tree.items()}
-    return lambda live: _root_groups(ctx, per_root, st, live, tally, _PathNodes)
 
 
 def rows_per_state(model) -> int:
@@ -365,11 +322,6 @@ def _check_refine(refine, execution: str) -> int:
                           "node of the drafted tree in one batched call, which only the tree execution drafts; use "
                           "execution=tree, or refine=0.")
     return int(refine)
-
-
-def _with_refine(res: SampleResult, refine: int) -> SampleResult:
-    res.extra["refine"] = refine
-    return res
 
 
 def _contract_default(coupling: Coupling) -> bool:

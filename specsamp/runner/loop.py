@@ -29,8 +29,7 @@ from omegaconf import DictConfig
 
 import torch
 
-from ..chains import NonFiniteSampleError
-from ..coupling import Coupling, NonFiniteError
+from ..coupling import Coupling, NonFiniteError, NonFiniteSampleError
 from ..errors import ConfigError, NonFiniteSamplesError
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule

@@ -99,8 +99,7 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
         raise AssertionError("the sparse round ran")
 
     monkeypatch.setattr(lean, "_round", no_sparse)  # the checked walk's
-    monkeypatch.setattr(sampler, "_round", no_sparse)  # the path execution's, fixed tree
-    monkeypatch.setattr(rounds, "_round", no_sparse)  # and per root step (rounds._root_groups)
+    monkeypatch.setattr(rounds, "_round", no_sparse)  # the path execution's (rounds.SparseLayout.round)
     got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(path, f)), f

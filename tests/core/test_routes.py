@@ -33,7 +33,6 @@ def _spy(monkeypatch):
 
     monkeypatch.setattr(lean, "_lean_round", d)
     monkeypatch.setattr(rounds, "_round", r)
-    monkeypatch.setattr(sampler, "_round", r)
     monkeypatch.setattr(lean, "_round", r)
     return calls
 
