@@ -37,7 +37,7 @@ class _LeanTree:
 
     Attributes (``N`` nodes, depth ``L``): ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]``
     long; ``anc [N, N]`` ``anc[v, w] = 1`` where ``w`` is ``v`` or an ancestor of ``v`` (states' dtype);
-    ``layer_sizes`` and ``layer_parents`` (the parent of each node of depth ``l``); ``groups``:
+    ``layer_sizes`` and ``layer_parents`` (the parent of each node of depth ``l``); ``groups_np``:
     ``(K, internal nodes [g], their children [g, K])`` per distinct width; ``child_pad [N, Kmax]`` children
     (clamped) and ``child_ok [N, Kmax]`` which of them exist.
     """
@@ -46,38 +46,31 @@ class _LeanTree:
         N, L = len(tree), tree.max_depth
         self.N, self.L = N, L
         t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
-        self.depth, self.parent = t(tree.depth), t(tree.parent)
-        self.first_child, self.num_children = t(tree.first_child), t(tree.num_children)
+        self.tree, self.tensors = tree, tree.index_tensors(dev)
+        self.depth, self.parent, self.first_child, self.num_children = (self.tensors[k] for k in ("depth", "parent", "first_child", "num_children"))
         anc = np.eye(N)
         for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
             anc[v] += anc[int(tree.parent[v])]
         self.anc = torch.as_tensor(anc, dtype=dtype, device=dev)
         self.anc_t = self.anc[:, 1:].T.contiguous()  # [N-1, N]: which nodes each non-root edge lies above
-        self.depth_row, self.depth1_row = self.depth[None], (self.depth + 1)[None]
+        self.depth1_row = (self.depth + 1)[None]
         self.dm1 = self.depth[1:] - 1
         self.dcol = self.depth.clamp(max=max(L - 1, 0))[None]  # the depth column of a node's verification
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
-        self.levels = torch.arange(L + 1, device=dev)[None]
         self.one = torch.ones((), dtype=dtype, device=dev)
         self.num_children_np = np.asarray(tree.num_children)
         self.depth_np = np.asarray(tree.depth)
         self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
         self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
         self.layer_bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)]).tolist()  # layer l: nodes [b[l], b[l+1])
-        self.tree = tree
-        self.tensors = {"parent": self.parent, "depth": self.depth, "num_children": self.num_children, "first_child": self.first_child}
         self.ids = torch.arange(1, N, device=dev)
-        self.key_cache = None
-        self.noise_cache = None
+        self.key_cache = self.noise_cache = self.uniform_cache = None
         self.noise_scaled = False
-        self.uniform_cache = None
         self.nodes = torch.arange(N, device=dev)
-        self.groups, self.groups_np = [], []
+        self.groups_np = []  # (K, internal nodes, their children) per distinct width
         for k in sorted({int(c) for c in tree.num_children if c > 0}):
             u = [v for v in range(N) if int(tree.num_children[v]) == k]
-            ch = [[int(tree.first_child[v]) + j for j in range(k)] for v in u]
-            self.groups.append((k, t(u), t(ch)))
-            self.groups_np.append((k, u, ch))
+            self.groups_np.append((k, u, [[int(tree.first_child[v]) + j for j in range(k)] for v in u]))
         kmax = int(tree.num_children.max())
         j = torch.arange(kmax, device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
@@ -86,9 +79,7 @@ class _LeanTree:
         d = np.arange(L + 1)[:, None]
         self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
             leaves: round_masks(depth[None], internal[None], d, leaves)[1] for leaves in (False, True)}
-        self.internal = (self.num_children > 0)[None]
         self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
-        self.groups = [(k, u, ch, self.depth[u]) for k, u, ch in self.groups]
         up = np.tile(np.arange(N)[:, None], (1, L + 1))  # [N, L+1]: the ancestor of v at depth j (v itself below it)
         for v in range(N):
             u = v
@@ -213,12 +204,12 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     the kernel scale where verified, else 1."""
     T, L, dev = ctx.schedule.steps, lt.L, lt.depth.device
     roots = torch.arange(T, device=dev)
-    step = (roots[:, None] + lt.levels).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
+    step = (roots[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
     lt.std_col = ctx.schedule.kernel.col("std")
     lt.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
     lt.node_step_by_root = step[:, lt.depth].T.contiguous()
     dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
-    lt.internal_by_root, lt.evaluated_by_root = round_masks(lt.depth_row, lt.internal, dl, ctx.evaluate_leaves)
+    lt.internal_by_root, lt.evaluated_by_root = round_masks(lt.depth[None], lt.num_children[None] > 0, dl, ctx.evaluate_leaves)
     lt.evaluated_count, lt.internal_count = lt.evaluated_by_root.sum(1), lt.internal_by_root.sum(1)
     lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
     lt.false = torch.zeros((), dtype=torch.bool, device=dev)

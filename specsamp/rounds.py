@@ -336,8 +336,7 @@ class SparseLayout:
 
     def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, tree: DraftTree | dict):
         self.ctx, self.st, self.tally = ctx, st, tally
-        fields = ("parent", "depth", "num_children", "first_child")
-        with_tensors = lambda t: (t, {k: torch.as_tensor(getattr(t, k), device=st.x.device) for k in fields})  # noqa: E731
+        with_tensors = lambda t: (t, t.index_tensors(st.x.device))  # noqa: E731
         self.trees = with_tensors(tree) if isinstance(tree, DraftTree) else {n: with_tensors(t) for n, t in tree.items()}
 
     def live(self):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from functools import cached_property
 
 import numpy as np
+import torch
 
 
 def check_int(name: str, value, lo: int = 1) -> int:
@@ -140,6 +141,11 @@ class DraftTree:
         """States the target evaluates in one round's batched call: ``|V|`` with leaves, ``|I(T)|``
         without (section 3.1, eq. 16; the warm-up and prefetch savings aside)."""
         return len(self) if evaluate_leaves else int(self.internal.size)
+
+    def index_tensors(self, device) -> dict[str, torch.Tensor]:
+        """``parent``, ``depth``, ``num_children`` and ``first_child`` as long tensors ``[N]`` on ``device`` (the rounds' indices)."""
+        return {k: torch.as_tensor(getattr(self, k), dtype=torch.long, device=device)
+                for k in ("parent", "depth", "num_children", "first_child")}
 
     def restrict(self, m: int) -> DraftTree:
         """The subtree ``T|_m`` induced by the nodes of depth at most ``m`` (eq. 11).
