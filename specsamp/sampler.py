@@ -51,10 +51,11 @@ from .chains import (  # noqa: F401  (ContractError, check_verdict_contract, ini
     initial_state,
     run_rounds,
 )
-from .compiled import check_compile, compiled_round, for_compile
+from .compiled import compiled_round, for_compile
 from .coupling import Coupling, get_coupling
 from .drafts import Draft, get_draft
 from .errors import ConfigError
+from .inductor import check_compile
 from .lean import _lean_run
 from .result import SampleResult
 from .rounds import _PathNodes, _root_groups, _round, SparseLayout
@@ -290,7 +291,7 @@ def sample_speculative(
             wider than the coupling allows; ``refine`` not an integer >= 0, or ``refine > 0`` with
             ``execution="path"``; ``compile`` not a bool, or ``compile=True`` with ``execution="path"``, with
             ``refine > 0``, with a draft without a table form, or where ``torch.compile`` cannot build kernels
-            (:func:`specsamp.compiled.unavailable`).
+            (:func:`specsamp.inductor.unavailable`).
         ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
