@@ -155,7 +155,7 @@ def main(argv=None) -> int:
 
         log("[opcount] ATen ops and host syncs per round outside the network (counted, load-free), tree execution")
         out["opcount"] = table_rows(progress=None)
-        from specsamp.compiled import unavailable
+        from specsamp.inductor import unavailable
 
         if unavailable("cpu") is None:  # the same arms under compile=true, one image on the digits network
             out["opcount"] += table_rows(("digits",), (1,), progress=None, compiled=True)

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
           f"median [min-max] of {a.repeats}", flush=True)
     comp = False
     if a.compile:
-        from specsamp.compiled import unavailable
+        from specsamp.inductor import unavailable
 
         why = unavailable("cpu")
         if why is not None:

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     print(f"latency on the digits network: {cpu_model()}, torch {torch.__version__}, 1 thread, load average {load0:.2f}",
           flush=True)
     if a.compile:
-        from specsamp.compiled import unavailable
+        from specsamp.inductor import unavailable
 
         why = unavailable("cpu")
         if why is not None:

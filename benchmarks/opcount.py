@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     ns = [int(v) for v in a.n.split(",")]
     rows = table_rows(models, ns, arms)
     if a.compile:
-        from specsamp.compiled import unavailable
+        from specsamp.inductor import unavailable
 
         why = unavailable("cpu")
         if why is not None:

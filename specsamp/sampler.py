@@ -29,10 +29,11 @@ import torch
 
 from . import rng
 from .chains import _Context, _first_step, _Tally, _Velocity, initial_noise, initial_state, run_rounds  # noqa: F401  (initial_noise: public here)
-from .compiled import check_compile, compiled_round, for_compile
+from .compiled import compiled_round, for_compile
 from .coupling import Coupling, ContractError, NonFiniteSampleError, check_verdict_contract, get_coupling  # noqa: F401  (public here)
 from .drafts import Draft, get_draft
 from .errors import ConfigError
+from .inductor import check_compile
 from .lean import DenseLayout
 from .result import SampleResult
 from .rounds import SparseLayout
@@ -255,7 +256,7 @@ def sample_speculative(
             wider than the coupling allows; ``refine`` not an integer >= 0, or ``refine > 0`` with
             ``execution="path"``; ``compile`` not a bool, or ``compile=True`` with ``execution="path"``, with
             ``refine > 0``, with a draft without a table form, or where ``torch.compile`` cannot build kernels
-            (:func:`specsamp.compiled.unavailable`).
+            (:func:`specsamp.inductor.unavailable`).
         ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.

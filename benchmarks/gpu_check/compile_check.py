@@ -1,7 +1,7 @@
 """Section ``compile``: the network call under ``torch.compile`` and CUDA graphs, the sampler's round under compile.
 
 The only module of the check that reads the round's modules beyond the sampler's entry points
-(:func:`specsamp.compiled.unavailable`, imported where it is used and optional).
+(:func:`specsamp.inductor.unavailable`, imported where it is used and optional).
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def compile_check(ctx: Context) -> dict:
 
 
 def _compile_unavailable(dev) -> str | None:
-    """Why the sampler's ``compile=True`` cannot run on ``dev`` here (:func:`specsamp.compiled.unavailable`), or None."""
+    """Why the sampler's ``compile=True`` cannot run on ``dev`` here (:func:`specsamp.inductor.unavailable`), or None."""
     try:
-        from specsamp.compiled import unavailable
+        from specsamp.inductor import unavailable
     except ImportError:  # a tree without the compiled round: the keyword's own refusal will say why
         return None
     return unavailable(dev)

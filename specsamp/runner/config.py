@@ -397,7 +397,7 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
         if run.refine > 0:
             raise ConfigError(f"compile=true is invalid with refine={run.refine}: the Picard sweeps run eagerly (the "
                               "compiled round has none); set refine=0, or compile=false.")
-        from ..compiled import check_compile
+        from ..inductor import check_compile
 
         check_compile(True, run.execution, run.device, here=here)
     if not 0 <= run.shard < run.num_shards:

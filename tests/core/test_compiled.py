@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import BY_ROOT, N_SPEC, P_MIN, NaNBelow, law_pvalues, law_reference, tree_of
-from specsamp import compiled, sampler
+from specsamp import compiled, inductor, sampler
 from specsamp.errors import ConfigError
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
@@ -33,8 +33,8 @@ FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", 
 TOL_EPS = 2.0 ** 18  # sample tolerance in units of the dtype's eps (module docstring)
 ATOL = TOL_EPS * torch.finfo(torch.float64).eps
 
-needs_inductor = pytest.mark.skipif(compiled.unavailable("cpu") is not None,
-                                    reason=f"torch.compile unavailable: {compiled.unavailable('cpu')}")
+needs_inductor = pytest.mark.skipif(inductor.unavailable("cpu") is not None,
+                                    reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}")
 
 
 def _graphs() -> int:
@@ -100,7 +100,7 @@ def test_compile_refusals_name_the_key():
 def test_no_compiler_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
-    assert "C/C++ compiler" in compiled.unavailable("cpu")
+    assert "C/C++ compiler" in inductor.unavailable("cpu")
     with pytest.raises(ConfigError, match=r"compile=true is invalid here: .*compiler.*compile=false"):
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
 
@@ -195,10 +195,10 @@ def test_an_unusable_inductor_cache_is_refused_before_sampling(tmp_path, monkeyp
 
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "torch._dynamo.eval_frame", Unimportable("torch._dynamo.eval_frame"))
-        why = compiled.unavailable("cpu")  # was: "torch.compile does not support Python 3.11.7 with torch ..."
+        why = inductor.unavailable("cpu")  # was: "torch.compile does not support Python 3.11.7 with torch ..."
     assert why.startswith(f"compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
         "does not support" not in why
-    monkeypatch.setattr(compiled, "unavailable", lambda device: None)  # a compiler need not be present here
+    monkeypatch.setattr(inductor, "unavailable", lambda device: None)  # a compiler need not be present here
     with pytest.raises(InfrastructureError) as e:
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
     msg = str(e.value)
@@ -211,9 +211,9 @@ def test_an_unusable_inductor_cache_is_refused_before_sampling(tmp_path, monkeyp
     real = os.statvfs
     monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real(p)[:8], real(p).f_flag | os.ST_NOEXEC, real(p)[9])))
     with pytest.raises(InfrastructureError, match=r"cache directory .*noexec: its file system is mounted noexec"):
-        compiled.check_compile(True, "tree", "cpu")
+        inductor.check_compile(True, "tree", "cpu")
     monkeypatch.setattr(os, "statvfs", real)
-    assert compiled.check_compile(True, "tree", "cpu") is True  # the same directory, exec allowed: accepted
+    assert inductor.check_compile(True, "tree", "cpu") is True  # the same directory, exec allowed: accepted
     assert not list((tmp_path / "noexec").iterdir())  # the probe file is gone
 
 
@@ -247,7 +247,7 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    monkeypatch.setattr(compiled, "unavailable", lambda device: None)
+    monkeypatch.setattr(inductor, "unavailable", lambda device: None)
     monkeypatch.setattr(compiled, "_ROUND", [_fake_round_failing(_dlopen_failure(cache))])
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
@@ -259,9 +259,9 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
     import errno
 
     # a full disk while inductor writes (no file named), a read-only file inside the cache: the cache's; elsewhere: not
-    assert "No space left on device [errno 28]" in str(compiled.classify_compile_error(OSError(errno.ENOSPC, "full")))
-    assert str(cache) in str(compiled.classify_compile_error(OSError(errno.EROFS, "ro", str(cache / "ab" / "k.cpp"))))
-    assert compiled.classify_compile_error(OSError(errno.EROFS, "ro", str(tmp_path / "elsewhere"))) is None
+    assert "No space left on device [errno 28]" in str(inductor.classify_compile_error(OSError(errno.ENOSPC, "full")))
+    assert str(cache) in str(inductor.classify_compile_error(OSError(errno.EROFS, "ro", str(cache / "ab" / "k.cpp"))))
+    assert inductor.classify_compile_error(OSError(errno.EROFS, "ro", str(tmp_path / "elsewhere"))) is None
     monkeypatch.setattr(compiled, "_ROUND", [_fake_round_failing(ValueError("a bug of the round"))])
     with pytest.raises(ValueError, match="a bug of the round"):
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)

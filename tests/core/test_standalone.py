@@ -15,7 +15,7 @@ import pytest
 from bare_env import run_blocked
 
 CORE = ("sampler", "coupling", "listcoupling", "drafts", "trees", "treesearch", "schedule", "rng", "theory", "leantree", "compiled",
-        "batching", "testing", "result", "chains", "rounds", "lean", "grs", "markmax_params")
+        "inductor", "batching", "testing", "result", "chains", "rounds", "lean", "grs", "markmax_params")
 BLOCKED = ("omegaconf", "hydra", "pandas", "matplotlib", "specsamp.models", "specsamp.runner")
 
 

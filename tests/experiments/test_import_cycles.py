@@ -159,3 +159,18 @@ def test_no_module_imports_itself_through_others():
     assert not found, "import cycles (a strongly connected component, or a self-import):\n" + "\n".join(
         _describe(c, graph) for c in found)
 
+
+
+def test_the_compile_checks_reach_no_round_module():
+    # specsamp.inductor (can this machine compile, can inductor's cache serve) is read by the runner's config
+    # check and the benchmarks without the compiled round: nothing it imports, even through others, is a round module
+    graph = import_graph()
+    reached, todo = set(), ["specsamp.inductor"]
+    while todo:
+        for m in graph[todo.pop()] - reached:
+            reached.add(m)
+            todo.append(m)
+    rounds = {"specsamp.compiled", "specsamp.lean", "specsamp.leantree", "specsamp.chains", "specsamp.rounds",
+              "specsamp.sampler"}
+    assert not reached & rounds, sorted(reached & rounds)
+    assert "specsamp.inductor" in graph["specsamp.compiled"]  # the dependency goes the other way

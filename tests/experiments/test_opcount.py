@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import opcount
-from specsamp import compiled
+from specsamp import inductor
 
 DIGITS_ARMS = ["dgrs 2x3", "dgrs 2x5", "rmc chain14", "rmc chain62", "x0+optimal B14", "x0+optimal B62", "x0g+per-step B14",
                "markmax 2x3"]
@@ -143,7 +143,7 @@ def test_profiler_counter_agrees_with_the_dispatch_counter_on_an_eager_round():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(compiled.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {compiled.unavailable('cpu')}")
+@pytest.mark.skipif(inductor.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}")
 def test_compiled_round_meets_the_operation_targets():
     # compile=true (specsamp.compiled): the round's tensor maths fused into inductor kernels, each launch one
     # operation, plus every ATen call left outside them (the commit, the loop, the wrappers); the network
