@@ -30,25 +30,19 @@ from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
 
 def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
                 sel: torch.Tensor | None = None, sweeps: tuple = (), drafted_only: bool = False):
-    """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs.
-
-    Drafting: all of the round's noise gathered from the run's table or drawn in one keyed draw (keys
-    ``(trajectory, root, node)`` as in :meth:`specsamp.rounds._Nodes.draft`), the kernel coefficients of every depth gathered
-    from the per-root tables (:func:`_root_tables`),
-    then per layer a gather of the parents, the draft's mean (``Draft.table_mean``) and one add: the path
-    execution's operations, so both executions draft the same bits. Then one batched target call over
-    all nodes; the verdicts of every internal node in one coupling call per width (each node's keys are its
-    own, so the numbers are those the walk would draw); the walk is a gather (a node is on the accepted path
-    iff every edge above it was the accepted one). Value checks are deferred (:func:`specsamp.coupling.deferred_checks`).
+    """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs, in phases:
+    :func:`_draft` (line 7), the Picard sweeps (:func:`_picard`) and the batched call (lines 10--13),
+    :func:`_verify` (every internal node at once, then the walk by gathers: lines 14--23) and :func:`_accept`
+    (prefetch, history, commit: line 24). Value checks are deferred (:func:`specsamp.coupling.deferred_checks`).
 
     Args:
         plan: long ``[P]`` flat indices ``node * M + row`` of the states the batched call evaluates
             (:meth:`_LeanTree.plan`; the velocities of the others stay 0 and are never used).
         plan_kind: ``rest`` (every non-root node of every row; the roots' velocities are known), ``all``
             (every node of every row) or ``some``: the first two read the states in place.
-        sel: optional bool ``[M]``: the rows whose round uses this tree (step-dependent trees: one lean round
+        sel: optional bool ``[M]``: the rows whose round uses this tree (step-dependent trees: one dense round
             per distinct tree of the live rows); the others are padded like finished rows.
-        sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``; :func:`_picard`), before the round's own.
+        sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``), before the round's own.
         drafted_only: stop after the batched call and return the drafted tree (:class:`_Drafted`), for the checked
             walk (:class:`_DenseNodes`).
 
@@ -57,177 +51,205 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         ``tally`` (the other rows are left as they are then, so the rounds of several trees commit one after the
         other); ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
         a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
-        discards the round, drafts it again and walks it with the checks raised: :class:`_DenseNodes`); ``live [M]``
-        the rows the round served.
+        discards the round and serves it again by the checked walk, :class:`_DenseNodes`); ``live [M]`` the rows
+        the round served.
     """
-    sch, draft = ctx.schedule, ctx.draft
-    kern = sch.kernel
-    NC, std = len(kern.columns), kern.col("std")
-    x, n, dev, dtype = st.x, st.n, st.x.device, st.x.dtype
-    M, e, N, L, T = x.shape[0], x.shape[1:], lt.N, lt.L, sch.steps
-    end = sch.end_speculative
-    ar = lt.ar
+    n, end, kern = st.n, ctx.schedule.end_speculative, ctx.schedule.kernel
     live = n < end
     if sel is not None:
         live = live & sel
     # the root index that sets L_n, with L_n = 0 (a root that is not served) for the rows the round does not serve
     n_lim = n if sel is None else torch.where(live, n, end)
-    v_root, root_exact = st.v_root, st.root_exact
-    frozen = draft.freeze(DraftRoot(x=x, v=v_root, n=n, exact=root_exact, history=st.history), sch)
-    # every kernel coefficient of every depth in one gather of the per-root table: [L, NC, M, 1], node-major
-    coefs = lt.coefs_by_root.index_select(2, n)
-    per_depth = coefs.reshape(L * NC, M, 1).unbind(0)  # [M, 1] per (depth, coefficient)
-    # one keyed draw for the whole round, straight into the node-major states: node v's noise is keyed
-    # (trajectory, root, v) as in _Nodes.draft; fold(k, n, v) = fold(fold(k, n), v), fold(k, n) a per-run table
-    draft_keys, verify_keys = ctx.key_tables
-    buf = lt.buffers
-    states = buf.states  # [N, M, D]
-    need_vkeys = lt.uniform_cache is None
-    if lt.key_cache is not None:  # per-run tables of every (row, root, node) key
-        keys = lt.key_cache[0][ar, n].T if lt.noise_cache is None else None  # [N-1, M]
-        vkeys_all = lt.key_cache[1][ar, n].T if need_vkeys else None  # [N, M]
-    else:
-        keys = rng.node_keys(draft_keys[ar, n][None, :], lt.ids[:, None])  # [N-1, M]
-        vkeys_all = rng.node_keys(verify_keys[ar, n][None, :], lt.nodes[:, None])  # [N, M]: every node's verification
-    if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
-        states[1:] = lt.noise_cache[:, ar, n]
-    elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
-        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as _Nodes.draft scales it
-    else:
-        rng.draft_noise(keys, e, out=states[1:])
-        states[1:] *= coefs[lt.dm1, std]  # std z, as _Nodes.draft scales it
-    # the coupling's uniforms of every node of this round, from the per-run table where there is one: [N, M, W_c]
-    drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]
-    lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
-    # drafting (Algorithm 1, line 7): layer by layer with the path execution's operations, so the states
-    # are the same bits; a layer whose parents all have K children adds the draft's mean of the parent layer
-    # (no gather), other layers gather their parents first
-    D = states.shape[2]
-    innov = states[1:].clone() if sweeps else None  # the drafts' std z, which the Picard sweeps reuse
-    if draft.table_mean is None:  # a draft given by its mean alone: Draft.mean per depth (_plain_mean)
-        frozen_col = frozen_at = None
-    elif draft.table_frozen is None:
-        frozen_col = frozen.reshape(1, M, D)
-        frozen_at = lambda d: frozen_col  # noqa: E731
-    else:  # components on a leading axis, combined once for every depth as the draft's mean combines them
-        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1)))  # [L, M, D]: the parents' steps
-        if isinstance(frozen_col, tuple):
-            frozen_at = lambda d: tuple(f[d] for f in frozen_col)  # noqa: E731
-        else:
-            frozen_at = lambda d: frozen_col[d]  # noqa: E731
-    for l, (parents, parent_view, k, out_view) in enumerate(buf.layers, start=1):
-        c_l = kern.named(per_depth[NC * (l - 1) : NC * l])
-        x_par = parent_view if parents is None else states[parents]
-        mean = draft.table_mean(frozen_at(l - 1), x_par, c_l) if frozen_at else _plain_mean(ctx, frozen, x_par, n, [l - 1])
-        out_view += mean  # [P, 1, M, D] where the parents have K children each: broadcast over them
+    states, coefs, per_depth, frozen, frozen_col, innov = _draft(ctx, lt, st, bool(sweeps))
     # the batched target call over the planned rows (what the sparse round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     network = _network_outside() if ctx.compiled else _network
+    v_root, root_exact, M = st.v_root, st.root_exact, n.shape[0]
     sweep_rows, refined = [], None
     for sweep_plan, sweep_kind in sweeps:
         sweep_rows.append(torch.where(live, lt.internal_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
         v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, sweep_plan, sweep_kind)
         v_root, root_exact = torch.where(live[:, None], v0, v_root.reshape(M, -1)), root_exact | live
-        refined = _picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, NC)
+        refined = _picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, len(kern.columns))
     v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, plan, plan_kind)
     call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
     if drafted_only:
         return _Drafted(states, v0, vrest, refined, call_rows, sweep_rows)
+    with deferred_checks() as checks:
+        walk = _verify(ctx, lt, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined)
+    bad = walk[-1] if checks.bad is None else walk[-1] | checks.bad
+    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], [*sweep_rows, call_rows])
+    return commit, n_new, exact_new, bad, live
 
-    # verdicts of every internal node, in chunks of nodes sized to the states' memory
+
+def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
+    """Line 7 for every node of every row, into ``lt.buffers.states [N, M, D]`` (node-major; node 0: the roots): the
+    keyed noise (node ``v`` of the round rooted at ``n``: ``fold(fold(k, n), v)``, as :meth:`specsamp.rounds._Nodes.draft`
+    draws it) gathered from the run's table or drawn in one draw, times its parent step's std, then layer by layer
+    the proposal mean added (:func:`_proposal_mean`): the sparse round's operations, so the same bits.
+
+    Returns:
+        ``(states, coefs, per_depth, frozen, frozen_col, innov)``: every kernel coefficient of every depth ``[L, C, M,
+        1]`` (and as ``[M, 1]`` per (depth, coefficient)), the draft's frozen root quantity and its per-depth columns
+        (:func:`_proposal_mean`), and the noise ``std z`` kept for the Picard sweeps where ``keep_innov``.
+    """
+    sch, draft, kern = ctx.schedule, ctx.draft, ctx.schedule.kernel
+    x, n, ar, NC = st.x, st.n, lt.ar, len(kern.columns)
+    M, L, std = x.shape[0], lt.L, kern.col("std")
+    frozen = draft.freeze(DraftRoot(x=x, v=st.v_root, n=n, exact=st.root_exact, history=st.history), sch)
+    coefs = lt.coefs_by_root.index_select(2, n)  # [L, NC, M, 1]: one gather of the per-root table, node-major
+    per_depth = coefs.reshape(L * NC, M, 1).unbind(0)
+    states = lt.buffers.states
+    if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
+        states[1:] = lt.noise_cache[:, ar, n]
+    elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as _Nodes.draft scales it
+    else:  # fold(k, n) is a per-run table; the nodes fold in here
+        keys = lt.key_cache[0][ar, n].T if lt.key_cache is not None else \
+            rng.node_keys(ctx.key_tables[0][ar, n][None, :], lt.ids[:, None])  # [N-1, M]
+        rng.draft_noise(keys, x.shape[1:], out=states[1:])
+        states[1:] *= coefs[lt.dm1, std]
+    lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
+    innov = states[1:].clone() if keep_innov else None
+    D = states.shape[2]
+    if draft.table_mean is None:  # a draft given by its mean alone: Draft.mean per depth (_plain_mean)
+        frozen_col = None
+    elif draft.table_frozen is None:
+        frozen_col = frozen.reshape(1, M, D)
+    else:  # components on a leading axis, combined once for every depth as the draft's mean combines them: [L, M, D]
+        frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1)))
+    # a layer whose parents all have K children adds the mean of the parent layer (no gather); others gather parents
+    for l, (parents, parent_view, k, out_view) in enumerate(lt.buffers.layers, start=1):
+        x_par = parent_view if parents is None else states[parents]
+        out_view += _proposal_mean(ctx, frozen, frozen_col, None, x_par, kern.named(per_depth[NC * (l - 1) : NC * l]), n, l - 1)
+    return states, coefs, per_depth, frozen, frozen_col, innov
+
+
+def _proposal_mean(ctx: _Context, frozen, frozen_col, refined, x: torch.Tensor, c: dict, n: torch.Tensor, at, nodes=None):
+    """The proposal means of parents ``x`` (node-major, ``[..., M, D]``, or ``[M, D]``: one per row) with kernel
+    coefficients ``c``, in the dense round. ``at`` indexes the depth axis of per-depth tables: a depth, depths ``[c]``,
+    or ``(depths [M], rows)`` for one node per row; ``nodes`` the node axis of ``refined`` alike. After Picard sweeps
+    (``refined [N, M, D]``) the target's kernel mean at the last sweep's velocity (:func:`_picard`); else the draft's
+    table form on its frozen columns (``frozen_col``: ``[1, M, D]``, or per depth ``[L, M, D]`` or a tuple of them,
+    ``Draft.table_frozen``); else ``Draft.mean`` (:func:`_plain_mean`)."""
+    if refined is not None:
+        return ctx.schedule.kernel.mean(x, refined[nodes], c)
+    if frozen_col is None:
+        return _plain_mean(ctx, frozen, x, n, at)
+    if ctx.draft.table_frozen is not None:
+        frozen_col = tuple(f[at] for f in frozen_col) if isinstance(frozen_col, tuple) else frozen_col[at]
+    return ctx.draft.table_mean(frozen_col, x, c)
+
+
+def _verify(ctx: _Context, lt: _LeanTree, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined):
+    """Lines 14--23 for every row: the verdicts of every internal node, one coupling call per width (in chunks of nodes
+    sized to the states' memory; each node's keys are its own, so the numbers are those the sparse walk draws), then
+    the walk by gathers (a node is on the accepted path iff every edge above it was the accepted one).
+
+    Returns:
+        ``(acc, internal_r, on_path, ustar, rejected, out, bad)``: each node's acceptance and whether it is verified
+        if visited, ``[M, N]``; the walked path ``[M, N]``; the last node reached and whether it was rejected ``[M]``;
+        the committed states ``[M, D]``; a 0-dim flag of a failed contract check.
+    """
+    kern, e, ar = ctx.schedule.kernel, ctx.x_event, lt.ar
+    M, dtype = n.shape[0], states.dtype
+    if lt.key_cache is not None:  # every node's verification keys, unless the run's uniform table holds their numbers
+        vkeys_all = lt.key_cache[1][ar, n].T if lt.uniform_cache is None else None  # [N, M]
+    else:
+        vkeys_all = rng.node_keys(ctx.key_tables[1][ar, n][None, :], lt.nodes[:, None])
+    drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]  # [N, M, W_c] per call
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
-    acc, idx = buf.acc, buf.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
-    res = buf.residual  # [I, M, D]: each internal node's verdict sample
+    acc, idx = lt.buffers.acc, lt.buffers.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
+    res = lt.buffers.residual  # [I, M, D]: each internal node's verdict sample
     bad = lt.false
     # where no verdict sample is kept, the chunks decide (a rule's choice alone, where it has one) and the
     # walk's one residual per row is drawn after the walk (_residual_again)
     verify = ctx.coupling.choice if res is None and not ctx.check_contract else ctx.coupling
-    with deferred_checks() as checks:
-        for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(buf.chunks, lt.sigma_by_root):
-            c = u.numel()
-            xu = states[u_sl] if u_sl is not None else states[u]  # [c, M, D]
-            if has_root:
-                vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
-            else:
-                vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
-            cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
-            if refined is None and frozen_at is None:
-                mean_p = _plain_mean(ctx, frozen, xu, n, du.tolist())
-            elif refined is None:
-                mean_p = draft.table_mean(frozen_at(du), xu, cu)  # the path execution's operations (same bits)
-            else:  # the refined proposal mean: the target's kernel mean at the parent's last sweep (_picard)
-                mean_p = kern.mean(xu, refined[u_sl] if u_sl is not None else refined[u], cu)
-            mean_q = kern.mean(xu, vu, cu)
-            sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
-            if k == 1 and ch_sl is not None:
-                kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
-            else:
-                kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
-            rows = _verify_rows(vkeys_all, drawn_all, lambda t: (t[u_sl] if u_sl is not None else t[u]).reshape(c * M, *t.shape[2:]),
-                                lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
-            verdict = verify(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
-                             rows)  # line 17, every internal node at once
-            acc[:, u] = verdict.accepted.reshape(c, M).T
-            idx[:, u] = verdict.index.reshape(c, M).T
-            if res is not None:
-                res[pos] = verdict.sample.reshape(c, M, -1)
-            if ctx.check_contract:
-                bad = bad | (contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
-            del kids, verdict, mean_p, mean_q, xu, vu
-        # the walk, by gathers: node v is on the accepted path iff every edge above it was taken
-        p = lt.parent1
-        taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
-        on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
-        ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
-        rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
+    for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
+        c, at_u = u.numel(), u if u_sl is None else u_sl
+        xu = states[at_u]  # [c, M, D]
+        if has_root:
+            vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
+        else:
+            vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
+        cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
+        mean_p = _proposal_mean(ctx, frozen, frozen_col, refined, xu, cu, n, du, at_u)
+        mean_q = kern.mean(xu, vu, cu)
+        sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
+        if k == 1 and ch_sl is not None:
+            kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
+        else:
+            kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
+        rows = _verify_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
+                            lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
+        verdict = verify(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
+                         rows)  # line 17, every internal node at once
+        acc[:, u] = verdict.accepted.reshape(c, M).T
+        idx[:, u] = verdict.index.reshape(c, M).T
         if res is not None:
-            out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
-        else:  # its checks deferred too: no host synchronisation
-            out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, vkeys_all, drawn_all, n, ustar, rejected,
-                                  refined)
-    if checks.bad is not None:
-        bad = bad | checks.bad
+            res[pos] = verdict.sample.reshape(c, M, -1)
+        if ctx.check_contract:
+            bad = bad | (contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
+        del kids, verdict, mean_p, mean_q, xu, vu
+    p = lt.parent1
+    taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
+    on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
+    ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
+    rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
+    if res is not None:
+        out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
+    else:  # its checks deferred too: no host synchronisation
+        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
+                              rejected)
+    return acc, internal_r, on_path, ustar, rejected, out, bad
+
+
+def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest, acc, internal_r, on_path, ustar,
+            rejected, out, calls: list):
+    """Line 24 for every row: the prefetch (the rules of :func:`specsamp.chains.leaf_prefetch` and
+    :func:`~specsamp.chains.nearest_sibling`), the draft's history (:func:`_lean_history`) and the commit.
+    Returns ``(commit, n_new, exact_new)`` as :func:`_lean_round` does; ``calls``: the rows each batched call evaluated
+    per batch row (the Picard sweeps', then the round's own)."""
+    n, ar = st.n, lt.ar
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected, lt.zero_long)
-    rej_col = rejected[:, None]
     last = torch.where(rejected, ustar, lt.parent_c[ustar])  # the last node the walk verified
     v_cur = torch.where(lt.is_root_col[last], v0, vrest[lt.vrest_row[last], ar])
     v_leaf = vrest[lt.vrest_row[ustar], ar]  # where finished, u* is a leaf of depth >= 1
-    # prefetch (the rules of chains.nearest_sibling)
     evaluated = lt.evaluated_by_root.index_select(0, n_lim)  # [M, N]: what the batched call evaluated
     v_next, exact = v_cur, leaf_prefetch(ctx.prefetch, finished, lambda: evaluated[ar, ustar])
     if ctx.prefetch != "none":
         v_next = torch.where(exact[:, None], v_leaf, v_next)
         if ctx.prefetch == "nearest":
             ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
-            has, best = nearest_sibling(lt.child_ok[ustar] & evaluated.gather(1, ch) & rej_col, states[ch, lt.ar_col], out, lt.inf)
+            has, best = nearest_sibling(lt.child_ok[ustar] & evaluated.gather(1, ch) & rejected[:, None], states[ch, lt.ar_col],
+                                        out, lt.inf)
             v_next = torch.where(has[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
-    if st.history is not None:
-        hist = _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
-    n_new = n + steps
-    exact_new = torch.where(live, exact, root_exact)
+    hist = None if st.history is None else _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
+    n_new, exact_new, shape = n + steps, torch.where(live, exact, root_exact), st.x.shape
 
     def commit(tally: _Tally):
         count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
-        for rows in sweep_rows:  # the Picard sweeps' calls, then the round's own (the layout counts the calls)
+        for rows in calls:  # the layout counts the calls themselves, from its host plan
             tally.charge(None, rows, batch=False)
-        tally.charge(None, call_rows, batch=False)  # the call itself is counted by the layout, from its host plan
-        commit_round(st, tally, live, out.reshape(x.shape), n_new, steps, v_next.reshape(x.shape), exact_new,
-                     hist if st.history is not None else None)
+        commit_round(st, tally, live, out.reshape(shape), n_new, steps, v_next.reshape(shape), exact_new, hist)
 
-    return commit, n_new, exact_new, bad, live
+    return commit, n_new, exact_new
 
 
-def _plain_mean(ctx: _Context, frozen, x: torch.Tensor, n: torch.Tensor, depths: list) -> torch.Tensor:
-    """The proposal means of a draft without a table form, node-major: ``Draft.mean`` of parents ``x [P, M, D]`` (or
-    ``[P, 1, M, D]``) at depth ``depths[0]`` (one entry) or ``depths[p]`` per parent, of rounds rooted at ``n [M]``,
-    called on ``[M, P, *event]`` with each depth's step as the sparse round calls it."""
+def _plain_mean(ctx: _Context, frozen, x: torch.Tensor, n: torch.Tensor, at) -> torch.Tensor:
+    """The proposal means of a draft without a table form: ``Draft.mean`` called on ``[M, P, *event]`` with each depth's
+    step, as the sparse round calls it, of rounds rooted at ``n [M]``: of parents ``x [P, M, D]`` (or ``[P, 1, M, D]``)
+    at depth ``at`` (an int) or ``at[p]`` per parent, or of ``x [M, D]`` at depths ``at[0] [M]`` (``at`` a tuple)."""
     M, D, last = n.shape[0], x.shape[-1], ctx.schedule.steps - 1
+    if isinstance(at, tuple):
+        return ctx.draft.mean(frozen, x.reshape(M, 1, *ctx.x_event), (n + at[0]).clamp(max=last), ctx.schedule)[:, 0].reshape(M, -1)
+    depths = [at] if isinstance(at, int) else at.tolist()
     xp = x.reshape(-1, M, D)
     if len(depths) > 1:
-        return torch.stack([_plain_mean(ctx, frozen, xp[p], n, [d]) for p, d in enumerate(depths)]).reshape(x.shape)
+        return torch.stack([_plain_mean(ctx, frozen, xp[p], n, d) for p, d in enumerate(depths)]).reshape(x.shape)
     out = ctx.draft.mean(frozen, xp.transpose(0, 1).reshape(M, -1, *ctx.x_event), (n + depths[0]).clamp(max=last), ctx.schedule)
     return out.reshape(M, -1, D).transpose(0, 1).reshape(x.shape)
 
@@ -369,9 +391,9 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
-def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, vkeys_all, drawn_all, n, ustar, rejected,
-                    refined) -> torch.Tensor:
-    """The committed states ``[M, D]`` of a lean round that kept no verdict samples: where a row's walk stopped
+def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
+                    rejected) -> torch.Tensor:
+    """The committed states ``[M, D]`` of a dense round that kept no verdict samples: where a row's walk stopped
     at a rejection, the verification of that node drawn again (one coupling call per node width, over every
     row: the node's own keys or its rows of the run's uniform table ``drawn_all``, so the same numbers as the
     first call); elsewhere the reached leaf."""
@@ -380,20 +402,10 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, vkeys
     for k, rep, of_width in lt.width_groups:
         mine = of_width[ustar]
         w = torch.where(mine, ustar, rep)  # rows whose node has another width verify a stand-in
-        xw = states[w, ar]
+        xw, dw = states[w, ar], lt.depth[w]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
-        cw = kern.named(coefs[lt.depth[w], :, ar].unbind(1))  # [M, 1] each
-        if refined is not None:  # the refined proposal mean (_picard)
-            mean_p = kern.mean(xw, refined[w, ar], cw)
-        elif frozen_col is None:  # a draft given by its mean alone: Draft.mean at each row's own depth
-            mean_p = ctx.draft.mean(frozen, xw.reshape(M, 1, *e), (n + lt.depth[w]).clamp(max=ctx.schedule.steps - 1),
-                                    ctx.schedule)[:, 0].reshape(M, -1)
-        elif ctx.draft.table_frozen is None:
-            mean_p = ctx.draft.table_mean(frozen_col[0], xw, cw)
-        elif isinstance(frozen_col, tuple):
-            mean_p = ctx.draft.table_mean(tuple(f[lt.depth[w], ar] for f in frozen_col), xw, cw)
-        else:
-            mean_p = ctx.draft.table_mean(frozen_col[lt.depth[w], ar], xw, cw)
+        cw = kern.named(coefs[dw, :, ar].unbind(1))  # [M, 1] each
+        mean_p = _proposal_mean(ctx, frozen, frozen_col, refined, xw, cw, n, (dw, ar), (w, ar))
         mean_q = kern.mean(xw, vw, cw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
