@@ -1,14 +1,7 @@
-"""The batch of trajectories between rounds, and the round's policy that both layouts share, written once.
+"""The batch of trajectories between rounds, and the round's policy both layouts share (``docs/architecture.md``).
 
-Owns the run's context (:class:`_Context`), target calls with their conditioning (:class:`_Velocity`), the keyed
-initial noise, the trajectories' state (:class:`_Chains`, with the draft's history), section 5's counts
-(:class:`_Tally`), the deterministic endpoint steps, and for both layouts (:mod:`specsamp.rounds`, sparse;
-:mod:`specsamp.lean`, dense): the loop over rounds with the roots' own call (:func:`run_rounds`), the node sets
-(:func:`round_masks`), the counts (:func:`count_verifications`), the prefetch rules and the commit
-(:func:`commit_round`). ``docs/architecture.md`` ("One speculative round") draws the round.
-
-Round internals: the private names of ``chains``, ``rounds``, ``lean`` and ``leantree`` are imported by those
-modules, :mod:`specsamp.sampler` and :mod:`specsamp.compiled`, and by nothing else.
+Round internals: the private names of ``chains``, ``rounds``, ``lean`` and ``leantree`` are imported only by those
+modules, :mod:`specsamp.sampler` and :mod:`specsamp.compiled`.
 """
 
 from __future__ import annotations
@@ -39,19 +32,9 @@ class _Velocity:
 
 
 def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Tensor:
-    """Initial states ``x ~ N(0, I)`` at ``sigma = 1``, keyed by ``(seed, trajectory)`` (:mod:`specsamp.rng`).
-
-    Speculative and standard samplers with the same seed start from the same noise (paired runs).
-
-    Args:
-        seed: run seed, an integer in ``[0, rng.MAX_SEED]``.
-        ids: ``[M]`` long trajectory ids (their device is the result's).
-        event_shape: shape of one state.
-        dtype: the states' dtype.
-
-    Returns:
-        ``[M, *event_shape]`` in ``dtype``; row ``i`` depends on ``(seed, ids[i])`` only.
-    """
+    """Initial states ``x ~ N(0, I)`` at ``sigma = 1``, ``[M, *event_shape]`` in ``dtype`` on the device of ``ids``
+    (``[M]`` long trajectory ids; ``seed`` in ``[0, rng.MAX_SEED]``). Row ``i`` depends on ``(seed, ids[i])`` only
+    (:mod:`specsamp.rng`), so samplers run with the same seed start from the same noise."""
     keys = rng.base_key(seed, ids, "init", device=ids.device)
     return rng.normal(keys, event_shape, dtype=dtype)
 
@@ -77,21 +60,18 @@ class _Context:
 
 
 def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
-    """``(internal, evaluated)`` of nodes at depth ``depth`` (with children where ``has_children``) in a round whose
-    tree is ``T|_{L_n}``, ``L_n = depth_limit``: internal, a verification where the walk reaches it; evaluated, a row
-    of the round's batched call (the B=|V| protocol, ``evaluate_leaves``: every node of ``T|_{L_n}``; else the
-    internal ones), before a root whose velocity is known is taken out. Torch or numpy, broadcasting; the one
-    statement of these sets for every layout."""
+    """``(internal, evaluated)`` masks of nodes at ``depth`` (children where ``has_children``) in ``T|_{L_n}``,
+    ``L_n = depth_limit``: verified where the walk reaches them; rows of the round's call (all with ``evaluate_leaves``,
+    B=|V|; else the internal ones), known roots still in. Torch or numpy, broadcasting; the one rule, every layout."""
     internal = (depth < depth_limit) & has_children
     return internal, (depth <= depth_limit) & (internal | evaluate_leaves)
 
 
 def count_verifications(tally: _Tally, n: torch.Tensor, cols: torch.Tensor, ver: torch.Tensor, acc: torch.Tensor,
                         rows: torch.Tensor | None = None) -> None:
-    """Section 5's verification counts of a round: ``ver [m, X]`` and ``acc [m, X]`` (long, 0 or 1) say which
-    verifications were made and accepted, ``cols [m, X]`` their depth column (depth of the verified node), for
-    rows ``rows [m]`` of the batch (distinct; None: every row) in rounds rooted at ``n [m]``. Counted per row and
-    depth, and per (root state index, depth) summed over rows."""
+    """Section 5's verification counts of a round, per row and depth and per (root index, depth): ``ver``, ``acc``
+    ``[m, X]`` (long, 0/1) verifications made and accepted, ``cols [m, X]`` their depth column (the verified
+    node's depth), for batch rows ``rows [m]`` (distinct; None: all) of rounds rooted at ``n [m]``."""
     if rows is None:
         tally.attempts.scatter_add_(1, cols, ver)
         tally.accepts.scatter_add_(1, cols, acc)
@@ -106,11 +86,10 @@ def count_verifications(tally: _Tally, n: torch.Tensor, cols: torch.Tensor, ver:
 
 def commit_round(st: _Chains, tally: _Tally, live: torch.Tensor, x: torch.Tensor, n_new: torch.Tensor, steps: torch.Tensor,
                  v: torch.Tensor, exact: torch.Tensor, history=None) -> None:
-    """Line 24 of Algorithm 1 for the rows a round served, in either layout: the committed state ``x``, its index
-    ``n_new``, the next root's velocity ``v`` and whether it is exact, the draft's history, the steps the round
-    committed and the round count. Sparse: ``live`` long ``[m]`` (distinct rows) with values for those rows,
-    written in place. Dense: ``live`` bool ``[M]`` with values for every row (``steps`` 0 outside ``live``, whose
-    rows keep theirs), assigned anew: another tree's round may have committed its rows since this one read ``st``."""
+    """Algorithm 1, line 24, for the rows a round served: state ``x``, index ``n_new``, next root velocity ``v``
+    and its ``exact`` flag, the draft's history, the committed ``steps`` and the round count. Sparse: ``live``
+    long ``[m]`` (distinct), values for those rows, written in place. Dense: ``live`` bool ``[M]``, values for every
+    row (rows outside it keep theirs, ``steps`` 0), assigned anew: another tree's round may have committed since."""
     if live.dtype == torch.bool:
         col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
         tally.committed.scatter_add_(1, col, steps[:, None])
@@ -139,21 +118,18 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def leaf_prefetch(prefetch: str, finished: torch.Tensor, leaf_evaluated: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The prefetch rules' leaf half, ``exact [m]``: where the walk finished at a leaf (``finished [m]``) that the
-    round's call evaluated (``leaf_evaluated()``, asked only when read), the leaf's own velocity is the next
-    root's, exact; ``prefetch=none``: nowhere (the next round calls its root). Elsewhere the next root's
-    velocity is the last verified node's, or for ``nearest`` that of :func:`nearest_sibling`'s pick."""
+    """The prefetch rules' leaf half, ``exact [m]``: rows whose walk finished (``finished [m]``) at a leaf the
+    call evaluated (``leaf_evaluated()``, asked only when read) take its velocity, exact; ``prefetch=none``:
+    none (the next round calls its root). Elsewhere the last verified node's, or :func:`nearest_sibling`'s."""
     if prefetch == "none":
         return torch.zeros_like(finished)
     return finished & leaf_evaluated()
 
 
 def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefetch rule ``nearest`` where a row's walk stopped at a rejection: of the stopped node's children
-    ``kids [r, K, ...]``, those the round's call evaluated (``ok [r, K]``), the one nearest the committed state
-    ``x [r, ...]`` (Euclidean, per row). Returns ``(has [r], best [r])``: whether there is one, and its index.
-    (The other rules: the committed leaf's own velocity where the walk finished at a leaf the call evaluated,
-    else the last verified node's; ``prefetch=none``: neither, the next round calls its root.)"""
+    """``prefetch=nearest`` where a walk stopped at a rejection: of the stopped node's children ``kids [r, K, ...]``
+    the call evaluated (``ok [r, K]``), the nearest (Euclidean) to the committed state ``x [r, ...]``. Returns
+    ``(has [r], best [r])``: whether there is one, and its index. The other rules: :func:`leaf_prefetch`."""
     d = kids - x[:, None]
     dist = row_reduce(_norm, d if d.ndim == 3 else d.reshape(*ok.shape, -1))
     return ok.any(1), torch.where(ok, dist, inf).argmin(1)
@@ -161,8 +137,7 @@ def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) 
 
 @dataclass
 class _Tally:
-    """Per-trajectory accounting of :func:`specsamp.sampler.sample_speculative` (section 5's protocol); becomes the
-    :class:`SampleResult`."""
+    """Section 5's per-trajectory counts of a speculative run; :meth:`result` makes the :class:`SampleResult`."""
 
     nfe: torch.Tensor  # [M] batched calls on the speculative steps (warm-up included)
     endpoint_nfe: torch.Tensor  # [M] calls of the two deterministic endpoint steps (1 or 2)
@@ -181,9 +156,8 @@ class _Tally:
         return cls(z(M), z(M), z(M), z(M), z(M, T - 2), z(M, L), z(M, L), z(T, L), z(T, L))
 
     def charge(self, rows: torch.Tensor | None, call_rows: torch.Tensor, batch: bool = True) -> None:
-        """One batched call in which trajectories ``rows`` (``None``: all) had ``call_rows`` states each (0: not in
-        it). ``batch``: count the call in ``batch_nfe`` here (one host synchronisation); the dense layout counts it
-        from its host plan instead."""
+        """One batched call in which rows ``rows`` (None: all) had ``call_rows`` states each (0: not in it).
+        ``batch``: count it in ``batch_nfe`` here (one host sync); the dense layout counts from its host plan."""
         charged = call_rows > 0  # the host's plan has a row of this trajectory exactly where charged
         if rows is None:
             self.nfe += charged
@@ -217,9 +191,9 @@ class _Chains:
 
 
 def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape, dtype, init=None) -> torch.Tensor:
-    """The trajectories' first states ``[M, *event]``: ``init`` where given (on the linear path, at ``sigmas[0]``),
-    else the keyed noise (:func:`initial_noise`) times the kernel's initial scale where it has one. Binds the event shape to
-    the kernel first (:meth:`specsamp.kernels.Kernel.bind_event`)."""
+    """The first states ``[M, *event]``: ``init`` where given (on the linear path at ``sigmas[0]``; ValueError
+    unless of that shape), else :func:`initial_noise` times the kernel's initial scale where it has one. Binds
+    the event shape to the kernel first (:meth:`specsamp.kernels.Kernel.bind_event`)."""
     schedule.kernel.bind_event(event_shape)
     if init is not None:
         x = torch.as_tensor(init).to(device=ids.device, dtype=dtype)
@@ -243,8 +217,7 @@ def endpoint_noise(ctx: _Context, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally, init=None) -> _Chains:
-    """Step 0 from the first level (Algorithm 1, line 1: the chain's first state): a deterministic Euler step for
-    Euler--Maruyama (from sigma = 1), the scheduler's own step for the others."""
+    """Step 0 (Algorithm 1, line 1): deterministic Euler from sigma = 1 for Euler--Maruyama, else the scheduler's."""
     dev = ids.device
     M = ids.numel()
     x = initial_state(ctx.schedule, seed, ids, model.event_shape, model.dtype, init)
@@ -270,9 +243,8 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
 
 
 def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) -> None:
-    """The roots' exact velocities in a call of their own: the warm-up at the first round (warmup=call,
-    charged to ``nfe``), and every round with prefetch=none. ``live``: the live rows, never empty (the loop
-    stops before), so the call is charged without asking the device."""
+    """The roots' exact velocities in a call of their own (the warm-up, charged to ``nfe``; every prefetch=none round).
+    ``live`` is never empty (the loop stops first), so the call is charged without asking the device."""
     st.v_root[live] = ctx.velocity(st.x[live], st.n[live], live)
     st.root_exact[live] = True
     tally.nfe[live] += 1
@@ -281,15 +253,10 @@ def _root_call(ctx: _Context, st: _Chains, live: torch.Tensor, tally: _Tally) ->
 
 
 def run_rounds(ctx: _Context, st: _Chains, tally: _Tally, warmup: str, callback, layout) -> torch.Tensor:
-    """The loop over rounds (Algorithm 1, line 2) in either layout, then the last step; returns the samples.
-
-    Written once for both: a round runs while a row is live (its state index before the end of speculation); the
-    roots' own call comes first where the protocol asks for it (the warm-up at the first round with
-    ``warmup=call``, every round with ``prefetch=none``); the callback follows the round; the deterministic last
-    step ends the run. The layout (:class:`specsamp.rounds.SparseLayout`, :class:`specsamp.lean.DenseLayout`) says
-    which rows are live (``live()``, None when none is), calls their roots (``root_call``), runs the round
-    (``round``), reports progress (``progress``) and, where it knows them without asking the device, the rows
-    the last step must evaluate (``need_rows()``)."""
+    """The loop over rounds (Algorithm 1, line 2; ``docs/architecture.md``, "The round as one diagram"), then the last
+    step; returns the samples. ``layout`` (:class:`specsamp.rounds.SparseLayout`, :class:`specsamp.lean.DenseLayout`)
+    gives the live rows (``live()``, None when none is), calls their roots (``root_call``), runs the ``round``, reports
+    ``progress`` and, where known without asking the device, the rows the last step must evaluate (``need_rows()``)."""
     r = 0
     while (live := layout.live()) is not None:
         if ctx.prefetch == "none" or (r == 0 and warmup == "call"):
@@ -302,9 +269,8 @@ def run_rounds(ctx: _Context, st: _Chains, tally: _Tally, warmup: str, callback,
 
 
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Step ``T - 1``, a deterministic Euler step to sigma = 0; reuses an exact velocity the last round left.
-
-    ``need_rows``: the rows without an exact velocity, when the caller already knows them (no host sync)."""
+    """Step ``T - 1``, a deterministic Euler step to sigma = 0, reusing an exact velocity the last round left;
+    ``need_rows``: the rows without one, where the caller knows them (no host sync)."""
     M = st.x.shape[0]
     last = torch.full((M,), ctx.schedule.steps - 1, dtype=torch.long, device=st.x.device)
     v_last = st.v_root.clone()

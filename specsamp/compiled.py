@@ -1,19 +1,6 @@
 """The lean round under ``torch.compile`` (``compile=true``): its tensor maths fused into kernels, the network outside.
 
-:func:`specsamp.lean._lean_round` is compiled whole (inductor, ``dynamic=False``): the round's Python control
-flow is unchanged, and TorchDynamo turns the pure tensor maths on either side of the batched target call
-(drafting, verification, walk and the commit's gathers) into compiled graphs. The call itself
-(:func:`specsamp.lean._network`) runs outside them: a model need not be compilable, and the number of rows it
-evaluates varies from round to round, while every shape the graphs see is static per tree (every row of the
-batch is kept in every round, finished rows padded). So each distinct tree (and batch size, dtype, device)
-compiles once per process, and the round keeps its one host synchronisation, in the loop's test.
-
-What is guaranteed is the law: the same as the eager round's (the law tests run with compile on). Compiled
-kernels may fuse and reorder float operations (a fused multiply-add rounds once where eager rounds twice), so a
-compiled run's samples equal the eager run's to rounding, not bitwise, and its counts are identical wherever
-that rounding flips no verdict (``tests/core/test_compiled.py``). Inductor's buffer reuse is off
-(:data:`INDUCTOR_OPTIONS`): with it, a verification split into several chunks came out wrong.
-Whether this machine can compile at all, and the refusals, are :mod:`specsamp.inductor`'s.
+Design and guarantee (the law): ``docs/architecture.md``, "Compiled round"; compile checks: :mod:`specsamp.inductor`.
 """
 
 from __future__ import annotations
@@ -26,17 +13,13 @@ from .inductor import classify_compile_error
 from .lean import _lean_round, _network_outside
 
 RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
-# Inductor's buffer reuse off: with it on (torch 2.14, CPU), the graph after the network call of a round whose
-# verification ran in several chunks (leantree.bind) gave wrong verdicts and residual draws: not rounding, a
-# different law (the same graph without inductor, and inductor with buffer reuse off alone, were exact). Without
-# reuse and in-place buffers each kernel writes a buffer of its own: freed after its last use as before, only not
-# recycled within the graph (tests/core/test_compiled.py, the several-chunk tests).
+# Buffer reuse on (torch 2.14, CPU) broke the law where the verification ran in several chunks (docs/architecture.md,
+# "Correction"). With reuse and in-place buffers off, each kernel writes its own buffer, freed after its last use.
 INDUCTOR_OPTIONS = (("allow_buffer_reuse", False), ("inplace_buffers", False))
 
 
 def _guarded(fn: Callable) -> Callable:
-    """``fn`` (the compiled round), with a machine fault of the cache raised as
-    :func:`specsamp.inductor.cache_fault`'s paragraph."""
+    """``fn`` with a machine fault of the cache raised as :func:`specsamp.inductor.cache_fault`'s paragraph."""
     import functools
 
     @functools.wraps(fn)
@@ -57,16 +40,10 @@ _OUTSIDE: dict = {}
 
 
 def for_compile(coupling):
-    """``coupling`` as the compiled round calls it: D-GRS and RMC (:data:`TRACED_COUPLINGS`, whose verification
-    makes no host synchronisation and has static shapes) as they are, traced into the compiled graphs; any
-    other rule (markmax, sync-free with static shapes too, but its fixed-step bisections fuse into C++ kernels
-    that gcc 12 fails to build, an internal compiler error after 8 minutes on the (2, 3) tree; a rule of the
-    user's is unknown) with its
-    ``verify`` (and ``decide``) run outside them (``torch.compiler.disable``; the drafting, walk and commit are still compiled).
-
-    Returns:
-        A :class:`specsamp.coupling.Coupling` with the same name, width limit and theory.
-    """
+    """``coupling`` as the compiled round calls it (a Coupling of the same name, width limit and theory): D-GRS and RMC
+    (:data:`TRACED_COUPLINGS`: no host sync, static shapes) traced into the graphs; any other rule's ``verify`` and
+    ``decide`` run outside them (``torch.compiler.disable``). Markmax is sync-free too, but gcc 12 fails on its fused
+    bisections (an internal compiler error after 8 minutes on the (2, 3) tree); a user's rule is unknown."""
     import dataclasses
 
     from .coupling import COUPLINGS
@@ -92,13 +69,9 @@ class _QuietCudaHome:
 
 
 def compiled_round() -> Callable:
-    """:func:`specsamp.lean._lean_round` under ``torch.compile(dynamic=False)`` (inductor), built once per process.
-
-    TorchDynamo's cache belongs to the function's code, so every run of a process shares the compiled graphs:
-    a tree compiles on its first round and later runs with the same tree, batch size and dtype reuse it. The
-    recompile limit is raised to :data:`RECOMPILE_LIMIT` (from torch's 8) so that a sweep over trees keeps
-    compiling rather than falling back to eager.
-    """
+    """:func:`specsamp.lean._lean_round` under ``torch.compile(dynamic=False)`` (inductor), built once per process;
+    TorchDynamo caches by code, so a process's runs share the graphs (per tree, batch size, dtype, device). The
+    recompile limit is raised to :data:`RECOMPILE_LIMIT` (torch's: 8) so that a sweep over trees keeps compiling."""
     if not _ROUND:
         import torch._dynamo
 

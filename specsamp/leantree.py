@@ -1,10 +1,6 @@
-"""What a dense round is built from: static index tensors per tree, their buffers, and per-run tables.
+"""What a dense round is built from: a tree's static index tensors and buffers (:class:`_LeanTree`), per-run tables.
 
-:class:`_LeanTree`: one fixed tree's index tensors, its buffers once bound to a batch (:meth:`_LeanTree.bind`) and
-which states a round's call evaluates (:meth:`_LeanTree.plan`). Per run, :func:`_root_tables` gathers every
-kernel coefficient and node set by root step, and :func:`_draw_tables` draws every (row, root, node)'s draft noise
-and uniforms once where small (same keys, same numbers). The constants bound each cache's memory; tests set them
-to 0 to check that every fallback draws the same numbers. Round internals (:mod:`specsamp.chains`).
+The constants bound the caches (tests set 0: fallbacks draw the same numbers). Round internals (:mod:`specsamp.chains`).
 """
 
 from __future__ import annotations
@@ -33,14 +29,10 @@ VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
 
 class _LeanTree:
-    """Static index tensors of one fixed :class:`DraftTree` for :func:`_lean_round` (built once per run).
-
-    Attributes (``N`` nodes, depth ``L``): ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]``
-    long; ``anc [N, N]`` ``anc[v, w] = 1`` where ``w`` is ``v`` or an ancestor of ``v`` (states' dtype);
-    ``layer_sizes`` and ``layer_parents`` (the parent of each node of depth ``l``); ``groups_np``:
-    ``(K, internal nodes [g], their children [g, K])`` per distinct width; ``child_pad [N, Kmax]`` children
-    (clamped) and ``child_ok [N, Kmax]`` which of them exist.
-    """
+    """Static index tensors of one fixed :class:`DraftTree` (``N`` nodes, depth ``L``), built once per run: ``depth``,
+    ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc [N, N]``, ``anc[v, w] = 1`` where ``w`` is ``v``
+    or its ancestor (states' dtype); ``layer_sizes``, ``layer_parents`` per depth; ``groups_np``, ``(K, internal nodes
+    [g], children [g, K])`` per width; ``child_pad``, ``child_ok`` ``[N, Kmax]``: children (clamped), which exist."""
 
     def __init__(self, tree: DraftTree, dev, dtype):
         N, L = len(tree), tree.max_depth
@@ -92,10 +84,9 @@ class _LeanTree:
         self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
 
     def plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
-        """Flat indices ``node * M + row`` of the states a round's batched call evaluates, from host copies of
-        the rows' state indices ``n [M]`` and root flags ``exact [M]``: the nodes of ``T|_{L_n}`` the protocol
-        evaluates (:meth:`specsamp.rounds._Nodes.evaluated`), without a root whose velocity is known, for live rows only (and only
-        rows ``rows``, a bool ``[M]``, where given)."""
+        """Flat indices ``node * M + row`` of the states a round's call evaluates, from host copies of ``n [M]`` and
+        ``exact [M]``: the protocol's nodes of ``T|_{L_n}`` (:meth:`specsamp.rounds._Nodes.evaluated`), known roots
+        out, live rows only (and only ``rows``, bool ``[M]``, where given)."""
         dl = np.clip(end - n, 0, self.L)
         mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
         mask[:, 0] &= ~exact
@@ -105,11 +96,9 @@ class _LeanTree:
         return np.flatnonzero(mask.T)
 
     def bind(self, M: int, D: int, pool: dict | None = None, event: tuple | None = None) -> None:
-        """Allocate :class:`_LeanBuffers` for ``M`` rows of ``D`` coordinates (``self.buffers``), of event shape ``event``
-        (default ``(D,)``).
-
-        ``pool``: optional ``{"states": flat, "residual": flat}`` storage shared by the trees of one run (their
-        rounds run one after the other and keep nothing in the buffers), each at least this tree's size."""
+        """Allocate :class:`_LeanBuffers` (``self.buffers``) for ``M`` rows of ``D`` coordinates, event shape ``event``
+        (default ``(D,)``). ``pool``: optional ``{"states", "residual"}`` flat storage shared by a run's trees (their
+        rounds run one after another and keep nothing in the buffers), each at least this tree's size."""
         dev = self.anc.device
         N = self.N
         event = tuple(event) if event is not None else (D,)
@@ -142,8 +131,7 @@ class _LeanTree:
                 chunks.append((k, t(uc), _as_slice(uc), t(cc), _as_slice(flat_ch), t(self.depth_np[uc]), bool(uc[0] == 0),
                                slice(pos, pos + len(uc))))
                 pos += len(uc)
-        # the verdict samples of every internal node, kept where small; else the walk's residuals are drawn
-        # again for the one node per row that needs them (same keys, so the same numbers)
+        # internal nodes' verdict samples, kept where small; else redrawn (same keys) for the walk's one node per row
         if pos * M * D > RESIDUAL_CACHE:
             residual = None
         elif pool is None:
@@ -165,15 +153,13 @@ class _LeanTree:
 
 @dataclass
 class _LeanBuffers:
-    """Per-run buffers of the lean round, node-major: ``states [N, M, D]``, ``residual [I, M, D]`` (the verdict
-    samples of the internal nodes). ``layers``: per depth ``l``, ``(parents, parent_view, K, out_view)``:
-    ``parents`` None where the layer's parents are the whole previous layer with ``K`` children each
-    (``parent_view`` that layer shaped ``[P, 1, M, D]`` and ``out_view`` ``[P, K, M, D]``, or both ``[P, M, D]``
-    with ``K`` None for one child), else the parents' node ids (``parent_view`` and ``K`` None, ``out_view [C, M, D]``). ``chunks``: the
-    verification calls, ``(K, nodes [c], their slice or None, children [c, K], their slice or None, depths [c],
-    whether node 0 is among them, their rows of residual)``, at most :data:`VERIFY_MEMORY` of the states' size
-    of temporaries each (at least one node). ``acc``, ``idx`` ``[M, N]`` bool and long: each node's verdict
-    (accepted, index), written for the internal nodes by every round (0 elsewhere)."""
+    """The lean round's node-major buffers: ``states [N, M, D]``; ``residual [I, M, D]``, the internal nodes' verdict
+    samples; ``layers``, per depth ``(parents, parent_view, K, out_view)``: where the parents are the whole previous
+    layer with ``K`` children each, ``parents`` None and views ``[P, 1, M, D]``, ``[P, K, M, D]`` (both ``[P, M, D]``
+    and ``K`` None for one child), else the parents' ids, ``out_view [C, M, D]`` and the rest None; ``chunks``, the
+    verification calls ``(K, nodes [c], slice, children [c, K], slice, depths [c], has node 0, rows of residual)``
+    (slices None unless contiguous), each at most :data:`VERIFY_MEMORY` of the states in temporaries (one node at
+    least); ``acc``, ``idx`` ``[M, N]``: the internal nodes' verdicts (accepted, index), every round; 0 elsewhere."""
 
     states: torch.Tensor
     residual: torch.Tensor
@@ -196,12 +182,10 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
 
 
 def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
-    """Per-root tables of a lean tree (built once per run; a round gathers its rows by root index ``n``):
-    ``coefs_by_root [L, C, T, 1]`` the kernel's coefficients (:meth:`specsamp.kernels.Kernel.table`) of each depth's parent step, ``node_step_by_root [N, T]``
-    the step of each node, with ``L_n = clip(end - n, 0, L)``: ``internal_by_root [T, N]`` the nodes verified if
-    visited, ``evaluated_by_root [T, N]`` the nodes the batched call evaluates (the protocol's, the root
-    included) and ``evaluated_count [T]`` their number, ``sigma_by_root`` per verification chunk ``[c, T]``
-    the kernel scale where verified, else 1."""
+    """Per-root tables, once per run (rows gathered by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root
+    [L, C, T, 1]``, each depth's parent-step coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root
+    [N, T]``, each node's step; ``internal_by_root``, ``evaluated_by_root [T, N]`` (verified if visited; evaluated by
+    the protocol, root in), ``evaluated_count [T]``; ``sigma_by_root [c, T]`` per chunk: std where verified, else 1."""
     T, L, dev = ctx.schedule.steps, lt.L, lt.depth.device
     roots = torch.arange(T, device=dev)
     step = (roots[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
@@ -219,14 +203,12 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
 
 
 def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared: dict | None = None) -> None:
-    """Draw the run's random numbers of every (row, root, node) once, where small (:data:`NOISE_CACHE`,
-    :data:`UNIFORM_CACHE`): ``lt.noise_cache [N-1, M, T, D]`` the draft noise of every non-root node (``z``,
-    :func:`specsamp.rng.normal` of its key in the states' dtype), scaled by its parent step's ``std`` where
-    ``lt.noise_scaled`` (one tree per run); and ``lt.uniform_cache``, ``[N, M, T, W_c]`` per coupling call ``c``,
-    the numbers :class:`specsamp.rng.KeyedRows` of a node's verification key gives on its first two calls (widths
-    ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection coupling's one). Same keys, so the
-    same numbers as drawing them in each round; a round then gathers them. ``shared``: the tables of the run's
-    other trees (step-dependent trees), reused where they have as many nodes (and, for the uniforms, widths)."""
+    """Draw every (row, root, node)'s numbers once where small (:data:`NOISE_CACHE`, :data:`UNIFORM_CACHE`):
+    ``lt.noise_cache [N-1, M, T, D]``, each non-root node's draft noise (:func:`specsamp.rng.normal` of its key, the
+    states' dtype), times its parent step's ``std`` where ``lt.noise_scaled`` (one tree per run); ``lt.uniform_cache``,
+    per coupling call ``c`` ``[N, M, T, W_c]``, a node's first two :class:`specsamp.rng.KeyedRows` draws (widths
+    ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection coupling's one). Same keys, so the same
+    numbers as per-round draws. ``shared``: the run's other trees' tables, reused where nodes (and widths) match."""
     N = lt.N
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
         if shared is None:

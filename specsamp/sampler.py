@@ -1,22 +1,8 @@
 """Samplers: the standard Euler--Maruyama chain and speculative sampling on draft trees (Algorithm 1).
 
-Plain functions of ``(model, schedule, ...)`` in the k-diffusion style, over a batch of trajectories: one
-batched target call serves every live trajectory of a round. Randomness is keyed by ``(seed, trajectory, step,
-node)`` (:mod:`specsamp.rng`), so a trajectory's numbers do not depend on its batch and both executions draw the
-same ones: its counts are equal bitwise across executions, ``max_batch``, batches and index subsets, its sample
-equal to the model's batched rounding (``tests/runner/test_reproducibility.py``), bitwise where the model
-evaluates a row alone (``tests/core/test_rowwise.py``). Executions:
-
-- ``tree``: draft every node of ``T|_{L_n}``, evaluate them in one batched call, then walk (what runs on a
-  GPU): the dense round, :mod:`specsamp.lean`;
-- ``path``: draft and evaluate only what the walk visits (cheap sweeps on analytic targets): the sparse
-  round, :mod:`specsamp.rounds`.
-
-This module checks the arguments and runs the rounds (``docs/architecture.md``, "One speculative round").
-Accounting (section 5, ``docs/protocol.md``): ``nfe`` counts batched target calls on the speculative steps
-``1..T-2``, the warm-up included, ``speedup = (T - 2) / nfe``; ``nfe_total`` adds the endpoint steps (step
-``T - 1`` unless the last round left its exact velocity); ``target_rows`` counts the states evaluated. Picard
-sweeps (``refine``) are calls of their own, charged to both.
+Plain functions of ``(model, schedule, ...)`` (k-diffusion style) over a batch of trajectories: argument checks, then
+the dense round (``execution="tree"``, :mod:`specsamp.lean`) or the sparse one (``"path"``, :mod:`specsamp.rounds`).
+The round, its keys and what is bitwise equal across splits: ``docs/architecture.md``; counts: ``docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -68,15 +54,10 @@ def _model_device(model) -> torch.device:
 
 
 def _without_autograd(sampler: Callable[..., SampleResult]) -> Callable[..., SampleResult]:
-    """``sampler`` run under ``torch.inference_mode()``, its result made of ordinary tensors (:meth:`SampleResult.ordinary`).
-
-    Sampling never differentiates, and outside inference mode every tensor operation still pays autograd's
-    bookkeeping (version counters, view tracking): on the CPU, 9% of the time of one trajectory of the section
-    5.1 mixture in the tree execution, 20% in the path execution (9% at 100 trajectories), measured interleaved
-    in one process (``benchmarks.gmm_batch1`` times the samplers with it). The numbers are the same bits.
-    A model that differentiates inside its call (gradient guidance) must do so on copies made under
-    ``torch.inference_mode(False)``: ``torch.enable_grad()`` does not leave inference mode.
-    """
+    """``sampler`` under ``torch.inference_mode()`` (same bits, 9-20% less CPU time: ``benchmarks.gmm_batch1``),
+    returning ordinary tensors (:meth:`SampleResult.ordinary`). A model that differentiates inside its call
+    (gradient guidance) must do so on copies made under ``torch.inference_mode(False)``: ``torch.enable_grad()``
+    does not leave inference mode."""
     @functools.wraps(sampler)
     def run(*args, **kwargs) -> SampleResult:
         with torch.inference_mode():
@@ -109,10 +90,9 @@ def sample_standard(
         indices: explicit trajectory ids ``[M]`` (their randomness is keyed by these).
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass.
-        callback: called after each step with ``{"step", "steps_done"}`` (``steps_done``: steps of the
-            speculative range ``1..T-2`` done, summed over trajectories; for progress bars).
-        init: ``[M, *event]`` first states on the linear path at ``sigmas[0]`` (an entry point's given noise);
-            None: the keyed noise times the kernel's initial scale (:func:`specsamp.chains.initial_state`).
+        callback: called after each step with ``{"step", "steps_done"}`` (speculative steps done, summed over rows).
+        init: ``[M, *event]`` first states on the linear path at ``sigmas[0]``; None: the keyed noise times the
+            kernel's initial scale (:func:`specsamp.chains.initial_state`).
 
     Returns:
         :class:`SampleResult` with ``nfe = T - 2`` for every trajectory.
@@ -155,11 +135,8 @@ TreeRule = DraftTree | Callable[[int], DraftTree]
 
 
 def _trees_by_root(tree: TreeRule, first: int, end: int, coupling: Coupling) -> dict[int, DraftTree]:
-    """``{n: T_n restricted to the steps left}`` for every root state index ``first <= n < end``.
-
-    A callable ``tree(n)`` is called once per root index, before any sampling: the tree of a round
-    depends on its root index only, so it is fixed before drafting and the coupling stays exact.
-    """
+    """``{n: T_n restricted to the steps left}`` for ``first <= n < end``; ``tree(n)`` called once per root,
+    before sampling, so a round's tree is fixed before it drafts (exactness)."""
     out = {}
     for n in range(first, end):
         t = tree(n) if callable(tree) else tree
@@ -195,68 +172,49 @@ def sample_speculative(
     compile: bool = False,
     init: torch.Tensor | None = None,
 ) -> SampleResult:
-    """Speculative sampling on a draft tree (Algorithm 1) with any registered coupling.
-
-    Step 0 (from sigma = 1) and step ``T - 1`` (to sigma = 0) are deterministic Euler steps; the
-    speculative rounds cover steps ``1..T-2``. A round rooted at state index ``n`` uses ``T|_{L_n}``
-    with ``L_n = min(L, T - 1 - n)`` (eq. 11), drafts with ``draft`` from the prefetched root velocity,
-    has the target evaluate the tree's nodes (``execution="tree"``: every node in one batched call;
-    ``"path"``, the default: only the nodes the walk reaches, in the same accounting), and walks down with
-    ``coupling``.
+    """Speculative sampling on a draft tree (Algorithm 1), any registered coupling; rounds cover steps ``1..T-2``.
 
     Args:
         model: velocity model.
         schedule: time grid and kernel (:class:`specsamp.schedule.Schedule`).
-        tree: draft tree; the rule's ``max_children`` must admit its widths (:meth:`Coupling.check_tree`).
-            Or a callable ``tree(n) -> DraftTree`` giving the tree of rounds rooted at state index ``n``
-            (step-dependent trees, called once per ``n`` before sampling; exact, since a round's tree is
-            fixed before it drafts). Rows with different trees in one round share one batched call in the
-            accounting (``batch_nfe``), as one call over their concatenated rows would.
+        tree: a :class:`DraftTree` (a round rooted at state index ``n`` uses ``T|_{L_n}``, ``L_n = min(L, T - 1 - n)``,
+            eq. 11) whose widths the coupling admits; or ``tree(n) -> DraftTree``, called once per ``n`` before
+            sampling (rows of different trees share one call in ``batch_nfe``).
         coupling: registered name, a :class:`specsamp.coupling.Coupling`, or a bare ``verify`` function.
         n_samples: number of trajectories (ids ``0..n-1``) when ``indices`` is None.
-        draft: registered draft name (``velocity``, ``drift``, ``x0``, ``x0_extrap``, ...; :mod:`specsamp.drafts`),
+        draft: registered name (``velocity``, ``drift``, ``x0``, ``x0_extrap``, ...; :mod:`specsamp.drafts`),
             ``pkg.module:name``, or a :class:`specsamp.drafts.Draft`.
         prefetch: ``nearest``, ``parent`` or ``none``.
         evaluate_leaves: the B=|V| protocol (True) or internal nodes only (False).
-        execution: ``tree`` or ``path``.
+        execution: ``tree`` (every node in one batched call) or ``path`` (only what the walk reaches, charged alike).
         seed: run seed.
         indices: explicit trajectory ids ``[M]``.
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass of one batched call.
         callback: called after each round with ``{"round", "live", "batch_nfe", "steps_done", "n", "x", "v"}``
-            (``steps_done``: speculative steps committed so far, summed over trajectories; ``n [M]``, ``x [M, *e]``:
-            each trajectory's state index and state, ``v``: the velocity its next round drafts from, the network's at
-            ``x`` where the round evaluated it; the batch's own tensors, to be read, not kept or written).
-        warmup: ``call`` (the paper's protocol: one exact target call at the first root, charged to ``nfe``) or
-            ``step0`` (draft the first round from the step-0 velocity at sigma = 1; no warm-up call).
-        check_contract: check every verdict at run time against the coupling contract (an accepted sample
-            is exactly the child its index names; ``accepted`` exactly where ``index < K``). ``None``
-            (default): on for couplings defined outside the library (a ``verify`` whose module is not
-            under ``specsamp.``), off for the library's own, whose law is tested. The check is device
-            operations folded into the round's one host synchronisation.
-        refine: Picard sweeps ``J >= 0`` per round before its verification (0: the plain drafts; tree execution
-            only). Each is one batched call at the round's internal nodes, then a breadth-first rebuild with the
-            same innovations from the fresh velocities; the coupling is handed the refined proposal means, so the
-            law is unchanged (:func:`specsamp.lean._picard`). At ``J >= L`` every proposal mean is the target's.
-            Charged to ``nfe`` and ``target_rows``; recorded in ``SampleResult.extra["refine"]``.
-        compile: run the dense round under ``torch.compile`` (:mod:`specsamp.compiled`; tree execution, table-form
-            drafts, ``refine=0``), the batched call outside the compiled graphs. Each distinct tree and batch size
-            compiles once per process. The same law; samples equal the eager ones to the rounding of fused float
-            operations, counts wherever that rounding flips no verdict.
-        init: ``[M, *event]`` first states on the linear path at ``sigmas[0]`` (an entry point's given noise);
-            None: the keyed noise times the kernel's initial scale.
+            (``steps_done`` summed over trajectories; ``n [M]``, ``x [M, *e]``, ``v``: state indices, states and the
+            velocities next rounds draft from, exact where evaluated; the batch's own: read, do not keep or write).
+        warmup: ``call`` (the paper's: one exact target call at the first root, charged to ``nfe``) or
+            ``step0`` (draft the first round from the step-0 velocity; no warm-up call).
+        check_contract: check every verdict against the coupling contract, in the round's one host sync (``None``:
+            on for a ``verify`` defined outside ``specsamp.``, off for the library's, whose law is tested).
+        refine: Picard sweeps ``J >= 0`` per round before verification (tree execution only; law unchanged,
+            :func:`specsamp.lean._picard`), each one batched call at the internal nodes and a rebuild from the same
+            innovations, charged to ``nfe`` and ``target_rows``; recorded in ``SampleResult.extra["refine"]``.
+        compile: the dense round under ``torch.compile`` (:mod:`specsamp.compiled`; tree execution, table-form drafts,
+            ``refine=0``). Same law; samples equal the eager ones to rounding, counts wherever no verdict flips.
+        init: as in :func:`sample_standard`.
 
     Returns:
         :class:`SampleResult`.
 
     Raises:
-        NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the
-            message names the trajectory, step and node, ``rows`` the trajectory ids.
-        ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree
-            wider than the coupling allows; ``refine`` not an integer >= 0, or ``refine > 0`` with
-            ``execution="path"``; ``compile`` not a bool, or ``compile=True`` with ``execution="path"``, with
-            ``refine > 0``, with a draft without a table form, or where ``torch.compile`` cannot build kernels
-            (:func:`specsamp.inductor.unavailable`).
+        NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the message
+            names the trajectory, step and node, ``rows`` the trajectory ids.
+        ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree wider than
+            the coupling allows; ``refine`` not an integer >= 0, or > 0 with ``execution="path"``; ``compile`` not a
+            bool, or true with ``execution="path"``, ``refine > 0``, a draft without a table form, or where
+            ``torch.compile`` cannot build kernels (:func:`specsamp.inductor.unavailable`).
         ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
@@ -314,7 +272,7 @@ def rows_per_state(model) -> int:
 
 
 def _check_refine(refine, execution: str) -> int:
-    """``refine`` checked: an integer >= 0, and 0 unless ``execution == "tree"`` (each sweep needs every internal node)."""
+    """``refine``: an integer >= 0, and 0 unless ``execution == "tree"`` (a sweep needs every internal node)."""
     if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
         raise ConfigError(f"refine={refine!r} is invalid: the number of Picard sweeps per round must be an integer >= 0 "
                           "(0: plain drafts).")
