@@ -36,23 +36,17 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     (prefetch, history, commit: line 24). Value checks are deferred (:func:`specsamp.coupling.deferred_checks`).
 
     Args:
-        plan: long ``[P]`` flat indices ``node * M + row`` of the states the batched call evaluates
-            (:meth:`_LeanTree.plan`; the velocities of the others stay 0 and are never used).
-        plan_kind: ``rest`` (every non-root node of every row; the roots' velocities are known), ``all``
-            (every node of every row) or ``some``: the first two read the states in place.
-        sel: optional bool ``[M]``: the rows whose round uses this tree (step-dependent trees: one dense round
-            per distinct tree of the live rows); the others are padded like finished rows.
+        plan, plan_kind: the states the batched call evaluates (:func:`_network`; :meth:`_LeanTree.plan`).
+        sel: optional bool ``[M]``: the rows whose round uses this tree (one dense round per distinct tree of the
+            live rows); the others are padded like finished rows.
         sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``), before the round's own.
-        drafted_only: stop after the batched call and return the drafted tree (:class:`_Drafted`), for the checked
-            walk (:class:`_DenseNodes`).
+        drafted_only: return the drafted tree after the call (:class:`_Drafted`), for the checked walk.
 
     Returns:
         ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
-        ``tally`` (the other rows are left as they are then, so the rounds of several trees commit one after the
-        other); ``n_new [M]`` and ``exact_new [M]`` the state indices and root flags it would write; ``flags``
-        a 0-dim bool tensor, True where a deferred value check or the contract check failed (then the caller
-        discards the round and serves it again by the checked walk, :class:`_DenseNodes`); ``live [M]`` the rows
-        the round served.
+        ``tally`` (leaving the other rows as they are then, so the rounds of several trees commit one after the
+        other); the state indices and root flags ``[M]`` it would write; a 0-dim bool, True where a deferred value
+        check or the contract check failed (the caller then serves the round by the checked walk); the rows served.
     """
     n, end, kern = st.n, ctx.schedule.end_speculative, ctx.schedule.kernel
     live = n < end
@@ -324,14 +318,13 @@ def _verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
 
 def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
              root_exact: torch.Tensor, plan: torch.Tensor | None, plan_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lean round's batched target call over the planned rows (what the sparse round evaluates).
+    """The dense round's batched target call over the planned rows (what the sparse round evaluates).
 
-    Where the rows are all non-root nodes (``plan_kind`` ``rest``) or all nodes (``all``), the call reads the
-    states ``[N, M, D]`` in place and its output is kept as is; otherwise (``some``) it evaluates ``states``'
-    flat rows ``plan`` (long ``[P]``) and the others' velocities stay 0 (never used). ``node_step [N, M]``: the
-    step of every node. Returns ``(v0 [M, D], vrest [N-1, M, D])``: the roots' velocities (``v_root`` where
-    ``root_exact``) and the other nodes'. Under ``compile`` this runs outside the compiled graphs
-    (:func:`_network_outside`): a model need not be compilable, and the plan's size varies from round to round.
+    ``rest`` (every non-root node; the roots' velocities known) and ``all`` (every node) read the states ``[N, M, D]``
+    in place; ``some`` evaluates their flat rows ``plan`` (long ``[P]``, ``node * M + row``), the others' velocities
+    left 0 (never read). ``node_step [N, M]``: each node's step. Returns the roots' velocities ``v0 [M, D]``
+    (``v_root`` where ``root_exact``) and the others' ``vrest [N-1, M, D]``. Under ``compile`` it runs outside the
+    compiled graphs (:func:`_network_outside`): a model need not compile, and the plan's size varies by round.
     """
     N, M, e = states.shape[0], states.shape[1], ctx.x_event
     if isinstance(plan, _Hidden):
