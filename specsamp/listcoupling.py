@@ -111,10 +111,10 @@ from .markmax_params import (  # noqa: F401  (the rule's parameters; their publi
     Y_SPAN,
     GRSLevels,
     MarkMaxParams,
-    _at,
-    _bisect,
-    _log1mexp,
-    _owed_above,
+    rule_at,
+    bisect_midpoint,
+    log1mexp,
+    owed_above,
     acceptance_and_positional,
     bin_shares,
     crossing,
@@ -129,6 +129,7 @@ from .markmax_params import (  # noqa: F401  (the rule's parameters; their publi
     share_table,
     static_share,
 )
+from .trees import check_int
 
 @dataclass
 class Plan:
@@ -224,7 +225,7 @@ class _Fixed:
 def _log_upper_survival(y: torch.Tensor, delta: torch.Tensor, K: int) -> torch.Tensor:
     """``log(Phibar(y - delta) - (1 - Phi(y)^K))``, the unnormalised survival of ``q - f_M`` on ``y >= c``."""
     a = log_sf(y - delta)
-    return a + _log1mexp(torch.clamp(log_one_minus_cdf_pow(y, K) - a, max=0.0))
+    return a + log1mexp(torch.clamp(log_one_minus_cdf_pow(y, K) - a, max=0.0))
 
 
 def _sample_upper(p: MarkMaxParams, u: torch.Tensor) -> torch.Tensor:
@@ -234,13 +235,13 @@ def _sample_upper(p: MarkMaxParams, u: torch.Tensor) -> torch.Tensor:
     """
     log_target = torch.log(u) + p.log_R
     hi = torch.maximum(p.c, p.delta) + torch.sqrt(-2.0 * torch.clamp(log_target, max=-1e-300)) + 2.0
-    return _bisect(lambda y: _log_upper_survival(y, p.delta, p.K) > log_target, p.c.clone(), hi, SAMPLE_STEPS)
+    return bisect_midpoint(lambda y: _log_upper_survival(y, p.delta, p.K) > log_target, p.c.clone(), hi, SAMPLE_STEPS)
 
 
 def _sample_lower(p: MarkMaxParams, mu_k, y_k, mass, u) -> torch.Tensor:
     """Invert the survival of ``[(1 - t) q - mu_K phi (1 - kappa)]_+ / mass`` on ``[y_K, c]`` at ``u``."""
     target = u * mass
-    return _bisect(lambda y: _owed_above(y, p, mu_k) > target, y_k.clone(), p.c.clone(), SAMPLE_STEPS)
+    return bisect_midpoint(lambda y: owed_above(y, p, mu_k) > target, y_k.clone(), p.c.clone(), SAMPLE_STEPS)
 
 
 def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs, u_res, static: bool = False):
@@ -262,7 +263,7 @@ def select(p: MarkMaxParams, lev: GRSLevels, s_hat: torch.Tensor, u_mark, u_grs,
         elsewhere, and None where ``u_res`` is None).
     """
     m, K = s_hat.shape
-    at = _at(s_hat, p)
+    at = rule_at(s_hat, p)
     marked = torch.log(u_mark) <= at.log_kappa
     any_mark = marked.any(1)
     top = torch.where(marked, s_hat, torch.full_like(s_hat, -torch.inf)).argmax(1)
@@ -379,10 +380,10 @@ def markmax(children, mean_p, mean_q, sigma, generator=None) -> Verdict:
 
 
 def _theory(delta, K) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from .theory import _delta, _k, dgrs_positional  # theory imports coupling; keep this one-way
+    from .theory import check_delta, dgrs_positional  # theory imports coupling; keep this one-way
 
-    d = _delta(delta)
-    K = _k(K)
+    d = check_delta(delta)
+    K = check_int("K", K)
     flat = torch.as_tensor(d.reshape(-1), dtype=torch.float64)
     acc = np.empty(flat.shape[0])
     pos = np.empty((flat.shape[0], K))

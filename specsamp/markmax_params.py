@@ -43,7 +43,7 @@ def _log_cdf(x: torch.Tensor) -> torch.Tensor:
     return torch.special.log_ndtr(x)
 
 
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x <= 0`` (``-inf`` at 0), accurate in both regimes."""
     x = x.clamp(max=0.0)
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
@@ -58,7 +58,7 @@ def log_one_minus_cdf_pow(y: torch.Tensor, K: int) -> torch.Tensor:
     """
     x = log_sf(y)  # log Phibar(y)
     log_cdf = torch.where(y < 0, _log_cdf(y), torch.log1p(-torch.exp(x)))
-    exact = _log1mexp(K * log_cdf)
+    exact = log1mexp(K * log_cdf)
     small = (x + math.log(K) < -23.0) & (y > 0)
     approx = math.log(K) + x + torch.log1p(-0.5 * (K - 1) * torch.exp(x))
     return torch.where(small, approx, exact)
@@ -77,8 +77,9 @@ def _bracket(right_of, lo: torch.Tensor, hi: torch.Tensor, steps: int) -> tuple[
     return lo, hi
 
 
-def _bisect(right_of, lo: torch.Tensor, hi: torch.Tensor, steps: int) -> torch.Tensor:
-    """Midpoint of :func:`_bracket`."""
+def bisect_midpoint(right_of, lo: torch.Tensor, hi: torch.Tensor, steps: int) -> torch.Tensor:
+    """The root of a monotone predicate, elementwise: the midpoint of ``[lo, hi]`` (``[n]`` each) after ``steps``
+    bisections (:func:`_bracket`; ``right_of(x)`` True where the root lies above ``x``), with no host synchronisation."""
     lo, hi = _bracket(right_of, lo, hi, steps)
     return 0.5 * (lo + hi)
 
@@ -107,7 +108,7 @@ def crossing(delta: torch.Tensor, K: int) -> torch.Tensor:
     lo = -delta / (K - 1) - 1.0
     hi = torch.sqrt(2.0 * torch.log((2.0 * (K - 1) / (delta * math.sqrt(2.0 * math.pi))).clamp_min(1.0))) + 1.0
     log_target = torch.log(delta / (K - 1))
-    y_h = _bisect(lambda y: _log_phi(y) - _log_cdf(y) > log_target, lo, hi, ROOT_STEPS)
+    y_h = bisect_midpoint(lambda y: _log_phi(y) - _log_cdf(y) > log_target, lo, hi, ROOT_STEPS)
 
     def h(y):
         return log_k + (K - 1) * _log_cdf(y) - delta * y + 0.5 * delta * delta
@@ -121,7 +122,7 @@ def log_bound_gap(delta: torch.Tensor, K: int, c: torch.Tensor) -> torch.Tensor:
     """``log R``, ``R = Phi(c)^K - Phi(c - delta) = Phibar(c - delta) - (1 - Phi(c)^K)``, from the tails."""
     log_t1 = log_sf(c - delta)
     log_t2 = log_one_minus_cdf_pow(c, K)
-    return log_t1 + _log1mexp(torch.clamp(log_t2 - log_t1, max=0.0))
+    return log_t1 + log1mexp(torch.clamp(log_t2 - log_t1, max=0.0))
 
 
 @dataclass
@@ -160,7 +161,7 @@ def make_params(delta: torch.Tensor, K: int, t: torch.Tensor, c=None, log_R=None
 
 
 @dataclass
-class _At:
+class RuleAt:
     """The rule's functions at points ``y`` (``[n]`` or ``[n, m]``), from one ``log_ndtr`` call."""
 
     log_vk: torch.Tensor  # log V(y)^K = log(A + t Q(y))            (y <= c)
@@ -169,7 +170,8 @@ class _At:
     log_z: torch.Tensor  # log(t q / V^K) = d log V^K / dy          (y <= c)
 
 
-def _at(y: torch.Tensor, p: MarkMaxParams) -> _At:
+def rule_at(y: torch.Tensor, p: MarkMaxParams) -> RuleAt:
+    """:class:`RuleAt` of the rule with parameters ``p`` (one row per ``p.delta`` entry) at points ``y`` ``[n]`` or ``[n, m]``."""
     shape = p.delta.shape + (1,) * (y.ndim - p.delta.ndim)
     d = p.delta.reshape(shape)
     log_t = torch.log(p.t).reshape(shape)
@@ -177,9 +179,9 @@ def _at(y: torch.Tensor, p: MarkMaxParams) -> _At:
     lvk = logaddexp(p.log_A.reshape(shape), log_t + _log_cdf(y - d))
     below = log_t + log_rho - math.log(p.K) - (p.K - 1) / p.K * lvk
     lk = torch.where(y > p.c.reshape(shape), torch.zeros_like(y), below)
-    lr = torch.log1p(-p.t).reshape(shape) + log_rho - _log1mexp(lk)
+    lr = torch.log1p(-p.t).reshape(shape) + log_rho - log1mexp(lk)
     lz = log_t + _log_phi(y - d) - lvk
-    return _At(lvk, lk, lr, lz)
+    return RuleAt(lvk, lk, lr, lz)
 
 
 def _log_z(y: torch.Tensor, p: MarkMaxParams) -> torch.Tensor:
@@ -193,12 +195,12 @@ def _log_z(y: torch.Tensor, p: MarkMaxParams) -> torch.Tensor:
 def log_kappa(y: torch.Tensor, p: MarkMaxParams) -> torch.Tensor:
     """log marking probability at projections ``y`` (``[n]`` or ``[n, m]``): 0 above ``c``, else
     ``log(t rho / (K V^(K-1)))``."""
-    return _at(y, p).log_kappa
+    return rule_at(y, p).log_kappa
 
 
 def log_ratio(y: torch.Tensor, p: MarkMaxParams) -> torch.Tensor:
     """``log((1 - t) rho / (1 - kappa))`` at ``y <= c``: GRS's ratio on the unmarked, in ``mu`` units."""
-    return _at(y, p).log_ratio
+    return rule_at(y, p).log_ratio
 
 
 def feasible(p: MarkMaxParams) -> torch.Tensor:
@@ -231,7 +233,7 @@ def feasible(p: MarkMaxParams) -> torch.Tensor:
         return (s < 0) & (torch.log(torch.clamp(-s, min=1e-300)) + logaddexp(log_a, _log_cdf(s)) > _log_phi(s))
 
     s_lo = torch.minimum(Y_LO - delta, torch.full_like(delta, Y_LO))
-    s_m = _bisect(w_pos, s_lo, torch.zeros_like(delta), CERT_STEPS)
+    s_m = bisect_midpoint(w_pos, s_lo, torch.zeros_like(delta), CERT_STEPS)
     y_lo = torch.full_like(delta, Y_LO)
     y_m = torch.minimum(torch.clamp(s_m + delta, min=Y_LO), c)
     log_theta = math.log(K / (K - 1)) + torch.log(delta)
@@ -239,10 +241,10 @@ def feasible(p: MarkMaxParams) -> torch.Tensor:
     # bracket ends outside the interval: z <= theta at y_a (z increasing left of y_m), at y_b (decreasing)
     y_a, _ = _bracket(lambda y: _log_z(y, q) <= log_theta, y_lo, y_m, CERT_STEPS)
     _, y_b = _bracket(lambda y: _log_z(y, q) > log_theta, y_m, c, CERT_STEPS)
-    ok_kappa = (_at(y_a, q).log_kappa <= 1e-12) & (_at(c, q).log_kappa <= 1e-12)
+    ok_kappa = (rule_at(y_a, q).log_kappa <= 1e-12) & (rule_at(c, q).log_kappa <= 1e-12)
     frac = torch.linspace(0.0, 1.0, PIECES + 1, dtype=torch.float64, device=delta.device)[None]
-    left = _at(y_a[:, None] + (y_m - y_a)[:, None] * frac, q)
-    right = _at(y_m[:, None] + (y_b - y_m)[:, None] * frac, q)
+    left = rule_at(y_a[:, None] + (y_m - y_a)[:, None] * frac, q)
+    right = rule_at(y_m[:, None] + (y_b - y_m)[:, None] * frac, q)
     b1 = (left.log_kappa[:, :-1] + left.log_z[:, 1:]).amax(1)
     b2 = (right.log_kappa[:, :-1] + right.log_z[:, :-1]).amax(1)
     bound = torch.maximum(b1, b2) + math.log((K - 1) / K)
@@ -265,12 +267,12 @@ class GRSLevels:
     y: torch.Tensor
 
 
-def _owed_above(y: torch.Tensor, p: MarkMaxParams, mu: torch.Tensor) -> torch.Tensor:
+def owed_above(y: torch.Tensor, p: MarkMaxParams, mu: torch.Tensor) -> torch.Tensor:
     """``int_y^c [(1 - t) q - mu phi (1 - kappa)] = (1 - t)(Q(c) - Q(y)) - mu (V(y) - Phi(y))``."""
     shape = p.delta.shape + (1,) * (y.ndim - p.delta.ndim)
     d, c = p.delta.reshape(shape), p.c.reshape(shape)
     qdiff = (torch.exp(_log_cdf(c - d)) - torch.exp(_log_cdf(y - d))).clamp_min(0.0)
-    v = torch.exp(_at(y, p).log_vk / p.K)
+    v = torch.exp(rule_at(y, p).log_vk / p.K)
     vdiff = (v - torch.exp(_log_cdf(y))).clamp_min(0.0)
     return (1.0 - p.t.reshape(shape)) * qdiff - mu.reshape(shape) * vdiff
 
@@ -294,7 +296,7 @@ def _level_root(p: MarkMaxParams, grid_y, grid_lr, log_m, static: bool = False) 
     K = p.K
     inner = (cnt > 0) & (cnt < G)
     for _ in range(NEWTON_STEPS if static or bool(inner.any()) else 0):
-        at = _at(y, p)
+        at = rule_at(y, p)
         f = at.log_ratio - log_m
         lo = torch.where(f < 0, y, lo)
         hi = torch.where(f > 0, y, hi)
@@ -328,7 +330,7 @@ def grs_on_unmarked(p: MarkMaxParams, static: bool = False) -> GRSLevels:
     top = torch.clamp(torch.minimum(p.c, p.delta + Y_SPAN), min=Y_LO)
     frac = torch.linspace(0.0, 1.0, LEVEL_GRID, dtype=torch.float64, device=A.device)[None]
     grid_y = torch.minimum(Y_LO + (top - Y_LO)[:, None] * frac, top[:, None])
-    grid_lr = _at(grid_y, p).log_ratio
+    grid_lr = rule_at(grid_y, p).log_ratio
     full = p.t >= 1  # nothing owed below c: every H_k is the part above c
     mu, gam, ys = [torch.zeros_like(A)], [A], [torch.full_like(A, Y_LO)]
     for _ in range(K):
@@ -337,7 +339,7 @@ def grs_on_unmarked(p: MarkMaxParams, static: bool = False) -> GRSLevels:
             yk = p.c
         else:
             yk = torch.where(full, p.c, _level_root(p, grid_y, grid_lr, torch.log(m), static))
-        g = _owed_above(yk, p, m) + R
+        g = owed_above(yk, p, m) + R
         g = torch.minimum(torch.maximum(g, R), gam[-1])
         mu.append(m)
         gam.append(g)

@@ -24,7 +24,8 @@ from .grs import grs_levels
 from .trees import DraftTree, check_int
 
 
-def _delta(delta) -> np.ndarray:
+def check_delta(delta) -> np.ndarray:
+    """``delta`` (any shape) as a float64 array; ``ValueError`` unless every entry is finite and >= 0."""
     d = np.asarray(delta, dtype=np.float64)
     if np.any(~np.isfinite(d)) or np.any(d < 0):
         raise ValueError(f"delta must be finite and >= 0, got {delta!r}")
@@ -41,7 +42,7 @@ def rmc_acceptance(delta) -> np.ndarray:
     Raises:
         ValueError: negative or non-finite ``delta``.
     """
-    return 2.0 * special.ndtr(-_delta(delta) / 2.0)
+    return 2.0 * special.ndtr(-check_delta(delta) / 2.0)
 
 
 def rmc_positional(delta, K: int) -> np.ndarray:
@@ -64,7 +65,7 @@ def dgrs_levels(delta, K: int) -> tuple[np.ndarray, np.ndarray]:
     Raises:
         ValueError: bad ``delta`` or ``K``.
     """
-    d = torch.tensor(_delta(delta))  # a copy: the caller's array may be read-only
+    d = torch.tensor(check_delta(delta))  # a copy: the caller's array may be read-only
     lam, g = grs_levels(d, _k(K))
     return lam.numpy(), g.numpy()
 
@@ -104,7 +105,7 @@ def list_coupling_bound(delta, K: int) -> np.ndarray:
     """
     from scipy import optimize
 
-    d = _delta(delta)
+    d = check_delta(delta)
     K = _k(K)
     out = np.empty(d.shape, dtype=np.float64)
     for i, di in np.ndenumerate(d):
