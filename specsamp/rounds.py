@@ -70,8 +70,8 @@ class _Nodes:
         return mean, noise
 
     def velocity(self, sub, u, x_u, depth):
-        """The exact velocities ``[s, *e]`` of nodes ``u`` at states ``x_u``, at depth ``depth`` (an int or ``[s]``; None:
-        the roots, every row, whose velocity is the round's where known)."""
+        """The exact velocities ``[s, *e]`` of nodes ``u`` at states ``x_u`` and depth ``depth`` (an int or ``[s]``), or of
+        the roots where ``depth`` is None (every row: ``v_root`` where exact, else evaluated)."""
         if depth is not None:
             return self.ctx.velocity(x_u, _take(self.n, sub) + depth, _take(self.rows, sub))
         out, todo = self.v_root.clone(), (~self.root_exact).nonzero(as_tuple=True)[0]
@@ -181,9 +181,9 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         v_cur[walk] = nodes.velocity(walk, _take(cur, walk), _take(x_cur, walk), l)  # needed one level down
         if nodes.history is not None:
             _record(nodes, walk, x_cur[walk], v_cur[walk], nodes.n[walk] + l)
-    cols = torch.arange(tree.max_depth, device=dev)[None].expand(m, -1)  # row r verified at depths 1..steps[r]
-    count_verifications(tally, nodes.n, cols, (cols < steps[:, None]).long(), (cols < (steps - rejected.long())[:, None]).long(),
-                        live)
+    cols = torch.arange(tree.max_depth, device=dev)[None].expand(m, -1)  # row r was verified at depths 1..steps[r]
+    tried, accepted = (cols < steps[:, None]).long(), (cols < (steps - rejected.long())[:, None]).long()
+    count_verifications(tally, nodes.n, cols, tried, accepted, live)
     exact = leaf_prefetch(ctx.prefetch, ~rejected, lambda: nodes.evaluated(cur, every))  # finished at an evaluated leaf
     if ctx.prefetch != "none" and (done := exact.nonzero(as_tuple=True)[0]).numel():
         u = cur[done]
@@ -218,7 +218,7 @@ class SparseLayout:
         for n in torch.unique(roots).tolist():
             before = tally.batch_nfe
             _round(ctx, *self.trees[n], _Nodes, st, live[roots == n], tally)
-            most = max(most, tally.batch_nfe - before)  # 1, or 1 + refine with Picard sweeps
+            most = max(most, tally.batch_nfe - before)  # 0 or 1: the rounds of the batch share one call
         tally.batch_nfe = calls + most
 
     def progress(self, r: int, live) -> dict:
