@@ -157,7 +157,7 @@ class DraftRoot:
     Attributes:
         x: ``[m, *e]`` root states ``Y_n``.
         v: ``[m, *e]`` the velocity the round drafts from (the root's own exact velocity where ``exact``;
-            else the prefetched one of a nearby evaluated state, see :func:`specsamp.rounds._prefetch`).
+            else the prefetched one of a nearby evaluated state, see :func:`specsamp.chains.leaf_prefetch`).
         n: ``[m]`` long, root state indices (noise level ``sigma_n``).
         exact: ``[m]`` bool, ``v`` is the root's own exact velocity.
         history: the rows' :class:`DraftHistory` (``[m, H, ...]``, earlier states of the committed trajectory,

@@ -289,21 +289,22 @@ class _DenseNodes(_Nodes):
     where it fails, naming trajectory, step and node. Serves the rounds whose deferred checks failed (or whose
     markmax rows the share table could not certify): same keys, same states, so the same numbers."""
 
-    def __init__(self, tree, tensors, rnd, ctx, d: _Drafted):
-        super().__init__(tree, tensors, rnd, ctx)
-        self.d, self.e = d, rnd.x.shape[1:]
-        self.call_rows = d.call_rows[rnd.rows]
-        self.sweep_rows = [r[rnd.rows] for r in d.sweep_rows]
+    def __init__(self, ctx, tree, tensors, st, live, d: _Drafted):
+        super().__init__(ctx, tree, tensors, st, live)
+        self.d, self.e = d, self.x.shape[1:]
 
-    def children(self, sub, x_u, u, k, step, c):
-        ids, b = self.child_ids(u, k), self.r.rows[sub]
-        kids = self.d.states[ids, b[:, None]].view(-1, k, *self.e)
+    def calls(self):
+        return [r[self.rows] for r in self.d.sweep_rows] + [self.d.call_rows[self.rows]]
+
+    def draft(self, sub, u, x_u, ids, step, c):
+        b = self.rows[sub]
+        kids = self.d.states[ids, b[:, None]].view(-1, ids.shape[1], *self.e)
         if self.d.refined is None:
-            return self.proposal_mean(sub, x_u[:, None], step, c)[:, 0], kids, ids
-        return self.ctx.schedule.kernel.mean(x_u, self.d.refined[u, b].view_as(x_u), c), kids, ids
+            return self.proposal_mean(sub, x_u, step, c), kids
+        return self.ctx.schedule.kernel.mean(x_u, self.d.refined[u, b].view_as(x_u), c), kids
 
-    def velocity(self, sub, u, x_u):
-        b = self.r.rows[sub]
+    def velocity(self, sub, u, x_u, depth):
+        b = self.rows[sub]
         return torch.where((u == 0)[:, None], self.d.v0[b], self.d.vrest[(u - 1).clamp(min=0), b]).view_as(x_u)
 
 

@@ -8,8 +8,6 @@ their key alone, so drawing them per verification or per round must give the sam
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -57,11 +55,10 @@ def test_a_rounds_uniform_table_draws_what_each_verification_would(monkeypatch, 
 def test_kernel_coefficients_from_the_table_equal_the_schedule_bit_for_bit(dtype):
     # the round gathers a step's coefficients from the run's table (events of two dimensions, T = 12, eps = 0.4)
     sch = Schedule.make(12, 0.4)
-    ctx = SimpleNamespace(schedule=sch, tables=None, coef_table=None)
     g = torch.Generator().manual_seed(0)
     n = torch.randint(1, sch.steps - 1, (40,), generator=g)
     x, v = (torch.randn(40, 3, 2, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
-    c = rounds._coefs(ctx, n, x)
+    c = sch.kernel.coefs(n, x)
     assert c["std"].shape == (40, 1, 1) and c["std"].dtype == dtype
     assert torch.equal(sch.kernel.mean(x, v, c), sch.mean(x, v, n))
     assert torch.equal(c["std"].reshape(-1), sch.std(n).to(dtype))
