@@ -60,20 +60,20 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
     network = _network_outside() if ctx.compiled else _network
     v_root, root_exact, M = st.v_root, st.root_exact, n.shape[0]
-    sweep_rows, refined = [], None
+    calls, refined = [], None  # the rows each call evaluates, per batch row: the Picard sweeps', then the round's own
     for sweep_plan, sweep_kind in sweeps:
-        sweep_rows.append(torch.where(live, lt.internal_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
+        calls.append(torch.where(live, lt.internal_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
         v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, sweep_plan, sweep_kind)
         v_root, root_exact = torch.where(live[:, None], v0, v_root.reshape(M, -1)), root_exact | live
         refined = _picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, len(kern.columns))
     v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, plan, plan_kind)
-    call_rows = torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long)
+    calls.append(torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
     if drafted_only:
-        return _Drafted(states, v0, vrest, refined, call_rows, sweep_rows)
+        return _Drafted(states, v0, vrest, refined, calls)
     with deferred_checks() as checks:
         walk = _verify(ctx, lt, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined)
     bad = walk[-1] if checks.bad is None else walk[-1] | checks.bad
-    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], [*sweep_rows, call_rows])
+    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], calls)
     return commit, n_new, exact_new, bad, live
 
 
@@ -203,8 +203,7 @@ def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, 
             rejected, out, calls: list):
     """Line 24 for every row: the prefetch (the rules of :func:`specsamp.chains.leaf_prefetch` and
     :func:`~specsamp.chains.nearest_sibling`), the draft's history (:func:`_lean_history`) and the commit.
-    Returns ``(commit, n_new, exact_new)`` as :func:`_lean_round` does; ``calls``: the rows each batched call evaluated
-    per batch row (the Picard sweeps', then the round's own)."""
+    Returns ``(commit, n_new, exact_new)`` as :func:`_lean_round` does; ``calls``: as :class:`_Drafted`'s."""
     n, ar = st.n, lt.ar
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected, lt.zero_long)
@@ -272,15 +271,14 @@ def _picard(lt: _LeanTree, states: torch.Tensor, vel: torch.Tensor, innov: torch
 class _Drafted:
     """A dense round's tree after its batched call, for the checked walk (:class:`_DenseNodes`): ``states [N, M, D]``,
     the roots' and the other nodes' velocities ``v0 [M, D]`` and ``vrest [N-1, M, D]``, the last Picard sweep's
-    velocities ``refined [N, M, D]`` (None without sweeps), and the rows each call evaluated per batch row:
-    ``call_rows [M]`` (the round's own) and ``sweep_rows`` (one ``[M]`` per sweep)."""
+    velocities ``refined [N, M, D]`` (None without sweeps), and the rows each call evaluated per batch row (``[M]``
+    each: the sweeps', then the round's own)."""
 
     states: torch.Tensor
     v0: torch.Tensor
     vrest: torch.Tensor
     refined: torch.Tensor | None
-    call_rows: torch.Tensor
-    sweep_rows: list
+    calls: list
 
 
 class _DenseNodes(_Nodes):
@@ -294,7 +292,7 @@ class _DenseNodes(_Nodes):
         self.d, self.e = d, self.x.shape[1:]
 
     def calls(self):
-        return [r[self.rows] for r in self.d.sweep_rows] + [self.d.call_rows[self.rows]]
+        return [r[self.rows] for r in self.d.calls]
 
     def draft(self, sub, u, x_u, ids, step, c):
         b = self.rows[sub]
@@ -410,20 +408,16 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refin
 
 
 class DenseLayout:
-    """The dense round's layout for :func:`specsamp.chains.run_rounds` (the tree execution).
+    """The dense round's layout for :func:`specsamp.chains.run_rounds` (the tree execution); fills ``ctx``'s dense fields.
 
-    ``tree``: the run's fixed tree, or ``{n: T_n}`` for step-dependent trees: one :class:`_LeanTree` per distinct
-    ``T_n``, built when a round first uses it, all sharing one set of buffers; a round runs one dense round per
-    distinct tree of the live rows (every row of the batch, the others padded), committed one after the other
-    and charged as one batched call per call of the round. ``lean_round``: :func:`_lean_round` as it runs
-    (``compile=true``: :func:`specsamp.compiled.compiled_round`). Fills the dense round's fields of ``ctx``.
+    ``tree``: a fixed tree, or ``{n: T_n}``: one :class:`_LeanTree` per distinct ``T_n`` (built on first use, sharing
+    one set of buffers), one dense round per distinct tree of the live rows, committed one after the other and
+    charged as one batched call per call. ``lean_round``: :func:`_lean_round`, or its compiled form.
 
-    One host synchronisation per round: whether a deferred check failed, and the rows' new state indices and
-    root flags, kept here as host copies; from those the host knows, before the next round, which rows are live,
-    which tree each uses and which nodes each call evaluates (:meth:`_calls`). Where a check failed, the round is
-    served again by the checked walk (:class:`_DenseNodes`) on the same keys, which raises the precise error (or,
-    where only nodes off the walk's path were bad, or markmax rows its share table could not certify, commits the
-    same round).
+    One host synchronisation per round reads whether a deferred check failed and the rows' new state indices and
+    root flags: from those host copies the next round's live rows, trees and call plans follow (:meth:`_calls`).
+    Where a check failed, the checked walk (:class:`_DenseNodes`) serves the round again on the same keys: it raises
+    the precise error, or commits the same round (bad nodes off the path; markmax rows its table could not certify).
     """
 
     def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, tree: DraftTree | dict, lean_round: Callable | None = None):
