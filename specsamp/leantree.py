@@ -30,10 +30,9 @@ VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
 class _LeanTree:
     """Static index tensors of one fixed :class:`DraftTree` (``N`` nodes, depth ``L``), built once per run: ``depth``,
-    ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``, the ancestor of ``v`` at
-    depth ``j`` (``v`` itself below it), and ``anc_t [N-1, N]`` (states' dtype), 1 where edge ``e`` lies above ``v``
-    (``e`` is ``v`` or its ancestor); ``layer_bounds`` (layer ``l``: nodes ``[b[l], b[l+1])``), ``layer_parents`` per
-    depth; ``child_pad``, ``child_ok`` ``[N, Kmax]``: children (clamped), which exist."""
+    ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``, ``v``'s ancestor at depth
+    ``j`` (``v`` below it); ``anc_t [N-1, N]``, 1 where the edge into ``e`` lies above ``v`` (states' dtype); per depth
+    ``layer_bounds`` (nodes ``[b[l], b[l+1])``), ``layer_parents``; ``child_pad``, ``child_ok`` ``[N, Kmax]``."""
 
     def __init__(self, tree: DraftTree, dev, dtype):
         N, L = self.N, self.L = len(tree), tree.max_depth
@@ -44,22 +43,20 @@ class _LeanTree:
             up[v, : tree.depth[v]] = up[tree.parent[v], : tree.depth[v]]
         self.anc_at_depth = _long(up, dev)
         self.anc_t = torch.as_tensor(np.ascontiguousarray(up.T[tree.depth[1:]] == np.arange(1, N)[:, None]), dtype=dtype, device=dev)
-        self.depth1_row = (self.depth + 1)[None]
-        self.dm1 = self.depth[1:] - 1
+        self.depth1_row, self.dm1 = (self.depth + 1)[None], self.depth[1:] - 1
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
         self.one = torch.ones((), dtype=dtype, device=dev)
         self.layer_bounds = [0, *tree.layer_end.tolist()]
         self.layer_parents = [_long(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])]
-        self.ids = torch.arange(1, N, device=dev)
-        self.key_cache = self.noise_cache = self.uniform_cache = None
+        self.ids, self.nodes = torch.arange(1, N, device=dev), torch.arange(N, device=dev)
+        self.key_cache = self.noise_cache = self.uniform_cache = None  # per-run tables (lean.DenseLayout, _draw_tables)
         self.noise_scaled = False
-        self.nodes = torch.arange(N, device=dev)
         j = torch.arange(int(tree.num_children.max()), device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
         self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
-        d = np.arange(L + 1)[:, None]
         self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
-            leaves: round_masks(tree.depth[None], tree.num_children[None] > 0, d, leaves)[1] for leaves in (False, True)}
+            leaves: round_masks(tree.depth[None], tree.num_children[None] > 0, np.arange(L + 1)[:, None], leaves)[1]
+            for leaves in (False, True)}
         self.edge_slot = (self.ids - self.first_child[self.parent1])[None]  # each child's place among its siblings
         self.vrest_row = (self.nodes - 1).clamp(min=0)  # node v's row of the non-root velocities (0 for the root)
         self.is_root_col = (self.nodes == 0)[:, None]
