@@ -140,7 +140,8 @@ class _LeanBuffers:
 
 
 def _long(a, dev) -> torch.Tensor:
-    return torch.as_tensor(a, dtype=torch.long, device=dev)
+    """Host indices as a long tensor, through a list (under inference mode, an array's dtype cast is an operation)."""
+    return torch.as_tensor(np.asarray(a).tolist(), dtype=torch.long, device=dev)
 
 
 def _as_slice(ids: np.ndarray) -> slice | None:
