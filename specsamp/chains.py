@@ -91,8 +91,7 @@ def commit_round(st: _Chains, tally: _Tally, live: torch.Tensor, x: torch.Tensor
     long ``[m]`` (distinct), values for those rows, written in place. Dense: ``live`` bool ``[M]``, values for every
     row (rows outside it keep theirs, ``steps`` 0), assigned anew: another tree's round may have committed since."""
     if live.dtype == torch.bool:
-        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
-        tally.committed.scatter_add_(1, col, steps[:, None])
+        tally.committed.scatter_add_(1, tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None], steps[:, None])
         tally.rounds += live
         live_e = live.reshape((-1,) + (1,) * (st.x.ndim - 1))
         st.x, st.n = torch.where(live_e, x, st.x), torch.where(live, n_new, st.n)
