@@ -91,30 +91,19 @@ def commit_round(st: _Chains, tally: _Tally, live: torch.Tensor, x: torch.Tensor
     long ``[m]`` (distinct), values for those rows, written in place. Dense: ``live`` bool ``[M]``, values for every
     row (rows outside it keep theirs, ``steps`` 0), assigned anew: another tree's round may have committed since."""
     if live.dtype == torch.bool:
-        col = tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None]
-        tally.committed.scatter_add_(1, col, steps[:, None])
+        tally.committed.scatter_add_(1, tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None], steps[:, None])
         tally.rounds += live
         live_e = live.reshape((-1,) + (1,) * (st.x.ndim - 1))
-        st.x = torch.where(live_e, x, st.x)
-        st.n = torch.where(live, n_new, st.n)
-        st.v_root = torch.where(live_e, v, st.v_root)
-        st.root_exact = torch.where(live, exact, st.root_exact)
+        st.x, st.n = torch.where(live_e, x, st.x), torch.where(live, n_new, st.n)
+        st.v_root, st.root_exact = torch.where(live_e, v, st.v_root), torch.where(live, exact, st.root_exact)
         if st.history is not None:
             st.history = st.history.where(~live, history)
         return
     tally.committed[live, tally.rounds[live]] = steps
     tally.rounds[live] += 1
-    st.x[live] = x
-    st.n[live] = n_new
-    st.v_root[live] = v
-    st.root_exact[live] = exact
+    st.x[live], st.n[live], st.v_root[live], st.root_exact[live] = x, n_new, v, exact
     if st.history is not None:
         st.history.put(live, history)
-
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm over the last dimension."""
-    return torch.linalg.vector_norm(t, dim=-1)
 
 
 def leaf_prefetch(prefetch: str, finished: torch.Tensor, leaf_evaluated: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -131,7 +120,7 @@ def nearest_sibling(ok: torch.Tensor, kids: torch.Tensor, x: torch.Tensor, inf) 
     the call evaluated (``ok [r, K]``), the nearest (Euclidean) to the committed state ``x [r, ...]``. Returns
     ``(has [r], best [r])``: whether there is one, and its index. The other rules: :func:`leaf_prefetch`."""
     d = kids - x[:, None]
-    dist = row_reduce(_norm, d if d.ndim == 3 else d.reshape(*ok.shape, -1))
+    dist = row_reduce(lambda t: torch.linalg.vector_norm(t, dim=-1), d if d.ndim == 3 else d.reshape(*ok.shape, -1))
     return ok.any(1), torch.where(ok, dist, inf).argmin(1)
 
 
@@ -208,21 +197,16 @@ def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape,
 def endpoint_noise(ctx: _Context, x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` plus the kernel's noise of endpoint step ``n`` (0 or ``T - 1``) where the kernel has one there,
     keyed as the standard sampler keys its step ``n``; ``x`` itself for Euler--Maruyama (no noise, no bits)."""
-    if not ctx.schedule.stochastic_endpoints:
-        return x
-    std = float(ctx.schedule.std(torch.tensor([n]))[0])
-    if std == 0.0:
-        return x
-    return x + std * rng.normal(rng.fold(ctx.step_keys, n), tuple(x.shape[1:]), dtype=x.dtype)
+    std = float(ctx.schedule.std(torch.tensor([n]))[0]) if ctx.schedule.stochastic_endpoints else 0.0
+    return x if std == 0.0 else x + std * rng.normal(rng.fold(ctx.step_keys, n), tuple(x.shape[1:]), dtype=x.dtype)
 
 
 def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: _Tally, init=None) -> _Chains:
     """Step 0 (Algorithm 1, line 1): deterministic Euler from sigma = 1 for Euler--Maruyama, else the scheduler's."""
-    dev = ids.device
-    M = ids.numel()
+    dev, M = ids.device, ids.numel()
     x = initial_state(ctx.schedule, seed, ids, model.event_shape, model.dtype, init)
-    n = torch.zeros(M, dtype=torch.long, device=dev)
-    v0 = ctx.velocity(x, n, torch.arange(M, device=dev))
+    n, rows = torch.zeros(M, dtype=torch.long, device=dev), torch.arange(M, device=dev)
+    v0 = ctx.velocity(x, n, rows)
     tally.endpoint_nfe += 1
     if ctx.schedule.stochastic_endpoints:
         ctx.step_keys = rng.base_key(seed, ids, "step", device=dev)
@@ -238,7 +222,7 @@ def _first_step(ctx: _Context, model, seed: int, ids: torch.Tensor, warmup: str,
     H = ctx.draft.history
     if H > 0:  # the step-0 state's exact data prediction opens the trajectory's history
         st.history = DraftHistory.empty(x, H)
-        st.history.push(torch.arange(M, device=dev), data_prediction(x, v0, n, ctx.schedule), n, x)
+        st.history.push(rows, data_prediction(x, v0, n, ctx.schedule), n, x)
     return st
 
 
@@ -271,17 +255,11 @@ def run_rounds(ctx: _Context, st: _Chains, tally: _Tally, warmup: str, callback,
 def _final_step(ctx: _Context, st: _Chains, tally: _Tally, need_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Step ``T - 1``, a deterministic Euler step to sigma = 0, reusing an exact velocity the last round left;
     ``need_rows``: the rows without one, where the caller knows them (no host sync)."""
-    M = st.x.shape[0]
-    last = torch.full((M,), ctx.schedule.steps - 1, dtype=torch.long, device=st.x.device)
+    T1 = ctx.schedule.steps - 1
+    last = torch.full((st.x.shape[0],), T1, dtype=torch.long, device=st.x.device)
     v_last = st.v_root.clone()
-    need = ~st.root_exact
-    if need_rows is not None:
-        w = need_rows
-    elif bool(need.any()):
-        w = need.nonzero(as_tuple=True)[0]
-    else:
-        w = None
-    if w is not None and w.numel():
+    w = (~st.root_exact).nonzero(as_tuple=True)[0] if need_rows is None else need_rows
+    if w.numel():
         v_last[w] = ctx.velocity(st.x[w], last[w], w)
         tally.endpoint_nfe[w] += 1
-    return endpoint_noise(ctx, ctx.schedule.mean(st.x, v_last, last), ctx.schedule.steps - 1)
+    return endpoint_noise(ctx, ctx.schedule.mean(st.x, v_last, last), T1)

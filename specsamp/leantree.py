@@ -30,55 +30,34 @@ VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
 class _LeanTree:
     """Static index tensors of one fixed :class:`DraftTree` (``N`` nodes, depth ``L``), built once per run: ``depth``,
-    ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc [N, N]``, ``anc[v, w] = 1`` where ``w`` is ``v``
-    or its ancestor (states' dtype); ``layer_sizes``, ``layer_parents`` per depth; ``groups_np``, ``(K, internal nodes
-    [g], children [g, K])`` per width; ``child_pad``, ``child_ok`` ``[N, Kmax]``: children (clamped), which exist."""
+    ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``, ``v``'s ancestor at depth
+    ``j`` (``v`` below it); ``anc_t [N-1, N]``, 1 where the edge into ``e`` lies above ``v`` (states' dtype); per depth
+    ``layer_bounds`` (nodes ``[b[l], b[l+1])``), ``layer_parents``; ``child_pad``, ``child_ok`` ``[N, Kmax]``."""
 
     def __init__(self, tree: DraftTree, dev, dtype):
-        N, L = len(tree), tree.max_depth
-        self.N, self.L = N, L
-        t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
+        N, L = self.N, self.L = len(tree), tree.max_depth
         self.tree, self.tensors = tree, tree.index_tensors(dev)
         self.depth, self.parent, self.first_child, self.num_children = (self.tensors[k] for k in ("depth", "parent", "first_child", "num_children"))
-        anc = np.eye(N)
+        up = np.tile(np.arange(N)[:, None], (1, L + 1))
         for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
-            anc[v] += anc[int(tree.parent[v])]
-        self.anc = torch.as_tensor(anc, dtype=dtype, device=dev)
-        self.anc_t = self.anc[:, 1:].T.contiguous()  # [N-1, N]: which nodes each non-root edge lies above
-        self.depth1_row = (self.depth + 1)[None]
-        self.dm1 = self.depth[1:] - 1
-        self.dcol = self.depth.clamp(max=max(L - 1, 0))[None]  # the depth column of a node's verification
+            up[v, : tree.depth[v]] = up[tree.parent[v], : tree.depth[v]]
+        self.anc_at_depth = _long(up, dev)
+        self.anc_t = torch.as_tensor(np.ascontiguousarray(up.T[tree.depth[1:]] == np.arange(1, N)[:, None]), dtype=dtype, device=dev)
+        self.depth1_row, self.dm1 = (self.depth + 1)[None], self.depth[1:] - 1
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
         self.one = torch.ones((), dtype=dtype, device=dev)
-        self.num_children_np = np.asarray(tree.num_children)
-        self.depth_np = np.asarray(tree.depth)
-        self.layer_sizes = [1] + [int(tree.layer_end[l] - tree.layer_end[l - 1]) for l in range(1, L + 1)]
-        self.layer_parents = [t(tree.parent[tree.layer(l)]) for l in range(1, L + 1)]
-        self.layer_bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)]).tolist()  # layer l: nodes [b[l], b[l+1])
-        self.ids = torch.arange(1, N, device=dev)
-        self.key_cache = self.noise_cache = self.uniform_cache = None
+        self.layer_bounds = [0, *tree.layer_end.tolist()]
+        self.layer_parents = [_long(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])]
+        self.ids, self.nodes = torch.arange(1, N, device=dev), torch.arange(N, device=dev)
+        self.key_cache = self.noise_cache = self.uniform_cache = None  # per-run tables (lean.DenseLayout, _draw_tables)
         self.noise_scaled = False
-        self.nodes = torch.arange(N, device=dev)
-        self.groups_np = []  # (K, internal nodes, their children) per distinct width
-        for k in sorted({int(c) for c in tree.num_children if c > 0}):
-            u = [v for v in range(N) if int(tree.num_children[v]) == k]
-            self.groups_np.append((k, u, [[int(tree.first_child[v]) + j for j in range(k)] for v in u]))
-        kmax = int(tree.num_children.max())
-        j = torch.arange(kmax, device=dev)
+        j = torch.arange(int(tree.num_children.max()), device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
         self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
-        depth, internal = np.asarray(tree.depth), np.asarray(tree.num_children) > 0
-        d = np.arange(L + 1)[:, None]
         self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
-            leaves: round_masks(depth[None], internal[None], d, leaves)[1] for leaves in (False, True)}
-        self.edge_slot = (self.ids - self.first_child[self.parent[1:]])[None]  # each child's place among its siblings
-        up = np.tile(np.arange(N)[:, None], (1, L + 1))  # [N, L+1]: the ancestor of v at depth j (v itself below it)
-        for v in range(N):
-            u = v
-            while u >= 0:
-                up[v, : int(tree.depth[u]) + 1] = u
-                u = int(tree.parent[u])
-        self.anc_at_depth = t(up)
+            leaves: round_masks(tree.depth[None], tree.num_children[None] > 0, np.arange(L + 1)[:, None], leaves)[1]
+            for leaves in (False, True)}
+        self.edge_slot = (self.ids - self.first_child[self.parent1])[None]  # each child's place among its siblings
         self.vrest_row = (self.nodes - 1).clamp(min=0)  # node v's row of the non-root velocities (0 for the root)
         self.is_root_col = (self.nodes == 0)[:, None]
         self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
@@ -99,52 +78,43 @@ class _LeanTree:
         """Allocate :class:`_LeanBuffers` (``self.buffers``) for ``M`` rows of ``D`` coordinates, event shape ``event``
         (default ``(D,)``). ``pool``: optional ``{"states", "residual"}`` flat storage shared by a run's trees (their
         rounds run one after another and keep nothing in the buffers), each at least this tree's size."""
-        dev = self.anc.device
-        N = self.N
-        event = tuple(event) if event is not None else (D,)
-        if pool is None:
-            states = torch.empty(N, M, D, dtype=self.anc.dtype, device=dev)
-        else:
-            states = pool["states"][: N * M * D].view(N, M, D)
-        bounds = np.concatenate([[0], np.cumsum(self.layer_sizes)])
-        layers = []
+        N, b, nc, dev = self.N, self.layer_bounds, self.tree.num_children, self.one.device
+
+        def block(name: str, size: int) -> torch.Tensor:  # [size, M, D], the pool's storage where given
+            if pool is None:
+                return torch.empty(size, M, D, dtype=self.one.dtype, device=dev)
+            return pool[name][: size * M * D].view(size, M, D)
+
+        states, layers = block("states", N), []
         for l in range(1, self.L + 1):
-            a, b, pa, pb = int(bounds[l]), int(bounds[l + 1]), int(bounds[l - 1]), int(bounds[l])
-            kids = self.num_children_np[pa:pb]
-            if (kids == kids[0]).all() and kids[0] > 0:
-                k = int(kids[0])
-                out = states[a:b] if k == 1 else states[a:b].view(pb - pa, k, M, D)
-                parent_view = states[pa:pb] if k == 1 else states[pa:pb].view(pb - pa, 1, M, D)
-                layers.append((None, parent_view, None if k == 1 else k, out))
+            kids, out = nc[b[l - 1] : b[l]], states[b[l] : b[l + 1]]
+            k, P = int(kids[0]), b[l] - b[l - 1]
+            if k == 0 or (kids != k).any():
+                layers.append((self.layer_parents[l - 1], None, None, out))
             else:
-                layers.append((self.layer_parents[l - 1], None, None, states[a:b]))
-        t = lambda a: torch.as_tensor(a, dtype=torch.long, device=dev)  # noqa: E731
-        chunks, pos, node_pos = [], 0, np.zeros(N, dtype=np.int64)
+                par = states[b[l - 1] : b[l]]
+                layers.append((None, par, None, out) if k == 1 else (None, par.view(P, 1, M, D), k, out.view(P, k, M, D)))
+        chunks, pos, node_pos, self.width_groups = [], 0, np.zeros(N, dtype=np.int64), []
         budget = max(VERIFY_MEMORY * N * M * D, VERIFY_FLOOR)
-        for k, u_np, ch_np in self.groups_np:
-            per_node = (k + 8) * M * D  # children copy, parents, means and the coupling's work rows
-            step = max(1, int(budget // per_node))
-            for i in range(0, len(u_np), step):
-                uc, cc = u_np[i : i + step], ch_np[i : i + step]
-                flat_ch = [c for row in cc for c in row]
-                node_pos[uc] = np.arange(pos, pos + len(uc))
-                chunks.append((k, t(uc), _as_slice(uc), t(cc), _as_slice(flat_ch), t(self.depth_np[uc]), bool(uc[0] == 0),
-                               slice(pos, pos + len(uc))))
-                pos += len(uc)
+        for k in np.unique(nc[nc > 0]).tolist():
+            u_k = np.flatnonzero(nc == k)
+            ch_k = self.tree.first_child[u_k, None] + np.arange(k)
+            step = max(1, int(budget // ((k + 8) * M * D)))  # per node: children copy, parents, means, the coupling's rows
+            for i in range(0, len(u_k), step):
+                u, ch = u_k[i : i + step], ch_k[i : i + step]
+                node_pos[u] = np.arange(pos, pos + len(u))
+                chunks.append((k, _long(u, dev), _as_slice(u), _long(ch, dev), _as_slice(ch.ravel()), _long(self.tree.depth[u], dev),
+                               bool(u[0] == 0), slice(pos, pos + len(u))))
+                pos += len(u)
+            self.width_groups.append((k, _long(u_k[0], dev), torch.as_tensor(nc == k, device=dev)))
         # internal nodes' verdict samples, kept where small; else redrawn (same keys) for the walk's one node per row
-        if pos * M * D > RESIDUAL_CACHE:
-            residual = None
-        elif pool is None:
-            residual = torch.empty(pos, M, D, dtype=states.dtype, device=dev)
-        else:
-            residual = pool["residual"][: pos * M * D].view(pos, M, D)
-        self.width_groups = [(k, t(u_np[0]), torch.as_tensor(self.num_children_np == k, device=dev)) for k, u_np, _ in self.groups_np]
-        self.pos_c = t(node_pos)
-        self.rows = torch.arange(M, device=dev).repeat(N)  # the batch row of every node-major state
-        self.rows_rest = self.rows[M:]
+        residual = block("residual", pos) if pos * M * D <= RESIDUAL_CACHE else None
+        self.pos_c = _long(node_pos, dev)
         self.ar = torch.arange(M, device=dev)
-        self.ar_col = self.ar[:, None]
-        self.dcol_m = self.dcol.expand(M, N)
+        self.rows = self.ar.repeat(N)  # the batch row of every node-major state
+        self.rows_rest, self.ar_col = self.rows[M:], self.ar[:, None]
+        self.dcol_m = self.depth.clamp(max=max(self.L - 1, 0))[None].expand(M, N)  # the depth column of a verification
+        event = (D,) if event is None else tuple(event)
         self.root_state = states[0].view(M, *event)  # node 0's states as the batch's, and the others as the call's input
         self.rest_states = states[1:].view((N - 1) * M, *event)
         self.buffers = _LeanBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
@@ -169,8 +139,13 @@ class _LeanBuffers:
     idx: torch.Tensor
 
 
-def _as_slice(ids: list[int]) -> slice | None:
-    return slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
+def _long(a, dev) -> torch.Tensor:
+    """Host indices as a long tensor, through a list (under inference mode, an array's dtype cast is an operation)."""
+    return torch.as_tensor(np.asarray(a).tolist(), dtype=torch.long, device=dev)
+
+
+def _as_slice(ids: np.ndarray) -> slice | None:
+    return slice(int(ids[0]), int(ids[-1]) + 1) if np.array_equal(ids, np.arange(ids[0], ids[-1] + 1)) else None
 
 
 def _upload(a: np.ndarray, dev) -> torch.Tensor:
@@ -195,8 +170,7 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
     dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
     lt.internal_by_root, lt.evaluated_by_root = round_masks(lt.depth[None], lt.num_children[None] > 0, dl, ctx.evaluate_leaves)
     lt.evaluated_count, lt.internal_count = lt.evaluated_by_root.sum(1), lt.internal_by_root.sum(1)
-    lt.zero_long = torch.zeros((), dtype=torch.long, device=dev)
-    lt.false = torch.zeros((), dtype=torch.bool, device=dev)
+    lt.zero_long, lt.false = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
     lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)
     lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, lt.std_col, :, 0], lt.one)
                         for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
@@ -210,22 +184,20 @@ def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared:
     ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection coupling's one). Same keys, so the same
     numbers as per-round draws. ``shared``: the run's other trees' tables, reused where nodes (and widths) match."""
     N = lt.N
+
+    def once(key, make):  # the run's table under key, made by its first tree; the tree's own without shared
+        if shared is not None and key not in shared:
+            shared[key] = make()
+        return make() if shared is None else shared[key]
+
+    noise = lambda: rng.draft_noise(lt.key_cache[0], e, dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)  # noqa: E731
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
         if shared is None:
-            z = rng.draft_noise(lt.key_cache[0], e, dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)
             std = lt.coefs_by_root[lt.dm1, lt.std_col]  # [N-1, T, 1]: each node's parent step, per root
-            lt.noise_cache, lt.noise_scaled = (z * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
+            lt.noise_cache, lt.noise_scaled = (noise() * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
         else:
-            if ("noise", N) not in shared:
-                z = rng.draft_noise(lt.key_cache[0], e, dtype).reshape(M, T, N - 1, D)
-                shared["noise", N] = z.permute(2, 0, 1, 3).contiguous()
-            lt.noise_cache = shared["noise", N]
-    widths = rng.verify_widths(lt.num_children_np)
+            lt.noise_cache = once(("noise", N), lambda: noise().contiguous())
+    widths = rng.verify_widths(lt.tree.num_children)
     if M * T * N * sum(widths) <= UNIFORM_CACHE:
-        if shared is None or ("uniform", N, widths) not in shared:
-            tabs = [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(lt.key_cache[1], widths)]
-            if shared is None:
-                lt.uniform_cache = tabs
-                return
-            shared["uniform", N, widths] = tabs
-        lt.uniform_cache = shared["uniform", N, widths]
+        lt.uniform_cache = once(("uniform", N, widths),
+                                lambda: [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(lt.key_cache[1], widths)])
