@@ -114,7 +114,7 @@ def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
     else:  # components on a leading axis, combined once for every depth as the draft's mean combines them: [L, M, D]
         frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1)))
     # a layer whose parents all have K children adds the mean of the parent layer (no gather); others gather parents
-    for l, (parents, parent_view, k, out_view) in enumerate(lt.buffers.layers, start=1):
+    for l, (parents, parent_view, out_view) in enumerate(lt.buffers.layers, start=1):
         x_par = parent_view if parents is None else states[parents]
         out_view += _proposal_mean(ctx, frozen, frozen_col, None, x_par, kern.named(per_depth[NC * (l - 1) : NC * l]), n, l - 1)
     return states, coefs, per_depth, frozen, frozen_col, innov

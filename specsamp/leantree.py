@@ -90,10 +90,10 @@ class _LeanTree:
             kids, out = nc[b[l - 1] : b[l]], states[b[l] : b[l + 1]]
             k, P = int(kids[0]), b[l] - b[l - 1]
             if k == 0 or (kids != k).any():
-                layers.append((self.layer_parents[l - 1], None, None, out))
+                layers.append((self.layer_parents[l - 1], None, out))
             else:
                 par = states[b[l - 1] : b[l]]
-                layers.append((None, par, None, out) if k == 1 else (None, par.view(P, 1, M, D), k, out.view(P, k, M, D)))
+                layers.append((None, par, out) if k == 1 else (None, par.view(P, 1, M, D), out.view(P, k, M, D)))
         chunks, pos, node_pos, self.width_groups = [], 0, np.zeros(N, dtype=np.int64), []
         budget = max(VERIFY_MEMORY * N * M * D, VERIFY_FLOOR)
         for k in np.unique(nc[nc > 0]).tolist():
@@ -124,9 +124,9 @@ class _LeanTree:
 @dataclass
 class _LeanBuffers:
     """The lean round's node-major buffers: ``states [N, M, D]``; ``residual [I, M, D]``, the internal nodes' verdict
-    samples; ``layers``, per depth ``(parents, parent_view, K, out_view)``: where the parents are the whole previous
+    samples; ``layers``, per depth ``(parents, parent_view, out_view)``: where the parents are the whole previous
     layer with ``K`` children each, ``parents`` None and views ``[P, 1, M, D]``, ``[P, K, M, D]`` (both ``[P, M, D]``
-    and ``K`` None for one child), else the parents' ids, ``out_view [C, M, D]`` and the rest None; ``chunks``, the
+    for one child), else the parents' ids, ``parent_view`` None and ``out_view [C, M, D]``; ``chunks``, the
     verification calls ``(K, nodes [c], slice, children [c, K], slice, depths [c], has node 0, rows of residual)``
     (slices None unless contiguous), each at most :data:`VERIFY_MEMORY` of the states in temporaries (one node at
     least); ``acc``, ``idx`` ``[M, N]``: the internal nodes' verdicts (accepted, index), every round; 0 elsewhere."""
