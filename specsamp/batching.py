@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 
-def batched(model, x: torch.Tensor, sigma: torch.Tensor, max_batch: int | None = None, **cond) -> torch.Tensor:
+def batched(model, x: torch.Tensor, sigma: torch.Tensor, max_batch: int | None = None, cond: dict | None = None
+            ) -> torch.Tensor:
     """Evaluate ``model`` on ``x`` in chunks of at most ``max_batch`` rows.
 
     One logical target call (one NFE) may need several forward passes when it does not fit in
@@ -20,12 +21,13 @@ def batched(model, x: torch.Tensor, sigma: torch.Tensor, max_batch: int | None =
         x: ``[b, *event]``.
         sigma: ``[b]``.
         max_batch: rows per forward pass (``None`` or ``<= 0``: all at once).
-        **cond: per-row tensors ``[b, ...]``.
+        cond: per-row tensors ``[b, ...]``, passed to ``model`` as keywords under their own names, whatever they
+            are (a model's ``x`` and ``sigma`` are positional).
 
     Returns:
         ``[b, *event]`` velocities.
     """
-    b = x.shape[0]
+    b, cond = x.shape[0], cond or {}
     if not max_batch or max_batch <= 0 or b <= max_batch:
         return model(x, sigma, **cond)
     outs = []

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
+from .arguments import network_output
 from .batching import batched, row_reduce
 from .coupling import Coupling
 from .drafts import Draft, DraftHistory, data_prediction
@@ -28,7 +29,7 @@ class _Velocity:
     def __call__(self, x: torch.Tensor, n: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
         sigma = self.schedule.sigmas.to(x.device)[n]
         cond = {k: c[traj] for k, c in self.cond.items()}
-        return batched(self.model, x, sigma, self.max_batch, **cond).to(x.dtype)
+        return network_output(batched(self.model, x, sigma, self.max_batch, cond), x.shape).to(x.dtype)
 
 
 def initial_noise(seed: int, ids: torch.Tensor, event_shape, dtype) -> torch.Tensor:

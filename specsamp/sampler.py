@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from . import rng
+from . import arguments, rng
+from .arguments import EXECUTIONS, PREFETCH, WARMUPS  # noqa: F401  (public here)
 from .chains import _Context, _first_step, _Tally, _Velocity, initial_noise, initial_state, run_rounds  # noqa: F401  (initial_noise: public here)
 from .compiled import compiled_round, for_compile
 from .coupling import Coupling, ContractError, NonFiniteSampleError, check_verdict_contract, get_coupling  # noqa: F401  (public here)
@@ -25,17 +25,6 @@ from .result import SampleResult
 from .rounds import SparseLayout
 from .schedule import Schedule, per_row
 from .trees import DraftTree
-
-
-PREFETCH = ("nearest", "parent", "none")
-EXECUTIONS = ("tree", "path")
-WARMUPS = ("call", "step0")
-
-
-def _check_choice(name: str, value, valid) -> str:
-    if value not in valid:
-        raise ConfigError(f"{name}={value!r} is invalid; valid: {', '.join(map(str, valid))}")
-    return value
 
 
 def _trajectory_ids(n_samples: int | None, indices, device) -> torch.Tensor:
@@ -103,7 +92,9 @@ def sample_standard(
     dev = _model_device(model)
     ids = _trajectory_ids(n_samples, indices, dev)
     m = ids.numel()
-    velocity = _Velocity(model, schedule, cond, max_batch)
+    arguments.function("callback", callback, optional=True)
+    arguments.check_sampler_memory(None, m, model.event_shape, model.dtype, dev, execution="path", steps=schedule.steps)
+    velocity = _Velocity(model, schedule, cond, arguments.integer("max_batch", max_batch, optional=True))
     x = initial_state(schedule, seed, ids, model.event_shape, model.dtype, init)
     step_keys = rng.base_key(seed, ids, "step", device=dev)
     traj = torch.arange(m, device=dev)
@@ -224,18 +215,21 @@ def sample_speculative(
         coupling.check_tree(tree)
         if len(tree) < 2:
             raise ValueError("the draft tree must draft at least one state (L >= 1)")
+    elif not callable(tree):
+        raise arguments.refuse("tree", tree, "must be a specsamp.trees.DraftTree or tree(n) -> DraftTree")
+    opts = arguments.sampler_options(prefetch=prefetch, evaluate_leaves=evaluate_leaves, execution=execution,
+                                     max_batch=max_batch, warmup=warmup, check_contract=check_contract, refine=refine)
     ctx = _Context(
         schedule=schedule,
         coupling=coupling,
         draft=get_draft(draft),
-        prefetch=_check_choice("prefetch", prefetch, PREFETCH),
-        evaluate_leaves=bool(evaluate_leaves),
-        velocity=_Velocity(model, schedule, cond, max_batch),
-        check_contract=_contract_default(coupling) if check_contract is None else bool(check_contract),
+        prefetch=opts["prefetch"],
+        evaluate_leaves=opts["evaluate_leaves"],
+        velocity=_Velocity(model, schedule, cond, opts["max_batch"]),
+        check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"],
     )
-    _check_choice("execution", execution, EXECUTIONS)
-    _check_choice("warmup", warmup, WARMUPS)
-    ctx.refine = _check_refine(refine, execution)
+    ctx.refine = opts["refine"]
+    arguments.function("callback", callback, optional=True)
     dev = _model_device(model)
     ctx.compiled = check_compile(compile, execution, dev)
     if ctx.compiled:
@@ -249,10 +243,14 @@ def sample_speculative(
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
     if isinstance(tree, DraftTree):
         tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
-        tally = _Tally.zeros(M, T, tree.max_depth, dev)
+        largest = tree
     else:  # step-dependent trees: T_n per root index n
         tree = _trees_by_root(tree, schedule.first_speculative, end, coupling)
-        tally = _Tally.zeros(M, T, max(t.max_depth for t in tree.values()), dev)
+        largest = max(tree.values(), key=len)
+    arguments.check_sampler_memory(largest, M, model.event_shape, model.dtype, dev, execution=execution,
+                                   refine=ctx.refine, steps=T)
+    tally = _Tally.zeros(M, T, largest.max_depth if isinstance(tree, DraftTree) else
+                         max(t.max_depth for t in tree.values()), dev)
     st = _first_step(ctx, model, seed, ids, warmup, tally, init)
     if execution == "tree":
         layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)
@@ -269,18 +267,6 @@ def sample_speculative(
 def rows_per_state(model) -> int:
     """Network rows one state costs (``model.rows_per_state``: 2 under classifier-free guidance, else 1)."""
     return int(getattr(model, "rows_per_state", 1))
-
-
-def _check_refine(refine, execution: str) -> int:
-    """``refine``: an integer >= 0, and 0 unless ``execution == "tree"`` (a sweep needs every internal node)."""
-    if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
-        raise ConfigError(f"refine={refine!r} is invalid: the number of Picard sweeps per round must be an integer >= 0 "
-                          "(0: plain drafts).")
-    if refine > 0 and execution != "tree":
-        raise ConfigError(f"refine={refine} is invalid with execution={execution}: a Picard sweep evaluates every internal "
-                          "node of the drafted tree in one batched call, which only the tree execution drafts; use "
-                          "execution=tree, or refine=0.")
-    return int(refine)
 
 
 def _contract_default(coupling: Coupling) -> bool:

@@ -27,10 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import arguments
+from ..coupling import get_coupling
+from ..drafts import get_draft
 from ..errors import ConfigError
 from ..models.base import parse_dtype
 from ..models.parametrisation import GridTimesteps, Guided, Parametrised
 from ..rng import MAX_SEED
+from ..trees import DraftTree
 from .schedulers import SchedulerPlan, from_scheduler
 
 KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
@@ -72,9 +76,7 @@ def _net_dtype_device(module) -> tuple[torch.dtype, torch.device]:
 
 
 def _check_int(key: str, value, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{key}={value!r} is invalid: must be an integer >= {lo}.")
-    return value
+    return arguments.integer(key, value, lo)
 
 
 def _scheduler_mu(pipe, latent_shape, mu):
@@ -198,7 +200,7 @@ class SpeculativePipeline:
 
     def __init__(self, pipe, tree, coupling, draft, options: dict):
         self.pipe, self.kind = pipe, _kind(pipe)
-        self.tree, self.coupling, self.draft = tree, coupling, draft
+        self.tree, self.coupling, self.draft = tree, coupling, draft  # tree: a DraftTree, tree(n), or (K, L)
         self.dtype = parse_dtype(options.pop("dtype", "float32"), "dtype")
         self.options = options
         self.defaults = _defaults(pipe)
@@ -207,16 +209,30 @@ class SpeculativePipeline:
     def __call__(self, **kwargs):
         unknown = sorted(set(kwargs) - set(ARGUMENTS[self.kind]))
         if unknown:
-            raise ConfigError(f"{unknown[0]}={kwargs[unknown[0]]!r} is not supported by the speculative "
+            raise ConfigError(f"{unknown[0]}={arguments.describe(kwargs[unknown[0]])} is not supported by the speculative "
                               f"{type(self.pipe).__name__}: it takes {', '.join(ARGUMENTS[self.kind])}.")
-        a = {k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]}
+        a = _check_call({k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]})
         with torch.no_grad():  # as the pipeline's own __call__
             return getattr(self, f"_{self.kind}")(a)
 
     # --- the parts every kind shares -----------------------------------------------------------------
-    def _plan(self, steps, latent_shape, mu=None) -> SchedulerPlan:
-        return from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
+    def _plan(self, steps, latent_shape, mu=None) -> tuple[SchedulerPlan, object]:
+        """The scheduler's plan for ``steps`` and the round's tree within its speculative steps, refused (before any
+        network call) where the sampler's states for ``latent_shape`` cannot fit."""
+        plan = from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
                               mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None)
+        horizon = max(plan.schedule.steps - 2, 1)
+        given = not isinstance(self.tree, tuple)
+        K, L = (None, None) if given else self.tree
+        tree = arguments.draft_tree(get_coupling(self.coupling), self.tree if given else None, K, L, None, horizon, {})
+        largest = tree if isinstance(tree, DraftTree) else None  # tree(n) is sized by the sampler once built
+        if largest is not None:
+            arguments.check_sampler_memory(largest.restrict(horizon), latent_shape[0], latent_shape[1:], self.dtype,
+                                           _net_dtype_device(self.pipe.unet if self.kind != "sd3" else
+                                                             self.pipe.transformer)[1],
+                                           execution=self.options["execution"], refine=self.options.get("refine", 0),
+                                           steps=plan.schedule.steps)
+        return plan, tree
 
     def _noise(self, shape, generator, dtype, device):
         from diffusers.utils.torch_utils import randn_tensor
@@ -225,13 +241,11 @@ class SpeculativePipeline:
 
     def _seed(self, seed, generator) -> int:
         if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-                raise ConfigError(f"seed={seed!r} is invalid: must be an integer in [0, {MAX_SEED}].")
-            return seed
+            return seed  # checked by _check_call
         g = generator[0] if isinstance(generator, list) else generator
         return int(torch.randint(0, MAX_SEED + 1, (1,), generator=g, device=g.device if g is not None else "cpu"))
 
-    def _sample(self, model, plan: SchedulerPlan, noise, cond, seed):
+    def _sample(self, model, plan: SchedulerPlan, tree, noise, cond, seed):
         from ..sampler import sample_speculative
 
         m = noise.shape[0]
@@ -244,7 +258,7 @@ class SpeculativePipeline:
             done[0] = info["steps_done"]
 
         with bar:
-            res = sample_speculative(model, plan.schedule, self.tree, self.coupling, m, draft=self.draft, seed=seed,
+            res = sample_speculative(model, plan.schedule, tree, self.coupling, m, draft=self.draft, seed=seed,
                                      cond=cond, init=init, callback=progress, **self.options)
         self.last = res
         return res
@@ -261,12 +275,12 @@ class SpeculativePipeline:
         b = _check_int("batch_size", a["batch_size"])
         size = pipe.unet.config.sample_size
         shape = (b, pipe.unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
-        plan = self._plan(a["num_inference_steps"], shape)
+        plan, tree = self._plan(a["num_inference_steps"], shape)
         net_dtype, device = _net_dtype_device(pipe.unet)
         noise = self._noise(shape, a["generator"], net_dtype, device)
         seed = self._seed(a["seed"], a["generator"])
         model = velocity_model(pipe, "ddpm", plan, Conditioning(), shape[1:], 1.0, self.dtype)
-        res = self._sample(model, plan, noise, None, seed)
+        res = self._sample(model, plan, tree, noise, None, seed)
         image = (res.samples.to(net_dtype) / 2 + 0.5).clamp(0, 1)
         if a["output_type"] != "pt":
             image = image.cpu().permute(0, 2, 3, 1).numpy()
@@ -280,7 +294,7 @@ class SpeculativePipeline:
     def _guidance(self, a) -> float:
         w = a["guidance_scale"]
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ConfigError(f"guidance_scale={w!r} is invalid: must be a finite number (1 or less: no guidance).")
+            raise arguments.refuse("guidance_scale", w, "must be a finite number (1 or less: no guidance)")
         return float(w)
 
     def _batch(self, a) -> int:
@@ -289,7 +303,7 @@ class SpeculativePipeline:
             return 1
         if isinstance(p, list) and p and all(isinstance(s, str) for s in p):
             return len(p)
-        raise ConfigError(f"prompt={p!r} is invalid: must be a string or a non-empty list of strings.")
+        raise arguments.refuse("prompt", p, "must be a string or a non-empty list of strings")
 
     def _hw(self, a, default_side: int) -> tuple[int, int]:
         h, w = a["height"] or default_side, a["width"] or default_side
@@ -299,15 +313,15 @@ class SpeculativePipeline:
                 raise ConfigError(f"{key}={v!r} is invalid: must be a positive multiple of the VAE factor {f}.")
         return h, w
 
-    def _text_sample(self, a, kind: str, shape, w: float, n: int, plan: SchedulerPlan, **encode_kw):
+    def _text_sample(self, a, kind: str, shape, w: float, n: int, planned: tuple, **encode_kw):
         """A text pipeline's prompts encoded, its noise drawn as the pipeline draws it, and the speculative run:
         ``(SampleResult, encoded prompts)``."""
-        pipe = self.pipe
+        pipe, (plan, tree) = self.pipe, planned
         c = encode(pipe, kind, a["prompt"], a["negative_prompt"], w > 1, n, clip_skip=a["clip_skip"], **encode_kw)
         noise = self._noise(shape, a["generator"], c.embeds.dtype, pipe._execution_device)
         seed = self._seed(a["seed"], a["generator"])
         model = velocity_model(pipe, kind, plan, c, shape[1:], w, self.dtype)
-        return self._sample(model, plan, noise, rows_of(model, torch.arange(shape[0])), seed), c
+        return self._sample(model, plan, tree, noise, rows_of(model, torch.arange(shape[0])), seed), c
 
     def _sd(self, a):
         pipe = self.pipe
@@ -386,32 +400,58 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
             naming the kernels there are), an unknown option, coupling or draft, a tree the coupling does not
             take; all before any work.
     """
-    from ..coupling import get_coupling
-    from ..drafts import get_draft
-    from ..trees import DraftTree
-
     _kind(pipe)
     try:  # the scheduler's own check: a grid of a few steps is enough to refuse what is not reproduced
         from_scheduler(pipe.scheduler, 3, mu=1.0)
     except ConfigError as e:
         if not str(e).startswith("num_inference_steps="):
             raise
-    bad = sorted(set(options) - set(OPTIONS))
-    if bad:
-        raise ConfigError(f"{bad[0]}={options[bad[0]]!r} is not an option of speculative(): valid are K, L, coupling, "
-                          f"draft, {', '.join(OPTIONS)}.")
+    arguments.unknown_option("speculative()", options, ("K", "L", "coupling", "draft") + OPTIONS)
     tree = options.pop("tree", None)
     c = get_coupling(coupling)
     get_draft(draft)
-    if tree is None:  # the (K, L) tree; a one-child coupling runs the chain of its budget K + ... + K^L, as run.py's
-        tree = DraftTree.uniform(_check_int("K", K), _check_int("L", L))
-        if c.max_children == 1:
-            tree = DraftTree.chain(len(tree) - 1)
+    if tree is None:  # the (K, L) tree, built per call within its speculative steps (a one-child coupling: the chain
+        tree = (arguments.integer("K", K), arguments.integer("L", L))  # of its budget K + ... + K^L, as run.py's)
+    else:
+        arguments.draft_tree(c, tree, None, None, None, 1, {})  # its type and widths, now
     options.setdefault("execution", "tree")  # every node of a round in one batched call: what saves time
-    if isinstance(tree, DraftTree):
-        c.check_tree(tree)
+    passed = {k: options[k] for k in OPTIONS if k in options and k not in ("dtype", "compile")}
+    checked = arguments.sampler_options(**passed)
+    options.update({k: checked[k] for k in passed})
+    arguments.flag("compile", options.get("compile", False))
     parse_dtype(options.get("dtype", "float32"), "dtype")
     return SpeculativePipeline(pipe, tree, coupling, draft, dict(options))
+
+
+def _check_call(a: dict) -> dict:
+    """The call's arguments that every kind reads, checked before any network call (the kinds check their sizes)."""
+    if a.get("seed") is not None:
+        arguments.integer("seed", a["seed"], 0, MAX_SEED)
+    g = a.get("generator")
+    if not (g is None or isinstance(g, torch.Generator)
+            or (isinstance(g, list) and g and all(isinstance(x, torch.Generator) for x in g))):
+        raise arguments.refuse("generator", g, "must be a torch.Generator, a list of them (one per image), or None")
+    arguments.flag("return_dict", a.get("return_dict", True))
+    valid = OUTPUT_TYPES["ddpm" if "batch_size" in a else "text"]
+    if a.get("output_type") not in valid:
+        raise arguments.refuse("output_type", a.get("output_type"), f"must be one of {', '.join(valid)}")
+    for key in ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3"):
+        v = a.get(key)
+        if not (v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))):
+            raise arguments.refuse(key, v, "must be a string, a list of strings, or None")
+    if a.get("clip_skip") is not None:
+        arguments.integer("clip_skip", a["clip_skip"], 0)
+    if a.get("mu") is not None:
+        arguments.number("mu", a["mu"])
+    if "max_sequence_length" in a:
+        arguments.integer("max_sequence_length", a["max_sequence_length"], 1, 512)
+    if "guidance_rescale" in a:
+        arguments.number("guidance_rescale", a["guidance_rescale"])
+    return a
+
+
+OUTPUT_TYPES = {"ddpm": ("pil", "np", "pt"), "text": ("pil", "np", "pt", "latent")}
+"""The ``output_type`` values each kind's pipeline returns."""
 
 
 __all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "encode", "network_call", "rows_of", "speculative",

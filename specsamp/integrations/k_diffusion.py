@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from .. import rng
+from .. import arguments
+from ..coupling import get_coupling
+from ..drafts import get_draft
 from ..errors import ConfigError
 from ..models.parametrisation import GridTimesteps, Parametrised
-from ..sampler import EXECUTIONS, sample_speculative
+from ..sampler import sample_speculative
 from ..schedule import Schedule
-from ..trees import DraftTree, budget as uniform_budget, check_int
 
 # keyword options handed on to :func:`specsamp.sampler.sample_speculative`, and the tree search's own
 PASSED_ON = ("prefetch", "evaluate_leaves", "max_batch", "warmup", "check_contract", "refine", "compile")
 SEARCH = ("delta_profile", "max_width")
-DEFAULT_K, DEFAULT_L = 2, 3
 
 
 def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1.0, s_noise=1.0,
@@ -88,24 +88,24 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
             flow model (its Euler ancestral step is another) or inpainting mask.
     """
     if noise_sampler is not None:
-        raise ConfigError("noise_sampler is not supported: the speculative sampler draws every step's noise by key "
-                          "(seed, row, step), so it cannot take noise from a sampler such as BrownianTreeNoiseSampler; "
-                          "pass noise_sampler=None and set seed= to choose the noise.")
-    unknown = sorted(set(options) - set(PASSED_ON) - set(SEARCH))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}={options[unknown[0]]!r} is not an option of sample_euler_ancestral: valid are "
-                          f"{', '.join(PASSED_ON + SEARCH)} besides k-diffusion's arguments and K, L, coupling, draft, "
-                          "tree, budget, execution, seed, stats.")
-    x = _check_x(x)
+        raise ConfigError("noise_sampler is not supported: the speculative sampler draws every step's noise by key (seed, row, step), so it cannot take noise from a sampler such "
+                          "as BrownianTreeNoiseSampler; pass noise_sampler=None and set seed= to choose the noise.")
+    arguments.unknown_option("sample_euler_ancestral", options, PASSED_ON + SEARCH)
+    arguments.function("model", model)
+    x = arguments.states("x", x)
     sig = _check_sigmas(sigmas)
     _check_model(model)
     static, rows = _split_extra_args(extra_args, x.shape[0])
+    arguments.function("callback", callback, optional=True)
+    arguments.flag("disable", disable, optional=True)
     eta, s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
-    if execution not in EXECUTIONS:
-        raise ConfigError(f"execution={execution!r} is invalid; valid: {', '.join(EXECUTIONS)}")
+    stats = arguments.stats(stats)
+    passed = arguments.sampler_options(execution=execution, **{k: v for k, v in options.items() if k in PASSED_ON})
+    passed["compile"] = options.get("compile", False)
     T = sig.numel() - 1
-    draft_tree = _tree(coupling, tree, K, L, budget, options, T)
-    seed = _seed(seed)
+    draft_tree = arguments.draft_tree(get_coupling(coupling), tree, K, L, budget, max(T - 2, 1), options)
+    get_draft(draft)
+    seed = arguments.seed(seed)
     if T == 1:  # one step to 0 is the data prediction itself (no noise): k-diffusion's loop, one call
         return _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats)
 
@@ -115,17 +115,19 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     levels = _user_levels(sigmas, x)
 
-    def net(y, t, **per_row):
+    calls = [0]
+
+    def net(y, t, /, **per_row):  # positional-only: every key of extra_args reaches the model under its own name
+        calls[0] += 1
         return model(y, t, **static, **per_row)
 
     target = Parametrised(net, "sample", "ve", x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype)
     target.device = x.device
     init = (x.to(torch.float64) / (1.0 + sig[0])).to(state_dtype)
     report = _Reporter(callback, disable, sigmas, sig, lin, x.dtype, T)
-    passed = {k: v for k, v in options.items() if k in PASSED_ON}
     try:
-        res = sample_speculative(target, schedule, draft_tree, coupling, x.shape[0], draft=draft, execution=execution,
-                                 seed=seed, cond=rows or None, init=init, callback=report.round, **passed)
+        res = sample_speculative(target, schedule, draft_tree, coupling, x.shape[0], draft=draft, seed=seed,
+                                 cond=rows or None, init=init, callback=report.round, **passed)
     except BaseException:
         report.bar.close()
         raise
@@ -133,7 +135,7 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     report.finish(out)
     if stats is not None:
         endpoint_calls = int((res.nfe_total - res.nfe).max())  # step 0, and step T - 1 where a row needed a call
-        stats.update(result=res, seed=seed, steps=T, calls=res.batch_nfe + endpoint_calls)
+        stats.update(result=res, seed=seed, steps=T, calls=calls[0], charged_calls=res.batch_nfe + endpoint_calls)
     return out
 
 
@@ -185,20 +187,13 @@ def _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats):
 
     sigma = _user_levels(sigmas, x)[0]
     with tqdm(total=1, disable=disable) as bar:
-        denoised = model(x, sigma * x.new_ones([x.shape[0]]), **(extra_args or {}))
+        denoised = arguments.network_output(model(x, sigma * x.new_ones([x.shape[0]]), **(extra_args or {})), x.shape)
         if callback is not None:
             callback({"x": x, "i": 0, "sigma": sigmas[0], "sigma_hat": sigmas[0], "denoised": denoised})
         bar.update(1)
     if stats is not None:
-        stats.update(result=None, seed=seed, steps=1, calls=1)
+        stats.update(result=None, seed=seed, steps=1, calls=1, charged_calls=1)
     return denoised.to(x.dtype)
-
-
-def _check_x(x) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1 or x.shape[0] < 1:
-        what = f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ConfigError(f"x is {what}: it must be a floating-point tensor [batch, ...] of the first states.")
-    return x
 
 
 def _check_sigmas(sigmas) -> torch.Tensor:
@@ -259,52 +254,3 @@ def _positive(name: str, value) -> float:
         extra = " (eta=0 is the deterministic Euler sampler, where speculation is vacuous)" if name == "eta" else ""
         raise ConfigError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}.")
     return float(value)
-
-
-def _seed(seed) -> int:
-    if seed is None:  # the global generator: torch.manual_seed reproduces the run
-        return int(torch.randint(0, rng.MAX_SEED + 1, (), dtype=torch.int64))
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= rng.MAX_SEED:
-        raise ConfigError(f"seed={seed!r} is invalid: must be an integer in [0, {rng.MAX_SEED}], or None (drawn from "
-                          "torch's global generator).")
-    return seed
-
-
-def _tree(coupling, tree, K, L, budget, options: dict, T: int):
-    """The round tree: ``tree`` as given, else the (K, L) tree (a one-child coupling: the chain of its budget), else
-    the tree searched for ``budget`` from ``delta_profile``."""
-    from ..coupling import get_coupling
-
-    c = get_coupling(coupling)
-    if tree is not None:
-        if K is not None or L is not None or budget is not None:
-            raise ConfigError("tree= is given together with K, L or budget: give the tree, or K and L, or budget.")
-        if not (isinstance(tree, DraftTree) or callable(tree)):
-            raise ConfigError(f"tree={tree!r} is invalid: it must be a specsamp.trees.DraftTree, tree(n) -> DraftTree, "
-                              "or None (the uniform K, L tree).")
-        return tree
-    try:
-        K = DEFAULT_K if K is None else check_int("K", K)
-        L = DEFAULT_L if L is None else check_int("L", L)
-        budget = None if budget is None else check_int("budget", budget)
-    except ValueError as e:
-        raise ConfigError(f"{e}.") from None
-    horizon = max(T - 2, 1)
-    if c.max_children == 1:
-        return DraftTree.chain(min(budget or uniform_budget(K, L), horizon))
-    if budget is None:
-        if "delta_profile" in options or "max_width" in options:
-            raise ConfigError("delta_profile and max_width are for a searched tree: give budget= as well.")
-        return DraftTree.uniform(K, min(L, horizon))
-    if options.get("delta_profile") is None:
-        raise ConfigError(f"budget={budget} with coupling={c.name!r} needs delta_profile=[...]: the tree searched for a "
-                          "budget depends on the displacement per depth (e.g. specsamp.treesearch."
-                          "deltas_from_acceptance of an earlier run's accepts / attempts); or give K and L.")
-    from .. import treesearch
-
-    try:
-        positional = treesearch.profile_positional(options["delta_profile"], c)
-        width = options.get("max_width") or 32
-        return treesearch.optimal_tree(budget, positional, min(horizon, budget), min(check_int("max_width", width), budget))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..arguments import network_output
 from ..errors import ConfigError
 
 COORDINATES = ("linear", "vp", "ve")
@@ -124,7 +125,9 @@ class Parametrised:
     """A network in its own parametrisation behind the velocity interface (:class:`specsamp.models.VelocityModel`).
 
     Args:
-        net: ``net(y, t, **cond) -> out``, the network's own call (``y [b, *e]`` its state, ``t`` its time).
+        net: ``net(y, t, **cond) -> out``, the network's own call (``y [b, *e]`` its state, ``t`` its time), whose
+            ``out [b, *e]`` is checked at every call (:func:`specsamp.arguments.network_output`). The conditioning
+            reaches ``net`` unchanged whatever its keys' names (``x``, ``sigma``, ``y``, ``t`` included).
         prediction: ``epsilon``, ``sample`` (``x0``), ``v_prediction`` or ``flow``.
         coords: ``linear``, ``vp`` or ``ve``.
         time: ``s [b] float64 -> t`` the network's time argument (default: ``s`` itself).
@@ -144,11 +147,11 @@ class Parametrised:
         self.event_shape, self.dtype = tuple(event_shape), dtype
         self.net_dtype = net_dtype or dtype
 
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, /, **cond) -> torch.Tensor:
         s = torch.as_tensor(sigma, dtype=torch.float64, device=x.device).reshape(-1).expand(x.shape[0])
         k = level_scale(s, self.coords).reshape((-1,) + (1,) * (x.ndim - 1))
         y = (x.to(torch.float64) * k).to(self.net_dtype) if self.coords != "linear" else x.to(self.net_dtype)
-        out = self.net(y, self.time(s), **cond).to(x.dtype)
+        out = network_output(self.net(y, self.time(s), **cond), y.shape, self.net_dtype, "the network").to(x.dtype)
         return to_velocity(out, x, s.to(x.dtype), self.prediction, self.coords)
 
 
@@ -171,7 +174,7 @@ class Guided:
         self.event_shape, self.dtype = model.event_shape, model.dtype
         self.rows_per_state = 1 if self.scale == 1.0 else 2
 
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **cond) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, /, **cond) -> torch.Tensor:
         if self.rows_per_state == 1:
             return self.model(x, sigma, **cond)
         c = cond.pop(self.cond_key)

@@ -504,8 +504,15 @@ def test_coupling_bad_sigma(name, sigma):
     [
         ({"coupling": "nope"}, r"coupling='nope' is not registered; valid: (\w+, )*dgrs, (\w+, )*rmc(, \w+)* \(registered\)"),
         ({"draft": "nope"}, r"draft='nope' is not registered; valid: drift, velocity, x0, x0_affine, x0_extrap, x0_extrap_gated \(registered\)"),
-        ({"prefetch": "nope"}, r"prefetch='nope' is invalid; valid: nearest, parent, none$"),
-        ({"execution": "nope"}, r"execution='nope' is invalid; valid: tree, path$"),
+        ({"prefetch": "nope"}, r"prefetch='nope' is invalid: must be one of nearest, parent, none\.$"),
+        ({"execution": "nope"}, r"execution='nope' is invalid: must be one of tree, path\.$"),
+        ({"max_batch": 0}, r"max_batch=0 is invalid: must be an integer >= 1, or None\.$"),
+        ({"max_batch": "4"}, r"max_batch='4' is invalid"),
+        ({"evaluate_leaves": "false"}, r"evaluate_leaves='false' is invalid: must be True or False"),
+        ({"warmup": 1}, r"warmup=1 is invalid: must be one of call, step0"),
+        ({"callback": 3}, r"callback=3 is invalid: must be a callable, or None"),
+        ({"refine": -1}, r"refine=-1 is invalid: must be an integer >= 0"),
+        ({"tree": "abc"}, r"tree='abc' is invalid: must be a specsamp.trees.DraftTree"),
         ({"n_samples": 0}, r"n_samples=0 is invalid.*>= 1"),
         ({"n_samples": -3}, r"n_samples=-3 is invalid"),
         ({"n_samples": None}, r"n_samples=None is invalid"),
@@ -513,10 +520,10 @@ def test_coupling_bad_sigma(name, sigma):
     ],
 )
 def test_bad_sampler_arguments(kwargs, pattern):
-    kw = {"coupling": "dgrs", "n_samples": 4}
+    kw = {"coupling": "dgrs", "n_samples": 4, "tree": DraftTree.uniform(2, 2)}
     kw.update(kwargs)
     with pytest.raises(ValueError, match=pattern):
-        sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 2), **kw)
+        sample_speculative(MODEL, SCHED, **kw)
 
 
 def test_rmc_refuses_a_wide_tree():

@@ -239,7 +239,9 @@ def test_bad_options_are_refused_before_any_work(ddpm):
         speculative(ddpm, nosuch=1)
     with pytest.raises(ConfigError):
         speculative(ddpm, coupling="nosuch")
-    assert speculative(ddpm, K=2, L=3, coupling="rmc").tree.max_depth == 14  # a one-child rule: the chain of B = 14
+    chain = speculative(ddpm, K=2, L=3, coupling="rmc")  # a one-child rule: the chain of B = 14 within the steps
+    assert chain(batch_size=1, num_inference_steps=20, output_type="pt").speculative.attempts.shape[1] == 14
+    assert chain(batch_size=1, num_inference_steps=8, output_type="pt").speculative.attempts.shape[1] == 6
     with pytest.raises(ConfigError):
         speculative(ddpm, coupling="rmc", tree=DraftTree.uniform(2, 2))  # a given tree it cannot verify
     assert speculative(ddpm, coupling="rmc", tree=DraftTree.chain(4)).tree.max_depth == 4
