@@ -162,7 +162,8 @@ def uniform_nodes(K: int, L: int, horizon: int, chain: bool = False) -> int:
     return nodes
 
 
-def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, defaults: tuple[int, int] = (2, 3)):
+def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, defaults: tuple[int, int] = (2, 3),
+               memory: dict | None = None):
     """A run's draft tree: ``tree`` as given, else the ``(K, L)`` tree within ``horizon`` levels (a one-child coupling:
     the chain of its nominal budget ``K + ... + K^L``), else the tree searched for ``budget`` from the
     ``delta_profile`` in ``options`` (:func:`specsamp.treesearch.optimal_tree`). A uniform tree is sized before it
@@ -174,6 +175,8 @@ def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, def
         K, L: the uniform tree (None: ``defaults``); budget: drafted states per round, or None.
         horizon: the speculative levels ``T - 2`` (at least 1).
         options: the entry point's options; ``delta_profile`` and ``max_width`` are read here.
+        memory: the keywords of :func:`check_sampler_memory` but the tree (the batch, its states, the network's
+            rows): a uniform tree is then refused before it is built where the run it would serve cannot fit.
 
     Raises:
         ConfigError: a bad ``tree``, ``K``, ``L`` or ``budget``; ``tree`` together with ``K``, ``L`` or ``budget``;
@@ -202,6 +205,8 @@ def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, def
     nodes = uniform_nodes(K, L, horizon, chain) if budget is None else min(budget, horizon) + 1
     check_memory(f"the draft tree K={K}, L={L} ({nodes:,} nodes within the {horizon} speculative steps)",
                  nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L.")
+    if memory is not None:
+        check_sampler_memory((nodes, 1 if chain else K, nodes - 1 if chain else min(L, horizon)), **memory)
     if chain:
         return DraftTree.chain(nodes - 1)
     return DraftTree.uniform(K, min(L, horizon))
@@ -222,11 +227,28 @@ def _searched_tree(coupling, budget: int, horizon: int, options: dict) -> DraftT
         raise ConfigError(str(e)) from None
 
 
-def check_sampler_memory(tree: DraftTree | None, batch: int, event_shape, dtype: torch.dtype, device, *,
-                         execution: str = "tree", refine: int = 0, steps: int | None = None) -> None:
-    """Refuse a run whose states cannot fit, before anything is allocated: the runner's estimate
+ROW_ACTIVATION_FACTOR = 256
+"""A network's activations for one row of a forward pass, in units of the row's own bytes (``numel * elem``): an
+allowance below every network measured (patches32 85x, the digits network 448x, DDPM++ at CIFAR-10's size about
+2,000x; :data:`specsamp.runner.memory.EDM_NETWORKS`), so that a refusal is certain to be needed, not merely likely."""
+
+
+def activation_bytes(event_shape, dtype: torch.dtype) -> int:
+    """An allowance for a network's activations in one row of a forward pass: :data:`ROW_ACTIVATION_FACTOR` times the
+    row's own bytes (``event_shape`` in ``dtype``)."""
+    return int(np.prod(event_shape)) * torch.tensor([], dtype=dtype).element_size() * ROW_ACTIVATION_FACTOR
+
+
+def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape, dtype: torch.dtype, device, *,
+                         execution: str = "tree", refine: int = 0, steps: int | None = None, max_batch: int | None = None,
+                         row_bytes: int = 0, rows_per_state: int = 1) -> None:
+    """Refuse a run that cannot fit, before anything is allocated: the runner's estimate of the sampler's states
     (:func:`specsamp.memory.sampler_bytes`) for ``batch`` trajectories of ``event_shape`` in ``dtype`` on ``device``
-    with ``tree`` (None: the standard sampler) in ``execution``.
+    with ``tree`` (a tree's ``(nodes, widest, depth)`` before it is built; None: the standard sampler) in
+    ``execution``, plus the network's activations, ``row_bytes`` a
+    network row (:func:`activation_bytes` for a network of unknown size; 0: not counted), for the rows of its largest
+    forward pass (every node of a round's tree for each trajectory, or ``max_batch`` states; ``rows_per_state`` rows
+    a state).
 
     Raises:
         ConfigError: the estimate is above 80% of the available memory; the message names the tree, the batch, the
@@ -237,21 +259,28 @@ def check_sampler_memory(tree: DraftTree | None, batch: int, event_shape, dtype:
         return
     numel = int(np.prod(event_shape))
     elem = torch.tensor([], dtype=dtype).element_size()
-    nodes = len(tree) if tree is not None else None
-    widest = int(tree.num_children.max()) if tree is not None and len(tree) > 1 else 1
-    depth = tree.max_depth if tree is not None else 0
+    if isinstance(tree, DraftTree):
+        nodes, widest, depth = len(tree), int(tree.num_children.max()) if len(tree) > 1 else 1, tree.max_depth
+    else:
+        nodes, widest, depth = tree if tree is not None else (None, 1, 0)
     fixed, per_traj = sampler_bytes(nodes, widest, depth, numel, elem, execution=execution, n_total=batch, steps=steps,
                                     refine=refine)
-    need = fixed + batch * per_traj
+    per_call = nodes if nodes and execution == "tree" else widest
+    states = batch * per_call if max_batch is None else min(batch * per_call, max_batch)
+    row = row_bytes * rows_per_state
+    need = fixed + batch * per_traj + states * row
     if need <= 0.8 * free:
         return
     what = f"a draft tree of {nodes:,} nodes per round" if nodes else "the standard sampler"
-    fits = max(int((0.8 * free - fixed) // per_traj), 0)
-    hint = (f"sample {fits} or fewer at once" if fits else "lower the tree") + \
-        (", lower K or L, or use execution='path' (the same law and counts, only the visited nodes)"
-         if nodes and execution == "tree" and not refine else ", or lower K or L" if nodes else "")
+    room = 0.8 * free - fixed - batch * per_traj
+    fits = int(room // row) if room > 0 and row > 0 else 0
+    hint = f"pass max_batch={fits} (states per forward pass) or less" if fits >= 1 else "sample fewer at once"
+    if nodes:
+        hint += ", lower K or L" + (", or use execution='path' (the same law and counts, only the visited nodes)"
+                                    if execution == "tree" and not refine else "")
     raise ConfigError(f"{batch} trajectories of shape {tuple(event_shape)} ({str(dtype).removeprefix('torch.')}) with "
-                      f"{what} (execution={execution}) need about {gib(need)} ({gib(per_traj)} a trajectory), but "
+                      f"{what} (execution={execution}) need about {gib(need)}: {gib(batch * per_traj)} of states and "
+                      f"{gib(states * row)} of network activations for {states:,} states in one forward pass; "
                       f"{device} has {gib(free)} available: {hint}.")
 
 

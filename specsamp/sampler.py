@@ -93,8 +93,11 @@ def sample_standard(
     ids = _trajectory_ids(n_samples, indices, dev)
     m = ids.numel()
     arguments.function("callback", callback, optional=True)
-    arguments.check_sampler_memory(None, m, model.event_shape, model.dtype, dev, execution="path", steps=schedule.steps)
-    velocity = _Velocity(model, schedule, cond, arguments.integer("max_batch", max_batch, optional=True))
+    max_batch = arguments.integer("max_batch", max_batch, optional=True)
+    arguments.check_sampler_memory(None, m, model.event_shape, model.dtype, dev, execution="path", steps=schedule.steps,
+                                   max_batch=max_batch, row_bytes=getattr(model, "row_bytes", 0),
+                                   rows_per_state=rows_per_state(model))
+    velocity = _Velocity(model, schedule, cond, max_batch)
     x = initial_state(schedule, seed, ids, model.event_shape, model.dtype, init)
     step_keys = rng.base_key(seed, ids, "step", device=dev)
     traj = torch.arange(m, device=dev)
@@ -248,7 +251,8 @@ def sample_speculative(
         tree = _trees_by_root(tree, schedule.first_speculative, end, coupling)
         largest = max(tree.values(), key=len)
     arguments.check_sampler_memory(largest, M, model.event_shape, model.dtype, dev, execution=execution,
-                                   refine=ctx.refine, steps=T)
+                                   refine=ctx.refine, steps=T, max_batch=opts["max_batch"],
+                                   row_bytes=getattr(model, "row_bytes", 0), rows_per_state=rows_per_state(model))
     tally = _Tally.zeros(M, T, largest.max_depth if isinstance(tree, DraftTree) else
                          max(t.max_depth for t in tree.values()), dev)
     st = _first_step(ctx, model, seed, ids, warmup, tally, init)

@@ -216,7 +216,7 @@ class SpeculativePipeline:
             return getattr(self, f"_{self.kind}")(a)
 
     # --- the parts every kind shares -----------------------------------------------------------------
-    def _plan(self, steps, latent_shape, mu=None) -> tuple[SchedulerPlan, object]:
+    def _plan(self, steps, latent_shape, mu=None, guided: bool = False) -> tuple[SchedulerPlan, object]:
         """The scheduler's plan for ``steps`` and the round's tree within its speculative steps, refused (before any
         network call) where the sampler's states for ``latent_shape`` cannot fit."""
         plan = from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
@@ -224,14 +224,15 @@ class SpeculativePipeline:
         horizon = max(plan.schedule.steps - 2, 1)
         given = not isinstance(self.tree, tuple)
         K, L = (None, None) if given else self.tree
-        tree = arguments.draft_tree(get_coupling(self.coupling), self.tree if given else None, K, L, None, horizon, {})
-        largest = tree if isinstance(tree, DraftTree) else None  # tree(n) is sized by the sampler once built
-        if largest is not None:
-            arguments.check_sampler_memory(largest.restrict(horizon), latent_shape[0], latent_shape[1:], self.dtype,
-                                           _net_dtype_device(self.pipe.unet if self.kind != "sd3" else
-                                                             self.pipe.transformer)[1],
-                                           execution=self.options["execution"], refine=self.options.get("refine", 0),
-                                           steps=plan.schedule.steps)
+        net_dtype, device = _net_dtype_device(self.pipe.unet if self.kind != "sd3" else self.pipe.transformer)
+        memory = dict(batch=latent_shape[0], event_shape=latent_shape[1:], dtype=self.dtype, device=device,
+                      execution=self.options["execution"], refine=self.options.get("refine", 0), steps=plan.schedule.steps,
+                      max_batch=self.options.get("max_batch"), row_bytes=arguments.activation_bytes(latent_shape[1:], net_dtype),
+                      rows_per_state=2 if self.kind != "ddpm" and guided else 1)
+        tree = arguments.draft_tree(get_coupling(self.coupling), self.tree if given else None, K, L, None, horizon, {},
+                                    memory=memory)
+        if isinstance(tree, DraftTree):  # tree(n) is sized by the sampler once built
+            arguments.check_sampler_memory(tree.restrict(horizon), **memory)
         return plan, tree
 
     def _noise(self, shape, generator, dtype, device):
@@ -338,7 +339,7 @@ class SpeculativePipeline:
         f = pipe.vae_scale_factor
         shape = (b * n, pipe.unet.config.in_channels, h // f, wd // f)
         device = pipe._execution_device
-        res, c = self._text_sample(a, "sd", shape, w, n, self._plan(a["num_inference_steps"], shape))
+        res, c = self._text_sample(a, "sd", shape, w, n, self._plan(a["num_inference_steps"], shape, guided=w > 1))
         embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] != "latent":
@@ -362,7 +363,7 @@ class SpeculativePipeline:
         h, wd = self._hw(a, pipe.default_sample_size * pipe.vae_scale_factor)
         f = pipe.vae_scale_factor
         shape = (b * n, pipe.transformer.config.in_channels, h // f, wd // f)
-        res, c = self._text_sample(a, "sd3", shape, w, n, self._plan(a["num_inference_steps"], shape, a["mu"]),
+        res, c = self._text_sample(a, "sd3", shape, w, n, self._plan(a["num_inference_steps"], shape, a["mu"], w > 1),
                                    max_sequence_length=a["max_sequence_length"],
                                    extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")})
         embeds = c.embeds

@@ -103,7 +103,12 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     passed = arguments.sampler_options(execution=execution, **{k: v for k, v in options.items() if k in PASSED_ON})
     passed["compile"] = options.get("compile", False)
     T = sig.numel() - 1
-    draft_tree = arguments.draft_tree(get_coupling(coupling), tree, K, L, budget, max(T - 2, 1), options)
+    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    row_bytes = arguments.activation_bytes(x.shape[1:], x.dtype)  # the user's network: an allowance a row
+    memory = dict(batch=x.shape[0], event_shape=x.shape[1:], dtype=state_dtype, device=x.device,
+                  execution=passed["execution"], refine=passed["refine"], steps=T, max_batch=passed["max_batch"],
+                  row_bytes=row_bytes)
+    draft_tree = arguments.draft_tree(get_coupling(coupling), tree, K, L, budget, max(T - 2, 1), options, memory=memory)
     get_draft(draft)
     seed = arguments.seed(seed)
     if T == 1:  # one step to 0 is the data prediction itself (no noise): k-diffusion's loop, one call
@@ -112,7 +117,6 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     lin = sig / (1.0 + sig)
     lin[-1] = 0.0
     schedule = Schedule(lin, 1.0, "euler_ancestral", {"eta": eta, "s_noise": s_noise})
-    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     levels = _user_levels(sigmas, x)
 
     calls = [0]
@@ -123,6 +127,7 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
 
     target = Parametrised(net, "sample", "ve", x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype)
     target.device = x.device
+    target.row_bytes = row_bytes  # the sampler checks the tree it builds (a given one, tree(n)) against it
     init = (x.to(torch.float64) / (1.0 + sig[0])).to(state_dtype)
     report = _Reporter(callback, disable, sigmas, sig, lin, x.dtype, T)
     try:
