@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import rng
+from . import arguments, rng
 from .arguments import network_output
 from .batching import batched, row_reduce
 from .coupling import Coupling
@@ -186,7 +186,7 @@ def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape,
     the event shape to the kernel first (:meth:`specsamp.kernels.Kernel.bind_event`)."""
     schedule.kernel.bind_event(event_shape)
     if init is not None:
-        x = torch.as_tensor(init).to(device=ids.device, dtype=dtype)
+        x = arguments.states("init", init).to(device=ids.device, dtype=dtype)
         if tuple(x.shape) != (ids.numel(), *event_shape):
             raise ValueError(f"init has shape {tuple(x.shape)}: need {(ids.numel(), *event_shape)} (trajectories, event)")
         return x.clone()

@@ -100,8 +100,9 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     arguments.flag("disable", disable, optional=True)
     eta, s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
     stats = arguments.stats(stats)
-    passed = arguments.sampler_options(execution=execution, **{k: v for k, v in options.items() if k in PASSED_ON})
-    passed["compile"] = options.get("compile", False)
+    passed = arguments.sampler_options(execution=execution, **{k: v for k, v in options.items()
+                                                               if k in PASSED_ON and k != "compile"})
+    passed["compile"] = options.get("compile", False)  # checked with the machine's compiler by the sampler
     T = sig.numel() - 1
     state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     row_bytes = arguments.activation_bytes(x.shape[1:], x.dtype)  # the user's network: an allowance a row
