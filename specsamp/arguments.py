@@ -241,20 +241,20 @@ def activation_bytes(event_shape, dtype: torch.dtype) -> int:
 
 def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape, dtype: torch.dtype, device, *,
                          execution: str = "tree", refine: int = 0, steps: int | None = None, max_batch: int | None = None,
-                         row_bytes: int = 0, rows_per_state: int = 1) -> None:
+                         row_bytes: int = 0, rows_per_state: int = 1, available: int | None = None) -> None:
     """Refuse a run that cannot fit, before anything is allocated: the runner's estimate of the sampler's states
     (:func:`specsamp.memory.sampler_bytes`) for ``batch`` trajectories of ``event_shape`` in ``dtype`` on ``device``
     with ``tree`` (a tree's ``(nodes, widest, depth)`` before it is built; None: the standard sampler) in
     ``execution``, plus the network's activations, ``row_bytes`` a
     network row (:func:`activation_bytes` for a network of unknown size; 0: not counted), for the rows of its largest
     forward pass (every node of a round's tree for each trajectory, or ``max_batch`` states; ``rows_per_state`` rows
-    a state).
+    a state). ``available``: the bytes to fit in (None: :func:`specsamp.memory.available_bytes` of ``device``).
 
     Raises:
         ConfigError: the estimate is above 80% of the available memory; the message names the tree, the batch, the
             bytes needed and available, and what to lower.
     """
-    free = available_bytes(str(device))
+    free = available_bytes(str(device)) if available is None else available
     if free is None:
         return
     numel = int(np.prod(event_shape))

@@ -23,6 +23,24 @@ from ..errors import ConfigError
 from ..models.parametrisation import GridTimesteps, Parametrised
 from ..sampler import sample_speculative
 from ..schedule import Schedule
+from ..trees import DraftTree
+
+def node_maxima(event_shape=(4, 64, 64), dtype: torch.dtype = torch.float32, available: int = 24 * 2**30,
+                steps: int = 20) -> tuple[int, int]:
+    """The largest ``(K, L) = (m, m)`` whose uniform tree the memory estimate admits for one image
+    (:func:`specsamp.arguments.check_sampler_memory`, the network's activations at its allowance): a ComfyUI node's
+    maxima for ``K`` and ``L``. The defaults are one 512x512 SD1.x latent in float32 at 20 steps on a 24 GiB device
+    (``(4, 4)``: 341 nodes; ``(5, 5)`` needs about 60 GiB). A larger setting or latent is refused at run time, at once,
+    by the same estimate."""
+    m = 1
+    while True:
+        try:
+            arguments.check_sampler_memory(DraftTree.uniform(m + 1, m + 1), 1, event_shape, dtype, "cpu", steps=steps,
+                                           row_bytes=arguments.activation_bytes(event_shape, dtype), available=available)
+        except ConfigError:
+            return m, m
+        m += 1
+
 
 # keyword options handed on to :func:`specsamp.sampler.sample_speculative`, and the tree search's own
 PASSED_ON = ("prefetch", "evaluate_leaves", "max_batch", "warmup", "check_contract", "refine", "compile")
