@@ -31,10 +31,11 @@ sweep's outcome that :class:`specsamp.runner.callback.SweepReport` leaves in ``c
 from __future__ import annotations
 
 import errno
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
 
 from ..errors import ConfigError, error_chain
 
@@ -96,6 +97,77 @@ def _root_oserror(error: BaseException | None) -> OSError | None:
     return next((e for e in error_chain(error) if _is_infra_oserror(e)), None)
 
 
+_STANDARD_STREAMS = ("<stdin>", "<stdout>", "<stderr>")
+
+
+def _writing(value: Any) -> bool:
+    """True for a file object open for writing to a named file (not a standard stream, not a bare descriptor)."""
+    if not isinstance(value, io.IOBase):
+        return False
+    name, mode = getattr(value, "name", None), getattr(value, "mode", "")
+    return (isinstance(name, (str, bytes, os.PathLike)) and str(name) not in _STANDARD_STREAMS
+            and isinstance(mode, str) and any(c in mode for c in "wax+"))
+
+
+def _file_being_written(os_err: OSError) -> IO | None:
+    """The file object that the failed write ``os_err`` was writing, or None.
+
+    A write through a file object (``open(path, "w")`` then ``write``/``close``: Hydra's ``.hydra/*.yaml``,
+    OmegaConf's ``multirun.yaml``) fails with an ``OSError`` that names no file. The frames it passed
+    through still hold the file object: the innermost frame holding one that is open for writing gives
+    it, provided it holds just one (two would be a guess).
+    """
+    frames, tb = [], os_err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        open_files = {id(v): v for v in frame.f_locals.values() if _writing(v)}
+        if open_files:
+            return next(iter(open_files.values())) if len(open_files) == 1 else None
+    return None
+
+
+def _written_path(os_err: OSError) -> str | None:
+    """The path ``os_err`` failed on: its ``filename``, else the name of the file it was writing."""
+    if os_err.filename:
+        return str(os_err.filename)
+    f = _file_being_written(os_err)
+    return None if f is None else os.fsdecode(f.name)
+
+
+# a write that ran out of room: the file it was writing holds only the part that fitted
+OUT_OF_ROOM = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n))
+
+
+def discard_torn_file(error: BaseException | None) -> str | None:
+    """Remove the incomplete file that a failed non-atomic write left behind; return its path, or None.
+
+    Only a file that the failing code opened for writing from empty (mode ``"w"``/``"x"``, found by
+    :func:`_file_being_written`) and whose write ran out of room (disk full, quota, file-size limit:
+    :data:`OUT_OF_ROOM`) is removed: what it held before was already truncated by the ``open``, and a reader
+    (the sweep report, a relaunch) finds no file rather than a torn one. A file opened for appending is
+    kept, and so is everything written atomically (:func:`specsamp.io.atomic_write` removes its own
+    temporary file and names the destination itself).
+    """
+    os_err = _root_oserror(error)
+    if os_err is None or os_err.filename or os_err.errno not in OUT_OF_ROOM:
+        return None
+    f = _file_being_written(os_err)
+    if f is None or not any(c in f.mode for c in "wx"):
+        return None
+    path = os.fsdecode(f.name)
+    try:
+        f.close()
+    except OSError:
+        pass  # the close that failed already released the descriptor
+    try:
+        os.unlink(path)
+    except OSError:
+        return None
+    return path
+
+
 RUN_ELSEWHERE = "hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR for a sweep"
 RUN_AGAIN = "rerun the same command (finished records are kept and skipped)"
 
@@ -124,7 +196,7 @@ def infrastructure_message(error: BaseException, *, elsewhere: str = RUN_ELSEWHE
     os_err = _root_oserror(error)
     if os_err is None:
         return str(error)
-    path = os_err.filename or "(unknown path)"
+    path = _written_path(os_err) or "(unknown path)"
     what = os.strerror(os_err.errno) if os_err.errno else str(os_err)
     if os_err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG):
         hint = "free space on that file system (or raise the quota / file-size limit)"
@@ -378,7 +450,8 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
 
     A composition error (unknown key, wrong type, bad group option) becomes one paragraph naming the key
     and the closest valid one (:func:`specsamp.runner.config.explain`), exit 2; an infrastructure failure
-    exit 3; Ctrl-C exit 130 with the sweep's summary; anything else is a bug (traceback, exit 1).
+    exit 3, naming the file (a file that Hydra was writing in place and that did not fit is removed:
+    :func:`discard_torn_file`); Ctrl-C exit 130 with the sweep's summary; anything else is a bug (traceback, exit 1).
     """
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -427,6 +500,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
         import traceback
 
         if is_infrastructure(e):
+            discard_torn_file(e)  # Hydra's own files (.hydra/*.yaml, multirun.yaml) are written in place
             print(f"error: {infrastructure_message(e)}", file=sys.stderr)
             _summary_if_swept()
             sys.exit(INFRASTRUCTURE)

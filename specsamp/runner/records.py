@@ -268,10 +268,58 @@ def refuse_other_record(out_dir: str | os.PathLike, cfg_hash: str, recorded: Map
         "or sweep_name=NAME for a sweep), or remove that directory to replace its results.")
 
 
+@functools.lru_cache(maxsize=1)
+def shipped_model_names() -> dict[str, str]:
+    """``{option: name}`` for every option of the shipped config group ``model`` (``conf/model/*.yaml``): the
+    ``model.name`` each sets, e.g. ``{"digits": "edm-digits-8x8-cond", "diffusers": "diffusers", ...}``."""
+    from omegaconf import OmegaConf
+
+    from .config import CONF_DIR
+
+    out = {}
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        cfg = OmegaConf.load(path)
+        name = OmegaConf.select(cfg, "name", default=None) or OmegaConf.select(cfg, "model.name", default=None)  # _global_
+        if isinstance(name, str):
+            out[path.stem] = name
+    return out
+
+
+def model_text(rec: Mapping) -> str:
+    """The model as the summary line names it: the option of the config group ``model`` that was chosen, and
+    what of the model's config the option does not fix, as overrides, e.g. ``model=digits``,
+    ``model=diffusers model.path=/data/my-pipeline``, ``model=cifar10 model.path=retrained.pkl``.
+
+    The option is the record's last ``model=OPTION`` override (what was typed, a YAML of one's own included);
+    else the shipped option whose YAML sets the record's ``model.name`` (the default model, one chosen by an
+    ``experiment``, a run composed in-process); else ``model.name``. ``model.name`` follows when it is not the
+    one the option sets, and ``model.path`` (a local checkpoint or pipeline folder) when it is set. Read from
+    the record's ``model``, ``overrides`` and ``config`` (a record of any version).
+    """
+    import shlex
+
+    model = (rec.get("config") or {}).get("model")
+    model = model if isinstance(model, Mapping) else {}
+    name = model.get("name") if isinstance(model.get("name"), str) else rec.get("model")
+    shipped = shipped_model_names()
+    typed = [o.partition("=")[2] for o in rec.get("overrides") or []
+             if isinstance(o, str) and o.lstrip("+").partition("=")[0] == "model"]
+    option = typed[-1] if typed else next((k for k, v in shipped.items() if v == name), None)
+    if option is None:
+        return f"model={name}"
+    text = f"model={option}"
+    if option in shipped and name is not None and shipped[option] != name:
+        text += f" model.name={name}"
+    if model.get("path") not in (None, ""):
+        text += f" model.path={shlex.quote(str(model['path']))}"
+    return text
+
+
 def summary_line(rec: dict) -> str:
     """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``.
 
-    A coupling named apart from the sampler's own (``sampler.coupling.name=pkg.module:rule`` on a shipped
+    The model is named as chosen, ``model=digits`` rather than its checkpoint's name, with the folder of a
+    local pipeline or checkpoint: ``model=diffusers model.path=DIR`` (:func:`model_text`). A coupling named apart from the sampler's own (``sampler.coupling.name=pkg.module:rule`` on a shipped
     sampler YAML) is shown beside it: ``sampler=dgrs coupling=pkg.module:rule``. Where a ``tree=optimal*`` run
     calibrated (a cost its speedup does not charge), the speedup with those calls shared by the run's
     trajectories follows it: ``speedup 3.11x ± 0.05 (0.68x with the calibration's 643 calls)``.
@@ -282,11 +330,11 @@ def summary_line(rec: dict) -> str:
     # the churn of the em kernel; another kernel is named in its place (it reads no eps)
     eps = f"eps={rec['eps']:g}" if rec.get("eps") is not None else f"kernel={rec.get('kernel')}"
     if rec["sampler"] == "standard":
-        head = f"model={rec['model']} sampler=standard {eps} T={rec['steps']}"
+        head = f"{model_text(rec)} sampler=standard {eps} T={rec['steps']}"
     elif (rec.get("config") or {}).get("tree", "uniform") != "uniform":
-        head = f"model={rec['model']} sampler={sampler} tree={rec['tree']} {eps} B={rec['budget']}"
+        head = f"{model_text(rec)} sampler={sampler} tree={rec['tree']} {eps} B={rec['budget']}"
     else:
-        head = f"model={rec['model']} sampler={sampler} K={rec['K']} L={rec['L']} {eps} B={rec['budget']}"
+        head = f"{model_text(rec)} sampler={sampler} K={rec['K']} L={rec['L']} {eps} B={rec['budget']}"
     sp = rec["speedup"]
     scores = scores_text(rec)
     cal = rec.get("calibration")  # tree=optimal*'s calibration run, which the speedup does not charge

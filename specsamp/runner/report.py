@@ -40,7 +40,7 @@ STATUSES = ("ok", "failed", "running", "killed", "missing")
 
 # Columns every table has, in this order; swept keys that are not among them follow as their own columns.
 COLUMNS = [
-    "job", "status", "overrides", "model", "sampler", "K", "L", "eps", "steps", "n_samples", "seed",
+    "job", "status", "overrides", "model", "sampler", "K", "L", "eps", "kernel", "steps", "n_samples", "seed",
     "tree", "budget", "call_rows",
     "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean", "nfe_std", "nfe_sem", "nfe_total_mean",
     "target_rows_mean", "batch_speedup", "committed_per_round", "acceptance_pooled", "acceptance",
@@ -140,7 +140,7 @@ def _config_of(job: Path, rec: dict | None) -> dict:
         except Exception:
             return {}
         out = {}
-        for key in ("model.name", "model.kind", "sampler.name", *_CONFIG_COLUMNS):
+        for key in ("model.name", "model.kind", "sampler.name", "kernel.name", *_CONFIG_COLUMNS):
             try:
                 out[key] = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
             except Exception:
@@ -149,6 +149,7 @@ def _config_of(job: Path, rec: dict | None) -> dict:
             **{k: out[k] for k in _CONFIG_COLUMNS},
             "model": {"name": out["model.name"] or out["model.kind"]},
             "sampler": {"name": out["sampler.name"]},
+            **({"kernel": {"name": out["kernel.name"]}} if out["kernel.name"] else {}),
         }
     return {}
 
@@ -162,12 +163,19 @@ def _fill_from_config(row: dict, cfg: dict) -> None:
         row["model"] = model.get("name") or model.get("kind")
     if row.get("sampler") is None and isinstance(sampler, dict):
         row["sampler"] = sampler.get("name")
+    if row.get("kernel") is None and cfg:
+        row["kernel"] = _kernel_of(cfg)
+
+
+def _kernel_of(cfg: dict) -> str | None:
+    """The kernel a config names: a record's leaves out ``kernel`` for em (the default), Hydra's names it."""
+    kernel = cfg.get("kernel", {"name": "em"})
+    return kernel.get("name") if isinstance(kernel, dict) else kernel
 
 
 def _record_columns(rec: dict) -> dict:
     row: dict[str, Any] = {k: rec.get(k) for k in ("model", "sampler", "K", "L", "eps", "steps", "n_samples", "tree", "budget", "call_rows")}
-    if rec.get("kernel"):  # a kernel other than em (whose eps is null): a column of its own, as a swept key gets
-        row["kernel"] = rec["kernel"]
+    row["kernel"] = rec.get("kernel") or "em"  # the kernel that ran; a record names it unless it is em (the default)
     for name in ("speedup", "nfe"):
         for s in ("mean", "std", "sem"):
             row[f"{name}_{s}"] = (rec.get(name) or {}).get(s)
@@ -295,7 +303,8 @@ def collect(sweep_dir: str | os.PathLike):
         sweep_dir: a Hydra sweep directory (``multirun/<sweep_name>``) or any directory of job dirs.
 
     Returns:
-        A ``pandas.DataFrame`` with the columns of :data:`COLUMNS` (``speedup_mean``, ``nfe_mean``,
+        A ``pandas.DataFrame`` with the columns of :data:`COLUMNS` (``kernel``: the kernel that ran, ``em``
+        where the record names none, as em's records do; ``speedup_mean``, ``nfe_mean``,
         ``acceptance`` as ``"a1/a2/..."`` plus ``acc_d1, acc_d2, ...``, metrics such as ``fid``), then
         one column per swept key not among them (``model.dim``, ``experiment``, ...), sorted by job.
 

@@ -352,6 +352,7 @@ def test_run_py_samples_a_saved_pipeline_folder_on_its_own_scheduler_and_refuses
     p = run(args, tmp_path / "auto")  # model=diffusers selects kernel=auto: the folder's own scheduler
     rec = json.loads((tmp_path / "auto" / "result.json").read_text())
     assert rec["model"] == "diffusers" and rec["status"] == "ok" and rec["steps"] == 6, p.stdout
+    assert p.stdout.startswith(f"model=diffusers model.path={saved['sd']} sampler=dgrs K=2 L=2 kernel=euler_ancestral B=6 "), p.stdout
     assert rec["config"]["kernel"]["name"] == "auto" and rec["kernel"] == "euler_ancestral"
     bad = run([*args, "kernel=em"], tmp_path / "em", check=False)
     assert bad.returncode == 2 and "kernel=em is invalid with model=diffusers" in bad.stderr

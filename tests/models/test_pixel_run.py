@@ -36,7 +36,7 @@ def test_cifar10_run_saves_images_by_index(tmp_path, checkpoint, sampler):
     path, sha = checkpoint
     p = run(tmp_path, f"sampler={sampler}", f"model.path={path}", f"model.sha256={sha}", "execution=tree", "save_samples=true")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(f"model=edm-cifar10-32x32-cond-vp sampler={sampler}")
+    assert p.stdout.startswith(f"model=cifar10 model.path={path} sampler={sampler}")
     rec = json.loads((tmp_path / "result.json").read_text())
     assert rec["n_samples"] == 6 and rec["speedup"]["mean"] > 0
     names = sorted(f.name for f in (tmp_path / "images").iterdir())
@@ -169,7 +169,7 @@ def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_r
     assert "Traceback" not in err.err and last.startswith("error: metrics=[fid]") and all(n.startswith("note: ") for n in notes)
     assert "at least 2049" in err.err
     assert str(tmp_path) in last  # says where the samples are
-    assert err.out.startswith("model=edm-cifar10-32x32-cond-vp sampler=dgrs")  # the summary line came first
+    assert err.out.startswith(f"model=cifar10 model.path={path} sampler=dgrs")  # the summary line came first
     rec = json.loads((tmp_path / "result.json").read_text())
     assert rec["status"] == "ok" and rec["n_samples"] == 3 and "fid" not in rec and "AttributeError" in rec["metrics_error"]
     assert sorted(f.name for f in (tmp_path / "images").iterdir()) == [f"{i:06d}.png" for i in range(3)]

@@ -8,6 +8,7 @@ and, where the tests run as root, a small tmpfs that really fills (ENOSPC).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, Forked, python
+from omegaconf import OmegaConf
 
 from specsamp.runner import exits as exitcodes, jobs, report
 
@@ -121,6 +123,52 @@ def test_file_size_limit_in_sweep_jobs_is_recorded_and_the_sweep_exits_3(tmp_pat
         rec = json.loads(f.read_text())
         assert rec["kind"] == "infrastructure" and "samples.pt" in rec["error"], rec["error"]
     assert len(list((tmp_path / "multirun" / "full").glob("*/failed.json"))) == 2
+
+
+@pytest.mark.parametrize("mode", ["run", pytest.param("sweep", marks=pytest.mark.slow)])
+def test_file_size_limit_at_hydras_own_files_names_the_file_and_leaves_no_torn_one(tmp_path, mode):
+    """Under a 2 KB file-size limit Hydra's ``.hydra/hydra.yaml`` (a run's, ~3.8 KB) and ``multirun.yaml`` (a
+    sweep's, ~4.8 KB) hit EFBIG half-way: Hydra writes them in place, and its OSError names no file. The
+    message names the file, and the torn file is removed (what fitted before it is kept whole)."""
+    limit = 2 * 1024
+    if mode == "run":
+        out = tmp_path / "run"
+        args, torn = [*TINY, f"hydra.run.dir={out}"], out / ".hydra" / "hydra.yaml"
+    else:
+        out = tmp_path / "sweep"
+        args, torn = ["-m", *TINY, "K=1,2", f"hydra.sweep.dir={out}"], out / "multirun.yaml"
+    p = run(args, tmp_path, env=_env_unmeasured(), preexec_fn=_fsize_limit(limit))
+    assert p.returncode == 3, p.out
+    assert f"error: could not write {torn}: File too large" in p.stderr, p.stderr
+    assert "unknown path" not in p.out and "Traceback" not in p.out
+    assert not torn.exists()
+    for f in out.rglob("*"):  # what is left was written whole: Hydra's config.yaml (~1 KB) and an empty run.log
+        if f.is_file():
+            assert f.stat().st_size < limit, f
+            if f.suffix == ".yaml":
+                assert OmegaConf.load(f) is not None
+
+
+def test_a_torn_file_is_named_and_removed_only_when_it_was_written_from_empty(tmp_path):
+    """In process: an EFBIG raised while a frame holds one file open for writing names that file; the file is
+    removed when it was opened with "w" (its old content was truncated anyway), kept when appended to."""
+    def fail_writing(path, mode):
+        with open(path, mode) as f:
+            f.write("partial")
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    for mode, removed in (("w", True), ("a", False)):
+        path = tmp_path / f"out-{mode}.yaml"
+        path.write_text("old\n")
+        with pytest.raises(OSError) as info:
+            fail_writing(path, mode)
+        assert exitcodes.infrastructure_message(info.value).startswith(f"could not write {path}: File too large")
+        assert exitcodes.discard_torn_file(info.value) == (str(path) if removed else None)
+        assert path.exists() is not removed
+    # a full disk with no file object in reach, and one whose OSError names its file itself: nothing removed
+    assert "(unknown path)" in exitcodes.infrastructure_message(OSError(errno.ENOSPC, "No space left on device"))
+    named = OSError(errno.EFBIG, "File too large", str(tmp_path / "x"))
+    assert exitcodes.discard_torn_file(named) is None
 
 
 def _mount_tmpfs(path: Path, opts: str) -> bool:

@@ -200,6 +200,40 @@ def test_result_line_names_a_coupling_set_apart_from_the_sampler():
     assert line.startswith("model=gmm sampler=markmax K=2 L=3 ") and "coupling=" not in line, line
 
 
+def _record(name, overrides=None, **model):
+    """A record as the summary line reads it (a dgrs run's fields), for ``model.name=name``."""
+    rec = {"model": name, "sampler": "dgrs", "K": 2, "L": 3, "eps": 0.3, "budget": 14, "steps": 6, "n_samples": 2,
+           "tree": "uniform", "speedup": {"mean": 1.5, "sem": 0.1}, "nfe": {"mean": 4.0}, "wall_seconds": 0.4,
+           "config": {"model": {"name": name, "path": None, **model}, "sampler": {"name": "dgrs"}, "tree": "uniform"}}
+    return rec if overrides is None else {**rec, "overrides": overrides}
+
+
+@pytest.mark.parametrize("rec, head", [
+    # the option typed, not the checkpoint's name; the same option found from the name when none was typed
+    # (the default model, an experiment's, a run composed in-process)
+    (_record("edm-digits-8x8-cond", ["model=digits", "steps=6"]), "model=digits sampler=dgrs K=2 L=3"),
+    (_record("edm-digits-8x8-cond", ["+experiment=digits_fid"]), "model=digits sampler=dgrs"),
+    (_record("edm-digits-8x8-cond"), "model=digits sampler=dgrs"),
+    (_record("gmm", []), "model=gmm sampler=dgrs"),
+    # a local pipeline folder or checkpoint is named (quoted where the shell needs it)
+    (_record("diffusers", ["model=diffusers", "model.path=/data/pipe"], path="/data/pipe"),
+     "model=diffusers model.path=/data/pipe sampler=dgrs"),
+    (_record("diffusers", path="/data/my pipe"), "model=diffusers model.path='/data/my pipe' sampler=dgrs"),
+    (_record("edm-cifar10-32x32-cond-vp", ["model=cifar10"], path="tiny.pkl"), "model=cifar10 model.path=tiny.pkl sampler=dgrs"),
+    # another checkpoint of an option's family is named; a YAML of one's own is named as typed
+    (_record("edm-cifar10-32x32-uncond-vp", ["model=cifar10", "model.name=edm-cifar10-32x32-uncond-vp"]),
+     "model=cifar10 model.name=edm-cifar10-32x32-uncond-vp sampler=dgrs"),
+    (_record("edm-own", ["model=own"]), "model=own sampler=dgrs"),
+    (_record("edm-own"), "model=edm-own sampler=dgrs"),
+])
+def test_result_line_names_the_model_option_and_its_folder(rec, head):
+    from specsamp.runner import summary_line
+
+    line = summary_line(rec)
+    assert line.startswith(head + " "), line
+    assert line.endswith("speedup 1.50x ± 0.10  NFE 4.0  (2 trajectories, 0.4 s)"), line
+
+
 def test_markmax_sampler_runs(tmp_path):
     p = run([*TINY, "sampler=markmax", "K=3", "L=2"], tmp_path)
     assert p.stdout.startswith("model=gmm sampler=markmax K=3 L=2")
@@ -301,7 +335,8 @@ def test_per_root_profile_for_another_T_is_refused_before_the_model_is_built(mon
 def test_reused_run_directory_with_another_config_is_refused_untouched(tmp_path):
     """A second config in the same hydra.run.dir exits 2 naming the directory and the differing key;
     the first run's record, samples, images and grid stay byte for byte; the same config is skipped."""
-    run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
+    first = run(["model=digits", "steps=6", "n_samples=3", "save_samples=true", "progress=false"], tmp_path)
+    assert first.stdout.startswith("model=digits sampler=dgrs K=2 L=3 eps=0.3 B=14 "), first.stdout  # the option typed
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".hydra" not in p.parts}
     assert {"result.json", "samples.pt", "grid.png"} <= {p.name for p in files} and (tmp_path / "images").is_dir()
     p = run(["model=digits", "steps=7", "n_samples=3", "save_samples=true", "progress=false"], tmp_path, check=False)

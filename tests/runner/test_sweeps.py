@@ -177,6 +177,32 @@ def test_collect_while_running_marks_running_and_missing(grid, tmp_path):
     assert (df["status"] == "ok").sum() == 2
 
 
+def test_collect_names_each_jobs_kernel_beside_eps(grid, tmp_path):
+    """The kernel column follows eps: the record's kernel (em where a record leaves the key out, as em's do),
+    a failed job's recorded config, a job without a record Hydra's config; the CSV has it in the same place."""
+    sweep = copy_grid(grid, tmp_path)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    ddpm = json.loads((jobs[0] / "result.json").read_text())
+    assert "kernel" not in ddpm and "kernel" not in ddpm["config"]  # em, the default
+    ddpm.update(kernel="ddpm", eps=None, config={**ddpm["config"], "kernel": {"name": "ddpm"}, "eps": None})
+    (jobs[0] / "result.json").write_text(json.dumps(ddpm))
+    config = json.loads((jobs[1] / "result.json").read_text())["config"]
+    (jobs[1] / "result.json").unlink()
+    (jobs[1] / "failed.json").write_text(json.dumps({"status": "failed", "kind": "exception", "error": "boom",
+                                                     "config": {**config, "kernel": {"name": "euler_ancestral"}}}))
+    (jobs[2] / "result.json").unlink()  # no record: Hydra's .hydra/config.yaml names the kernel
+    df = report.collect(sweep)
+    columns = list(df.columns)
+    assert columns[columns.index("eps"):columns.index("eps") + 3] == ["eps", "kernel", "steps"]
+    assert [c for c in columns if c in report.COLUMNS] == report.COLUMNS  # the standard columns in their order
+    kernels = dict(zip(df["job"], df["kernel"]))
+    assert [kernels[j.name] for j in jobs] == ["ddpm", "euler_ancestral", "em", "em"], kernels
+    out = tmp_path / "t.csv"
+    assert report.main(["collect", str(sweep), "--csv", str(out)]) == 0
+    header = out.read_text().splitlines()[0].split(",")
+    assert header[header.index("eps") + 1] == "kernel" and header.count("kernel") == 1
+
+
 def test_collect_cli_bad_dir_exits_2(tmp_path):
     p = python([sys.executable, "-m", "specsamp.runner.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "SWEEP_DIR=" in p.stderr and "Traceback" not in p.stderr
