@@ -61,7 +61,8 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
         sigmas: ``[T + 1]`` decreasing noise levels, ``sigmas[-1] == 0`` and the others > 0.
         extra_args: the model's keywords. A tensor whose first dimension is ``b`` is per row: each call gets the rows
             of the trajectories it evaluates. Everything else (scalars, dicts, ComfyUI's ``cond``, ``model_options``,
-            ``seed``) reaches every call unchanged.
+            ``seed``) reaches every call unchanged. Every key reaches ``model`` under its own name, whatever it is
+            (``y``, ``t``, ``x``, ``sigma`` included), as k-diffusion passes them.
         callback: called once per step ``i = 0 .. T - 1``, in order, with ``{"x", "i", "sigma", "sigma_hat",
             "denoised"}`` (``sigma = sigma_hat = sigmas[i]``). A round commits several steps at once and the rows of a
             batch advance at their own pace, so step ``i`` is reported as soon as every row has committed it (several
@@ -92,7 +93,10 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
             (ComfyUI's noise preparation calls it with the node's seed) reproduces the run.
         stats: a dict filled in with the run's counts: ``result`` (:class:`specsamp.result.SampleResult`: ``nfe``,
             ``nfe_total``, ``target_rows``, ``accepts`` per row; None for a one-step ``sigmas``), ``seed``, ``steps``
-            (``T``: the network calls of k-diffusion's loop) and ``calls`` (the batched network calls this run made).
+            (``T``: the network calls of k-diffusion's loop), ``calls`` (the calls of ``model`` this run made, each
+            ``max_batch`` split included) and ``charged_calls`` (the batched calls the protocol charges: what the tree
+            execution makes, one per round and the endpoints'; the path execution makes more, one per depth walked,
+            and is charged alike). A ``stats`` that is not a dict is refused before the run.
         **options: ``prefetch``, ``evaluate_leaves``, ``max_batch``, ``warmup``, ``check_contract``, ``refine``,
             ``compile`` (as :func:`specsamp.sampler.sample_speculative`), and the search's ``delta_profile`` and
             ``max_width``.
@@ -101,9 +105,13 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
         ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device: what k-diffusion returns.
 
     Raises:
-        ConfigError: a ``noise_sampler``; ``sigmas`` not decreasing to 0; ``eta`` or ``s_noise`` out of range; a bad
-            ``K``, ``L``, ``budget``, ``tree``, ``coupling``, ``draft``, ``execution``, ``seed`` or option; a ComfyUI
-            flow model (its Euler ancestral step is another) or inpainting mask.
+        ConfigError: before the first call of ``model`` (:mod:`specsamp.arguments`): a ``noise_sampler``; ``x`` not a
+            finite floating-point tensor on a real device; ``sigmas`` not decreasing to 0; ``eta`` or ``s_noise`` out of
+            range; any argument or option of the wrong type or range; a tree too large for the memory available (the
+            network's activations at an allowance, :func:`specsamp.arguments.activation_bytes`); a ComfyUI flow model
+            (its Euler ancestral step is another) or inpainting mask.
+        ModelOutputError: (a ``ConfigError``) ``model`` returned anything but a floating-point tensor of its input's
+            shape, at the first call that does.
     """
     if noise_sampler is not None:
         raise ConfigError("noise_sampler is not supported: the speculative sampler draws every step's noise by key (seed, row, step), so it cannot take noise from a sampler such "

@@ -258,3 +258,16 @@ def test_uniform_tree_sizes_match_the_built_trees():
         built = DraftTree.uniform(K, L).restrict(h)
         assert torch.equal(torch.as_tensor(built.parent), torch.as_tensor(DraftTree.uniform(K, min(L, h)).parent))
     assert arguments.uniform_nodes(2, 3, 20, chain=True) == 15 and arguments.uniform_nodes(2, 3, 10, chain=True) == 11 and arguments.uniform_nodes(2, 60, 18, chain=True) == 19
+
+
+def test_the_node_maxima_follow_the_memory_estimate():
+    from specsamp.integrations.k_diffusion import node_maxima
+
+    K, L = node_maxima()
+    assert (K, L) == (4, 4)  # one 512x512 SD1.x latent, float32, 24 GiB
+    fits = dict(event_shape=(4, 64, 64), dtype=torch.float32, device="cpu", steps=20, available=24 * 2**30,
+                row_bytes=arguments.activation_bytes((4, 64, 64), torch.float32))
+    arguments.check_sampler_memory(DraftTree.uniform(K, L), 1, **fits)  # the corner the node offers fits
+    with pytest.raises(ConfigError, match="lower K or L"):
+        arguments.check_sampler_memory(DraftTree.uniform(K + 1, L + 1), 1, **fits)
+    assert node_maxima(available=80 * 2**30) > node_maxima() > node_maxima((4, 128, 128))
