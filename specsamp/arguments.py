@@ -298,7 +298,9 @@ def sampler_options(*, execution, prefetch="nearest", evaluate_leaves=True, max_
         ConfigError: a value of the wrong type or out of range; ``refine > 0`` without the tree execution.
     """
     execution = choice("execution", execution, EXECUTIONS)
-    refine = integer("refine", refine, 0)
+    if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
+        raise refuse("refine", refine, "the number of Picard sweeps per round must be an integer >= 0 (0: plain drafts)")
+    refine = int(refine)
     if refine > 0 and execution != "tree":
         raise ConfigError(f"refine={refine} is invalid with execution={execution}: a Picard sweep evaluates every "
                           "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
