@@ -311,7 +311,7 @@ class SpeculativePipeline:
         f = self.pipe.vae_scale_factor
         for key, v in (("height", h), ("width", w)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % f:
-                raise ConfigError(f"{key}={v!r} is invalid: must be a positive multiple of the VAE factor {f}.")
+                raise arguments.refuse(key, v, f"must be a positive multiple of the VAE factor {f}")
         return h, w
 
     def _text_sample(self, a, kind: str, shape, w: float, n: int, planned: tuple, **encode_kw):
@@ -327,7 +327,7 @@ class SpeculativePipeline:
     def _sd(self, a):
         pipe = self.pipe
         if a["guidance_rescale"]:
-            raise ConfigError(f"guidance_rescale={a['guidance_rescale']!r} is not supported: the speculative pipeline "
+            raise ConfigError(f"guidance_rescale={arguments.describe(a['guidance_rescale'])} is not supported: the speculative pipeline "
                               "reproduces plain classifier-free guidance only; set guidance_rescale=0.")
         if pipe.unet.config.time_cond_proj_dim is not None:
             raise ConfigError("unet.config.time_cond_proj_dim is set (a guidance-embedded, LCM-style network): its "

@@ -284,5 +284,5 @@ def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
 def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         extra = " (eta=0 is the deterministic Euler sampler, where speculation is vacuous)" if name == "eta" else ""
-        raise ConfigError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}.")
+        raise arguments.refuse(name, value, f"must be a finite number > 0{extra}")
     return float(value)
