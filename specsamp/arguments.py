@@ -108,15 +108,6 @@ def stats(value) -> MutableMapping | None:
     raise refuse("stats", value, "must be a dict (filled in with the run's counts), or None")
 
 
-def generators(value, batch: int):
-    """A diffusers ``generator``: None, a ``torch.Generator``, or a list of ``batch`` of them (one per image)."""
-    if value is None or isinstance(value, torch.Generator):
-        return value
-    if isinstance(value, list) and len(value) == batch and all(isinstance(g, torch.Generator) for g in value):
-        return value
-    raise refuse("generator", value, f"must be a torch.Generator, a list of {batch} of them (one per image), or None")
-
-
 def states(name: str, x) -> torch.Tensor:
     """``x [b, ...]``, the first states: a floating-point tensor with at least one row, on a real device, finite.
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..arguments import uniform_nodes
 from ..errors import ConfigError
 from ..memory import (  # public here too, as the runner has always named them
     MAX_BUDGET,
@@ -67,11 +68,10 @@ def tree_nodes(run, coupling, horizon: int) -> int:
     runner sizes any tree once it is built)."""
     if coupling is None or (run.tree not in ("uniform", "widths") and coupling.max_children != 1):
         return 0
-    if coupling.max_children == 1:
-        return min(capped_budget(run.K, run.L, horizon), horizon) + 1
-    widths = run.widths[:horizon] if run.tree == "widths" else [run.K] * min(run.L, horizon)
+    if coupling.max_children == 1 or run.tree == "uniform":
+        return uniform_nodes(run.K, run.L, horizon, chain=coupling.max_children == 1)
     nodes, layer = 1, 1
-    for w in widths:
+    for w in run.widths[:horizon]:
         layer *= w
         nodes += layer
     return nodes
