@@ -17,6 +17,9 @@ v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), under ``DDPMSch
 ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``. Any other
 scheduler (DPM-Solver++, DDIM, UniPC, any multistep solver) or pipeline is refused by :func:`speculative`
 itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
+
+The call takes the pipeline's arguments by keyword or by position, in the order of the pipeline's own
+``__call__``.
 """
 
 from __future__ import annotations
@@ -50,8 +53,6 @@ OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "war
            "check_contract", "dtype")
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
 
-
-
 def _kind(pipe) -> str:
     for cls in type(pipe).__mro__:
         if cls.__name__ in KINDS:
@@ -64,6 +65,32 @@ def _kind(pipe) -> str:
 def _defaults(pipe) -> dict:
     sig = inspect.signature(type(pipe).__call__).parameters
     return {k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty}
+
+
+def _shown(value) -> str:
+    """``value`` as a message shows it: a tensor by its shape, dtype and device, anything else by ``repr``."""
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {str(value.dtype).replace('torch.', '')} on {value.device}>"
+    return repr(value)
+
+
+def _is_default(value, default) -> bool:
+    """``value`` is the parameter's ``default``: the same object, or an equal number, string or list of them."""
+    if value is default:
+        return True
+    plain = (int, float, str, list, tuple)
+    if isinstance(value, bool) or isinstance(default, bool) or not (isinstance(value, plain) and isinstance(default, plain)):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError, RuntimeError):  # an element whose == is not a truth value
+        return False
+
+
+def _positional(pipe) -> list[str]:
+    """The names of the pipeline's ``__call__`` parameters that a call may give by position, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [k for k, p in inspect.signature(type(pipe).__call__).parameters.items() if p.kind in kinds][1:]
 
 
 def _net_dtype_device(module) -> tuple[torch.dtype, torch.device]:
@@ -181,7 +208,9 @@ def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_pr
 class SpeculativePipeline:
     """A diffusers pipeline's ``__call__`` with the sampling loop replaced by the speculative sampler.
 
-    Call it with the pipeline's own arguments (its defaults apply): ``DDPMPipeline``: ``batch_size``,
+    Call it with the pipeline's own arguments, by keyword or by position in the order of the pipeline's
+    ``__call__`` (its defaults apply; an argument not listed here is accepted only at the pipeline's default, so
+    ``sp("a cat", 512, 512, 30, None, None, 7.5)`` works; ``seed`` is keyword-only): ``DDPMPipeline``: ``batch_size``,
     ``generator``, ``num_inference_steps``, ``output_type``, ``return_dict``; ``StableDiffusionPipeline``: also
     ``prompt``, ``negative_prompt``, ``height``, ``width``, ``guidance_scale``, ``num_images_per_prompt``,
     ``clip_skip`` (``guidance_rescale`` must stay 0); ``StableDiffusion3Pipeline``: also ``prompt_2``, ``prompt_3``,
@@ -194,6 +223,11 @@ class SpeculativePipeline:
     :class:`~specsamp.result.SampleResult` as its attribute ``speculative`` (``nfe``, ``nfe_total``,
     ``target_rows``, ``speedup``, per-depth ``attempts``/``accepts``; ``samples`` are the final latents). With
     ``return_dict=False``, the pipeline's tuple; the result is then :attr:`last` (also set otherwise).
+
+    Raises:
+        ConfigError: more positional arguments than the pipeline's ``__call__`` takes, an argument given both by
+            position and by keyword, an argument this class does not take at a value other than the pipeline's
+            default, a bad value. All before any network call.
     """
 
     def __init__(self, pipe, tree, coupling, draft, options: dict):
@@ -202,16 +236,40 @@ class SpeculativePipeline:
         self.dtype = parse_dtype(options.pop("dtype", "float32"), "dtype")
         self.options = options
         self.defaults = _defaults(pipe)
+        self.positional = _positional(pipe)
         self.last = None
 
-    def __call__(self, **kwargs):
+    def __call__(self, *args, **kwargs):
+        kwargs = self._bind(args, kwargs)
         unknown = sorted(set(kwargs) - set(ARGUMENTS[self.kind]))
         if unknown:
-            raise ConfigError(f"{unknown[0]}={kwargs[unknown[0]]!r} is not supported by the speculative "
+            raise ConfigError(f"{unknown[0]}={_shown(kwargs[unknown[0]])} is not supported by the speculative "
                               f"{type(self.pipe).__name__}: it takes {', '.join(ARGUMENTS[self.kind])}.")
         a = {k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]}
         with torch.no_grad():  # as the pipeline's own __call__
             return getattr(self, f"_{self.kind}")(a)
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict:
+        """The positional arguments named as the pipeline's ``__call__`` names them, in its order, merged with
+        ``kwargs``; what Python would answer with a ``TypeError`` is a :class:`ConfigError` here. An argument the
+        speculative pipeline does not take is dropped where its value is the pipeline's default (it changes
+        nothing in the pipeline's loop: ``timesteps=None`` passed on the way to ``guidance_scale``)."""
+        name, takes = type(self.pipe).__name__, ARGUMENTS[self.kind]
+        if len(args) > len(self.positional):
+            raise ConfigError(f"{len(args)} positional arguments were given, and {name}'s __call__ takes at most "
+                              f"{len(self.positional)} ({', '.join(self.positional)}); pass the others by keyword.")
+        for i, (key, value) in enumerate(zip(self.positional, args)):
+            if key in kwargs:
+                raise ConfigError(f"{key} is given twice, as positional argument {i + 1} ({_shown(value)}) and by "
+                                  f"keyword ({_shown(kwargs[key])}); give it once.")
+            if key not in takes and not _is_default(value, self.defaults.get(key, inspect.Parameter.empty)):
+                raise ConfigError(f"positional argument {i + 1} is {name}'s {key}={_shown(value)}, which the "
+                                  f"speculative {name} takes only at its default "
+                                  f"({_shown(self.defaults.get(key))}): it takes "
+                                  f"{', '.join(k for k in takes if k != 'seed')}, and seed by keyword only.")
+        given = {**dict(zip(self.positional, args)), **kwargs}
+        return {k: v for k, v in given.items()
+                if k in takes or not _is_default(v, self.defaults.get(k, inspect.Parameter.empty))}
 
     # --- the parts every kind shares -----------------------------------------------------------------
     def _plan(self, steps, latent_shape, mu=None) -> SchedulerPlan:

@@ -123,6 +123,65 @@ def test_guidance_doubles_the_target_rows_and_the_network_sees_them():
     assert per_state == 2 and int(r.target_rows.sum()) % 2 == 0
 
 
+# --- the call's arguments -------------------------------------------------------------------------------
+def test_the_pipelines_positional_arguments_are_taken_in_its_own_order(ddpm):
+    sp = speculative(ddpm, K=1, L=4, coupling="rmc")
+    g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    ref = sp(batch_size=2, generator=g(), num_inference_steps=8, output_type="pt", seed=3).images
+    assert torch.equal(sp(2, g(), 8, "pt", seed=3).images, ref)
+    assert torch.equal(sp(2, g(), output_type="pt", num_inference_steps=8, seed=3).images, ref)
+    tup = sp(2, g(), 8, "pt", False, seed=3)
+    assert isinstance(tup, tuple) and torch.equal(tup[0], ref)
+
+
+def test_a_positional_call_may_pass_the_parameters_it_does_not_take_at_their_defaults():
+    pipe = _quiet(td.tiny_sd("euler_ancestral"))
+    sp = speculative(pipe, K=2, L=2)
+    kw = lambda: dict(seed=1, output_type="latent", generator=torch.Generator().manual_seed(0))  # noqa: E731
+    ref = sp(prompt="a cat", height=16, width=16, num_inference_steps=5, guidance_scale=3.0, negative_prompt="dog",
+             **kw()).images
+    # StableDiffusionPipeline's order: prompt, height, width, num_inference_steps, timesteps, sigmas, guidance_scale,
+    # negative_prompt
+    assert torch.equal(sp("a cat", 16, 16, 5, None, None, 3.0, "dog", **kw()).images, ref)
+    assert torch.equal(sp("a cat", 16, 16, 5, guidance_scale=3.0, negative_prompt="dog", eta=0.0, timesteps=None,
+                          **kw()).images, ref)
+
+
+@pytest.mark.parametrize("args, kwargs, needle", [
+    ((2, None, 8, "pt", True, 5), {}, ("6 positional arguments were given, and DDPMPipeline's __call__ takes at most "
+                                       "5 (batch_size, generator, num_inference_steps, output_type, return_dict)")),
+    ((2,), {"batch_size": 3}, "batch_size is given twice, as positional argument 1 (2) and by keyword (3)"),
+])
+def test_what_python_refuses_with_a_type_error_is_a_config_error_before_any_work(args, kwargs, needle):
+    pipe = _quiet(td.tiny_ddpm())
+    calls = []
+    pipe.unet.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ConfigError) as e:
+        speculative(pipe)(*args, **kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value) and not calls
+
+
+def test_a_parameter_it_does_not_take_is_refused_at_another_value_by_position_or_keyword():
+    pipe = _quiet(td.tiny_sd())
+    calls = []
+    for module in (pipe.unet, pipe.text_encoder):
+        module.register_forward_hook(lambda *a: calls.append(1))
+    sp = speculative(pipe)
+    with pytest.raises(ConfigError, match=r"positional argument 5 is StableDiffusionPipeline's timesteps=\[999, 500\], "
+                                          r"which the speculative StableDiffusionPipeline takes only at its default \(None\)"):
+        sp("a cat", 16, 16, 5, [999, 500])
+    latents = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ConfigError) as e:  # position 12: latents
+        sp("a cat", 16, 16, 5, None, None, 3.0, None, 1, 0.0, None, latents)
+    assert "latents=<tensor (1, 4, 8, 8) float32 on cpu>" in str(e.value) and "0., 0." not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        sp("a cat", latents=latents)
+    assert "latents=<tensor (1, 4, 8, 8) float32 on cpu> is not supported" in str(e.value)
+    with pytest.raises(ConfigError, match="eta=0.5 is not supported"):
+        sp("a cat", eta=0.5)
+    assert not calls
+
+
 # --- exactness ----------------------------------------------------------------------------------------
 def _per_row(unet):
     """The UNet evaluated one row at a time: each row's output independent of its batch, so two executions
