@@ -19,7 +19,8 @@ scheduler (DPM-Solver++, DDIM, UniPC, any multistep solver) or pipeline is refus
 itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
 
 The call takes the pipeline's arguments by keyword or by position, in the order of the pipeline's own
-``__call__``.
+``__call__``; the progress bar is the pipeline's (``pipe.progress_bar``, ``set_progress_bar_config``) and
+counts the loop's steps, ``num_inference_steps`` in all, each once every image has committed it.
 """
 
 from __future__ import annotations
@@ -224,6 +225,9 @@ class SpeculativePipeline:
     ``target_rows``, ``speedup``, per-depth ``attempts``/``accepts``; ``samples`` are the final latents). With
     ``return_dict=False``, the pipeline's tuple; the result is then :attr:`last` (also set otherwise).
 
+    The progress bar is ``pipe.progress_bar(total=num_inference_steps)``, as the pipeline's own loop shows it; it
+    stands at the steps the slowest image has committed and ends at ``num_inference_steps``.
+
     Raises:
         ConfigError: more positional arguments than the pipeline's ``__call__`` takes, an argument given both by
             position and by keyword, an argument this class does not take at a value other than the pipeline's
@@ -292,18 +296,23 @@ class SpeculativePipeline:
     def _sample(self, model, plan: SchedulerPlan, noise, cond, seed):
         from ..sampler import sample_speculative
 
-        m = noise.shape[0]
+        m, T = noise.shape[0], plan.schedule.steps
         init = noise.to(self.dtype) * plan.init_scale
-        bar = self.pipe.progress_bar(total=m * (plan.schedule.steps - 2))
+        bar = self.pipe.progress_bar(total=T)  # the pipeline's loop: one tick per step
         done = [0]
 
         def progress(info):
-            bar.update(info["steps_done"] - done[0])
-            done[0] = info["steps_done"]
+            if getattr(bar, "disable", False):
+                return  # no device sync for a hidden bar
+            upto = int(info["n"].min())  # the slowest image has committed steps 0 .. upto - 1
+            if upto > done[0]:
+                bar.update(upto - done[0])
+                done[0] = upto
 
         with bar:
             res = sample_speculative(model, plan.schedule, self.tree, self.coupling, m, draft=self.draft, seed=seed,
                                      cond=cond, init=init, callback=progress, **self.options)
+            bar.update(T - done[0])  # the last step
         self.last = res
         return res
 

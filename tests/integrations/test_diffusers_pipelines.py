@@ -182,6 +182,67 @@ def test_a_parameter_it_does_not_take_is_refused_at_another_value_by_position_or
     assert not calls
 
 
+# --- the progress bar -----------------------------------------------------------------------------------------
+class _Bar:
+    """The pipeline's tqdm bar, recorded: its total and its position ``n``."""
+
+    def __init__(self, iterable=None, total=None):
+        self.iterable, self.n, self.disable = iterable, 0, False
+        self.total = len(iterable) if iterable is not None else total
+
+    def __iter__(self):
+        for x in self.iterable:
+            yield x
+            self.update(1)
+
+    def update(self, k=1):
+        assert k >= 0
+        self.n += k
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_progress_bar_counts_the_loops_steps_as_the_slowest_image_commits_them(monkeypatch):
+    from specsamp import sampler
+
+    pipe = td.tiny_ddpm()
+    bars, seen = [], []  # seen: (slowest image's state index, fastest's, the bar) after each round
+    monkeypatch.setattr(pipe, "progress_bar", lambda iterable=None, total=None: bars.append(_Bar(iterable, total)) or bars[-1])
+    real = sampler.sample_speculative
+
+    def recording(*args, callback=None, **kw):
+        def cb(info):
+            callback(info)
+            seen.append((int(info["n"].min()), int(info["n"].max()), bars[-1].n))
+        return real(*args, callback=cb, **kw)
+
+    monkeypatch.setattr(sampler, "sample_speculative", recording)
+    T = 12
+    speculative(pipe, K=1, L=4, coupling="rmc")(batch_size=6, num_inference_steps=T, output_type="pt", seed=0)
+    assert bars[-1].total == T and bars[-1].n == T
+    assert all(at == slowest for slowest, _, at in seen)  # after each round: the steps every image has committed
+    assert any(fastest > slowest for slowest, fastest, _ in seen)  # ... which the slowest image sets
+    assert len({at for *_, at in seen}) > 2 and seen[-1][2] == T - 1  # round by round; the last step at the end
+    pipe(batch_size=2, num_inference_steps=T, output_type="pt")  # the pipeline's own bar, for comparison
+    assert bars[-1].total == T and bars[-1].n == T
+
+
+def test_the_progress_bar_shows_num_inference_steps_as_its_total():
+    import io
+    import re
+
+    pipe = td.tiny_ddpm()
+    text = io.StringIO()
+    pipe.set_progress_bar_config(file=text, ascii=True, mininterval=0)
+    speculative(pipe, K=1, L=4, coupling="rmc")(batch_size=4, num_inference_steps=12, output_type="pt", seed=0)
+    counts = re.findall(r"(\d+)/(\d+) \[", text.getvalue())
+    assert counts[-1] == ("12", "12") and {total for _, total in counts} == {"12"}
+
+
 # --- exactness ----------------------------------------------------------------------------------------
 def _per_row(unet):
     """The UNet evaluated one row at a time: each row's output independent of its batch, so two executions
