@@ -13,8 +13,12 @@ The samples follow the law of the pipeline's own loop; the noise after the first
 noise, so the images are not the pipeline's bit for bit.
 
 Covered: ``DDPMPipeline`` (``UNet2DModel``), ``StableDiffusionPipeline`` (``UNet2DConditionModel``; epsilon,
-v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), under ``DDPMScheduler``,
-``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``. Any other
+v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), each under the schedulers whose sampler its own
+loop is (:func:`check_loop`): ``DDPMPipeline`` and ``StableDiffusion3Pipeline`` under ``DDPMScheduler`` or
+``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``; ``StableDiffusionPipeline`` under ``DDPMScheduler``
+or ``EulerAncestralDiscreteScheduler``. ``EulerAncestralDiscreteScheduler`` in a loop that skips
+``init_noise_sigma`` and ``scale_model_input`` (``DDPMPipeline``, ``StableDiffusion3Pipeline``) is another law,
+and the flow scheduler in ``StableDiffusionPipeline`` makes the pipeline itself fail: both are refused. Any other
 scheduler (DPM-Solver++, DDIM, UniPC, any multistep solver) or pipeline is refused by :func:`speculative`
 itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
 
@@ -35,7 +39,7 @@ from ..errors import ConfigError
 from ..models.base import parse_dtype
 from ..models.parametrisation import GridTimesteps, Guided, Parametrised
 from ..rng import MAX_SEED
-from .schedulers import SchedulerPlan, from_scheduler
+from .schedulers import KERNEL_OF, SchedulerPlan, from_scheduler
 
 KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
 """The pipeline classes covered (subclasses included) and the kind each is driven as."""
@@ -53,6 +57,17 @@ ARGUMENTS = {
 OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "warmup", "refine", "compile",
            "check_contract", "dtype")
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
+
+LOOP_SCALES = {"ddpm": False, "sd": True, "sd3": False}
+"""Whether each kind's own loop (diffusers 0.42) multiplies its first latents by ``scheduler.init_noise_sigma``
+and passes the network's input through ``scheduler.scale_model_input``: ``StableDiffusionPipeline`` does both,
+``DDPMPipeline`` and ``StableDiffusion3Pipeline`` neither."""
+
+INSTEAD = {"ddpm": "DDPMScheduler.from_config(pipe.scheduler.config)",
+           "sd": "DDPMScheduler or EulerAncestralDiscreteScheduler (.from_config(pipe.scheduler.config))",
+           "sd3": "FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)"}
+"""What a refusal of :func:`check_loop` suggests for each kind."""
+
 
 def _kind(pipe) -> str:
     for cls in type(pipe).__mro__:
@@ -73,6 +88,41 @@ def _shown(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {str(value.dtype).replace('torch.', '')} on {value.device}>"
     return repr(value)
+
+
+def check_loop(pipe, kind: str) -> None:
+    """Refuse a pipeline whose own loop, under its scheduler, is not that scheduler's sampler.
+
+    Euler ancestral is a sampler of the scaled state only where the loop applies ``init_noise_sigma`` and
+    ``scale_model_input`` (:data:`LOOP_SCALES`); ``FlowMatchEulerDiscreteScheduler`` has no ``init_noise_sigma``,
+    so a loop that applies it fails, and with dynamic shifting its grid needs a ``mu`` that only the SD3 loop
+    passes. DDPM's ``init_noise_sigma`` is 1 and its ``scale_model_input`` the identity, so every loop is its sampler.
+
+    Raises:
+        ConfigError: one paragraph naming the pipeline, the scheduler, what the loop does and what to use instead.
+    """
+    sch, name, pname = pipe.scheduler, type(pipe.scheduler).__name__, type(pipe).__name__
+    kernel = KERNEL_OF.get(name)
+    if kernel == "euler_ancestral" and not LOOP_SCALES[kind]:
+        raise ConfigError(
+            f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop neither multiplies its first "
+            "latents by scheduler.init_noise_sigma nor passes the network's input through scheduler.scale_model_input "
+            "(diffusers warns that it should), so pipe(...) is not the Euler ancestral sampler and its images follow "
+            f"another law, which speculative() does not reproduce. Instead use {INSTEAD[kind]} with {pname}, or Euler "
+            "ancestral in a pipeline whose loop applies both (StableDiffusionPipeline).")
+    if kernel == "flow_stochastic" and LOOP_SCALES[kind]:
+        raise ConfigError(
+            f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop multiplies its first latents "
+            f"by scheduler.init_noise_sigma, which {name} does not have, so pipe(...) itself fails and there is no "
+            f"law to reproduce. Instead use {INSTEAD[kind]} with {pname}, or the flow scheduler in a flow pipeline "
+            "(StableDiffusion3Pipeline).")
+    get = sch.config.get if hasattr(sch.config, "get") else lambda k, d=None: getattr(sch.config, k, d)
+    if kernel == "flow_stochastic" and kind != "sd3" and get("use_dynamic_shifting", False):
+        raise ConfigError(
+            f"scheduler={name!r} with use_dynamic_shifting=True is refused with pipeline={pname!r}: {pname}'s own "
+            "loop calls scheduler.set_timesteps without the shift mu, which this scheduler then needs, so pipe(...) "
+            "itself fails and there is no law to reproduce. Instead set use_dynamic_shifting=False (a fixed shift) or "
+            "use StableDiffusion3Pipeline, which computes mu from the image size.")
 
 
 def _is_default(value, default) -> bool:
@@ -231,11 +281,13 @@ class SpeculativePipeline:
     Raises:
         ConfigError: more positional arguments than the pipeline's ``__call__`` takes, an argument given both by
             position and by keyword, an argument this class does not take at a value other than the pipeline's
-            default, a bad value. All before any network call.
+            default, a bad value; a scheduler swapped in since :func:`speculative` that it would refuse
+            (:func:`check_loop`). All before any network call.
     """
 
     def __init__(self, pipe, tree, coupling, draft, options: dict):
         self.pipe, self.kind = pipe, _kind(pipe)
+        check_loop(pipe, self.kind)
         self.tree, self.coupling, self.draft = tree, coupling, draft
         self.dtype = parse_dtype(options.pop("dtype", "float32"), "dtype")
         self.options = options
@@ -277,6 +329,7 @@ class SpeculativePipeline:
 
     # --- the parts every kind shares -----------------------------------------------------------------
     def _plan(self, steps, latent_shape, mu=None) -> SchedulerPlan:
+        check_loop(self.pipe, self.kind)  # the scheduler may have been replaced since speculative()
         return from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
                               mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None)
 
@@ -437,7 +490,9 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
     Args:
         pipe: a ``DDPMPipeline``, ``StableDiffusionPipeline`` or ``StableDiffusion3Pipeline`` whose scheduler is
             ``DDPMScheduler``, ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler`` with
-            ``stochastic_sampling=True``.
+            ``stochastic_sampling=True``, and whose own loop is that scheduler's sampler (:func:`check_loop`: not
+            Euler ancestral in ``DDPMPipeline`` or ``StableDiffusion3Pipeline``, not the flow scheduler in
+            ``StableDiffusionPipeline``).
         K, L: the uniform draft tree (``K`` children per node, ``L`` levels); a one-child coupling (``rmc``) runs the
             chain of the same drafted-state budget ``K + ... + K^L`` (``K=1, L=62``: a chain of 62).
         coupling: ``dgrs``, ``rmc``, ``markmax`` or any registered coupling.
@@ -481,5 +536,5 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
     return SpeculativePipeline(pipe, tree, coupling, draft, dict(options))
 
 
-__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "encode", "network_call", "rows_of", "speculative",
+__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "check_loop", "encode", "network_call", "rows_of", "speculative",
            "velocity_model"]

@@ -1,11 +1,8 @@
 """``specsamp.integrations.diffusers.speculative`` and ``model=diffusers`` on tiny pipelines built offline.
 
-The pipelines (:mod:`tiny_diffusers`): random weights, a few thousand parameters, no hub. Law tests compare the
-pipeline's own loop (``pipe(..., generator=torch.Generator().manual_seed(0), output_type="pt")``) with the
-speculative pipeline (generator seed 1) on the images it returns: two-sample KS on 5 fixed random projections
-(direction seed 7) and on the norm, minimum p-value above 1e-3. Their power was measured with the same test at
-n=1000, T=20: the pipeline against itself with the UNet's output scaled by 0.9 gives p = 1e-6 (clip_sample) and
-0.013 (no clipping); scaled by 0 gives p < 1e-140.
+The pipelines (:mod:`tiny_diffusers`): random weights, a few thousand parameters, no hub. Here: the output
+types and counts, the call's arguments (by keyword and by position), the progress bar, the executions' equality,
+refusals and ``model=diffusers``. The law tests, pipeline x scheduler, are in :mod:`test_diffusers_laws`.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import tiny_diffusers as td
 from specsamp.errors import ConfigError
@@ -33,14 +29,6 @@ def _quiet(pipe):
 @pytest.fixture(scope="module")
 def ddpm():
     return _quiet(td.tiny_ddpm())
-
-
-def _min_p(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
-    dirs = torch.randn(5, a.shape[1], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    p = [stats.ks_2samp((a @ d).numpy(), (b @ d).numpy()).pvalue for d in dirs]
-    p.append(stats.ks_2samp(a.norm(dim=1).numpy(), b.norm(dim=1).numpy()).pvalue)
-    return min(p)
 
 
 # --- output types and counts ------------------------------------------------------------------------
@@ -269,54 +257,6 @@ def test_tree_and_path_executions_give_identical_counts_and_samples(coupling, K,
     for f in COUNTS:
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert torch.equal(a.samples, b.samples)
-
-
-def test_law_matches_the_pipelines_own_loop_quick(ddpm):
-    # seed: generators 0 (pipeline) and 1 (speculative); n=300, T=10; tolerance min p > 1e-3
-    n, steps = 300, 10
-    ref = ddpm(batch_size=n, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt").images
-    out = speculative(ddpm, K=2, L=3)(batch_size=n, num_inference_steps=steps, output_type="pt",
-                                      generator=torch.Generator().manual_seed(1))
-    assert _min_p(out.images, ref) > 1e-3
-    assert float(out.speculative.nfe.double().mean()) < steps - 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("coupling, K, L", [("dgrs", 2, 3), ("rmc", 1, 6)])
-@pytest.mark.parametrize("execution", ["path", "tree"])
-@pytest.mark.parametrize("clip", [True, False])
-def test_law_matches_the_pipelines_own_loop(coupling, K, L, execution, clip):
-    # seed: generators 0 (pipeline) and 1 (speculative); n=1000, T=20; tolerance min p > 1e-3
-    pipe = _quiet(td.tiny_ddpm(clip_sample=clip))
-    n, steps = 1000, 20
-    ref = pipe(batch_size=n, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt").images
-    out = speculative(pipe, K, L, coupling, execution=execution)(batch_size=n, num_inference_steps=steps, output_type="pt",
-                                                                 generator=torch.Generator().manual_seed(1))
-    assert _min_p(out.images, ref) > 1e-3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("scheduler", ["ddpm", "euler_ancestral"])
-def test_law_of_a_guided_text_pipeline_matches_its_own_loop(scheduler):
-    # seed: generators 0 / 1; n=400 latents of one prompt, T=12, guidance 3; tolerance min p > 1e-3
-    pipe = _quiet(td.tiny_sd(scheduler))
-    kw = dict(prompt="a red cube", negative_prompt="blue", num_inference_steps=12, guidance_scale=3.0,
-              num_images_per_prompt=400, output_type="latent")
-    ref = pipe(generator=torch.Generator().manual_seed(0), **kw).images
-    out = speculative(pipe, K=2, L=3)(generator=torch.Generator().manual_seed(1), **kw)
-    assert _min_p(out.images, ref) > 1e-3
-
-
-@pytest.mark.slow
-def test_law_of_the_stochastic_flow_pipeline_matches_its_own_loop():
-    # seed: generator 0 and torch.manual_seed(0) (the scheduler's noise) / generator 1; n=300, T=8, guidance 2
-    pipe = _quiet(td.tiny_sd3())
-    kw = dict(prompt="a cat", num_inference_steps=8, guidance_scale=2.0, num_images_per_prompt=300,
-              output_type="latent", max_sequence_length=8)
-    torch.manual_seed(0)
-    ref = pipe(generator=torch.Generator().manual_seed(0), **kw).images
-    out = speculative(pipe, K=2, L=2)(generator=torch.Generator().manual_seed(1), **kw)
-    assert _min_p(out.images, ref) > 1e-3
 
 
 # --- refusals -------------------------------------------------------------------------------------------
