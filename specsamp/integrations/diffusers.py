@@ -13,10 +13,18 @@ The samples follow the law of the pipeline's own loop; the noise after the first
 noise, so the images are not the pipeline's bit for bit.
 
 Covered: ``DDPMPipeline`` (``UNet2DModel``), ``StableDiffusionPipeline`` (``UNet2DConditionModel``; epsilon,
-v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), under ``DDPMScheduler``,
-``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``. Any other
+v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), each under the schedulers whose sampler its own
+loop is (:func:`check_loop`): ``DDPMPipeline`` and ``StableDiffusion3Pipeline`` under ``DDPMScheduler`` or
+``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``; ``StableDiffusionPipeline`` under ``DDPMScheduler``
+or ``EulerAncestralDiscreteScheduler``. ``EulerAncestralDiscreteScheduler`` in a loop that skips
+``init_noise_sigma`` and ``scale_model_input`` (``DDPMPipeline``, ``StableDiffusion3Pipeline``) is another law,
+and the flow scheduler in ``StableDiffusionPipeline`` makes the pipeline itself fail: both are refused. Any other
 scheduler (DPM-Solver++, DDIM, UniPC, any multistep solver) or pipeline is refused by :func:`speculative`
 itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
+
+The call takes the pipeline's arguments by keyword or by position, in the order of the pipeline's own
+``__call__``; the progress bar is the pipeline's (``pipe.progress_bar``, ``set_progress_bar_config``) and
+counts the loop's steps, ``num_inference_steps`` in all, each once every image has committed it.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from ..models.base import parse_dtype
 from ..models.parametrisation import GridTimesteps, Guided, Parametrised
 from ..rng import MAX_SEED
 from ..trees import DraftTree
-from .schedulers import SchedulerPlan, from_scheduler
+from .schedulers import KERNEL_OF, SchedulerPlan, from_scheduler
 
 KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
 """The pipeline classes covered (subclasses included) and the kind each is driven as."""
@@ -54,6 +62,15 @@ OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "war
            "check_contract", "dtype")
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
 
+LOOP_SCALES = {"ddpm": False, "sd": True, "sd3": False}
+"""Whether each kind's own loop (diffusers 0.42) multiplies its first latents by ``scheduler.init_noise_sigma``
+and passes the network's input through ``scheduler.scale_model_input``: ``StableDiffusionPipeline`` does both,
+``DDPMPipeline`` and ``StableDiffusion3Pipeline`` neither."""
+
+INSTEAD = {"ddpm": "DDPMScheduler.from_config(pipe.scheduler.config)",
+           "sd": "DDPMScheduler or EulerAncestralDiscreteScheduler (.from_config(pipe.scheduler.config))",
+           "sd3": "FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)"}
+"""What a refusal of :func:`check_loop` suggests for each kind."""
 
 
 def _kind(pipe) -> str:
@@ -68,6 +85,60 @@ def _kind(pipe) -> str:
 def _defaults(pipe) -> dict:
     sig = inspect.signature(type(pipe).__call__).parameters
     return {k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty}
+
+
+def check_loop(pipe, kind: str) -> None:
+    """Refuse a pipeline whose own loop, under its scheduler, is not that scheduler's sampler.
+
+    Euler ancestral is a sampler of the scaled state only where the loop applies ``init_noise_sigma`` and
+    ``scale_model_input`` (:data:`LOOP_SCALES`); ``FlowMatchEulerDiscreteScheduler`` has no ``init_noise_sigma``,
+    so a loop that applies it fails, and with dynamic shifting its grid needs a ``mu`` that only the SD3 loop
+    passes. DDPM's ``init_noise_sigma`` is 1 and its ``scale_model_input`` the identity, so every loop is its sampler.
+
+    Raises:
+        ConfigError: one paragraph naming the pipeline, the scheduler, what the loop does and what to use instead.
+    """
+    sch, name, pname = pipe.scheduler, type(pipe.scheduler).__name__, type(pipe).__name__
+    kernel = KERNEL_OF.get(name)
+    if kernel == "euler_ancestral" and not LOOP_SCALES[kind]:
+        raise ConfigError(
+            f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop neither multiplies its first "
+            "latents by scheduler.init_noise_sigma nor passes the network's input through scheduler.scale_model_input "
+            "(diffusers warns that it should), so pipe(...) is not the Euler ancestral sampler and its images follow "
+            f"another law, which speculative() does not reproduce. Instead use {INSTEAD[kind]} with {pname}, or Euler "
+            "ancestral in a pipeline whose loop applies both (StableDiffusionPipeline).")
+    if kernel == "flow_stochastic" and LOOP_SCALES[kind]:
+        raise ConfigError(
+            f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop multiplies its first latents "
+            f"by scheduler.init_noise_sigma, which {name} does not have, so pipe(...) itself fails and there is no "
+            f"law to reproduce. Instead use {INSTEAD[kind]} with {pname}, or the flow scheduler in a flow pipeline "
+            "(StableDiffusion3Pipeline).")
+    get = sch.config.get if hasattr(sch.config, "get") else lambda k, d=None: getattr(sch.config, k, d)
+    if kernel == "flow_stochastic" and kind != "sd3" and get("use_dynamic_shifting", False):
+        raise ConfigError(
+            f"scheduler={name!r} with use_dynamic_shifting=True is refused with pipeline={pname!r}: {pname}'s own "
+            "loop calls scheduler.set_timesteps without the shift mu, which this scheduler then needs, so pipe(...) "
+            "itself fails and there is no law to reproduce. Instead set use_dynamic_shifting=False (a fixed shift) or "
+            "use StableDiffusion3Pipeline, which computes mu from the image size.")
+
+
+def _is_default(value, default) -> bool:
+    """``value`` is the parameter's ``default``: the same object, or an equal number, string or list of them."""
+    if value is default:
+        return True
+    plain = (int, float, str, list, tuple)
+    if isinstance(value, bool) or isinstance(default, bool) or not (isinstance(value, plain) and isinstance(default, plain)):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError, RuntimeError):  # an element whose == is not a truth value
+        return False
+
+
+def _positional(pipe) -> list[str]:
+    """The names of the pipeline's ``__call__`` parameters that a call may give by position, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [k for k, p in inspect.signature(type(pipe).__call__).parameters.items() if p.kind in kinds][1:]
 
 
 def _net_dtype_device(module) -> tuple[torch.dtype, torch.device]:
@@ -183,7 +254,9 @@ def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_pr
 class SpeculativePipeline:
     """A diffusers pipeline's ``__call__`` with the sampling loop replaced by the speculative sampler.
 
-    Call it with the pipeline's own arguments (its defaults apply): ``DDPMPipeline``: ``batch_size``,
+    Call it with the pipeline's own arguments, by keyword or by position in the order of the pipeline's
+    ``__call__`` (its defaults apply; an argument not listed here is accepted only at the pipeline's default, so
+    ``sp("a cat", 512, 512, 30, None, None, 7.5)`` works; ``seed`` is keyword-only): ``DDPMPipeline``: ``batch_size``,
     ``generator``, ``num_inference_steps``, ``output_type``, ``return_dict``; ``StableDiffusionPipeline``: also
     ``prompt``, ``negative_prompt``, ``height``, ``width``, ``guidance_scale``, ``num_images_per_prompt``,
     ``clip_skip`` (``guidance_rescale`` must stay 0); ``StableDiffusion3Pipeline``: also ``prompt_2``, ``prompt_3``,
@@ -196,17 +269,29 @@ class SpeculativePipeline:
     :class:`~specsamp.result.SampleResult` as its attribute ``speculative`` (``nfe``, ``nfe_total``,
     ``target_rows``, ``speedup``, per-depth ``attempts``/``accepts``; ``samples`` are the final latents). With
     ``return_dict=False``, the pipeline's tuple; the result is then :attr:`last` (also set otherwise).
+
+    The progress bar is ``pipe.progress_bar(total=num_inference_steps)``, as the pipeline's own loop shows it; it
+    stands at the steps the slowest image has committed and ends at ``num_inference_steps``.
+
+    Raises:
+        ConfigError: more positional arguments than the pipeline's ``__call__`` takes, an argument given both by
+            position and by keyword, an argument this class does not take at a value other than the pipeline's
+            default, a bad value; a scheduler swapped in since :func:`speculative` that it would refuse
+            (:func:`check_loop`). All before any network call.
     """
 
     def __init__(self, pipe, tree, coupling, draft, options: dict):
         self.pipe, self.kind = pipe, _kind(pipe)
+        check_loop(pipe, self.kind)
         self.tree, self.coupling, self.draft = tree, coupling, draft  # tree: a DraftTree, tree(n), or (K, L)
         self.dtype = parse_dtype(options.pop("dtype", "float32"), "dtype")
         self.options = options
         self.defaults = _defaults(pipe)
+        self.positional = _positional(pipe)
         self.last = None
 
-    def __call__(self, **kwargs):
+    def __call__(self, *args, **kwargs):
+        kwargs = self._bind(args, kwargs)
         unknown = sorted(set(kwargs) - set(ARGUMENTS[self.kind]))
         if unknown:
             raise ConfigError(f"{unknown[0]}={arguments.describe(kwargs[unknown[0]])} is not supported by the speculative "
@@ -215,10 +300,33 @@ class SpeculativePipeline:
         with torch.no_grad():  # as the pipeline's own __call__
             return getattr(self, f"_{self.kind}")(a)
 
+    def _bind(self, args: tuple, kwargs: dict) -> dict:
+        """The positional arguments named as the pipeline's ``__call__`` names them, in its order, merged with
+        ``kwargs``; what Python would answer with a ``TypeError`` is a :class:`ConfigError` here. An argument the
+        speculative pipeline does not take is dropped where its value is the pipeline's default (it changes
+        nothing in the pipeline's loop: ``timesteps=None`` passed on the way to ``guidance_scale``)."""
+        name, takes = type(self.pipe).__name__, ARGUMENTS[self.kind]
+        if len(args) > len(self.positional):
+            raise ConfigError(f"{len(args)} positional arguments were given, and {name}'s __call__ takes at most "
+                              f"{len(self.positional)} ({', '.join(self.positional)}); pass the others by keyword.")
+        for i, (key, value) in enumerate(zip(self.positional, args)):
+            if key in kwargs:
+                raise ConfigError(f"{key} is given twice, as positional argument {i + 1} ({arguments.describe(value)}) and by "
+                                  f"keyword ({arguments.describe(kwargs[key])}); give it once.")
+            if key not in takes and not _is_default(value, self.defaults.get(key, inspect.Parameter.empty)):
+                raise ConfigError(f"positional argument {i + 1} is {name}'s {key}={arguments.describe(value)}, which the "
+                                  f"speculative {name} takes only at its default "
+                                  f"({arguments.describe(self.defaults.get(key))}): it takes "
+                                  f"{', '.join(k for k in takes if k != 'seed')}, and seed by keyword only.")
+        given = {**dict(zip(self.positional, args)), **kwargs}
+        return {k: v for k, v in given.items()
+                if k in takes or not _is_default(v, self.defaults.get(k, inspect.Parameter.empty))}
+
     # --- the parts every kind shares -----------------------------------------------------------------
     def _plan(self, steps, latent_shape, mu=None, guided: bool = False) -> tuple[SchedulerPlan, object]:
         """The scheduler's plan for ``steps`` and the round's tree within its speculative steps, refused (before any
         network call) where the sampler's states for ``latent_shape`` cannot fit."""
+        check_loop(self.pipe, self.kind)  # the scheduler may have been replaced since speculative()
         plan = from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
                               mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None)
         horizon = max(plan.schedule.steps - 2, 1)
@@ -249,18 +357,23 @@ class SpeculativePipeline:
     def _sample(self, model, plan: SchedulerPlan, tree, noise, cond, seed):
         from ..sampler import sample_speculative
 
-        m = noise.shape[0]
+        m, T = noise.shape[0], plan.schedule.steps
         init = noise.to(self.dtype) * plan.init_scale
-        bar = self.pipe.progress_bar(total=m * (plan.schedule.steps - 2))
+        bar = self.pipe.progress_bar(total=T)  # the pipeline's loop: one tick per step
         done = [0]
 
         def progress(info):
-            bar.update(info["steps_done"] - done[0])
-            done[0] = info["steps_done"]
+            if getattr(bar, "disable", False):
+                return  # no device sync for a hidden bar
+            upto = int(info["n"].min())  # the slowest image has committed steps 0 .. upto - 1
+            if upto > done[0]:
+                bar.update(upto - done[0])
+                done[0] = upto
 
         with bar:
             res = sample_speculative(model, plan.schedule, tree, self.coupling, m, draft=self.draft, seed=seed,
                                      cond=cond, init=init, callback=progress, **self.options)
+            bar.update(T - done[0])  # the last step
         self.last = res
         return res
 
@@ -385,7 +498,9 @@ def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str
     Args:
         pipe: a ``DDPMPipeline``, ``StableDiffusionPipeline`` or ``StableDiffusion3Pipeline`` whose scheduler is
             ``DDPMScheduler``, ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler`` with
-            ``stochastic_sampling=True``.
+            ``stochastic_sampling=True``, and whose own loop is that scheduler's sampler (:func:`check_loop`: not
+            Euler ancestral in ``DDPMPipeline`` or ``StableDiffusion3Pipeline``, not the flow scheduler in
+            ``StableDiffusionPipeline``).
         K, L: the uniform draft tree (``K`` children per node, ``L`` levels); a one-child coupling (``rmc``) runs the
             chain of the same drafted-state budget ``K + ... + K^L`` (``K=1, L=62``: a chain of 62).
         coupling: ``dgrs``, ``rmc``, ``markmax`` or any registered coupling.
@@ -455,5 +570,5 @@ OUTPUT_TYPES = {"ddpm": ("pil", "np", "pt"), "text": ("pil", "np", "pt", "latent
 """The ``output_type`` values each kind's pipeline returns."""
 
 
-__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "encode", "network_call", "rows_of", "speculative",
+__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "check_loop", "encode", "network_call", "rows_of", "speculative",
            "velocity_model"]

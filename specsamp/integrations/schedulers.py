@@ -6,6 +6,12 @@ schedule on the linear path (:mod:`specsamp.kernels`: ``ddpm``, ``euler_ancestra
 timestep of each level for the network, the coordinates and prediction its network works in
 (:mod:`specsamp.models.parametrisation`), and the scale of the first state. A scheduler or an option whose step
 is not reproduced exactly is refused with a :class:`~specsamp.errors.ConfigError` naming what is supported.
+
+The plan is the sampler of a loop that uses the scheduler as ``StableDiffusionPipeline``'s does: first latents
+times ``init_noise_sigma``, the network at ``scale_model_input`` of the state, then ``step``. For ``DDPMScheduler``
+(``init_noise_sigma = 1``, ``scale_model_input`` the identity) and the flow scheduler (neither) every diffusers
+loop is that; for Euler ancestral a loop that skips both (``DDPMPipeline``, ``StableDiffusion3Pipeline``) is
+another sampler, which :func:`specsamp.integrations.diffusers.check_loop` refuses.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class SchedulerPlan:
         coords: the network's coordinates (``vp`` for diffusers' UNets, ``linear`` for flow transformers).
         prediction: the network's prediction type (``epsilon``, ``v_prediction``, ``sample``, ``flow``).
         init_scale: the first state on the linear path is ``init_scale * latents`` for latents ``~ N(0, I)`` as
-            the pipeline draws them (its ``init_noise_sigma`` included).
+            the pipeline draws them, times ``init_noise_sigma`` as a scaling loop applies it (module docstring).
         name: the scheduler's class name.
     """
 

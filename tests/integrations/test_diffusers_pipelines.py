@@ -1,11 +1,8 @@
 """``specsamp.integrations.diffusers.speculative`` and ``model=diffusers`` on tiny pipelines built offline.
 
-The pipelines (:mod:`tiny_diffusers`): random weights, a few thousand parameters, no hub. Law tests compare the
-pipeline's own loop (``pipe(..., generator=torch.Generator().manual_seed(0), output_type="pt")``) with the
-speculative pipeline (generator seed 1) on the images it returns: two-sample KS on 5 fixed random projections
-(direction seed 7) and on the norm, minimum p-value above 1e-3. Their power was measured with the same test at
-n=1000, T=20: the pipeline against itself with the UNet's output scaled by 0.9 gives p = 1e-6 (clip_sample) and
-0.013 (no clipping); scaled by 0 gives p < 1e-140.
+The pipelines (:mod:`tiny_diffusers`): random weights, a few thousand parameters, no hub. Here: the output
+types and counts, the call's arguments (by keyword and by position), the progress bar, the executions' equality,
+refusals and ``model=diffusers``. The law tests, pipeline x scheduler, are in :mod:`test_diffusers_laws`.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import tiny_diffusers as td
 from specsamp.errors import ConfigError
@@ -33,14 +29,6 @@ def _quiet(pipe):
 @pytest.fixture(scope="module")
 def ddpm():
     return _quiet(td.tiny_ddpm())
-
-
-def _min_p(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
-    dirs = torch.randn(5, a.shape[1], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    p = [stats.ks_2samp((a @ d).numpy(), (b @ d).numpy()).pvalue for d in dirs]
-    p.append(stats.ks_2samp(a.norm(dim=1).numpy(), b.norm(dim=1).numpy()).pvalue)
-    return min(p)
 
 
 # --- output types and counts ------------------------------------------------------------------------
@@ -123,6 +111,126 @@ def test_guidance_doubles_the_target_rows_and_the_network_sees_them():
     assert per_state == 2 and int(r.target_rows.sum()) % 2 == 0
 
 
+# --- the call's arguments -------------------------------------------------------------------------------
+def test_the_pipelines_positional_arguments_are_taken_in_its_own_order(ddpm):
+    sp = speculative(ddpm, K=1, L=4, coupling="rmc")
+    g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    ref = sp(batch_size=2, generator=g(), num_inference_steps=8, output_type="pt", seed=3).images
+    assert torch.equal(sp(2, g(), 8, "pt", seed=3).images, ref)
+    assert torch.equal(sp(2, g(), output_type="pt", num_inference_steps=8, seed=3).images, ref)
+    tup = sp(2, g(), 8, "pt", False, seed=3)
+    assert isinstance(tup, tuple) and torch.equal(tup[0], ref)
+
+
+def test_a_positional_call_may_pass_the_parameters_it_does_not_take_at_their_defaults():
+    pipe = _quiet(td.tiny_sd("euler_ancestral"))
+    sp = speculative(pipe, K=2, L=2)
+    kw = lambda: dict(seed=1, output_type="latent", generator=torch.Generator().manual_seed(0))  # noqa: E731
+    ref = sp(prompt="a cat", height=16, width=16, num_inference_steps=5, guidance_scale=3.0, negative_prompt="dog",
+             **kw()).images
+    # StableDiffusionPipeline's order: prompt, height, width, num_inference_steps, timesteps, sigmas, guidance_scale,
+    # negative_prompt
+    assert torch.equal(sp("a cat", 16, 16, 5, None, None, 3.0, "dog", **kw()).images, ref)
+    assert torch.equal(sp("a cat", 16, 16, 5, guidance_scale=3.0, negative_prompt="dog", eta=0.0, timesteps=None,
+                          **kw()).images, ref)
+
+
+@pytest.mark.parametrize("args, kwargs, needle", [
+    ((2, None, 8, "pt", True, 5), {}, ("6 positional arguments were given, and DDPMPipeline's __call__ takes at most "
+                                       "5 (batch_size, generator, num_inference_steps, output_type, return_dict)")),
+    ((2,), {"batch_size": 3}, "batch_size is given twice, as positional argument 1 (2) and by keyword (3)"),
+])
+def test_what_python_refuses_with_a_type_error_is_a_config_error_before_any_work(args, kwargs, needle):
+    pipe = _quiet(td.tiny_ddpm())
+    calls = []
+    pipe.unet.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ConfigError) as e:
+        speculative(pipe)(*args, **kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value) and not calls
+
+
+def test_a_parameter_it_does_not_take_is_refused_at_another_value_by_position_or_keyword():
+    pipe = _quiet(td.tiny_sd())
+    calls = []
+    for module in (pipe.unet, pipe.text_encoder):
+        module.register_forward_hook(lambda *a: calls.append(1))
+    sp = speculative(pipe)
+    with pytest.raises(ConfigError, match=r"positional argument 5 is StableDiffusionPipeline's timesteps=\[999, 500\], "
+                                          r"which the speculative StableDiffusionPipeline takes only at its default \(None\)"):
+        sp("a cat", 16, 16, 5, [999, 500])
+    latents = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ConfigError) as e:  # position 12: latents
+        sp("a cat", 16, 16, 5, None, None, 3.0, None, 1, 0.0, None, latents)
+    assert "latents=<tensor of shape (1, 4, 8, 8), float32, on cpu>" in str(e.value) and "0., 0." not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        sp("a cat", latents=latents)
+    assert "latents=<tensor of shape (1, 4, 8, 8), float32, on cpu> is not supported" in str(e.value)
+    with pytest.raises(ConfigError, match="eta=0.5 is not supported"):
+        sp("a cat", eta=0.5)
+    assert not calls
+
+
+# --- the progress bar -----------------------------------------------------------------------------------------
+class _Bar:
+    """The pipeline's tqdm bar, recorded: its total and its position ``n``."""
+
+    def __init__(self, iterable=None, total=None):
+        self.iterable, self.n, self.disable = iterable, 0, False
+        self.total = len(iterable) if iterable is not None else total
+
+    def __iter__(self):
+        for x in self.iterable:
+            yield x
+            self.update(1)
+
+    def update(self, k=1):
+        assert k >= 0
+        self.n += k
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_progress_bar_counts_the_loops_steps_as_the_slowest_image_commits_them(monkeypatch):
+    from specsamp import sampler
+
+    pipe = td.tiny_ddpm()
+    bars, seen = [], []  # seen: (slowest image's state index, fastest's, the bar) after each round
+    monkeypatch.setattr(pipe, "progress_bar", lambda iterable=None, total=None: bars.append(_Bar(iterable, total)) or bars[-1])
+    real = sampler.sample_speculative
+
+    def recording(*args, callback=None, **kw):
+        def cb(info):
+            callback(info)
+            seen.append((int(info["n"].min()), int(info["n"].max()), bars[-1].n))
+        return real(*args, callback=cb, **kw)
+
+    monkeypatch.setattr(sampler, "sample_speculative", recording)
+    T = 12
+    speculative(pipe, K=1, L=4, coupling="rmc")(batch_size=6, num_inference_steps=T, output_type="pt", seed=0)
+    assert bars[-1].total == T and bars[-1].n == T
+    assert all(at == slowest for slowest, _, at in seen)  # after each round: the steps every image has committed
+    assert any(fastest > slowest for slowest, fastest, _ in seen)  # ... which the slowest image sets
+    assert len({at for *_, at in seen}) > 2 and seen[-1][2] == T - 1  # round by round; the last step at the end
+    pipe(batch_size=2, num_inference_steps=T, output_type="pt")  # the pipeline's own bar, for comparison
+    assert bars[-1].total == T and bars[-1].n == T
+
+
+def test_the_progress_bar_shows_num_inference_steps_as_its_total():
+    import io
+    import re
+
+    pipe = td.tiny_ddpm()
+    text = io.StringIO()
+    pipe.set_progress_bar_config(file=text, ascii=True, mininterval=0)
+    speculative(pipe, K=1, L=4, coupling="rmc")(batch_size=4, num_inference_steps=12, output_type="pt", seed=0)
+    counts = re.findall(r"(\d+)/(\d+) \[", text.getvalue())
+    assert counts[-1] == ("12", "12") and {total for _, total in counts} == {"12"}
+
+
 # --- exactness ----------------------------------------------------------------------------------------
 def _per_row(unet):
     """The UNet evaluated one row at a time: each row's output independent of its batch, so two executions
@@ -149,54 +257,6 @@ def test_tree_and_path_executions_give_identical_counts_and_samples(coupling, K,
     for f in COUNTS:
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert torch.equal(a.samples, b.samples)
-
-
-def test_law_matches_the_pipelines_own_loop_quick(ddpm):
-    # seed: generators 0 (pipeline) and 1 (speculative); n=300, T=10; tolerance min p > 1e-3
-    n, steps = 300, 10
-    ref = ddpm(batch_size=n, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt").images
-    out = speculative(ddpm, K=2, L=3)(batch_size=n, num_inference_steps=steps, output_type="pt",
-                                      generator=torch.Generator().manual_seed(1))
-    assert _min_p(out.images, ref) > 1e-3
-    assert float(out.speculative.nfe.double().mean()) < steps - 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("coupling, K, L", [("dgrs", 2, 3), ("rmc", 1, 6)])
-@pytest.mark.parametrize("execution", ["path", "tree"])
-@pytest.mark.parametrize("clip", [True, False])
-def test_law_matches_the_pipelines_own_loop(coupling, K, L, execution, clip):
-    # seed: generators 0 (pipeline) and 1 (speculative); n=1000, T=20; tolerance min p > 1e-3
-    pipe = _quiet(td.tiny_ddpm(clip_sample=clip))
-    n, steps = 1000, 20
-    ref = pipe(batch_size=n, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt").images
-    out = speculative(pipe, K, L, coupling, execution=execution)(batch_size=n, num_inference_steps=steps, output_type="pt",
-                                                                 generator=torch.Generator().manual_seed(1))
-    assert _min_p(out.images, ref) > 1e-3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("scheduler", ["ddpm", "euler_ancestral"])
-def test_law_of_a_guided_text_pipeline_matches_its_own_loop(scheduler):
-    # seed: generators 0 / 1; n=400 latents of one prompt, T=12, guidance 3; tolerance min p > 1e-3
-    pipe = _quiet(td.tiny_sd(scheduler))
-    kw = dict(prompt="a red cube", negative_prompt="blue", num_inference_steps=12, guidance_scale=3.0,
-              num_images_per_prompt=400, output_type="latent")
-    ref = pipe(generator=torch.Generator().manual_seed(0), **kw).images
-    out = speculative(pipe, K=2, L=3)(generator=torch.Generator().manual_seed(1), **kw)
-    assert _min_p(out.images, ref) > 1e-3
-
-
-@pytest.mark.slow
-def test_law_of_the_stochastic_flow_pipeline_matches_its_own_loop():
-    # seed: generator 0 and torch.manual_seed(0) (the scheduler's noise) / generator 1; n=300, T=8, guidance 2
-    pipe = _quiet(td.tiny_sd3())
-    kw = dict(prompt="a cat", num_inference_steps=8, guidance_scale=2.0, num_images_per_prompt=300,
-              output_type="latent", max_sequence_length=8)
-    torch.manual_seed(0)
-    ref = pipe(generator=torch.Generator().manual_seed(0), **kw).images
-    out = speculative(pipe, K=2, L=2)(generator=torch.Generator().manual_seed(1), **kw)
-    assert _min_p(out.images, ref) > 1e-3
 
 
 # --- refusals -------------------------------------------------------------------------------------------
