@@ -190,7 +190,7 @@ class _Bar:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *_):
         return False
 
 
