@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arguments import describe
 from ..errors import ConfigError
 from ..kernels import DDPM_VARIANCES
 from ..schedule import Schedule
@@ -73,8 +74,8 @@ def _cfg(scheduler, key, default=None):
 
 def _check_steps(num_inference_steps) -> int:
     if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or not 3 <= num_inference_steps <= MAX_STEPS:
-        raise ConfigError(f"num_inference_steps={num_inference_steps!r} is invalid: need an integer in [3, {MAX_STEPS}] "
-                          "(the first and last steps lie outside speculation)")
+        raise ConfigError(f"num_inference_steps={describe(num_inference_steps)} is invalid: need an integer in "
+                          f"[3, {MAX_STEPS}] (the first and last steps lie outside speculation).")
     return num_inference_steps
 
 
