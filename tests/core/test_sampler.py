@@ -511,7 +511,7 @@ def test_coupling_bad_sigma(name, sigma):
         ({"evaluate_leaves": "false"}, r"evaluate_leaves='false' is invalid: must be True or False"),
         ({"warmup": 1}, r"warmup=1 is invalid: must be one of call, step0"),
         ({"callback": 3}, r"callback=3 is invalid: must be a callable, or None"),
-        ({"refine": -1}, r"refine=-1 is invalid: must be an integer >= 0"),
+        ({"refine": -1}, r"refine=-1 is invalid: the number of Picard sweeps per round must be an integer >= 0"),
         ({"tree": "abc"}, r"tree='abc' is invalid: must be a specsamp.trees.DraftTree"),
         ({"n_samples": 0}, r"n_samples=0 is invalid.*>= 1"),
         ({"n_samples": -3}, r"n_samples=-3 is invalid"),
