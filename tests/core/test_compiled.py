@@ -243,6 +243,33 @@ def test_latency_compile_arm_refuses_without_a_compiler(monkeypatch, tmp_path, c
     assert err.startswith("error: --compile is invalid here") and "C/C++ compiler" in err
 
 
+def test_compile_batch_benchmark_rows(monkeypatch, capsys):
+    # benchmarks.compile_batch (make bench, section compile): four rows, each with its ratio to eager and the CPU's
+    # model; the arms' processes are stood in for (they compile for minutes), the child's own entry runs 8 eager
+    # trajectories and prints their seconds as JSON
+    import json
+
+    from benchmarks import compile_batch
+    from benchmarks.common import cpu_model
+
+    seen = []
+
+    def child(n, compile, runs, cache=None):
+        seen.append((n, compile, runs, cache is not None))
+        return [2.0, 1.0][:runs] if not compile else ([60.0, 3.0] if runs == 2 else [12.0])
+
+    monkeypatch.setattr(compile_batch, "_child", child)
+    rows = compile_batch.compile_rows(5000, progress=None)
+    assert seen == [(5000, False, 2, False), (5000, True, 2, True), (5000, True, 1, True)]
+    assert [(r["arm"], r["seconds"], r["ratio"]) for r in rows] == [
+        ("eager (best of 2)", 1.0, 1.0), ("compiled, first run, empty cache", 60.0, 60.0),
+        ("compiled, second run", 3.0, 3.0), ("compiled, first run, warm cache", 12.0, 12.0)]
+    assert all(r["cpu"] == cpu_model() and r["n"] == 5000 for r in rows)
+    assert compile_batch.main(["--child", "eager", "--n", "8"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out) == 1 and out[0] > 0
+
+
 def test_cuda_home_notice_is_dropped_and_nothing_else():
     import logging
 
