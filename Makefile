@@ -15,7 +15,7 @@ test:  ## default test run (slow tests excluded), with the line coverage of spec
 test-all:  ## every test, slow ones included
 	$(PYTHON) -m pytest -q -m ""
 
-bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, ops and syncs per round), about 3 min; full size: make bench ARGS=--full
+bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, ops and syncs per round, compile=true against eager on a batch), about 5 min; full size: make bench ARGS=--full
 	$(PYTHON) -m benchmarks.bench $(ARGS)
 
 bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv, then where a round's own time goes (about 8 min; both name the CPU)

@@ -21,8 +21,12 @@ Sections, each printed as soon as it is measured (timings are best-of-``repeats`
    1 and 16 trajectories, on the digits network and the GMM (:mod:`benchmarks.opcount`); where
    ``torch.compile`` works here, also every speculative arm under ``compile=true`` at one image on the
    digits network (a fused kernel launch counted as one operation).
+7. **compile**: where ``torch.compile`` works here, wall clock of ``compile=true`` against eager on the mixture at
+   5,000 trajectories (d = 2, T = 8, D-GRS (2,3), tree execution, one thread), each arm in a fresh process: eager;
+   compiled into an empty inductor cache (first run, which compiles, and second run); compiled from the warm
+   cache; each with its ratio to eager and the CPU's model (:mod:`benchmarks.compile_batch`; about 2 minutes).
 
-The default sizes run in about three minutes under 2 GB; ``--full`` runs every grid cell, 16
+The default sizes run in about five minutes under 2 GB; ``--full`` runs every grid cell, 16
 trajectories in the scaling table and a 1024-node coupling batch (several GB, several minutes).
 """
 
@@ -103,11 +107,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="full sizes: every grid cell, bigger batches (several GB)")
     p.add_argument("--preset", default="cifar10", help="stand-in network of the overhead table (benchmarks.stand_in)")
-    p.add_argument("--only", default=None, help="comma-separated sections: overhead,scaling,grid,memory,coupling,opcount")
+    p.add_argument("--only", default=None,
+                   help="comma-separated sections: overhead,scaling,grid,memory,coupling,opcount,compile")
     p.add_argument("--json", default=None, help="also write every row here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    sections = a.only.split(",") if a.only else ["overhead", "scaling", "grid", "memory", "coupling", "opcount"]
+    sections = a.only.split(",") if a.only else ["overhead", "scaling", "grid", "memory", "coupling", "opcount", "compile"]
     t0 = time.perf_counter()
     print(f"specsamp benchmarks: torch {torch.__version__}, 1 thread, {'full' if a.full else 'default'} sizes", flush=True)
     out = {}
@@ -160,6 +165,17 @@ def main(argv=None) -> int:
         if unavailable("cpu") is None:  # the same arms under compile=true, one image on the digits network
             out["opcount"] += table_rows(("digits",), (1,), progress=None, compiled=True)
         print(table(out["opcount"], COLUMNS), flush=True)
+    if "compile" in sections:
+        from benchmarks.compile_batch import COLUMNS as COMPILE_COLUMNS, N, compile_rows
+        from specsamp.inductor import unavailable
+
+        why = unavailable("cpu")
+        if why is not None:
+            log(f"[compile] skipped: {why}")
+        else:
+            log(f"[compile] compile=true against eager, the mixture at {N} trajectories, D-GRS (2,3), fresh processes")
+            out["compile"] = compile_rows(N, progress=log)
+            print(table(out["compile"], COMPILE_COLUMNS), flush=True)
     print(f"done in {time.perf_counter() - t0:.0f} s, peak memory {peak_rss_mib():.0f} MiB (this process)", flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -10,20 +10,29 @@ from collections.abc import Callable
 import torch
 
 from .inductor import classify_compile_error
-from .lean import _lean_round, _network_outside
+from . import rng
+from .lean import _draft, _finish, _lean_round, _network_outside, _outside, _Stages, _verify_chunk
 
-RECOMPILE_LIMIT = 64  # distinct (tree, batch size, dtype) entries one process may compile before eager fallback
+RECOMPILE_LIMIT = 64  # distinct (tree or chunk shape, batch size, dtype) entries of a piece before eager fallback
 # Buffer reuse on (torch 2.14, CPU) broke the law where the verification ran in several chunks (docs/architecture.md,
 # "Correction"). With reuse and in-place buffers off, each kernel writes its own buffer, freed after its last use.
 INDUCTOR_OPTIONS = (("allow_buffer_reuse", False), ("inplace_buffers", False))
 
 
 def _guarded(fn: Callable) -> Callable:
-    """``fn`` with a machine fault of the cache raised as :func:`specsamp.inductor.cache_fault`'s paragraph."""
+    """``fn`` with a machine fault of the cache raised as :func:`specsamp.inductor.cache_fault`'s paragraph.
+
+    Before the call, the calling thread's slot of the active deferred checks (:func:`specsamp.coupling.active_checks`)
+    is made to exist (None): the compiled pieces enter :func:`~specsamp.coupling.deferred_checks`, which reads it,
+    and TorchDynamo guards on whether it exists, so a piece first traced where it did not would compile again."""
     import functools
+
+    from . import coupling
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if not hasattr(coupling._ACTIVE, "checks"):
+            coupling._ACTIVE.checks = None
         try:
             return fn(*args, **kwargs)
         except Exception as e:
@@ -69,10 +78,15 @@ class _QuietCudaHome:
 
 
 def compiled_round() -> Callable:
-    """:func:`specsamp.lean._lean_round` under ``torch.compile(dynamic=False)`` (inductor), built once per process;
-    TorchDynamo caches by code, so a process's runs share the graphs (per tree, batch size, dtype, device). The
-    recompile limit is raised to :data:`RECOMPILE_LIMIT` (torch's: 8) so that a sweep over trees keeps compiling."""
+    """:func:`specsamp.lean._lean_round` with its pieces (:class:`specsamp.lean._Stages`: the drafting, one
+    verification chunk, the walk and commit) each under ``torch.compile(dynamic=False)`` (inductor), built once per
+    process; TorchDynamo caches by code, so a process's runs share the graphs (per tree or chunk shape, batch size,
+    dtype, device), and the chunks of one shape share one graph, so that the compile does not grow with the number
+    of chunks. The recompile limit is raised to :data:`RECOMPILE_LIMIT` (torch's: 8) so that a sweep over trees keeps
+    compiling."""
     if not _ROUND:
+        import functools
+
         import torch._dynamo
 
         cfg = torch._dynamo.config
@@ -85,5 +99,8 @@ def compiled_round() -> Callable:
 
         logging.getLogger("torch.utils.cpp_extension").addFilter(_QuietCudaHome())
         _network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
-        _ROUND.append(torch.compile(_lean_round, dynamic=False, options=dict(INDUCTOR_OPTIONS)))
+        _outside(rng.draft_noise)
+        stages = _Stages(*(torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+                           for fn in (_draft, _verify_chunk, _finish)))
+        _ROUND.append(functools.partial(_lean_round, stages=stages))
     return _guarded(_ROUND[0])

@@ -29,7 +29,8 @@ from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
 
 
 def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
-                sel: torch.Tensor | None = None, sweeps: tuple = (), drafted_only: bool = False):
+                sel: torch.Tensor | None = None, sweeps: tuple = (), drafted_only: bool = False,
+                stages: _Stages | None = None):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs, in phases:
     :func:`_draft` (line 7), the Picard sweeps (:func:`_picard`) and the batched call (lines 10--13),
     :func:`_verify` (every internal node at once, then the walk by gathers: lines 14--23) and :func:`_accept`
@@ -41,6 +42,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             live rows); the others are padded like finished rows.
         sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``), before the round's own.
         drafted_only: return the drafted tree after the call (:class:`_Drafted`), for the checked walk.
+        stages: the compiled round's pieces (:class:`_Stages`); None: this function's own, eager.
 
     Returns:
         ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
@@ -54,7 +56,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         live = live & sel
     # the root index that sets L_n, with L_n = 0 (a root that is not served) for the rows the round does not serve
     n_lim = n if sel is None else torch.where(live, n, end)
-    states, coefs, per_depth, frozen, frozen_col, innov = _draft(ctx, lt, st, bool(sweeps))
+    states, coefs, per_depth, frozen, frozen_col, innov = (_draft if stages is None else stages.draft)(ctx, lt, st, bool(sweeps))
     # the batched target call over the planned rows (what the sparse round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
@@ -70,11 +72,49 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     calls.append(torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
     if drafted_only:
         return _Drafted(states, v0, vrest, refined, calls)
+    if stages is not None:
+        return (*_verify_staged(stages, ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col,
+                                refined, calls), live)
     with deferred_checks() as checks:
         walk = _verify(ctx, lt, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined)
     bad = walk[-1] if checks.bad is None else walk[-1] | checks.bad
     commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], calls)
     return commit, n_new, exact_new, bad, live
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """The compiled round's pieces (:func:`specsamp.compiled.compiled_round`), each compiled on its own and called by
+    :func:`_lean_round` (eager Python between them): ``draft`` (:func:`_draft`), ``chunk`` (:func:`_verify_chunk`, one
+    call per verification chunk, handed no slice and no root flag, so that every chunk of one shape runs one graph)
+    and ``finish`` (:func:`_finish`: the walk and the commit's gathers). The verification is not unrolled into one
+    graph: its chunks grow in number with the batch (:meth:`specsamp.leantree._LeanTree.bind`), and so would the
+    graph and its compile time (about a minute per chunk of the (2, 3) tree on one CPU core)."""
+
+    draft: Callable
+    chunk: Callable
+    finish: Callable
+
+
+def _verify_staged(stages: _Stages, ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest,
+                   coefs, frozen, frozen_col, refined, calls: list):
+    """:func:`_verify` and :func:`_accept` by the compiled pieces ``stages``: the chunks' verdicts written into the
+    round's buffers here, each piece's deferred checks collected in it and returned. Returns ``(commit, n_new,
+    exact_new, bad)`` as :func:`_lean_round` does."""
+    n = st.n
+    vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
+    acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
+    bad = lt.false
+    for (k, u, _, ch, _, du, _, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
+        accepted, index, sample, bad_c = stages.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim, states,
+                                                      v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
+                                                      internal_r, verify, res is not None, True)
+        acc[:, u], idx[:, u], bad = accepted, index, bad | bad_c
+        if res is not None:
+            res[pos] = sample
+    commit, n_new, exact_new, bad_f = stages.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen,
+                                                    frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
+    return commit, n_new, exact_new, bad | bad_f
 
 
 def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
@@ -102,7 +142,8 @@ def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
     else:  # fold(k, n) is a per-run table; the nodes fold in here
         keys = lt.key_cache[0][ar, n].T if lt.key_cache is not None else \
             rng.node_keys(ctx.key_tables[0][ar, n][None, :], lt.ids[:, None])  # [N-1, M]
-        rng.draft_noise(keys, x.shape[1:], out=states[1:])
+        # compiled, drawn outside the graph: its blocks' loop, unrolled there, would break it and grow with the batch
+        (_outside(rng.draft_noise) if ctx.compiled else rng.draft_noise)(keys, x.shape[1:], out=states[1:])
         states[1:] *= coefs[lt.dm1, std]
     lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
     innov = states[1:].clone() if keep_innov else None
@@ -138,57 +179,108 @@ def _proposal_mean(ctx: _Context, frozen, frozen_col, refined, x: torch.Tensor, 
 
 def _verify(ctx: _Context, lt: _LeanTree, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined):
     """Lines 14--23 for every row: the verdicts of every internal node, one coupling call per width (in chunks of nodes
-    sized to the states' memory; each node's keys are its own, so the numbers are those the sparse walk draws), then
-    the walk by gathers (a node is on the accepted path iff every edge above it was the accepted one).
+    sized to the states' memory, :func:`_verify_chunk`; each node's keys are its own, so the numbers are those the
+    sparse walk draws), then the walk by gathers (:func:`_walk`).
 
     Returns:
         ``(acc, internal_r, on_path, ustar, rejected, out, bad)``: each node's acceptance and whether it is verified
         if visited, ``[M, N]``; the walked path ``[M, N]``; the last node reached and whether it was rejected ``[M]``;
         the committed states ``[M, D]``; a 0-dim flag of a failed contract check.
     """
-    kern, e, ar = ctx.schedule.kernel, ctx.x_event, lt.ar
-    M, dtype = n.shape[0], states.dtype
+    vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
+    acc, idx = lt.buffers.acc, lt.buffers.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
+    res = lt.buffers.residual  # [I, M, D]: each internal node's verdict sample
+    bad = lt.false
+    for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
+        accepted, index, sample, bad_c = _verify_chunk(ctx, lt, (k, u, u_sl, ch, ch_sl, du, has_root), sig_tab, n, n_lim,
+                                                       states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
+                                                       drawn_all, internal_r, verify, res is not None)
+        acc[:, u] = accepted
+        idx[:, u] = index
+        if res is not None:
+            res[pos] = sample
+        if bad_c is not None:
+            bad = bad | bad_c
+        del accepted, index, sample
+    return (acc, internal_r, *_walk(ctx, lt, n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
+                                    internal_r), bad)
+
+
+def _verify_inputs(ctx: _Context, lt: _LeanTree, n, n_lim):
+    """What every verification chunk reads: ``(vkeys_all, drawn_all, internal_r, verify)``, the nodes' verification
+    keys ``[N, M]`` (None where the run's uniform table ``drawn_all``, ``[N, M, W_c]`` per call, holds their numbers),
+    whether each node is verified if visited ``[M, N]`` (never for finished rows), and the rule the chunks call."""
+    ar = lt.ar
     if lt.key_cache is not None:  # every node's verification keys, unless the run's uniform table holds their numbers
         vkeys_all = lt.key_cache[1][ar, n].T if lt.uniform_cache is None else None  # [N, M]
     else:
         vkeys_all = rng.node_keys(ctx.key_tables[1][ar, n][None, :], lt.nodes[:, None])
     drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]  # [N, M, W_c] per call
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
-    acc, idx = lt.buffers.acc, lt.buffers.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
-    res = lt.buffers.residual  # [I, M, D]: each internal node's verdict sample
-    bad = lt.false
     # where no verdict sample is kept, the chunks decide (a rule's choice alone, where it has one) and the
     # walk's one residual per row is drawn after the walk (_residual_again)
-    verify = ctx.coupling.choice if res is None and not ctx.check_contract else ctx.coupling
-    for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
-        c, at_u = u.numel(), u if u_sl is None else u_sl
-        xu = states[at_u]  # [c, M, D]
-        if has_root:
-            vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
-        else:
-            vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
-        cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
-        mean_p = _proposal_mean(ctx, frozen, frozen_col, refined, xu, cu, n, du, at_u)
-        mean_q = kern.mean(xu, vu, cu)
-        sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
-        if k == 1 and ch_sl is not None:
-            kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
-        else:
-            kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
-        rows = _verify_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
-                            lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
-        verdict = verify(kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1),
-                         rows)  # line 17, every internal node at once
-        acc[:, u] = verdict.accepted.reshape(c, M).T
-        idx[:, u] = verdict.index.reshape(c, M).T
-        if res is not None:
-            res[pos] = verdict.sample.reshape(c, M, -1)
-        if ctx.check_contract:
-            bad = bad | (contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
-        del kids, verdict, mean_p, mean_q, xu, vu
+    verify = ctx.coupling.choice if lt.buffers.residual is None and not ctx.check_contract else ctx.coupling
+    return vkeys_all, drawn_all, internal_r, verify
+
+
+def _verify_chunk(ctx: _Context, lt: _LeanTree, chunk: tuple, sig_tab, n, n_lim, states, v0, vrest, coefs, frozen,
+                  frozen_col, refined, vkeys_all, drawn_all, internal_r, verify, keep: bool, own_checks: bool = False):
+    """Line 17 for the ``c`` internal nodes of one verification chunk, every row at once: one call of ``verify``.
+
+    ``chunk``: ``(K, nodes [c], slice, children [c, K], slice, depths [c], has node 0)`` of ``lt.buffers.chunks``; the
+    compiled round passes None for the slices and the flag (gathers instead of views, node 0's velocity picked by
+    ``torch.where``: the same numbers), so that one graph serves every chunk of a shape. ``sig_tab [c, T]``: the
+    chunk's kernel scales per root. ``keep``: return the verdict samples. ``own_checks``: collect the deferred value
+    checks here and return their flag (a compiled piece), else they go to the caller's context.
+
+    Returns:
+        ``(accepted, index, sample, bad)``: ``[M, c]`` each of the first two, the verdict samples ``[c, M, D]`` (None
+        unless ``keep``), a 0-dim flag of a failed check (None where none ran).
+    """
+    k, u, u_sl, ch, ch_sl, du, has_root = chunk
+    kern, e, ar, M = ctx.schedule.kernel, ctx.x_event, lt.ar, n.shape[0]
+    c, at_u = u.numel(), u if u_sl is None else u_sl
+    xu = states[at_u]  # [c, M, D]
+    if has_root is None:
+        vu = torch.where((u == 0)[:, None, None], v0[None], vrest[lt.vrest_row[u]])
+    elif has_root:
+        vu = torch.cat([v0[None], vrest[lt.vrest_row[u[1:]]]]) if c > 1 else v0[None]
+    else:
+        vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
+    cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
+    mean_p = _proposal_mean(ctx, frozen, frozen_col, refined, xu, cu, n, du, at_u)
+    mean_q = kern.mean(xu, vu, cu)
+    sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
+    if k == 1 and ch_sl is not None:
+        kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
+    else:
+        kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
+    rows = _verify_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
+                        lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
+    args = (kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1), rows)
+    if own_checks:
+        with deferred_checks() as checks:
+            verdict = verify(*args)  # line 17, every node of the chunk at once
+        bad = checks.bad
+    else:
+        verdict, bad = verify(*args), None
+    if ctx.check_contract:
+        flag = (contract_violation(verdict, kids).reshape(c, M) & internal_r[:, u].T).any()
+        bad = flag if bad is None else bad | flag
+    if own_checks and bad is None:
+        bad = lt.false
+    sample = verdict.sample.reshape(c, M, -1) if keep else None
+    return verdict.accepted.reshape(c, M).T, verdict.index.reshape(c, M).T, sample, bad
+
+
+def _walk(ctx: _Context, lt: _LeanTree, n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
+          internal_r):
+    """The walk by gathers over the verdicts in ``lt.buffers`` (a node is on the accepted path iff every edge above it
+    was the accepted one). Returns ``(on_path, ustar, rejected, out)`` as :func:`_verify` does."""
+    acc, idx, res, ar = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual, lt.ar
     p = lt.parent1
     taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
-    on_path = ((~taken).to(dtype) @ lt.anc_t) == 0  # [M, N]
+    on_path = ((~taken).to(states.dtype) @ lt.anc_t) == 0  # [M, N]
     ustar = torch.argmax(on_path * lt.depth1_row, 1)  # the last node the walk reached
     rejected = internal_r[ar, ustar]  # it was verified and rejected (lines 18--20)
     if res is not None:
@@ -196,7 +288,18 @@ def _verify(ctx: _Context, lt: _LeanTree, n, n_lim, states, v0, vrest, coefs, fr
     else:  # its checks deferred too: no host synchronisation
         out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
                               rejected)
-    return acc, internal_r, on_path, ustar, rejected, out, bad
+    return on_path, ustar, rejected, out
+
+
+def _finish(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col,
+            refined, vkeys_all, drawn_all, internal_r, calls: list):
+    """The compiled round's last piece: :func:`_walk` (its deferred checks collected here) and :func:`_accept`.
+    Returns ``(commit, n_new, exact_new, bad)``."""
+    with deferred_checks() as checks:
+        walk = _walk(ctx, lt, st.n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r)
+    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, lt.buffers.acc, internal_r,
+                                       *walk, calls)
+    return commit, n_new, exact_new, lt.false if checks.bad is None else checks.bad
 
 
 def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest, acc, internal_r, on_path, ustar,
@@ -354,14 +457,20 @@ class _Hidden:
         self.value = value
 
 
-_NETWORK_OUTSIDE = []
+_OUTSIDE: dict = {}
+
+
+def _outside(fn: Callable) -> Callable:
+    """``fn`` excluded from ``torch.compile``'s tracing (``torch.compiler.disable``), one wrapper per function, built on
+    first use (:func:`specsamp.compiled.compiled_round` builds them first: disable may not be called while tracing)."""
+    if fn not in _OUTSIDE:
+        _OUTSIDE[fn] = torch.compiler.disable(fn, recursive=True)
+    return _OUTSIDE[fn]
 
 
 def _network_outside() -> Callable:
-    """:func:`_network` excluded from ``torch.compile``'s tracing (``torch.compiler.disable``), built on first use."""
-    if not _NETWORK_OUTSIDE:
-        _NETWORK_OUTSIDE.append(torch.compiler.disable(_network, recursive=True))
-    return _NETWORK_OUTSIDE[0]
+    """:func:`_network` excluded from ``torch.compile``'s tracing (:func:`_outside`)."""
+    return _outside(_network)
 
 
 def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):

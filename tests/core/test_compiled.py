@@ -77,14 +77,100 @@ def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
 
 
 def test_compiled_round_is_built_without_inductor_buffer_reuse(monkeypatch):
-    # the lean round is compiled with inductor's buffer reuse and in-place buffers off (compiled.INDUCTOR_OPTIONS): with
-    # them on, a verification in several chunks of equal shape read buffers a later kernel had reused (the several-chunk
-    # tests below show the wrong law it gave); nothing is compiled here, torch.compile's arguments are recorded
+    # the lean round's pieces (drafting, one verification chunk, walk and commit) are compiled with inductor's buffer
+    # reuse and in-place buffers off (compiled.INDUCTOR_OPTIONS): with them on, a verification in several chunks of
+    # equal shape read buffers a later kernel had reused (the several-chunk tests below show the wrong law it gave);
+    # nothing is compiled here, torch.compile's arguments are recorded
+    from specsamp import lean
+
     seen = []
     monkeypatch.setattr(compiled, "_ROUND", [])
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
     compiled.compiled_round()
-    assert seen == [dict(dynamic=False, options={"allow_buffer_reuse": False, "inplace_buffers": False})]
+    kw = dict(dynamic=False, options={"allow_buffer_reuse": False, "inplace_buffers": False})
+    assert seen == [(lean._draft, kw), (lean._verify_chunk, kw), (lean._finish, kw)]
+
+
+def _chunk_graphs() -> int:
+    """How many graphs TorchDynamo holds for the compiled verification chunk (its cache entries)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from specsamp import lean
+
+    return len(_debug_get_cache_entry_list(lean._verify_chunk.__code__))
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["run-tables", "drawn-in-round"])
+def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, tables):
+    # the compiled round's pieces run here uncompiled (torch.compile recorded, not applied): the (2, 3) tree split into
+    # 7 verification chunks of one node (leantree's memory rule, as at 50,000 trajectories), D-GRS, 16 trajectories,
+    # seed 7. The chunk piece is called once per chunk and round with the same Python values (no slice, no root flag,
+    # the same K), so that TorchDynamo, which guards on those, serves every chunk from one graph; and the pieces
+    # composed as the compiled round composes them give the eager round's counts and samples bit for bit. Without
+    # the run's tables (keys, noise, uniforms and verdict samples drawn in the round, the walk's residual drawn
+    # again, as at 75,000 trajectories and more) and with the contract checked, the same
+    from specsamp import leantree, lean
+
+    calls = []
+
+    def spy(fn, **kw):
+        if fn is not lean._verify_chunk:
+            return fn
+        return lambda *a: calls.append([x for x in a[2] if not isinstance(x, torch.Tensor)]) or fn(*a)
+
+    monkeypatch.setattr(compiled, "_ROUND", [])
+    monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
+    monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
+    if not tables:
+        for name in ("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE", "RESIDUAL_CACHE"):
+            monkeypatch.setattr(leantree, name, 0)
+    kw = dict(execution="tree", seed=7, check_contract=not tables)
+    got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, compile=True, **kw)
+    ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, **kw)
+    for f in (*FIELDS, "samples"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert len(calls) == 7 * int(got.rounds.max()) and all(c == [2, None, None, None] for c in calls), calls[:8]
+
+
+@pytest.mark.slow
+@needs_inductor
+def test_compiled_round_does_not_grow_with_the_verification_chunks(monkeypatch):
+    # RMC on a chain of 4 nodes below the root, 24 trajectories, seed 5 (25-40 s on one core, mostly compiling):
+    # the verification in one chunk of 4 internal nodes, then (leantree's memory rule set to one node per chunk, as
+    # it splits the (2, 3) tree at 50,000 trajectories) in 4 chunks of one node. The 4 chunks run one compiled graph
+    # (the chunk piece is handed no slice and no root flag), so the split adds one graph, no larger than the whole
+    # first round's. Before, the round was one graph with its chunks unrolled in it: the split compiled the round
+    # again with 4 copies of the coupling (traced operations 4364 against 404 for the (2, 3) tree, a compile
+    # ten times longer, past 20 minutes at 50,000 trajectories). TorchDynamo's counters are deterministic.
+    from torch._dynamo.utils import counters
+
+    from specsamp import leantree
+
+    model = GaussianMixture(dim=4, components=3, layout_seed=1)
+    kw = dict(draft="x0", prefetch="none", execution="tree")
+
+    def compiled_run(seed=5):
+        graphs, ops = _graphs(), counters["stats"]["calls_captured"]
+        got = sampler.sample_speculative(model, SCHED, DraftTree.chain(4), "rmc", 24, compile=True, seed=seed, **kw)
+        ref = sampler.sample_speculative(model, SCHED, DraftTree.chain(4), "rmc", 24, seed=seed, **kw)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), f
+        torch.testing.assert_close(got.samples, ref.samples, rtol=0, atol=ATOL)
+        return _graphs() - graphs, counters["stats"]["calls_captured"] - ops
+
+    chunks = _chunk_graphs()
+    _, ops_whole = compiled_run()
+    assert _chunk_graphs() <= chunks + 1
+    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
+    monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
+    lt = leantree._LeanTree(DraftTree.chain(4), "cpu", torch.float64)
+    lt.bind(24, 4)
+    assert len(lt.buffers.chunks) == 4
+    graphs, ops = compiled_run()
+    assert graphs == 1 and _chunk_graphs() <= chunks + 2, (graphs, _chunk_graphs())  # the chunk of one node, once
+    assert 0 < ops <= ops_whole, (ops, ops_whole)
+    assert compiled_run(seed=6) == (0, 0)  # nothing compiles again (no guard on a chunk, a seed, or the checks' slot)
 
 
 def test_compile_refusals_name_the_key():
@@ -155,6 +241,33 @@ def test_latency_compile_arm_refuses_without_a_compiler(monkeypatch, tmp_path, c
     assert latency.main(["--compile", "--n", "1", "--pad", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --compile is invalid here") and "C/C++ compiler" in err
+
+
+def test_compile_batch_benchmark_rows(monkeypatch, capsys):
+    # benchmarks.compile_batch (make bench, section compile): four rows, each with its ratio to eager and the CPU's
+    # model; the arms' processes are stood in for (they compile for minutes), the child's own entry runs 8 eager
+    # trajectories and prints their seconds as JSON
+    import json
+
+    from benchmarks import compile_batch
+    from benchmarks.common import cpu_model
+
+    seen = []
+
+    def child(n, compile, runs, cache=None):
+        seen.append((n, compile, runs, cache is not None))
+        return [2.0, 1.0][:runs] if not compile else ([60.0, 3.0] if runs == 2 else [12.0])
+
+    monkeypatch.setattr(compile_batch, "_child", child)
+    rows = compile_batch.compile_rows(5000, progress=None)
+    assert seen == [(5000, False, 2, False), (5000, True, 2, True), (5000, True, 1, True)]
+    assert [(r["arm"], r["seconds"], r["ratio"]) for r in rows] == [
+        ("eager (best of 2)", 1.0, 1.0), ("compiled, first run, empty cache", 60.0, 60.0),
+        ("compiled, second run", 3.0, 3.0), ("compiled, first run, warm cache", 12.0, 12.0)]
+    assert all(r["cpu"] == cpu_model() and r["n"] == 5000 for r in rows)
+    assert compile_batch.main(["--child", "eager", "--n", "8"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out) == 1 and out[0] > 0
 
 
 def test_cuda_home_notice_is_dropped_and_nothing_else():
