@@ -227,7 +227,7 @@ allowance below every network measured (patches32 85x, the digits network 448x, 
 def activation_bytes(event_shape, dtype: torch.dtype) -> int:
     """An allowance for a network's activations in one row of a forward pass: :data:`ROW_ACTIVATION_FACTOR` times the
     row's own bytes (``event_shape`` in ``dtype``)."""
-    return int(np.prod(event_shape)) * torch.tensor([], dtype=dtype).element_size() * ROW_ACTIVATION_FACTOR
+    return int(np.prod(event_shape)) * dtype.itemsize * ROW_ACTIVATION_FACTOR
 
 
 def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape, dtype: torch.dtype, device, *,
@@ -249,7 +249,7 @@ def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape
     if free is None:
         return
     numel = int(np.prod(event_shape))
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     if isinstance(tree, DraftTree):
         nodes, widest, depth = len(tree), int(tree.num_children.max()) if len(tree) > 1 else 1, tree.max_depth
     else:
