@@ -185,3 +185,12 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     head = "  ".join(h.rjust(w) if i else h.ljust(w) for i, ((_, h, _), w) in enumerate(zip(columns, widths)))
     body = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells]
     return "\n".join([head] + body)
+
+
+def write_json(rows, path) -> None:
+    """``rows`` as indented JSON at ``path`` where a path is given (a benchmark's ``--json``)."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)

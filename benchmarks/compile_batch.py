@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import cpu_model, table
+from benchmarks.common import cpu_model, table, write_json
 
 N = 5000
 COLUMNS = [("arm", "arm", "s"), ("n", "n", "d"), ("seconds", "seconds", ".2f"), ("ratio", "/ eager", ".2f"),
@@ -105,9 +105,7 @@ def main(argv=None) -> int:
         return 2
     rows = compile_rows(a.n)
     print(table(rows, COLUMNS), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(rows, a.json)
     return 0
 
 

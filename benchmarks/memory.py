@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchmarks.common import LinearVelocity, in_subprocess, peak_rss_mib
+from benchmarks.common import LinearVelocity, in_subprocess, peak_rss_mib, write_json
 
 SHAPES = {"3x32x32": (3, 32, 32), "4x64x64": (4, 64, 64)}
 
@@ -65,9 +65,7 @@ def main(argv=None) -> int:
             r = json.loads(in_subprocess("benchmarks.memory", "--one", kind, name, "--trajectories", str(a.trajectories)))
             rows.append(r)
             print(f"{r['what']:<9} {r['shape']:<8} {r['M']:>4} {r['peak_growth_mib']:>16.1f} {r['state_block_mib']:>15.1f}", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(rows, a.json)
     return 0
 
 

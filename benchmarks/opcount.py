@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -393,7 +392,7 @@ COLUMNS = [("model", "model", "s"), ("n", "n", "d"), ("arm", "arm", "s"), ("comp
 
 def main(argv=None) -> int:
     """CLI (see the module docstring); returns the exit status."""
-    from benchmarks.common import table
+    from benchmarks.common import table, write_json
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.opcount", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="digits,gmm", help="comma-separated: digits, gmm")
@@ -422,9 +421,7 @@ def main(argv=None) -> int:
             return 2
         rows += table_rows(models, ns, arms, compiled=True)
     print(table(rows, COLUMNS), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(rows, a.json)
     return 0
 
 
