@@ -368,3 +368,16 @@ def nan_residual_coupling(**_):
                        torch.full((n,), k, dtype=torch.long, device=children.device))
 
     return Coupling("nan_residual", verify)
+
+
+def min_ks_p(a, b) -> float:
+    """The smallest two-sample KS p-value of samples ``a [n, ...]`` and ``b [m, ...]`` over 5 fixed random projections
+    (seed 7) and the norm: the image law tests' statistic."""
+    import torch
+    from scipy import stats
+
+    a, b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
+    dirs = torch.randn(5, a.shape[1], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    p = [stats.ks_2samp((a @ d).numpy(), (b @ d).numpy()).pvalue for d in dirs]
+    p.append(stats.ks_2samp(a.norm(dim=1).numpy(), b.norm(dim=1).numpy()).pvalue)
+    return min(p)

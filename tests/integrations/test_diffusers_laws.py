@@ -34,26 +34,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 import tiny_diffusers as td
 from specsamp.errors import ConfigError
 from specsamp.integrations import diffusers as integration
 from specsamp.integrations.diffusers import speculative
+from helpers import min_ks_p
 
 P_MIN = 1e-3
 DDPM, EA, FLOW = "DDPMScheduler", "EulerAncestralDiscreteScheduler", "FlowMatchEulerDiscreteScheduler"
 ACCEPTED = [("ddpm", DDPM), ("ddpm", FLOW), ("sd", DDPM), ("sd", EA), ("sd3", DDPM), ("sd3", FLOW)]
 REFUSED = [("ddpm", EA), ("sd3", EA), ("sd", FLOW)]
-
-
-def min_p(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The smallest of the six KS p-values of samples ``a [n, ...]`` and ``b [m, ...]`` (module docstring)."""
-    a, b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
-    dirs = torch.randn(5, a.shape[1], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    p = [stats.ks_2samp((a @ d).numpy(), (b @ d).numpy()).pvalue for d in dirs]
-    p.append(stats.ks_2samp(a.norm(dim=1).numpy(), b.norm(dim=1).numpy()).pvalue)
-    return min(p)
 
 
 def pipeline(kind: str, scheduler: str, variance_type: str = "fixed_small", shift: float = 3.0):
@@ -123,12 +114,12 @@ def test_law_matches_the_pipelines_own_loop_and_the_test_rejects_a_perturbed_loo
     pipe = pipeline(kind, scheduler)
     ref = own(pipe, kind, n, steps, **kw)
     out, r = spec(pipe, kind, n, steps, tree, **kw)
-    assert min_p(out, ref) > P_MIN
+    assert min_ks_p(out, ref) > P_MIN
     assert 0 < int(r.accepts.sum()) < int(r.attempts.sum())  # both verdicts were drawn
     loop_cfg = {k: v for k, v in perturbed.items() if k != "latents_scale"}
     alt = own(pipeline(kind, scheduler, **loop_cfg), kind, n, steps, seed=2,
               latents_scale=perturbed.get("latents_scale"), **kw)
-    assert min_p(alt, ref) < P_MIN, perturbed
+    assert min_ks_p(alt, ref) < P_MIN, perturbed
 
 
 @pytest.mark.parametrize("kind", ["ddpm", "sd3"])
@@ -139,7 +130,7 @@ def test_the_refused_euler_ancestral_pairs_forced_through_fail_the_law_test(kind
     ref = own(pipe, kind, 64, 5, **kw)
     monkeypatch.setattr(integration, "check_loop", lambda *a: None)  # the refusal bypassed
     out, _ = spec(pipe, kind, 64, 5, **kw)
-    assert min_p(out, ref) < P_MIN
+    assert min_ks_p(out, ref) < P_MIN
 
 
 def _count_calls(pipe) -> list:
@@ -211,7 +202,7 @@ def test_law_of_ddpm_matches_its_own_loop_in_every_execution(coupling, K, L, exe
     ref = own(pipe, "ddpm", 1000, 20)
     out = speculative(pipe, K, L, coupling, execution=execution)(**arguments("ddpm", 1000, 20),
                                                                  generator=torch.Generator().manual_seed(1))
-    assert min_p(out.images, ref) > P_MIN
+    assert min_ks_p(out.images, ref) > P_MIN
 
 
 SLOW = {  # (kind, scheduler): n, T, (K, L, coupling); guidance 3 for the text pipelines
@@ -231,4 +222,4 @@ def test_law_matches_the_pipelines_own_loop_at_larger_n(kind, scheduler):
     pipe = pipeline(kind, scheduler)
     ref = own(pipe, kind, n, steps)
     out, _ = spec(pipe, kind, n, steps, tree)
-    assert min_p(out, ref) > P_MIN
+    assert min_ks_p(out, ref) > P_MIN

@@ -12,13 +12,13 @@ import inspect
 
 import pytest
 import torch
-from scipy import stats
 
 from specsamp.errors import ConfigError
 from specsamp.integrations.k_diffusion import sample_euler_ancestral
 from specsamp.models.gmm import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
+from helpers import min_ks_p
 
 GMM = GaussianMixture(dim=8, components=3, layout_seed=1)
 
@@ -56,15 +56,6 @@ def kd_euler_ancestral(model, x, sigmas, generator, extra_args=None, eta=1.0, s_
         if sigmas[i + 1] > 0:
             x = x + torch.randn(x.shape, generator=generator, dtype=x.dtype) * s_noise * sigma_up
     return x
-
-
-def min_ks_p(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The smallest two-sample KS p-value over 5 fixed random projections and the norm."""
-    a, b = a.reshape(a.shape[0], -1).double(), b.reshape(b.shape[0], -1).double()
-    dirs = torch.randn(5, a.shape[1], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    p = [stats.ks_2samp((a @ d).numpy(), (b @ d).numpy()).pvalue for d in dirs]
-    p.append(stats.ks_2samp(a.norm(dim=1).numpy(), b.norm(dim=1).numpy()).pvalue)
-    return min(p)
 
 
 def reference_and_start(n: int, sigmas, shape=(8,), dtype=torch.float64, model=gmm_denoiser, extra_args=None):
