@@ -6,12 +6,14 @@ Design and guarantee (the law): ``docs/architecture.md``, "Compiled round"; comp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .inductor import classify_compile_error
 from . import rng
-from .lean import _draft, _finish, _lean_round, _network_outside, _outside, _Stages, _verify_chunk
+from .coupling import deferred_checks
+from .lean import _accept, _draft, _lean_round, _network_outside, _outside, _verify_chunk, _verify_inputs, _walk
 
 RECOMPILE_LIMIT = 64  # distinct (tree or chunk shape, batch size, dtype) entries of a piece before eager fallback
 # Buffer reuse on (torch 2.14, CPU) broke the law where the verification ran in several chunks (docs/architecture.md,
@@ -66,6 +68,52 @@ def for_compile(coupling):
                                decide=None if coupling.decide is None else _OUTSIDE[coupling.decide])
 
 
+def _finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
+            drawn_all, internal_r, calls: list):
+    """The compiled round's last piece: :func:`specsamp.lean._walk` (its deferred checks collected here) and
+    :func:`specsamp.lean._accept`. Returns ``(commit, n_new, exact_new, bad)``."""
+    with deferred_checks() as checks:
+        walk = _walk(ctx, lt, st.n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r)
+    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, lt.buffers.acc, internal_r,
+                                       *walk, calls)
+    return commit, n_new, exact_new, lt.false if checks.bad is None else checks.bad
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The compiled round's pieces (:func:`compiled_round`), each compiled on its own and called by
+    :func:`specsamp.lean._lean_round` (eager Python between them): ``draft`` (:func:`specsamp.lean._draft`), ``chunk``
+    (:func:`specsamp.lean._verify_chunk`, one call per verification chunk, handed no slice and no root flag, so that
+    every chunk of one shape runs one graph) and ``finish`` (:func:`_finish`: the walk and the commit's gathers). The
+    verification is not unrolled into one graph: its chunks grow in number with the batch
+    (:meth:`specsamp.leantree._LeanTree.bind`), and so would the graph and its compile time (about a minute per chunk
+    of the (2, 3) tree on one CPU core)."""
+
+    draft: Callable
+    chunk: Callable
+    finish: Callable
+
+    def verify(self, ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col, refined,
+               calls: list):
+        """:func:`specsamp.lean._verify` and :func:`specsamp.lean._accept` by these pieces: the chunks' verdicts
+        written into the round's buffers here, each piece's deferred checks collected in it and returned. Returns
+        ``(commit, n_new, exact_new, bad)`` as :func:`specsamp.lean._lean_round` does."""
+        n = st.n
+        vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
+        acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
+        bad = lt.false
+        for (k, u, _, ch, _, du, _, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
+            accepted, index, sample, bad_c = self.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim,
+                                                        states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
+                                                        drawn_all, internal_r, verify, res is not None, True)
+            acc[:, u], idx[:, u], bad = accepted, index, bad | bad_c
+            if res is not None:
+                res[pos] = sample
+        commit, n_new, exact_new, bad_f = self.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs,
+                                                      frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
+        return commit, n_new, exact_new, bad | bad_f
+
+
 _ROUND: list[Callable] = []
 
 
@@ -78,7 +126,7 @@ class _QuietCudaHome:
 
 
 def compiled_round() -> Callable:
-    """:func:`specsamp.lean._lean_round` with its pieces (:class:`specsamp.lean._Stages`: the drafting, one
+    """:func:`specsamp.lean._lean_round` with its pieces (:class:`Stages`: the drafting, one
     verification chunk, the walk and commit) each under ``torch.compile(dynamic=False)`` (inductor), built once per
     process; TorchDynamo caches by code, so a process's runs share the graphs (per tree or chunk shape, batch size,
     dtype, device), and the chunks of one shape share one graph, so that the compile does not grow with the number
@@ -100,7 +148,7 @@ def compiled_round() -> Callable:
         logging.getLogger("torch.utils.cpp_extension").addFilter(_QuietCudaHome())
         _network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
         _outside(rng.draft_noise)
-        stages = _Stages(*(torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+        stages = Stages(*(torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
                            for fn in (_draft, _verify_chunk, _finish)))
         _ROUND.append(functools.partial(_lean_round, stages=stages))
     return _guarded(_ROUND[0])

@@ -30,7 +30,7 @@ from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
 
 def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
                 sel: torch.Tensor | None = None, sweeps: tuple = (), drafted_only: bool = False,
-                stages: _Stages | None = None):
+                stages=None):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs, in phases:
     :func:`_draft` (line 7), the Picard sweeps (:func:`_picard`) and the batched call (lines 10--13),
     :func:`_verify` (every internal node at once, then the walk by gathers: lines 14--23) and :func:`_accept`
@@ -42,7 +42,7 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
             live rows); the others are padded like finished rows.
         sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``), before the round's own.
         drafted_only: return the drafted tree after the call (:class:`_Drafted`), for the checked walk.
-        stages: the compiled round's pieces (:class:`_Stages`); None: this function's own, eager.
+        stages: the compiled round's pieces (:class:`specsamp.compiled.Stages`); None: this function's own, eager.
 
     Returns:
         ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
@@ -73,48 +73,13 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
     if drafted_only:
         return _Drafted(states, v0, vrest, refined, calls)
     if stages is not None:
-        return (*_verify_staged(stages, ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col,
-                                refined, calls), live)
+        return (*stages.verify(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col,
+                               refined, calls), live)
     with deferred_checks() as checks:
         walk = _verify(ctx, lt, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined)
     bad = walk[-1] if checks.bad is None else walk[-1] | checks.bad
     commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], calls)
     return commit, n_new, exact_new, bad, live
-
-
-@dataclass(frozen=True)
-class _Stages:
-    """The compiled round's pieces (:func:`specsamp.compiled.compiled_round`), each compiled on its own and called by
-    :func:`_lean_round` (eager Python between them): ``draft`` (:func:`_draft`), ``chunk`` (:func:`_verify_chunk`, one
-    call per verification chunk, handed no slice and no root flag, so that every chunk of one shape runs one graph)
-    and ``finish`` (:func:`_finish`: the walk and the commit's gathers). The verification is not unrolled into one
-    graph: its chunks grow in number with the batch (:meth:`specsamp.leantree._LeanTree.bind`), and so would the
-    graph and its compile time (about a minute per chunk of the (2, 3) tree on one CPU core)."""
-
-    draft: Callable
-    chunk: Callable
-    finish: Callable
-
-
-def _verify_staged(stages: _Stages, ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest,
-                   coefs, frozen, frozen_col, refined, calls: list):
-    """:func:`_verify` and :func:`_accept` by the compiled pieces ``stages``: the chunks' verdicts written into the
-    round's buffers here, each piece's deferred checks collected in it and returned. Returns ``(commit, n_new,
-    exact_new, bad)`` as :func:`_lean_round` does."""
-    n = st.n
-    vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
-    acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
-    bad = lt.false
-    for (k, u, _, ch, _, du, _, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
-        accepted, index, sample, bad_c = stages.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim, states,
-                                                      v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
-                                                      internal_r, verify, res is not None, True)
-        acc[:, u], idx[:, u], bad = accepted, index, bad | bad_c
-        if res is not None:
-            res[pos] = sample
-    commit, n_new, exact_new, bad_f = stages.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen,
-                                                    frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
-    return commit, n_new, exact_new, bad | bad_f
 
 
 def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
@@ -289,17 +254,6 @@ def _walk(ctx: _Context, lt: _LeanTree, n, states, v0, vrest, coefs, frozen, fro
         out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
                               rejected)
     return on_path, ustar, rejected, out
-
-
-def _finish(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col,
-            refined, vkeys_all, drawn_all, internal_r, calls: list):
-    """The compiled round's last piece: :func:`_walk` (its deferred checks collected here) and :func:`_accept`.
-    Returns ``(commit, n_new, exact_new, bad)``."""
-    with deferred_checks() as checks:
-        walk = _walk(ctx, lt, st.n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r)
-    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, lt.buffers.acc, internal_r,
-                                       *walk, calls)
-    return commit, n_new, exact_new, lt.false if checks.bad is None else checks.bad
 
 
 def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest, acc, internal_r, on_path, ustar,
@@ -594,7 +548,7 @@ class DenseLayout:
         return out
 
     def round(self, live_host):
-        ctx, st, tally, end = self.ctx, self.st, self.tally, self.end
+        ctx, st, tally = self.ctx, self.st, self.tally
         n_host, dev, M = self.n_host, st.x.device, st.x.shape[0]
         which = np.where(live_host, self.lt_of_root[np.minimum(n_host, len(self.lt_of_root) - 1)], -1)
         groups = np.unique(which[live_host])
