@@ -1,13 +1,23 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install test test-all bench bench-latency bench-samplers gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
+.PHONY: help install lint format test test-all bench bench-latency bench-samplers gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 install:  ## install the package with every extra (what CI does)
 	$(PYTHON) -m pip install -e ".[all]"
+
+lint:  ## ruff's lint and format check (rules and width in pyproject.toml), then the dead-code scan (vulture); CI runs it before the tests
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m vulture
+
+format:  ## rewrite the tree: ruff's safe fixes (import order, pyupgrade...), ruff's format, then list what is left to fix by hand
+	$(PYTHON) -m ruff check --fix-only .
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check .
 
 test:  ## default test run (slow tests excluded), with the line coverage of specsamp/
 	$(PYTHON) -m pytest -q --cov --cov-report=term-missing -n auto --maxprocesses=4 --dist worksteal
