@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
     import pandas as pd
     import torch
+
     from benchmarks.common import cpu_model
     from specsamp.runner import build_target, compose, load_config, run_config
 

@@ -142,9 +142,7 @@ def counting():
     ``Coupling.choice`` for the duration (restored on exit); ``specsamp.markmax_params.share_table`` and
     ``bin_shares`` (markmax's share table and cache, computed once per process) as ``setup``.
     """
-    from specsamp import chains as smod
-    from specsamp import coupling as cmod
-    from specsamp import markmax_params as mmod
+    from specsamp import chains as smod, coupling as cmod, markmax_params as mmod
 
     counts = OpCounts()
     mode = OpCounter(counts)
@@ -324,8 +322,7 @@ def count_config(overrides: list[str], target=None, profiler: bool | None = None
         ``{"rounds", "network_calls", "ops_round", "syncs_round", "ops_coupling", "syncs_coupling",
         "ops_network_call", "batch_nfe", "counts"}``; per-round values are floats (totals / rounds).
     """
-    from specsamp.runner import build_target, compose, load_config
-    from specsamp.runner import loop
+    from specsamp.runner import build_target, compose, load_config, loop
 
     d = compose(overrides)
     target = target or build_target(load_config(d)[0])

@@ -356,7 +356,7 @@ def measure(cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: 
                 est = estimate(target, plan, n, chains=(14, 62))
                 out.setdefault("estimate", []).append({"target": tname, "case": case, **est})
                 if progress:
-                    progress(f"    estimate (frozen x0, RMC): " + ", ".join(f"{k} {v}" for k, v in est.items() if k.startswith("chain")))
+                    progress("    estimate (frozen x0, RMC): " + ", ".join(f"{k} {v}" for k, v in est.items() if k.startswith("chain")))
             if repeats:
                 for arm, t in timings(target, plan, kernel, steps, configs, repeats, progress).items():
                     out["timings"].append({"target": tname, "case": case, "arm": arm, **t})

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from experiments.common import levers_frontier, profile_text, RESULTS, plt, read_csv, save, write_csv
+from experiments.common import RESULTS, levers_frontier, plt, profile_text, read_csv, save, write_csv
 from specsamp import theory
 
 OUT = RESULTS / "gmm"

@@ -77,8 +77,8 @@ from specsamp import rng
 from specsamp.coupling import grs_remaining_mass, project, sample_grs_residual, uniform_rows
 from specsamp.drafts import DraftRoot, get_draft
 from specsamp.models.base import batched
-from specsamp.schedule import Schedule, per_row
 from specsamp.sampler import initial_noise, sample_speculative
+from specsamp.schedule import Schedule, per_row
 from specsamp.trees import DraftTree
 
 LOG_W_FLOOR = -700.0  # residual levels 1/w are computed from max(ln w, this): a residual after a prefix

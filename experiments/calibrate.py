@@ -106,7 +106,13 @@ if __name__ == "__main__":
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from specsamp.runner.exits import INFRASTRUCTURE, USAGE, composition_message, infrastructure_message, is_infrastructure
+    from specsamp.runner.exits import (
+        INFRASTRUCTURE,
+        USAGE,
+        composition_message,
+        infrastructure_message,
+        is_infrastructure,
+    )
 
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__.strip())

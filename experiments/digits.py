@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from experiments import trained
-from experiments.common import levers_frontier, RESULTS, RULE_LABELS, ok_records, plt, read_csv, write_csv
+from experiments.common import RESULTS, RULE_LABELS, levers_frontier, ok_records, plt, read_csv, write_csv
 
 OUT = RESULTS / "digits"
 EPS = (0.1, 0.3, 0.6)
@@ -156,12 +156,12 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup, Inception Score ± s.e. per arm), ``two_sample.csv``, ``samples.npz``."""
     import torch
 
-    from specsamp.models.edm import uniform_labels
     from specsamp.images import load_images
     from specsamp.io import atomic_write
     from specsamp.metrics.fid import load_statistics
     from specsamp.metrics.isc import isc_from_logits
     from specsamp.models.digits import load_digits_data
+    from specsamp.models.edm import uniform_labels
 
     dirs, recs = _job_dirs(sweep_dir)
     ref = load_statistics("digits-8x8")

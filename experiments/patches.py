@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from experiments import trained
-from experiments.common import levers_frontier, RESULTS, plt, read_csv, write_csv
+from experiments.common import RESULTS, levers_frontier, plt, read_csv, write_csv
 
 OUT = RESULTS / "patches32"
 EPS = (0.1, 0.3, 0.6)

@@ -31,7 +31,13 @@ import torch
 from experiments import edm_training
 from specsamp.metrics.fid import feature_statistics
 from specsamp.models.digits import (
-    CLASSES, CLASSIFIER_FILE, CHANNELS, DENOISER_FILE, REFERENCE_FILE, RESOLUTION, load_digits_data,
+    CHANNELS,
+    CLASSES,
+    CLASSIFIER_FILE,
+    DENOISER_FILE,
+    REFERENCE_FILE,
+    RESOLUTION,
+    load_digits_data,
 )
 
 SIGMA_DATA = 0.75  # standard deviation of the digits' pixels in [-1, 1] (0.752)

@@ -32,7 +32,14 @@ from pathlib import Path
 import torch
 
 from experiments import edm_training
-from specsamp.models.patches import CHANNELS, DENOISER_FILE, RESOLUTION, held_out_crops, training_crops, training_pyramid
+from specsamp.models.patches import (
+    CHANNELS,
+    DENOISER_FILE,
+    RESOLUTION,
+    held_out_crops,
+    training_crops,
+    training_pyramid,
+)
 
 SIGMA_DATA = 0.5  # EDM's default; the crops' pixel standard deviation is 0.48-0.68 (training.json: data_std)
 WIDTHS = (16, 32, 64, 128)

@@ -111,25 +111,26 @@ from .markmax_params import (  # noqa: F401  (the rule's parameters; their publi
     Y_SPAN,
     GRSLevels,
     MarkMaxParams,
-    rule_at,
-    bisect_midpoint,
-    log1mexp,
-    owed_above,
     acceptance_and_positional,
     bin_shares,
+    bisect_midpoint,
     crossing,
     feasible,
     grs_on_unmarked,
+    log1mexp,
     log_bound_gap,
     log_kappa,
     log_one_minus_cdf_pow,
     log_ratio,
     make_params,
+    owed_above,
+    rule_at,
     share,
     share_table,
     static_share,
 )
 from .trees import check_int
+
 
 @dataclass
 class Plan:

@@ -104,7 +104,7 @@ def _caps(budget: int, max_depth: int, max_width: int) -> list[int]:
     return cap
 
 
-def _shared_prefix(pos: "_Positional", d: int, width: int) -> bool:
+def _shared_prefix(pos: _Positional, d: int, width: int) -> bool:
     """True when ``positional(d, K) == positional(d, width)[:K]`` for every ``K`` (D-GRS): then one chain of
     ``width`` max-plus products serves every ``K`` and the cost is linear, not quadratic, in the width."""
     first = pos(d, 1)  # validated from the narrowest up, so a bad positional is reported at K = 1

@@ -53,8 +53,7 @@ from __future__ import annotations
 
 # each section module registers its section with the harness as it is imported
 from benchmarks.gpu_check import call_cost, compile_check, cuda_vs_cpu, laws, projection, wallclock  # noqa: F401
-from benchmarks.gpu_check.harness import SECTION_FNS, SECTIONS, Context, _on_sigterm, parse_args  # noqa: F401
-from benchmarks.gpu_check.harness import main as _main
+from benchmarks.gpu_check.harness import SECTION_FNS, SECTIONS, Context, _on_sigterm, main as _main, parse_args  # noqa: F401
 
 __all__ = ["SECTIONS", "SECTION_FNS", "Context", "main"]
 

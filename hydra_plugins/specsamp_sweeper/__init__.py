@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -42,8 +42,8 @@ from hydra.core.utils import JobStatus
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from specsamp.runner import jobs  # also registers the specsamp.job_dir / specsamp.fresh_dir resolvers
 from specsamp.errors import ConfigError
+from specsamp.runner import jobs  # also registers the specsamp.job_dir / specsamp.fresh_dir resolvers
 from specsamp.runner.callback import SWEEP_STATE
 from specsamp.runner.jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV
 from specsamp.runner.overrides import SWEEPER_KEYS  # the sweeper's keys and what each accepts
@@ -103,14 +103,14 @@ class TolerantConfigLoader:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.composed: Dict[tuple, DictConfig] = {}
+        self.composed: dict[tuple, DictConfig] = {}
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def load_sweep_config(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
+    def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
         """Compose one job; on failure, :func:`failed_job_config` instead of raising."""
         cached = self.composed.pop(tuple(sweep_overrides), None)
         if cached is not None:
@@ -192,7 +192,7 @@ def _task_config(cfg: DictConfig) -> DictConfig:
 
 def swept_name(job: Sequence[str], every: Sequence[Sequence[str]]) -> str:
     """A job named by the overrides that vary across the sweep (``K=0,sampler=rmc``), as the user wrote them."""
-    values: Dict[str, set] = {}
+    values: dict[str, set] = {}
     for other in every:
         for o in other:
             values.setdefault(jobs._key_of(o), set()).add(o)
@@ -203,7 +203,7 @@ def swept_name(job: Sequence[str], every: Sequence[Sequence[str]]) -> str:
 def refusal(problems: Sequence[tuple[str, str]], n_jobs: int, validate: bool, shown: int = 3) -> str:
     """The one paragraph of a refused sweep: how many jobs cannot run, then each distinct error once with
     the jobs it concerns (``every job``, or the first one and how many more), at most ``shown`` errors."""
-    groups: Dict[str, List[str]] = {}
+    groups: dict[str, list[str]] = {}
     for job, message in problems:
         groups.setdefault(message, []).append(job)
     if len(problems) == n_jobs:
@@ -234,7 +234,7 @@ class SpecsampSweeper(BasicSweeper):
         specsamp.errors.ConfigError: a key of :data:`SWEEPER_KEYS` with a value it does not accept.
     """
 
-    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None, validate: bool = False):
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None, validate: bool = False):
         check_sweeper_keys(max_batch_size, params, validate)
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.validate = validate
@@ -249,7 +249,7 @@ class SpecsampSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:  # noqa: D102
         pass  # every job was checked before the first batch (precheck)
 
-    def job_problem(self, overrides: Sequence[str], here: bool) -> Optional[str]:
+    def job_problem(self, overrides: Sequence[str], here: bool) -> str | None:
         """The paragraph of the user error that stops this job (composition, key, value; ``here``: also the
         device and ``compile``), or None when it passes or fails for another reason (its job records that)."""
         from specsamp.runner.config import load_config
@@ -287,7 +287,7 @@ class SpecsampSweeper(BasicSweeper):
         if problems and (self.validate or len(problems) == len(every)):
             raise ConfigError(refusal(problems, len(every), self.validate))
 
-    def sweep(self, arguments: List[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> Any:
         """Hydra's basic sweep loop, except that a failed job stops nothing: Hydra's reads every job's
         return value after each batch and raises the first failure, which skips the later batches and the
         end-of-sweep summary. Jobs that failed on an infrastructure error are noted for the exit status."""
@@ -300,7 +300,7 @@ class SpecsampSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
         self.precheck(self.overrides)  # before the sweep directory exists: a refused sweep writes nothing
-        returns: List[Sequence[Any]] = []
+        returns: list[Sequence[Any]] = []
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")

@@ -39,17 +39,16 @@ Source: hydra-submitit-launcher 1.2 (``BaseSubmititLauncher.launch``/``__call__`
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
@@ -70,8 +69,7 @@ except ImportError:  # the `cluster` extra is not installed: hydra/launcher=slur
     BaseQueueConf = SlurmQueueConf  # type: ignore[misc]
     HAVE_SUBMITIT = False
 
-from specsamp.runner import jobs
-from specsamp.runner import slurm as queue
+from specsamp.runner import jobs, slurm as queue
 
 LAUNCHER_KEYS = ("poll_s", "cancel_on_interrupt", "dry_run")
 
@@ -137,7 +135,7 @@ def _sbatch_error(text: str) -> str:
     return " ".join(lines[-2:]) if lines else " ".join(str(text).split())[:400]
 
 
-def explain_refusal(error: BaseException, params: Dict[str, Any]) -> tuple[int, str]:
+def explain_refusal(error: BaseException, params: dict[str, Any]) -> tuple[int, str]:
     """``(exit status, paragraph)`` for a failed submission: 3 when the controller cannot be reached, 2
     (naming the launcher setting and its value) when sbatch refused the request.
 
@@ -166,7 +164,7 @@ def explain_refusal(error: BaseException, params: Dict[str, Any]) -> tuple[int, 
 SIGNAL_SLACK_S = 60  # SLURM sends the warning signal up to about a minute early (the controller polls)
 
 
-def check_time_limit(params: Dict[str, Any]) -> None:
+def check_time_limit(params: dict[str, Any]) -> None:
     """Refuse a ``timeout_min`` that leaves no time before submitit's warning signal.
 
     SLURM sends ``USR2`` ``signal_delay_s`` seconds before ``timeout_min`` (``--signal=USR2@signal_delay_s``),
@@ -222,9 +220,9 @@ class QueueView:
     """One ``squeue -h -r -j JOB -o '%i|%T|%r'`` answer: ``states`` {STATE: n}, ``reasons`` {pending
     reason: n}, ``stuck`` (ids of the tasks pending for a :func:`stuck_reason`)."""
 
-    states: Dict[str, int]
-    reasons: Dict[str, int]
-    stuck: List[str]
+    states: dict[str, int]
+    reasons: dict[str, int]
+    stuck: list[str]
 
     @property
     def left(self) -> int:
@@ -243,9 +241,9 @@ class QueueView:
 
 def queue_view(text: str) -> QueueView:
     """Parse ``squeue -h -r -o '%i|%T|%r'`` lines (one per task; a reason may hold commas)."""
-    states: Dict[str, int] = {}
-    reasons: Dict[str, int] = {}
-    stuck: List[str] = []
+    states: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    stuck: list[str] = []
     for line in str(text).splitlines():
         parts = line.strip().split("|", 2)
         if len(parts) < 2 or not parts[1].strip():
@@ -259,7 +257,7 @@ def queue_view(text: str) -> QueueView:
     return QueueView(states, reasons, stuck)
 
 
-def _nodes_of(partition: Optional[str]) -> str:
+def _nodes_of(partition: str | None) -> str:
     """``node: 2 CPUs, 11980 MB, gres (null)`` for (at most 3 of) the partition's nodes, or '' when sinfo does not answer."""
     cmd = ["sinfo", "-h", "-N", "-o", "%N|%c|%m|%G"] + (["-p", str(partition)] if partition else [])
     try:
@@ -274,7 +272,7 @@ def _nodes_of(partition: Optional[str]) -> str:
     return "; ".join(rows[:3]) + (f" (and {len(rows) - 3} more)" if len(rows) > 3 else "")
 
 
-def stuck_message(job: str, view: QueueView, params: Dict[str, Any], nodes: str, cancelled: bool) -> str:
+def stuck_message(job: str, view: QueueView, params: dict[str, Any], nodes: str, cancelled: bool) -> str:
     """The paragraph of a job whose tasks pend for a reason that cannot resolve (exit 2)."""
     reasons = sorted({r for r in view.reasons if stuck_reason(r)})
     asked = ", ".join(f"hydra.launcher.{k}={params.get(k)!r}" for k in ("cpus_per_task", "mem_gb", "gpus_per_node", "partition")
@@ -322,7 +320,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
 
     # -- inside the array task -------------------------------------------------------------------
 
-    def __call__(self, sweep_overrides: List[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: Dict[type, Any]) -> JobReturn:
+    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict[type, Any]) -> JobReturn:
         """Run one cell in its array task (hydra-submitit-launcher's body), with a timeout handler, and
         raise :class:`CellFailed` when it recorded a failure, so that the task's exit status is non-zero.
 
@@ -336,6 +334,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         ``failed.json`` of kind ``timed_out``; its finished batches stay for the relaunch.
         """
         import submitit
+
         from specsamp.runner import resume
 
         sig = getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG, signal.SIGUSR2)
@@ -383,6 +382,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         for the requeued attempt, when the cell's finished batches are on disk (it resumes from them);
         None otherwise (submitit then does not requeue, and the cell records ``timed_out``)."""
         import submitit
+
         from specsamp.runner import resume
 
         if resume.active() is None:
@@ -423,7 +423,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             return False
         return run.num_shards <= 1 or (job_dir / jobs.SHARD).exists()
 
-    def _mem_gb(self, cells: List[tuple[Sequence[str], Path]]) -> Optional[int]:
+    def _mem_gb(self, cells: list[tuple[Sequence[str], Path]]) -> int | None:
         """``mem_gb`` for the array when the launcher config leaves it unset: the largest
         :func:`specsamp.runner.memory.mem_gb_for` (the run's memory estimate times 1.5, in GiB) over the cells
         to submit; None when ``mem_gb`` or ``additional_parameters.mem``/``mem_per_cpu`` is set, or when no
@@ -445,7 +445,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 continue
         return max(sizes) if sizes else None
 
-    def _live(self, cells: List[tuple[Sequence[str], Path]]) -> Dict[Path, str]:
+    def _live(self, cells: list[tuple[Sequence[str], Path]]) -> dict[Path, str]:
         """The cells the scheduler (or a live process) still owns: ``{job dir: "SLURM job A_T STATE"}``."""
         ids = {}
         for _, d in cells:

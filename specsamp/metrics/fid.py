@@ -30,14 +30,6 @@ import numpy as np
 import torch
 
 from ..hub import offline, resolve_path, verify_sha256
-from .frechet import (  # noqa: F401  (the statistics and the distance, importable from here as before)
-    ROUNDING_FACTOR,
-    Statistics,
-    feature_statistics,
-    fid_rounding_bound,
-    frechet_distance,
-    frechet_distance_to_features,
-)
 from .fid_inputs import (  # what scoring reads and its checks (fid_inputs), importable from here as before
     INCEPTION,
     INCEPTION_URL,
@@ -49,6 +41,14 @@ from .fid_inputs import (  # what scoring reads and its checks (fid_inputs), imp
     few_images_warning,
     registered_extractor,
     run_images,
+)
+from .frechet import (  # noqa: F401  (the statistics and the distance, importable from here as before)
+    ROUNDING_FACTOR,
+    Statistics,
+    feature_statistics,
+    fid_rounding_bound,
+    frechet_distance,
+    frechet_distance_to_features,
 )
 
 
@@ -419,7 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     (:func:`few_images_warning`).
     """
     import argparse
-    import json
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m specsamp.metrics.fid",

@@ -20,7 +20,6 @@ import torch
 
 from ..hub import offline, resolve_path
 
-
 INCEPTION = "inception-v3-compat"
 # torch-fidelity's Inception weights (torch_fidelity.feature_extractor_inceptionv3.URL_INCEPTION_V3)
 INCEPTION_URL = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"

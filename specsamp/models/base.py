@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -98,7 +98,7 @@ class TargetConfig:
     name: str = MISSING
     dtype: str = "float32"
     shift: float = 1.0
-    paper: Optional[Paper] = None
+    paper: Paper | None = None
 
     def build(self, device: str) -> Target:
         """Validate the values, load the model onto ``device`` and return the :class:`Target`.

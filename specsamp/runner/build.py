@@ -8,11 +8,10 @@ first calibrates a displacement profile on a short run of its own (:func:`calibr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import math
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -142,11 +142,11 @@ class LoggerConfig:
     """``conf/logger/*.yaml``: ``none``, or a ``_target_`` logger class (:mod:`specsamp.runner.loggers`)."""
 
     name: str = "none"
-    _target_: Optional[str] = None
-    project: Optional[str] = None
-    entity: Optional[str] = None
-    mode: Optional[str] = None
-    group: Optional[str] = None
+    _target_: str | None = None
+    project: str | None = None
+    entity: str | None = None
+    mode: str | None = None
+    group: str | None = None
 
 
 @dataclass
@@ -166,16 +166,16 @@ class RunConfig:
     seed: int = rule("an integer in [0, 2**59)", lambda v: _int(v) and 0 <= v < SEED_BOUND)
     device: str = "cpu"
     tree: str = registered("tree")
-    widths: Optional[list[int]] = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
+    widths: list[int] | None = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
                                        lambda v: len(v) > 0 and all(w >= 1 for w in v), None)
-    budget: Optional[int] = at_least(1, None, optional=True)
+    budget: int | None = at_least(1, None, optional=True)
     delta_profile: Any = rule(
         "a non-empty list of finite values >= 0 (one per depth), a list of such lists (one per root step "
         "1..T-2, tree=optimal_per_step), the name of a shipped profile (" + ", ".join(
             sorted(p.stem for p in PROFILE_DIR.glob("*.json"))) + ") or a .json path, or null (calibrate)",
         lambda v: _profile_ok(v), None)
-    max_depth: Optional[int] = at_least(1, None, optional=True)
-    max_width: Optional[int] = at_least(1, None, optional=True)
+    max_depth: int | None = at_least(1, None, optional=True)
+    max_width: int | None = at_least(1, None, optional=True)
     draft: str = registered("draft")
     prefetch: str = one_of(_sampler_const("PREFETCH"), "nearest")
     warmup: str = one_of(_sampler_const("WARMUPS"), "call")
@@ -186,16 +186,16 @@ class RunConfig:
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
     refine: int = at_least(0, 0)
     compile: bool = False
-    batch_size: Optional[int] = at_least(1, None, optional=True)
-    max_batch: Optional[int] = at_least(1, None, optional=True)
-    threads: Optional[int] = between(1, MAX_THREADS, 1, optional=True, why="null: torch's default, one per core")
+    batch_size: int | None = at_least(1, None, optional=True)
+    max_batch: int | None = at_least(1, None, optional=True)
+    threads: int | None = between(1, MAX_THREADS, 1, optional=True, why="null: torch's default, one per core")
     progress: Any = rule("one of auto (a bar on a terminal, a line every 30 s in a log), true, false",
                          lambda v: v == "auto" or isinstance(v, bool), "auto", nullable=False)
     save_samples: bool = False
     metrics: list[str] = rule("a list of fid, clip, e.g. metrics=[fid]", lambda v: all(m in METRICS for m in v),
                               factory=list)
     skip_existing: bool = True
-    sweep_name: Optional[str] = rule(SWEEP_NAME_TEXT, sweep_name_ok, None)
+    sweep_name: str | None = rule(SWEEP_NAME_TEXT, sweep_name_ok, None)
     num_shards: int = at_least(1, 1)
     shard: int = at_least(0, 0)
 

@@ -25,21 +25,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 import torch
+from omegaconf import DictConfig
 
 from ..coupling import Coupling, NonFiniteError, NonFiniteSampleError
 from ..errors import ConfigError, NonFiniteSamplesError
+from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
-from ..models.base import Target
 from .build import build_coupling, build_schedule, find_tree, load_target
 from .config import RunConfig, _paper_value, kernel_name, load_config, unused_keys
 from .jobs import shard_indices
 from .memory import check_tree_memory
 from .records import Job, Sampled, config_hash, make_record
-
 
 LOG_INTERVAL = 30.0  # seconds between plain progress lines when stderr is not a terminal (progress=auto)
 

@@ -27,7 +27,6 @@ from ..memory import (  # public here too, as the runner has always named them
 )
 from ..trees import DraftTree
 
-
 STEP_BYTES = 8 * 64  # per step: the schedule's float64 arrays and the per-root tables of a run (generous)
 
 
@@ -160,8 +159,8 @@ def network_size(model) -> tuple[int, tuple | None, int]:
         res = getattr(model, "resolution", 512)
         h, w = (res, res) if isinstance(res, int) else tuple(res)
         return weights, (16, int(h) // 8, int(w) // 8), SD3_ROW_BYTES
-    from ..models.edm import CHECKPOINTS
     from ..hub import default_cache_dir
+    from ..models.edm import CHECKPOINTS
 
     name = str(getattr(model, "name", ""))
     known = EDM_NETWORKS.get(name) if not getattr(model, "path", None) else None

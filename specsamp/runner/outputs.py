@@ -89,7 +89,7 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
     notes = []
     for name in names:
         if name == "fid" and fid_ref:
-            from ..metrics.fid_inputs import MIN_IMAGES, INCEPTION, check_fid_inputs, few_images_warning
+            from ..metrics.fid_inputs import INCEPTION, MIN_IMAGES, check_fid_inputs, few_images_warning
             from ..metrics.isc import SPLITS, isc_layer
 
             if n_images < MIN_IMAGES:

@@ -31,10 +31,10 @@ BATCHES = "batches"  # the directory, inside the job's, of its finished batches
 _PER_TRAJECTORY = SampleResult.PER_TRAJECTORY
 _PER_ROOT = SampleResult.PER_ROOT
 
-_ACTIVE: "BatchStore | None" = None
+_ACTIVE: BatchStore | None = None
 
 
-def active() -> "BatchStore | None":
+def active() -> BatchStore | None:
     """The store of the batch-wise run sampling in this process now, or None (one batch, or not sampling)."""
     return _ACTIVE
 
@@ -64,7 +64,7 @@ class BatchStore:
         return len(list(self.dir.glob("*.pt"))) if self.dir.is_dir() else 0
 
     @contextlib.contextmanager
-    def running(self, total: int, **key) -> Iterator["BatchStore"]:
+    def running(self, total: int, **key) -> Iterator[BatchStore]:
         """While the batch loop of a run of ``total`` batches runs: :func:`active` returns this store.
 
         Args:

@@ -41,16 +41,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..errors import ConfigError, NonFiniteSamplesError
-from .exits import INFRASTRUCTURE, NON_FINITE, USAGE, infrastructure_message, is_infrastructure
 from ..io import torch_save_atomic, write_json_atomic
+from .exits import INFRASTRUCTURE, NON_FINITE, USAGE, infrastructure_message, is_infrastructure
 from .jobs import COMPOSE_ERROR_ENV, COMPOSE_ERROR_KIND_ENV, FAILED, HEARTBEAT_S, RESULT, RUNNING, SHARD, running_marker
+from .loggers import log_record
 from .loop import build, prepare, sample
 from .outputs import MetricError, compute_metrics, save_images
+from .records import Job, existing_record, make_record, refuse_other_record, scores_text, summary_line, versions
 from .resume import BatchStore
 from .shards import save_shard
-from .loggers import log_record
 from .slurm import job_identity
-from .records import Job, existing_record, make_record, refuse_other_record, scores_text, summary_line, versions
+
 
 def _hydra_cfg():
     try:
