@@ -59,7 +59,7 @@ def grid_vs_numpy(cells, trajectories: int = 100, progress=print) -> list[dict]:
     for rule, K, L in cells:
         B = budget(K, L)
         tree = DraftTree.uniform(K, L) if rule == "dgrs" else DraftTree.chain(B)
-        t_ours, res = best_of(lambda r: sample_speculative(gmm, sch, tree, rule, trajectories, execution="path", seed=r), 1)
+        t_ours, res = best_of(lambda r, tree=tree, rule=rule: sample_speculative(gmm, sch, tree, rule, trajectories, execution="path", seed=r), 1)
         t0 = time.perf_counter()
         sp = run_cell(base, 30, 0.1, K, L, rule, trajectories, seed=0)
         t_np = time.perf_counter() - t0

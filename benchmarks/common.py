@@ -177,7 +177,7 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     cells = []
     for r in rows:
         line = []
-        for (k, _, f), w in zip(columns, widths):
+        for k, _, f in columns:
             v = r.get(k, "")
             line.append(format(v, f) if v != "" and v is not None else "")
         cells.append(line)

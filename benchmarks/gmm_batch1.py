@@ -73,7 +73,7 @@ def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, pr
         if compile:
             arms["specsamp tree n=1 compiled"] = ("tree", 1, True)
 
-        def run(arm, r):
+        def run(arm, r, arms=arms, rule=rule, K=K, L=L, tree=tree):  # this cell's, bound now
             ex, n, comp = arms[arm]
             if ex is None:
                 t0 = time.perf_counter()

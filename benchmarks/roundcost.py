@@ -135,13 +135,13 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
                 s, res = _sampler_call(arm_overrides("digits", arm, n), target)
             if rep:
                 walls[arm].append((s, dict(spent)))
+    vel_call = chains._Velocity.__call__
+
+    def scoped(self, *a, **k):
+        with torch.profiler.record_function("specsamp::network"):
+            return vel_call(self, *a, **k)
+
     for arm in arms:
-        vel_call = chains._Velocity.__call__
-
-        def scoped(self, *a, **k):
-            with torch.profiler.record_function("specsamp::network"):
-                return vel_call(self, *a, **k)
-
         chains._Velocity.__call__ = scoped
         try:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -179,7 +179,8 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
         rows.append(row)
         if progress:
             unit = "step" if arm == "standard" else "round"
-            progress(f"  {arm:<16} {wall * 1e3:7.1f} ms [spread {row['spread_ms']:.1f}]  {'steps' if arm == 'standard' else 'rounds'} {rounds:>3}  per {unit}: "
+            progress(f"  {arm:<16} {wall * 1e3:7.1f} ms [spread {row['spread_ms']:.1f}]  "
+                     f"{'steps' if arm == 'standard' else 'rounds'} {rounds:>3}  per {unit}: "
                      f"network {row['network_per_round_ms']:.2f}  tables {row['tables_per_round_ms']:.2f}  "
                      f"aten {row['aten_per_round_ms']:.2f} (+alloc {row['alloc_per_round_ms']:.2f})  "
                      f"python {row['python_per_round_ms']:.2f} ms  ({row['ops_per_round']:.0f} ops, "

@@ -371,7 +371,10 @@ def draft_chain(model, schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: 
         ids = torch.arange(m, device=dev)
     if velocity is None:
         sig = schedule.sigmas.to(dev)
-        velocity = lambda y, k: batched(model, y, sig[k], max_batch).to(y.dtype)
+
+        def velocity(y, k):
+            return batched(model, y, sig[k], max_batch).to(y.dtype)
+
     e = x.shape[1:]
     keys = rng.base_key(seed, ids, "draft", device=dev)
     frozen = dr.freeze(DraftRoot(x, v, n, torch.ones_like(n, dtype=torch.bool)), schedule)
@@ -440,7 +443,10 @@ def gmm_chain_tails(model, schedule: Schedule, L: int, n_roots: int = 200, draft
     """
     dev = torch.device(getattr(model, "device", "cpu"))
     sig = schedule.sigmas.to(dev)
-    vel = lambda x, n: model(x, sig[n]).to(x.dtype)
+
+    def vel(x, n):
+        return model(x, sig[n]).to(x.dtype)
+
     ids = torch.arange(n_roots, device=dev)
     _memoryless_draft(draft)  # a draft that reads a history is refused before any target call
     x = initial_noise(seed, ids, model.event_shape, model.dtype)

@@ -202,7 +202,6 @@ def _fmt(row) -> str:
 
 def paper_table(df: pd.DataFrame) -> str:
     """Markdown table: each number of section 5.1 / appendix C.2 beside ours."""
-    rmc = df[df["sampler"] == "rmc"]
     dg = df[df["sampler"] == "dgrs"]
     best_l2 = dg[dg["L"] == 2].sort_values("speedup_mean").iloc[-1] if len(dg[dg["L"] == 2]) else None
     lines = [

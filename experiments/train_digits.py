@@ -74,7 +74,7 @@ def train_classifier(x, y, *, epochs: int, seed: int, held_out: int = 300):
     net = m.DigitsClassifier(RESOLUTION, CHANNELS, CLASSES)
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
     last = float("nan")
-    for epoch in range(epochs):
+    for _ in range(epochs):
         order = train[torch.randperm(train.numel(), generator=gen)]
         for i in range(0, order.numel(), 64):
             b = order[i : i + 64]

@@ -74,7 +74,7 @@ def compile_check(ctx: Context) -> dict:
         with torch.no_grad():
             ref = net(x, s, lab)
             net(x, s, lab)
-            eager = timed(lambda: net(x, s, lab))
+            eager = timed(lambda x=x, s=s, lab=lab: net(x, s, lab))
             out.append({"variant": "eager", "rows": b, "seconds": eager, "speedup_vs_eager": 1.0})
             try:
                 if b != 64:
@@ -84,7 +84,7 @@ def compile_check(ctx: Context) -> dict:
                 y = cnet(x, s, lab)
                 sync(dev)
                 cs = time.perf_counter() - t
-                st = timed(lambda: cnet(x, s, lab))
+                st = timed(lambda cnet=cnet, x=x, s=s, lab=lab: cnet(x, s, lab))
                 out.append({"variant": "torch.compile", "rows": b, "seconds": st, "compile_s": cs,
                             "speedup_vs_eager": eager["median"] / st["median"],
                             "max_abs_diff": float((y - ref).abs().max())})
@@ -131,7 +131,8 @@ def _sampler_line(r: dict) -> str:
         return f"compile {r['variant']} {r['rows']} rows: {r['error'][:120]}"
     extra = (f", first run {r['first_run_s']:.1f} s, counts equal: {r.get('counts_equal')}, samples within "
              f"{r.get('max_abs_diff', float('nan')):.2g}") if "counts_equal" in r else ""
-    return f"compile {r['variant']:<22} {r['rows']:>3} rows: {fmt_stats(r['seconds'])} ({r.get('speedup_vs_eager', 1.0):.2f}x eager{extra})"
+    speedup = r.get("speedup_vs_eager", 1.0)
+    return f"compile {r['variant']:<22} {r['rows']:>3} rows: {fmt_stats(r['seconds'])} ({speedup:.2f}x eager{extra})"
 
 
 class _NotTried(Exception):
@@ -148,7 +149,7 @@ def _sampler_compiled(ctx: Context) -> list[dict]:
     cond = labels_for(model, n, ctx.seed)
     out, res = [], {}
     for flag in (False, True):
-        def go():
+        def go(flag=flag):
             return sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", n, execution="tree",
                                       seed=ctx.seed, cond=cond, compile=flag)
         try:

@@ -517,7 +517,7 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             sys.exit(status)
         array = str(submitted[0].job_id).split("_")[0]
         folder = Path(str(self.params["submitit_folder"]).replace("%j", array))
-        for (i, (overrides, d)), job in zip(todo, submitted):
+        for (_, (overrides, d)), job in zip(todo, submitted):
             d.mkdir(parents=True, exist_ok=True)
             _write_json(d / queue.SLURM_FILE, {
                 "job_id": str(job.job_id), "array_job_id": array, "array_task_id": str(job.job_id).partition("_")[2] or None,

@@ -21,8 +21,6 @@ import torch
 
 from ...errors import ConfigError
 from ..base import Target, TargetConfig, check_positive
-
-MAX_SEQUENCE_LENGTH = 512  # T5 tokens per prompt: the most the diffusers SD3 pipeline takes
 from .pipeline import (
     DEFAULT_MODEL_ID,
     PromptEmbeddings,
@@ -34,6 +32,8 @@ from .pipeline import (
 )
 from .prompts import SOURCES, ImagePlan, image_plan, load_prompts
 from .velocity import TIMESTEP_SCALE, SD3Velocity, _config_get
+
+MAX_SEQUENCE_LENGTH = 512  # T5 tokens per prompt: the most the diffusers SD3 pipeline takes
 
 
 @dataclass
@@ -157,7 +157,8 @@ class SD3Config(TargetConfig):
             check_positive(key, getattr(self, key))
         if self.max_sequence_length > MAX_SEQUENCE_LENGTH:  # the T5 prompts are padded to it: memory, not quality
             raise ConfigError(f"model.max_sequence_length={self.max_sequence_length} is invalid: must be an integer in "
-                              f"1..{MAX_SEQUENCE_LENGTH} (T5 tokens per prompt, padded to it; the diffusers SD3 pipeline takes at most 512; 256 by default).")
+                              f"1..{MAX_SEQUENCE_LENGTH} (T5 tokens per prompt, padded to it; the diffusers SD3 pipeline "
+                              "takes at most 512; 256 by default).")
         if isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float)) or not math.isfinite(self.guidance):
             raise ConfigError(f"model.guidance={self.guidance!r} is invalid: must be a finite number (7.0 in the paper, 1 = no guidance).")
         if self.prompts.source not in SOURCES and prompts is None:
