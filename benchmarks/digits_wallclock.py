@@ -1,6 +1,7 @@
 """Wall clock per image on the digits network: standard sampler vs the tree execution, side by side.
 
-``python benchmarks/digits_wallclock.py`` (``make bench-digits``; about ten minutes on one shared thread, most of it the (4, 4) tree).
+``python benchmarks/digits_wallclock.py`` (``make bench-digits``; about ten minutes on one shared thread, most of it the
+(4, 4) tree).
 
 One process, one loaded network, the same images (``seed``, ids ``0..n-1``, uniform labels) for every
 row: the standard Euler-Maruyama sampler (T network calls of ``n`` rows), then D-GRS with

@@ -153,7 +153,8 @@ def two_sample_tests(a: tuple, b: tuple, comparison: str) -> list[dict]:
 
 
 def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup, Inception Score ± s.e. per arm), ``two_sample.csv``, ``samples.npz``."""
+    """``fid.csv`` (FID ± bootstrap s.e., label accuracy, speedup, Inception Score ± s.e. per arm),
+    ``two_sample.csv``, ``samples.npz``."""
     import torch
 
     from specsamp.images import load_images

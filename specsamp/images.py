@@ -74,8 +74,8 @@ def as_pixels(images) -> np.ndarray:
 
     Args:
         images: uint8 ``[N, H, W, C]`` or ``[N, C, H, W]`` (``C`` in {1, 3, 4}; channels last when the
-            last axis could be either; a single image without the batch axis is accepted), or float ``[N, C, H, W]`` / ``[C, H, W]`` in ``[-1, 1]`` (tensor or
-            array), converted with :func:`to_uint8`.
+            last axis could be either; a single image without the batch axis is accepted), or float
+            ``[N, C, H, W]`` / ``[C, H, W]`` in ``[-1, 1]`` (tensor or array), converted with :func:`to_uint8`.
 
     Returns:
         uint8 ``[N, H, W, C]`` numpy array.

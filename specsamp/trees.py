@@ -143,7 +143,8 @@ class DraftTree:
         return len(self) if evaluate_leaves else int(self.internal.size)
 
     def index_tensors(self, device) -> dict[str, torch.Tensor]:
-        """``parent``, ``depth``, ``num_children`` and ``first_child`` as long tensors ``[N]`` on ``device`` (the rounds' indices)."""
+        """``parent``, ``depth``, ``num_children`` and ``first_child`` as long tensors ``[N]`` on ``device`` (the
+        rounds' indices)."""
         return {k: torch.as_tensor(getattr(self, k), dtype=torch.long, device=device)
                 for k in ("parent", "depth", "num_children", "first_child")}
 

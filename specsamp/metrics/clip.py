@@ -9,9 +9,9 @@ a silently different network (and different scores). :func:`load_clip` refuses t
 
 Scores are per image, so two sampling rules run on the same (prompt, noise) pairs
 (:mod:`specsamp.models.sd3.prompts`) can be compared image by image; Table 1 reports the mean and the
-standard error of the mean over the 100 prompts (:func:`summarize`). Images follow the package's one convention (:mod:`specsamp.images`): uint8
-pixels, or floats in ``[-1, 1]`` quantised with :func:`specsamp.images.to_uint8` before scoring, so
-scoring a target's decoded tensors in memory and scoring the PNGs the runner saved give the same
+standard error of the mean over the 100 prompts (:func:`summarize`). Images follow the package's one convention
+(:mod:`specsamp.images`): uint8 pixels, or floats in ``[-1, 1]`` quantised with :func:`specsamp.images.to_uint8`
+before scoring, so scoring a target's decoded tensors in memory and scoring the PNGs the runner saved give the same
 numbers.
 """
 
@@ -201,9 +201,10 @@ def _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, 
             source = tag_cfg.get("hf_hub") or tag_cfg.get("url")
             if hub_offline(local_files_only):
                 raise CLIPUnavailableError(
-                    f"CLIP weights {model_name}/{pretrained} ({source}) are not in the cache ({k['cache_dir']}={cache_dir!r}) and "
-                    f"offline ({hub_offline_reason(local_files_only)}): download them once where the hub is reachable (same call, or "
-                    f"huggingface-cli download) into that cache, or pass {k['checkpoint']}=<local weights file>"
+                    f"CLIP weights {model_name}/{pretrained} ({source}) are not in the cache "
+                    f"({k['cache_dir']}={cache_dir!r}) and offline ({hub_offline_reason(local_files_only)}): download "
+                    f"them once where the hub is reachable (same call, or huggingface-cli download) into that cache, "
+                    f"or pass {k['checkpoint']}=<local weights file>"
                 )
             try:
                 path = open_clip.download_pretrained(tag_cfg, cache_dir=cache_dir)

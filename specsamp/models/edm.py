@@ -420,7 +420,8 @@ def uniform_labels(ids: torch.Tensor, seed: int, classes: int) -> torch.Tensor:
 
 @dataclass
 class EDMConfig(TargetConfig):
-    """``conf/model/cifar10.yaml``, ``ffhq.yaml``, ``digits.yaml``, ``patches32.yaml``: an EDM checkpoint as a target (section 5.2).
+    """``conf/model/cifar10.yaml``, ``ffhq.yaml``, ``digits.yaml``, ``patches32.yaml``: an EDM checkpoint as a target
+    (section 5.2).
 
     Attributes:
         name: key of :data:`CHECKPOINTS` (gives the URL and, when known, the SHA-256).

@@ -374,8 +374,8 @@ def group_given_as_key(argv: Sequence[str]) -> str | None:
         options = group_options(group)
         suggestion = f"hydra/{group}={value}" if value in options else f"hydra/{group}=NAME"
         return (f"{arg} is invalid: hydra.{group} is the {group}'s whole config, and a {group} is chosen from its "
-                f"config group with a slash: {suggestion} (valid: {', '.join(options)}; specsamp's are in conf/hydra/{group}/); one of its fields is "
-                f"set with hydra.{group}.FIELD=VALUE.")
+                f"config group with a slash: {suggestion} (valid: {', '.join(options)}; specsamp's are in "
+                f"conf/hydra/{group}/); one of its fields is set with hydra.{group}.FIELD=VALUE.")
     return None
 
 

@@ -319,10 +319,11 @@ def summary_line(rec: dict) -> str:
     """One-line result, e.g. ``model=gmm sampler=dgrs K=2 L=3 eps=0.1 B=14  speedup 1.99x ± 0.02  NFE 14.1 (...)``.
 
     The model is named as chosen, ``model=digits`` rather than its checkpoint's name, with the folder of a
-    local pipeline or checkpoint: ``model=diffusers model.path=DIR`` (:func:`model_text`). A coupling named apart from the sampler's own (``sampler.coupling.name=pkg.module:rule`` on a shipped
-    sampler YAML) is shown beside it: ``sampler=dgrs coupling=pkg.module:rule``. Where a ``tree=optimal*`` run
-    calibrated (a cost its speedup does not charge), the speedup with those calls shared by the run's
-    trajectories follows it: ``speedup 3.11x ± 0.05 (0.68x with the calibration's 643 calls)``.
+    local pipeline or checkpoint: ``model=diffusers model.path=DIR`` (:func:`model_text`). A coupling named apart
+    from the sampler's own (``sampler.coupling.name=pkg.module:rule`` on a shipped sampler YAML) is shown beside it:
+    ``sampler=dgrs coupling=pkg.module:rule``. Where a ``tree=optimal*`` run calibrated (a cost its speedup does not
+    charge), the speedup with those calls shared by the run's trajectories follows it:
+    ``speedup 3.11x ± 0.05 (0.68x with the calibration's 643 calls)``.
     """
     coupling = ((rec.get("config") or {}).get("sampler") or {}).get("coupling")
     name = coupling.get("name") if isinstance(coupling, dict) else None
@@ -341,7 +342,8 @@ def summary_line(rec: dict) -> str:
     charged = (f" ({rec['speedup_with_calibration']:.2f}x with the calibration's {cal['nfe']} calls)"
                if isinstance(cal, dict) and "speedup_with_calibration" in rec else "")
     return (
-        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}{charged}  NFE {rec['nfe']['mean']:.1f}{'  ' + scores if scores else ''}  "
+        f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}{charged}  NFE {rec['nfe']['mean']:.1f}"
+        f"{'  ' + scores if scores else ''}  "
         f"({rec['n_samples']} trajectories, {rec['wall_seconds']:.1f} s)"
     )
 
