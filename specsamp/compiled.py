@@ -83,11 +83,11 @@ def _finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, froz
 class Stages:
     """The compiled round's pieces (:func:`compiled_round`), each compiled on its own and called by
     :func:`specsamp.lean._lean_round` (eager Python between them): ``draft`` (:func:`specsamp.lean._draft`), ``chunk``
-    (:func:`specsamp.lean._verify_chunk`, one call per verification chunk, handed no slice and no root flag, so that
-    every chunk of one shape runs one graph) and ``finish`` (:func:`_finish`: the walk and the commit's gathers). The
-    verification is not unrolled into one graph: its chunks grow in number with the batch
-    (:meth:`specsamp.leantree._LeanTree.bind`), and so would the graph and its compile time (about a minute per chunk
-    of the (2, 3) tree on one CPU core)."""
+    (:func:`specsamp.lean._verify_chunk`, one call per verification chunk of :func:`even_chunks`, handed no slice and
+    no root flag, so that every chunk of a width runs one graph) and ``finish`` (:func:`_finish`: the walk and the
+    commit's gathers). The verification is not unrolled into one graph: its chunks grow in number with the batch
+    (:meth:`specsamp.leantree._LeanTree.bind`), and so would that graph and its compile (about a minute per chunk of
+    D-GRS on the (2, 3) tree, on one CPU core)."""
 
     draft: Callable
     chunk: Callable
@@ -102,7 +102,7 @@ class Stages:
         vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
         acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
         bad = lt.false
-        for (k, u, _, ch, _, du, _, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
+        for k, u, ch, du, pos, sig_tab in even_chunks(lt):
             accepted, index, sample, bad_c = self.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim,
                                                         states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
                                                         drawn_all, internal_r, verify, res is not None, True)
@@ -112,6 +112,26 @@ class Stages:
         commit, n_new, exact_new, bad_f = self.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs,
                                                       frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
         return commit, n_new, exact_new, bad | bad_f
+
+
+def even_chunks(lt) -> list:
+    """``lt.buffers.chunks`` as the compiled round verifies them, built once per tree: ``(K, nodes [c], children [c, K],
+    depths [c], rows of the residual, sigma_by_root [c, T])``, the internal nodes of a width in chunks of one size,
+    the largest divisor of their number within the memory rule's chunk (:meth:`specsamp.leantree._LeanTree.bind`), so
+    that one graph serves every chunk of the width (seven nodes in chunks of 5 and 2 would compile two)."""
+    if getattr(lt, "even_chunks", (None,))[0] is not lt.buffers:  # (the buffers they were made for, the chunks)
+        widths: dict = {}
+        for (k, u, _, ch, _, du, _, pos), sig in zip(lt.buffers.chunks, lt.sigma_by_root):
+            widths.setdefault(k, []).append((u, ch, du, sig, pos))
+        lt.even_chunks = (lt.buffers, [])
+        for k, parts in widths.items():
+            u, ch, du, sig = (torch.cat([p[i] for p in parts]) for i in range(4))
+            first, count, most = parts[0][4].start, u.numel(), max(p[0].numel() for p in parts)
+            size = max(d for d in range(1, most + 1) if count % d == 0)
+            for a in range(0, count, size):  # a width's verdict samples are consecutive rows of the residual
+                lt.even_chunks[1].append((k, *(t[a : a + size].clone() for t in (u, ch, du)),
+                                          slice(first + a, first + a + size), sig[a : a + size].clone()))
+    return lt.even_chunks[1]
 
 
 _ROUND: list[Callable] = []

@@ -100,11 +100,12 @@ def _chunk_graphs() -> int:
     return len(_debug_get_cache_entry_list(lean._verify_chunk.__code__))
 
 
-@pytest.mark.parametrize("tables", [True, False], ids=["run-tables", "drawn-in-round"])
-def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, tables):
-    # the compiled round's pieces run here uncompiled (torch.compile recorded, not applied): the (2, 3) tree split into
-    # 7 verification chunks of one node (leantree's memory rule, as at 50,000 trajectories), D-GRS, 16 trajectories,
-    # seed 7. The chunk piece is called once per chunk and round with the same Python values (no slice, no root flag,
+@pytest.mark.parametrize("floor,tables", [(1, True), (1600, False)], ids=["one-node-chunks", "chunks-of-5-and-2"])
+def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor, tables):
+    # the compiled round's pieces run here uncompiled (torch.compile recorded, not applied): the (2, 3) tree's 7
+    # internal nodes verified in chunks by leantree's memory rule (floor 1: one node per chunk, as at 50,000
+    # trajectories; 1,600 elements: chunks of 5 and 2 nodes, as at 10,000), D-GRS, 16 trajectories, seed 7. The chunk
+    # piece is called with 7 chunks of one node per round, each with the same Python values (no slice, no root flag,
     # the same K), so that TorchDynamo, which guards on those, serves every chunk from one graph; and the pieces
     # composed as the compiled round composes them give the eager round's counts and samples bit for bit. Without
     # the run's tables (keys, noise, uniforms and verdict samples drawn in the round, the walk's residual drawn
@@ -116,12 +117,15 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, tables
     def spy(fn, **kw):
         if fn is not lean._verify_chunk:
             return fn
-        return lambda *a: calls.append([x for x in a[2] if not isinstance(x, torch.Tensor)]) or fn(*a)
+        return lambda *a: calls.append([a[2][1].numel(), *(x for x in a[2] if not isinstance(x, torch.Tensor))]) or fn(*a)
 
     monkeypatch.setattr(compiled, "_ROUND", [])
     monkeypatch.setattr(torch, "compile", spy)
-    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
+    monkeypatch.setattr(leantree, "VERIFY_FLOOR", floor)
     monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
+    lt = leantree._LeanTree(DraftTree.uniform(2, 3), "cpu", torch.float64)
+    lt.bind(16, 2)
+    assert [len(c[1]) for c in lt.buffers.chunks] == ([1] * 7 if floor == 1 else [5, 2])
     if not tables:
         for name in ("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE", "RESIDUAL_CACHE"):
             monkeypatch.setattr(leantree, name, 0)
@@ -130,7 +134,7 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, tables
     ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, **kw)
     for f in (*FIELDS, "samples"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
-    assert len(calls) == 7 * int(got.rounds.max()) and all(c == [2, None, None, None] for c in calls), calls[:8]
+    assert len(calls) == 7 * int(got.rounds.max()) and all(c == [1, 2, None, None, None] for c in calls), calls[:8]
 
 
 @pytest.mark.slow
