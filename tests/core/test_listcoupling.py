@@ -379,7 +379,8 @@ def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual
     # residuals are drawn by verify for the M rows; counts identical and samples bitwise equal to the default
     # lean round (GMM dim 4, 8 steps, 40 trajectories, seed 3, (2, 3) tree), one host sync per round in all
     from benchmarks import opcount
-    from specsamp import leantree, sampler
+    from specsamp import sampler
+    from specsamp.round import tables
     from specsamp.models import GaussianMixture
     from specsamp.schedule import Schedule
     from specsamp.trees import DraftTree
@@ -392,7 +393,7 @@ def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual
     choose = lc._choose
     monkeypatch.setattr(lc, "_choose",
                         lambda proj, *u: rows.append((proj.delta.numel(), u[2] is not None)) or choose(proj, *u))
-    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     with opcount.counting() as c:
         got = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
     assert {r for r, res in rows if res} == {40} and any(not res for _, res in rows), set(rows)

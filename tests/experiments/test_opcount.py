@@ -145,7 +145,7 @@ def test_profiler_counter_agrees_with_the_dispatch_counter_on_an_eager_round():
 @pytest.mark.slow
 @pytest.mark.skipif(inductor.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}")
 def test_compiled_round_meets_the_operation_targets():
-    # compile=true (specsamp.compiled): the round's tensor maths fused into inductor kernels, each launch one
+    # compile=true (specsamp.round.compiled): the round's tensor maths fused into inductor kernels, each launch one
     # operation, plus every ATen call left outside them (the commit, the loop, the wrappers); the network
     # excluded. At one image on the digits network: D-GRS (2,3) <= 300 per round, x0 + optimal B=14 <= 400,
     # a chain of 62 within 1.5x a chain of 14 (the fused drafting does not grow with depth), one sync per round

@@ -1,13 +1,12 @@
 """The dense round: the tree execution (a fixed tree or a tree per root step, any draft, Picard sweeps).
 
 Every row of the batch in every round (finished rows padded), so a round is a fixed sequence of tensor operations
-over shapes static per tree (:mod:`specsamp.leantree`): the noise and uniforms gathered from per-run tables or
-drawn in one keyed draw, drafting layer by layer, the Picard sweeps (:func:`_picard`), one batched target call,
-one coupling call per node width, the walk by gathers (:func:`_lean_round`), and one host synchronisation, where
+over shapes static per tree (:mod:`specsamp.round.tables`): the noise and uniforms gathered from per-run tables or
+drawn in one keyed draw, drafting layer by layer, the Picard sweeps (:func:`picard`), one batched target call,
+one coupling call per node width, the walk by gathers (:func:`dense_round`), and one host synchronisation, where
 the loop's layout (:class:`DenseLayout`) reads the outcome. The policy is the sparse round's
-(:mod:`specsamp.rounds`; equal counts and drafted bits, tested). Where a deferred check fails, the round is
-drafted again and walked by the sparse walk (:class:`_DenseNodes`), which raises each check where it fails.
-Round internals (:mod:`specsamp.chains`).
+(:mod:`specsamp.round.sparse`; equal counts and drafted bits, tested). Where a deferred check fails, the round is
+drafted again and walked by the sparse walk (:class:`DenseNodes`), which raises each check where it fails.
 """
 
 from __future__ import annotations
@@ -18,31 +17,32 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import rng
-from .chains import _Chains, _Context, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling
-from .coupling import contract_violation, deferred_checks
-from .drafts import DraftHistory, DraftRoot
-from .rounds import _Nodes, _round
-from .trees import DraftTree
-from . import leantree
-from .leantree import _draw_tables, _LeanTree, _root_tables, _upload
+from .. import rng
+from ..coupling import contract_violation, deferred_checks
+from ..drafts import DraftHistory, DraftRoot
+from ..trees import DraftTree
+from . import tables
+from .context import Chains, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling
+from .loop import root_call
+from .sparse import Nodes, sparse_round
+from .tables import DenseTables, draw_tables, root_tables, upload
 
 
-def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, plan_kind: str = "some",
+def dense_round(ctx: Context, lt: DenseTables, st: Chains, plan: torch.Tensor, plan_kind: str = "some",
                 sel: torch.Tensor | None = None, sweeps: tuple = (), drafted_only: bool = False,
                 stages=None):
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs, in phases:
-    :func:`_draft` (line 7), the Picard sweeps (:func:`_picard`) and the batched call (lines 10--13),
-    :func:`_verify` (every internal node at once, then the walk by gathers: lines 14--23) and :func:`_accept`
+    :func:`draft_nodes` (line 7), the Picard sweeps (:func:`picard`) and the batched call (lines 10--13),
+    :func:`verify_nodes` (every internal node at once, then the walk by gathers: lines 14--23) and :func:`accept`
     (prefetch, history, commit: line 24). Value checks are deferred (:func:`specsamp.coupling.deferred_checks`).
 
     Args:
-        plan, plan_kind: the states the batched call evaluates (:func:`_network`; :meth:`_LeanTree.plan`).
+        plan, plan_kind: the states the batched call evaluates (:func:`target_call`; :meth:`DenseTables.plan`).
         sel: optional bool ``[M]``: the rows whose round uses this tree (one dense round per distinct tree of the
             live rows); the others are padded like finished rows.
         sweeps: ``(plan, plan_kind)`` of each Picard sweep's call (``refine``), before the round's own.
-        drafted_only: return the drafted tree after the call (:class:`_Drafted`), for the checked walk.
-        stages: the compiled round's pieces (:class:`specsamp.compiled.Stages`); None: this function's own, eager.
+        drafted_only: return the drafted tree after the call (:class:`Drafted`), for the checked walk.
+        stages: the compiled round's pieces (:class:`specsamp.round.compiled.Stages`); None: this function's own, eager.
 
     Returns:
         ``(commit, n_new, exact_new, flags, live)``: ``commit(tally)`` writes the round's rows into ``st`` and
@@ -56,42 +56,42 @@ def _lean_round(ctx: _Context, lt: _LeanTree, st: _Chains, plan: torch.Tensor, p
         live = live & sel
     # the root index that sets L_n, with L_n = 0 (a root that is not served) for the rows the round does not serve
     n_lim = n if sel is None else torch.where(live, n, end)
-    states, coefs, per_depth, frozen, frozen_col, innov = (_draft if stages is None else stages.draft)(ctx, lt, st, bool(sweeps))
+    states, coefs, per_depth, frozen, frozen_col, innov = (draft_nodes if stages is None else stages.draft)(ctx, lt, st, bool(sweeps))
     # the batched target call over the planned rows (what the sparse round evaluates); where they are
     # all non-root nodes or all nodes, the call reads the states in place and its output is kept as is
     node_step = lt.node_step_by_root.index_select(1, n)  # [N, M]
-    network = _network_outside() if ctx.compiled else _network
+    network = network_outside() if ctx.compiled else target_call
     v_root, root_exact, M = st.v_root, st.root_exact, n.shape[0]
     calls, refined = [], None  # the rows each call evaluates, per batch row: the Picard sweeps', then the round's own
     for sweep_plan, sweep_kind in sweeps:
         calls.append(torch.where(live, lt.internal_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
         v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, sweep_plan, sweep_kind)
         v_root, root_exact = torch.where(live[:, None], v0, v_root.reshape(M, -1)), root_exact | live
-        refined = _picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, len(kern.columns))
+        refined = picard(lt, states, torch.cat([v_root[None], vrest]), innov, kern, per_depth, len(kern.columns))
     v0, vrest = network(ctx, lt, states, node_step, v_root, root_exact, plan, plan_kind)
     calls.append(torch.where(live, lt.evaluated_count.index_select(0, n_lim) - root_exact.long(), lt.zero_long))
     if drafted_only:
-        return _Drafted(states, v0, vrest, refined, calls)
+        return Drafted(states, v0, vrest, refined, calls)
     if stages is not None:
         return (*stages.verify(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col,
                                refined, calls), live)
     with deferred_checks() as checks:
-        walk = _verify(ctx, lt, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined)
+        walk = verify_nodes(ctx, lt, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined)
     bad = walk[-1] if checks.bad is None else walk[-1] | checks.bad
-    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], calls)
+    commit, n_new, exact_new = accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, *walk[:-1], calls)
     return commit, n_new, exact_new, bad, live
 
 
-def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
+def draft_nodes(ctx: Context, lt: DenseTables, st: Chains, keep_innov: bool):
     """Line 7 for every node of every row, into ``lt.buffers.states [N, M, D]`` (node-major; node 0: the roots): the
-    keyed noise (node ``v`` of the round rooted at ``n``: ``fold(fold(k, n), v)``, as :meth:`specsamp.rounds._Nodes.draft`
+    keyed noise (node ``v`` of the round rooted at ``n``: ``fold(fold(k, n), v)``, as :meth:`specsamp.round.sparse.Nodes.draft`
     draws it) gathered from the run's table or drawn in one draw, times its parent step's std, then layer by layer
-    the proposal mean added (:func:`_proposal_mean`): the sparse round's operations, so the same bits.
+    the proposal mean added (:func:`proposal_mean`): the sparse round's operations, so the same bits.
 
     Returns:
         ``(states, coefs, per_depth, frozen, frozen_col, innov)``: every kernel coefficient of every depth ``[L, C, M,
         1]`` (and as ``[M, 1]`` per (depth, coefficient)), the draft's frozen root quantity and its per-depth columns
-        (:func:`_proposal_mean`), and the noise ``std z`` kept for the Picard sweeps where ``keep_innov``.
+        (:func:`proposal_mean`), and the noise ``std z`` kept for the Picard sweeps where ``keep_innov``.
     """
     sch, draft, kern = ctx.schedule, ctx.draft, ctx.schedule.kernel
     x, n, ar, NC = st.x, st.n, lt.ar, len(kern.columns)
@@ -103,17 +103,17 @@ def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
     if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
         states[1:] = lt.noise_cache[:, ar, n]
     elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
-        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as _Nodes.draft scales it
+        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as Nodes.draft scales it
     else:  # fold(k, n) is a per-run table; the nodes fold in here
         keys = lt.key_cache[0][ar, n].T if lt.key_cache is not None else \
             rng.node_keys(ctx.key_tables[0][ar, n][None, :], lt.ids[:, None])  # [N-1, M]
         # compiled, drawn outside the graph: its blocks' loop, unrolled there, would break it and grow with the batch
-        (_outside(rng.draft_noise) if ctx.compiled else rng.draft_noise)(keys, x.shape[1:], out=states[1:])
+        (outside(rng.draft_noise) if ctx.compiled else rng.draft_noise)(keys, x.shape[1:], out=states[1:])
         states[1:] *= coefs[lt.dm1, std]
     lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
     innov = states[1:].clone() if keep_innov else None
     D = states.shape[2]
-    if draft.table_mean is None:  # a draft given by its mean alone: Draft.mean per depth (_plain_mean)
+    if draft.table_mean is None:  # a draft given by its mean alone: Draft.mean per depth (plain_mean)
         frozen_col = None
     elif draft.table_frozen is None:
         frozen_col = frozen.reshape(1, M, D)
@@ -122,42 +122,42 @@ def _draft(ctx: _Context, lt: _LeanTree, st: _Chains, keep_innov: bool):
     # a layer whose parents all have K children adds the mean of the parent layer (no gather); others gather parents
     for l, (parents, parent_view, out_view) in enumerate(lt.buffers.layers, start=1):
         x_par = parent_view if parents is None else states[parents]
-        out_view += _proposal_mean(ctx, frozen, frozen_col, None, x_par, kern.named(per_depth[NC * (l - 1) : NC * l]), n, l - 1)
+        out_view += proposal_mean(ctx, frozen, frozen_col, None, x_par, kern.named(per_depth[NC * (l - 1) : NC * l]), n, l - 1)
     return states, coefs, per_depth, frozen, frozen_col, innov
 
 
-def _proposal_mean(ctx: _Context, frozen, frozen_col, refined, x: torch.Tensor, c: dict, n: torch.Tensor, at, nodes=None):
+def proposal_mean(ctx: Context, frozen, frozen_col, refined, x: torch.Tensor, c: dict, n: torch.Tensor, at, nodes=None):
     """The proposal means of parents ``x`` (node-major, ``[..., M, D]``, or ``[M, D]``: one per row) with kernel
     coefficients ``c``, in the dense round. ``at`` indexes the depth axis of per-depth tables: a depth, depths ``[c]``,
     or ``(depths [M], rows)`` for one node per row; ``nodes`` the node axis of ``refined`` alike. After Picard sweeps
-    (``refined [N, M, D]``) the target's kernel mean at the last sweep's velocity (:func:`_picard`); else the draft's
+    (``refined [N, M, D]``) the target's kernel mean at the last sweep's velocity (:func:`picard`); else the draft's
     table form on its frozen columns (``frozen_col``: ``[1, M, D]``, or per depth ``[L, M, D]`` or a tuple of them,
-    ``Draft.table_frozen``); else ``Draft.mean`` (:func:`_plain_mean`)."""
+    ``Draft.table_frozen``); else ``Draft.mean`` (:func:`plain_mean`)."""
     if refined is not None:
         return ctx.schedule.kernel.mean(x, refined[nodes], c)
     if frozen_col is None:
-        return _plain_mean(ctx, frozen, x, n, at)
+        return plain_mean(ctx, frozen, x, n, at)
     if ctx.draft.table_frozen is not None:
         frozen_col = tuple(f[at] for f in frozen_col) if isinstance(frozen_col, tuple) else frozen_col[at]
     return ctx.draft.table_mean(frozen_col, x, c)
 
 
-def _verify(ctx: _Context, lt: _LeanTree, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined):
+def verify_nodes(ctx: Context, lt: DenseTables, n, n_lim, states, v0, vrest, coefs, frozen, frozen_col, refined):
     """Lines 14--23 for every row: the verdicts of every internal node, one coupling call per width (in chunks of nodes
-    sized to the states' memory, :func:`_verify_chunk`; each node's keys are its own, so the numbers are those the
-    sparse walk draws), then the walk by gathers (:func:`_walk`).
+    sized to the states' memory, :func:`verify_chunk`; each node's keys are its own, so the numbers are those the
+    sparse walk draws), then the walk by gathers (:func:`gather_walk`).
 
     Returns:
         ``(acc, internal_r, on_path, ustar, rejected, out, bad)``: each node's acceptance and whether it is verified
         if visited, ``[M, N]``; the walked path ``[M, N]``; the last node reached and whether it was rejected ``[M]``;
         the committed states ``[M, D]``; a 0-dim flag of a failed contract check.
     """
-    vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
+    vkeys_all, drawn_all, internal_r, verify = verify_inputs(ctx, lt, n, n_lim)
     acc, idx = lt.buffers.acc, lt.buffers.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
     res = lt.buffers.residual  # [I, M, D]: each internal node's verdict sample
     bad = lt.false
     for (k, u, u_sl, ch, ch_sl, du, has_root, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
-        accepted, index, sample, bad_c = _verify_chunk(ctx, lt, (k, u, u_sl, ch, ch_sl, du, has_root), sig_tab, n, n_lim,
+        accepted, index, sample, bad_c = verify_chunk(ctx, lt, (k, u, u_sl, ch, ch_sl, du, has_root), sig_tab, n, n_lim,
                                                        states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
                                                        drawn_all, internal_r, verify, res is not None)
         acc[:, u] = accepted
@@ -167,11 +167,11 @@ def _verify(ctx: _Context, lt: _LeanTree, n, n_lim, states, v0, vrest, coefs, fr
         if bad_c is not None:
             bad = bad | bad_c
         del accepted, index, sample
-    return (acc, internal_r, *_walk(ctx, lt, n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
+    return (acc, internal_r, *gather_walk(ctx, lt, n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
                                     internal_r), bad)
 
 
-def _verify_inputs(ctx: _Context, lt: _LeanTree, n, n_lim):
+def verify_inputs(ctx: Context, lt: DenseTables, n, n_lim):
     """What every verification chunk reads: ``(vkeys_all, drawn_all, internal_r, verify)``, the nodes' verification
     keys ``[N, M]`` (None where the run's uniform table ``drawn_all``, ``[N, M, W_c]`` per call, holds their numbers),
     whether each node is verified if visited ``[M, N]`` (never for finished rows), and the rule the chunks call."""
@@ -183,12 +183,12 @@ def _verify_inputs(ctx: _Context, lt: _LeanTree, n, n_lim):
     drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]  # [N, M, W_c] per call
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
     # where no verdict sample is kept, the chunks decide (a rule's choice alone, where it has one) and the
-    # walk's one residual per row is drawn after the walk (_residual_again)
+    # walk's one residual per row is drawn after the walk (residual_again)
     verify = ctx.coupling.choice if lt.buffers.residual is None and not ctx.check_contract else ctx.coupling
     return vkeys_all, drawn_all, internal_r, verify
 
 
-def _verify_chunk(ctx: _Context, lt: _LeanTree, chunk: tuple, sig_tab, n, n_lim, states, v0, vrest, coefs, frozen,
+def verify_chunk(ctx: Context, lt: DenseTables, chunk: tuple, sig_tab, n, n_lim, states, v0, vrest, coefs, frozen,
                   frozen_col, refined, vkeys_all, drawn_all, internal_r, verify, keep: bool, own_checks: bool = False):
     """Line 17 for the ``c`` internal nodes of one verification chunk, every row at once: one call of ``verify``.
 
@@ -213,14 +213,14 @@ def _verify_chunk(ctx: _Context, lt: _LeanTree, chunk: tuple, sig_tab, n, n_lim,
     else:
         vu = vrest[u_sl.start - 1 : u_sl.stop - 1] if u_sl is not None else vrest[u - 1]
     cu = kern.named(coefs[du].unbind(1))  # [c, M, 1] each
-    mean_p = _proposal_mean(ctx, frozen, frozen_col, refined, xu, cu, n, du, at_u)
+    mean_p = proposal_mean(ctx, frozen, frozen_col, refined, xu, cu, n, du, at_u)
     mean_q = kern.mean(xu, vu, cu)
     sigma = sig_tab.index_select(1, n_lim)  # [c, M]: the kernel scale where verified, else 1
     if k == 1 and ch_sl is not None:
         kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
     else:
         kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
-    rows = _verify_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
+    rows = verify_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
                         lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
     args = (kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1), rows)
     if own_checks:
@@ -238,10 +238,10 @@ def _verify_chunk(ctx: _Context, lt: _LeanTree, chunk: tuple, sig_tab, n, n_lim,
     return verdict.accepted.reshape(c, M).T, verdict.index.reshape(c, M).T, sample, bad
 
 
-def _walk(ctx: _Context, lt: _LeanTree, n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
+def gather_walk(ctx: Context, lt: DenseTables, n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all,
           internal_r):
     """The walk by gathers over the verdicts in ``lt.buffers`` (a node is on the accepted path iff every edge above it
-    was the accepted one). Returns ``(on_path, ustar, rejected, out)`` as :func:`_verify` does."""
+    was the accepted one). Returns ``(on_path, ustar, rejected, out)`` as :func:`verify_nodes` does."""
     acc, idx, res, ar = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual, lt.ar
     p = lt.parent1
     taken = acc[:, p] & (idx[:, p] == lt.edge_slot) & internal_r[:, p]  # [M, N-1]
@@ -251,16 +251,16 @@ def _walk(ctx: _Context, lt: _LeanTree, n, states, v0, vrest, coefs, frozen, fro
     if res is not None:
         out = torch.where(rejected[:, None], res[lt.pos_c[ustar], ar], states[ustar, ar])
     else:  # its checks deferred too: no host synchronisation
-        out = _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
+        out = residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
                               rejected)
     return on_path, ustar, rejected, out
 
 
-def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, states, v0, vrest, acc, internal_r, on_path, ustar,
+def accept(ctx: Context, lt: DenseTables, st: Chains, live, n_lim, root_exact, states, v0, vrest, acc, internal_r, on_path, ustar,
             rejected, out, calls: list):
-    """Line 24 for every row: the prefetch (the rules of :func:`specsamp.chains.leaf_prefetch` and
-    :func:`~specsamp.chains.nearest_sibling`), the draft's history (:func:`_lean_history`) and the commit.
-    Returns ``(commit, n_new, exact_new)`` as :func:`_lean_round` does; ``calls``: as :class:`_Drafted`'s."""
+    """Line 24 for every row: the prefetch (the rules of :func:`specsamp.round.context.leaf_prefetch` and
+    :func:`~specsamp.round.context.nearest_sibling`), the draft's history (:func:`dense_history`) and the commit.
+    Returns ``(commit, n_new, exact_new)`` as :func:`dense_round` does; ``calls``: as :class:`Drafted`'s."""
     n, ar = st.n, lt.ar
     finished = live & ~rejected  # walked to a leaf of T|_{L_n}
     steps = torch.where(live, lt.depth[ustar] + rejected, lt.zero_long)
@@ -277,10 +277,10 @@ def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, 
                                         out, lt.inf)
             v_next = torch.where(has[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
     verified = on_path & internal_r
-    hist = None if st.history is None else _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
+    hist = None if st.history is None else dense_history(ctx, lt, st, states, v0, vrest, verified, ustar, n)
     n_new, exact_new, shape = n + steps, torch.where(live, exact, root_exact), st.x.shape
 
-    def commit(tally: _Tally):
+    def commit(tally: Tally):
         count_verifications(tally, n, lt.dcol_m, verified.long(), (verified & acc).long())
         for rows in calls:  # the layout counts the calls themselves, from its host plan
             tally.charge(None, rows, batch=False)
@@ -289,7 +289,7 @@ def _accept(ctx: _Context, lt: _LeanTree, st: _Chains, live, n_lim, root_exact, 
     return commit, n_new, exact_new
 
 
-def _plain_mean(ctx: _Context, frozen, x: torch.Tensor, n: torch.Tensor, at) -> torch.Tensor:
+def plain_mean(ctx: Context, frozen, x: torch.Tensor, n: torch.Tensor, at) -> torch.Tensor:
     """The proposal means of a draft without a table form: ``Draft.mean`` called on ``[M, P, *event]`` with each depth's
     step, as the sparse round calls it, of rounds rooted at ``n [M]``: of parents ``x [P, M, D]`` (or ``[P, 1, M, D]``)
     at depth ``at`` (an int) or ``at[p]`` per parent, or of ``x [M, D]`` at depths ``at[0] [M]`` (``at`` a tuple)."""
@@ -299,12 +299,12 @@ def _plain_mean(ctx: _Context, frozen, x: torch.Tensor, n: torch.Tensor, at) -> 
     depths = [at] if isinstance(at, int) else at.tolist()
     xp = x.reshape(-1, M, D)
     if len(depths) > 1:
-        return torch.stack([_plain_mean(ctx, frozen, xp[p], n, d) for p, d in enumerate(depths)]).reshape(x.shape)
+        return torch.stack([plain_mean(ctx, frozen, xp[p], n, d) for p, d in enumerate(depths)]).reshape(x.shape)
     out = ctx.draft.mean(frozen, xp.transpose(0, 1).reshape(M, -1, *ctx.x_event), (n + depths[0]).clamp(max=last), ctx.schedule)
     return out.reshape(M, -1, D).transpose(0, 1).reshape(x.shape)
 
 
-def _picard(lt: _LeanTree, states: torch.Tensor, vel: torch.Tensor, innov: torch.Tensor, kern, per_depth, NC: int) -> torch.Tensor:
+def picard(lt: DenseTables, states: torch.Tensor, vel: torch.Tensor, innov: torch.Tensor, kern, per_depth, NC: int) -> torch.Tensor:
     """One Picard sweep's rebuild of the drafted tree, in place on ``states [N, M, D]``; returns ``vel``.
 
     ``vel [N, M, D]``: the sweep's velocities at the current snapshot of every internal node (its batched call: the
@@ -325,8 +325,8 @@ def _picard(lt: _LeanTree, states: torch.Tensor, vel: torch.Tensor, innov: torch
 
 
 @dataclass
-class _Drafted:
-    """A dense round's tree after its batched call, for the checked walk (:class:`_DenseNodes`): ``states [N, M, D]``,
+class Drafted:
+    """A dense round's tree after its batched call, for the checked walk (:class:`DenseNodes`): ``states [N, M, D]``,
     the roots' and the other nodes' velocities ``v0 [M, D]`` and ``vrest [N-1, M, D]``, the last Picard sweep's
     velocities ``refined [N, M, D]`` (None without sweeps), and the rows each call evaluated per batch row (``[M]``
     each: the sweeps', then the round's own)."""
@@ -338,13 +338,13 @@ class _Drafted:
     calls: list
 
 
-class _DenseNodes(_Nodes):
-    """The checked walk over a dense round (:func:`specsamp.rounds._round` with this view of a :class:`_Drafted`):
+class DenseNodes(Nodes):
+    """The checked walk over a dense round (:func:`specsamp.round.sparse.sparse_round` with this view of a :class:`Drafted`):
     the drafted states and the batched call's velocities, verified one depth at a time with every check raised
     where it fails, naming trajectory, step and node. Serves the rounds whose deferred checks failed (or whose
     markmax rows the share table could not certify): same keys, same states, so the same numbers."""
 
-    def __init__(self, ctx, tree, tensors, st, live, d: _Drafted):
+    def __init__(self, ctx, tree, tensors, st, live, d: Drafted):
         super().__init__(ctx, tree, tensors, st, live)
         self.d, self.e = d, self.x.shape[1:]
 
@@ -363,7 +363,7 @@ class _DenseNodes(_Nodes):
         return torch.where((u == 0)[:, None], self.d.v0[b], self.d.vrest[(u - 1).clamp(min=0), b]).view_as(x_u)
 
 
-def _verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
+def verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
     """The uniform source of the verification of the nodes ``take`` picks from node-major ``[N, M, ...]`` tables: their
     rows of the run's uniform table ``drawn_all`` where there is one (their keys, ``lazy_keys()`` where ``vkeys_all``
     is not at hand, drawn only if a coupling asks for more numbers), else their keys."""
@@ -372,7 +372,7 @@ def _verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
     return rng.KeyedRows(take(vkeys_all) if vkeys_all is not None else lazy_keys, [take(d) for d in drawn_all])
 
 
-def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
+def target_call(ctx: Context, lt: DenseTables, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
              root_exact: torch.Tensor, plan: torch.Tensor | None, plan_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense round's batched target call over the planned rows (what the sparse round evaluates).
 
@@ -380,10 +380,10 @@ def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torc
     in place; ``some`` evaluates their flat rows ``plan`` (long ``[P]``, ``node * M + row``), the others' velocities
     left 0 (never read). ``node_step [N, M]``: each node's step. Returns the roots' velocities ``v0 [M, D]``
     (``v_root`` where ``root_exact``) and the others' ``vrest [N-1, M, D]``. Under ``compile`` it runs outside the
-    compiled graphs (:func:`_network_outside`): a model need not compile, and the plan's size varies by round.
+    compiled graphs (:func:`network_outside`): a model need not compile, and the plan's size varies by round.
     """
     N, M, e = states.shape[0], states.shape[1], ctx.x_event
-    if isinstance(plan, _Hidden):
+    if isinstance(plan, Hidden):
         plan = plan.value
     flat = states.reshape(N * M, -1)
     if plan_kind == "rest":
@@ -401,8 +401,8 @@ def _network(ctx: _Context, lt: _LeanTree, states: torch.Tensor, node_step: torc
     return v0, vrest
 
 
-class _Hidden:
-    """A value the compiled round hands to :func:`_network` without reading it (the plan: its size varies from
+class Hidden:
+    """A value the compiled round hands to :func:`target_call` without reading it (the plan: its size varies from
     round to round, so a compiled graph that read it would be specialised to each size)."""
 
     __slots__ = ("value",)
@@ -411,25 +411,25 @@ class _Hidden:
         self.value = value
 
 
-_OUTSIDE: dict = {}
+DISABLED: dict = {}
 
 
-def _outside(fn: Callable) -> Callable:
+def outside(fn: Callable) -> Callable:
     """``fn`` excluded from ``torch.compile``'s tracing (``torch.compiler.disable``), one wrapper per function, built on
-    first use (:func:`specsamp.compiled.compiled_round` builds them first: disable may not be called while tracing)."""
-    if fn not in _OUTSIDE:
-        _OUTSIDE[fn] = torch.compiler.disable(fn, recursive=True)
-    return _OUTSIDE[fn]
+    first use (:func:`specsamp.round.compiled.compiled_round` builds them first: disable may not be called while tracing)."""
+    if fn not in DISABLED:
+        DISABLED[fn] = torch.compiler.disable(fn, recursive=True)
+    return DISABLED[fn]
 
 
-def _network_outside() -> Callable:
-    """:func:`_network` excluded from ``torch.compile``'s tracing (:func:`_outside`)."""
-    return _outside(_network)
+def network_outside() -> Callable:
+    """:func:`target_call` excluded from ``torch.compile``'s tracing (:func:`outside`)."""
+    return outside(target_call)
 
 
-def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
-    """The draft history after a lean round, by gathers: the exact data predictions the sparse walk records
-    (:func:`specsamp.rounds._record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
+def dense_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
+    """The draft history after a dense round, by gathers: the exact data predictions the sparse walk records
+    (:func:`specsamp.round.sparse.record`: the root and every accepted internal node, the nodes ``verified`` on the path, in depth
     order) pushed in front of ``st``'s records, most recent first. Returns the :class:`DraftHistory` of every
     row (rows without a verified node keep their records)."""
     M, H = st.history.n.shape
@@ -446,7 +446,7 @@ def _lean_history(ctx, lt, st, states, v0, vrest, verified, ustar, n):
     return st.history.prepend(DraftHistory(x0, nn, xs), nv, slot=slot, rows=ar)
 
 
-def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
+def residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, n, ustar,
                     rejected) -> torch.Tensor:
     """The committed states ``[M, D]`` of a dense round that kept no verdict samples: where a row's walk stopped
     at a rejection, the verification of that node drawn again (one coupling call per node width, over every
@@ -460,39 +460,35 @@ def _residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refin
         xw, dw = states[w, ar], lt.depth[w]
         vw = torch.where((w == 0)[:, None], v0, vrest[(w - 1).clamp(min=0), ar])
         cw = kern.named(coefs[dw, :, ar].unbind(1))  # [M, 1] each
-        mean_p = _proposal_mean(ctx, frozen, frozen_col, refined, xw, cw, n, (dw, ar), (w, ar))
+        mean_p = proposal_mean(ctx, frozen, frozen_col, refined, xw, cw, n, (dw, ar), (w, ar))
         mean_q = kern.mean(xw, vw, cw)
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
         verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
-                               _verify_rows(vkeys_all, drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]))
+                               verify_rows(vkeys_all, drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]))
         out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
     return out
 
 
 class DenseLayout:
-    """The dense round's layout for :func:`specsamp.chains.run_rounds` (the tree execution); fills ``ctx``'s dense fields.
+    """The dense round's layout for :func:`specsamp.round.loop.run_rounds` (the tree execution); fills ``ctx``'s dense fields.
 
-    ``tree``: a fixed tree, or ``{n: T_n}``: one :class:`_LeanTree` per distinct ``T_n`` (built on first use, sharing
+    ``tree``: a fixed tree, or ``{n: T_n}``: one :class:`DenseTables` per distinct ``T_n`` (built on first use, sharing
     one set of buffers), one dense round per distinct tree of the live rows, committed one after the other and
-    charged as one batched call per call. ``lean_round``: :func:`_lean_round`, or its compiled form.
+    charged as one batched call per call. ``dense_round_fn``: :func:`dense_round`, or its compiled form.
 
     One host synchronisation per round reads whether a deferred check failed and the rows' new state indices and
     root flags: from those host copies the next round's live rows, trees and call plans follow (:meth:`_calls`).
-    Where a check failed, the checked walk (:class:`_DenseNodes`) serves the round again on the same keys: it raises
+    Where a check failed, the checked walk (:class:`DenseNodes`) serves the round again on the same keys: it raises
     the precise error, or commits the same round (bad nodes off the path; markmax rows its table could not certify).
     """
 
-    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, tree: DraftTree | dict, lean_round: Callable | None = None):
-        self.ctx, self.st, self.tally, self.lean_round = ctx, st, tally, lean_round or _lean_round
-        schedule, dev, M, T = ctx.schedule, st.x.device, st.x.shape[0], ctx.schedule.steps
+    def __init__(self, ctx: Context, st: Chains, tally: Tally, tree: DraftTree | dict, dense_round_fn: Callable | None = None):
+        self.ctx, self.st, self.tally, self.dense_round_fn = ctx, st, tally, dense_round_fn or dense_round
+        schedule, M, T = ctx.schedule, st.x.shape[0], ctx.schedule.steps
         self.end = schedule.end_speculative
-        self.n_host = np.full(M, schedule.first_speculative, dtype=np.int64)  # what _first_step wrote
+        self.n_host = np.full(M, schedule.first_speculative, dtype=np.int64)  # what first_step wrote
         self.exact_host = np.zeros(M, dtype=bool)
-        ctx.x_event = tuple(st.x.shape[1:])
-        ctx.coef_table = schedule.kernel.table(dev, st.x.dtype)  # [T, C]
-        steps_all = torch.arange(T, device=dev)[None]
-        ctx.key_tables = (rng.round_keys(st.draft_keys[:, None], steps_all), rng.round_keys(st.verify_keys[:, None], steps_all))
         D = st.x[0].numel()
         if isinstance(tree, DraftTree):
             self.trees, self.lt_of_root, self.pool = [tree], np.zeros(T, dtype=np.int64), None
@@ -509,21 +505,21 @@ class DenseLayout:
                          "residual": st.x.new_empty(internal * M * D)}
         self.lts, self.shared = {}, {}  # shared: the key and random tables of a node count, the same for every tree of that size
 
-    def lean_tree(self, g: int) -> _LeanTree:
-        """The run's :class:`_LeanTree` number ``g``, built, bound and given its tables on first use."""
+    def dense_tables(self, g: int) -> DenseTables:
+        """The run's :class:`DenseTables` number ``g``, built, bound and given its tables on first use."""
         if g not in self.lts:
             ctx, st, shared = self.ctx, self.st, self.shared
             (M, D), T = st.x.reshape(st.x.shape[0], -1).shape, ctx.schedule.steps
-            lt = self.lts[g] = _LeanTree(self.trees[g], st.x.device, st.x.dtype)
+            lt = self.lts[g] = DenseTables(self.trees[g], st.x.device, st.x.dtype)
             lt.bind(M, D, self.pool, ctx.x_event)
-            if M * T * lt.N <= leantree.KEY_CACHE:
+            if M * T * lt.N <= tables.KEY_CACHE:
                 if ("keys", lt.N) not in shared:
                     shared["keys", lt.N] = (rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
                                             rng.node_keys(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
                 lt.key_cache = shared["keys", lt.N]
-            _root_tables(lt, ctx)
+            root_tables(lt, ctx)
             if lt.key_cache is not None:
-                _draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(self.trees) == 1 else shared)
+                draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(self.trees) == 1 else shared)
         return self.lts[g]
 
     def live(self):
@@ -531,10 +527,10 @@ class DenseLayout:
         return live_host if live_host.any() else None
 
     def root_call(self, live_host):
-        _root_call(self.ctx, self.st, _upload(np.flatnonzero(live_host), self.st.x.device), self.tally)
+        root_call(self.ctx, self.st, upload(np.flatnonzero(live_host), self.st.x.device), self.tally)
         self.exact_host = self.exact_host | live_host
 
-    def _calls(self, lt: _LeanTree, rows: np.ndarray | None) -> list:
+    def _calls(self, lt: DenseTables, rows: np.ndarray | None) -> list:
         """``(plan, kind)`` of each batched call of a round of ``lt`` over rows ``rows`` (None: every row): the Picard
         sweeps' (the internal nodes; after the first, every live root's velocity is exact), then the round's own
         (the protocol's nodes). ``kind``: ``all``, ``rest`` (read in place, no plan) or ``some``."""
@@ -542,8 +538,8 @@ class DenseLayout:
         for j in range(self.ctx.refine + 1):
             plan = lt.plan(self.n_host, exact, self.end, self.ctx.evaluate_leaves and j == self.ctx.refine, rows)
             kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
-            plan_t = _upload(plan, self.st.x.device) if kind == "some" else None
-            out.append((_Hidden(plan_t) if self.ctx.compiled else plan_t, kind, plan.size > 0))
+            plan_t = upload(plan, self.st.x.device) if kind == "some" else None
+            out.append((Hidden(plan_t) if self.ctx.compiled else plan_t, kind, plan.size > 0))
             exact = exact | (self.n_host < self.end)
         return out
 
@@ -555,13 +551,13 @@ class DenseLayout:
         rounds, called = [], [False] * (ctx.refine + 1)
         n_new, exact_new = st.n, st.root_exact
         for g in groups:
-            lt = self.lean_tree(int(g))
+            lt = self.dense_tables(int(g))
             mine = None if len(groups) == 1 else which == g
             calls = self._calls(lt, mine)
             called = [a or c[2] for a, c in zip(called, calls)]
             sel = None if mine is None else torch.from_numpy(mine).to(dev)
             args = (*calls[-1][:2], sel, tuple(c[:2] for c in calls[:-1]))  # the round's own call, its rows, the sweeps
-            commit, n_g, exact_g, bad_g, live_g = self.lean_round(ctx, lt, st, *args)
+            commit, n_g, exact_g, bad_g, live_g = self.dense_round_fn(ctx, lt, st, *args)
             rounds.append((commit, bad_g, lt, args, live_host if mine is None else mine))
             if mine is None:
                 n_new, exact_new, bad = n_g, exact_g, bad_g
@@ -572,8 +568,8 @@ class DenseLayout:
         payload = torch.cat([bad.long().reshape(1), n_new, exact_new.long()]).tolist()  # the one sync of the round
         if payload[0]:  # the checked walk serves the round again, tree by tree, on the same keys and calls
             for _, _, lt, args, rows in rounds:
-                d = _lean_round(ctx, lt, st, *args, drafted_only=True)
-                _round(ctx, lt.tree, lt.tensors, lambda *a, d=d: _DenseNodes(*a, d), st, _upload(np.flatnonzero(rows), dev), tally,
+                d = dense_round(ctx, lt, st, *args, drafted_only=True)
+                sparse_round(ctx, lt.tree, lt.tensors, lambda *a, d=d: DenseNodes(*a, d), st, upload(np.flatnonzero(rows), dev), tally,
                        batch=False)
             self.n_host, self.exact_host = st.n.cpu().numpy(), st.root_exact.cpu().numpy()
         else:
@@ -589,4 +585,4 @@ class DenseLayout:
                 "n": self.st.n, "x": self.st.x, "v": self.st.v_root}
 
     def need_rows(self):
-        return _upload(np.flatnonzero(~self.exact_host), self.st.x.device)
+        return upload(np.flatnonzero(~self.exact_host), self.st.x.device)

@@ -2,10 +2,9 @@
 
 One round for the live trajectories, one depth at a time: draft (line 7), evaluate, walk down with the
 coupling (lines 14--23), record the draft's history, prefetch and commit (line 24). The nodes' view says how a
-node's state and velocity are obtained: :class:`_Nodes` drafts and evaluates only what the walk visits (the path
-execution, :class:`SparseLayout`); :class:`specsamp.lean._DenseNodes` reads them from a dense round's drafted
-tree (where a deferred check failed). A round's uniforms come from one keyed draw (:func:`_verify_uniforms`).
-Round internals (:mod:`specsamp.chains`).
+node's state and velocity are obtained: :class:`Nodes` drafts and evaluates only what the walk visits (the path
+execution, :class:`SparseLayout`); :class:`specsamp.round.dense.DenseNodes` reads them from a dense round's drafted
+tree (where a deferred check failed). A round's uniforms come from one keyed draw (:func:`verify_uniforms`).
 """
 
 from __future__ import annotations
@@ -13,24 +12,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import rng
-from .chains import _Chains, _Context, _root_call, _Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
-from .coupling import NonFiniteError, check_verdict_contract
-from .drafts import DraftRoot, data_prediction, table_means
-from .trees import DraftTree
+from .. import rng
+from ..coupling import NonFiniteError, check_verdict_contract
+from ..drafts import DraftRoot, data_prediction, table_means
+from ..trees import DraftTree
+from .context import Chains, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
+from .loop import root_call
 
 
-def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` (ascending, distinct) of ``t``: ``t`` itself, no copy, where they are all of its rows."""
     return t if rows.numel() == t.shape[0] else t[rows]
 
 
-class _Nodes:
+class Nodes:
     """The round of the live trajectories ``rows [m]`` (line 3: roots ``x``, ``n``, ``L_n = depth_limit``; the draft's
     frozen quantity; the keys with the root folded in), and the path execution's view of its nodes: drafted and
     evaluated only where the walk visits them. ``sub [s]`` selects rows of the round."""
 
-    def __init__(self, ctx: _Context, tree: DraftTree, tensors: dict, st: _Chains, live: torch.Tensor):
+    def __init__(self, ctx: Context, tree: DraftTree, tensors: dict, st: Chains, live: torch.Tensor):
         self.ctx, self.tree, self.t, self.rows = ctx, tree, tensors, live
         hist = None if st.history is None else st.history.take(live)
         self.x, self.n = st.x[live], st.n[live]  # copies: read by the round, never written
@@ -38,7 +38,7 @@ class _Nodes:
         self.v_root, self.root_exact = root.v, root.exact
         self.depth_limit = (ctx.schedule.end_speculative - self.n).clamp(max=tree.max_depth)
         self.frozen = ctx.draft.freeze(root, ctx.schedule)
-        self.draft_keys, self.verify_keys = (rng.round_keys(k[live], self.n) for k in (st.draft_keys, st.verify_keys))
+        self.draft_keys, self.verify_keys = (rng.round_keys(k[live], self.n) for k in (ctx.draft_keys, ctx.verify_keys))
         self.history = None if hist is None else hist.clone()  # the walk records into its own copy
 
     def calls(self) -> list:
@@ -48,13 +48,13 @@ class _Nodes:
         return [table[self.depth_limit] - self.root_exact.long()]
 
     def evaluated(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
-        """Whether the round's call evaluated nodes ``u`` of rows ``sub`` (:func:`specsamp.chains.round_masks`)."""
+        """Whether the round's call evaluated nodes ``u`` of rows ``sub`` (:func:`specsamp.round.context.round_masks`)."""
         return round_masks(self.t["depth"][u], self.t["num_children"][u] > 0, self.depth_limit[sub], self.ctx.evaluate_leaves)[1]
 
     def proposal_mean(self, sub, x_u: torch.Tensor, step: torch.Tensor, c: dict) -> torch.Tensor:
         """The draft's means ``[s, *e]`` of the children of ``x_u [s, *e]`` at steps ``step [s]`` (``c``: their kernel
         coefficients), by the draft's table form where it has one (:func:`specsamp.drafts.table_means`)."""
-        draft, frozen, s = self.ctx.draft, _take(self.frozen, sub), x_u.shape[0]
+        draft, frozen, s = self.ctx.draft, take_rows(self.frozen, sub), x_u.shape[0]
         if draft.table_mean is None:
             return draft.mean(frozen, x_u[:, None], step, self.ctx.schedule)[:, 0]
         flat = {k: v if k == "kernel" else v.reshape(s, 1, 1) for k, v in c.items()}
@@ -64,7 +64,7 @@ class _Nodes:
         """Line 7: the children ``ids [s, k]`` of nodes ``u`` at states ``x_u [s, *e]``, the proposal means plus keyed
         kernel noise. Returns ``(means [s, *e], children [s, k, *e])``."""
         mean = self.proposal_mean(sub, x_u, step, c)
-        noise = rng.draft_noise(rng.node_keys(_take(self.draft_keys, sub)[:, None], ids), x_u.shape[1:], x_u.dtype)
+        noise = rng.draft_noise(rng.node_keys(take_rows(self.draft_keys, sub)[:, None], ids), x_u.shape[1:], x_u.dtype)
         noise *= c["std"][:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
         noise += mean[:, None]
         return mean, noise
@@ -73,7 +73,7 @@ class _Nodes:
         """The exact velocities ``[s, *e]`` of nodes ``u`` at states ``x_u`` and depth ``depth`` (an int or ``[s]``), or of
         the roots where ``depth`` is None (every row: ``v_root`` where exact, else evaluated)."""
         if depth is not None:
-            return self.ctx.velocity(x_u, _take(self.n, sub) + depth, _take(self.rows, sub))
+            return self.ctx.velocity(x_u, take_rows(self.n, sub) + depth, take_rows(self.rows, sub))
         out, todo = self.v_root.clone(), (~self.root_exact).nonzero(as_tuple=True)[0]
         if todo.numel():
             out[todo] = self.ctx.velocity(x_u[todo], self.n[todo], self.rows[todo])
@@ -83,7 +83,7 @@ class _Nodes:
 UNIFORM_TABLE = 1 << 18  # largest m * I * (K_max + 1) for which a round draws every internal node's uniforms at once
 
 
-def _verify_uniforms(nodes: _Nodes):
+def verify_uniforms(nodes: Nodes):
     """``uniforms(sub, u, k)``: the :class:`~specsamp.rng.KeyedRows` of the verification of nodes ``u [s]`` (width ``k``)
     of rows ``sub [s]``. Up to :data:`UNIFORM_TABLE` numbers, every internal node's first two calls are drawn at once
     for the round (:func:`specsamp.rng.verify_uniforms`) and gathered: the numbers of the keys, so the rule cannot tell."""
@@ -91,7 +91,7 @@ def _verify_uniforms(nodes: _Nodes):
     internal, widths = np.flatnonzero(nc > 0), rng.verify_widths(nc)
     if nodes.x.shape[0] * internal.size * sum(widths) > UNIFORM_TABLE:
         def uniforms(sub, u, k):
-            keys = rng.node_keys(_take(nodes.verify_keys, sub), u)
+            keys = rng.node_keys(take_rows(nodes.verify_keys, sub), u)
             return rng.KeyedRows(keys, rng.verify_uniforms(keys, (k, 1)))
         return uniforms
     dev = nodes.x.device
@@ -105,13 +105,13 @@ def _verify_uniforms(nodes: _Nodes):
     return uniforms
 
 
-def _record(nodes: _Nodes, rows, x, v, n) -> None:
+def record(nodes: Nodes, rows, x, v, n) -> None:
     """Push the exact data predictions of committed-path states ``x, v [r, *e]`` at state ``n [r]`` to the front of
     rows ``rows`` of the round's draft history."""
     nodes.history.push(rows, data_prediction(x, v, n, nodes.ctx.schedule), n, x)
 
 
-def _verify(nodes: _Nodes, l: int, sub, u, step, kids, mean_p, mean_q, std, uniforms):
+def verify_checked(nodes: Nodes, l: int, sub, u, step, kids, mean_p, mean_q, std, uniforms):
     """Line 17 for nodes ``u`` (depth ``l - 1``) of rows ``sub``: the coupling's verdict, each check raised where it
     fails, naming the trajectory, the step and the node."""
     ctx = nodes.ctx
@@ -130,10 +130,10 @@ def _verify(nodes: _Nodes, l: int, sub, u, step, kids, mean_p, mean_q, std, unif
     return verdict
 
 
-def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains, live: torch.Tensor, tally: _Tally,
+def sparse_round(ctx: Context, tree: DraftTree, tensors: dict, nodes_cls, st: Chains, live: torch.Tensor, tally: Tally,
            batch: bool = True) -> None:
     """One round for the ``live`` trajectories ``[m]``; updates ``st`` and ``tally``. ``nodes_cls``: the view of the
-    nodes (:class:`_Nodes`, :class:`specsamp.lean._DenseNodes`); ``batch``: count the calls in ``batch_nfe`` here.
+    nodes (:class:`Nodes`, :class:`specsamp.round.dense.DenseNodes`); ``batch``: count the calls in ``batch_nfe`` here.
 
     Per depth, the walking rows are verified in one coupling call per node width (ascending); a row's state moves
     to the verdict's sample (the accepted child, or the residual draw where it stops). One host synchronisation per
@@ -145,12 +145,12 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
     x_cur = nodes.x.clone()  # the walk's state; where a row stops, its residual draw (the committed state either way)
     v_cur = nodes.velocity(every, cur, x_cur, None)  # the velocity at each row's node; after the walk, the next root's
     if nodes.history is not None:
-        _record(nodes, every, x_cur, v_cur, nodes.n)  # the root, verified below
+        record(nodes, every, x_cur, v_cur, nodes.n)  # the root, verified below
     walking = torch.ones(m, dtype=torch.bool, device=dev)
     walk = every  # the rows verified at the next depth: at the first, every row (L_n >= 1, and the root has children)
     rejected = torch.zeros(m, dtype=torch.bool, device=dev)
     steps = torch.zeros(m, dtype=torch.long, device=dev)
-    uniforms = _verify_uniforms(nodes)
+    uniforms = verify_uniforms(nodes)
     nc, depth = np.asarray(tree.num_children), np.asarray(tree.depth)
     for l in range(1, tree.max_depth + 1):  # line 16
         widths = np.unique(nc[(depth == l - 1) & (nc > 0)]).tolist()
@@ -159,12 +159,12 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
             sub = walk if width is None else (walking & (width == k)).nonzero(as_tuple=True)[0]
             if not sub.numel():
                 continue
-            u, step, x_u = _take(cur, sub), _take(nodes.n, sub) + (l - 1), _take(x_cur, sub)
+            u, step, x_u = take_rows(cur, sub), take_rows(nodes.n, sub) + (l - 1), take_rows(x_cur, sub)
             c = ctx.schedule.kernel.coefs(step, x_u)
             ids = t["first_child"][u][:, None] + torch.arange(k, device=dev)[None]  # contiguous, in drafting order
             mean_p, kids = nodes.draft(sub, u, x_u, ids, step, c)
-            mean_q = ctx.schedule.kernel.mean(x_u, _take(v_cur, sub), c)
-            verdict = _verify(nodes, l, sub, u, step, kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))
+            mean_q = ctx.schedule.kernel.mean(x_u, take_rows(v_cur, sub), c)
+            verdict = verify_checked(nodes, l, sub, u, step, kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))
             # lines 18--22: the accepted child (the verdict's sample is that child, bit for bit), or the residual and stop
             stopped = ~verdict.accepted
             steps[sub], x_cur[sub], walking[sub], rejected[sub] = l, verdict.sample, verdict.accepted, stopped
@@ -178,27 +178,27 @@ def _round(ctx: _Context, tree: DraftTree, tensors: dict, nodes_cls, st: _Chains
         walking &= (l < nodes.depth_limit) & (t["num_children"][cur] > 0)  # accepted into a node internal in T|_{L_n}
         if not (walk := walking.nonzero(as_tuple=True)[0]).numel():
             break
-        v_cur[walk] = nodes.velocity(walk, _take(cur, walk), _take(x_cur, walk), l)  # needed one level down
+        v_cur[walk] = nodes.velocity(walk, take_rows(cur, walk), take_rows(x_cur, walk), l)  # needed one level down
         if nodes.history is not None:
-            _record(nodes, walk, x_cur[walk], v_cur[walk], nodes.n[walk] + l)
+            record(nodes, walk, x_cur[walk], v_cur[walk], nodes.n[walk] + l)
     cols = torch.arange(tree.max_depth, device=dev)[None].expand(m, -1)  # row r was verified at depths 1..steps[r]
     tried, accepted = (cols < steps[:, None]).long(), (cols < (steps - rejected.long())[:, None]).long()
     count_verifications(tally, nodes.n, cols, tried, accepted, live)
     exact = leaf_prefetch(ctx.prefetch, ~rejected, lambda: nodes.evaluated(cur, every))  # finished at an evaluated leaf
     if ctx.prefetch != "none" and (done := exact.nonzero(as_tuple=True)[0]).numel():
         u = cur[done]
-        v_cur[done] = nodes.velocity(done, u, _take(x_cur, done), t["depth"][u])  # depth >= 1
+        v_cur[done] = nodes.velocity(done, u, take_rows(x_cur, done), t["depth"][u])  # depth >= 1
     for rows in nodes.calls():  # a call with nothing to evaluate costs none
         tally.charge(live, rows, batch)
     commit_round(st, tally, live, x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history)  # line 24
 
 
 class SparseLayout:
-    """The sparse round's layout for :func:`specsamp.chains.run_rounds`: the live rows as device indices (one host
+    """The sparse round's layout for :func:`specsamp.round.loop.run_rounds`: the live rows as device indices (one host
     synchronisation to find them), each round on those rows alone. ``tree``: a fixed tree, or ``{n: T_n}`` with one
     round per root index in the batch, whose rows would share one batched call (charged once)."""
 
-    def __init__(self, ctx: _Context, st: _Chains, tally: _Tally, tree: DraftTree | dict):
+    def __init__(self, ctx: Context, st: Chains, tally: Tally, tree: DraftTree | dict):
         self.ctx, self.st, self.tally = ctx, st, tally
         with_tensors = lambda t: (t, t.index_tensors(st.x.device))  # noqa: E731
         self.trees = with_tensors(tree) if isinstance(tree, DraftTree) else {n: with_tensors(t) for n, t in tree.items()}
@@ -208,16 +208,16 @@ class SparseLayout:
         return live if live.numel() else None
 
     def root_call(self, live):
-        _root_call(self.ctx, self.st, live, self.tally)
+        root_call(self.ctx, self.st, live, self.tally)
 
     def round(self, live):
         ctx, st, tally = self.ctx, self.st, self.tally
         if isinstance(self.trees, tuple):
-            return _round(ctx, *self.trees, _Nodes, st, live, tally)
+            return sparse_round(ctx, *self.trees, Nodes, st, live, tally)
         calls, most, roots = tally.batch_nfe, 0, st.n[live]
         for n in torch.unique(roots).tolist():
             before = tally.batch_nfe
-            _round(ctx, *self.trees[n], _Nodes, st, live[roots == n], tally)
+            sparse_round(ctx, *self.trees[n], Nodes, st, live[roots == n], tally)
             most = max(most, tally.batch_nfe - before)  # 0 or 1: the rounds of the batch share one call
         tally.batch_nfe = calls + most
 

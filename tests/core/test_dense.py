@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers import RowwiseMixture
-from specsamp import lean, leantree, rounds, sampler
+from specsamp import sampler
+from specsamp.round import dense, sparse, tables
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -36,9 +37,9 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
-    monkeypatch.setattr(leantree, variant[0], variant[1])
+    monkeypatch.setattr(tables, variant[0], variant[1])
     if variant[0] == "VERIFY_MEMORY":  # one node per chunk: the floor of 2**20 elements would keep one chunk
-        monkeypatch.setattr(leantree, "VERIFY_FLOOR", 0)
+        monkeypatch.setattr(tables, "VERIFY_FLOOR", 0)
     got = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
@@ -98,8 +99,8 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
     def no_sparse(*a, **k):
         raise AssertionError("the sparse round ran")
 
-    monkeypatch.setattr(lean, "_round", no_sparse)  # the checked walk's
-    monkeypatch.setattr(rounds, "_round", no_sparse)  # the path execution's (rounds.SparseLayout.round)
+    monkeypatch.setattr(dense, "sparse_round", no_sparse)  # the checked walk's
+    monkeypatch.setattr(sparse, "sparse_round", no_sparse)  # the path execution's (sparse.SparseLayout.round)
     got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(path, f)), f
@@ -110,13 +111,13 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
     # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
     # indices of different trees, so one host round runs more than one lean tree
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
-    seen, real = [], lean._lean_round
+    seen, real = [], dense.dense_round
 
     def spy(ctx, lt, st, plan, kind="some", sel=None, *rest, **kw):
         seen.append(sel is not None)
         return real(ctx, lt, st, plan, kind, sel, *rest, **kw)
 
-    monkeypatch.setattr(lean, "_lean_round", spy)
+    monkeypatch.setattr(dense, "dense_round", spy)
     sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)
     assert any(seen)
 
@@ -149,7 +150,7 @@ def test_uniform_table_serves_a_coupling_that_asks_for_more_calls(monkeypatch):
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     kw = dict(draft="x0", prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
-    monkeypatch.setattr(leantree, "UNIFORM_CACHE", 0)
+    monkeypatch.setattr(tables, "UNIFORM_CACHE", 0)
     got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
@@ -187,7 +188,7 @@ def test_round_without_kept_samples_decides_then_draws_one_residual_per_row_with
 
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=torch.float64)
     ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 40, execution="tree", seed=3)
-    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     inversion = grs.sample_grs_residual
     rows = []
     monkeypatch.setattr(grs, "sample_grs_residual", lambda delta, *a, **k: rows.append(delta.shape[0]) or inversion(delta, *a, **k))

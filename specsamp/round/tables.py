@@ -1,6 +1,6 @@
-"""What a dense round is built from: a tree's static index tensors and buffers (:class:`_LeanTree`), per-run tables.
+"""What a dense round is built from: a tree's static index tensors and buffers (:class:`DenseTables`), per-run tables.
 
-The constants bound the caches (tests set 0: fallbacks draw the same numbers). Round internals (:mod:`specsamp.chains`).
+The constants bound the caches (tests set 0: fallbacks draw the same numbers).
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import rng
-from .chains import round_masks
-from .trees import DraftTree
+from .. import rng
+from ..trees import DraftTree
+from .context import round_masks
 
 if TYPE_CHECKING:
-    from .chains import _Context
+    from .context import Context
 
 
-HISTORY_SLOTS = 16  # most records a draft's history may keep in the lean round (Draft.history)
+HISTORY_SLOTS = 16  # most records a draft's history may keep in the dense round (Draft.history)
 RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
 KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
 NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
@@ -28,7 +28,7 @@ VERIFY_MEMORY = 0.1  # a verification chunk's temporaries, as a fraction of the 
 VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
 
-class _LeanTree:
+class DenseTables:
     """Static index tensors of one fixed :class:`DraftTree` (``N`` nodes, depth ``L``), built once per run: ``depth``,
     ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``, ``v``'s ancestor at depth
     ``j`` (``v`` below it); ``anc_t [N-1, N]``, 1 where the edge into ``e`` lies above ``v`` (states' dtype); per depth
@@ -41,15 +41,15 @@ class _LeanTree:
         up = np.tile(np.arange(N)[:, None], (1, L + 1))
         for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
             up[v, : tree.depth[v]] = up[tree.parent[v], : tree.depth[v]]
-        self.anc_at_depth = _long(up, dev)
+        self.anc_at_depth = long_tensor(up, dev)
         self.anc_t = torch.as_tensor(np.ascontiguousarray(up.T[tree.depth[1:]] == np.arange(1, N)[:, None]), dtype=dtype, device=dev)
         self.depth1_row, self.dm1 = (self.depth + 1)[None], self.depth[1:] - 1
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
         self.one = torch.ones((), dtype=dtype, device=dev)
         self.layer_bounds = [0, *tree.layer_end.tolist()]
-        self.layer_parents = [_long(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])]
+        self.layer_parents = [long_tensor(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])]
         self.ids, self.nodes = torch.arange(1, N, device=dev), torch.arange(N, device=dev)
-        self.key_cache = self.noise_cache = self.uniform_cache = None  # per-run tables (lean.DenseLayout, _draw_tables)
+        self.key_cache = self.noise_cache = self.uniform_cache = None  # per-run tables (dense.DenseLayout, draw_tables)
         self.noise_scaled = False
         j = torch.arange(int(tree.num_children.max()), device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
@@ -64,7 +64,7 @@ class _LeanTree:
 
     def plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
         """Flat indices ``node * M + row`` of the states a round's call evaluates, from host copies of ``n [M]`` and
-        ``exact [M]``: the protocol's nodes of ``T|_{L_n}`` (:meth:`specsamp.rounds._Nodes.evaluated`), known roots
+        ``exact [M]``: the protocol's nodes of ``T|_{L_n}`` (:meth:`specsamp.round.sparse.Nodes.evaluated`), known roots
         out, live rows only (and only ``rows``, bool ``[M]``, where given)."""
         dl = np.clip(end - n, 0, self.L)
         mask = self.evaluated_by_limit[bool(evaluate_leaves)][dl]
@@ -75,7 +75,7 @@ class _LeanTree:
         return np.flatnonzero(mask.T)
 
     def bind(self, M: int, D: int, pool: dict | None = None, event: tuple | None = None) -> None:
-        """Allocate :class:`_LeanBuffers` (``self.buffers``) for ``M`` rows of ``D`` coordinates, event shape ``event``
+        """Allocate :class:`DenseBuffers` (``self.buffers``) for ``M`` rows of ``D`` coordinates, event shape ``event``
         (default ``(D,)``). ``pool``: optional ``{"states", "residual"}`` flat storage shared by a run's trees (their
         rounds run one after another and keep nothing in the buffers), each at least this tree's size."""
         N, b, nc, dev = self.N, self.layer_bounds, self.tree.num_children, self.one.device
@@ -103,13 +103,13 @@ class _LeanTree:
             for i in range(0, len(u_k), step):
                 u, ch = u_k[i : i + step], ch_k[i : i + step]
                 node_pos[u] = np.arange(pos, pos + len(u))
-                chunks.append((k, _long(u, dev), _as_slice(u), _long(ch, dev), _as_slice(ch.ravel()), _long(self.tree.depth[u], dev),
+                chunks.append((k, long_tensor(u, dev), as_slice(u), long_tensor(ch, dev), as_slice(ch.ravel()), long_tensor(self.tree.depth[u], dev),
                                bool(u[0] == 0), slice(pos, pos + len(u))))
                 pos += len(u)
-            self.width_groups.append((k, _long(u_k[0], dev), torch.as_tensor(nc == k, device=dev)))
+            self.width_groups.append((k, long_tensor(u_k[0], dev), torch.as_tensor(nc == k, device=dev)))
         # internal nodes' verdict samples, kept where small; else redrawn (same keys) for the walk's one node per row
         residual = block("residual", pos) if pos * M * D <= RESIDUAL_CACHE else None
-        self.pos_c = _long(node_pos, dev)
+        self.pos_c = long_tensor(node_pos, dev)
         self.ar = torch.arange(M, device=dev)
         self.rows = self.ar.repeat(N)  # the batch row of every node-major state
         self.rows_rest, self.ar_col = self.rows[M:], self.ar[:, None]
@@ -117,13 +117,13 @@ class _LeanTree:
         event = (D,) if event is None else tuple(event)
         self.root_state = states[0].view(M, *event)  # node 0's states as the batch's, and the others as the call's input
         self.rest_states = states[1:].view((N - 1) * M, *event)
-        self.buffers = _LeanBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
+        self.buffers = DenseBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
                                     torch.zeros(M, N, dtype=torch.long, device=dev))
 
 
 @dataclass
-class _LeanBuffers:
-    """The lean round's node-major buffers: ``states [N, M, D]``; ``residual [I, M, D]``, the internal nodes' verdict
+class DenseBuffers:
+    """The dense round's node-major buffers: ``states [N, M, D]``; ``residual [I, M, D]``, the internal nodes' verdict
     samples; ``layers``, per depth ``(parents, parent_view, out_view)``: where the parents are the whole previous
     layer with ``K`` children each, ``parents`` None and views ``[P, 1, M, D]``, ``[P, K, M, D]`` (both ``[P, M, D]``
     for one child), else the parents' ids, ``parent_view`` None and ``out_view [C, M, D]``; ``chunks``, the
@@ -139,16 +139,16 @@ class _LeanBuffers:
     idx: torch.Tensor
 
 
-def _long(a, dev) -> torch.Tensor:
+def long_tensor(a, dev) -> torch.Tensor:
     """Host indices as a long tensor, through a list (under inference mode, an array's dtype cast is an operation)."""
     return torch.as_tensor(np.asarray(a).tolist(), dtype=torch.long, device=dev)
 
 
-def _as_slice(ids: np.ndarray) -> slice | None:
+def as_slice(ids: np.ndarray) -> slice | None:
     return slice(int(ids[0]), int(ids[-1]) + 1) if np.array_equal(ids, np.arange(ids[0], ids[-1] + 1)) else None
 
 
-def _upload(a: np.ndarray, dev) -> torch.Tensor:
+def upload(a: np.ndarray, dev) -> torch.Tensor:
     """Host indices to the device without waiting for it (pinned, non-blocking copy on CUDA)."""
     t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     if torch.device(dev).type == "cuda":
@@ -156,7 +156,7 @@ def _upload(a: np.ndarray, dev) -> torch.Tensor:
     return t.to(dev)
 
 
-def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
+def root_tables(lt: DenseTables, ctx: Context) -> None:
     """Per-root tables, once per run (rows gathered by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root
     [L, C, T, 1]``, each depth's parent-step coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root
     [N, T]``, each node's step; ``internal_by_root``, ``evaluated_by_root [T, N]`` (verified if visited; evaluated by
@@ -176,7 +176,7 @@ def _root_tables(lt: _LeanTree, ctx: _Context) -> None:
                         for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
 
 
-def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared: dict | None = None) -> None:
+def draw_tables(lt: DenseTables, e: tuple, dtype, M: int, T: int, D: int, shared: dict | None = None) -> None:
     """Draw every (row, root, node)'s numbers once where small (:data:`NOISE_CACHE`, :data:`UNIFORM_CACHE`):
     ``lt.noise_cache [N-1, M, T, D]``, each non-root node's draft noise (:func:`specsamp.rng.normal` of its key, the
     states' dtype), times its parent step's ``std`` where ``lt.noise_scaled`` (one tree per run); ``lt.uniform_cache``,
@@ -194,7 +194,7 @@ def _draw_tables(lt: _LeanTree, e: tuple, dtype, M: int, T: int, D: int, shared:
     if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
         if shared is None:
             std = lt.coefs_by_root[lt.dm1, lt.std_col]  # [N-1, T, 1]: each node's parent step, per root
-            lt.noise_cache, lt.noise_scaled = (noise() * std[:, None]).contiguous(), True  # std z, as _Nodes.draft scales it
+            lt.noise_cache, lt.noise_scaled = (noise() * std[:, None]).contiguous(), True  # std z, as Nodes.draft scales it
         else:
             lt.noise_cache = once(("noise", N), lambda: noise().contiguous())
     widths = rng.verify_widths(lt.tree.num_children)
