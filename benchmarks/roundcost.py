@@ -7,8 +7,8 @@ tree execution, one torch thread, T = 100, eps = 0.3) into:
 
 - ``network``: inside the target's forward passes (``specsamp.round.context.Velocity.__call__``), timed by a wrapper;
 - ``tables``: the per-run tables built before the first round (the tree's index tensors and buffers, the
-  per-root coefficient tables, the pre-drawn draft noise and coupling uniforms: ``_LeanTree``,
-  ``_LeanTree.bind``, ``_root_tables``, ``_draw_tables``), timed by wrappers;
+  per-root coefficient tables, the pre-drawn draft noise and coupling uniforms: the one constructor of
+  ``specsamp.round.tables.DenseTables``), timed by a wrapper;
 - ``aten``: the self time of every ATen operator the rest of the run dispatches, from ``torch.profiler``
   (allocation operators ``empty*`` shown apart, as ``alloc``), with the operator count;
 - ``python``: what remains of the wall time: the interpreter running the round's Python, torch's
@@ -56,7 +56,7 @@ def _quiet_stderr():
 @contextlib.contextmanager
 def _timed_regions():
     """Time the network calls and the per-run table builders; yields ``{region: seconds}``."""
-    from specsamp.round import context, dense, tables
+    from specsamp.round import context, tables
 
     spent = Counter()
     patched = []
@@ -76,12 +76,7 @@ def _timed_regions():
         patched.append((owner, name, fn))
 
     wrap(context.Velocity, "__call__", "network")
-    for owner in (dense, tables):
-        for name in ("draw_tables", "root_tables"):
-            if hasattr(owner, name):
-                wrap(owner, name, "tables")
     wrap(tables.DenseTables, "__init__", "tables")
-    wrap(tables.DenseTables, "bind", "tables")
     try:
         yield spent
     finally:

@@ -13,7 +13,8 @@ import torch
 from .. import rng
 from ..coupling import deferred_checks
 from ..inductor import classify_compile_error
-from .dense import accept, dense_round, draft_nodes, gather_walk, network_outside, outside, verify_chunk, verify_inputs
+from .dense import accept, dense_round, draft_nodes, gather_walk, network_outside, verify_chunk, verify_inputs
+from .draws import outside
 
 RECOMPILE_LIMIT = 64  # distinct (tree or chunk shape, batch size, dtype) entries of a piece before eager fallback
 # Buffer reuse on (torch 2.14, CPU) broke the law where the verification ran in several chunks (docs/architecture.md,
@@ -83,7 +84,7 @@ def finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, froze
 class Stages:
     """The compiled round's pieces (:func:`compiled_round`), each compiled on its own and called by
     :func:`specsamp.round.dense.dense_round` (eager Python between them): ``draft`` (:func:`specsamp.round.dense.draft_nodes`), ``chunk``
-    (:func:`specsamp.round.dense.verify_chunk`, one call per verification chunk of :func:`even_chunks`, handed no slice and
+    (:func:`specsamp.round.dense.verify_chunk`, one call per verification chunk of ``even_chunks`` (:func:`specsamp.round.tables.even_chunks`), handed no slice and
     no root flag, so that every chunk of a width runs one graph) and ``finish`` (:func:`finish`: the walk and the
     commit's gathers). The verification is not unrolled into one graph: its chunks grow in number with the batch
     (:meth:`specsamp.round.tables.DenseTables.bind`), and so would that graph and its compile (about a minute per chunk of
@@ -102,7 +103,7 @@ class Stages:
         vkeys_all, drawn_all, internal_r, verify = verify_inputs(ctx, lt, n, n_lim)
         acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
         bad = lt.false
-        for k, u, ch, du, pos, sig_tab in even_chunks(lt):
+        for k, u, ch, du, pos, sig_tab in lt.even_chunks:
             accepted, index, sample, bad_c = self.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim,
                                                         states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
                                                         drawn_all, internal_r, verify, res is not None, True)
@@ -112,26 +113,6 @@ class Stages:
         commit, n_new, exact_new, bad_f = self.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs,
                                                       frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
         return commit, n_new, exact_new, bad | bad_f
-
-
-def even_chunks(lt) -> list:
-    """``lt.buffers.chunks`` as the compiled round verifies them, built once per tree: ``(K, nodes [c], children [c, K],
-    depths [c], rows of the residual, sigma_by_root [c, T])``, the internal nodes of a width in chunks of one size,
-    the largest divisor of their number within the memory rule's chunk (:meth:`specsamp.round.tables.DenseTables.bind`), so
-    that one graph serves every chunk of the width (seven nodes in chunks of 5 and 2 would compile two)."""
-    if getattr(lt, "even_chunks", (None,))[0] is not lt.buffers:  # (the buffers they were made for, the chunks)
-        widths: dict = {}
-        for (k, u, _, ch, _, du, _, pos), sig in zip(lt.buffers.chunks, lt.sigma_by_root):
-            widths.setdefault(k, []).append((u, ch, du, sig, pos))
-        lt.even_chunks = (lt.buffers, [])
-        for k, parts in widths.items():
-            u, ch, du, sig = (torch.cat([p[i] for p in parts]) for i in range(4))
-            first, count, most = parts[0][4].start, u.numel(), max(p[0].numel() for p in parts)
-            size = max(d for d in range(1, most + 1) if count % d == 0)
-            for a in range(0, count, size):  # a width's verdict samples are consecutive rows of the residual
-                lt.even_chunks[1].append((k, *(t[a : a + size].clone() for t in (u, ch, du)),
-                                          slice(first + a, first + a + size), sig[a : a + size].clone()))
-    return lt.even_chunks[1]
 
 
 ROUND: list[Callable] = []

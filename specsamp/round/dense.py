@@ -17,15 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import rng
 from ..coupling import contract_violation, deferred_checks
 from ..drafts import DraftHistory, DraftRoot
 from ..trees import DraftTree
-from . import tables
+from .draws import dense_noise, dense_uniforms, keyed_rows, outside
 from .context import Chains, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling
 from .loop import root_call
 from .sparse import Nodes, sparse_round
-from .tables import DenseTables, draw_tables, root_tables, upload
+from .tables import DenseTables, upload
 
 
 def dense_round(ctx: Context, lt: DenseTables, st: Chains, plan: torch.Tensor, plan_kind: str = "some",
@@ -94,22 +93,13 @@ def draft_nodes(ctx: Context, lt: DenseTables, st: Chains, keep_innov: bool):
         (:func:`proposal_mean`), and the noise ``std z`` kept for the Picard sweeps where ``keep_innov``.
     """
     sch, draft, kern = ctx.schedule, ctx.draft, ctx.schedule.kernel
-    x, n, ar, NC = st.x, st.n, lt.ar, len(kern.columns)
-    M, L, std = x.shape[0], lt.L, kern.col("std")
+    x, n, NC = st.x, st.n, len(kern.columns)
+    M, L = x.shape[0], lt.L
     frozen = draft.freeze(DraftRoot(x=x, v=st.v_root, n=n, exact=st.root_exact, history=st.history), sch)
     coefs = lt.coefs_by_root.index_select(2, n)  # [L, NC, M, 1]: one gather of the per-root table, node-major
     per_depth = coefs.reshape(L * NC, M, 1).unbind(0)
     states = lt.buffers.states
-    if lt.noise_scaled:  # per-run table of every (row, root, node) std z: one gather
-        states[1:] = lt.noise_cache[:, ar, n]
-    elif lt.noise_cache is not None:  # per-run table of every (row, root, node) z
-        torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, std], out=states[1:])  # std z, as Nodes.draft scales it
-    else:  # fold(k, n) is a per-run table; the nodes fold in here
-        keys = lt.key_cache[0][ar, n].T if lt.key_cache is not None else \
-            rng.node_keys(ctx.key_tables[0][ar, n][None, :], lt.ids[:, None])  # [N-1, M]
-        # compiled, drawn outside the graph: its blocks' loop, unrolled there, would break it and grow with the batch
-        (outside(rng.draft_noise) if ctx.compiled else rng.draft_noise)(keys, x.shape[1:], out=states[1:])
-        states[1:] *= coefs[lt.dm1, std]
+    dense_noise(ctx, lt, n, coefs, states[1:])  # line 7's keyed noise, std z
     lt.root_state.copy_(x)  # node 0 of the states, seen as [M, *event]
     innov = states[1:].clone() if keep_innov else None
     D = states.shape[2]
@@ -175,12 +165,7 @@ def verify_inputs(ctx: Context, lt: DenseTables, n, n_lim):
     """What every verification chunk reads: ``(vkeys_all, drawn_all, internal_r, verify)``, the nodes' verification
     keys ``[N, M]`` (None where the run's uniform table ``drawn_all``, ``[N, M, W_c]`` per call, holds their numbers),
     whether each node is verified if visited ``[M, N]`` (never for finished rows), and the rule the chunks call."""
-    ar = lt.ar
-    if lt.key_cache is not None:  # every node's verification keys, unless the run's uniform table holds their numbers
-        vkeys_all = lt.key_cache[1][ar, n].T if lt.uniform_cache is None else None  # [N, M]
-    else:
-        vkeys_all = rng.node_keys(ctx.key_tables[1][ar, n][None, :], lt.nodes[:, None])
-    drawn_all = None if lt.uniform_cache is None else [t[:, ar, n] for t in lt.uniform_cache]  # [N, M, W_c] per call
+    vkeys_all, drawn_all = dense_uniforms(ctx, lt, n)
     internal_r = lt.internal_by_root.index_select(0, n_lim)  # [M, N]: verified if visited (never for finished rows)
     # where no verdict sample is kept, the chunks decide (a rule's choice alone, where it has one) and the
     # walk's one residual per row is drawn after the walk (residual_again)
@@ -220,7 +205,7 @@ def verify_chunk(ctx: Context, lt: DenseTables, chunk: tuple, sig_tab, n, n_lim,
         kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
     else:
         kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
-    rows = verify_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
+    rows = keyed_rows(vkeys_all, drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
                         lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
     args = (kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1), rows)
     if own_checks:
@@ -363,15 +348,6 @@ class DenseNodes(Nodes):
         return torch.where((u == 0)[:, None], self.d.v0[b], self.d.vrest[(u - 1).clamp(min=0), b]).view_as(x_u)
 
 
-def verify_rows(vkeys_all, drawn_all, take, lazy_keys) -> rng.KeyedRows:
-    """The uniform source of the verification of the nodes ``take`` picks from node-major ``[N, M, ...]`` tables: their
-    rows of the run's uniform table ``drawn_all`` where there is one (their keys, ``lazy_keys()`` where ``vkeys_all``
-    is not at hand, drawn only if a coupling asks for more numbers), else their keys."""
-    if drawn_all is None:
-        return rng.KeyedRows(take(vkeys_all))
-    return rng.KeyedRows(take(vkeys_all) if vkeys_all is not None else lazy_keys, [take(d) for d in drawn_all])
-
-
 def target_call(ctx: Context, lt: DenseTables, states: torch.Tensor, node_step: torch.Tensor, v_root: torch.Tensor,
              root_exact: torch.Tensor, plan: torch.Tensor | None, plan_kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense round's batched target call over the planned rows (what the sparse round evaluates).
@@ -409,17 +385,6 @@ class Hidden:
 
     def __init__(self, value):
         self.value = value
-
-
-DISABLED: dict = {}
-
-
-def outside(fn: Callable) -> Callable:
-    """``fn`` excluded from ``torch.compile``'s tracing (``torch.compiler.disable``), one wrapper per function, built on
-    first use (:func:`specsamp.round.compiled.compiled_round` builds them first: disable may not be called while tracing)."""
-    if fn not in DISABLED:
-        DISABLED[fn] = torch.compiler.disable(fn, recursive=True)
-    return DISABLED[fn]
 
 
 def network_outside() -> Callable:
@@ -465,7 +430,7 @@ def residual_again(ctx, lt, states, v0, vrest, coefs, frozen, frozen_col, refine
         kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
         sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
         verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
-                               verify_rows(vkeys_all, drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]))
+                               keyed_rows(vkeys_all, drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]))
         out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
     return out
 
@@ -508,18 +473,7 @@ class DenseLayout:
     def dense_tables(self, g: int) -> DenseTables:
         """The run's :class:`DenseTables` number ``g``, built, bound and given its tables on first use."""
         if g not in self.lts:
-            ctx, st, shared = self.ctx, self.st, self.shared
-            (M, D), T = st.x.reshape(st.x.shape[0], -1).shape, ctx.schedule.steps
-            lt = self.lts[g] = DenseTables(self.trees[g], st.x.device, st.x.dtype)
-            lt.bind(M, D, self.pool, ctx.x_event)
-            if M * T * lt.N <= tables.KEY_CACHE:
-                if ("keys", lt.N) not in shared:
-                    shared["keys", lt.N] = (rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                                            rng.node_keys(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
-                lt.key_cache = shared["keys", lt.N]
-            root_tables(lt, ctx)
-            if lt.key_cache is not None:
-                draw_tables(lt, ctx.x_event, st.x.dtype, M, T, D, None if len(self.trees) == 1 else shared)
+            self.lts[g] = DenseTables(self.trees[g], self.ctx, self.st.x.shape[0], self.shared, self.pool)
         return self.lts[g]
 
     def live(self):

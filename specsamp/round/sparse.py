@@ -4,7 +4,7 @@ One round for the live trajectories, one depth at a time: draft (line 7), evalua
 coupling (lines 14--23), record the draft's history, prefetch and commit (line 24). The nodes' view says how a
 node's state and velocity are obtained: :class:`Nodes` drafts and evaluates only what the walk visits (the path
 execution, :class:`SparseLayout`); :class:`specsamp.round.dense.DenseNodes` reads them from a dense round's drafted
-tree (where a deferred check failed). A round's uniforms come from one keyed draw (:func:`verify_uniforms`).
+tree (where a deferred check failed). A round's uniforms come from one keyed draw (:func:`specsamp.round.draws.sparse_uniforms`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .. import rng
 from ..coupling import NonFiniteError, check_verdict_contract
 from ..drafts import DraftRoot, data_prediction, table_means
 from ..trees import DraftTree
+from .draws import sparse_noise, sparse_uniforms
 from .context import Chains, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
 from .loop import root_call
 
@@ -64,10 +65,7 @@ class Nodes:
         """Line 7: the children ``ids [s, k]`` of nodes ``u`` at states ``x_u [s, *e]``, the proposal means plus keyed
         kernel noise. Returns ``(means [s, *e], children [s, k, *e])``."""
         mean = self.proposal_mean(sub, x_u, step, c)
-        noise = rng.draft_noise(rng.node_keys(take_rows(self.draft_keys, sub)[:, None], ids), x_u.shape[1:], x_u.dtype)
-        noise *= c["std"][:, None]  # in place: the noise buffer becomes the children (same numbers as mean + std * noise)
-        noise += mean[:, None]
-        return mean, noise
+        return mean, sparse_noise(take_rows(self.draft_keys, sub), ids, mean, c["std"])
 
     def velocity(self, sub, u, x_u, depth):
         """The exact velocities ``[s, *e]`` of nodes ``u`` at states ``x_u`` and depth ``depth`` (an int or ``[s]``), or of
@@ -78,31 +76,6 @@ class Nodes:
         if todo.numel():
             out[todo] = self.ctx.velocity(x_u[todo], self.n[todo], self.rows[todo])
         return out
-
-
-UNIFORM_TABLE = 1 << 18  # largest m * I * (K_max + 1) for which a round draws every internal node's uniforms at once
-
-
-def verify_uniforms(nodes: Nodes):
-    """``uniforms(sub, u, k)``: the :class:`~specsamp.rng.KeyedRows` of the verification of nodes ``u [s]`` (width ``k``)
-    of rows ``sub [s]``. Up to :data:`UNIFORM_TABLE` numbers, every internal node's first two calls are drawn at once
-    for the round (:func:`specsamp.rng.verify_uniforms`) and gathered: the numbers of the keys, so the rule cannot tell."""
-    nc = np.asarray(nodes.tree.num_children)
-    internal, widths = np.flatnonzero(nc > 0), rng.verify_widths(nc)
-    if nodes.x.shape[0] * internal.size * sum(widths) > UNIFORM_TABLE:
-        def uniforms(sub, u, k):
-            keys = rng.node_keys(take_rows(nodes.verify_keys, sub), u)
-            return rng.KeyedRows(keys, rng.verify_uniforms(keys, (k, 1)))
-        return uniforms
-    dev = nodes.x.device
-    col = torch.as_tensor(np.cumsum(nc > 0) - 1, device=dev)  # an internal node's column of the draw
-    keys = rng.node_keys(nodes.verify_keys[:, None], torch.as_tensor(internal, device=dev)[None])  # [m, I]
-    drawn = rng.verify_uniforms(keys, widths)  # [m, I, W_c] per call c
-
-    def uniforms(sub, u, k):
-        j = col[u]
-        return rng.KeyedRows(lambda: keys[sub, j], [d[sub, j] for d in drawn])
-    return uniforms
 
 
 def record(nodes: Nodes, rows, x, v, n) -> None:
@@ -150,7 +123,7 @@ def sparse_round(ctx: Context, tree: DraftTree, tensors: dict, nodes_cls, st: Ch
     walk = every  # the rows verified at the next depth: at the first, every row (L_n >= 1, and the root has children)
     rejected = torch.zeros(m, dtype=torch.bool, device=dev)
     steps = torch.zeros(m, dtype=torch.long, device=dev)
-    uniforms = verify_uniforms(nodes)
+    uniforms = sparse_uniforms(nodes.verify_keys, tree.num_children)
     nc, depth = np.asarray(tree.num_children), np.asarray(tree.depth)
     for l in range(1, tree.max_depth + 1):  # line 16
         widths = np.unique(nc[(depth == l - 1) & (nc > 0)]).tolist()

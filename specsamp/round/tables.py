@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import rng
 from ..trees import DraftTree
 from .context import round_masks
 
@@ -29,12 +28,32 @@ VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 
 
 class DenseTables:
-    """Static index tensors of one fixed :class:`DraftTree` (``N`` nodes, depth ``L``), built once per run: ``depth``,
-    ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``, ``v``'s ancestor at depth
-    ``j`` (``v`` below it); ``anc_t [N-1, N]``, 1 where the edge into ``e`` lies above ``v`` (states' dtype); per depth
-    ``layer_bounds`` (nodes ``[b[l], b[l+1])``), ``layer_parents``; ``child_pad``, ``child_ok`` ``[N, Kmax]``."""
+    """Everything a dense round of one fixed :class:`DraftTree` (``N`` nodes, depth ``L``) reads but the batch's state,
+    built once per run by this one constructor (nothing is set on it afterwards), for ``M`` rows of the run ``ctx``
+    (its event, dtype, device, kernel table and keys, :func:`specsamp.round.context.build_context`).
 
-    def __init__(self, tree: DraftTree, dev, dtype):
+    Index tensors: ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``,
+    ``v``'s ancestor at depth ``j`` (``v`` below it); ``anc_t [N-1, N]``, 1 where the edge into ``e`` lies above ``v``
+    (states' dtype); per depth ``layer_bounds`` (nodes ``[b[l], b[l+1])``), ``layer_parents``; ``child_pad``,
+    ``child_ok`` ``[N, Kmax]``. Buffers (:class:`DenseBuffers`, ``buffers``) and the verification chunks
+    (:func:`plan_chunks`; ``even_chunks``, their compiled form, where the run compiles). Per-root tables (rows gathered
+    by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root [L, C, T, 1]``, each depth's parent-step
+    coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root [N, T]``, each node's step;
+    ``internal_by_root``, ``evaluated_by_root [T, N]`` (verified if visited; evaluated by the protocol, root in),
+    ``evaluated_count``, ``internal_count [T]``; ``sigma_by_root [c, T]`` per chunk: std where verified, else 1.
+    The run's keyed tables (:func:`specsamp.round.draws.run_tables`): ``key_cache``, ``noise_cache``,
+    ``noise_scaled``, ``uniform_cache``.
+
+    ``shared``: the run's dict of tables of a node count (keys, noise, uniforms), the same for each of its trees of
+    that size. ``pool``: ``{"states", "residual"}`` flat storage shared by a run's several trees (their rounds run one
+    after another and keep nothing in the buffers), each at least this tree's size; None: the run's one tree.
+    """
+
+    def __init__(self, tree: DraftTree, ctx: Context, M: int, shared: dict, pool: dict | None = None):
+        from .draws import run_tables
+
+        dev, dtype, event = ctx.coef_table.device, ctx.coef_table.dtype, tuple(ctx.x_event)
+        D, T = int(np.prod(event, dtype=np.int64)), ctx.schedule.steps
         N, L = self.N, self.L = len(tree), tree.max_depth
         self.tree, self.tensors = tree, tree.index_tensors(dev)
         self.depth, self.parent, self.first_child, self.num_children = (self.tensors[k] for k in ("depth", "parent", "first_child", "num_children"))
@@ -49,8 +68,6 @@ class DenseTables:
         self.layer_bounds = [0, *tree.layer_end.tolist()]
         self.layer_parents = [long_tensor(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])]
         self.ids, self.nodes = torch.arange(1, N, device=dev), torch.arange(N, device=dev)
-        self.key_cache = self.noise_cache = self.uniform_cache = None  # per-run tables (dense.DenseLayout, draw_tables)
-        self.noise_scaled = False
         j = torch.arange(int(tree.num_children.max()), device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
         self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
@@ -61,6 +78,33 @@ class DenseTables:
         self.vrest_row = (self.nodes - 1).clamp(min=0)  # node v's row of the non-root velocities (0 for the root)
         self.is_root_col = (self.nodes == 0)[:, None]
         self.slots = torch.arange(HISTORY_SLOTS, device=dev)[None]
+        # the buffers and the verification chunks of M rows of D coordinates
+        chunks, self.pos_c, self.width_groups, internal = plan_chunks(tree, M, D, dev)
+        self.ar = torch.arange(M, device=dev)
+        self.rows = self.ar.repeat(N)  # the batch row of every node-major state
+        self.rows_rest, self.ar_col = self.rows[M:], self.ar[:, None]
+        self.dcol_m = self.depth.clamp(max=max(L - 1, 0))[None].expand(M, N)  # the depth column of a verification
+        self.buffers = dense_buffers(self, chunks, (M, D, internal), pool)
+        self.root_state = self.buffers.states[0].view(M, *event)  # node 0's states as the batch's, the others the call's
+        self.rest_states = self.buffers.states[1:].view((N - 1) * M, *event)
+        # the per-root tables
+        roots = torch.arange(T, device=dev)
+        step = (roots[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
+        self.std_col = ctx.schedule.kernel.col("std")
+        self.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
+        self.node_step_by_root = step[:, self.depth].T.contiguous()
+        dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
+        self.internal_by_root, self.evaluated_by_root = round_masks(self.depth[None], self.num_children[None] > 0, dl,
+                                                                    ctx.evaluate_leaves)
+        self.evaluated_count, self.internal_count = self.evaluated_by_root.sum(1), self.internal_by_root.sum(1)
+        self.zero_long, self.false = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
+        self.inf = torch.full((), float("inf"), dtype=dtype, device=dev)
+        self.sigma_by_root = [torch.where(self.internal_by_root[:, u].T, self.coefs_by_root[du, self.std_col, :, 0], self.one)
+                              for _, u, _, _, _, du, _, _ in chunks]
+        self.even_chunks = even_chunks(chunks, self.sigma_by_root) if ctx.compiled else None
+        # the run's keyed tables (keys, draft noise, verification uniforms), where small
+        self.key_cache, self.noise_cache, self.noise_scaled, self.uniform_cache = run_tables(self, ctx, M, shared,
+                                                                                           pool is not None)
 
     def plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
         """Flat indices ``node * M + row`` of the states a round's call evaluates, from host copies of ``n [M]`` and
@@ -74,51 +118,71 @@ class DenseTables:
             mask &= rows[:, None]
         return np.flatnonzero(mask.T)
 
-    def bind(self, M: int, D: int, pool: dict | None = None, event: tuple | None = None) -> None:
-        """Allocate :class:`DenseBuffers` (``self.buffers``) for ``M`` rows of ``D`` coordinates, event shape ``event``
-        (default ``(D,)``). ``pool``: optional ``{"states", "residual"}`` flat storage shared by a run's trees (their
-        rounds run one after another and keep nothing in the buffers), each at least this tree's size."""
-        N, b, nc, dev = self.N, self.layer_bounds, self.tree.num_children, self.one.device
 
-        def block(name: str, size: int) -> torch.Tensor:  # [size, M, D], the pool's storage where given
-            if pool is None:
-                return torch.empty(size, M, D, dtype=self.one.dtype, device=dev)
-            return pool[name][: size * M * D].view(size, M, D)
+def plan_chunks(tree: DraftTree, M: int, D: int, dev) -> tuple:
+    """The verification chunks of ``tree``'s internal nodes for ``M`` rows of ``D`` coordinates, each at most
+    :data:`VERIFY_MEMORY` of the states block in temporaries (or :data:`VERIFY_FLOOR` elements; one node at least):
+    ``(chunks, pos_c, width_groups, I)``: the chunks as :class:`DenseBuffers` lists them, each node's row of the
+    residual ``[N]``, per width ``(K, a node of it, whether each node has it [N])``, the internal nodes' count."""
+    N, nc = len(tree), tree.num_children
+    chunks, pos, node_pos, width_groups = [], 0, np.zeros(N, dtype=np.int64), []
+    budget = max(VERIFY_MEMORY * N * M * D, VERIFY_FLOOR)
+    for k in np.unique(nc[nc > 0]).tolist():
+        u_k = np.flatnonzero(nc == k)
+        ch_k = tree.first_child[u_k, None] + np.arange(k)
+        step = max(1, int(budget // ((k + 8) * M * D)))  # per node: children copy, parents, means, the coupling's rows
+        for i in range(0, len(u_k), step):
+            u, ch = u_k[i : i + step], ch_k[i : i + step]
+            node_pos[u] = np.arange(pos, pos + len(u))
+            chunks.append((k, long_tensor(u, dev), as_slice(u), long_tensor(ch, dev), as_slice(ch.ravel()),
+                           long_tensor(tree.depth[u], dev), bool(u[0] == 0), slice(pos, pos + len(u))))
+            pos += len(u)
+        width_groups.append((k, long_tensor(u_k[0], dev), torch.as_tensor(nc == k, device=dev)))
+    return chunks, long_tensor(node_pos, dev), width_groups, pos
 
-        states, layers = block("states", N), []
-        for l in range(1, self.L + 1):
-            kids, out = nc[b[l - 1] : b[l]], states[b[l] : b[l + 1]]
-            k, P = int(kids[0]), b[l] - b[l - 1]
-            if k == 0 or (kids != k).any():
-                layers.append((self.layer_parents[l - 1], None, out))
-            else:
-                par = states[b[l - 1] : b[l]]
-                layers.append((None, par, out) if k == 1 else (None, par.view(P, 1, M, D), out.view(P, k, M, D)))
-        chunks, pos, node_pos, self.width_groups = [], 0, np.zeros(N, dtype=np.int64), []
-        budget = max(VERIFY_MEMORY * N * M * D, VERIFY_FLOOR)
-        for k in np.unique(nc[nc > 0]).tolist():
-            u_k = np.flatnonzero(nc == k)
-            ch_k = self.tree.first_child[u_k, None] + np.arange(k)
-            step = max(1, int(budget // ((k + 8) * M * D)))  # per node: children copy, parents, means, the coupling's rows
-            for i in range(0, len(u_k), step):
-                u, ch = u_k[i : i + step], ch_k[i : i + step]
-                node_pos[u] = np.arange(pos, pos + len(u))
-                chunks.append((k, long_tensor(u, dev), as_slice(u), long_tensor(ch, dev), as_slice(ch.ravel()), long_tensor(self.tree.depth[u], dev),
-                               bool(u[0] == 0), slice(pos, pos + len(u))))
-                pos += len(u)
-            self.width_groups.append((k, long_tensor(u_k[0], dev), torch.as_tensor(nc == k, device=dev)))
-        # internal nodes' verdict samples, kept where small; else redrawn (same keys) for the walk's one node per row
-        residual = block("residual", pos) if pos * M * D <= RESIDUAL_CACHE else None
-        self.pos_c = long_tensor(node_pos, dev)
-        self.ar = torch.arange(M, device=dev)
-        self.rows = self.ar.repeat(N)  # the batch row of every node-major state
-        self.rows_rest, self.ar_col = self.rows[M:], self.ar[:, None]
-        self.dcol_m = self.depth.clamp(max=max(self.L - 1, 0))[None].expand(M, N)  # the depth column of a verification
-        event = (D,) if event is None else tuple(event)
-        self.root_state = states[0].view(M, *event)  # node 0's states as the batch's, and the others as the call's input
-        self.rest_states = states[1:].view((N - 1) * M, *event)
-        self.buffers = DenseBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
-                                    torch.zeros(M, N, dtype=torch.long, device=dev))
+
+def dense_buffers(lt: DenseTables, chunks: list, size: tuple, pool: dict | None) -> DenseBuffers:
+    """The :class:`DenseBuffers` of ``lt``'s tree for ``size = (M, D, I)`` (rows, coordinates, internal nodes), in
+    ``pool``'s storage where given; the verdict samples kept only where small (:data:`RESIDUAL_CACHE`), else drawn
+    again (same keys) for the walk's one node per row."""
+    (M, D, internal), N, b, nc, dev = size, lt.N, lt.layer_bounds, lt.tree.num_children, lt.one.device
+
+    def block(name: str, rows: int) -> torch.Tensor:  # [rows, M, D], the pool's storage where given
+        if pool is None:
+            return torch.empty(rows, M, D, dtype=lt.one.dtype, device=dev)
+        return pool[name][: rows * M * D].view(rows, M, D)
+
+    states, layers = block("states", N), []
+    for l in range(1, lt.L + 1):
+        kids, out = nc[b[l - 1] : b[l]], states[b[l] : b[l + 1]]
+        k, P = int(kids[0]), b[l] - b[l - 1]
+        if k == 0 or (kids != k).any():
+            layers.append((lt.layer_parents[l - 1], None, out))
+        else:
+            par = states[b[l - 1] : b[l]]
+            layers.append((None, par, out) if k == 1 else (None, par.view(P, 1, M, D), out.view(P, k, M, D)))
+    residual = block("residual", internal) if internal * M * D <= RESIDUAL_CACHE else None
+    return DenseBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
+                        torch.zeros(M, N, dtype=torch.long, device=dev))
+
+
+def even_chunks(chunks: list, sigma_by_root: list) -> list:
+    """``chunks`` as the compiled round verifies them: ``(K, nodes [c], children [c, K], depths [c], rows of the
+    residual, sigma_by_root [c, T])``, the internal nodes of a width in chunks of one size, the largest divisor of
+    their number within the memory rule's chunk (:func:`plan_chunks`), so that one graph serves every chunk of the
+    width (seven nodes in chunks of 5 and 2 would compile two)."""
+    widths: dict = {}
+    for (k, u, _, ch, _, du, _, pos), sig in zip(chunks, sigma_by_root):
+        widths.setdefault(k, []).append((u, ch, du, sig, pos))
+    out = []
+    for k, parts in widths.items():
+        u, ch, du, sig = (torch.cat([p[i] for p in parts]) for i in range(4))
+        first, count, most = parts[0][4].start, u.numel(), max(p[0].numel() for p in parts)
+        size = max(d for d in range(1, most + 1) if count % d == 0)
+        for a in range(0, count, size):  # a width's verdict samples are consecutive rows of the residual
+            out.append((k, *(t[a : a + size].clone() for t in (u, ch, du)), slice(first + a, first + a + size),
+                        sig[a : a + size].clone()))
+    return out
 
 
 @dataclass
@@ -154,50 +218,3 @@ def upload(a: np.ndarray, dev) -> torch.Tensor:
     if torch.device(dev).type == "cuda":
         return t.pin_memory().to(dev, non_blocking=True)
     return t.to(dev)
-
-
-def root_tables(lt: DenseTables, ctx: Context) -> None:
-    """Per-root tables, once per run (rows gathered by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root
-    [L, C, T, 1]``, each depth's parent-step coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root
-    [N, T]``, each node's step; ``internal_by_root``, ``evaluated_by_root [T, N]`` (verified if visited; evaluated by
-    the protocol, root in), ``evaluated_count [T]``; ``sigma_by_root [c, T]`` per chunk: std where verified, else 1."""
-    T, L, dev = ctx.schedule.steps, lt.L, lt.depth.device
-    roots = torch.arange(T, device=dev)
-    step = (roots[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
-    lt.std_col = ctx.schedule.kernel.col("std")
-    lt.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
-    lt.node_step_by_root = step[:, lt.depth].T.contiguous()
-    dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
-    lt.internal_by_root, lt.evaluated_by_root = round_masks(lt.depth[None], lt.num_children[None] > 0, dl, ctx.evaluate_leaves)
-    lt.evaluated_count, lt.internal_count = lt.evaluated_by_root.sum(1), lt.internal_by_root.sum(1)
-    lt.zero_long, lt.false = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
-    lt.inf = torch.full((), float("inf"), dtype=lt.one.dtype, device=dev)
-    lt.sigma_by_root = [torch.where(lt.internal_by_root[:, u].T, lt.coefs_by_root[du, lt.std_col, :, 0], lt.one)
-                        for _, u, _, _, _, du, _, _ in lt.buffers.chunks]
-
-
-def draw_tables(lt: DenseTables, e: tuple, dtype, M: int, T: int, D: int, shared: dict | None = None) -> None:
-    """Draw every (row, root, node)'s numbers once where small (:data:`NOISE_CACHE`, :data:`UNIFORM_CACHE`):
-    ``lt.noise_cache [N-1, M, T, D]``, each non-root node's draft noise (:func:`specsamp.rng.normal` of its key, the
-    states' dtype), times its parent step's ``std`` where ``lt.noise_scaled`` (one tree per run); ``lt.uniform_cache``,
-    per coupling call ``c`` ``[N, M, T, W_c]``, a node's first two :class:`specsamp.rng.KeyedRows` draws (widths
-    ``Kmax`` and 1: D-GRS's acceptance and residual uniforms, the reflection coupling's one). Same keys, so the same
-    numbers as per-round draws. ``shared``: the run's other trees' tables, reused where nodes (and widths) match."""
-    N = lt.N
-
-    def once(key, make):  # the run's table under key, made by its first tree; the tree's own without shared
-        if shared is not None and key not in shared:
-            shared[key] = make()
-        return make() if shared is None else shared[key]
-
-    noise = lambda: rng.draft_noise(lt.key_cache[0], e, dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)  # noqa: E731
-    if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
-        if shared is None:
-            std = lt.coefs_by_root[lt.dm1, lt.std_col]  # [N-1, T, 1]: each node's parent step, per root
-            lt.noise_cache, lt.noise_scaled = (noise() * std[:, None]).contiguous(), True  # std z, as Nodes.draft scales it
-        else:
-            lt.noise_cache = once(("noise", N), lambda: noise().contiguous())
-    widths = rng.verify_widths(lt.tree.num_children)
-    if M * T * N * sum(widths) <= UNIFORM_CACHE:
-        lt.uniform_cache = once(("uniform", N, widths),
-                                lambda: [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(lt.key_cache[1], widths)])

@@ -1,4 +1,4 @@
-"""``compile=True``: the lean round under ``torch.compile`` keeps the law, the counts and (to rounding) the samples.
+"""``compile=True``: the dense round under ``torch.compile`` keeps the law, the counts and (to rounding) the samples.
 
 Setup: the law tests' ``GaussianMixture(dim=4, components=3, layout_seed=1)`` and ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections, so residual draws, in most rounds).
@@ -78,7 +78,7 @@ def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
 
 
 def test_compiled_round_is_built_without_inductor_buffer_reuse(monkeypatch):
-    # the lean round's pieces (drafting, one verification chunk, walk and commit) are compiled with inductor's buffer
+    # the dense round's pieces (drafting, one verification chunk, walk and commit) are compiled with inductor's buffer
     # reuse and in-place buffers off (compiled.INDUCTOR_OPTIONS): with them on, a verification in several chunks of
     # equal shape read buffers a later kernel had reused (the several-chunk tests below show the wrong law it gave);
     # nothing is compiled here, torch.compile's arguments are recorded
@@ -104,7 +104,7 @@ def _chunk_graphs() -> int:
 @pytest.mark.parametrize("floor,run_tables", [(1, True), (1600, False)], ids=["one-node-chunks", "chunks-of-5-and-2"])
 def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor, run_tables):
     # the compiled round's pieces run here uncompiled (torch.compile recorded, not applied): the (2, 3) tree's 7
-    # internal nodes verified in chunks by leantree's memory rule (floor 1: one node per chunk, as at 50,000
+    # internal nodes verified in chunks by the dense tables' memory rule (floor 1: one node per chunk, as at 50,000
     # trajectories; 1,600 elements: chunks of 5 and 2 nodes, as at 10,000), D-GRS, 16 trajectories, seed 7. The chunk
     # piece is called with 7 chunks of one node per round, each with the same Python values (no slice, no root flag,
     # the same K), so that TorchDynamo, which guards on those, serves every chunk from one graph; and the pieces
@@ -124,9 +124,8 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
     monkeypatch.setattr(torch, "compile", spy)
     monkeypatch.setattr(tables, "VERIFY_FLOOR", floor)
     monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
-    lt = tables.DenseTables(DraftTree.uniform(2, 3), "cpu", torch.float64)
-    lt.bind(16, 2)
-    assert [len(c[1]) for c in lt.buffers.chunks] == ([1] * 7 if floor == 1 else [5, 2])
+    chunks = tables.plan_chunks(DraftTree.uniform(2, 3), 16, 2, "cpu")[0]
+    assert [len(c[1]) for c in chunks] == ([1] * 7 if floor == 1 else [5, 2])
     if not run_tables:
         for name in ("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE", "RESIDUAL_CACHE"):
             monkeypatch.setattr(tables, name, 0)
@@ -142,7 +141,7 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
 @needs_inductor
 def test_compiled_round_does_not_grow_with_the_verification_chunks(monkeypatch):
     # RMC on a chain of 4 nodes below the root, 24 trajectories, seed 5 (25-40 s on one core, mostly compiling):
-    # the verification in one chunk of 4 internal nodes, then (leantree's memory rule set to one node per chunk, as
+    # the verification in one chunk of 4 internal nodes, then (the dense tables' memory rule set to one node per chunk, as
     # it splits the (2, 3) tree at 50,000 trajectories) in 4 chunks of one node. The 4 chunks run one compiled graph
     # (the chunk piece is handed no slice and no root flag), so the split adds one graph, no larger than the whole
     # first round's. Before, the round was one graph with its chunks unrolled in it: the split compiled the round
@@ -169,9 +168,7 @@ def test_compiled_round_does_not_grow_with_the_verification_chunks(monkeypatch):
     assert _chunk_graphs() <= chunks + 1
     monkeypatch.setattr(tables, "VERIFY_FLOOR", 1)
     monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
-    lt = tables.DenseTables(DraftTree.chain(4), "cpu", torch.float64)
-    lt.bind(24, 4)
-    assert len(lt.buffers.chunks) == 4
+    assert len(tables.plan_chunks(DraftTree.chain(4), 24, 4, "cpu")[0]) == 4
     graphs, ops = compiled_run()
     assert graphs == 1 and _chunk_graphs() <= chunks + 2, (graphs, _chunk_graphs())  # the chunk of one node, once
     assert 0 < ops <= ops_whole, (ops, ops_whole)
@@ -212,7 +209,7 @@ def test_compiled_round_equals_eager_in_float32():
 
 
 # one law case per coupling, compiled: a fixed tree with the x0 draft (dgrs), a chain with a history draft
-# (rmc), step-dependent trees with the local-affine draft (markmax: one lean round per distinct tree)
+# (rmc), step-dependent trees with the local-affine draft (markmax: one dense round per distinct tree)
 LAW_CASES = [(("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
              (("chain", 4), "rmc", "x0_extrap", "none", False),
              (("by_root", None), "markmax", "x0_affine", "nearest", True)]
@@ -450,9 +447,7 @@ def test_compiled_dgrs_law_with_several_verification_chunks():
     from specsamp.round import tables
 
     n = 50_000
-    lt = tables.DenseTables(DraftTree.uniform(2, 3), "cpu", torch.float64)
-    lt.bind(n, 2)
-    assert len(lt.buffers.chunks) > 1  # the case that failed: several chunks of one shape
+    assert len(tables.plan_chunks(DraftTree.uniform(2, 3), n, 2, "cpu")[0]) > 1  # the case that failed: several chunks of one shape
     r = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", n, execution="tree",
                                    seed=104, compile=True)
     ref = sampler.sample_standard(SMALL, SMALL_SCHED, n, seed=10_104).samples

@@ -1,10 +1,10 @@
-"""The lean round of the tree execution: its memory-saving variants draw the same numbers; it serves drafts
+"""The dense round of the tree execution: its memory-saving variants draw the same numbers; it serves drafts
 with history and step-dependent trees with the path execution's counts and samples.
 
 Setup: ``GaussianMixture(dim=4, components=3, layout_seed=1)`` in float64 and float32, ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections in most rounds), 40 trajectories, seed 3. Each variant
 (residuals drawn again instead of kept, verification in one-node chunks, keys folded per round instead of
-tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and samples bitwise equal to the default lean round, and counts identical
+tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and samples bitwise equal to the default dense round, and counts identical
 to the path execution.
 """
 
@@ -63,7 +63,7 @@ def test_schedule_tables_equal_the_kernel_bit_for_bit(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", ["velocity", "drift", "x0"])
 def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
-    # Draft.table_mean (the lean round's form) against Draft.mean, 3 rows x 4 nodes of 6 coordinates, seed 1
+    # Draft.table_mean (the dense round's form) against Draft.mean, 3 rows x 4 nodes of 6 coordinates, seed 1
     from specsamp.drafts import DraftRoot, get_draft
 
     draft, sch = get_draft(name), Schedule.make(10, 0.7)
@@ -109,7 +109,7 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
 
 def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
     # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
-    # indices of different trees, so one host round runs more than one lean tree
+    # indices of different trees, so one host round runs more than one tree's dense tables
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     seen, real = [], dense.dense_round
 
@@ -125,7 +125,7 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", ["x0_extrap", "x0_extrap_gated", "x0_affine"])
 def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
-    # Draft.table_frozen + table_mean (the lean round's form) against Draft.mean for a frozen quantity of
+    # Draft.table_frozen + table_mean (the dense round's form) against Draft.mean for a frozen quantity of
     # several components ((a, s); x0_affine adds mu and s2, here s2 = 0.5, -1 (the fallback) and 2 for the
     # three rows): 3 rows x 4 nodes of 6 coordinates, seed 1, the sampler's coefficient table (lsnr column)
     from specsamp.drafts import get_draft
