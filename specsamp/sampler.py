@@ -247,7 +247,7 @@ def sample_speculative(
                  check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"])
     ctx = build_context(schedule, Velocity(model, schedule, cond, opts["max_batch"]), ids, seed, rules,
                         (model.event_shape, model.dtype) if execution == "tree" else None)
-    st = first_step(ctx, model, seed, ids, warmup, tally, init)
+    st = first_step(ctx, model, seed, warmup, tally, init)
     if execution == "tree":
         layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)
     else:

@@ -13,7 +13,7 @@ import torch
 from .. import rng
 from ..coupling import deferred_checks
 from ..inductor import classify_compile_error
-from .dense import accept, dense_round, draft_nodes, gather_walk, network_outside, verify_chunk, verify_inputs
+from .dense import DenseRound, dense_round, network_outside
 from .draws import outside
 
 RECOMPILE_LIMIT = 64  # distinct (tree or chunk shape, batch size, dtype) entries of a piece before eager fallback
@@ -69,50 +69,44 @@ def for_compile(coupling):
                                decide=None if coupling.decide is None else OUTSIDE_RULES[coupling.decide])
 
 
-def finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
-            drawn_all, internal_r, calls: list):
-    """The compiled round's last piece: :func:`specsamp.round.dense.gather_walk` (its deferred checks collected here) and
-    :func:`specsamp.round.dense.accept`. Returns ``(commit, n_new, exact_new, bad)``."""
+def finish(r) -> torch.Tensor:
+    """The compiled round's last piece: the walk of the :class:`specsamp.round.dense.DenseRound` ``r``
+    (:meth:`~specsamp.round.dense.DenseRound.walk`, its deferred checks collected here) and its
+    :meth:`~specsamp.round.dense.DenseRound.accept`. Returns the checks' 0-dim flag."""
     with deferred_checks() as checks:
-        walk = gather_walk(ctx, lt, st.n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r)
-    commit, n_new, exact_new = accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, lt.buffers.acc, internal_r,
-                                       *walk, calls)
-    return commit, n_new, exact_new, lt.false if checks.bad is None else checks.bad
+        r.walk()
+    r.accept()
+    return r.lt.false if checks.bad is None else checks.bad
 
 
 @dataclass(frozen=True)
 class Stages:
     """The compiled round's pieces (:func:`compiled_round`), each compiled on its own and called by
-    :func:`specsamp.round.dense.dense_round` (eager Python between them): ``draft`` (:func:`specsamp.round.dense.draft_nodes`), ``chunk``
-    (:func:`specsamp.round.dense.verify_chunk`, one call per verification chunk of ``even_chunks`` (:func:`specsamp.round.tables.even_chunks`), handed no slice and
-    no root flag, so that every chunk of a width runs one graph) and ``finish`` (:func:`finish`: the walk and the
+    :meth:`specsamp.round.dense.DenseRound.run` (eager Python between them): ``draft``
+    (:meth:`~specsamp.round.dense.DenseRound.draft`), ``chunk`` (:meth:`~specsamp.round.dense.DenseRound.verify_chunk`,
+    one call per verification chunk of ``even_chunks`` (:func:`specsamp.round.tables.even_chunks`), handed no slice
+    and no root flag, so that every chunk of a width runs one graph) and ``finish`` (:func:`finish`: the walk and the
     commit's gathers). The verification is not unrolled into one graph: its chunks grow in number with the batch
-    (:meth:`specsamp.round.tables.DenseTables.bind`), and so would that graph and its compile (about a minute per chunk of
+    (:func:`specsamp.round.tables.plan_chunks`), and so would that graph and its compile (about a minute per chunk of
     D-GRS on the (2, 3) tree, on one CPU core)."""
 
     draft: Callable
     chunk: Callable
     finish: Callable
 
-    def verify(self, ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col, refined,
-               calls: list):
-        """:func:`specsamp.round.dense.verify_nodes` and :func:`specsamp.round.dense.accept` by these pieces: the chunks' verdicts
-        written into the round's buffers here, each piece's deferred checks collected in it and returned. Returns
-        ``(commit, n_new, exact_new, bad)`` as :func:`specsamp.round.dense.dense_round` does."""
-        n = st.n
-        vkeys_all, drawn_all, internal_r, verify = verify_inputs(ctx, lt, n, n_lim)
+    def verify(self, r) -> None:
+        """:meth:`~specsamp.round.dense.DenseRound.verify`, its walk and its accept by these pieces, on the round ``r``:
+        the chunks' verdicts written into the round's buffers here, each piece's deferred checks collected in it and
+        joined into ``r.bad``."""
+        r.verify_inputs()
+        lt = r.lt
         acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
-        bad = lt.false
         for k, u, ch, du, pos, sig_tab in lt.even_chunks:
-            accepted, index, sample, bad_c = self.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim,
-                                                        states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
-                                                        drawn_all, internal_r, verify, res is not None, True)
-            acc[:, u], idx[:, u], bad = accepted, index, bad | bad_c
+            accepted, index, sample, bad_c = self.chunk(r, (k, u, None, ch, None, du, None), sig_tab, True)
+            acc[:, u], idx[:, u], r.bad = accepted, index, r.bad | bad_c
             if res is not None:
                 res[pos] = sample
-        commit, n_new, exact_new, bad_f = self.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs,
-                                                      frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
-        return commit, n_new, exact_new, bad | bad_f
+        r.bad = r.bad | self.finish(r)
 
 
 ROUND: list[Callable] = []
@@ -150,6 +144,6 @@ def compiled_round() -> Callable:
         network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
         outside(rng.draft_noise)
         stages = Stages(*(torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
-                           for fn in (draft_nodes, verify_chunk, finish)))
+                           for fn in (DenseRound.draft, DenseRound.verify_chunk, finish)))
         ROUND.append(functools.partial(dense_round, stages=stages))
     return guarded(ROUND[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -97,12 +98,24 @@ def count_verifications(tally: Tally, n: torch.Tensor, cols: torch.Tensor, ver: 
     tally.root_accepts.index_put_(at, acc, accumulate=True)
 
 
-def commit_round(st: Chains, tally: Tally, live: torch.Tensor, x: torch.Tensor, n_new: torch.Tensor, steps: torch.Tensor,
-                 v: torch.Tensor, exact: torch.Tensor, history=None) -> None:
-    """Algorithm 1, line 24, for the rows a round served: state ``x``, index ``n_new``, next root velocity ``v``
-    and its ``exact`` flag, the draft's history, the committed ``steps`` and the round count. Sparse: ``live``
-    long ``[m]`` (distinct), values for those rows, written in place. Dense: ``live`` bool ``[M]``, values for every
-    row (rows outside it keep theirs, ``steps`` 0), assigned anew: another tree's round may have committed since."""
+class Commit(NamedTuple):
+    """What a round commits for the rows it served (Algorithm 1, line 24): states ``x``, indices ``n``, the
+    committed ``steps``, the next root velocities ``v`` and their ``exact`` flags, the draft's ``history`` (or None)."""
+
+    x: torch.Tensor
+    n: torch.Tensor
+    steps: torch.Tensor
+    v: torch.Tensor
+    exact: torch.Tensor
+    history: DraftHistory | None = None
+
+
+def commit_round(st: Chains, tally: Tally, live: torch.Tensor, new: Commit) -> None:
+    """Algorithm 1, line 24, for the rows a round served: ``new`` written into ``st``, its committed steps and the
+    round count into ``tally``. Sparse: ``live`` long ``[m]`` (distinct), values for those rows, written in place.
+    Dense: ``live`` bool ``[M]``, values for every row (rows outside it keep theirs, ``steps`` 0), assigned anew:
+    another tree's round may have committed since."""
+    x, n_new, steps, v, exact, history = new
     if live.dtype == torch.bool:
         tally.committed.scatter_add_(1, tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None], steps[:, None])
         tally.rounds += live

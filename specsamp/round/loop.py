@@ -44,8 +44,10 @@ def endpoint_noise(ctx: Context, x: torch.Tensor, n: int) -> torch.Tensor:
     return x if std == 0.0 else x + std * rng.normal(rng.fold(ctx.step_keys, n), tuple(x.shape[1:]), dtype=x.dtype)
 
 
-def first_step(ctx: Context, model, seed: int, ids: torch.Tensor, warmup: str, tally: Tally, init=None) -> Chains:
-    """Step 0 (Algorithm 1, line 1): deterministic Euler from sigma = 1 for Euler--Maruyama, else the scheduler's."""
+def first_step(ctx: Context, model, seed: int, warmup: str, tally: Tally, init=None) -> Chains:
+    """Step 0 (Algorithm 1, line 1) for the trajectories ``ctx.ids``: deterministic Euler from sigma = 1 for
+    Euler--Maruyama, else the scheduler's."""
+    ids = ctx.ids
     dev, M = ids.device, ids.numel()
     x = initial_state(ctx.schedule, seed, ids, model.event_shape, model.dtype, init)
     n, rows = torch.zeros(M, dtype=torch.long, device=dev), torch.arange(M, device=dev)
@@ -77,7 +79,7 @@ def root_call(ctx: Context, st: Chains, live: torch.Tensor, tally: Tally) -> Non
 
 def run_rounds(ctx: Context, st: Chains, tally: Tally, warmup: str, callback, layout) -> torch.Tensor:
     """The loop over rounds (Algorithm 1, line 2; ``docs/architecture.md``, "The round as one diagram"), then the last
-    step; returns the samples. ``layout`` (:class:`specsamp.rounds.SparseLayout`, :class:`specsamp.dense.DenseLayout`)
+    step; returns the samples. ``layout`` (:class:`specsamp.round.layouts.SparseLayout`, :class:`~specsamp.round.layouts.DenseLayout`)
     gives the live rows (``live()``, None when none is), calls their roots (``root_call``), runs the ``round``, reports
     ``progress`` and, where known without asking the device, the rows the last step must evaluate (``need_rows()``)."""
     r = 0

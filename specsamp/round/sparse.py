@@ -9,16 +9,16 @@ tree (where a deferred check failed). A round's uniforms come from one keyed dra
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from .. import rng
 from ..coupling import NonFiniteError, check_verdict_contract
 from ..drafts import DraftRoot, data_prediction, table_means
-from ..trees import DraftTree
+from .context import Chains, Commit, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
 from .draws import sparse_noise, sparse_uniforms
-from .context import Chains, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
-from .loop import root_call
 
 
 def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -26,12 +26,25 @@ def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t if rows.numel() == t.shape[0] else t[rows]
 
 
+class Visit(NamedTuple):
+    """Nodes ``u [s]`` of rows ``sub [s]`` of a sparse round, at states ``x [s, *e]`` and steps ``step [s]``, with
+    their steps' kernel coefficients ``c`` (:meth:`specsamp.kernels.Kernel.coefs`)."""
+
+    sub: torch.Tensor
+    u: torch.Tensor
+    x: torch.Tensor
+    step: torch.Tensor
+    c: dict
+
+
 class Nodes:
     """The round of the live trajectories ``rows [m]`` (line 3: roots ``x``, ``n``, ``L_n = depth_limit``; the draft's
     frozen quantity; the keys with the root folded in), and the path execution's view of its nodes: drafted and
-    evaluated only where the walk visits them. ``sub [s]`` selects rows of the round."""
+    evaluated only where the walk visits them. ``trees``: ``(tree, its index tensors)``; ``sub [s]`` selects rows of
+    the round."""
 
-    def __init__(self, ctx: Context, tree: DraftTree, tensors: dict, st: Chains, live: torch.Tensor):
+    def __init__(self, ctx: Context, trees: tuple, st: Chains, live: torch.Tensor):
+        (tree, tensors), self.st = trees, st
         self.ctx, self.tree, self.t, self.rows = ctx, tree, tensors, live
         hist = None if st.history is None else st.history.take(live)
         self.x, self.n = st.x[live], st.n[live]  # copies: read by the round, never written
@@ -52,20 +65,27 @@ class Nodes:
         """Whether the round's call evaluated nodes ``u`` of rows ``sub`` (:func:`specsamp.round.context.round_masks`)."""
         return round_masks(self.t["depth"][u], self.t["num_children"][u] > 0, self.depth_limit[sub], self.ctx.evaluate_leaves)[1]
 
-    def proposal_mean(self, sub, x_u: torch.Tensor, step: torch.Tensor, c: dict) -> torch.Tensor:
-        """The draft's means ``[s, *e]`` of the children of ``x_u [s, *e]`` at steps ``step [s]`` (``c``: their kernel
-        coefficients), by the draft's table form where it has one (:func:`specsamp.drafts.table_means`)."""
+    def proposal_mean(self, v: Visit) -> torch.Tensor:
+        """The draft's means ``[s, *e]`` of the children of the visited nodes ``v``, by the draft's table form where it
+        has one (:func:`specsamp.drafts.table_means`)."""
+        sub, x_u, step, c = v.sub, v.x, v.step, v.c
         draft, frozen, s = self.ctx.draft, take_rows(self.frozen, sub), x_u.shape[0]
         if draft.table_mean is None:
             return draft.mean(frozen, x_u[:, None], step, self.ctx.schedule)[:, 0]
         flat = {k: v if k == "kernel" else v.reshape(s, 1, 1) for k, v in c.items()}
         return table_means(draft, frozen, x_u.reshape(s, 1, -1), flat).reshape(x_u.shape)
 
-    def draft(self, sub, u, x_u, ids, step, c):
-        """Line 7: the children ``ids [s, k]`` of nodes ``u`` at states ``x_u [s, *e]``, the proposal means plus keyed
-        kernel noise. Returns ``(means [s, *e], children [s, k, *e])``."""
-        mean = self.proposal_mean(sub, x_u, step, c)
-        return mean, sparse_noise(take_rows(self.draft_keys, sub), ids, mean, c["std"])
+    def draft(self, v: Visit, ids: torch.Tensor):
+        """Line 7: the children ``ids [s, k]`` of the visited nodes ``v``, the proposal means plus keyed kernel noise.
+        Returns ``(means [s, *e], children [s, k, *e])``."""
+        mean = self.proposal_mean(v)
+        return mean, sparse_noise(take_rows(self.draft_keys, v.sub), ids, mean, v.c["std"])
+
+    def kernel_mean(self, v: Visit, out: torch.Tensor) -> torch.Tensor:
+        """The target's kernel mean ``[s, *e]`` at the visited nodes ``v`` (``v.u`` of rows ``v.sub``: a node's
+        ancestry is the walk's path to it), ``out [s, *e]`` their network outputs: the one place the sparse round and
+        the checked walk compute it."""
+        return self.ctx.schedule.kernel.mean(v.x, out, v.c)
 
     def velocity(self, sub, u, x_u, depth):
         """The exact velocities ``[s, *e]`` of nodes ``u`` at states ``x_u`` and depth ``depth`` (an int or ``[s]``), or of
@@ -84,15 +104,16 @@ def record(nodes: Nodes, rows, x, v, n) -> None:
     nodes.history.push(rows, data_prediction(x, v, n, nodes.ctx.schedule), n, x)
 
 
-def verify_checked(nodes: Nodes, l: int, sub, u, step, kids, mean_p, mean_q, std, uniforms):
-    """Line 17 for nodes ``u`` (depth ``l - 1``) of rows ``sub``: the coupling's verdict, each check raised where it
-    fails, naming the trajectory, the step and the node."""
-    ctx = nodes.ctx
+def verify_checked(nodes: Nodes, v: Visit, l: int, kids: torch.Tensor, means: tuple, uniforms):
+    """Line 17 for the visited nodes ``v`` (depth ``l - 1``): the coupling's verdict on ``kids [s, k, *e]`` with the
+    proposal and target means ``means`` (``[s, *e]`` each), each check raised where it fails, naming the trajectory,
+    the step and the node."""
+    ctx, sub, u, step = nodes.ctx, v.sub, v.u, v.step
     traj = lambda r: int(ctx.ids[nodes.rows[sub[r]]])  # noqa: E731
     at = lambda r, what="node": (f"trajectory {traj(r)}, step {int(step[r])}, {what} {int(u[r])} (depth {l - 1}) "  # noqa: E731
                                  f"of the round rooted at state {int(nodes.n[sub[r]])}")
     try:
-        verdict = ctx.coupling(kids, mean_p, mean_q, std, uniforms)
+        verdict = ctx.coupling(kids, *means, v.c["std"].reshape(-1), uniforms)
     except NonFiniteError as err:
         raise NonFiniteError(
             f"non-finite states at {at(err.rows[0], 'children of node')}: the target's velocity or the draft produced "
@@ -103,16 +124,16 @@ def verify_checked(nodes: Nodes, l: int, sub, u, step, kids, mean_p, mean_q, std
     return verdict
 
 
-def sparse_round(ctx: Context, tree: DraftTree, tensors: dict, nodes_cls, st: Chains, live: torch.Tensor, tally: Tally,
-           batch: bool = True) -> None:
-    """One round for the ``live`` trajectories ``[m]``; updates ``st`` and ``tally``. ``nodes_cls``: the view of the
-    nodes (:class:`Nodes`, :class:`specsamp.round.dense.DenseNodes`); ``batch``: count the calls in ``batch_nfe`` here.
+def sparse_round(nodes: Nodes, tally: Tally, batch: bool = True) -> None:
+    """One round for the trajectories ``nodes.rows [m]``; updates ``nodes.st`` and ``tally``. ``nodes``: the round and
+    the view of its nodes (:class:`Nodes`, :class:`specsamp.round.dense.DenseNodes`); ``batch``: count the calls in
+    ``batch_nfe`` here.
 
     Per depth, the walking rows are verified in one coupling call per node width (ascending); a row's state moves
     to the verdict's sample (the accepted child, or the residual draw where it stops). One host synchronisation per
     width and depth where a depth has several (the rows verified), and one per depth (the rows that walk on)."""
-    nodes = nodes_cls(ctx, tree, tensors, st, live)
-    t, m, dev = tensors, live.shape[0], st.x.device
+    ctx, tree, t, st, live = nodes.ctx, nodes.tree, nodes.t, nodes.st, nodes.rows
+    m, dev = live.shape[0], st.x.device
     every = torch.arange(m, device=dev)
     cur = torch.zeros(m, dtype=torch.long, device=dev)
     x_cur = nodes.x.clone()  # the walk's state; where a row stops, its residual draw (the committed state either way)
@@ -133,11 +154,11 @@ def sparse_round(ctx: Context, tree: DraftTree, tensors: dict, nodes_cls, st: Ch
             if not sub.numel():
                 continue
             u, step, x_u = take_rows(cur, sub), take_rows(nodes.n, sub) + (l - 1), take_rows(x_cur, sub)
-            c = ctx.schedule.kernel.coefs(step, x_u)
+            visit = Visit(sub, u, x_u, step, ctx.schedule.kernel.coefs(step, x_u))
             ids = t["first_child"][u][:, None] + torch.arange(k, device=dev)[None]  # contiguous, in drafting order
-            mean_p, kids = nodes.draft(sub, u, x_u, ids, step, c)
-            mean_q = ctx.schedule.kernel.mean(x_u, take_rows(v_cur, sub), c)
-            verdict = verify_checked(nodes, l, sub, u, step, kids, mean_p, mean_q, c["std"].reshape(-1), uniforms(sub, u, k))
+            mean_p, kids = nodes.draft(visit, ids)
+            mean_q = nodes.kernel_mean(visit, take_rows(v_cur, sub))
+            verdict = verify_checked(nodes, visit, l, kids, (mean_p, mean_q), uniforms(sub, u, k))
             # lines 18--22: the accepted child (the verdict's sample is that child, bit for bit), or the residual and stop
             stopped = ~verdict.accepted
             steps[sub], x_cur[sub], walking[sub], rejected[sub] = l, verdict.sample, verdict.accepted, stopped
@@ -163,41 +184,4 @@ def sparse_round(ctx: Context, tree: DraftTree, tensors: dict, nodes_cls, st: Ch
         v_cur[done] = nodes.velocity(done, u, take_rows(x_cur, done), t["depth"][u])  # depth >= 1
     for rows in nodes.calls():  # a call with nothing to evaluate costs none
         tally.charge(live, rows, batch)
-    commit_round(st, tally, live, x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history)  # line 24
-
-
-class SparseLayout:
-    """The sparse round's layout for :func:`specsamp.round.loop.run_rounds`: the live rows as device indices (one host
-    synchronisation to find them), each round on those rows alone. ``tree``: a fixed tree, or ``{n: T_n}`` with one
-    round per root index in the batch, whose rows would share one batched call (charged once)."""
-
-    def __init__(self, ctx: Context, st: Chains, tally: Tally, tree: DraftTree | dict):
-        self.ctx, self.st, self.tally = ctx, st, tally
-        with_tensors = lambda t: (t, t.index_tensors(st.x.device))  # noqa: E731
-        self.trees = with_tensors(tree) if isinstance(tree, DraftTree) else {n: with_tensors(t) for n, t in tree.items()}
-
-    def live(self):
-        live = (self.st.n < self.ctx.schedule.end_speculative).nonzero(as_tuple=True)[0]
-        return live if live.numel() else None
-
-    def root_call(self, live):
-        root_call(self.ctx, self.st, live, self.tally)
-
-    def round(self, live):
-        ctx, st, tally = self.ctx, self.st, self.tally
-        if isinstance(self.trees, tuple):
-            return sparse_round(ctx, *self.trees, Nodes, st, live, tally)
-        calls, most, roots = tally.batch_nfe, 0, st.n[live]
-        for n in torch.unique(roots).tolist():
-            before = tally.batch_nfe
-            sparse_round(ctx, *self.trees[n], Nodes, st, live[roots == n], tally)
-            most = max(most, tally.batch_nfe - before)  # 0 or 1: the rounds of the batch share one call
-        tally.batch_nfe = calls + most
-
-    def progress(self, r: int, live) -> dict:
-        first = self.ctx.schedule.first_speculative
-        return {"round": r, "live": int(live.numel()), "batch_nfe": self.tally.batch_nfe,
-                "steps_done": int((self.st.n - first).clamp(min=0).sum()), "n": self.st.n, "x": self.st.x, "v": self.st.v_root}
-
-    def need_rows(self):
-        return None
+    commit_round(st, tally, live, Commit(x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history))  # line 24

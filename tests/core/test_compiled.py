@@ -89,7 +89,7 @@ def test_compiled_round_is_built_without_inductor_buffer_reuse(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
     compiled.compiled_round()
     kw = dict(dynamic=False, options={"allow_buffer_reuse": False, "inplace_buffers": False})
-    assert seen == [(dense.draft_nodes, kw), (dense.verify_chunk, kw), (compiled.finish, kw)]
+    assert seen == [(dense.DenseRound.draft, kw), (dense.DenseRound.verify_chunk, kw), (compiled.finish, kw)]
 
 
 def _chunk_graphs() -> int:
@@ -98,7 +98,7 @@ def _chunk_graphs() -> int:
 
     from specsamp.round import dense
 
-    return len(_debug_get_cache_entry_list(dense.verify_chunk.__code__))
+    return len(_debug_get_cache_entry_list(dense.DenseRound.verify_chunk.__code__))
 
 
 @pytest.mark.parametrize("floor,run_tables", [(1, True), (1600, False)], ids=["one-node-chunks", "chunks-of-5-and-2"])
@@ -116,9 +116,9 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
     calls = []
 
     def spy(fn, **kw):
-        if fn is not dense.verify_chunk:
+        if fn is not dense.DenseRound.verify_chunk:
             return fn
-        return lambda *a: calls.append([a[2][1].numel(), *(x for x in a[2] if not isinstance(x, torch.Tensor))]) or fn(*a)
+        return lambda *a: calls.append([a[1][1].numel(), *(x for x in a[1] if not isinstance(x, torch.Tensor))]) or fn(*a)
 
     monkeypatch.setattr(compiled, "ROUND", [])
     monkeypatch.setattr(torch, "compile", spy)

@@ -15,7 +15,7 @@ import torch
 
 from helpers import RowwiseMixture
 from specsamp import sampler
-from specsamp.round import dense, sparse, tables
+from specsamp.round import layouts, tables
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -99,8 +99,7 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
     def no_sparse(*a, **k):
         raise AssertionError("the sparse round ran")
 
-    monkeypatch.setattr(dense, "sparse_round", no_sparse)  # the checked walk's
-    monkeypatch.setattr(sparse, "sparse_round", no_sparse)  # the path execution's (sparse.SparseLayout.round)
+    monkeypatch.setattr(layouts, "sparse_round", no_sparse)  # the checked walk's and the path execution's
     got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(path, f)), f
@@ -111,13 +110,13 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
     # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
     # indices of different trees, so one host round runs more than one tree's dense tables
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
-    seen, real = [], dense.dense_round
+    seen, real = [], layouts.dense_round
 
-    def spy(ctx, lt, st, plan, kind="some", sel=None, *rest, **kw):
+    def spy(ctx, lt, st, sel, plans, *rest, **kw):
         seen.append(sel is not None)
-        return real(ctx, lt, st, plan, kind, sel, *rest, **kw)
+        return real(ctx, lt, st, sel, plans, *rest, **kw)
 
-    monkeypatch.setattr(dense, "dense_round", spy)
+    monkeypatch.setattr(layouts, "dense_round", spy)
     sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)
     assert any(seen)
 

@@ -10,7 +10,7 @@ import torch
 from helpers import RowwiseMixture
 
 from specsamp import listcoupling, sampler
-from specsamp.round import dense, sparse
+from specsamp.round import layouts
 from specsamp.drafts import Draft, get_draft
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -22,19 +22,23 @@ FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", 
 def _spy(monkeypatch):
     """Counts of calls of the dense round and of the reference round."""
     calls = {"dense": 0, "reference": 0}
-    real, reference = dense.dense_round, sparse.sparse_round
+    real, drafted, reference = layouts.dense_round, layouts.drafted_round, layouts.sparse_round
 
     def d(*a, **k):
         calls["dense"] += 1
         return real(*a, **k)
 
+    def d2(*a, **k):  # a dense round drafted again for the checked walk
+        calls["dense"] += 1
+        return drafted(*a, **k)
+
     def r(*a, **k):
         calls["reference"] += 1
         return reference(*a, **k)
 
-    monkeypatch.setattr(dense, "dense_round", d)
-    monkeypatch.setattr(sparse, "sparse_round", r)
-    monkeypatch.setattr(dense, "sparse_round", r)
+    monkeypatch.setattr(layouts, "dense_round", d)
+    monkeypatch.setattr(layouts, "drafted_round", d2)
+    monkeypatch.setattr(layouts, "sparse_round", r)
     return calls
 
 
