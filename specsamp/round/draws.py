@@ -20,8 +20,10 @@ from .. import rng
 
 if TYPE_CHECKING:
     from .context import Context
-    from .tables import DenseTables
 
+KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
+NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
+UNIFORM_CACHE = 1 << 20  # largest M * T * N * (Kmax + 1) for which a run draws every node's coupling uniforms once
 UNIFORM_TABLE = 1 << 18  # largest m * I * (K_max + 1) for which a sparse round draws every internal node's uniforms at once
 DISABLED: dict = {}
 
@@ -35,21 +37,20 @@ def outside(fn: Callable) -> Callable:
     return DISABLED[fn]
 
 
-def run_tables(lt: DenseTables, ctx: Context, M: int, shared: dict, several: bool) -> tuple:
-    """A dense run's keyed tables, where small: ``(key_cache, noise_cache, noise_scaled, uniform_cache)``.
+def run_tables(lt, ctx: Context, M: int, shared: dict, several: bool) -> tuple:
+    """A dense run's keyed tables for the tree of ``lt`` (:class:`specsamp.round.tables.DenseTables`), where small:
+    ``(key_cache, noise_cache, noise_scaled, uniform_cache)``.
 
     ``key_cache``: every (row, root, node)'s (draft, verify) keys ``[M, T, N-1]``, ``[M, T, N]`` where ``M T N``
-    is within :data:`specsamp.round.tables.KEY_CACHE`, else None (and so are the others); ``noise_cache [N-1, M, T, D]``,
+    is within :data:`KEY_CACHE`, else None (and so are the others); ``noise_cache [N-1, M, T, D]``,
     each non-root node's draft noise (:func:`specsamp.rng.normal` of its key, the states' dtype), times its parent
     step's ``std`` where ``noise_scaled`` (the run's one tree); ``uniform_cache``, per coupling call ``c``
     ``[N, M, T, W_c]``, a node's first two :class:`specsamp.rng.KeyedRows` draws (widths ``Kmax`` and 1: D-GRS's
     acceptance and residual uniforms, the reflection coupling's one). ``shared``: the run's tables of a node count,
     reused by its other trees of that size (``several``: the run has more than one tree)."""
-    from . import tables
-
     N, T, e, dtype = lt.N, ctx.schedule.steps, tuple(ctx.x_event), ctx.coef_table.dtype
     D = int(np.prod(e, dtype=np.int64))
-    if M * T * N > tables.KEY_CACHE:
+    if M * T * N > KEY_CACHE:
         return None, None, False, None
     if ("keys", N) not in shared:
         shared["keys", N] = (rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
@@ -63,20 +64,20 @@ def run_tables(lt: DenseTables, ctx: Context, M: int, shared: dict, several: boo
 
     noise = lambda: rng.draft_noise(keys[0], e, dtype).reshape(M, T, N - 1, D).permute(2, 0, 1, 3)  # noqa: E731
     noise_cache, scaled, uniform_cache = None, False, None
-    if N > 1 and M * T * (N - 1) * D <= tables.NOISE_CACHE:
+    if N > 1 and M * T * (N - 1) * D <= NOISE_CACHE:
         if not several:
             std = lt.coefs_by_root[lt.dm1, lt.std_col]  # [N-1, T, 1]: each node's parent step, per root
             noise_cache, scaled = (noise() * std[:, None]).contiguous(), True  # std z, as sparse_noise scales it
         else:
             noise_cache = once(("noise", N), lambda: noise().contiguous())
     widths = rng.verify_widths(lt.tree.num_children)
-    if M * T * N * sum(widths) <= tables.UNIFORM_CACHE:
+    if M * T * N * sum(widths) <= UNIFORM_CACHE:
         uniform_cache = once(("uniform", N, widths),
                              lambda: [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(keys[1], widths)])
     return keys, noise_cache, scaled, uniform_cache
 
 
-def dense_noise(ctx: Context, lt: DenseTables, n: torch.Tensor, coefs: torch.Tensor, out: torch.Tensor) -> None:
+def dense_noise(ctx: Context, lt, n: torch.Tensor, coefs: torch.Tensor, out: torch.Tensor) -> None:
     """Every non-root node's ``std z`` of the dense round rooted at ``n [M]`` into ``out [N-1, M, D]`` (``std`` its
     parent step's, of the round's coefficients ``coefs [L, C, M, 1]``): gathered from the run's table (``lt.noise_cache``), or drawn in one draw of
     every node's key (compiled: outside the graph, whose unrolled loop over the draw's blocks would grow with the
@@ -94,7 +95,7 @@ def dense_noise(ctx: Context, lt: DenseTables, n: torch.Tensor, coefs: torch.Ten
     out *= coefs[lt.dm1, lt.std_col]
 
 
-def dense_uniforms(ctx: Context, lt: DenseTables, n: torch.Tensor) -> tuple:
+def dense_uniforms(ctx: Context, lt, n: torch.Tensor) -> tuple:
     """The verification keys of every node of the dense round rooted at ``n [M]``: ``(vkeys_all, drawn_all)``, the
     keys ``[N, M]`` (None where the run's uniform table ``drawn_all``, ``[N, M, W_c]`` per call, holds their
     numbers); a chunk reads its nodes' through :func:`keyed_rows`."""

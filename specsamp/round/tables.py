@@ -20,9 +20,6 @@ if TYPE_CHECKING:
 
 HISTORY_SLOTS = 16  # most records a draft's history may keep in the dense round (Draft.history)
 RESIDUAL_CACHE = 1 << 20  # largest I * M * D for which a round keeps every internal node's verdict sample
-KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
-NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
-UNIFORM_CACHE = 1 << 20  # largest M * T * N * (Kmax + 1) for which a run draws every node's coupling uniforms once
 VERIFY_MEMORY = 0.1  # a verification chunk's temporaries, as a fraction of the states block ...
 VERIFY_FLOOR = 1 << 20  # ... or this many elements, whichever is larger
 

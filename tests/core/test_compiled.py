@@ -111,7 +111,7 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
     # composed as the compiled round composes them give the eager round's counts and samples bit for bit. Without
     # the run's tables (keys, noise, uniforms and verdict samples drawn in the round, the walk's residual drawn
     # again, as at 75,000 trajectories and more) and with the contract checked, the same
-    from specsamp.round import dense, tables
+    from specsamp.round import dense, draws, tables
 
     calls = []
 
@@ -127,8 +127,8 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
     chunks = tables.plan_chunks(DraftTree.uniform(2, 3), 16, 2, "cpu")[0]
     assert [len(c[1]) for c in chunks] == ([1] * 7 if floor == 1 else [5, 2])
     if not run_tables:
-        for name in ("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE", "RESIDUAL_CACHE"):
-            monkeypatch.setattr(tables, name, 0)
+        for module, name in ((draws, "KEY_CACHE"), (draws, "NOISE_CACHE"), (draws, "UNIFORM_CACHE"), (tables, "RESIDUAL_CACHE")):
+            monkeypatch.setattr(module, name, 0)
     kw = dict(execution="tree", seed=7, check_contract=not run_tables)
     got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, compile=True, **kw)
     ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, **kw)
@@ -420,11 +420,11 @@ SMALL_SCHED = Schedule.make(8, 0.1)
 def test_compiled_round_with_several_verification_chunks_equals_eager(monkeypatch):
     # 500 trajectories, one internal node per verification chunk (VERIFY_FLOOR = 1), no per-run uniform table:
     # identical counts and samples to ATOL (measured after the fix: 2.1e-15; before it, 190 rows off by up to 2.2)
-    from specsamp.round import tables
+    from specsamp.round import draws, tables
 
     monkeypatch.setattr(tables, "VERIFY_FLOOR", 1)
     monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
-    monkeypatch.setattr(tables, "UNIFORM_CACHE", 0)
+    monkeypatch.setattr(draws, "UNIFORM_CACHE", 0)
     kw = dict(execution="tree", seed=104)
     ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 500, **kw)
     got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 500, compile=True, **kw)

@@ -15,7 +15,7 @@ import torch
 
 from helpers import RowwiseMixture
 from specsamp import sampler
-from specsamp.round import layouts, tables
+from specsamp.round import draws, layouts, tables
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -37,7 +37,7 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
-    monkeypatch.setattr(tables, variant[0], variant[1])
+    monkeypatch.setattr(draws if variant[0].endswith(("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE")) else tables, *variant)
     if variant[0] == "VERIFY_MEMORY":  # one node per chunk: the floor of 2**20 elements would keep one chunk
         monkeypatch.setattr(tables, "VERIFY_FLOOR", 0)
     got = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
@@ -149,7 +149,7 @@ def test_uniform_table_serves_a_coupling_that_asks_for_more_calls(monkeypatch):
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     kw = dict(draft="x0", prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
-    monkeypatch.setattr(tables, "UNIFORM_CACHE", 0)
+    monkeypatch.setattr(draws, "UNIFORM_CACHE", 0)
     got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.opcount import counting
 from specsamp import rng
-from specsamp.round import draws, sparse
+from specsamp.round import draws
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative
 from specsamp.schedule import Schedule
