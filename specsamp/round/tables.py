@@ -13,6 +13,7 @@ import torch
 
 from ..trees import DraftTree
 from .context import round_masks
+from .draws import run_tables
 
 if TYPE_CHECKING:
     from .context import Context
@@ -47,8 +48,6 @@ class DenseTables:
     """
 
     def __init__(self, tree: DraftTree, ctx: Context, M: int, shared: dict, pool: dict | None = None):
-        from .draws import run_tables
-
         dev, dtype, event = ctx.coef_table.device, ctx.coef_table.dtype, tuple(ctx.x_event)
         D, T = int(np.prod(event, dtype=np.int64)), ctx.schedule.steps
         N, L = self.N, self.L = len(tree), tree.max_depth
