@@ -87,7 +87,7 @@ def _per_step_rule(n):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0_affine", "x0"])
 @pytest.mark.parametrize("tree", ["fixed", "per_step"])
-def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype, draft, tree):
+def test_history_drafts_and_per_step_trees_run_the_dense_round(monkeypatch, dtype, draft, tree):
     # the dense round serves drafts with history and step-dependent trees (the sparse round's walk is never
     # called: no check fails here), with counts identical and samples bitwise equal to the path execution
     # (a target evaluated row by row: the executions batch a node differently, helpers.RowwiseMixture)
@@ -106,7 +106,7 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
     assert torch.equal(got.samples, path.samples)
 
 
-def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
+def test_per_step_dense_round_serves_several_trees_in_one_round(monkeypatch):
     # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
     # indices of different trees, so one host round runs more than one tree's dense tables
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
