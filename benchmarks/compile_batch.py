@@ -9,7 +9,7 @@ execution=tree sampler=dgrs K=2 L=3 compile=true n_samples=5000`` samples. Each 
 compiled); compiled in another fresh process on that cache, first run (TorchDynamo traces again, inductor loads
 its kernels). Each row gives its seconds and their ratio to eager's, with the CPU's model. Nothing is asserted.
 
-The compile is a fixed cost per process and batch size (the round's pieces, :class:`specsamp.compiled.Stages`), not a
+The compile is a fixed cost per process and batch size (the round's pieces, :class:`specsamp.round.compiled.Stages`), not a
 cost per trajectory: the second compiled run is the one that shows the compiled kernels' own speed.
 """
 

@@ -12,8 +12,8 @@ knee); ``--pad 0`` is the real CPU. The ideal speedup of an arm is the standard 
 over the arm's (both counted); the wall-clock speedup is the standard sampler's median time over the
 arm's; ``realised`` is their ratio.
 
-With ``--compile``, every speculative arm also runs with ``compile=true`` (the lean round under
-``torch.compile``; :mod:`specsamp.compiled`), interleaved with the eager arms: the row's ``compile`` column is
+With ``--compile``, every speculative arm also runs with ``compile=true`` (the dense round under
+``torch.compile``; :mod:`specsamp.round.compiled`), interleaved with the eager arms: the row's ``compile`` column is
 True, ``vs_eager`` its eager arm's median over its own, and ``compile_s`` the one-off cost (the warm-up run,
 which compiles, less the median run).
 

@@ -7,7 +7,7 @@ dispatches and the number of times it makes the host wait for a value do not. Th
 both with a :class:`torch.utils._python_dispatch.TorchDispatchMode` (every ATen operator call below
 Python is seen once, whatever the backend) while a sampler runs, and splits them into four regions:
 
-- ``network``: inside the target's forward pass (``chains._Velocity.__call__``); excluded from the
+- ``network``: inside the target's forward pass (``context.Velocity.__call__``); excluded from the
   round's cost, reported as ops per call for scale;
 - ``coupling``: inside a :class:`specsamp.coupling.Coupling` call (the verification rule itself);
 - ``round``: everything else the sampler does (drafting, noise, walk, commit, prefetch, bookkeeping);
@@ -23,7 +23,7 @@ size, and the Python-level ``Tensor.tolist()`` and ``Tensor.numpy()`` (which byp
 are counted by wrapping them while counting). ``torch.cuda.set_sync_debug_mode`` reports the same
 events on CUDA only; this counter works on any device, the CPU included.
 
-With ``--compile`` the speculative arms also run under ``compile=true`` (:mod:`specsamp.compiled`), counted
+With ``--compile`` the speculative arms also run under ``compile=true`` (:mod:`specsamp.round.compiled`), counted
 by :func:`counting_compiled` from the profiler's record: a dispatch counter would switch TorchDynamo off,
 and the unit there is an ATen call from Python or one launch of a fused kernel.
 
@@ -138,15 +138,16 @@ def counting():
     """Count ATen calls and host syncs of everything run inside; yields the :class:`OpCounts`.
 
     The target's forward passes are counted as region ``network`` and coupling calls as ``coupling``,
-    by wrapping ``specsamp.chains._Velocity.__call__``, ``specsamp.coupling.Coupling.__call__`` and
+    by wrapping ``specsamp.round.context.Velocity.__call__``, ``specsamp.coupling.Coupling.__call__`` and
     ``Coupling.choice`` for the duration (restored on exit); ``specsamp.markmax_params.share_table`` and
     ``bin_shares`` (markmax's share table and cache, computed once per process) as ``setup``.
     """
-    from specsamp import chains as smod, coupling as cmod, markmax_params as mmod
+    from specsamp import coupling as cmod, markmax_params as mmod
+    from specsamp.round import context as smod
 
     counts = OpCounts()
     mode = OpCounter(counts)
-    vel_call, coup_call, coup_choice = smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice
+    vel_call, coup_call, coup_choice = smod.Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice
     bin_shares, share_table = mmod.bin_shares, mmod.share_table
 
     def velocity(self, *a, **k):
@@ -168,13 +169,13 @@ def counting():
                 return fn(*a, **k)
         return inner
 
-    smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = velocity, coupling, choice
+    smod.Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = velocity, coupling, choice
     mmod.bin_shares, mmod.share_table = setup(bin_shares), setup(share_table)
     try:
         with _host_reads(mode.sync), mode:
             yield counts
     finally:
-        smod._Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = vel_call, coup_call, coup_choice
+        smod.Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = vel_call, coup_call, coup_choice
         mmod.bin_shares, mmod.share_table = bin_shares, share_table
 
 
@@ -223,10 +224,10 @@ def counting_compiled():
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from specsamp import chains as smod
+    from specsamp.round import context as smod
 
     counts = OpCounts()
-    vel_call = smod._Velocity.__call__
+    vel_call = smod.Velocity.__call__
     kernels = [0]
 
     def velocity(self, *a, **k):
@@ -242,7 +243,7 @@ def counting_compiled():
         if event == "c_call" and getattr(arg, "__name__", "") == "kernel":
             kernels[0] += 1
 
-    smod._Velocity.__call__ = velocity
+    smod.Velocity.__call__ = velocity
     try:
         with _host_reads(host_read), profile(activities=[ProfilerActivity.CPU]) as prof:
             sys.setprofile(hook)
@@ -251,7 +252,7 @@ def counting_compiled():
             finally:
                 sys.setprofile(None)
     finally:
-        smod._Velocity.__call__ = vel_call
+        smod.Velocity.__call__ = vel_call
     for ev in prof.events():
         if not ev.name.startswith("aten::") or (ev.cpu_parent is not None and ev.cpu_parent.name.startswith("aten::")):
             continue
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of: {', '.join(ARMS)}")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--compile", action="store_true",
-                   help="also count every speculative arm under compile=true (needs a C compiler; see specsamp.compiled)")
+                   help="also count every speculative arm under compile=true (needs a C compiler; see specsamp.round.compiled)")
     a = p.parse_args(argv)
     arms = [s.strip() for s in a.arms.split(",")]
     bad = [s for s in arms if s not in ARMS]

@@ -5,10 +5,10 @@ the digits network the call takes about 0.7 ms, and the round's own work is of t
 decides whether speculation pays in time. This benchmark splits one arm's sampler call (digits network,
 tree execution, one torch thread, T = 100, eps = 0.3) into:
 
-- ``network``: inside the target's forward passes (``specsamp.chains._Velocity.__call__``), timed by a wrapper;
+- ``network``: inside the target's forward passes (``specsamp.round.context.Velocity.__call__``), timed by a wrapper;
 - ``tables``: the per-run tables built before the first round (the tree's index tensors and buffers, the
-  per-root coefficient tables, the pre-drawn draft noise and coupling uniforms: ``_LeanTree``,
-  ``_LeanTree.bind``, ``_root_tables``, ``_draw_tables``), timed by wrappers;
+  per-root coefficient tables, the pre-drawn draft noise and coupling uniforms: the one constructor of
+  ``specsamp.round.tables.DenseTables``), timed by a wrapper;
 - ``aten``: the self time of every ATen operator the rest of the run dispatches, from ``torch.profiler``
   (allocation operators ``empty*`` shown apart, as ``alloc``), with the operator count;
 - ``python``: what remains of the wall time: the interpreter running the round's Python, torch's
@@ -56,7 +56,7 @@ def _quiet_stderr():
 @contextlib.contextmanager
 def _timed_regions():
     """Time the network calls and the per-run table builders; yields ``{region: seconds}``."""
-    from specsamp import chains, lean, leantree
+    from specsamp.round import context, tables
 
     spent = Counter()
     patched = []
@@ -75,13 +75,8 @@ def _timed_regions():
         setattr(owner, name, inner)
         patched.append((owner, name, fn))
 
-    wrap(chains._Velocity, "__call__", "network")
-    for owner in (lean, leantree):
-        for name in ("_draw_tables", "_root_tables"):
-            if hasattr(owner, name):
-                wrap(owner, name, "tables")
-    wrap(leantree._LeanTree, "__init__", "tables")
-    wrap(leantree._LeanTree, "bind", "tables")
+    wrap(context.Velocity, "__call__", "network")
+    wrap(tables.DenseTables, "__init__", "tables")
     try:
         yield spent
     finally:
@@ -122,7 +117,7 @@ def _aten_outside_network(prof) -> tuple[float, float, int]:
 def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> list[dict]:
     """Rows ``{arm, n, rounds, wall_ms, network_ms, tables_ms, aten_ms, alloc_ms, python_ms, ops, *_per_round_ms}``:
     the median over ``repeats`` of the uninstrumented wall time, its split from one profiled run."""
-    from specsamp import chains
+    from specsamp.round import context
     from specsamp.runner import build_target, compose, load_config
 
     target = build_target(load_config(compose(["model=digits"]))[0])
@@ -135,14 +130,14 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
                 s, res = _sampler_call(arm_overrides("digits", arm, n), target)
             if rep:
                 walls[arm].append((s, dict(spent)))
-    vel_call = chains._Velocity.__call__
+    vel_call = context.Velocity.__call__
 
     def scoped(self, *a, **k):
         with torch.profiler.record_function("specsamp::network"):
             return vel_call(self, *a, **k)
 
     for arm in arms:
-        chains._Velocity.__call__ = scoped
+        context.Velocity.__call__ = scoped
         try:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             with _quiet_stderr():
@@ -154,7 +149,7 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
                 with _quiet_stderr():
                     prof.stop()
         finally:
-            chains._Velocity.__call__ = vel_call
+            context.Velocity.__call__ = vel_call
         aten, alloc, ops = _aten_outside_network(prof)
         rounds = int(max(res.rounds)) if arm != "standard" else int(spent["network_calls"])  # the standard sampler: steps
         splits[arm] = (s_prof, dict(spent), aten, alloc, ops, rounds)

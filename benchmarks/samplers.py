@@ -225,7 +225,7 @@ def estimate(target: Target, plan, n: int, chains=(14, 62), seed: int = 0) -> di
     ``d = 1..max(chains)`` over the roots that reach it).
     """
     from specsamp import rng
-    from specsamp.chains import initial_state
+    from specsamp.round import initial_state
 
     sch, model = plan.schedule, target.model
     ids = torch.arange(n)

@@ -5,8 +5,8 @@ The core imports with torch, numpy and scipy only (``tests/core/test_standalone.
 machinery in :mod:`~specsamp.grs`), :mod:`~specsamp.listcoupling` (markmax; its parameters in
 :mod:`~specsamp.markmax_params`), :mod:`~specsamp.theory`, :mod:`~specsamp.trees`,
 :mod:`~specsamp.treesearch`, :mod:`~specsamp.schedule`, :mod:`~specsamp.rng`, :mod:`~specsamp.drafts`,
-:mod:`~specsamp.sampler` (the samplers; their rounds in :mod:`~specsamp.rounds` and :mod:`~specsamp.lean`,
-what those share in :mod:`~specsamp.chains`, the result in :mod:`~specsamp.result`),
+:mod:`~specsamp.sampler` (the samplers; their rounds in :mod:`~specsamp.round.sparse` and :mod:`~specsamp.round.dense`,
+what those share in :mod:`~specsamp.round.context`, the result in :mod:`~specsamp.result`),
 :mod:`~specsamp.batching` and :mod:`~specsamp.testing` (the exactness test of a coupling). Importing
 ``specsamp`` loads only the core; the model adapters (:mod:`~specsamp.models`) and the command-line runner
 (:mod:`~specsamp.runner`) load when imported. The protocol they implement: ``docs/protocol.md``.

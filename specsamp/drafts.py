@@ -157,7 +157,7 @@ class DraftRoot:
     Attributes:
         x: ``[m, *e]`` root states ``Y_n``.
         v: ``[m, *e]`` the velocity the round drafts from (the root's own exact velocity where ``exact``;
-            else the prefetched one of a nearby evaluated state, see :func:`specsamp.chains.leaf_prefetch`).
+            else the prefetched one of a nearby evaluated state, see :func:`specsamp.round.context.leaf_prefetch`).
         n: ``[m]`` long, root state indices (noise level ``sigma_n``).
         exact: ``[m]`` bool, ``v`` is the root's own exact velocity.
         history: the rows' :class:`DraftHistory` (``[m, H, ...]``, earlier states of the committed trajectory,
@@ -190,7 +190,7 @@ class Draft:
             step: ``coef`` maps each column of the kernel's table (:meth:`specsamp.kernels.Kernel.table`: for
             Euler--Maruyama ``dt``, ``a``, ``b``, ``sigma``, ``std`` and ``lsnr``, ``log((1 - sigma) / sigma)`` of that
             ``sigma``, in ``x``'s dtype) to tensors that broadcast against ``x``, and ``kernel`` to the kernel
-            (``coef["kernel"].mean(x, out, coef)``: the target kernel's mean). With it the tree execution runs its lean round (no coefficient recomputed per call);
+            (``coef["kernel"].mean(x, out, coef)``: the target kernel's mean). With it the tree execution runs its dense round (no coefficient recomputed per call);
             the same bits matter because the couplings project on ``mean_q - mean_p``, small where the draft
             is good, so a last-bit change of a state can turn the residual's direction.
         table_frozen: optional ``(frozen [C, ..., D], coef) -> frozen for table_mean``, for a draft whose frozen

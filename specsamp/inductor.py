@@ -1,4 +1,4 @@
-"""Whether this machine can compile the lean round (``compile=true``), checked before anything is sampled.
+"""Whether this machine can compile the dense round (``compile=true``), checked before anything is sampled.
 
 A compile needs a TorchDynamo that supports this Python, a compiler for inductor's kernels (a C/C++ compiler on
 the CPU, Triton on CUDA) and a cache directory that is writable, has free space and is mounted with exec
@@ -29,7 +29,7 @@ CACHE_ERRNOS = frozenset(getattr(errno, n) for n in ("EROFS", "EACCES", "EPERM",
 
 
 def unavailable(device) -> str | None:
-    """Why ``torch.compile`` cannot compile the lean round on ``device`` here, or None where it can.
+    """Why ``torch.compile`` cannot compile the dense round on ``device`` here, or None where it can.
 
     Cheap checks only (nothing is compiled): TorchDynamo supports this Python; on the CPU, inductor finds a C
     compiler (``$CXX`` or one of :data:`COMPILERS` on ``PATH``); on CUDA, Triton imports.
@@ -69,7 +69,7 @@ def unavailable(device) -> str | None:
         except Exception:  # noqa: BLE001
             ok = False
         return None if ok else "inductor's CUDA backend needs Triton, which does not import here"
-    return f"torch.compile of the lean round is supported on cpu and cuda only, not {dev.type}"
+    return f"torch.compile of the dense round is supported on cpu and cuda only, not {dev.type}"
 
 
 def check_compile(compile, execution: str, device, *, here: bool = True) -> bool:
@@ -83,7 +83,7 @@ def check_compile(compile, execution: str, device, *, here: bool = True) -> bool
         InfrastructureError: inductor's cache directory cannot serve a compile (:func:`check_cache_dir`).
     """
     if not isinstance(compile, bool):
-        raise ConfigError(f"compile={compile!r} is invalid: must be true or false (run the lean round under torch.compile).")
+        raise ConfigError(f"compile={compile!r} is invalid: must be true or false (run the dense round under torch.compile).")
     if not compile:
         return False
     if execution != "tree":

@@ -1,7 +1,7 @@
 """Samplers: the standard Euler--Maruyama chain and speculative sampling on draft trees (Algorithm 1).
 
 Plain functions of ``(model, schedule, ...)`` (k-diffusion style) over a batch of trajectories: argument checks, then
-the dense round (``execution="tree"``, :mod:`specsamp.lean`) or the sparse one (``"path"``, :mod:`specsamp.rounds`).
+the dense round (``execution="tree"``, :mod:`specsamp.round.dense`) or the sparse one (``"path"``, :mod:`specsamp.round.sparse`).
 The round, its keys and what is bitwise equal across splits: ``docs/architecture.md``; counts: ``docs/protocol.md``.
 """
 
@@ -14,15 +14,13 @@ import torch
 
 from . import arguments, rng
 from .arguments import EXECUTIONS, PREFETCH, WARMUPS  # noqa: F401  (public here)
-from .chains import _Context, _first_step, _Tally, _Velocity, initial_noise, initial_state, run_rounds  # noqa: F401  (initial_noise: public here)
-from .compiled import compiled_round, for_compile
 from .coupling import Coupling, ContractError, NonFiniteSampleError, check_verdict_contract, get_coupling  # noqa: F401  (public here)
 from .drafts import Draft, get_draft
 from .errors import ConfigError
 from .inductor import check_compile
-from .lean import DenseLayout
 from .result import SampleResult
-from .rounds import SparseLayout
+from .round import (DenseLayout, SparseLayout, Tally, Velocity, build_context, compiled_round, first_step, for_compile,
+                    initial_noise, initial_state, run_rounds)  # noqa: F401  (initial_noise: public here)
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -81,7 +79,7 @@ def sample_standard(
         max_batch: rows per forward pass.
         callback: called after each step with ``{"step", "steps_done"}`` (speculative steps done, summed over rows).
         init: ``[M, *event]`` first states on the linear path at ``sigmas[0]``; None: the keyed noise times the
-            kernel's initial scale (:func:`specsamp.chains.initial_state`).
+            kernel's initial scale (:func:`specsamp.round.loop.initial_state`).
 
     Returns:
         :class:`SampleResult` with ``nfe = T - 2`` for every trajectory.
@@ -97,7 +95,7 @@ def sample_standard(
     arguments.check_sampler_memory(None, m, model.event_shape, model.dtype, dev, execution="path", steps=schedule.steps,
                                    max_batch=max_batch, row_bytes=getattr(model, "row_bytes", 0),
                                    rows_per_state=rows_per_state(model))
-    velocity = _Velocity(model, schedule, cond, max_batch)
+    velocity = Velocity(model, schedule, cond, max_batch)
     x = initial_state(schedule, seed, ids, model.event_shape, model.dtype, init)
     step_keys = rng.base_key(seed, ids, "step", device=dev)
     traj = torch.arange(m, device=dev)
@@ -193,9 +191,9 @@ def sample_speculative(
         check_contract: check every verdict against the coupling contract, in the round's one host sync (``None``:
             on for a ``verify`` defined outside ``specsamp.``, off for the library's, whose law is tested).
         refine: Picard sweeps ``J >= 0`` per round before verification (tree execution only; law unchanged,
-            :func:`specsamp.lean._picard`), each one batched call at the internal nodes and a rebuild from the same
+            :func:`specsamp.round.dense.picard`), each one batched call at the internal nodes and a rebuild from the same
             innovations, charged to ``nfe`` and ``target_rows``; recorded in ``SampleResult.extra["refine"]``.
-        compile: the dense round under ``torch.compile`` (:mod:`specsamp.compiled`; tree execution, table-form drafts,
+        compile: the dense round under ``torch.compile`` (:mod:`specsamp.round.compiled`; tree execution, table-form drafts,
             ``refine=0``). Same law; samples equal the eager ones to rounding, counts wherever no verdict flips.
         init: as in :func:`sample_standard`.
 
@@ -222,27 +220,16 @@ def sample_speculative(
         raise arguments.refuse("tree", tree, "must be a specsamp.trees.DraftTree or tree(n) -> DraftTree")
     opts = arguments.sampler_options(prefetch=prefetch, evaluate_leaves=evaluate_leaves, execution=execution,
                                      max_batch=max_batch, warmup=warmup, check_contract=check_contract, refine=refine)
-    ctx = _Context(
-        schedule=schedule,
-        coupling=coupling,
-        draft=get_draft(draft),
-        prefetch=opts["prefetch"],
-        evaluate_leaves=opts["evaluate_leaves"],
-        velocity=_Velocity(model, schedule, cond, opts["max_batch"]),
-        check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"],
-    )
-    ctx.refine = opts["refine"]
+    draft = get_draft(draft)
     arguments.function("callback", callback, optional=True)
     dev = _model_device(model)
-    ctx.compiled = check_compile(compile, execution, dev)
-    if ctx.compiled:
-        ctx.coupling = for_compile(coupling)
-    if ctx.compiled and (ctx.refine > 0 or ctx.draft.table_mean is None):
-        why = f"refine={ctx.refine}: the Picard sweeps run eagerly" if ctx.refine > 0 else \
-            f"draft={ctx.draft.name!r} has no table form (Draft.table_mean), and only table forms compile"
+    compiled = check_compile(compile, execution, dev)
+    if compiled and (opts["refine"] > 0 or draft.table_mean is None):
+        why = f"refine={opts['refine']}: the Picard sweeps run eagerly" if opts["refine"] > 0 else \
+            f"draft={draft.name!r} has no table form (Draft.table_mean), and only table forms compile"
         raise ConfigError(f"compile=true is invalid here: {why}. Set compile=false, or "
-                          + ("refine=0." if ctx.refine > 0 else "a registered draft."))
-    ctx.ids = ids = _trajectory_ids(n_samples, indices, dev)
+                          + ("refine=0." if opts["refine"] > 0 else "a registered draft."))
+    ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
     if isinstance(tree, DraftTree):
         tree = tree.restrict(end - schedule.first_speculative)  # no round can use deeper nodes
@@ -251,11 +238,16 @@ def sample_speculative(
         tree = _trees_by_root(tree, schedule.first_speculative, end, coupling)
         largest = max(tree.values(), key=len)
     arguments.check_sampler_memory(largest, M, model.event_shape, model.dtype, dev, execution=execution,
-                                   refine=ctx.refine, steps=T, max_batch=opts["max_batch"],
+                                   refine=opts["refine"], steps=T, max_batch=opts["max_batch"],
                                    row_bytes=getattr(model, "row_bytes", 0), rows_per_state=rows_per_state(model))
-    tally = _Tally.zeros(M, T, largest.max_depth if isinstance(tree, DraftTree) else
+    tally = Tally.zeros(M, T, largest.max_depth if isinstance(tree, DraftTree) else
                          max(t.max_depth for t in tree.values()), dev)
-    st = _first_step(ctx, model, seed, ids, warmup, tally, init)
+    rules = dict(coupling=for_compile(coupling) if compiled else coupling, draft=draft, prefetch=opts["prefetch"],
+                 evaluate_leaves=opts["evaluate_leaves"], refine=opts["refine"], compiled=compiled,
+                 check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"])
+    ctx = build_context(schedule, Velocity(model, schedule, cond, opts["max_batch"]), ids, seed, rules,
+                        (model.event_shape, model.dtype) if execution == "tree" else None)
+    st = first_step(ctx, model, seed, warmup, tally, init)
     if execution == "tree":
         layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)
     else:

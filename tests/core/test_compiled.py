@@ -1,4 +1,4 @@
-"""``compile=True``: the lean round under ``torch.compile`` keeps the law, the counts and (to rounding) the samples.
+"""``compile=True``: the dense round under ``torch.compile`` keeps the law, the counts and (to rounding) the samples.
 
 Setup: the law tests' ``GaussianMixture(dim=4, components=3, layout_seed=1)`` and ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections, so residual draws, in most rounds).
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from helpers import BY_ROOT, N_SPEC, P_MIN, NaNBelow, law_pvalues, law_reference, tree_of
-from specsamp import compiled, inductor, sampler
+from specsamp import inductor, sampler
+from specsamp.round import compiled
 from specsamp.errors import ConfigError
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
@@ -77,67 +78,70 @@ def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
 
 
 def test_compiled_round_is_built_without_inductor_buffer_reuse(monkeypatch):
-    # the lean round's pieces (drafting, one verification chunk, walk and commit) are compiled with inductor's buffer
+    # the dense round's pieces (drafting, one verification chunk, walk and commit) are compiled with inductor's buffer
     # reuse and in-place buffers off (compiled.INDUCTOR_OPTIONS): with them on, a verification in several chunks of
     # equal shape read buffers a later kernel had reused (the several-chunk tests below show the wrong law it gave);
     # nothing is compiled here, torch.compile's arguments are recorded
-    from specsamp import lean
+    from specsamp.round import dense
 
     seen = []
-    monkeypatch.setattr(compiled, "_ROUND", [])
+    monkeypatch.setattr(compiled, "ROUND", [])
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
     compiled.compiled_round()
     kw = dict(dynamic=False, options={"allow_buffer_reuse": False, "inplace_buffers": False})
-    assert seen == [(lean._draft, kw), (lean._verify_chunk, kw), (compiled._finish, kw)]
+    assert seen == [(dense.DenseRound.draft, kw), (dense.DenseRound.verify_chunk, kw), (compiled.finish, kw)]
 
 
 def _chunk_graphs() -> int:
     """How many graphs TorchDynamo holds for the compiled verification chunk (its cache entries)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from specsamp import lean
+    from specsamp.round import dense
 
-    return len(_debug_get_cache_entry_list(lean._verify_chunk.__code__))
+    return len(_debug_get_cache_entry_list(dense.DenseRound.verify_chunk.__code__))
 
 
-@pytest.mark.parametrize("tables", [True, False], ids=["run-tables", "drawn-in-round"])
-def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, tables):
-    # the compiled round's pieces run here uncompiled (torch.compile recorded, not applied): the (2, 3) tree split into
-    # 7 verification chunks of one node (leantree's memory rule, as at 50,000 trajectories), D-GRS, 16 trajectories,
-    # seed 7. The chunk piece is called once per chunk and round with the same Python values (no slice, no root flag,
+@pytest.mark.parametrize("floor,run_tables", [(1, True), (1600, False)], ids=["one-node-chunks", "chunks-of-5-and-2"])
+def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor, run_tables):
+    # the compiled round's pieces run here uncompiled (torch.compile recorded, not applied): the (2, 3) tree's 7
+    # internal nodes verified in chunks by the dense tables' memory rule (floor 1: one node per chunk, as at 50,000
+    # trajectories; 1,600 elements: chunks of 5 and 2 nodes, as at 10,000), D-GRS, 16 trajectories, seed 7. The chunk
+    # piece is called with 7 chunks of one node per round, each with the same Python values (no slice, no root flag,
     # the same K), so that TorchDynamo, which guards on those, serves every chunk from one graph; and the pieces
     # composed as the compiled round composes them give the eager round's counts and samples bit for bit. Without
     # the run's tables (keys, noise, uniforms and verdict samples drawn in the round, the walk's residual drawn
     # again, as at 75,000 trajectories and more) and with the contract checked, the same
-    from specsamp import leantree, lean
+    from specsamp.round import dense, draws, tables
 
     calls = []
 
     def spy(fn, **kw):
-        if fn is not lean._verify_chunk:
+        if fn is not dense.DenseRound.verify_chunk:
             return fn
-        return lambda *a: calls.append([x for x in a[2] if not isinstance(x, torch.Tensor)]) or fn(*a)
+        return lambda *a: calls.append([a[1][1].numel(), *(x for x in a[1] if not isinstance(x, torch.Tensor))]) or fn(*a)
 
-    monkeypatch.setattr(compiled, "_ROUND", [])
+    monkeypatch.setattr(compiled, "ROUND", [])
     monkeypatch.setattr(torch, "compile", spy)
-    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
-    monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
-    if not tables:
-        for name in ("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE", "RESIDUAL_CACHE"):
-            monkeypatch.setattr(leantree, name, 0)
-    kw = dict(execution="tree", seed=7, check_contract=not tables)
+    monkeypatch.setattr(tables, "VERIFY_FLOOR", floor)
+    monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
+    chunks = tables.plan_chunks(DraftTree.uniform(2, 3), 16, 2, "cpu")[0]
+    assert [len(c[1]) for c in chunks] == ([1] * 7 if floor == 1 else [5, 2])
+    if not run_tables:
+        for module, name in ((draws, "KEY_CACHE"), (draws, "NOISE_CACHE"), (draws, "UNIFORM_CACHE"), (tables, "RESIDUAL_CACHE")):
+            monkeypatch.setattr(module, name, 0)
+    kw = dict(execution="tree", seed=7, check_contract=not run_tables)
     got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, compile=True, **kw)
     ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, **kw)
     for f in (*FIELDS, "samples"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
-    assert len(calls) == 7 * int(got.rounds.max()) and all(c == [2, None, None, None] for c in calls), calls[:8]
+    assert len(calls) == 7 * int(got.rounds.max()) and all(c == [1, 2, None, None, None] for c in calls), calls[:8]
 
 
 @pytest.mark.slow
 @needs_inductor
 def test_compiled_round_does_not_grow_with_the_verification_chunks(monkeypatch):
     # RMC on a chain of 4 nodes below the root, 24 trajectories, seed 5 (25-40 s on one core, mostly compiling):
-    # the verification in one chunk of 4 internal nodes, then (leantree's memory rule set to one node per chunk, as
+    # the verification in one chunk of 4 internal nodes, then (the dense tables' memory rule set to one node per chunk, as
     # it splits the (2, 3) tree at 50,000 trajectories) in 4 chunks of one node. The 4 chunks run one compiled graph
     # (the chunk piece is handed no slice and no root flag), so the split adds one graph, no larger than the whole
     # first round's. Before, the round was one graph with its chunks unrolled in it: the split compiled the round
@@ -145,7 +149,7 @@ def test_compiled_round_does_not_grow_with_the_verification_chunks(monkeypatch):
     # ten times longer, past 20 minutes at 50,000 trajectories). TorchDynamo's counters are deterministic.
     from torch._dynamo.utils import counters
 
-    from specsamp import leantree
+    from specsamp.round import tables
 
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     kw = dict(draft="x0", prefetch="none", execution="tree")
@@ -162,11 +166,9 @@ def test_compiled_round_does_not_grow_with_the_verification_chunks(monkeypatch):
     chunks = _chunk_graphs()
     _, ops_whole = compiled_run()
     assert _chunk_graphs() <= chunks + 1
-    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
-    monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
-    lt = leantree._LeanTree(DraftTree.chain(4), "cpu", torch.float64)
-    lt.bind(24, 4)
-    assert len(lt.buffers.chunks) == 4
+    monkeypatch.setattr(tables, "VERIFY_FLOOR", 1)
+    monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
+    assert len(tables.plan_chunks(DraftTree.chain(4), 24, 4, "cpu")[0]) == 4
     graphs, ops = compiled_run()
     assert graphs == 1 and _chunk_graphs() <= chunks + 2, (graphs, _chunk_graphs())  # the chunk of one node, once
     assert 0 < ops <= ops_whole, (ops, ops_whole)
@@ -207,7 +209,7 @@ def test_compiled_round_equals_eager_in_float32():
 
 
 # one law case per coupling, compiled: a fixed tree with the x0 draft (dgrs), a chain with a history draft
-# (rmc), step-dependent trees with the local-affine draft (markmax: one lean round per distinct tree)
+# (rmc), step-dependent trees with the local-affine draft (markmax: one dense round per distinct tree)
 LAW_CASES = [(("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
              (("chain", 4), "rmc", "x0_extrap", "none", False),
              (("by_root", None), "markmax", "x0_affine", "nearest", True)]
@@ -273,7 +275,7 @@ def test_compile_batch_benchmark_rows(monkeypatch, capsys):
 def test_cuda_home_notice_is_dropped_and_nothing_else():
     import logging
 
-    quiet = compiled._QuietCudaHome()
+    quiet = compiled.QuietCudaHome()
     rec = lambda msg: logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None)  # noqa: E731
     assert not quiet.filter(rec("No CUDA runtime is found, using CUDA_HOME='%s'"))
     assert quiet.filter(rec("Error building extension '%s'"))
@@ -361,7 +363,7 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
     cache = tmp_path / "cache"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     monkeypatch.setattr(inductor, "unavailable", lambda device: None)
-    monkeypatch.setattr(compiled, "_ROUND", [_fake_round_failing(_dlopen_failure(cache))])
+    monkeypatch.setattr(compiled, "ROUND", [_fake_round_failing(_dlopen_failure(cache))])
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         run_task(compose(["model.dim=4", "steps=6", "n_samples=2", "execution=tree", "compile=true", "progress=false"]))
@@ -375,7 +377,7 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
     assert "No space left on device [errno 28]" in str(inductor.classify_compile_error(OSError(errno.ENOSPC, "full")))
     assert str(cache) in str(inductor.classify_compile_error(OSError(errno.EROFS, "ro", str(cache / "ab" / "k.cpp"))))
     assert inductor.classify_compile_error(OSError(errno.EROFS, "ro", str(tmp_path / "elsewhere"))) is None
-    monkeypatch.setattr(compiled, "_ROUND", [_fake_round_failing(ValueError("a bug of the round"))])
+    monkeypatch.setattr(compiled, "ROUND", [_fake_round_failing(ValueError("a bug of the round"))])
     with pytest.raises(ValueError, match="a bug of the round"):
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
 
@@ -418,11 +420,11 @@ SMALL_SCHED = Schedule.make(8, 0.1)
 def test_compiled_round_with_several_verification_chunks_equals_eager(monkeypatch):
     # 500 trajectories, one internal node per verification chunk (VERIFY_FLOOR = 1), no per-run uniform table:
     # identical counts and samples to ATOL (measured after the fix: 2.1e-15; before it, 190 rows off by up to 2.2)
-    from specsamp import leantree
+    from specsamp.round import draws, tables
 
-    monkeypatch.setattr(leantree, "VERIFY_FLOOR", 1)
-    monkeypatch.setattr(leantree, "VERIFY_MEMORY", 0.0)
-    monkeypatch.setattr(leantree, "UNIFORM_CACHE", 0)
+    monkeypatch.setattr(tables, "VERIFY_FLOOR", 1)
+    monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
+    monkeypatch.setattr(draws, "UNIFORM_CACHE", 0)
     kw = dict(execution="tree", seed=104)
     ref = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 500, **kw)
     got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 500, compile=True, **kw)
@@ -442,12 +444,10 @@ def test_compiled_dgrs_law_with_several_verification_chunks():
     from helpers import chi2_same_counts, two_sample_pvalues
     from scipy import stats
 
-    from specsamp import leantree
+    from specsamp.round import tables
 
     n = 50_000
-    lt = leantree._LeanTree(DraftTree.uniform(2, 3), "cpu", torch.float64)
-    lt.bind(n, 2)
-    assert len(lt.buffers.chunks) > 1  # the case that failed: several chunks of one shape
+    assert len(tables.plan_chunks(DraftTree.uniform(2, 3), n, 2, "cpu")[0]) > 1  # the case that failed: several chunks of one shape
     r = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", n, execution="tree",
                                    seed=104, compile=True)
     ref = sampler.sample_standard(SMALL, SMALL_SCHED, n, seed=10_104).samples

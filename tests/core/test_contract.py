@@ -75,7 +75,7 @@ def _per_step(n):
 
 @pytest.mark.parametrize("liar", [shifted_accept, wrong_index])
 def test_a_lying_coupling_raises_with_a_tree_per_step(liar):
-    # the lean round of step-dependent trees flags the broken verdict and repeats the round with the
+    # the dense round of step-dependent trees flags the broken verdict and repeats the round with the
     # per-root reference rounds, which raise naming coupling, trajectory, step and node
     with pytest.raises(ContractError, match=rf"coupling '{liar.__name__}' broke its contract at trajectory \d+, step \d+, "
                                             r"node \d+ \(depth \d\)"):

@@ -75,7 +75,7 @@ def test_a_kernel_is_one_class_and_a_registration():
         res = sample_standard(Zero(), sch, 3, seed=2)
         ref = sample_standard(Zero(), Schedule.make(6, 0.5), 3, seed=2)
         assert not torch.equal(res.samples, ref.samples)  # the EM kernel adds noise, this one does not
-        from specsamp.chains import initial_noise
+        from specsamp.round import initial_noise
 
         assert torch.equal(res.samples, initial_noise(2, torch.arange(3), (4,), torch.float64))
     finally:

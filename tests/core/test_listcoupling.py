@@ -329,7 +329,7 @@ def test_static_level_roots_equal_the_skipping_ones():
 
 
 def test_lean_round_hands_uncertified_rounds_to_the_reference_round(monkeypatch):
-    # a static share that certifies nothing and is wrong (t = 0) flags every lean round, so the reference round
+    # a static share that certifies nothing and is wrong (t = 0) flags every dense round, so the reference round
     # serves each one: the tree execution's counts and samples equal the path execution's (GMM dim 4, 8 steps,
     # 40 trajectories, seed 3, (2, 3) tree); without the flag the wrong share would change the law's numbers
     from specsamp import markmax_params as mp
@@ -377,9 +377,10 @@ def test_share_table_equals_bin_shares_of_every_key_in_any_batch():
 def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual_per_row(monkeypatch):
     # RESIDUAL_CACHE = 0: the chunks call markmax's decide (its choice alone, no residual branches), the walk's
     # residuals are drawn by verify for the M rows; counts identical and samples bitwise equal to the default
-    # lean round (GMM dim 4, 8 steps, 40 trajectories, seed 3, (2, 3) tree), one host sync per round in all
+    # dense round (GMM dim 4, 8 steps, 40 trajectories, seed 3, (2, 3) tree), one host sync per round in all
     from benchmarks import opcount
-    from specsamp import leantree, sampler
+    from specsamp import sampler
+    from specsamp.round import tables
     from specsamp.models import GaussianMixture
     from specsamp.schedule import Schedule
     from specsamp.trees import DraftTree
@@ -392,7 +393,7 @@ def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual
     choose = lc._choose
     monkeypatch.setattr(lc, "_choose",
                         lambda proj, *u: rows.append((proj.delta.numel(), u[2] is not None)) or choose(proj, *u))
-    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     with opcount.counting() as c:
         got = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
     assert {r for r, res in rows if res} == {40} and any(not res for _, res in rows), set(rows)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from benchmarks.opcount import counting
-from specsamp import rng, rounds
+from specsamp import rng
+from specsamp.round import draws
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative
 from specsamp.schedule import Schedule
@@ -43,7 +44,7 @@ def test_a_rounds_uniform_table_draws_what_each_verification_would(monkeypatch, 
     assert tables and set(tables) == {2}  # one [m, I] draw per round: the table ran
     assert len(tables) == int(table.rounds.max())
     tables.clear()
-    monkeypatch.setattr(rounds, "UNIFORM_TABLE", 0)  # every verification draws its own
+    monkeypatch.setattr(draws, "UNIFORM_TABLE", 0)  # every verification draws its own
     each = _run(model, tree, coupling, prefetch=prefetch)
     assert tables and set(tables) == {1}
     for f in FIELDS:

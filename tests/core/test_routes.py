@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import RowwiseMixture
 
-from specsamp import lean, listcoupling, rounds, sampler
+from specsamp import listcoupling, sampler
+from specsamp.round import layouts
 from specsamp.drafts import Draft, get_draft
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -21,19 +22,23 @@ FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", 
 def _spy(monkeypatch):
     """Counts of calls of the dense round and of the reference round."""
     calls = {"dense": 0, "reference": 0}
-    dense, reference = lean._lean_round, rounds._round
+    real, drafted, reference = layouts.dense_round, layouts.drafted_round, layouts.sparse_round
 
     def d(*a, **k):
         calls["dense"] += 1
-        return dense(*a, **k)
+        return real(*a, **k)
+
+    def d2(*a, **k):  # a dense round drafted again for the checked walk
+        calls["dense"] += 1
+        return drafted(*a, **k)
 
     def r(*a, **k):
         calls["reference"] += 1
         return reference(*a, **k)
 
-    monkeypatch.setattr(lean, "_lean_round", d)
-    monkeypatch.setattr(rounds, "_round", r)
-    monkeypatch.setattr(lean, "_round", r)
+    monkeypatch.setattr(layouts, "dense_round", d)
+    monkeypatch.setattr(layouts, "drafted_round", d2)
+    monkeypatch.setattr(layouts, "sparse_round", r)
     return calls
 
 
@@ -113,7 +118,7 @@ def test_walks_drawn_again_keep_the_numbers_with_sweeps_and_mean_only_drafts(mon
     # uncertified, so each round is drafted again and walked by the checked walk; (b) no verdict sample kept
     # (RESIDUAL_CACHE = 0), so the walk's residuals are drawn again per row. With Picard sweeps and with a draft
     # given by its mean alone, both give the default's counts and bits (GMM dim 4, T = 8, 30 trajectories, seed 3)
-    from specsamp import leantree
+    from specsamp.round import tables
 
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     tree = DraftTree.uniform(2, 3)
@@ -127,5 +132,5 @@ def test_walks_drawn_again_keep_the_numbers_with_sweeps_and_mean_only_drafts(mon
         calls = _spy(m)
         _same(sampler.sample_speculative(model, SCHED, tree, "markmax", 30, **kw), want)
         assert calls["reference"] > 0, calls
-    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     _same(sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, **kw), want_dgrs)

@@ -158,7 +158,7 @@ def test_ddpm_thresholding_on_images_matches_diffusers():
 
 
 def test_threshold_with_leading_dims_is_per_sample():
-    # the lean round calls the kernel on [c, M, *event] (c steps, M rows each): the quantile stays per sample
+    # the dense round calls the kernel on [c, M, *event] (c steps, M rows each): the quantile stays per sample
     sch = DDPMScheduler(num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.75, sample_max_value=2.0)
     plan = from_scheduler(sch, 10, event_ndim=3)
     g = torch.Generator().manual_seed(3)

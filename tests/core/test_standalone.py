@@ -14,8 +14,9 @@ import json
 import pytest
 from bare_env import run_blocked
 
-CORE = ("sampler", "coupling", "listcoupling", "drafts", "trees", "treesearch", "schedule", "rng", "theory", "leantree", "compiled",
-        "inductor", "batching", "testing", "result", "chains", "rounds", "lean", "grs", "markmax_params")
+CORE = ("sampler", "coupling", "listcoupling", "drafts", "trees", "treesearch", "schedule", "rng", "theory", "round",
+        "round.tables", "round.compiled", "round.context", "round.loop", "round.sparse", "round.dense", "inductor",
+        "batching", "testing", "result", "grs", "markmax_params")
 BLOCKED = ("omegaconf", "hydra", "pandas", "matplotlib", "specsamp.models", "specsamp.runner")
 
 

@@ -1,11 +1,11 @@
 """Load-free cost of a sampler round (benchmarks.opcount): ATen operations and host syncs, counted.
 
 The counts are deterministic for a configuration, a seed and a torch version (no timing), so they are
-asserted exactly against the targets of the lean round: on the trained digits network at one
+asserted exactly against the targets of the dense round: on the trained digits network at one
 trajectory, every arm's round (outside the network, its coupling calls included) makes at most one host
 synchronisation, D-GRS (2,3) costs at most 300 ATen operations per round and the x0 draft with the
 optimal B=14 tree at most 400. The arms include ``x0_extrap_gated`` with a tree per root step (a draft with
-history, step-dependent trees), which the lean round serves too, and the markmax rule on the (2, 3) tree.
+history, step-dependent trees), which the dense round serves too, and the markmax rule on the (2, 3) tree.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_counter_sees_syncs_under_inference_mode(inference):
 
 
 def test_every_arm_syncs_at_most_once_per_round(digits_rows):
-    # the coupling included: every rule, markmax too, asks the host nothing inside the lean round
+    # the coupling included: every rule, markmax too, asks the host nothing inside the dense round
     for arm in DIGITS_ARMS:
         assert digits_rows[arm]["syncs_round"] + digits_rows[arm]["syncs_coupling"] <= 1.0, (arm, digits_rows[arm])
     assert digits_rows["standard"]["syncs_round"] == 0
@@ -76,17 +76,17 @@ def test_one_time_tables_are_counted_apart():
 def test_round_ops_targets(digits_rows):
     assert digits_rows["dgrs 2x3"]["ops_round"] <= 300, digits_rows["dgrs 2x3"]
     assert digits_rows["x0+optimal B14"]["ops_round"] <= 400, digits_rows["x0+optimal B14"]
-    # the lean round (not the layer-by-layer reference) ran: the ops outside the network stay within
+    # the dense round (not the layer-by-layer reference) ran: the ops outside the network stay within
     # a few times the standard sampler's per step, whatever the budget (8 x 110, the standard step's cost when it
     # computed its coefficients per call; gathered from the kernel's table it costs 73)
     step = max(digits_rows["standard"]["ops_round"], 110)
     assert digits_rows["x0+optimal B62"]["ops_round"] <= 8 * step
-    # and for the general lever too (a draft with history, a tree per root step): the lean round, not the reference
+    # and for the general lever too (a draft with history, a tree per root step): the dense round, not the reference
     assert digits_rows["x0g+per-step B14"]["ops_round"] <= 8 * step
 
 
 def test_round_and_coupling_ops_pinned(digits_rows):
-    # what the lean round costs today with torch's dispatch of this version (round, coupling): a regression
+    # what the dense round costs today with torch's dispatch of this version (round, coupling): a regression
     # guard. The targets (round + coupling <= 300 for D-GRS (2,3), <= 400 for x0 + optimal B=14) are not met:
     # drafting layer by layer (about 9 operations per layer for x0) and the residual sampler (about 110 per
     # coupling call) keep the bits, and are most of what is left; markmax: every row through both rules and both
@@ -145,7 +145,7 @@ def test_profiler_counter_agrees_with_the_dispatch_counter_on_an_eager_round():
 @pytest.mark.slow
 @pytest.mark.skipif(inductor.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}")
 def test_compiled_round_meets_the_operation_targets():
-    # compile=true (specsamp.compiled): the round's tensor maths fused into inductor kernels, each launch one
+    # compile=true (specsamp.round.compiled): the round's tensor maths fused into inductor kernels, each launch one
     # operation, plus every ATen call left outside them (the commit, the loop, the wrappers); the network
     # excluded. At one image on the digits network: D-GRS (2,3) <= 300 per round, x0 + optimal B=14 <= 400,
     # a chain of 62 within 1.5x a chain of 14 (the fused drafting does not grow with depth), one sync per round

@@ -1,10 +1,10 @@
-"""The lean round of the tree execution: its memory-saving variants draw the same numbers; it serves drafts
+"""The dense round of the tree execution: its memory-saving variants draw the same numbers; it serves drafts
 with history and step-dependent trees with the path execution's counts and samples.
 
 Setup: ``GaussianMixture(dim=4, components=3, layout_seed=1)`` in float64 and float32, ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections in most rounds), 40 trajectories, seed 3. Each variant
 (residuals drawn again instead of kept, verification in one-node chunks, keys folded per round instead of
-tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and samples bitwise equal to the default lean round, and counts identical
+tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and samples bitwise equal to the default dense round, and counts identical
 to the path execution.
 """
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers import RowwiseMixture
-from specsamp import lean, leantree, rounds, sampler
+from specsamp import sampler
+from specsamp.round import draws, layouts, tables
 from specsamp.models import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -36,9 +37,9 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
-    monkeypatch.setattr(leantree, variant[0], variant[1])
+    monkeypatch.setattr(draws if variant[0].endswith(("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE")) else tables, *variant)
     if variant[0] == "VERIFY_MEMORY":  # one node per chunk: the floor of 2**20 elements would keep one chunk
-        monkeypatch.setattr(leantree, "VERIFY_FLOOR", 0)
+        monkeypatch.setattr(tables, "VERIFY_FLOOR", 0)
     got = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
@@ -62,7 +63,7 @@ def test_schedule_tables_equal_the_kernel_bit_for_bit(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", ["velocity", "drift", "x0"])
 def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
-    # Draft.table_mean (the lean round's form) against Draft.mean, 3 rows x 4 nodes of 6 coordinates, seed 1
+    # Draft.table_mean (the dense round's form) against Draft.mean, 3 rows x 4 nodes of 6 coordinates, seed 1
     from specsamp.drafts import DraftRoot, get_draft
 
     draft, sch = get_draft(name), Schedule.make(10, 0.7)
@@ -86,7 +87,7 @@ def _per_step_rule(n):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("draft", ["x0_extrap", "x0_extrap_gated", "x0_affine", "x0"])
 @pytest.mark.parametrize("tree", ["fixed", "per_step"])
-def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype, draft, tree):
+def test_history_drafts_and_per_step_trees_run_the_dense_round(monkeypatch, dtype, draft, tree):
     # the dense round serves drafts with history and step-dependent trees (the sparse round's walk is never
     # called: no check fails here), with counts identical and samples bitwise equal to the path execution
     # (a target evaluated row by row: the executions batch a node differently, helpers.RowwiseMixture)
@@ -98,25 +99,24 @@ def test_history_drafts_and_per_step_trees_run_the_lean_round(monkeypatch, dtype
     def no_sparse(*a, **k):
         raise AssertionError("the sparse round ran")
 
-    monkeypatch.setattr(lean, "_round", no_sparse)  # the checked walk's
-    monkeypatch.setattr(rounds, "_round", no_sparse)  # the path execution's (rounds.SparseLayout.round)
+    monkeypatch.setattr(layouts, "sparse_round", no_sparse)  # the checked walk's and the path execution's
     got = sampler.sample_speculative(model, SCHED, rule, "dgrs", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(path, f)), f
     assert torch.equal(got.samples, path.samples)
 
 
-def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
+def test_per_step_dense_round_serves_several_trees_in_one_round(monkeypatch):
     # 40 trajectories of _per_step_rule (T = 8, float64, seed 3): some round has rows rooted at state
-    # indices of different trees, so one host round runs more than one lean tree
+    # indices of different trees, so one host round runs more than one tree's dense tables
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
-    seen, real = [], lean._lean_round
+    seen, real = [], layouts.dense_round
 
-    def spy(ctx, lt, st, plan, kind="some", sel=None, *rest, **kw):
+    def spy(ctx, lt, st, sel, plans, *rest, **kw):
         seen.append(sel is not None)
-        return real(ctx, lt, st, plan, kind, sel, *rest, **kw)
+        return real(ctx, lt, st, sel, plans, *rest, **kw)
 
-    monkeypatch.setattr(lean, "_lean_round", spy)
+    monkeypatch.setattr(layouts, "dense_round", spy)
     sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)
     assert any(seen)
 
@@ -124,7 +124,7 @@ def test_per_step_lean_round_serves_several_trees_in_one_round(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", ["x0_extrap", "x0_extrap_gated", "x0_affine"])
 def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
-    # Draft.table_frozen + table_mean (the lean round's form) against Draft.mean for a frozen quantity of
+    # Draft.table_frozen + table_mean (the dense round's form) against Draft.mean for a frozen quantity of
     # several components ((a, s); x0_affine adds mu and s2, here s2 = 0.5, -1 (the fallback) and 2 for the
     # three rows): 3 rows x 4 nodes of 6 coordinates, seed 1, the sampler's coefficient table (lsnr column)
     from specsamp.drafts import get_draft
@@ -149,7 +149,7 @@ def test_uniform_table_serves_a_coupling_that_asks_for_more_calls(monkeypatch):
     model = GaussianMixture(dim=4, components=3, layout_seed=1)
     kw = dict(draft="x0", prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
-    monkeypatch.setattr(leantree, "UNIFORM_CACHE", 0)
+    monkeypatch.setattr(draws, "UNIFORM_CACHE", 0)
     got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "markmax", 40, execution="tree", **kw)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
@@ -187,7 +187,7 @@ def test_round_without_kept_samples_decides_then_draws_one_residual_per_row_with
 
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=torch.float64)
     ref = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 40, execution="tree", seed=3)
-    monkeypatch.setattr(leantree, "RESIDUAL_CACHE", 0)
+    monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     inversion = grs.sample_grs_residual
     rows = []
     monkeypatch.setattr(grs, "sample_grs_residual", lambda delta, *a, **k: rows.append(delta.shape[0]) or inversion(delta, *a, **k))

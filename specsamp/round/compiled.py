@@ -1,4 +1,4 @@
-"""The lean round under ``torch.compile`` (``compile=true``): its tensor maths fused into kernels, the network outside.
+"""The dense round under ``torch.compile`` (``compile=true``): its tensor maths fused into kernels, the network outside.
 
 Design and guarantee (the law): ``docs/architecture.md``, "Compiled round"; compile checks: :mod:`specsamp.inductor`.
 """
@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .inductor import classify_compile_error
-from . import rng
-from .coupling import deferred_checks
-from .lean import _accept, _draft, _lean_round, _network_outside, _outside, _verify_chunk, _verify_inputs, _walk
+from .. import rng
+from ..coupling import deferred_checks
+from ..inductor import classify_compile_error
+from .dense import DenseRound, dense_round, network_outside
+from .draws import outside
 
 RECOMPILE_LIMIT = 64  # distinct (tree or chunk shape, batch size, dtype) entries of a piece before eager fallback
 # Buffer reuse on (torch 2.14, CPU) broke the law where the verification ran in several chunks (docs/architecture.md,
@@ -21,7 +22,7 @@ RECOMPILE_LIMIT = 64  # distinct (tree or chunk shape, batch size, dtype) entrie
 INDUCTOR_OPTIONS = (("allow_buffer_reuse", False), ("inplace_buffers", False))
 
 
-def _guarded(fn: Callable) -> Callable:
+def guarded(fn: Callable) -> Callable:
     """``fn`` with a machine fault of the cache raised as :func:`specsamp.inductor.cache_fault`'s paragraph.
 
     Before the call, the calling thread's slot of the active deferred checks (:func:`specsamp.coupling.active_checks`)
@@ -29,7 +30,7 @@ def _guarded(fn: Callable) -> Callable:
     and TorchDynamo guards on whether it exists, so a piece first traced where it did not would compile again."""
     import functools
 
-    from . import coupling
+    from .. import coupling
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -47,7 +48,7 @@ def _guarded(fn: Callable) -> Callable:
 
 
 TRACED_COUPLINGS = ("dgrs", "rmc")  # registered couplings whose verify asks the host nothing: traced into the graphs
-_OUTSIDE: dict = {}
+OUTSIDE_RULES: dict = {}
 
 
 def for_compile(coupling):
@@ -57,67 +58,61 @@ def for_compile(coupling):
     bisections (an internal compiler error after 8 minutes on the (2, 3) tree); a user's rule is unknown."""
     import dataclasses
 
-    from .coupling import COUPLINGS
+    from ..coupling import COUPLINGS
 
     if coupling.name in TRACED_COUPLINGS and coupling.name in COUPLINGS and COUPLINGS.get(coupling.name).verify is coupling.verify:
         return coupling
     for fn in (coupling.verify, coupling.decide):
-        if fn is not None and fn not in _OUTSIDE:  # one wrapper per rule: the compiled graphs' guards hold it by identity
-            _OUTSIDE[fn] = torch.compiler.disable(fn, recursive=True)
-    return dataclasses.replace(coupling, verify=_OUTSIDE[coupling.verify],
-                               decide=None if coupling.decide is None else _OUTSIDE[coupling.decide])
+        if fn is not None and fn not in OUTSIDE_RULES:  # one wrapper per rule: the compiled graphs' guards hold it by identity
+            OUTSIDE_RULES[fn] = torch.compiler.disable(fn, recursive=True)
+    return dataclasses.replace(coupling, verify=OUTSIDE_RULES[coupling.verify],
+                               decide=None if coupling.decide is None else OUTSIDE_RULES[coupling.decide])
 
 
-def _finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
-            drawn_all, internal_r, calls: list):
-    """The compiled round's last piece: :func:`specsamp.lean._walk` (its deferred checks collected here) and
-    :func:`specsamp.lean._accept`. Returns ``(commit, n_new, exact_new, bad)``."""
+def finish(r) -> torch.Tensor:
+    """The compiled round's last piece: the walk of the :class:`specsamp.round.dense.DenseRound` ``r``
+    (:meth:`~specsamp.round.dense.DenseRound.walk`, its deferred checks collected here) and its
+    :meth:`~specsamp.round.dense.DenseRound.accept`. Returns the checks' 0-dim flag."""
     with deferred_checks() as checks:
-        walk = _walk(ctx, lt, st.n, states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r)
-    commit, n_new, exact_new = _accept(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, lt.buffers.acc, internal_r,
-                                       *walk, calls)
-    return commit, n_new, exact_new, lt.false if checks.bad is None else checks.bad
+        r.walk()
+    r.accept()
+    return r.lt.false if checks.bad is None else checks.bad
 
 
 @dataclass(frozen=True)
 class Stages:
     """The compiled round's pieces (:func:`compiled_round`), each compiled on its own and called by
-    :func:`specsamp.lean._lean_round` (eager Python between them): ``draft`` (:func:`specsamp.lean._draft`), ``chunk``
-    (:func:`specsamp.lean._verify_chunk`, one call per verification chunk, handed no slice and no root flag, so that
-    every chunk of one shape runs one graph) and ``finish`` (:func:`_finish`: the walk and the commit's gathers). The
-    verification is not unrolled into one graph: its chunks grow in number with the batch
-    (:meth:`specsamp.leantree._LeanTree.bind`), and so would the graph and its compile time (about a minute per chunk
-    of the (2, 3) tree on one CPU core)."""
+    :meth:`specsamp.round.dense.DenseRound.run` (eager Python between them): ``draft``
+    (:meth:`~specsamp.round.dense.DenseRound.draft`), ``chunk`` (:meth:`~specsamp.round.dense.DenseRound.verify_chunk`,
+    one call per verification chunk of ``even_chunks`` (:func:`specsamp.round.tables.even_chunks`), handed no slice
+    and no root flag, so that every chunk of a width runs one graph) and ``finish`` (:func:`finish`: the walk and the
+    commit's gathers). The verification is not unrolled into one graph: its chunks grow in number with the batch
+    (:func:`specsamp.round.tables.plan_chunks`), and so would that graph and its compile (about a minute per chunk of
+    D-GRS on the (2, 3) tree, on one CPU core)."""
 
     draft: Callable
     chunk: Callable
     finish: Callable
 
-    def verify(self, ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs, frozen, frozen_col, refined,
-               calls: list):
-        """:func:`specsamp.lean._verify` and :func:`specsamp.lean._accept` by these pieces: the chunks' verdicts
-        written into the round's buffers here, each piece's deferred checks collected in it and returned. Returns
-        ``(commit, n_new, exact_new, bad)`` as :func:`specsamp.lean._lean_round` does."""
-        n = st.n
-        vkeys_all, drawn_all, internal_r, verify = _verify_inputs(ctx, lt, n, n_lim)
+    def verify(self, r) -> None:
+        """:meth:`~specsamp.round.dense.DenseRound.verify`, its walk and its accept by these pieces, on the round ``r``:
+        the chunks' verdicts written into the round's buffers here, each piece's deferred checks collected in it and
+        joined into ``r.bad``."""
+        r.verify_inputs()
+        lt = r.lt
         acc, idx, res = lt.buffers.acc, lt.buffers.idx, lt.buffers.residual
-        bad = lt.false
-        for (k, u, _, ch, _, du, _, pos), sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
-            accepted, index, sample, bad_c = self.chunk(ctx, lt, (k, u, None, ch, None, du, None), sig_tab, n, n_lim,
-                                                        states, v0, vrest, coefs, frozen, frozen_col, refined, vkeys_all,
-                                                        drawn_all, internal_r, verify, res is not None, True)
-            acc[:, u], idx[:, u], bad = accepted, index, bad | bad_c
+        for k, u, ch, du, pos, sig_tab in lt.even_chunks:
+            accepted, index, sample, bad_c = self.chunk(r, (k, u, None, ch, None, du, None), sig_tab, True)
+            acc[:, u], idx[:, u], r.bad = accepted, index, r.bad | bad_c
             if res is not None:
                 res[pos] = sample
-        commit, n_new, exact_new, bad_f = self.finish(ctx, lt, st, live, n_lim, root_exact, states, v0, vrest, coefs,
-                                                      frozen, frozen_col, refined, vkeys_all, drawn_all, internal_r, calls)
-        return commit, n_new, exact_new, bad | bad_f
+        r.bad = r.bad | self.finish(r)
 
 
-_ROUND: list[Callable] = []
+ROUND: list[Callable] = []
 
 
-class _QuietCudaHome:
+class QuietCudaHome:
     """A logging filter dropping torch's "No CUDA runtime is found, using CUDA_HOME=..." notice, which inductor's CPU
     build prints where a CUDA toolkit is installed but no GPU is: it says nothing about a CPU run."""
 
@@ -126,13 +121,13 @@ class _QuietCudaHome:
 
 
 def compiled_round() -> Callable:
-    """:func:`specsamp.lean._lean_round` with its pieces (:class:`Stages`: the drafting, one
+    """:func:`specsamp.round.dense.dense_round` with its pieces (:class:`Stages`: the drafting, one
     verification chunk, the walk and commit) each under ``torch.compile(dynamic=False)`` (inductor), built once per
     process; TorchDynamo caches by code, so a process's runs share the graphs (per tree or chunk shape, batch size,
     dtype, device), and the chunks of one shape share one graph, so that the compile does not grow with the number
     of chunks. The recompile limit is raised to :data:`RECOMPILE_LIMIT` (torch's: 8) so that a sweep over trees keeps
     compiling."""
-    if not _ROUND:
+    if not ROUND:
         import functools
 
         import torch._dynamo
@@ -145,10 +140,10 @@ def compiled_round() -> Callable:
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         import logging
 
-        logging.getLogger("torch.utils.cpp_extension").addFilter(_QuietCudaHome())
-        _network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
-        _outside(rng.draft_noise)
+        logging.getLogger("torch.utils.cpp_extension").addFilter(QuietCudaHome())
+        network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
+        outside(rng.draft_noise)
         stages = Stages(*(torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
-                           for fn in (_draft, _verify_chunk, _finish)))
-        _ROUND.append(functools.partial(_lean_round, stages=stages))
-    return _guarded(_ROUND[0])
+                           for fn in (DenseRound.draft, DenseRound.verify_chunk, finish)))
+        ROUND.append(functools.partial(dense_round, stages=stages))
+    return guarded(ROUND[0])
