@@ -113,12 +113,13 @@ def test_profile_positional_reads_depths_and_repeats_the_last():
     np.testing.assert_allclose(ts.profile_positional([1.0], "rmc")(0, 1), [theory.rmc_acceptance(1.0)])
 
 
-def test_deltas_from_acceptance_round_trip():
+# markmax: 11 s (60 bisection steps of its numerical acceptance), -m slow; the same bisection runs here for dgrs, rmc
+@pytest.mark.parametrize("coupling,K", [("dgrs", 3), pytest.param("markmax", 3, marks=pytest.mark.slow), ("rmc", 1)])
+def test_deltas_from_acceptance_round_trip(coupling, K):
     deltas = np.array([0.0, 0.35, 1.2, 2.5])
-    for coupling, K in (("dgrs", 3), ("markmax", 3), ("rmc", 1)):
-        acc = ts.profile_positional(deltas, coupling)
-        rates = [acc(d, K).sum() for d in range(deltas.size)]
-        np.testing.assert_allclose(ts.deltas_from_acceptance(rates, K, coupling), deltas, atol=1e-6)
+    acc = ts.profile_positional(deltas, coupling)
+    rates = [acc(d, K).sum() for d in range(deltas.size)]
+    np.testing.assert_allclose(ts.deltas_from_acceptance(rates, K, coupling), deltas, atol=1e-6)
 
 
 def test_tree_for_the_runner():
