@@ -207,6 +207,7 @@ def test_clip_metric_offline_is_refused_before_sampling(runs):
     assert p.stdout == "" and not (r.out / "result.json").exists() and not (r.out / "images").exists()
 
 
+@pytest.mark.slow  # a runner subprocess of its own; scores guarded by tests/metrics/test_clip.py, the run by [dgrs] above
 def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch):
     """`run.py model=sd3 ... 'metrics=[clip]'` with a small open_clip model: the SD3 target's images
     ([-1, 1] floats, the package's one convention) are scored, per image, and the scores equal those of
