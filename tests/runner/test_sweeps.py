@@ -219,6 +219,7 @@ def test_make_tables_without_a_sweep_names_the_variable():
 # resume
 
 
+@pytest.mark.slow  # default guards: test_deleted_record_is_recomputed_alone (3 skips, records kept) and the path-valued resume below
 def test_relaunch_skips_every_finished_job(grid, tmp_path):
     sweep = copy_grid(grid, tmp_path)
     before = results(sweep)
