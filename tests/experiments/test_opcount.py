@@ -86,13 +86,13 @@ def test_round_ops_targets(digits_rows):
 
 
 @pytest.mark.slow
-def test_slow_arms_sync_once_and_keep_their_pins(digits_rows):
+def test_slow_arms_sync_once_and_keep_their_pins():
     # the arms left out of the default run: x0_extrap_gated with a tree per root step and markmax (2, 3)
-    rows = {r["arm"]: r for r in opcount.table_rows(("digits",), (1,), SLOW_ARMS, progress=None)}
+    rows = {r["arm"]: r for r in opcount.table_rows(("digits",), (1,), ["standard", *SLOW_ARMS], progress=None)}
     for arm in SLOW_ARMS:
         assert rows[arm]["syncs_round"] + rows[arm]["syncs_coupling"] <= 1.0, (arm, rows[arm])
     # the general lever (a draft with history, a tree per root step): the dense round, not the reference
-    step = max(digits_rows["standard"]["ops_round"], 110)
+    step = max(rows["standard"]["ops_round"], 110)
     assert rows["x0g+per-step B14"]["ops_round"] <= 8 * step
     test_round_and_coupling_ops_pinned(rows)
 
