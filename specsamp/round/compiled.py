@@ -25,17 +25,15 @@ INDUCTOR_OPTIONS = (("allow_buffer_reuse", False), ("inplace_buffers", False))
 def guarded(fn: Callable) -> Callable:
     """``fn`` with a machine fault of the cache raised as :func:`specsamp.inductor.cache_fault`'s paragraph.
 
-    Before the call, the calling thread's slot of the active deferred checks (:func:`specsamp.coupling.active_checks`)
-    is made to exist (None): the compiled pieces enter :func:`~specsamp.coupling.deferred_checks`, which reads it,
-    and TorchDynamo guards on whether it exists, so a piece first traced where it did not would compile again."""
+    Before the call, the calling thread's slot of the active deferred checks is made to exist
+    (:func:`specsamp.projection.open_checks_slot`)."""
     import functools
 
-    from .. import coupling
+    from ..projection import open_checks_slot
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not hasattr(coupling._ACTIVE, "checks"):
-            coupling._ACTIVE.checks = None
+        open_checks_slot()
         try:
             return fn(*args, **kwargs)
         except Exception as e:
