@@ -270,7 +270,7 @@ def composition_message(error: BaseException) -> str:
     """The one paragraph printed for an override list that does not compose (a Hydra or OmegaConf error):
     a sweep given without ``-m``, a group option that does not exist, an unknown key or a wrong type, or
     Hydra's own message on one line. Shared by ``run.py`` and the command-line modules that take overrides."""
-    from .config import explain
+    from .explain import explain
 
     return sweep_without_multirun(error) or missing_option(error) or explain(error) or _one_paragraph(error)
 
@@ -449,7 +449,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     """Run ``hydra_main`` (``run.py``'s ``@hydra.main`` function) and exit with this module's status.
 
     A composition error (unknown key, wrong type, bad group option) becomes one paragraph naming the key
-    and the closest valid one (:func:`specsamp.runner.config.explain`), exit 2; an infrastructure failure
+    and the closest valid one (:func:`specsamp.runner.explain.explain`), exit 2; an infrastructure failure
     exit 3, naming the file (a file that Hydra was writing in place and that did not fit is removed:
     :func:`discard_torn_file`); Ctrl-C exit 130 with the sweep's summary; anything else is a bug (traceback, exit 1).
     """
@@ -466,7 +466,7 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         _help_without_schemas()
-    from .config import override_problem
+    from .explain import override_problem
 
     as_key = conflicting_modes(sys.argv[1:]) or group_given_as_key(sys.argv[1:]) or override_problem(sys.argv[1:])
     if as_key is not None:

@@ -5,7 +5,7 @@ Checks that need no schema, so :mod:`~specsamp.runner.config` (the typed config)
 - :func:`misread_override`: an override whose value Hydra's grammar reads otherwise than typed (a number for
   a key that takes true or false, a sweep name the grammar turns into another value), or an output folder
   with a control character, before anything composes (``run.py`` calls it through
-  :func:`specsamp.runner.config.override_problem`, which knows the keys that take true or false);
+  :func:`specsamp.runner.explain.override_problem`, which knows the keys that take true or false);
 - :func:`unreadable_override`: one paragraph for an override the grammar cannot read at all;
 - :data:`SWEEP_NAME_TEXT`, :func:`sweep_name_ok`: what ``sweep_name`` may be (a folder below ``multirun/``);
 - :func:`path_problem`, :data:`PATH_FIELDS`, :data:`HYDRA_PATH_KEYS`: paths a user gives (a model's
@@ -104,7 +104,7 @@ def misread_override(argv: Sequence[str], bool_keys: Callable[[], Collection[str
     - an output folder (:data:`HYDRA_PATH_KEYS`) that is empty or holds a control character (a newline).
 
     ``bool_keys()`` gives the keys that take true or false (called only when an override may set one);
-    :func:`specsamp.runner.config.override_problem` passes those of the config's schemas.
+    :func:`specsamp.runner.explain.override_problem` passes those of the config's schemas.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 

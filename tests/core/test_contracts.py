@@ -166,7 +166,7 @@ def test_a_users_model_schema_names_its_own_keys(tmp_path):
         search = f"hydra.searchpath=[file://{tmp_path}]"
         cfg = compose(["model=tiny_gmm", "model.dim=4", "steps=8", "n_samples=2", search])
         assert cfg.model.width_of_mine == 3 and cfg.K == RUN_DEFAULTS["K"]  # typed by the schema; no paper block
-        from specsamp.runner.config import explain
+        from specsamp.runner.explain import explain
 
         with pytest.raises(ConfigCompositionException) as e:
             compose(["model=tiny_gmm", "model.width_of_mines=4", search])

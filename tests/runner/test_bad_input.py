@@ -302,7 +302,7 @@ def test_sweep_name_is_checked_as_resolved_too():
 
 
 def test_overrides_read_otherwise_than_typed_are_refused():
-    from specsamp.runner.config import override_problem
+    from specsamp.runner.explain import override_problem
 
     assert override_problem(["compile=2"]) == "compile=2 is invalid: compile takes true or false, not a number."
     assert "model.trust_checkpoint=1 is invalid" in override_problem(["model.trust_checkpoint=1"])

@@ -9,7 +9,8 @@ import pytest
 from helpers import TINY, run, run_inprocess
 
 from specsamp.errors import ConfigError
-from specsamp.runner.config import closest_key, compose, load_config, valid_keys
+from specsamp.runner.config import closest_key, compose, load_config
+from specsamp.runner.explain import valid_keys
 from specsamp.runner.loop import record_hash, run_config
 
 
