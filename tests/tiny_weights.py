@@ -26,7 +26,7 @@ def _strided_random(shape, scale: float, gen: torch.Generator) -> torch.Tensor:
     if len(shape) == 0:
         return torch.randn((), generator=gen) * scale
     strides, acc = [], 1
-    for n in reversed(shape):  # small, distinct strides: entries repeat along diagonals, not rows
+    for _ in shape:  # small, distinct strides: entries repeat along diagonals, not rows
         strides.append(acc)
         acc = acc + 2
     strides = tuple(reversed(strides))

@@ -20,7 +20,6 @@ from specsamp.coupling import (
     grs_threshold,
     log_sf,
     min_sigma,
-    rmc,
     sample_grs_residual,
 )
 from specsamp.testing import law_pvalues

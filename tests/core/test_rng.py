@@ -204,7 +204,6 @@ def test_blocked_normal_matches_the_formula(shape):
 
 def test_runner_refuses_seeds_outside_the_key_range():
     # the runner checks the range up front (exit 2 with the one-paragraph message, no traceback)
-    import subprocess
     import sys
 
     root = ROOT

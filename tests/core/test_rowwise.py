@@ -246,9 +246,9 @@ def test_random_numbers_are_rowwise():
     # seed 8: 4000 keys; uniforms (m = 1, 3, 64), normals of 1, 5 and 3x8x8 coordinates, the per-row sources
     keys = base_key(8, torch.arange(BIG), "draft")
     for m in (1, 3, 64):
-        assert_rowwise(lambda k: uniform(k, m), (keys,), sevens=m == 3)
+        assert_rowwise(lambda k, m=m: uniform(k, m), (keys,), sevens=m == 3)
     for shape in ((1,), (5,), (3, 8, 8)):
-        assert_rowwise(lambda k: normal(k, shape), (keys,), sevens=shape == (5,))
+        assert_rowwise(lambda k, shape=shape: normal(k, shape), (keys,), sevens=shape == (5,))
     assert_rowwise(lambda k: normal(k, (6,), dtype=torch.float32), (keys,), sevens=False)
     assert_rowwise(lambda k: uniform_table(k, [3, 1, 2]), (keys,), sevens=False)
     assert_rowwise(lambda k: KeyedRows(k).uniform(4), (fold(keys, 3),), sevens=False)

@@ -665,7 +665,7 @@ def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
     torch.testing.assert_close(r.samples, base.samples, rtol=0, atol=0)  # history changes no number
     first = seen[0][4]
     assert torch.all(first[:, 0] == 0) and torch.all(first[:, 1:] == -1)
-    for x, n, exact, hx, hn in seen:
+    for _x, n, exact, hx, hn in seen:
         assert torch.all(hn[:, 0] < n) and torch.all(hn[:, 0] >= 0)
         assert torch.all((hn[:, 1:] < hn[:, :-1]) | (hn[:, 1:] == -1))
         assert torch.all(exact | (hn[:, 0] == n - 1))

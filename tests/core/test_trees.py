@@ -12,7 +12,7 @@ from specsamp.trees import DraftTree
 
 def brute_depth(parent):
     depth = []
-    for v, p in enumerate(parent):
+    for p in parent:
         depth.append(0 if p < 0 else depth[p] + 1)
     return np.asarray(depth)
 

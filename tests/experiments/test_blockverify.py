@@ -64,8 +64,7 @@ def draft_chains(n, delta, seed, L=4, dtype=torch.float64):
         kids.append(x)
         mps.append(mp)
         mqs.append(mq)
-    cast = lambda t: torch.stack(t, 1).to(dtype)
-    return root, cast(kids), cast(mps), cast(mqs), g
+    return root, *(torch.stack(t, 1).to(dtype) for t in (kids, mps, mqs)), g
 
 
 def completed_paths(root, verdict, kids, g):

@@ -87,7 +87,6 @@ def test_gmm_table_printed_claims_equal_the_results_readme_rows():
     """``python -m experiments.gmm table`` (from the committed grid.csv) and the section 5.1 table of
     ``results/README.md`` say the same: for every quantity in both, the documented value starts with the
     printed one (the table may add the 1,000-trajectory reruns after it)."""
-    from pathlib import Path
 
     from experiments import gmm
     from experiments.common import read_csv
@@ -114,7 +113,6 @@ def test_make_sweep_local_comment_gives_the_cells_speedups():
     """The Makefile's comment on SWEEP_ARGS gives the four cells' speedups (seed 0, 16 trajectories) to the
     two decimals it prints; they are deterministic counts, so they must equal a run of those cells."""
     import re
-    from pathlib import Path
 
     from specsamp.runner import compose, run_config
 

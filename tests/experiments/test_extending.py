@@ -58,7 +58,7 @@ def test_example_runs_through_run_py(title, tmp_path):
 def test_a_typo_in_the_models_keys_names_its_own(tmp_path):
     """The model section's claim: a mistyped key of the user's model exits 2 naming the class's keys."""
     ext = tmp_path / "ext"
-    for lang, body in blocks(section("A model")):
+    for _lang, body in blocks(section("A model")):
         if body.startswith("# file: "):
             path = ext / body.split("\n", 1)[0][len("# file: "):].strip()
             path.parent.mkdir(parents=True, exist_ok=True)

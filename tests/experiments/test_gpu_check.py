@@ -238,7 +238,7 @@ def test_host_syncs_are_counted_by_source_line(monkeypatch):
 
     class Syncing(TimedModel):
         def __call__(self, x, sigma, **cond):
-            warnings.warn("called a synchronizing CUDA operation")
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # attributed to this line
             return super().__call__(x, sigma, **cond)
 
     model = Syncing(GaussianMixture(4, 2, 0))

@@ -7,7 +7,6 @@ file name in a private torch hub cache (tests/tiny_weights.py), against a ``mode
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest

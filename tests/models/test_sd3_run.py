@@ -350,14 +350,17 @@ def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
         inner = built.model
 
         class Spy:
+            def __init__(self, inner, seen):
+                self.inner, self.seen = inner, seen
+
             def __getattr__(self, name):
-                return getattr(inner, name)
+                return getattr(self.__dict__["inner"], name)
 
             def __call__(self, x, sigma, **cond):
-                seen.append(x.shape[0])
-                return inner(x, sigma, **cond)
+                self.seen.append(x.shape[0])
+                return self.inner(x, sigma, **cond)
 
-        target = Target(Spy(), cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for,
+        target = Target(Spy(inner, seen), cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for,
                         max_batch=built.max_batch)
         _, res = run_config(cfg, target=target)
         rows[label] = (max(seen), res.extra["max_batch"])

@@ -127,7 +127,7 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
     assert f"x with the calibration's {rec['calibration']['nfe']} calls)" in p.stdout
     assert rec["budget"] == 6 and len(rec["delta_profile"]) == 6 and len(rec["delta_profile"][0]) == 6
     assert set(rec["trees_by_root"]) == {str(n) for n in range(1, 7)}
-    for n, parent in rec["trees_by_root"].items():  # <= B drafted states, no deeper than the steps left
+    for parent in rec["trees_by_root"].values():  # <= B drafted states, no deeper than the steps left
         assert 2 <= len(parent) <= 7
     cal = rec["calibration"]
     assert cal["trajectories"] == 64 and cal["nfe"] > 0 and cal["target_rows"] >= cal["nfe"] and cal["charged"] is False
@@ -154,7 +154,6 @@ def test_optimal_per_step_calibrates_records_its_cost_and_takes_given_profiles(t
 
 
 def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
-    import subprocess
     import sys
 
     out = tmp_path / "prof.json"

@@ -81,7 +81,7 @@ def ctrl_c(proc, log: Path, timeout: float = 60.0) -> int:
         proc.send_signal(signal.SIGABRT)
         proc.wait(timeout=60)
         pytest.fail(f"two Ctrl-C did not end run.py ({where}); its log and stacks:\n{log.read_text()}")
-    warnings.warn(f"run.py ignored the first Ctrl-C for {timeout:.0f} s ({where}); the second ended it:\n{log.read_text()}")
+    warnings.warn(f"run.py ignored the first Ctrl-C for {timeout:.0f} s ({where}); the second ended it:\n{log.read_text()}", stacklevel=2)
     return code
 
 
@@ -257,7 +257,8 @@ def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it
         proc = start(["-m", *LAUNCH, *held, *extra, *TINY, "K=1,2", f"sweep_name={name}"], tmp_path)
         array = submitted_array(log)
         # the first array holds both CPUs: the second one's tasks stay pending, which Ctrl-C cancels as well
-        wait_until("both tasks queued", lambda: len(squeue(array)) == 2 and (extra or set(squeue(array).values()) == {"RUNNING"}))
+        wait_until("both tasks queued", lambda array=array, extra=extra: len(squeue(array)) == 2
+                   and (extra or set(squeue(array).values()) == {"RUNNING"}))
         assert ctrl_c(proc, log, timeout=WAIT_S) == 130
         out = log.read_text()
         if not extra:
