@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install lint format test test-all bench bench-latency bench-samplers gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
+.PHONY: help install lint format test test-all bench bench-latency bench-rev bench-samplers gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -31,6 +31,9 @@ bench:  ## CPU benchmarks (overhead, scaling, grid vs numpy, memory, coupling, o
 bench-latency:  ## latency on the digits network, n = 1..8 images, standard vs each arm, real CPU and calls padded to 2, 5, 20 ms: results/digits/latency.csv, then where a round's own time goes (about 8 min; both name the CPU)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.latency --out results/digits/latency.csv $(ARGS)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.roundcost
+
+bench-rev:  ## the sampler's latency here against git revision REV, interleaved in one sitting (digits, one image, one thread): make bench-rev REV=0e196ae
+	$(PYTHON) -m benchmarks.revlatency $(REV) $(ARGS)
 
 bench-samplers:  ## DDPM (1000, 100 steps), Euler ancestral (50) and stochastic flow matching (28) against the scheduler's own loop on the digits network and the mixture: calls, acceptance per depth and one-image wall clock, X
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.samplers --search --n 16 --out results/samplers.json $(ARGS)

@@ -188,3 +188,11 @@ def test_samplers_benchmark_loop_samples_the_kernels_law(kernel, steps):
     p = [stats.ks_2samp((ref @ d).numpy(), (ours @ d).numpy()).pvalue for d in dirs]
     p.append(stats.ks_2samp(ref.norm(dim=1).numpy(), ours.norm(dim=1).numpy()).pvalue)
     assert min(p) > 1e-3, p
+
+
+def test_revlatency_refuses_unknown_arms_before_it_checks_anything_out(capsys):
+    from benchmarks.revlatency import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["HEAD", "--arms", "standard,nope"])
+    assert e.value.code == 2 and "['nope'] unknown" in capsys.readouterr().err
