@@ -68,8 +68,17 @@ class Kernel:
         nothing to learn."""
 
     def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
-        """The kernel mean at states ``x`` with the network's outputs ``out``; ``c`` maps each column to a tensor that
-        broadcasts against ``x`` (the steps' coefficients, in ``x``'s dtype)."""
+        """The kernel mean ``[..., *e]`` of the step from states ``x [..., *e]`` on the linear path.
+
+        Args:
+            x: the states, in any layout (``[M, *e]`` per row, ``[nodes, rows, D]`` in the dense round).
+            out: the network's output at ``x``, shaped like ``x`` and in its dtype: the velocity
+                ``v = xi - x0`` of the linear path ``x = (1 - sigma) x0 + sigma xi`` (what
+                :class:`specsamp.models.base.VelocityModel` returns, whatever the network's own parametrisation),
+                or a draft's stand-in for it (a frozen velocity, ``(x - x0_hat) / sigma``).
+            c: each name in :attr:`columns` mapped to the steps' coefficients, in ``x``'s dtype, broadcasting
+                against ``x`` (:meth:`coefs`, :meth:`named`).
+        """
         raise NotImplementedError
 
     def table(self, device, dtype) -> torch.Tensor:
@@ -84,11 +93,9 @@ class Kernel:
         return self._tables[key]
 
     def named(self, cols) -> dict:
-        """``{column: tensor}`` from one tensor per column, in :attr:`columns` order, with ``kernel``: this kernel
-        (what a draft's ``table_mean`` and :meth:`mean` are handed)."""
-        out = dict(zip(self.columns, cols))
-        out["kernel"] = self
-        return out
+        """``{column: tensor}`` from one tensor per column, in :attr:`columns` order (what :meth:`mean` and a draft's
+        ``table_mean`` are handed)."""
+        return dict(zip(self.columns, cols))
 
     def coefs(self, n: torch.Tensor, like: torch.Tensor) -> dict:
         """The coefficients of steps ``n [s]`` for the rows of ``like [s, ...]``: one gather of :meth:`table`, each
@@ -148,21 +155,6 @@ class EulerMaruyama(Kernel):
 KERNELS.register("em", EulerMaruyama)  # the config's short name (``kernel=em``)
 
 
-def _clip_x0(x0: torch.Tensor, c: dict) -> torch.Tensor:
-    """The data prediction after the scheduler's own clip or dynamic threshold (none unless its options ask)."""
-    k = c["kernel"]
-    if k.threshold is not None:  # diffusers' dynamic thresholding: per sample, over its event dimensions
-        ratio, max_value = k.threshold
-        size = k.event_size or x0.shape[x0.ndim - k.event_ndim :].numel()
-        flat = x0.reshape(-1, size)  # one sample per row, whatever the layout's leading dimensions
-        up = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-        s = torch.quantile(up.abs(), ratio, dim=-1, keepdim=True).clamp(min=1.0, max=max_value)
-        return (torch.maximum(torch.minimum(up, s), -s) / s).to(x0.dtype).reshape(x0.shape)
-    if k.clip is not None:
-        return x0.clamp(-k.clip, k.clip)
-    return x0
-
-
 class DataPredictionKernel(Kernel):
     """A kernel whose mean is affine in the state and the data prediction ``x0 = x - sigma v``::
 
@@ -210,13 +202,26 @@ class DataPredictionKernel(Kernel):
         """``(A, B, S)`` float64 ``[T]``: the step in the scheduler's coordinates, ``y' = A y + B x0 + S z``."""
         raise NotImplementedError
 
+    def clip_x0(self, x0: torch.Tensor) -> torch.Tensor:
+        """The data prediction after the scheduler's own clip or dynamic threshold (none unless its options ask)."""
+        if self.threshold is not None:  # diffusers' dynamic thresholding: per sample, over its event dimensions
+            ratio, max_value = self.threshold
+            size = self.event_size or x0.shape[x0.ndim - self.event_ndim :].numel()
+            flat = x0.reshape(-1, size)  # one sample per row, whatever the layout's leading dimensions
+            up = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+            s = torch.quantile(up.abs(), ratio, dim=-1, keepdim=True).clamp(min=1.0, max=max_value)
+            return (torch.maximum(torch.minimum(up, s), -s) / s).to(x0.dtype).reshape(x0.shape)
+        if self.clip is not None:
+            return x0.clamp(-self.clip, self.clip)
+        return x0
+
     def columns64(self, device) -> dict[str, torch.Tensor]:
         A, B, S = self.step_coefficients(device)
         k = self.level_scale().to(device)
         return {"c_x": A * k[:-1] / k[1:], "c_x0": B / k[1:], "sigma": self.sigmas.to(device)[:-1], "std": S / k[1:]}
 
     def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
-        return c["c_x"] * x + c["c_x0"] * _clip_x0(x - c["sigma"] * out, c)
+        return c["c_x"] * x + c["c_x0"] * self.clip_x0(x - c["sigma"] * out)
 
 
 DDPM_VARIANCES = ("fixed_small", "fixed_small_log", "fixed_large")
