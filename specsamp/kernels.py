@@ -356,8 +356,8 @@ class DDPM(DataPredictionKernel):
     def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, **options) -> SchedulerLevels:
         variance = config_value(sch, "variance_type", "fixed_small")
         if variance not in DDPM_VARIANCES:
-            raise refuse("DDPMScheduler", f"variance_type={variance!r} is not reproduced (supported: {', '.join(DDPM_VARIANCES)}; "
-                         "a learned variance depends on the state)")
+            raise refuse("DDPMScheduler", f"variance_type={variance!r} is not reproduced (supported: "
+                         f"{', '.join(DDPM_VARIANCES)}; a learned variance depends on the state)")
         if config_value(sch, "rescale_betas_zero_snr", False):
             raise refuse("DDPMScheduler", "rescale_betas_zero_snr=True puts the first level at infinite noise, where the "
                          "data prediction is undefined on the linear path")

@@ -62,7 +62,8 @@ class SchedulerPlan:
 
 
 def _check_steps(num_inference_steps) -> int:
-    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or not 3 <= num_inference_steps <= MAX_STEPS:
+    n = num_inference_steps
+    if isinstance(n, bool) or not isinstance(n, int) or not 3 <= n <= MAX_STEPS:
         raise ConfigError(f"num_inference_steps={describe(num_inference_steps)} is invalid: need an integer in "
                           f"[3, {MAX_STEPS}] (the first and last steps lie outside speculation).")
     return num_inference_steps

@@ -38,12 +38,12 @@ from .. import arguments
 from ..coupling import get_coupling
 from ..drafts import get_draft
 from ..errors import ConfigError
+from ..kernels import kernel_of_scheduler
 from ..models.base import parse_dtype
 from ..models.pipelines import Conditioning, encode, net_dtype_device, network_call, rows_of, velocity_model
 from ..rng import MAX_SEED
-from ..trees import DraftTree
-from ..kernels import kernel_of_scheduler
 from ..schedulers import SchedulerPlan, from_scheduler
+from ..trees import DraftTree
 
 KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
 """The pipeline classes covered (subclasses included) and the kind each is driven as."""

@@ -24,7 +24,7 @@ from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
-from .config import CALIBRATION_SEED_OFFSET, RunConfig, brings_scheduler, kernel_name, profile_path
+from .config import CALIBRATION_SEED_OFFSET, KERNEL_SCHEMAS, RunConfig, brings_scheduler, kernel_name, profile_path
 from .memory import check_config_sizes, check_nominal_budget, check_tree_nodes
 from .outputs import check_scoring, check_target_scores
 from .treerules import SEARCHED_TREES, check_search, get_tree_rule
@@ -140,8 +140,9 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
     if plan is not None:
         return plan.schedule, plan
     if name == "auto":
+        names = [k for k in KERNEL_SCHEMAS if k != "auto"]
         raise ConfigError(f"kernel=auto is invalid with model={run.model.name}: the model brings no scheduler of its own "
-                          "here; set kernel=em, ddpm, euler_ancestral or flow_stochastic.")
+                          f"here; set kernel={', '.join(names[:-1])} or {names[-1]}.")
     if name == "em":
         try:
             return Schedule.make(run.steps, run.eps, shift=float(run.model.shift)), None

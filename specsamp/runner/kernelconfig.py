@@ -117,9 +117,10 @@ def _kernel_schema(kernel) -> type:
     name = kernel.get("name") if isinstance(kernel, Mapping) else None
     if name not in KERNEL_SCHEMAS:
         shown = f"kernel.name={name!r}" if isinstance(kernel, Mapping) else f"kernel={kernel!r}"
+        schedulers = ", ".join(SCHEDULER_KERNELS[:-1]) + " and " + SCHEDULER_KERNELS[-1]
         raise ConfigError(f"{shown} is invalid: must be one of {', '.join(KERNEL_SCHEMAS)} (conf/kernel/: em, the paper's "
-                          "Euler-Maruyama kernel and the default; auto, the model's own scheduler; ddpm, euler_ancestral and "
-                          "flow_stochastic, the diffusers schedulers' steps).")
+                          f"Euler-Maruyama kernel and the default; auto, the model's own scheduler; {schedulers}, the "
+                          "diffusers schedulers' steps).")
     return KERNEL_SCHEMAS[name]
 
 
