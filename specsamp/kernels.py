@@ -17,6 +17,11 @@ Adding a kernel is one subclass and a registration (``docs/extending.md``)::
         def columns64(self, device): ...      # float64 [T] per column, from self.sigmas and self.eps
         def mean(self, x, out, c): return c["c_x"] * x + c["c_out"] * out
 
+A kernel that reproduces a diffusers scheduler also says which (:attr:`Kernel.schedulers`) and how the
+scheduler's config reads into its options (:meth:`Kernel.read_scheduler`, with the class attributes beside it):
+:mod:`specsamp.schedulers`, the diffusers entry point and model and the runner read every scheduler-to-kernel
+map from these.
+
 :meth:`Kernel.mean` fixes its floating-point operations: the tables hold bit for bit what a per-step computation
 would, and each kernel's ``mean`` is the one formula every caller runs, so the executions agree bitwise.
 """
