@@ -184,13 +184,14 @@ class Draft:
             (:func:`table_means`), so both executions run one formula.
         history: how many earlier exact data predictions of the trajectory ``freeze`` reads
             (``DraftRoot.history``, with the states they were computed at); 0: none are kept.
-        table_mean: optional ``(frozen [M, 1, D], x [M, g, D], coef) -> [M, g, D]``: the proposal means of
+        table_mean: optional ``(frozen [M, 1, D], x [M, g, D], coef, kernel) -> [M, g, D]``: the proposal means of
             nodes ``x`` (event flattened to ``D``; ``frozen`` likewise, with a node axis of 1), computed with the
             same operations as ``mean`` (so the same bits) from coefficients already gathered for each node's
             step: ``coef`` maps each column of the kernel's table (:meth:`specsamp.kernels.Kernel.table`: for
             Euler--Maruyama ``dt``, ``a``, ``b``, ``sigma``, ``std`` and ``lsnr``, ``log((1 - sigma) / sigma)`` of that
-            ``sigma``, in ``x``'s dtype) to tensors that broadcast against ``x``, and ``kernel`` to the kernel
-            (``coef["kernel"].mean(x, out, coef)``: the target kernel's mean). With it the tree execution runs its dense round (no coefficient recomputed per call);
+            ``sigma``, in ``x``'s dtype) to tensors that broadcast against ``x``; ``kernel`` is the target kernel
+            (``kernel.mean(x, out, coef)``: its mean, :class:`specsamp.kernels.Kernel`). With it the tree
+            execution runs its dense round (no coefficient recomputed per call);
             the same bits matter because the couplings project on ``mean_q - mean_p``, small where the draft
             is good, so a last-bit change of a state can turn the residual's direction.
         table_frozen: optional ``(frozen [C, ..., D], coef) -> frozen for table_mean``, for a draft whose frozen
@@ -214,20 +215,22 @@ class Draft:
             object.__setattr__(self, "mean", functools.partial(_mean_from_table, self))
 
 
-def table_means(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, coef: dict) -> torch.Tensor:
+def table_means(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, coef: dict, kernel) -> torch.Tensor:
     """The proposal means ``[M, g, D]`` of nodes ``x [M, g, D]`` (event flattened) of a draft with a table form, from
-    its frozen quantity ``frozen [M, ...]`` and the steps' coefficients ``coef`` (each ``[M, 1, 1]``, with ``kernel``;
-    :meth:`specsamp.kernels.Kernel.coefs`): ``table_frozen`` (where the draft has one) then ``table_mean``."""
+    its frozen quantity ``frozen [M, ...]``, the steps' coefficients ``coef`` (each ``[M, 1, 1]``;
+    :meth:`specsamp.kernels.Kernel.coefs`) and the target ``kernel``: ``table_frozen`` (where the draft has one)
+    then ``table_mean``."""
     M, D = x.shape[0], x.shape[2]
     if draft.table_frozen is None:
-        return draft.table_mean(frozen.reshape(M, 1, D), x, coef)
-    return draft.table_mean(draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, :, None], coef), x, coef)
+        return draft.table_mean(frozen.reshape(M, 1, D), x, coef, kernel)
+    frozen = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, :, None], coef)
+    return draft.table_mean(frozen, x, coef, kernel)
 
 
 def _mean_from_table(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, n: torch.Tensor, sch: Schedule) -> torch.Tensor:
     """``Draft.mean`` of a draft given by its table form: :func:`table_means` at the kernel's coefficients of ``n``."""
     flat = x.reshape(x.shape[0], x.shape[1], -1)
-    return table_means(draft, frozen, flat, sch.kernel.coefs(n, flat)).reshape(x.shape)
+    return table_means(draft, frozen, flat, sch.kernel.coefs(n, flat), sch.kernel).reshape(x.shape)
 
 
 DRAFTS: Registry[Draft] = Registry("draft", Draft)
@@ -440,14 +443,14 @@ def _x0_affine():
     return freeze
 
 
-def _velocity_table_mean(fr, x, coef):
+def _velocity_table_mean(fr, x, coef, kernel):
     # the kernel mean with the frozen root velocity as the network's output
-    return coef["kernel"].mean(x, fr, coef)
+    return kernel.mean(x, fr, coef)
 
 
-def _x0_table_mean(fr, x, coef):
+def _x0_table_mean(fr, x, coef, kernel):
     # the velocity (x - x0_hat) / sigma of the frozen data prediction, then the kernel mean
-    return coef["kernel"].mean(x, (x - fr) / coef["sigma"], coef)
+    return kernel.mean(x, (x - fr) / coef["sigma"], coef)
 
 
 def _extrap_table_frozen(fr, coef):
@@ -465,16 +468,17 @@ def _affine_table_frozen(fr, coef):
     return b * fr[2], c, fr[0] + coef["lsnr"] * fr[1], (s2_raw >= 0).expand_as(c)
 
 
-def _affine_table_mean(fr, x, coef):
+def _affine_table_mean(fr, x, coef, kernel):
     # from _affine_table_frozen's parts: x0_hat = b mu + c x (or the fallback), then the x0 draft's mean
     bmu, c, fb, use = fr
     x0 = torch.where(use, bmu + c * x, fb)
-    return _x0_table_mean(x0, x, coef)
+    return _x0_table_mean(x0, x, coef, kernel)
 
 
 for _draft in (
     Draft("velocity", freeze=lambda root, sch: root.v, table_mean=_velocity_table_mean),
-    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x, table_mean=lambda fr, x, coef: x + fr),
+    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x,
+          table_mean=lambda fr, x, coef, kernel: x + fr),
     Draft("x0", freeze=_x0_freeze, table_mean=_x0_table_mean),
     Draft("x0_extrap", _x0_extrap(), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
     Draft("x0_extrap_gated", _x0_extrap(gate=True), history=3, table_mean=_x0_table_mean,

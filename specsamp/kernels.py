@@ -17,16 +17,22 @@ Adding a kernel is one subclass and a registration (``docs/extending.md``)::
         def columns64(self, device): ...      # float64 [T] per column, from self.sigmas and self.eps
         def mean(self, x, out, c): return c["c_x"] * x + c["c_out"] * out
 
+A kernel that reproduces a diffusers scheduler also says which (:attr:`Kernel.schedulers`) and how the
+scheduler's config reads into its options (:meth:`Kernel.read_scheduler`, with the class attributes beside it):
+:mod:`specsamp.schedulers`, the diffusers entry point and model and the runner read every scheduler-to-kernel
+map from these.
+
 :meth:`Kernel.mean` fixes its floating-point operations: the tables hold bit for bit what a per-step computation
 would, and each kernel's ``mean`` is the one formula every caller runs, so the executions agree bitwise.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
+from .errors import ConfigError
 from .registry import Registry
 
 
@@ -40,6 +46,75 @@ def lsnr(sigma: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-sigma) - torch.log(sigma)
 
 
+class SchedulerLevels(NamedTuple):
+    """What a diffusers scheduler makes of a kernel (:meth:`Kernel.read_scheduler`).
+
+    Attributes:
+        levels: float64 ``[T + 1]`` the grid on the linear path, strictly decreasing, ending at 0.
+        options: keyword arguments of the kernel's constructor.
+        timesteps: ``[T]`` the network's time argument at each step's level.
+        coords: the network's coordinates (``vp`` or ``linear``, :mod:`specsamp.models.parametrisation`).
+        prediction: the network's prediction type (``epsilon``, ``v_prediction``, ``sample``, ``flow``).
+        init_scale: the first state on the linear path is ``init_scale * latents``.
+    """
+
+    levels: torch.Tensor
+    options: dict
+    timesteps: torch.Tensor
+    coords: str
+    prediction: str
+    init_scale: float
+
+
+def config_value(scheduler, key, default=None):
+    """``scheduler.config[key]`` (a dict-like or attribute config), ``default`` where it is absent."""
+    return scheduler.config.get(key, default) if hasattr(scheduler.config, "get") else getattr(scheduler.config, key, default)
+
+
+def linear_levels(s: torch.Tensor) -> torch.Tensor:
+    """The grid with its final 0, float64, checked strictly decreasing inside ``(0, 1]``.
+
+    Raises:
+        ConfigError: repeated or rising levels, or a first level above 1.
+    """
+    s = torch.cat([s.to(torch.float64).cpu(), torch.zeros(1, dtype=torch.float64)])
+    if not (bool((s[1:] < s[:-1]).all()) and float(s[0]) <= 1.0):
+        raise ConfigError("the scheduler's grid is not strictly decreasing in noise (repeated or rising timesteps); "
+                          "choose another num_inference_steps or timestep_spacing")
+    return s
+
+
+def scheduler_kernels() -> list[type]:
+    """The registered kernels that reproduce a diffusers scheduler, in registration order, each once."""
+    seen: list[type] = []
+    for name in KERNELS:
+        cls = KERNELS.get(name)
+        if cls.schedulers and cls not in seen:
+            seen.append(cls)
+    return seen
+
+
+def kernel_of_scheduler(name: str) -> type | None:
+    """The kernel class that reproduces the diffusers scheduler class ``name``, or None."""
+    return next((cls for cls in scheduler_kernels() if name in cls.schedulers), None)
+
+
+def supported_schedulers() -> str:
+    """``"ddpm (DDPMScheduler), ... and flow_stochastic (...)"``: the kernels that reproduce a scheduler, for
+    refusals."""
+    parts = [f"{cls.name} ({cls.scheduler_note or cls.schedulers[0]})" for cls in scheduler_kernels()]
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
+
+
+def refuse(name: str, why: str = "") -> ConfigError:
+    """The one paragraph that refuses scheduler ``name``."""
+    why = why or ("its step is not a Gaussian transition with a state-independent scale (a multistep, "
+                  "deterministic or predictor-corrector solver: DPM-Solver++, DDIM with eta=0, UniPC, Heun, "
+                  "PNDM, LMS, Euler without noise), so speculation cannot be exact")
+    return ConfigError(f"scheduler={name!r} is not supported: {why}. The exact kernels are {supported_schedulers()}; "
+                       "set the pipeline's scheduler to one of them (e.g. DDPMScheduler.from_config(pipe.scheduler.config)).")
+
+
 class Kernel:
     """One step's Gaussian kernel on a noise grid ``sigmas [T + 1]`` with churn ``eps``.
 
@@ -49,6 +124,43 @@ class Kernel:
 
     name: ClassVar[str] = ""
     columns: ClassVar[tuple[str, ...]] = ()
+
+    # A kernel that reproduces a diffusers scheduler says so here (every map from schedulers to kernels is read
+    # from these: specsamp.schedulers, the diffusers entry point and model, the runner's kernel config).
+    schedulers: ClassVar[tuple[str, ...]] = ()
+    """The diffusers scheduler classes (by class name) whose step this kernel is; the first is the one a run builds."""
+    scheduler_note: ClassVar[str] = ""
+    """How a refusal names the scheduler beside the kernel (``DDPMScheduler``)."""
+    scheduler_flags: ClassVar[dict] = {}
+    """Scheduler config keys the kernel sets whatever the config says (``stochastic_sampling=True``)."""
+    flow: ClassVar[bool] = False
+    """The scheduler is a flow-matching one (networks that predict the linear path's velocity, SD3's family)."""
+    scaling_loop: ClassVar[bool | None] = None
+    """Its sampler is a diffusers loop that applies ``init_noise_sigma`` and ``scale_model_input`` (True), one that
+    must not (False: the scheduler has no ``init_noise_sigma``), or either (None: both are the identity)."""
+    run_options: ClassVar[tuple[str, ...]] = ()
+    """Kernel config keys that are the sampler's options, not the scheduler's (passed to :meth:`read_scheduler`)."""
+    reads_shift: ClassVar[bool] = True
+    """Whether ``model.shift`` moves its grid (a scheduler's own levels do not)."""
+    train_steps_bound: ClassVar[bool] = False
+    """``steps`` may not exceed the scheduler's ``num_train_timesteps`` (one distinct timestep per step)."""
+
+    @classmethod
+    def scheduler_config(cls, keys: dict, model_shift: float | None = None) -> dict:
+        """The scheduler's config from the kernel config's keys (``run_options`` and ``name`` left out) and
+        :attr:`scheduler_flags`; ``model_shift``: ``model.shift``, for a kernel whose scheduler reads it."""
+        return {**keys, **cls.scheduler_flags}
+
+    @classmethod
+    def read_scheduler(cls, scheduler, steps: int, *, event_ndim: int = 3, mu: float | None = None,
+                       **options) -> SchedulerLevels:
+        """What a fresh ``scheduler`` (one of :attr:`schedulers`) at ``steps`` makes of this kernel: its grid on the
+        linear path, the kernel's options and the network's timesteps, coordinates and prediction.
+
+        Raises:
+            ConfigError: an option or step count whose step is not reproduced (:func:`refuse`).
+        """
+        raise NotImplementedError
 
     def __init__(self, sigmas: torch.Tensor, eps: float):
         self.sigmas, self.eps = sigmas, eps
@@ -68,8 +180,17 @@ class Kernel:
         nothing to learn."""
 
     def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
-        """The kernel mean at states ``x`` with the network's outputs ``out``; ``c`` maps each column to a tensor that
-        broadcasts against ``x`` (the steps' coefficients, in ``x``'s dtype)."""
+        """The kernel mean ``[..., *e]`` of the step from states ``x [..., *e]`` on the linear path.
+
+        Args:
+            x: the states, in any layout (``[M, *e]`` per row, ``[nodes, rows, D]`` in the dense round).
+            out: the network's output at ``x``, shaped like ``x`` and in its dtype: the velocity
+                ``v = xi - x0`` of the linear path ``x = (1 - sigma) x0 + sigma xi`` (what
+                :class:`specsamp.models.base.VelocityModel` returns, whatever the network's own parametrisation),
+                or a draft's stand-in for it (a frozen velocity, ``(x - x0_hat) / sigma``).
+            c: each name in :attr:`columns` mapped to the steps' coefficients, in ``x``'s dtype, broadcasting
+                against ``x`` (:meth:`coefs`, :meth:`named`).
+        """
         raise NotImplementedError
 
     def table(self, device, dtype) -> torch.Tensor:
@@ -84,11 +205,9 @@ class Kernel:
         return self._tables[key]
 
     def named(self, cols) -> dict:
-        """``{column: tensor}`` from one tensor per column, in :attr:`columns` order, with ``kernel``: this kernel
-        (what a draft's ``table_mean`` and :meth:`mean` are handed)."""
-        out = dict(zip(self.columns, cols))
-        out["kernel"] = self
-        return out
+        """``{column: tensor}`` from one tensor per column, in :attr:`columns` order (what :meth:`mean` and a draft's
+        ``table_mean`` are handed)."""
+        return dict(zip(self.columns, cols))
 
     def coefs(self, n: torch.Tensor, like: torch.Tensor) -> dict:
         """The coefficients of steps ``n [s]`` for the rows of ``like [s, ...]``: one gather of :meth:`table`, each
@@ -148,21 +267,6 @@ class EulerMaruyama(Kernel):
 KERNELS.register("em", EulerMaruyama)  # the config's short name (``kernel=em``)
 
 
-def _clip_x0(x0: torch.Tensor, c: dict) -> torch.Tensor:
-    """The data prediction after the scheduler's own clip or dynamic threshold (none unless its options ask)."""
-    k = c["kernel"]
-    if k.threshold is not None:  # diffusers' dynamic thresholding: per sample, over its event dimensions
-        ratio, max_value = k.threshold
-        size = k.event_size or x0.shape[x0.ndim - k.event_ndim :].numel()
-        flat = x0.reshape(-1, size)  # one sample per row, whatever the layout's leading dimensions
-        up = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-        s = torch.quantile(up.abs(), ratio, dim=-1, keepdim=True).clamp(min=1.0, max=max_value)
-        return (torch.maximum(torch.minimum(up, s), -s) / s).to(x0.dtype).reshape(x0.shape)
-    if k.clip is not None:
-        return x0.clamp(-k.clip, k.clip)
-    return x0
-
-
 class DataPredictionKernel(Kernel):
     """A kernel whose mean is affine in the state and the data prediction ``x0 = x - sigma v``::
 
@@ -210,13 +314,26 @@ class DataPredictionKernel(Kernel):
         """``(A, B, S)`` float64 ``[T]``: the step in the scheduler's coordinates, ``y' = A y + B x0 + S z``."""
         raise NotImplementedError
 
+    def clip_x0(self, x0: torch.Tensor) -> torch.Tensor:
+        """The data prediction after the scheduler's own clip or dynamic threshold (none unless its options ask)."""
+        if self.threshold is not None:  # diffusers' dynamic thresholding: per sample, over its event dimensions
+            ratio, max_value = self.threshold
+            size = self.event_size or x0.shape[x0.ndim - self.event_ndim :].numel()
+            flat = x0.reshape(-1, size)  # one sample per row, whatever the layout's leading dimensions
+            up = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+            s = torch.quantile(up.abs(), ratio, dim=-1, keepdim=True).clamp(min=1.0, max=max_value)
+            return (torch.maximum(torch.minimum(up, s), -s) / s).to(x0.dtype).reshape(x0.shape)
+        if self.clip is not None:
+            return x0.clamp(-self.clip, self.clip)
+        return x0
+
     def columns64(self, device) -> dict[str, torch.Tensor]:
         A, B, S = self.step_coefficients(device)
         k = self.level_scale().to(device)
         return {"c_x": A * k[:-1] / k[1:], "c_x0": B / k[1:], "sigma": self.sigmas.to(device)[:-1], "std": S / k[1:]}
 
     def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
-        return c["c_x"] * x + c["c_x0"] * _clip_x0(x - c["sigma"] * out, c)
+        return c["c_x"] * x + c["c_x0"] * self.clip_x0(x - c["sigma"] * out)
 
 
 DDPM_VARIANCES = ("fixed_small", "fixed_small_log", "fixed_large")
@@ -235,6 +352,36 @@ class DDPM(DataPredictionKernel):
 
     and no noise at a step whose timestep is 0 (``final_noise=False``: diffusers adds noise where ``t > 0``).
     """
+
+    schedulers = ("DDPMScheduler",)
+    reads_shift = False
+    train_steps_bound = True
+
+    @classmethod
+    def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, **options) -> SchedulerLevels:
+        variance = config_value(sch, "variance_type", "fixed_small")
+        if variance not in DDPM_VARIANCES:
+            raise refuse("DDPMScheduler", f"variance_type={variance!r} is not reproduced (supported: "
+                         f"{', '.join(DDPM_VARIANCES)}; a learned variance depends on the state)")
+        if config_value(sch, "rescale_betas_zero_snr", False):
+            raise refuse("DDPMScheduler", "rescale_betas_zero_snr=True puts the first level at infinite noise, where the "
+                         "data prediction is undefined on the linear path")
+        if steps > config_value(sch, "num_train_timesteps", 1000):
+            raise ConfigError(f"num_inference_steps={steps} is invalid: DDPMScheduler has num_train_timesteps="
+                              f"{config_value(sch, 'num_train_timesteps')} and needs num_inference_steps at most that")
+        sch.set_timesteps(steps)
+        ts = sch.timesteps.long()
+        a = sch.alphas_cumprod.to(torch.float64)[ts]
+        sg, al = (1.0 - a).sqrt(), a.sqrt()
+        s = linear_levels(sg / (al + sg))
+        opts = {"variance_type": variance, "final_noise": bool(ts[-1] > 0), "event_ndim": event_ndim}
+        if config_value(sch, "thresholding", False):
+            opts["threshold"] = (float(config_value(sch, "dynamic_thresholding_ratio")),
+                                 float(config_value(sch, "sample_max_value")))
+        elif config_value(sch, "clip_sample", False):
+            opts["clip"] = float(config_value(sch, "clip_sample_range", 1.0))
+        k0 = float(al[0] + sg[0])
+        return SchedulerLevels(s, opts, ts, "vp", config_value(sch, "prediction_type", "epsilon"), 1.0 / k0)
 
     def __init__(self, sigmas, eps, variance_type: str = "fixed_small", final_noise: bool = False, **options):
         super().__init__(sigmas, eps, **options)
@@ -279,6 +426,27 @@ class EulerAncestral(DataPredictionKernel):
     ``sigma_ve[0] xi`` (k-diffusion's ``x = noise * sigmas[0]``) unless ``init_scale`` is given.
     """
 
+    schedulers = ("EulerAncestralDiscreteScheduler",)
+    scheduler_note = "EulerAncestralDiscreteScheduler; k-diffusion's sample_euler_ancestral"
+    scaling_loop = True
+    run_options = ("eta", "s_noise")
+    reads_shift = False
+    train_steps_bound = True
+
+    @classmethod
+    def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, eta: float = 1.0,
+                       s_noise: float = 1.0) -> SchedulerLevels:
+        pred = config_value(sch, "prediction_type", "epsilon")
+        if pred not in ("epsilon", "v_prediction"):
+            raise refuse("EulerAncestralDiscreteScheduler", f"prediction_type={pred!r} is not implemented by the "
+                         "scheduler itself (supported: epsilon, v_prediction)")
+        sch.set_timesteps(steps)
+        sig = sch.sigmas.to(torch.float64)[:-1]
+        s = linear_levels(sig / (1.0 + sig))
+        init = float(sch.init_noise_sigma) / (1.0 + float(sig[0]))
+        return SchedulerLevels(s, {"eta": eta, "s_noise": s_noise, "init_scale": init}, sch.timesteps.clone(), "vp",
+                               pred, init)
+
     def __init__(self, sigmas, eps, eta: float = 1.0, s_noise: float = 1.0, **options):
         super().__init__(sigmas, eps, **options)
         if not (eta > 0 and s_noise > 0):
@@ -313,6 +481,32 @@ class FlowStochastic(DataPredictionKernel):
     """``diffusers.FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``: the data prediction moved to the
     next level with fresh noise, ``x' = (1 - s') (x - s v) + s' z`` (SD3/Flux's flow models; the grid is the
     scheduler's shifted sigmas, already the linear path's)."""
+
+    schedulers = ("FlowMatchEulerDiscreteScheduler",)
+    scheduler_note = "FlowMatchEulerDiscreteScheduler with stochastic_sampling=True"
+    scheduler_flags = {"stochastic_sampling": True}
+    flow = True
+    scaling_loop = False
+
+    @classmethod
+    def scheduler_config(cls, keys: dict, model_shift: float | None = None) -> dict:
+        shift = float(model_shift) if keys.get("shift") is None else float(keys["shift"])  # null: model.shift
+        return {**keys, "shift": shift, **cls.scheduler_flags}
+
+    @classmethod
+    def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, **options) -> SchedulerLevels:
+        if not config_value(sch, "stochastic_sampling", False):
+            raise refuse("FlowMatchEulerDiscreteScheduler", "stochastic_sampling=False is the deterministic Euler ODE "
+                         "solver, where speculation is vacuous; set stochastic_sampling=True")
+        if config_value(sch, "use_dynamic_shifting", False):
+            if mu is None:
+                raise ConfigError("mu=None is invalid: this FlowMatchEulerDiscreteScheduler uses dynamic shifting, so "
+                                  "its grid needs the shift mu (the pipeline computes it from the image size); pass mu=")
+            sch.set_timesteps(steps, mu=mu)
+        else:
+            sch.set_timesteps(steps)
+        s = linear_levels(sch.sigmas.to(torch.float64)[:-1])
+        return SchedulerLevels(s, {}, sch.timesteps.clone(), "linear", "flow", 1.0)
 
     def step_coefficients(self, device):
         s1 = self.sigmas.to(device)[1:]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -39,11 +38,12 @@ from .. import arguments
 from ..coupling import get_coupling
 from ..drafts import get_draft
 from ..errors import ConfigError
+from ..kernels import kernel_of_scheduler
 from ..models.base import parse_dtype
-from ..models.parametrisation import GridTimesteps, Guided, Parametrised
+from ..models.pipelines import Conditioning, encode, net_dtype_device, network_call, rows_of, velocity_model
 from ..rng import MAX_SEED
+from ..schedulers import SchedulerPlan, from_scheduler
 from ..trees import DraftTree
-from .schedulers import KERNEL_OF, SchedulerPlan, from_scheduler
 
 KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
 """The pipeline classes covered (subclasses included) and the kind each is driven as."""
@@ -99,22 +99,22 @@ def check_loop(pipe, kind: str) -> None:
         ConfigError: one paragraph naming the pipeline, the scheduler, what the loop does and what to use instead.
     """
     sch, name, pname = pipe.scheduler, type(pipe.scheduler).__name__, type(pipe).__name__
-    kernel = KERNEL_OF.get(name)
-    if kernel == "euler_ancestral" and not LOOP_SCALES[kind]:
+    kernel = kernel_of_scheduler(name)
+    if kernel is not None and kernel.scaling_loop is True and not LOOP_SCALES[kind]:
         raise ConfigError(
             f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop neither multiplies its first "
             "latents by scheduler.init_noise_sigma nor passes the network's input through scheduler.scale_model_input "
             "(diffusers warns that it should), so pipe(...) is not the Euler ancestral sampler and its images follow "
             f"another law, which speculative() does not reproduce. Instead use {INSTEAD[kind]} with {pname}, or Euler "
             "ancestral in a pipeline whose loop applies both (StableDiffusionPipeline).")
-    if kernel == "flow_stochastic" and LOOP_SCALES[kind]:
+    if kernel is not None and kernel.scaling_loop is False and LOOP_SCALES[kind]:
         raise ConfigError(
             f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop multiplies its first latents "
             f"by scheduler.init_noise_sigma, which {name} does not have, so pipe(...) itself fails and there is no "
             f"law to reproduce. Instead use {INSTEAD[kind]} with {pname}, or the flow scheduler in a flow pipeline "
             "(StableDiffusion3Pipeline).")
     get = sch.config.get if hasattr(sch.config, "get") else lambda k, d=None: getattr(sch.config, k, d)
-    if kernel == "flow_stochastic" and kind != "sd3" and get("use_dynamic_shifting", False):
+    if kernel is not None and kernel.flow and kind != "sd3" and get("use_dynamic_shifting", False):
         raise ConfigError(
             f"scheduler={name!r} with use_dynamic_shifting=True is refused with pipeline={pname!r}: {pname}'s own "
             "loop calls scheduler.set_timesteps without the shift mu, which this scheduler then needs, so pipe(...) "
@@ -141,11 +141,6 @@ def _positional(pipe) -> list[str]:
     return [k for k, p in inspect.signature(type(pipe).__call__).parameters.items() if p.kind in kinds][1:]
 
 
-def _net_dtype_device(module) -> tuple[torch.dtype, torch.device]:
-    p = next(iter(module.parameters()))
-    return getattr(module, "dtype", p.dtype), torch.device(getattr(module, "device", p.device))
-
-
 def _check_int(key: str, value, lo: int = 1) -> int:
     return arguments.integer(key, value, lo)
 
@@ -161,94 +156,6 @@ def _scheduler_mu(pipe, latent_shape, mu):
     seq = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
     return calculate_shift(seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                            cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))
-
-
-@dataclass
-class Conditioning:
-    """A batch's encoded prompts, one row per image (``None`` where the network takes none).
-
-    Attributes:
-        embeds: ``[M, S, D]`` the conditional text states (``encoder_hidden_states``).
-        negative: ``[M, S, D]`` the unconditional ones (guidance only).
-        pooled, negative_pooled: ``[M, P]`` SD3's pooled projections.
-    """
-
-    embeds: torch.Tensor | None = None
-    negative: torch.Tensor | None = None
-    pooled: torch.Tensor | None = None
-    negative_pooled: torch.Tensor | None = None
-
-
-def network_call(pipe, kind: str, cond: Conditioning):
-    """``net(y, t, row, guide=None)``: the pipeline's network on its own state ``y`` at timesteps ``t``, image
-    ``row``'s text (the unconditional text where ``guide == 0``)."""
-    if kind == "ddpm":
-        unet = pipe.unet
-
-        def net(y, t, row=None):
-            return unet(y, t).sample
-        return net
-
-    def pick(pos, neg, row, guide):
-        if guide is None:
-            return pos[row]
-        g = guide.reshape((-1,) + (1,) * (pos.ndim - 1)).bool()
-        return torch.where(g, pos[row], neg[row] if neg.shape[0] != 1 else neg.expand((row.numel(),) + neg.shape[1:]))
-
-    if kind == "sd":
-        unet = pipe.unet
-
-        def net(y, t, row, guide=None):
-            return unet(y, t, encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide), return_dict=False)[0]
-        return net
-
-    transformer = pipe.transformer
-
-    def net(y, t, row, guide=None):
-        return transformer(hidden_states=y, timestep=t, encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide),
-                           pooled_projections=pick(cond.pooled, cond.negative_pooled, row, guide), return_dict=False)[0]
-    return net
-
-
-def velocity_model(pipe, kind: str, plan: SchedulerPlan, cond: Conditioning, event_shape, guidance_scale: float,
-                   dtype: torch.dtype = torch.float32):
-    """The pipeline's network as the velocity model of ``plan``: :class:`Parametrised` on the plan's timesteps,
-    wrapped in :class:`Guided` when ``guidance_scale > 1`` (its calls then take ``guide [b]``: 1 on every
-    row, which the guided call doubles into ``[0 (unconditional); 1 (conditional)]``). Its calls take ``row [b]``,
-    the image's row of ``cond`` (none for ``ddpm``). ``model.device`` is the network's device."""
-    module = pipe.unet if kind != "sd3" else pipe.transformer
-    net_dtype, device = _net_dtype_device(module)
-    model = Parametrised(network_call(pipe, kind, cond), plan.prediction, plan.coords, event_shape, dtype,
-                         time=GridTimesteps(plan.schedule.sigmas, plan.timesteps), net_dtype=net_dtype)
-    model.device = device
-    if kind != "ddpm" and guidance_scale > 1:
-        model = Guided(model, guidance_scale, torch.zeros(1, dtype=torch.long, device=device), cond_key="guide")
-        model.device = device
-    return model
-
-
-def rows_of(model, rows: torch.Tensor) -> dict:
-    """The conditioning ``{"row", "guide"}`` of images whose text is row ``rows [M]`` of the model's table."""
-    cond = {"row": rows.to(model.device)}
-    if isinstance(model, Guided):
-        cond["guide"] = torch.ones_like(cond["row"])
-    return cond
-
-
-def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_prompt: int = 1, *,
-           clip_skip=None, max_sequence_length: int = 256, extra: dict | None = None) -> Conditioning:
-    """The prompts encoded by the pipeline's own ``encode_prompt`` (one row per image, prompt-major, as the
-    pipeline repeats them), the negative ones when ``guided``."""
-    device = pipe._execution_device
-    if kind == "sd":
-        embeds, negative = pipe.encode_prompt(prompt, device, images_per_prompt, guided, negative_prompt,
-                                              clip_skip=clip_skip)
-        return Conditioning(embeds, negative)
-    extra = {"prompt_2": None, "prompt_3": None, **(extra or {})}  # None: the first prompt for every encoder
-    e, n, p, np_ = pipe.encode_prompt(prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guided,
-                                      device=device, clip_skip=clip_skip, num_images_per_prompt=images_per_prompt,
-                                      max_sequence_length=max_sequence_length, **extra)
-    return Conditioning(e, n, p, np_)
 
 
 class SpeculativePipeline:
@@ -332,7 +239,7 @@ class SpeculativePipeline:
         horizon = max(plan.schedule.steps - 2, 1)
         given = not isinstance(self.tree, tuple)
         K, L = (None, None) if given else self.tree
-        net_dtype, device = _net_dtype_device(self.pipe.unet if self.kind != "sd3" else self.pipe.transformer)
+        net_dtype, device = net_dtype_device(self.pipe.unet if self.kind != "sd3" else self.pipe.transformer)
         memory = dict(batch=latent_shape[0], event_shape=latent_shape[1:], dtype=self.dtype, device=device,
                       execution=self.options["execution"], refine=self.options.get("refine", 0), steps=plan.schedule.steps,
                       max_batch=self.options.get("max_batch"), row_bytes=arguments.activation_bytes(latent_shape[1:], net_dtype),
@@ -390,7 +297,7 @@ class SpeculativePipeline:
         size = pipe.unet.config.sample_size
         shape = (b, pipe.unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
         plan, tree = self._plan(a["num_inference_steps"], shape)
-        net_dtype, device = _net_dtype_device(pipe.unet)
+        net_dtype, device = net_dtype_device(pipe.unet)
         noise = self._noise(shape, a["generator"], net_dtype, device)
         seed = self._seed(a["seed"], a["generator"])
         model = velocity_model(pipe, "ddpm", plan, Conditioning(), shape[1:], 1.0, self.dtype)

@@ -20,10 +20,12 @@ from .. import arguments
 from ..coupling import get_coupling
 from ..drafts import get_draft
 from ..errors import ConfigError
+from ..kernels import EulerAncestral
 from ..models.parametrisation import GridTimesteps, Parametrised
 from ..sampler import sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree
+
 
 def node_maxima(event_shape=(4, 64, 64), dtype: torch.dtype = torch.float32, available: int = 24 * 2**30,
                 steps: int = 20) -> tuple[int, int]:
@@ -143,7 +145,7 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
 
     lin = sig / (1.0 + sig)
     lin[-1] = 0.0
-    schedule = Schedule(lin, 1.0, "euler_ancestral", {"eta": eta, "s_noise": s_noise})
+    schedule = Schedule(lin, 1.0, EulerAncestral.name, {"eta": eta, "s_noise": s_noise})
     levels = _user_levels(sigmas, x)
 
     calls = [0]

@@ -23,13 +23,13 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ConfigError
+from ..kernels import KERNELS, kernel_of_scheduler, scheduler_kernels
+from ..schedulers import from_scheduler, refuse
 from .base import MISSING, Target, TargetConfig, check_positive
 from .sd3 import ClipConfig, PromptsConfig
 from .sd3.pipeline import _absent_components
 
 PIPELINES = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
-KERNEL_SCHEDULERS = {"ddpm": "DDPMScheduler", "euler_ancestral": "EulerAncestralDiscreteScheduler",
-                     "flow_stochastic": "FlowMatchEulerDiscreteScheduler"}
 NETWORK_FOLDERS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -189,27 +189,24 @@ class DiffusersConfig(TargetConfig):
         """
         import diffusers
 
-        from ..integrations.schedulers import from_scheduler
-
         kind = self.kind()
         config = _read_json(self._file("scheduler", "scheduler_config.json"), self.path)
         own = config.get("_class_name")
-        flow = kind == "sd3" or own == "FlowMatchEulerDiscreteScheduler"
+        own_kernel = kernel_of_scheduler(str(own))
+        flow = kind == "sd3" or (own_kernel is not None and own_kernel.flow)
+        chosen = KERNELS.get(kernel) if kernel is not None and kernel in KERNELS else None
         if kernel is None:
             cls_name = own
-        elif kernel in KERNEL_SCHEDULERS and (kernel == "flow_stochastic") == flow:
-            cls_name = KERNEL_SCHEDULERS[kernel]
-            if kernel == "flow_stochastic":
-                config = {**config, "stochastic_sampling": True}
+        elif chosen is not None and chosen.schedulers and chosen.flow == flow:
+            cls_name = chosen.schedulers[0]
+            config = {**config, **chosen.scheduler_flags}
         else:
-            valid = "flow_stochastic" if flow else "ddpm or euler_ancestral"
+            valid = " or ".join(k.name for k in scheduler_kernels() if k.flow == flow)
             raise ConfigError(f"kernel={kernel} is invalid with model=diffusers and this {'flow' if flow else 'noise-prediction'} "
                               f"pipeline ({self.path}): its network is trained on its scheduler's own timesteps; set "
                               f"kernel=auto (the folder's {own}) or kernel={valid}.")
         cls = getattr(diffusers, str(cls_name), None)
         if cls is None or not isinstance(cls, type):
-            from ..integrations.schedulers import refuse
-
             raise refuse(str(cls_name))
         scheduler = cls.from_config(config)
         mu = None
@@ -278,7 +275,7 @@ class DiffusersConfig(TargetConfig):
         Raises:
             ConfigError: no plan, a bad value (named ``model.<key>=<value>``), a folder that cannot be loaded.
         """
-        from ..integrations.diffusers import encode, rows_of, velocity_model
+        from .pipelines import Conditioning, encode, rows_of, velocity_model
         from .sd3 import SOURCES, image_plan, load_prompts
 
         if plan is None:
@@ -295,8 +292,6 @@ class DiffusersConfig(TargetConfig):
         pipe = pipeline if pipeline is not None else self.load(device)
         decode = self._decoder(pipe, kind)
         if kind == "ddpm":
-            from ..integrations.diffusers import Conditioning
-
             model = velocity_model(pipe, kind, plan, Conditioning(), shape, 1.0, dtype)
             return Target(model, decode=decode, max_batch=self.max_batch)
         p = self.prompts

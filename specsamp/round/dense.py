@@ -186,7 +186,7 @@ class DenseRound:
             return self.plain_mean(x, at)
         if self.ctx.draft.table_frozen is not None:
             frozen_col = tuple(f[at] for f in frozen_col) if isinstance(frozen_col, tuple) else frozen_col[at]
-        return self.ctx.draft.table_mean(frozen_col, x, c)
+        return self.ctx.draft.table_mean(frozen_col, x, c, self.ctx.schedule.kernel)
 
     def plain_mean(self, x: torch.Tensor, at) -> torch.Tensor:
         """The proposal means of a draft without a table form: ``Draft.mean`` called on ``[M, P, *event]`` with each

@@ -72,8 +72,8 @@ class Nodes:
         draft, frozen, s = self.ctx.draft, take_rows(self.frozen, sub), x_u.shape[0]
         if draft.table_mean is None:
             return draft.mean(frozen, x_u[:, None], step, self.ctx.schedule)[:, 0]
-        flat = {k: v if k == "kernel" else v.reshape(s, 1, 1) for k, v in c.items()}
-        return table_means(draft, frozen, x_u.reshape(s, 1, -1), flat).reshape(x_u.shape)
+        flat = {k: v.reshape(s, 1, 1) for k, v in c.items()}
+        return table_means(draft, frozen, x_u.reshape(s, 1, -1), flat, self.ctx.schedule.kernel).reshape(x_u.shape)
 
     def draft(self, v: Visit, ids: torch.Tensor):
         """Line 7: the children ``ids [s, k]`` of the visited nodes ``v``, the proposal means plus keyed kernel noise.

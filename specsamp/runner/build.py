@@ -24,7 +24,7 @@ from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative
 from ..schedule import Schedule
 from ..trees import DraftTree, budget as uniform_budget
-from .config import CALIBRATION_SEED_OFFSET, RunConfig, brings_scheduler, kernel_name, profile_path
+from .config import CALIBRATION_SEED_OFFSET, KERNEL_SCHEMAS, RunConfig, brings_scheduler, kernel_name, profile_path
 from .memory import check_config_sizes, check_nominal_budget, check_tree_nodes
 from .outputs import check_scoring, check_target_scores
 from .treerules import SEARCHED_TREES, check_search, get_tree_rule
@@ -140,18 +140,20 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
     if plan is not None:
         return plan.schedule, plan
     if name == "auto":
+        names = [k for k in KERNEL_SCHEMAS if k != "auto"]
         raise ConfigError(f"kernel=auto is invalid with model={run.model.name}: the model brings no scheduler of its own "
-                          "here; set kernel=em, ddpm, euler_ancestral or flow_stochastic.")
+                          f"here; set kernel={', '.join(names[:-1])} or {names[-1]}.")
     if name == "em":
         try:
             return Schedule.make(run.steps, run.eps, shift=float(run.model.shift)), None
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    from ..integrations.schedulers import from_scheduler
+    from ..kernels import get_kernel
+    from ..schedulers import from_scheduler
 
     shape = event_shape if event_shape is not None else config_event_shape(run.model)
     k = run.kernel
-    options = {"eta": k.eta, "s_noise": k.s_noise} if name == "euler_ancestral" else {}
+    options = {key: getattr(k, key) for key in get_kernel(name).run_options}
     try:
         plan = from_scheduler(kernel_scheduler(run), run.steps, event_ndim=len(shape) if shape else 3, **options)
     except ConfigError as e:
@@ -171,18 +173,18 @@ def kernel_scheduler(run: RunConfig):
     """
     import dataclasses
 
+    from ..kernels import get_kernel
+
     k = run.kernel
-    keys = {f.name: getattr(k, f.name) for f in dataclasses.fields(k) if f.name not in ("name", "eta", "s_noise")}
+    kernel = get_kernel(k.name)
+    keys = {f.name: getattr(k, f.name) for f in dataclasses.fields(k) if f.name not in ("name", *kernel.run_options)}
     try:
         import diffusers
     except ImportError as e:
         raise ConfigError(f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, which cannot "
                           f"be imported ({e}); pip install diffusers, or use kernel=em.") from None
-    if k.name == "flow_stochastic":
-        shift = float(run.model.shift) if k.shift is None else float(k.shift)
-        cls, keys = diffusers.FlowMatchEulerDiscreteScheduler, {**keys, "shift": shift, "stochastic_sampling": True}
-    else:
-        cls = {"ddpm": diffusers.DDPMScheduler, "euler_ancestral": diffusers.EulerAncestralDiscreteScheduler}[k.name]
+    cls = getattr(diffusers, kernel.schedulers[0])
+    keys = kernel.scheduler_config(keys, getattr(run.model, "shift", None))
     try:
         return cls(**keys)
     except (ValueError, NotImplementedError, TypeError) as e:

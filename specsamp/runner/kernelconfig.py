@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
+from ..kernels import KERNELS, scheduler_kernels
 from .fields import _number, at_least, between, one_of, rule
 
 # num_train_timesteps: the scheduler allocates its betas and cumulative alphas of this length
@@ -103,7 +104,8 @@ class FlowStochasticKernelConfig(KernelConfig):
 KERNEL_SCHEMAS = {"em": EMKernelConfig, "auto": AutoKernelConfig, "ddpm": DDPMKernelConfig,
                   "euler_ancestral": EulerAncestralKernelConfig, "flow_stochastic": FlowStochasticKernelConfig}
 """The kernel config classes by ``kernel.name`` (Hydra schemas ``kernel/<name>_schema``)."""
-SCHEDULER_KERNELS = ("ddpm", "euler_ancestral", "flow_stochastic")
+SCHEDULER_KERNELS = tuple(cls.name for cls in scheduler_kernels())
+"""The kernels that reproduce a diffusers scheduler (their ``schedulers``, :mod:`specsamp.kernels`)."""
 
 
 def _kernel_schema(kernel) -> type:
@@ -115,9 +117,10 @@ def _kernel_schema(kernel) -> type:
     name = kernel.get("name") if isinstance(kernel, Mapping) else None
     if name not in KERNEL_SCHEMAS:
         shown = f"kernel.name={name!r}" if isinstance(kernel, Mapping) else f"kernel={kernel!r}"
+        schedulers = ", ".join(SCHEDULER_KERNELS[:-1]) + " and " + SCHEDULER_KERNELS[-1]
         raise ConfigError(f"{shown} is invalid: must be one of {', '.join(KERNEL_SCHEMAS)} (conf/kernel/: em, the paper's "
-                          "Euler-Maruyama kernel and the default; auto, the model's own scheduler; ddpm, euler_ancestral and "
-                          "flow_stochastic, the diffusers schedulers' steps).")
+                          f"Euler-Maruyama kernel and the default; auto, the model's own scheduler; {schedulers}, the "
+                          "diffusers schedulers' steps).")
     return KERNEL_SCHEMAS[name]
 
 
@@ -150,14 +153,15 @@ def check_kernel(run) -> None:
         if meta and (v is not None or not meta.get("nullable", True)) and not meta["ok"](v):
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
             raise ConfigError(f"kernel.{f.name}={'null' if v is None else repr(v)} is invalid for kernel={k.name}: must be {text}.")
-    if k.name not in SCHEDULER_KERNELS:
+    kernel = KERNELS.get(k.name) if k.name in KERNELS else None
+    if kernel is None or not kernel.schedulers:
         return
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None:
         raise ConfigError(f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, and diffusers is "
                           "not installed; pip install 'specsamp[sd3]' (or diffusers), or use kernel=em.")
-    if k.name in ("ddpm", "euler_ancestral") and run.steps > k.num_train_timesteps:
+    if kernel.train_steps_bound and run.steps > k.num_train_timesteps:
         raise ConfigError(f"steps={run.steps} is invalid with kernel={k.name}: the scheduler samples at most "
                           f"kernel.num_train_timesteps={k.num_train_timesteps} distinct timesteps; use steps <= "
                           f"{k.num_train_timesteps}, or raise kernel.num_train_timesteps.")

@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from ..coupling import Coupling, NonFiniteError, NonFiniteSampleError
 from ..errors import ConfigError, NonFiniteSamplesError
+from ..kernels import KERNELS
 from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
@@ -302,7 +303,7 @@ def kernel_notes(run: RunConfig) -> None:
     if run.eps != _paper_value(run.model, "eps"):
         unread.append(f"eps={run.eps!r}")
     shift = getattr(run.model, "shift", 1.0)
-    if name in ("ddpm", "euler_ancestral") and shift != 1.0:
+    if name in KERNELS and not KERNELS.get(name).reads_shift and shift != 1.0:
         unread.append(f"model.shift={shift!r}")
     if unread:
         print(f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by kernel={name}, whose grid and "

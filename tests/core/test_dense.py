@@ -76,7 +76,7 @@ def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
     step = torch.tensor([2, 5, 8])
     tab = sch.kernel.table("cpu", dtype)[step]  # [M, C]
     coef = sch.kernel.named(tab[:, None, :, None].unbind(2))  # [M, 1, 1] each
-    assert torch.equal(draft.table_mean(fr.reshape(M, 1, D), x, coef), draft.mean(fr, x, step, sch))
+    assert torch.equal(draft.table_mean(fr.reshape(M, 1, D), x, coef, sch.kernel), draft.mean(fr, x, step, sch))
 
 
 def _per_step_rule(n):
@@ -139,7 +139,7 @@ def test_table_frozen_and_mean_equal_the_draft_mean_bit_for_bit(dtype, name):
     step = torch.tensor([2, 5, 8])
     tab = sch.kernel.table("cpu", dtype)[step]  # [M, C]
     coef = sch.kernel.named(tab[:, None, :, None].unbind(2))  # [M, 1, 1] each
-    got = draft.table_mean(draft.table_frozen(fr.permute(1, 0, 2)[:, :, None], coef), x, coef)
+    got = draft.table_mean(draft.table_frozen(fr.permute(1, 0, 2)[:, :, None], coef), x, coef, sch.kernel)
     assert torch.equal(got, draft.mean(fr, x, step, sch))
 
 
