@@ -7,7 +7,7 @@ arXiv:2211.01095) on the linear path: in the variance-exploding coordinates ``y 
     y' = (s_{n+1} / s_n) e^{-h} y + (1 - e^{-2h}) D_n + (1 - e^{-2h}) / (2 r) (D_n - D_{n-1}) + s_{n+1} sqrt(1 - e^{-2h}) z,
 
 ``D`` the data prediction ``x - sigma v`` (the kernel's record), the correction absent at the first step (no
-``D_{n-1}``) and the last step ``x' = D_n``. Its mean is ``c_x x + c_x0 D_n + c_h D_{n-1}`` with per-step columns,
+``D_{n-1}``) and a last step to 0 ``x' = D_n`` (the grids here stop at 0.004, so every later step is a two-step one). Its mean is ``c_x x + c_x0 D_n + c_h D_{n-1}`` with per-step columns,
 ``c_h = 0`` at step 0: the lower-order first step as the original sampler takes it.
 
 Tests: the standard sampler is the kernel's own loop written here (bit for bit, on the same keyed noise); the target
@@ -82,9 +82,10 @@ if "test_dpmpp_2m_sde" not in KERNELS:
 
 
 def schedule(steps: int) -> Schedule:
-    """``steps`` levels from 0.9 to 0.02 (linear), then 0, with the test kernel."""
+    """``steps`` levels from 0.9 to 0.02 (linear), then 0.004, with the test kernel: the grid stops short of 0, so
+    that the last step (outside speculation) is a two-step one too and reads the committed path's record."""
     grid = torch.linspace(0.9, 0.02, steps, dtype=torch.float64)
-    return Schedule(torch.cat([grid, grid.new_zeros(1)]), 1.0, kernel_name="test_dpmpp_2m_sde")
+    return Schedule(torch.cat([grid, grid.new_full((1,), 0.004)]), 1.0, kernel_name="test_dpmpp_2m_sde")
 
 
 def plain_loop(model, sch: Schedule, x: torch.Tensor, noise, history: bool = True) -> torch.Tensor:
@@ -154,8 +155,8 @@ def test_target_means_read_the_parents_output(execution, rule):
     d_prev = d(x_init, 0)
     x, n = want(x_init, 0, d_prev) + col["std"][0] * noise0, 1  # step 0 (its c_h is 0)
     log = []
-    sampler.sample_speculative(GMM, sch, tree, scripted(rule, log), 1, execution=execution, seed=seed,
-                               check_contract=False)
+    res = sampler.sample_speculative(GMM, sch, tree, scripted(rule, log), 1, execution=execution, seed=seed,
+                                     check_contract=False)
     end, checked = sch.end_speculative, 0
     for kids, mean_q in log:
         if execution == "path":  # one call per visited node, in the trajectory's order
@@ -179,6 +180,9 @@ def test_target_means_read_the_parents_output(execution, rule):
         else:
             d_prev, x, n = d(x, n), kids[0, :1], n + 1
     assert n == end and checked >= 6
+    # the last step (outside speculation) reads the committed path's record too
+    noise = rng.normal(rng.fold(rng.base_key(seed, ids, "step"), n), GMM.event_shape, dtype=torch.float64)
+    torch.testing.assert_close(res.samples, want(x, n, d_prev) + col["std"][n] * noise, rtol=1e-12, atol=1e-12)
 
 
 def _same(got, want):
@@ -190,7 +194,8 @@ def _same(got, want):
 def test_the_executions_agree_bit_for_bit(monkeypatch):
     # a target evaluated row by row (GMM dim 4, T = 8, 24 trajectories, seed 3): the tree execution equals the path
     # execution (D-GRS on (2, 3), RMC on a chain of 4, trees per root step, prefetch nearest/parent/none); the
-    # checked walk (markmax rows reported uncertified) equals both, and with Picard sweeps equals the dense round's
+    # checked walk (markmax rows reported uncertified) equals both, and with a Picard sweep equals the dense round's
+    # (one sweep: the refined records of depth-1 nodes are not the exact ones, so the walk must read the sweep's)
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     sch = schedule(8)
     by_root = lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]  # noqa: E731
@@ -201,7 +206,7 @@ def test_the_executions_agree_bit_for_bit(monkeypatch):
         _same(sampler.sample_speculative(model, sch, tree, coupling, 24, execution="tree", **kw), path)
     tree = DraftTree.uniform(2, 3)
     path = sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="path", seed=3)
-    dense_refined = sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=2)
+    dense_refined = sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=1)
     share = listcoupling.static_share
     monkeypatch.setattr(listcoupling, "static_share",
                         lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
@@ -209,8 +214,46 @@ def test_the_executions_agree_bit_for_bit(monkeypatch):
     real = layouts.sparse_round
     monkeypatch.setattr(layouts, "sparse_round", lambda *a, **k: walks.append(1) or real(*a, **k))
     _same(sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3), path)
-    _same(sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=2), dense_refined)
+    _same(sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=1), dense_refined)
     assert walks  # the checked walk served the rounds
+
+
+@pytest.mark.parametrize("tree,coupling", [(DraftTree.uniform(2, 3), "dgrs"), (DraftTree.chain(3), "rmc")], ids=["dgrs", "rmc"])
+def test_picard_sweeps_at_depth_hand_the_verifier_the_target_mean(tree, coupling):
+    # refine = L (tree execution, 32 trajectories, T = 9, seed 5): every proposal mean is the target mean at its
+    # parent, the history from the sweep's own records included, so |mean_p - mean_q| / sigma vanishes to rounding
+    # at every verified node (the tree execution hands unverified nodes, beyond L_n, sigma = 1) and every draft is
+    # accepted
+    from specsamp.coupling import get_coupling
+
+    rule, seen = get_coupling(coupling), []
+
+    def verify(children, mean_p, mean_q, sigma, generator=None):
+        s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
+        verified = s < 1  # the kernel's std is below 1 at every step
+        seen.append(((mean_p - mean_q)[verified].reshape(int(verified.sum()), -1).norm(dim=1) / s[verified]).max().item())
+        return rule(children, mean_p, mean_q, sigma, generator)
+
+    r = sampler.sample_speculative(GMM, schedule(9), tree, Coupling(coupling, verify, rule.max_children), 32,
+                                   execution="tree", refine=3, seed=5, check_contract=False)
+    assert seen and max(seen) < 1e-10, max(seen)
+    assert torch.equal(r.accepts, r.attempts)
+
+
+def test_the_records_table_of_an_order_3_kernel():
+    # back_table: where the records of a node and of the 2 states before it lie (root's past: rows 0, 1, oldest
+    # first; node u: row 2 + u) on the tree 0 -> (1, 2), 1 -> 3, 3 -> 4
+    import numpy as np
+
+    from specsamp.round.tables import back_table
+
+    tree = DraftTree([-1, 0, 0, 1, 3])
+    up = np.tile(np.arange(5)[:, None], (1, tree.max_depth + 1))
+    for v in range(1, 5):
+        up[v, : tree.depth[v]] = up[tree.parent[v], : tree.depth[v]]
+    back = back_table(tree, up, 2, "cpu").tolist()
+    assert back == [[2, 1, 0], [3, 2, 1], [4, 2, 1], [5, 3, 2], [6, 5, 3]]
+    assert back_table(tree, up, 0, "cpu") is None
 
 
 def check_law(steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0) -> dict:
