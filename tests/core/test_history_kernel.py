@@ -7,8 +7,9 @@ arXiv:2211.01095) on the linear path: in the variance-exploding coordinates ``y 
     y' = (s_{n+1} / s_n) e^{-h} y + (1 - e^{-2h}) D_n + (1 - e^{-2h}) / (2 r) (D_n - D_{n-1}) + s_{n+1} sqrt(1 - e^{-2h}) z,
 
 ``D`` the data prediction ``x - sigma v`` (the kernel's record), the correction absent at the first step (no
-``D_{n-1}``) and a last step to 0 ``x' = D_n`` (the grids here stop at 0.004, so every later step is a two-step one). Its mean is ``c_x x + c_x0 D_n + c_h D_{n-1}`` with per-step columns,
-``c_h = 0`` at step 0: the lower-order first step as the original sampler takes it.
+``D_{n-1}``) and a last step to 0 ``x' = D_n`` (the grids here stop at 0.004, so every later step is a two-step
+one). Its mean is ``c_x x + c_x0 D_n + c_h D_{n-1}`` with per-step columns, ``c_h = 0`` at step 0: the lower-order
+first step as the original sampler takes it.
 
 Tests: the standard sampler is the kernel's own loop written here (bit for bit, on the same keyed noise); the target
 means the couplings are handed at tree nodes read each node's parent (and, at a round's root, the committed path's
@@ -299,8 +300,14 @@ def test_law_matches_the_plain_loop_thorough():
 def test_theory_calibrates_and_its_trees_sample():
     # the theory reads the counts: per-depth acceptance of a D-GRS run on (2, 4) (64 trajectories, T = 10) gives a
     # delta profile; an optimal tree of budget 12 and optimal trees per root step sample with the kernel
-    from specsamp.treesearch import (TreesByRoot, deltas_by_root, deltas_from_acceptance, optimal_tree,
-                                     optimal_trees_by_root, profile_positional)
+    from specsamp.treesearch import (
+        TreesByRoot,
+        deltas_by_root,
+        deltas_from_acceptance,
+        optimal_tree,
+        optimal_trees_by_root,
+        profile_positional,
+    )
 
     sch = schedule(10)
     r = sampler.sample_speculative(GMM, sch, DraftTree.uniform(2, 4), "dgrs", 64, seed=1)
