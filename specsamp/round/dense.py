@@ -146,7 +146,8 @@ class DenseRound:
             self.recs = self.records(torch.cat([self.v0[None], self.vrest]))
         self.calls.append(torch.where(live, lt.evaluated_count.index_select(0, n_lim) - self.root_exact.long(), lt.zero_long))
 
-    def kernel_mean(self, x: torch.Tensor, out: torch.Tensor, c: dict, nodes, recs: torch.Tensor | None = None) -> torch.Tensor:
+    def kernel_mean(self, x: torch.Tensor, out: torch.Tensor, c: dict, nodes,
+                    recs: torch.Tensor | None = None) -> torch.Tensor:
         """The target's kernel mean at states ``x`` (node-major ``[c, M, D]``, or ``[M, D]``) of the nodes ``nodes``
         (their indices ``[c]`` or a slice of them, or ``(nodes [M], rows [M])``: one per row), ``out`` their network
         outputs, ``c`` their steps' coefficients: the one place the dense round computes it. A multistep kernel
@@ -413,8 +414,9 @@ class DenseRound:
         for rows in self.calls:
             tally.charge(None, rows, batch=False)
         shape = self.st.x.shape
-        commit_round(self.st, tally, self.live, Commit(self.out.reshape(shape), self.n_new, self.steps,
-                                                       self.v_next.reshape(shape), self.exact_new, self.hist, self.past))
+        new = Commit(self.out.reshape(shape), self.n_new, self.steps, self.v_next.reshape(shape), self.exact_new,
+                     self.hist, self.past)
+        commit_round(self.st, tally, self.live, new)
 
 
 class DenseNodes(Nodes):

@@ -88,7 +88,8 @@ class Nodes:
         """The target's kernel mean ``[s, *e]`` at the visited nodes ``v`` (``v.u`` of rows ``v.sub``: a node's
         ancestry is the walk's path to it), ``out [s, *e]`` their network outputs: the one place the sparse round and
         the checked walk compute it. A multistep kernel reads the records of the states before ``v.u``
-        (:meth:`history`; ``refined``: the checked walk's Picard-refined proposal, :class:`specsamp.round.dense.DenseNodes`)."""
+        (:meth:`history_of`; ``refined``: the checked walk's Picard-refined proposal,
+        :class:`specsamp.round.dense.DenseNodes`)."""
         kern = self.ctx.schedule.kernel
         if kern.order == 1:
             return kern.mean(v.x, out, v.c)
@@ -208,4 +209,5 @@ def sparse_round(nodes: Nodes, tally: Tally, batch: bool = True) -> None:
         v_cur[done] = nodes.velocity(done, u, take_rows(x_cur, done), t["depth"][u])  # depth >= 1
     for rows in nodes.calls():  # a call with nothing to evaluate costs none
         tally.charge(live, rows, batch)
-    commit_round(st, tally, live, Commit(x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history, nodes.past))  # line 24
+    new = Commit(x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history, nodes.past)
+    commit_round(st, tally, live, new)  # line 24

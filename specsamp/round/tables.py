@@ -34,10 +34,10 @@ class DenseTables:
     ``v``'s ancestor at depth ``j`` (``v`` below it); ``back [N, H+1]`` (a kernel of order ``H + 1 > 1``; else None):
     where the records of each node and its ``H`` earlier states lie (:func:`back_table`); ``anc_t [N-1, N]``, 1 where
     the edge into ``e`` lies above ``v`` (states' dtype); per depth ``layer_bounds`` (nodes ``[b[l], b[l+1])``),
-    ``layer_parents``; ``child_pad``, ``child_ok`` ``[N, Kmax]``. Buffers (:class:`DenseBuffers`, ``buffers``) and the verification chunks
-    (:func:`plan_chunks`; ``even_chunks``, their compiled form, where the run compiles). Per-root tables (rows gathered
-    by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root [L, C, T, 1]``, each depth's parent-step
-    coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root [N, T]``, each node's step;
+    ``layer_parents``; ``child_pad``, ``child_ok`` ``[N, Kmax]``. Buffers (:class:`DenseBuffers`, ``buffers``) and the
+    verification chunks (:func:`plan_chunks`; ``even_chunks``, their compiled form, where the run compiles). Per-root
+    tables (rows gathered by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root [L, C, T, 1]``, each depth's
+    parent-step coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root [N, T]``, each node's step;
     ``internal_by_root``, ``evaluated_by_root [T, N]`` (verified if visited; evaluated by the protocol, root in),
     ``evaluated_count``, ``internal_count [T]``; ``sigma_by_root [c, T]`` per chunk: std where verified, else 1.
     The run's keyed tables (:func:`specsamp.round.draws.run_tables`): ``key_cache``, ``noise_cache``,
@@ -121,7 +121,8 @@ def back_table(tree: DraftTree, up: np.ndarray, H: int, dev) -> torch.Tensor | N
     """Where a multistep kernel's records of the states ``j = 0..H`` steps back of each node (``j = 0``: the node's
     own) lie in a round's records table (:meth:`specsamp.round.dense.DenseRound.records`: the root's ``H`` earlier
     records, oldest first, then one row per node): ``[N, H + 1]`` long, ``H + a`` for the ancestor ``a`` at depth
-    ``depth - j`` (``up``: :attr:`DenseTables.anc_at_depth`), ``H - j + depth`` beyond the root. None where ``H = 0``."""
+    ``depth - j`` (``up``: :attr:`DenseTables.anc_at_depth`), ``H - j + depth`` beyond the root. None where
+    ``H = 0``."""
     if H == 0:
         return None
     depth = np.asarray(tree.depth)
