@@ -78,29 +78,53 @@ class TwoStepSDE(Kernel):
         return c["c_x"] * x + c["c_x0"] * d + c["c_h"] * prev
 
 
-if "test_dpmpp_2m_sde" not in KERNELS:
-    register_kernel("test_dpmpp_2m_sde")(TwoStepSDE)
+class ThreeStepSDE(TwoStepSDE):
+    """An order-3 variant: the correction also reads ``D_{n-2}``, ``+ F (D_{n-1} - D_{n-2})`` with ``F = E / 4`` from
+    step 2 on (not a published sampler: a kernel whose history has two entries, for the layouts' gathers)."""
+
+    columns = ("c_x", "c_x0", "c_h", "c_h2", "sigma", "std", "lsnr")
+    order = 3
+
+    def columns64(self, device):
+        cols = super().columns64(device)
+        step = torch.arange(cols["c_h"].numel(), device=device)
+        f = torch.where(step >= 2, -0.25 * cols["c_h"], torch.zeros_like(cols["c_h"]))  # E / (4 k')
+        return {**cols, "c_h": cols["c_h"] + f, "c_h2": -f}
+
+    def mean(self, x, out, c, history=None):
+        d = self.record(x, out, c)
+        p1, p2 = (d, d) if history is None else history
+        return c["c_x"] * x + c["c_x0"] * d + c["c_h"] * p1 + c["c_h2"] * p2
 
 
-def schedule(steps: int) -> Schedule:
+for _name, _cls in (("test_dpmpp_2m_sde", TwoStepSDE), ("test_three_step_sde", ThreeStepSDE)):
+    if _name not in KERNELS:
+        register_kernel(_name)(_cls)
+
+
+def schedule(steps: int, kernel: str = "test_dpmpp_2m_sde") -> Schedule:
     """``steps`` levels from 0.9 to 0.02 (linear), then 0.004, with the test kernel: the grid stops short of 0, so
     that the last step (outside speculation) is a two-step one too and reads the committed path's record."""
     grid = torch.linspace(0.9, 0.02, steps, dtype=torch.float64)
-    return Schedule(torch.cat([grid, grid.new_full((1,), 0.004)]), 1.0, kernel_name="test_dpmpp_2m_sde")
+    return Schedule(torch.cat([grid, grid.new_full((1,), 0.004)]), 1.0, kernel_name=kernel)
 
 
 def plain_loop(model, sch: Schedule, x: torch.Tensor, noise, history: bool = True) -> torch.Tensor:
     """The kernel's sequential sampler, written out: per step the network, the data prediction, the mean from the
-    step's columns and the previous step's data prediction, plus the step's noise ``noise(n) [b, *e]``. ``history``
-    False: the previous data prediction ignored (the power check's wrong sampler)."""
+    step's columns and the previous steps' data predictions (the oldest one standing in for those before step 0),
+    plus the step's noise ``noise(n) [b, *e]``. ``history`` False: the previous data predictions ignored (the power
+    check's wrong sampler)."""
     tab = sch.kernel.columns64("cpu")
-    prev = None
+    prev = []  # the earlier steps' data predictions, most recent first
     for n in range(sch.steps):
         s = tab["sigma"][n]
         d = x - s * model(x, torch.full((x.shape[0],), float(s), dtype=x.dtype))
-        p = d if prev is None or not history else prev
-        x = tab["c_x"][n] * x + tab["c_x0"][n] * d + tab["c_h"][n] * p + tab["std"][n] * noise(n)
-        prev = d
+        p = [d] * 2 if not prev or not history else (prev + prev[-1:])[:2]
+        mean = tab["c_x"][n] * x + tab["c_x0"][n] * d + tab["c_h"][n] * p[0]
+        if "c_h2" in tab:
+            mean = mean + tab["c_h2"][n] * p[1]
+        x = mean + tab["std"][n] * noise(n)
+        prev = [d, *prev][:2]
     return x
 
 
@@ -111,9 +135,10 @@ def loop_samples(sch: Schedule, n: int, seed: int, history: bool = True) -> torc
     return plain_loop(GMM, sch, x, lambda _: torch.randn(n, *GMM.event_shape, generator=g, dtype=torch.float64), history)
 
 
-def test_the_standard_sampler_is_the_plain_loop_bit_for_bit():
+@pytest.mark.parametrize("kernel", ["test_dpmpp_2m_sde", "test_three_step_sde"])
+def test_the_standard_sampler_is_the_plain_loop_bit_for_bit(kernel):
     # 6 trajectories, T = 8, seed 4: the loop above on the standard sampler's keyed initial state and step noise
-    sch, m, seed = schedule(8), 6, 4
+    sch, m, seed = schedule(8, kernel), 6, 4
     ids = torch.arange(m)
     x = initial_state(sch, seed, ids, GMM.event_shape, torch.float64)
     keys = rng.base_key(seed, ids, "step")
@@ -192,13 +217,14 @@ def _same(got, want):
     assert torch.equal(got.samples, want.samples)
 
 
-def test_the_executions_agree_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("kernel", ["test_dpmpp_2m_sde", "test_three_step_sde"])
+def test_the_executions_agree_bit_for_bit(monkeypatch, kernel):
     # a target evaluated row by row (GMM dim 4, T = 8, 24 trajectories, seed 3): the tree execution equals the path
     # execution (D-GRS on (2, 3), RMC on a chain of 4, trees per root step, prefetch nearest/parent/none); the
     # checked walk (markmax rows reported uncertified) equals both, and with a Picard sweep equals the dense round's
     # (one sweep: the refined records of depth-1 nodes are not the exact ones, so the walk must read the sweep's)
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
-    sch = schedule(8)
+    sch = schedule(8, kernel)
     by_root = lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]  # noqa: E731
     for coupling, tree, prefetch in (("dgrs", DraftTree.uniform(2, 3), "nearest"), ("rmc", DraftTree.chain(4), "parent"),
                                      ("dgrs", by_root, "none")):
@@ -257,11 +283,11 @@ def test_the_records_table_of_an_order_3_kernel():
     assert back_table(tree, up, 0, "cpu") is None
 
 
-def check_law(steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0) -> dict:
+def check_law(steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0, kernel: str = "test_dpmpp_2m_sde") -> dict:
     """Each coupling's path and tree executions (``n`` samples each, seed ``SPEC_SEED``, velocity draft) against the
     loop's ``n`` (seed ``LOOP_SEED``); the two executions draw the same keyed numbers, so they have equal counts and
     samples to the batched mixture's rounding. Returns the smallest p-value per run."""
-    sch = schedule(steps)
+    sch = schedule(steps, kernel)
     ref = loop_samples(sch, n, LOOP_SEED)
     report = {}
     for coupling in couplings:
@@ -281,9 +307,11 @@ def check_law(steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0) ->
 
 def test_law_matches_the_plain_loop_with_a_power_check():
     # d = 8, 3 components, T = 8, n = 2000: D-GRS on (2, 4) and RMC on a chain of 6, path and tree, against the
-    # loop (KS on 5 projections and the norm, chi-square of the components: min p > 1e-3); power: the same statistic
+    # loop (KS on 5 projections and the norm, chi-square of the components: min p > 1e-3), and the order-3 kernel
+    # with D-GRS (path and tree) against its loop; power: the same statistic
     # on the loop that ignores the previous output (the first-order sampler) against the loop: min p < 1e-6
     report = check_law(8, 2000)
+    report["order 3"] = check_law(8, 2000, couplings=("dgrs",), kernel="test_three_step_sde")
     wrong = min(law_pvalues(loop_samples(schedule(8), 2000, 1, history=False), loop_samples(schedule(8), 2000, LOOP_SEED),
                             GMM).values())
     print(report, wrong)
