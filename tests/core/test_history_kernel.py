@@ -220,15 +220,16 @@ def _same(got, want):
 @pytest.mark.parametrize("kernel", ["test_dpmpp_2m_sde", "test_three_step_sde"])
 def test_the_executions_agree_bit_for_bit(monkeypatch, kernel):
     # a target evaluated row by row (GMM dim 4, T = 8, 24 trajectories, seed 3): the tree execution equals the path
-    # execution (D-GRS on (2, 3), RMC on a chain of 4, trees per root step, prefetch nearest/parent/none); the
+    # execution (D-GRS on (2, 3), RMC on a chain of 4, trees per root step; prefetch nearest/parent/none; drafts
+    # x0_extrap_gated (its own history of the trajectory), drift (the kernel's mean without history), x0); the
     # checked walk (markmax rows reported uncertified) equals both, and with a Picard sweep equals the dense round's
     # (one sweep: the refined records of depth-1 nodes are not the exact ones, so the walk must read the sweep's)
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     sch = schedule(8, kernel)
     by_root = lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]  # noqa: E731
-    for coupling, tree, prefetch in (("dgrs", DraftTree.uniform(2, 3), "nearest"), ("rmc", DraftTree.chain(4), "parent"),
-                                     ("dgrs", by_root, "none")):
-        kw = dict(seed=3, prefetch=prefetch, draft="x0")
+    for coupling, tree, prefetch, draft in (("dgrs", DraftTree.uniform(2, 3), "nearest", "x0_extrap_gated"),
+                                            ("rmc", DraftTree.chain(4), "parent", "drift"), ("dgrs", by_root, "none", "x0")):
+        kw = dict(seed=3, prefetch=prefetch, draft=draft)
         path = sampler.sample_speculative(model, sch, tree, coupling, 24, execution="path", **kw)
         _same(sampler.sample_speculative(model, sch, tree, coupling, 24, execution="tree", **kw), path)
     tree = DraftTree.uniform(2, 3)
