@@ -22,6 +22,10 @@ scheduler's config reads into its options (:meth:`Kernel.read_scheduler`, with t
 :mod:`specsamp.schedulers`, the diffusers entry point and model and the runner read every scheduler-to-kernel
 map from these.
 
+A multistep kernel (DPM-Solver++(2M) SDE and the like) sets :attr:`Kernel.order` to the number of outputs its mean
+reads and takes ``history`` in :meth:`Kernel.mean`: the :meth:`Kernel.record` of the ``order - 1`` earlier states of
+the same trajectory, which every layout gathers from a node's ancestry and the committed path.
+
 :meth:`Kernel.mean` fixes its floating-point operations: the tables hold bit for bit what a per-step computation
 would, and each kernel's ``mean`` is the one formula every caller runs, so the executions agree bitwise.
 """
@@ -124,6 +128,7 @@ class Kernel:
 
     name: ClassVar[str] = ""
     columns: ClassVar[tuple[str, ...]] = ()
+    order: ClassVar[int] = 1  # outputs the mean reads: this step's and those of order - 1 earlier steps (history)
 
     # A kernel that reproduces a diffusers scheduler says so here (every map from schedulers to kernels is read
     # from these: specsamp.schedulers, the diffusers entry point and model, the runner's kernel config).
@@ -179,7 +184,7 @@ class Kernel:
         """Learn the shape of one state before a run (a kernel whose mean reduces over a sample needs it); default:
         nothing to learn."""
 
-    def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
+    def mean(self, x: torch.Tensor, out: torch.Tensor, c: dict, history: tuple | None = None) -> torch.Tensor:
         """The kernel mean ``[..., *e]`` of the step from states ``x [..., *e]`` on the linear path.
 
         Args:
@@ -190,8 +195,23 @@ class Kernel:
                 or a draft's stand-in for it (a frozen velocity, ``(x - x0_hat) / sigma``).
             c: each name in :attr:`columns` mapped to the steps' coefficients, in ``x``'s dtype, broadcasting
                 against ``x`` (:meth:`coefs`, :meth:`named`).
+            history: kernels of :attr:`order` ``> 1`` only (an order-1 kernel is called without it): a tuple of
+                ``order - 1`` tensors shaped like ``out``, the :meth:`record` of the states 1, 2, ... steps back on
+                the same trajectory (in a round's tree: the node's parent, grandparent, ...; beyond the round's
+                root, the committed path's). Where a trajectory has fewer earlier steps (the first steps of a
+                multistep sampler), the entry is a finite stand-in and the step's coefficient columns give it
+                weight 0: the lower-order form, as the original samplers take it. ``None``: no earlier output is
+                known (a draft's proposal mean, which need not be exact): the kernel reads its own step's record
+                in each earlier one's place.
         """
         raise NotImplementedError
+
+    def record(self, x: torch.Tensor, out: torch.Tensor, c: dict) -> torch.Tensor:
+        """What later steps of a multistep kernel (:attr:`order` ``> 1``) read of this step (their ``history``), from
+        its state ``x``, the network's output ``out`` there and its step's coefficients ``c``; shaped like ``out``.
+        Default: ``out`` itself. A data-prediction multistep kernel records ``x - sigma out`` (the denoised output,
+        which the state is needed for)."""
+        return out
 
     def table(self, device, dtype) -> torch.Tensor:
         """``[T, C]`` the :attr:`columns` in ``dtype`` on ``device`` (``lsnr`` computed in ``dtype`` from ``sigma``);
@@ -214,6 +234,13 @@ class Kernel:
         ``[s, 1, ..., 1]`` in ``like``'s dtype."""
         c = self.table(like.device, like.dtype)[n]  # [s, C]
         return self.named(c.reshape(c.shape[0], len(self.columns), *(1,) * (like.ndim - 1)).unbind(1))
+
+
+def shift_history(history: tuple | None, record: torch.Tensor, order: int) -> tuple:
+    """A multistep kernel's ``history`` one step on: ``record`` (this step's :meth:`Kernel.record`) in front, the
+    oldest entry dropped; from ``None`` (no earlier step), ``record`` in each of the ``order - 1`` places (the stand-in
+    a first step's zero coefficients read)."""
+    return (record,) * (order - 1) if history is None else (record, *history[:-1])
 
 
 KERNELS: Registry[type] = Registry("kernel")

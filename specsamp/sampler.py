@@ -18,6 +18,7 @@ from .coupling import Coupling, ContractError, NonFiniteSampleError, check_verdi
 from .drafts import Draft, get_draft
 from .errors import ConfigError
 from .inductor import check_compile
+from .kernels import shift_history
 from .result import SampleResult
 from .round import (DenseLayout, SparseLayout, Tally, Velocity, build_context, compiled_round, first_step, for_compile,
                     initial_noise, initial_state, run_rounds)  # noqa: F401  (initial_noise: public here)
@@ -99,9 +100,13 @@ def sample_standard(
     x = initial_state(schedule, seed, ids, model.event_shape, model.dtype, init)
     step_keys = rng.base_key(seed, ids, "step", device=dev)
     traj = torch.arange(m, device=dev)
+    order, past = schedule.kernel.order, None  # past: a multistep kernel's records of the earlier steps
     for n in range(schedule.steps):
         nn = torch.full((m,), n, dtype=torch.long, device=dev)
-        mean = schedule.mean(x, velocity(x, nn, traj), nn)
+        out = velocity(x, nn, traj)
+        mean = schedule.mean(x, out, nn, past)
+        if order > 1:
+            past = shift_history(past, schedule.record(x, out, nn), order)
         std = per_row(schedule.std(nn).to(x.dtype), x)
         noise = rng.normal(rng.fold(step_keys, n), model.event_shape, dtype=x.dtype)
         x = mean + std * noise

@@ -138,15 +138,25 @@ class Schedule:
         (:meth:`specsamp.kernels.Kernel.columns64`; for Euler--Maruyama ``sigma``, ``dt``, ``a``, ``b``, ``std``)."""
         return self.kernel.columns64(device)
 
-    def mean(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    def mean(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor, history: tuple | None = None) -> torch.Tensor:
         """Kernel mean of step ``n`` at state ``x`` with velocity ``v`` (eq. 36); Euler at the endpoints.
 
         Args:
             x: ``[b, *event]`` states at noise level ``sigma_n``.
             v: ``[b, *event]`` velocities at ``x``.
             n: long ``[b]`` step indices.
+            history: a multistep kernel's earlier records (:meth:`specsamp.kernels.Kernel.mean`: ``order - 1``
+                tensors ``[b, *event]``, most recent first; None: none known); not passed to an order-1 kernel.
 
         Returns:
             ``[b, *event]`` in ``x``'s dtype.
         """
-        return self.kernel.mean(x, v, self.kernel.coefs(n, x))
+        c = self.kernel.coefs(n, x)
+        if self.kernel.order == 1:
+            return self.kernel.mean(x, v, c)
+        return self.kernel.mean(x, v, c, history)
+
+    def record(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """What later steps of a multistep kernel read of step ``n`` at ``x [b, *event]`` with velocity ``v``
+        (:meth:`specsamp.kernels.Kernel.record`), ``[b, *event]``."""
+        return self.kernel.record(x, v, self.kernel.coefs(n, x))

@@ -100,7 +100,8 @@ def count_verifications(tally: Tally, n: torch.Tensor, cols: torch.Tensor, ver: 
 
 class Commit(NamedTuple):
     """What a round commits for the rows it served (Algorithm 1, line 24): states ``x``, indices ``n``, the
-    committed ``steps``, the next root velocities ``v`` and their ``exact`` flags, the draft's ``history`` (or None)."""
+    committed ``steps``, the next root velocities ``v`` and their ``exact`` flags, the draft's ``history`` (or None),
+    a multistep kernel's ``past`` (:attr:`Chains.past`; or None)."""
 
     x: torch.Tensor
     n: torch.Tensor
@@ -108,6 +109,7 @@ class Commit(NamedTuple):
     v: torch.Tensor
     exact: torch.Tensor
     history: DraftHistory | None = None
+    past: tuple | None = None
 
 
 def commit_round(st: Chains, tally: Tally, live: torch.Tensor, new: Commit) -> None:
@@ -115,7 +117,13 @@ def commit_round(st: Chains, tally: Tally, live: torch.Tensor, new: Commit) -> N
     round count into ``tally``. Sparse: ``live`` long ``[m]`` (distinct), values for those rows, written in place.
     Dense: ``live`` bool ``[M]``, values for every row (rows outside it keep theirs, ``steps`` 0), assigned anew:
     another tree's round may have committed since."""
-    x, n_new, steps, v, exact, history = new
+    x, n_new, steps, v, exact, history, past = new
+    if st.past is not None:  # a multistep kernel's records: new tensors (the old ones may be shared or read still)
+        if live.dtype == torch.bool:
+            keep = live.reshape((-1,) + (1,) * (st.x.ndim - 1))
+            st.past = tuple(torch.where(keep, p, old) for p, old in zip(past, st.past))
+        else:
+            st.past = tuple(old.index_put((live,), p) for p, old in zip(past, st.past))
     if live.dtype == torch.bool:
         tally.committed.scatter_add_(1, tally.rounds.clamp(max=tally.committed.shape[1] - 1)[:, None], steps[:, None])
         tally.rounds += live
@@ -201,5 +209,8 @@ class Chains:
     v_root: torch.Tensor  # [M, *e] velocity the next round drafts from
     root_exact: torch.Tensor  # [M] bool: v_root is x's own exact velocity
     history: DraftHistory | None = None  # [M, H, ...] exact records along the trajectories (drafts with history)
+    # a multistep kernel's (Kernel.order > 1) records (Kernel.record) of the order - 1 states before x on each
+    # trajectory, most recent first: order - 1 tensors [M, *e] (the first steps' stand-ins: Kernel.mean); else None
+    past: tuple | None = None
 
 

@@ -83,6 +83,7 @@ class DenseRound:
         # the root index that sets L_n, with L_n = 0 (a root that is not served) for the rows the round does not serve
         self.n_lim = self.n if sel is None else torch.where(live, self.n, end)
         self.v_root, self.root_exact, self.refined, self.calls = st.v_root, st.root_exact, None, []
+        self.recs = self.refined_recs = None  # a multistep kernel's records tables (records), exact and refined
 
     def run(self, plans: list, stages=None) -> None:
         """The phases in order; ``stages``: the compiled pieces (:class:`specsamp.round.compiled.Stages`), else eager.
@@ -141,14 +142,43 @@ class DenseRound:
             self.v_root, self.root_exact = torch.where(live[:, None], v0, self.v_root.reshape(M, -1)), self.root_exact | live
             self.picard(torch.cat([self.v_root[None], vrest]))
         self.v0, self.vrest = network(self, node_step, *plans[-1])
+        if self.st.past is not None:
+            self.recs = self.records(torch.cat([self.v0[None], self.vrest]))
         self.calls.append(torch.where(live, lt.evaluated_count.index_select(0, n_lim) - self.root_exact.long(), lt.zero_long))
 
-    def kernel_mean(self, x: torch.Tensor, out: torch.Tensor, c: dict, nodes) -> torch.Tensor:
+    def kernel_mean(self, x: torch.Tensor, out: torch.Tensor, c: dict, nodes,
+                    recs: torch.Tensor | None = None) -> torch.Tensor:
         """The target's kernel mean at states ``x`` (node-major ``[c, M, D]``, or ``[M, D]``) of the nodes ``nodes``
-        (their indices ``[c]``, or ``(nodes [M], rows [M])``: one per row), ``out`` their network outputs, ``c`` their
-        steps' coefficients: the one place the dense round computes it (a node's ancestry, ``lt.parent`` and
-        ``lt.anc_at_depth`` of ``nodes``, is at hand here)."""
-        return self.ctx.schedule.kernel.mean(x, out, c)
+        (their indices ``[c]`` or a slice of them, or ``(nodes [M], rows [M])``: one per row), ``out`` their network
+        outputs, ``c`` their steps' coefficients: the one place the dense round computes it. A multistep kernel
+        reads the records of the states before ``nodes`` (their ancestry, ``lt.back``) from the records table ``recs``
+        (:meth:`records`; None: the round's exact one, ``self.recs``)."""
+        kern = self.ctx.schedule.kernel
+        if kern.order == 1:
+            return kern.mean(x, out, c)
+        return kern.mean(x, out, c, self.history_of(nodes, self.recs if recs is None else recs))
+
+    def history_of(self, nodes, recs: torch.Tensor) -> tuple:
+        """A multistep kernel's ``history`` at ``nodes`` (as :meth:`kernel_mean` takes them): the records of the
+        ``order - 1`` states before each (its parent, grandparent, ...; beyond the round's root, the committed path's)
+        gathered from the records table ``recs [H + N, M, D]``, shaped like the nodes' states."""
+        back = self.lt.back
+        if isinstance(nodes, tuple):  # one node per row
+            u, rows = nodes
+            return tuple(recs[back[u, j], rows] for j in range(1, back.shape[1]))
+        if isinstance(nodes, slice):
+            nodes = self.lt.nodes[nodes]
+        return tuple(recs[back[nodes, j]] for j in range(1, back.shape[1]))
+
+    def records(self, vel: torch.Tensor) -> torch.Tensor:
+        """A multistep kernel's records table ``[H + N, M, D]`` (``H = order - 1``): the root's ``H`` earlier records
+        (``st.past``, oldest first), then every node's record (:meth:`specsamp.kernels.Kernel.record`) at its state,
+        its output in ``vel [N, M, D]`` and its depth's coefficients (leaves at depth ``L``, never read: the last
+        depth's). Rows ``lt.back`` index it."""
+        kern, lt, st, M = self.ctx.schedule.kernel, self.lt, self.st, self.n.shape[0]
+        c = kern.named(self.coefs[lt.dcol_m[0]].unbind(1))  # [N, M, 1] each
+        rec = kern.record(self.states, vel, c)
+        return torch.cat([torch.stack([p.reshape(M, -1) for p in reversed(st.past)]), rec])
 
     def picard(self, vel: torch.Tensor) -> None:
         """One Picard sweep's rebuild of the drafted tree, in place on ``states [N, M, D]``; ``refined = vel``.
@@ -165,12 +195,19 @@ class DenseRound:
         ``N(mean(x_u, v_u, s), std(s)^2 I)`` with ``v_u`` already fixed; the coupling is handed that mean (the refined
         proposal mean), which is all an exact coupling needs."""
         lt, states, kern = self.lt, self.states, self.ctx.schedule.kernel
-        NC = len(kern.columns)
+        NC, H = len(kern.columns), kern.order - 1
+        recs = None
+        if H:  # a multistep kernel's records at the rebuilt states, layer by layer (records' layout)
+            recs = states.new_zeros(H + states.shape[0], *states.shape[1:])
+            recs[:H] = torch.stack([p.reshape(states.shape[1], -1) for p in reversed(self.st.past)])
         for l, par in enumerate(lt.layer_parents, start=1):
             a, b = lt.layer_bounds[l], lt.layer_bounds[l + 1]
             c = kern.named(self.per_depth[NC * (l - 1) : NC * l])
-            states[a:b] = self.kernel_mean(states[par], vel[par], c, par) + self.innov[a - 1 : b - 1]
-        self.refined = vel
+            if recs is not None:  # the parents' layer is rebuilt: its records, before its children read them
+                p0 = lt.layer_bounds[l - 1]
+                recs[H + p0 : H + a] = kern.record(states[p0:a], vel[p0:a], c)
+            states[a:b] = self.kernel_mean(states[par], vel[par], c, par, recs) + self.innov[a - 1 : b - 1]
+        self.refined, self.refined_recs = vel, recs
 
     def proposal_mean(self, x: torch.Tensor, c: dict, at, nodes=None) -> torch.Tensor:
         """The proposal means of parents ``x`` (node-major, ``[..., M, D]``, or ``[M, D]``: one per row) with kernel
@@ -180,7 +217,7 @@ class DenseRound:
         columns (``frozen_col``: ``[1, M, D]``, or per depth ``[L, M, D]`` or a tuple of them,
         ``Draft.table_frozen``); else ``Draft.mean`` (:meth:`plain_mean`)."""
         if self.refined is not None:
-            return self.kernel_mean(x, self.refined[nodes], c, nodes)
+            return self.kernel_mean(x, self.refined[nodes], c, nodes, self.refined_recs)
         frozen_col = self.frozen_col
         if frozen_col is None:
             return self.plain_mean(x, at)
@@ -342,6 +379,9 @@ class DenseRound:
                                             states[ch, lt.ar_col], self.out, lt.inf)
                 v_next = torch.where(has[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
         self.v_next, self.verified = v_next, self.on_path & self.internal_r
+        self.past = None  # a multistep kernel's past of the committed states: the records of the H states before them
+        if st.past is not None:
+            self.past = tuple(self.recs[lt.back[last, j], ar].reshape(st.x.shape) for j in range(lt.back.shape[1] - 1))
         self.hist = None if st.history is None else self.history()
         self.n_new, self.exact_new = n + self.steps, torch.where(live, exact, self.root_exact)
 
@@ -374,8 +414,9 @@ class DenseRound:
         for rows in self.calls:
             tally.charge(None, rows, batch=False)
         shape = self.st.x.shape
-        commit_round(self.st, tally, self.live, Commit(self.out.reshape(shape), self.n_new, self.steps,
-                                                       self.v_next.reshape(shape), self.exact_new, self.hist))
+        new = Commit(self.out.reshape(shape), self.n_new, self.steps, self.v_next.reshape(shape), self.exact_new,
+                     self.hist, self.past)
+        commit_round(self.st, tally, self.live, new)
 
 
 class DenseNodes(Nodes):
@@ -396,7 +437,13 @@ class DenseNodes(Nodes):
         kids = self.d.states[ids, b[:, None]].view(-1, ids.shape[1], *self.e)
         if self.d.refined is None:
             return self.proposal_mean(v), kids
-        return self.kernel_mean(v, self.d.refined[v.u, b].view_as(v.x)), kids
+        return self.kernel_mean(v, self.d.refined[v.u, b].view_as(v.x), refined=True), kids
+
+    def history_of(self, v, refined=False):
+        if not refined:  # the walk's own records, as the sparse round keeps them
+            return super().history_of(v)
+        b, back, recs = self.rows[v.sub], self.d.lt.back, self.d.refined_recs  # the last Picard sweep's records
+        return tuple(recs[back[v.u, j], b].view_as(v.x) for j in range(1, back.shape[1]))
 
     def velocity(self, sub, u, x_u, depth):
         b = self.rows[sub]

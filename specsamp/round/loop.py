@@ -10,6 +10,7 @@ import torch
 
 from .. import arguments, rng
 from ..drafts import DraftHistory, data_prediction
+from ..kernels import shift_history
 from ..schedule import Schedule
 from .context import Chains, Context, Tally
 
@@ -60,6 +61,9 @@ def first_step(ctx: Context, model, seed: int, warmup: str, tally: Tally, init=N
         v_root=v0 if warmup == "step0" else torch.zeros_like(x),
         root_exact=torch.zeros(M, dtype=torch.bool, device=dev),
     )
+    order = ctx.schedule.kernel.order
+    if order > 1:  # the step-0 state's record opens a multistep kernel's past (Chains.past)
+        st.past = shift_history(None, ctx.schedule.record(x, v0, n), order)
     H = ctx.draft.history
     if H > 0:  # the step-0 state's exact data prediction opens the trajectory's history
         st.history = DraftHistory.empty(x, H)
@@ -103,4 +107,4 @@ def final_step(ctx: Context, st: Chains, tally: Tally, need_rows: torch.Tensor |
     if w.numel():
         v_last[w] = ctx.velocity(st.x[w], last[w], w)
         tally.endpoint_nfe[w] += 1
-    return endpoint_noise(ctx, ctx.schedule.mean(st.x, v_last, last), T1)
+    return endpoint_noise(ctx, ctx.schedule.mean(st.x, v_last, last, st.past), T1)

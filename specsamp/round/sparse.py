@@ -54,6 +54,9 @@ class Nodes:
         self.frozen = ctx.draft.freeze(root, ctx.schedule)
         self.draft_keys, self.verify_keys = (rng.round_keys(k[live], self.n) for k in (ctx.draft_keys, ctx.verify_keys))
         self.history = None if hist is None else hist.clone()  # the walk records into its own copy
+        # a multistep kernel's records of the H = order - 1 states before each row's current node (the walk's own
+        # copies, pushed as it walks down: walked)
+        self.past = None if st.past is None else tuple(p[live] for p in st.past)
 
     def calls(self) -> list:
         """The rows ``[m]`` each batched call of the round evaluated per trajectory (Picard sweeps first)."""
@@ -81,11 +84,30 @@ class Nodes:
         mean = self.proposal_mean(v)
         return mean, sparse_noise(take_rows(self.draft_keys, v.sub), ids, mean, v.c["std"])
 
-    def kernel_mean(self, v: Visit, out: torch.Tensor) -> torch.Tensor:
+    def kernel_mean(self, v: Visit, out: torch.Tensor, refined: bool = False) -> torch.Tensor:
         """The target's kernel mean ``[s, *e]`` at the visited nodes ``v`` (``v.u`` of rows ``v.sub``: a node's
         ancestry is the walk's path to it), ``out [s, *e]`` their network outputs: the one place the sparse round and
-        the checked walk compute it."""
-        return self.ctx.schedule.kernel.mean(v.x, out, v.c)
+        the checked walk compute it. A multistep kernel reads the records of the states before ``v.u``
+        (:meth:`history_of`; ``refined``: the checked walk's Picard-refined proposal,
+        :class:`specsamp.round.dense.DenseNodes`)."""
+        kern = self.ctx.schedule.kernel
+        if kern.order == 1:
+            return kern.mean(v.x, out, v.c)
+        return kern.mean(v.x, out, v.c, self.history_of(v, refined))
+
+    def history_of(self, v: Visit, refined: bool = False) -> tuple:
+        """A multistep kernel's ``history`` at the visited nodes ``v``: the records of the ``order - 1`` states before
+        each on the walk's path (beyond the round's root, the committed path's), ``[s, *e]`` each."""
+        return tuple(p[v.sub] for p in self.past)
+
+    def walked(self, v: Visit, out: torch.Tensor) -> None:
+        """A multistep kernel's past one step on for the rows ``v.sub`` verified at nodes ``v.u`` (their next state, the
+        accepted child or the residual draw, is a child of ``v.u``): the record of ``v.u``'s step (state ``v.x``,
+        output ``out``) pushed in front of those rows' records, in place."""
+        rec = self.ctx.schedule.kernel.record(v.x, out, v.c)
+        for j in range(len(self.past) - 1, 0, -1):
+            self.past[j][v.sub] = self.past[j - 1][v.sub]
+        self.past[0][v.sub] = rec
 
     def velocity(self, sub, u, x_u, depth):
         """The exact velocities ``[s, *e]`` of nodes ``u`` at states ``x_u`` and depth ``depth`` (an int or ``[s]``), or of
@@ -157,8 +179,11 @@ def sparse_round(nodes: Nodes, tally: Tally, batch: bool = True) -> None:
             visit = Visit(sub, u, x_u, step, ctx.schedule.kernel.coefs(step, x_u))
             ids = t["first_child"][u][:, None] + torch.arange(k, device=dev)[None]  # contiguous, in drafting order
             mean_p, kids = nodes.draft(visit, ids)
-            mean_q = nodes.kernel_mean(visit, take_rows(v_cur, sub))
+            v_u = take_rows(v_cur, sub)
+            mean_q = nodes.kernel_mean(visit, v_u)
             verdict = verify_checked(nodes, visit, l, kids, (mean_p, mean_q), uniforms(sub, u, k))
+            if nodes.past is not None:
+                nodes.walked(visit, v_u)  # before the nearest prefetch writes v_cur
             # lines 18--22: the accepted child (the verdict's sample is that child, bit for bit), or the residual and stop
             stopped = ~verdict.accepted
             steps[sub], x_cur[sub], walking[sub], rejected[sub] = l, verdict.sample, verdict.accepted, stopped
@@ -184,4 +209,5 @@ def sparse_round(nodes: Nodes, tally: Tally, batch: bool = True) -> None:
         v_cur[done] = nodes.velocity(done, u, take_rows(x_cur, done), t["depth"][u])  # depth >= 1
     for rows in nodes.calls():  # a call with nothing to evaluate costs none
         tally.charge(live, rows, batch)
-    commit_round(st, tally, live, Commit(x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history))  # line 24
+    new = Commit(x_cur, nodes.n + steps, steps, v_cur, exact, nodes.history, nodes.past)
+    commit_round(st, tally, live, new)  # line 24

@@ -31,12 +31,13 @@ class DenseTables:
     (its event, dtype, device, kernel table and keys, :func:`specsamp.round.context.build_context`).
 
     Index tensors: ``depth``, ``parent``, ``first_child``, ``num_children`` ``[N]`` long; ``anc_at_depth [N, L+1]``,
-    ``v``'s ancestor at depth ``j`` (``v`` below it); ``anc_t [N-1, N]``, 1 where the edge into ``e`` lies above ``v``
-    (states' dtype); per depth ``layer_bounds`` (nodes ``[b[l], b[l+1])``), ``layer_parents``; ``child_pad``,
-    ``child_ok`` ``[N, Kmax]``. Buffers (:class:`DenseBuffers`, ``buffers``) and the verification chunks
-    (:func:`plan_chunks`; ``even_chunks``, their compiled form, where the run compiles). Per-root tables (rows gathered
-    by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root [L, C, T, 1]``, each depth's parent-step
-    coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root [N, T]``, each node's step;
+    ``v``'s ancestor at depth ``j`` (``v`` below it); ``back [N, H+1]`` (a kernel of order ``H + 1 > 1``; else None):
+    where the records of each node and its ``H`` earlier states lie (:func:`back_table`); ``anc_t [N-1, N]``, 1 where
+    the edge into ``e`` lies above ``v`` (states' dtype); per depth ``layer_bounds`` (nodes ``[b[l], b[l+1])``),
+    ``layer_parents``; ``child_pad``, ``child_ok`` ``[N, Kmax]``. Buffers (:class:`DenseBuffers`, ``buffers``) and the
+    verification chunks (:func:`plan_chunks`; ``even_chunks``, their compiled form, where the run compiles). Per-root
+    tables (rows gathered by root ``n``; ``L_n = clip(end - n, 0, L)``): ``coefs_by_root [L, C, T, 1]``, each depth's
+    parent-step coefficients (:meth:`specsamp.kernels.Kernel.table`); ``node_step_by_root [N, T]``, each node's step;
     ``internal_by_root``, ``evaluated_by_root [T, N]`` (verified if visited; evaluated by the protocol, root in),
     ``evaluated_count``, ``internal_count [T]``; ``sigma_by_root [c, T]`` per chunk: std where verified, else 1.
     The run's keyed tables (:func:`specsamp.round.draws.run_tables`): ``key_cache``, ``noise_cache``,
@@ -57,6 +58,7 @@ class DenseTables:
         for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
             up[v, : tree.depth[v]] = up[tree.parent[v], : tree.depth[v]]
         self.anc_at_depth = long_tensor(up, dev)
+        self.back = back_table(tree, up, ctx.schedule.kernel.order - 1, dev)
         self.anc_t = torch.as_tensor(np.ascontiguousarray(up.T[tree.depth[1:]] == np.arange(1, N)[:, None]), dtype=dtype, device=dev)
         self.depth1_row, self.dm1 = (self.depth + 1)[None], self.depth[1:] - 1
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
@@ -113,6 +115,22 @@ class DenseTables:
         if rows is not None:
             mask &= rows[:, None]
         return np.flatnonzero(mask.T)
+
+
+def back_table(tree: DraftTree, up: np.ndarray, H: int, dev) -> torch.Tensor | None:
+    """Where a multistep kernel's records of the states ``j = 0..H`` steps back of each node (``j = 0``: the node's
+    own) lie in a round's records table (:meth:`specsamp.round.dense.DenseRound.records`: the root's ``H`` earlier
+    records, oldest first, then one row per node): ``[N, H + 1]`` long, ``H + a`` for the ancestor ``a`` at depth
+    ``depth - j`` (``up``: :attr:`DenseTables.anc_at_depth`), ``H - j + depth`` beyond the root. None where
+    ``H = 0``."""
+    if H == 0:
+        return None
+    depth = np.asarray(tree.depth)
+    out = np.empty((len(tree), H + 1), dtype=np.int64)
+    for j in range(H + 1):
+        inside = depth >= j
+        out[:, j] = np.where(inside, H + up[np.arange(len(tree)), np.maximum(depth - j, 0)], H - j + depth)
+    return long_tensor(out, dev)
 
 
 def plan_chunks(tree: DraftTree, M: int, D: int, dev) -> tuple:
