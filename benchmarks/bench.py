@@ -59,17 +59,35 @@ def grid_vs_numpy(cells, trajectories: int = 100, progress=print) -> list[dict]:
     for rule, K, L in cells:
         B = budget(K, L)
         tree = DraftTree.uniform(K, L) if rule == "dgrs" else DraftTree.chain(B)
-        t_ours, res = best_of(lambda r, tree=tree, rule=rule: sample_speculative(gmm, sch, tree, rule, trajectories, execution="path", seed=r), 1)
+        t_ours, res = best_of(
+            lambda r, tree=tree, rule=rule: sample_speculative(
+                gmm, sch, tree, rule, trajectories, execution="path", seed=r
+            ),
+            1,
+        )
         t0 = time.perf_counter()
         sp = run_cell(base, 30, 0.1, K, L, rule, trajectories, seed=0)
         t_np = time.perf_counter() - t0
-        rows.append({"rule": rule, "K": K, "L": L, "budget": B, "ours_s": t_ours, "numpy_s": t_np, "ratio": t_ours / t_np,
-                     "ours_speedup": float(res.speedup.mean()), "ours_sem": float(res.speedup.std() / trajectories**0.5),
-                     "numpy_speedup": sp})
+        rows.append(
+            {
+                "rule": rule,
+                "K": K,
+                "L": L,
+                "budget": B,
+                "ours_s": t_ours,
+                "numpy_s": t_np,
+                "ratio": t_ours / t_np,
+                "ours_speedup": float(res.speedup.mean()),
+                "ours_sem": float(res.speedup.std() / trajectories**0.5),
+                "numpy_speedup": sp,
+            }
+        )
         if progress:
             progress(f"  grid {rule} ({K},{L}): ours {t_ours:.2f} s, numpy {t_np:.2f} s")
     tot_o, tot_n = sum(r["ours_s"] for r in rows), sum(r["numpy_s"] for r in rows)
-    rows.append({"rule": "all", "K": "", "L": "", "budget": "", "ours_s": tot_o, "numpy_s": tot_n, "ratio": tot_o / tot_n})
+    rows.append(
+        {"rule": "all", "K": "", "L": "", "budget": "", "ours_s": tot_o, "numpy_s": tot_n, "ratio": tot_o / tot_n}
+    )
     return rows
 
 
@@ -90,8 +108,17 @@ def coupling_throughput(n: int, K: int = 7, event=(16, 64, 64), repeats: int = 2
     rows = []
     for name, fn, c in (("dgrs", dgrs, kids), ("rmc", rmc, kids[:, :1])):
         t, v = best_of(lambda r, fn=fn, c=c: fn(c, mean_p, mean_q, sigma, rng.KeyedRows(rng.fold(keys, r))), repeats)
-        rows.append({"rule": name, "K": c.shape[1], "n": n, "event": "x".join(map(str, event)), "seconds": t,
-                     "nodes_per_s": n / t, "acceptance": float(v.accepted.float().mean())})
+        rows.append(
+            {
+                "rule": name,
+                "K": c.shape[1],
+                "n": n,
+                "event": "x".join(map(str, event)),
+                "seconds": t,
+                "nodes_per_s": n / t,
+                "acceptance": float(v.accepted.float().mean()),
+            }
+        )
     return rows
 
 
@@ -107,14 +134,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="full sizes: every grid cell, bigger batches (several GB)")
     p.add_argument("--preset", default="cifar10", help="stand-in network of the overhead table (benchmarks.stand_in)")
-    p.add_argument("--only", default=None,
-                   help="comma-separated sections: overhead,scaling,grid,memory,coupling,opcount,compile")
+    p.add_argument(
+        "--only", default=None, help="comma-separated sections: overhead,scaling,grid,memory,coupling,opcount,compile"
+    )
     p.add_argument("--json", default=None, help="also write every row here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    sections = a.only.split(",") if a.only else ["overhead", "scaling", "grid", "memory", "coupling", "opcount", "compile"]
+    sections = (
+        a.only.split(",") if a.only else ["overhead", "scaling", "grid", "memory", "coupling", "opcount", "compile"]
+    )
     t0 = time.perf_counter()
-    print(f"specsamp benchmarks: torch {torch.__version__}, 1 thread, {'full' if a.full else 'default'} sizes", flush=True)
+    print(
+        f"specsamp benchmarks: torch {torch.__version__}, 1 thread, {'full' if a.full else 'default'} sizes", flush=True
+    )
     out = {}
     log = lambda s: print(s, flush=True)  # noqa: E731
     if "overhead" in sections:
@@ -126,24 +158,65 @@ def main(argv=None) -> int:
         log(f"[overhead] {name}, 1 trajectory, tree execution; call cost from a 2-row probe")
         out["overhead"] = overhead_table(model, name, trajectories=1, probe=2, progress=log)
         log("[overhead] the trained digits network (model=digits), same protocol")
-        out["overhead"] += overhead_table(digits_velocity(), "digits (trained, 0.1M)", trajectories=1, probe=2, progress=log)
-        print(table(out["overhead"], [("network", "network", "s"), ("budget", "B", "d"), ("overhead_s", "overhead s/round", ".4f"),
-                                      ("call_s", "network call s", ".2f"), ("fraction", "fraction", ".2e")]), flush=True)
+        out["overhead"] += overhead_table(
+            digits_velocity(), "digits (trained, 0.1M)", trajectories=1, probe=2, progress=log
+        )
+        print(
+            table(
+                out["overhead"],
+                [
+                    ("network", "network", "s"),
+                    ("budget", "B", "d"),
+                    ("overhead_s", "overhead s/round", ".4f"),
+                    ("call_s", "network call s", ".2f"),
+                    ("fraction", "fraction", ".2e"),
+                ],
+            ),
+            flush=True,
+        )
     if "scaling" in sections:
         from benchmarks.overhead_tables import scaling_table
 
         m = 16 if a.full else 4
         log(f"[scaling] {m} trajectories, proxy target v = -x (excluded), seconds per round")
         out["scaling"] = scaling_table(trajectories=m, progress=log)
-        print(table(out["scaling"], [("dim", "dim", "d"), ("budget", "B", "d"), ("execution", "execution", "s"),
-                                     ("overhead_s", "s/round", ".4f"), ("rounds", "rounds", "d")]), flush=True)
+        print(
+            table(
+                out["scaling"],
+                [
+                    ("dim", "dim", "d"),
+                    ("budget", "B", "d"),
+                    ("execution", "execution", "s"),
+                    ("overhead_s", "s/round", ".4f"),
+                    ("rounds", "rounds", "d"),
+                ],
+            ),
+            flush=True,
+        )
     if "grid" in sections:
-        cells = [(r, K, L) for r in ("rmc", "dgrs") for K in range(1, 8) for L in range(2, 8)] if a.full else list(GRID_QUICK)
+        cells = (
+            [(r, K, L) for r in ("rmc", "dgrs") for K in range(1, 8) for L in range(2, 8)]
+            if a.full
+            else list(GRID_QUICK)
+        )
         log(f"[grid] {len(cells)} section 5.1 cells: specsamp (path) vs the numpy baseline")
         out["grid"] = grid_vs_numpy(cells, progress=log)
-        print(table(out["grid"], [("rule", "rule", "s"), ("K", "K", ""), ("L", "L", ""), ("ours_s", "ours s", ".2f"),
-                                  ("numpy_s", "numpy s", ".2f"), ("ratio", "ours/numpy", ".2f"),
-                                  ("ours_speedup", "ours speedup", ".3f"), ("numpy_speedup", "numpy speedup", ".3f")]), flush=True)
+        print(
+            table(
+                out["grid"],
+                [
+                    ("rule", "rule", "s"),
+                    ("K", "K", ""),
+                    ("L", "L", ""),
+                    ("ours_s", "ours s", ".2f"),
+                    ("numpy_s", "numpy s", ".2f"),
+                    ("ratio", "ours/numpy", ".2f"),
+                    ("ours_speedup", "ours speedup", ".3f"),
+                    ("numpy_speedup", "numpy speedup", ".3f"),
+                ],
+            ),
+            flush=True,
+        )
     if "memory" in sections:
         log("[memory] fresh process per row")
         txt = in_subprocess("benchmarks.memory")
@@ -153,8 +226,20 @@ def main(argv=None) -> int:
         n = 1024 if a.full else 64
         log(f"[coupling] n={n} parent nodes, 16x64x64 float32")
         out["coupling"] = coupling_throughput(n)
-        print(table(out["coupling"], [("rule", "rule", "s"), ("K", "K", "d"), ("n", "n", "d"), ("seconds", "seconds", ".3f"),
-                                      ("nodes_per_s", "nodes/s", ".1f"), ("acceptance", "acceptance", ".3f")]), flush=True)
+        print(
+            table(
+                out["coupling"],
+                [
+                    ("rule", "rule", "s"),
+                    ("K", "K", "d"),
+                    ("n", "n", "d"),
+                    ("seconds", "seconds", ".3f"),
+                    ("nodes_per_s", "nodes/s", ".1f"),
+                    ("acceptance", "acceptance", ".3f"),
+                ],
+            ),
+            flush=True,
+        )
     if "opcount" in sections:
         from benchmarks.opcount import COLUMNS, table_rows
 

@@ -109,11 +109,17 @@ class TimedModel:
 def environment(device) -> dict:
     """Device, versions and the numerics flags timings run under (GPU name and memory on CUDA)."""
     device = torch.device(device)
-    env = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
-           "cpu_threads": torch.get_num_threads(), "cuda": torch.version.cuda,
-           "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-           "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    env = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["gpu_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -151,7 +157,9 @@ def peak_rss_mib() -> float:
 
 def in_subprocess(module: str, *args: str, timeout: float = 600) -> str:
     """Run ``python -m module args`` in a fresh process (own peak memory); return its stdout."""
-    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, check=True
+    )
     return out.stdout
 
 

@@ -25,8 +25,13 @@ import tempfile
 from benchmarks.common import cpu_model, table, write_json
 
 N = 5000
-COLUMNS = [("arm", "arm", "s"), ("n", "n", "d"), ("seconds", "seconds", ".2f"), ("ratio", "/ eager", ".2f"),
-           ("cpu", "CPU", "s")]
+COLUMNS = [
+    ("arm", "arm", "s"),
+    ("n", "n", "d"),
+    ("seconds", "seconds", ".2f"),
+    ("ratio", "/ eager", ".2f"),
+    ("cpu", "CPU", "s"),
+]
 
 
 def _runs(n: int, compile: bool, runs: int) -> list[float]:
@@ -47,8 +52,9 @@ def _runs(n: int, compile: bool, runs: int) -> list[float]:
     try:
         for _ in range(runs):
             t0 = time.perf_counter()
-            sampler.sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", n, execution="tree", seed=0,
-                                       compile=compile)
+            sampler.sample_speculative(
+                model, sched, DraftTree.uniform(2, 3), "dgrs", n, execution="tree", seed=0, compile=compile
+            )
             out.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
@@ -60,8 +66,17 @@ def _child(n: int, compile: bool, runs: int, cache: str | None = None, timeout: 
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if cache is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    args = [sys.executable, "-m", "benchmarks.compile_batch", "--child", "compiled" if compile else "eager",
-            "--n", str(n), "--runs", str(runs)]
+    args = [
+        sys.executable,
+        "-m",
+        "benchmarks.compile_batch",
+        "--child",
+        "compiled" if compile else "eager",
+        "--n",
+        str(n),
+        "--runs",
+        str(runs),
+    ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=root, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -81,8 +96,12 @@ def compile_rows(n: int = N, progress=print) -> list[dict]:
         warm = _child(n, True, 1, cache)[0]
         if progress:
             progress(f"  compiled, warm cache: first run {warm:.2f} s")
-    rows = [("eager (best of 2)", eager), ("compiled, first run, empty cache", cold[0]),
-            ("compiled, second run", cold[1]), ("compiled, first run, warm cache", warm)]
+    rows = [
+        ("eager (best of 2)", eager),
+        ("compiled, first run, empty cache", cold[0]),
+        ("compiled, second run", cold[1]),
+        ("compiled, first run, warm cache", warm),
+    ]
     return [{"arm": arm, "n": n, "seconds": s, "ratio": s / eager, "cpu": cpu} for arm, s in rows]
 
 

@@ -16,8 +16,14 @@ from specsamp.testing import make_problem
 
 CASES = [("dgrs", 1), ("dgrs", 2), ("dgrs", 5), ("rmc", 1), ("markmax", 2), ("markmax", 4)]
 
-COUNTED = {("dgrs", 1): 236, ("dgrs", 2): 256, ("dgrs", 5): 298, ("rmc", 1): 61, ("markmax", 2): 15497,
-           ("markmax", 4): 17317}
+COUNTED = {
+    ("dgrs", 1): 236,
+    ("dgrs", 2): 256,
+    ("dgrs", 5): 298,
+    ("rmc", 1): 61,
+    ("markmax", 2): 15497,
+    ("markmax", 4): 17317,
+}
 """Deferred ops per call (static shapes: the same at n = 1 and 16 but for the copies of a column that one row does
 not need; markmax's one-time share table is setup, not counted), as counted with torch 2.x when this table was
 written; ``main`` prints today's count beside it."""

@@ -59,8 +59,9 @@ class Block(nn.Module):
     ``forward(x [b, c_in, r, r], emb [b, emb_channels]) -> [b, c_out, r', r']``.
     """
 
-    def __init__(self, c_in: int, c_out: int, emb_channels: int, *, up: bool = False, down: bool = False,
-                 attention: bool = False):
+    def __init__(
+        self, c_in: int, c_out: int, emb_channels: int, *, up: bool = False, down: bool = False, attention: bool = False
+    ):
         super().__init__()
         self.c_in, self.c_out, self.up, self.down = c_in, c_out, up, down
         self.norm0 = _norm(c_in)
@@ -108,9 +109,18 @@ class DDPMpp(nn.Module):
         (module docstring).
     """
 
-    def __init__(self, img_resolution: int = 32, img_channels: int = 3, label_dim: int = 10, augment_dim: int = 9,
-                 model_channels: int = 128, channel_mult=(2, 2, 2), channel_mult_emb: int = 4, num_blocks: int = 4,
-                 attn_resolutions=(16,)):
+    def __init__(
+        self,
+        img_resolution: int = 32,
+        img_channels: int = 3,
+        label_dim: int = 10,
+        augment_dim: int = 9,
+        model_channels: int = 128,
+        channel_mult=(2, 2, 2),
+        channel_mult_emb: int = 4,
+        num_blocks: int = 4,
+        attn_resolutions=(16,),
+    ):
         super().__init__()
         emb_ch = model_channels * channel_mult_emb
         self.map_noise = PositionalEmbedding(model_channels)
@@ -130,7 +140,9 @@ class DDPMpp(nn.Module):
                 self.enc[f"r{res}_down"] = Block(c, c, emb_ch, down=True)
             skips.append(c)
             for i in range(num_blocks):
-                self.enc[f"r{res}_block{i}"] = Block(c, model_channels * mult, emb_ch, attention=res in attn_resolutions)
+                self.enc[f"r{res}_block{i}"] = Block(
+                    c, model_channels * mult, emb_ch, attention=res in attn_resolutions
+                )
                 c = model_channels * mult
                 skips.append(c)
         self.dec = nn.ModuleDict()
@@ -144,7 +156,9 @@ class DDPMpp(nn.Module):
             for i in range(num_blocks + 1):
                 cin = c + skips.pop()
                 c = model_channels * mult
-                self.dec[f"r{res}_block{i}"] = Block(cin, c, emb_ch, attention=(i == num_blocks and res in attn_resolutions))
+                self.dec[f"r{res}_block{i}"] = Block(
+                    cin, c, emb_ch, attention=(i == num_blocks and res in attn_resolutions)
+                )
         self.out_norm = _norm(c)
         self.out_conv = nn.Conv2d(c, img_channels, 3, padding=1)
 

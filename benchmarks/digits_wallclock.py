@@ -37,16 +37,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--levers", action="store_true",
-                    help="also time the levers beyond the paper at B=62 (x0 draft + optimal tree from the shipped "
-                         "profile, and the paper's D-GRS (2,5) beside it)")
+    ap.add_argument(
+        "--levers",
+        action="store_true",
+        help="also time the levers beyond the paper at B=62 (x0 draft + optimal tree from the shipped "
+        "profile, and the paper's D-GRS (2,5) beside it)",
+    )
     ap.add_argument("--out", default=None, help="write the table as CSV here")
     a = ap.parse_args(argv)
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
         assert all(len(s) == 2 and min(s) >= 1 for s in shapes)
     except (ValueError, AssertionError):
-        print(f"error: --shapes={a.shapes!r} is invalid: use KxL pairs separated by commas, e.g. 2x3,3x4", file=sys.stderr)
+        print(
+            f"error: --shapes={a.shapes!r} is invalid: use KxL pairs separated by commas, e.g. 2x3,3x4", file=sys.stderr
+        )
         return 2
 
     import pandas as pd
@@ -77,14 +82,24 @@ def main(argv=None) -> int:
             if rep:  # the first run warms caches and allocators
                 times.append(time.perf_counter() - t0)
         sec = statistics.median(times)
-        rows.append({
-            "execution": name, "K": shape[0] if shape else None, "L": shape[1] if shape else None,
-            "budget": rec["budget"], "n_images": a.n, "seconds_per_image": sec / a.n,
-            "nfe_speedup": rec["speedup"]["mean"], "batch_nfe": res.batch_nfe,
-            "rows_per_image": float(res.target_rows.double().mean()),
-        })
-        print(f"{name:10s} {str(shape or ''):8s} {sec / a.n * 1e3:8.1f} ms/image  NFE speedup {rec['speedup']['mean']:.2f}x  "
-              f"rows/image {rows[-1]['rows_per_image']:.0f}", flush=True)
+        rows.append(
+            {
+                "execution": name,
+                "K": shape[0] if shape else None,
+                "L": shape[1] if shape else None,
+                "budget": rec["budget"],
+                "n_images": a.n,
+                "seconds_per_image": sec / a.n,
+                "nfe_speedup": rec["speedup"]["mean"],
+                "batch_nfe": res.batch_nfe,
+                "rows_per_image": float(res.target_rows.double().mean()),
+            }
+        )
+        print(
+            f"{name:10s} {str(shape or ''):8s} {sec / a.n * 1e3:8.1f} ms/image  NFE speedup {rec['speedup']['mean']:.2f}x  "
+            f"rows/image {rows[-1]['rows_per_image']:.0f}",
+            flush=True,
+        )
     df = pd.DataFrame(rows)
     std = df.loc[df["execution"] == "standard", "seconds_per_image"].iloc[0]
     df["wall_speedup"] = std / df["seconds_per_image"]

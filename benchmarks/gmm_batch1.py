@@ -44,8 +44,9 @@ def _tree(rule, K, L):
     return DraftTree.uniform(K, L) if rule == "dgrs" else DraftTree.chain(budget(K, L))
 
 
-def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, progress=print,
-            compile: bool = False) -> list[dict]:
+def measure(
+    repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, progress=print, compile: bool = False
+) -> list[dict]:
     """Rows ``{cell, arm, n, median_s, min_s, max_s, ratio, ops_per_traj, us_per_op}`` (seconds per trajectory).
 
     ``compile``: also the tree execution at one trajectory under ``compile=true`` (compiled in the warm-up;
@@ -99,16 +100,28 @@ def measure(repeats: int = 5, single: int = 4, batch: int = 100, cells=CELLS, pr
             ex, n, comp = arms[arm]
             ops = None
             if ex is not None and n == 1:
-                with (counting_compiled() if comp else counting()) as c:
+                with counting_compiled() if comp else counting() as c:
                     sample_speculative(gmm, sch, tree, rule, indices=[0], execution=ex, seed=0, compile=comp)
                 ops = c.total_ops
             med = statistics.median(ts)
-            rows.append({"cell": cell, "arm": arm, "n": n if ex is not None else 1, "median_s": med, "min_s": min(ts),
-                         "max_s": max(ts), "ratio": med / ref, "ops_per_traj": ops,
-                         "us_per_op": None if ops is None else 1e6 * med / ops})
+            rows.append(
+                {
+                    "cell": cell,
+                    "arm": arm,
+                    "n": n if ex is not None else 1,
+                    "median_s": med,
+                    "min_s": min(ts),
+                    "max_s": max(ts),
+                    "ratio": med / ref,
+                    "ops_per_traj": ops,
+                    "us_per_op": None if ops is None else 1e6 * med / ops,
+                }
+            )
             if progress:
-                progress(f"  {cell} {arm}: {1e3 * med:.2f} ms per trajectory [{1e3 * min(ts):.2f}-{1e3 * max(ts):.2f}], "
-                         f"{med / ref:.2f}x the numpy loop" + (f", {ops} ops, {1e6 * med / ops:.1f} us/op" if ops else ""))
+                progress(
+                    f"  {cell} {arm}: {1e3 * med:.2f} ms per trajectory [{1e3 * min(ts):.2f}-{1e3 * max(ts):.2f}], "
+                    f"{med / ref:.2f}x the numpy loop" + (f", {ops} ops, {1e6 * med / ops:.1f} us/op" if ops else "")
+                )
     return rows
 
 
@@ -125,11 +138,16 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="also the tree execution at n=1 under compile=true")
     a = p.parse_args(argv)
     if min(a.repeats, a.single, a.batch) < 1:
-        print(f"error: --repeats={a.repeats}, --single={a.single}, --batch={a.batch}: each must be an integer >= 1",
-              file=sys.stderr)
+        print(
+            f"error: --repeats={a.repeats}, --single={a.single}, --batch={a.batch}: each must be an integer >= 1",
+            file=sys.stderr,
+        )
         return 2
-    print(f"GMM d=500, T=30, eps=0.1: seconds per trajectory, torch {torch.__version__}, 1 thread, "
-          f"median [min-max] of {a.repeats}", flush=True)
+    print(
+        f"GMM d=500, T=30, eps=0.1: seconds per trajectory, torch {torch.__version__}, 1 thread, "
+        f"median [min-max] of {a.repeats}",
+        flush=True,
+    )
     comp = False
     if a.compile:
         from specsamp.inductor import unavailable
@@ -145,7 +163,9 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=FIELDS)
             w.writeheader()
             for r in rows:
-                w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v)) for k, v in r.items()})
+                w.writerow(
+                    {k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v)) for k, v in r.items()}
+                )
         print(f"wrote {a.out}")
     return 0
 

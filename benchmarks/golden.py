@@ -46,8 +46,14 @@ CONFIGS: dict[str, list[str]] = {
     "gmm_widths": [*_GMM, "tree=widths", "widths=[3,2,1]", "execution=tree"],
     "gmm_optimal_profile": [*_GMM, "tree=optimal", "budget=20", "delta_profile=gmm_velocity"],
     "gmm_optimal_calibrated": [*_GMM, "tree=optimal", "budget=10", "execution=tree"],
-    "gmm_optimal_per_step": [*_GMM, "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=20",
-                             "delta_profile=gmm_x0_extrap_gated", "execution=tree"],
+    "gmm_optimal_per_step": [
+        *_GMM,
+        "draft=x0_extrap_gated",
+        "tree=optimal_per_step",
+        "budget=20",
+        "delta_profile=gmm_x0_extrap_gated",
+        "execution=tree",
+    ],
     "gmm_float32": [*_GMM, "model.dtype=float32", "execution=tree"],
     "gmm_refine1": [*_GMM, "refine=1", "execution=tree"],
     "gmm_prefetch_parent": [*_GMM, "prefetch=parent", "execution=tree"],
@@ -60,8 +66,14 @@ CONFIGS: dict[str, list[str]] = {
     "digits_dgrs": [*_DIGITS, "sampler=dgrs", "execution=tree"],
     "digits_rmc14": [*_DIGITS, "sampler=rmc", "L=14", "K=1", "execution=tree"],
     "digits_standard": [*_DIGITS, "sampler=standard"],
-    "digits_x0_optimal14": [*_DIGITS, "draft=x0", "tree=optimal", "budget=14",
-                            "delta_profile=edm-digits-8x8-cond_x0", "execution=tree"],
+    "digits_x0_optimal14": [
+        *_DIGITS,
+        "draft=x0",
+        "tree=optimal",
+        "budget=14",
+        "delta_profile=edm-digits-8x8-cond_x0",
+        "execution=tree",
+    ],
     "digits_float64_path": [*_DIGITS, "model.dtype=float64", "sampler=dgrs"],
     "patches32_dgrs": ["model=patches32", "n_samples=2", "sampler=dgrs", "execution=tree"],
 }
@@ -83,12 +95,17 @@ def run(out: Path, names: list[str], cwd: Path = ROOT) -> None:
     env = dict(os.environ, PYTHONPATH=str(cwd), WANDB_MODE="offline")
     for name in names:
         target = out / name
-        cmd = [sys.executable, "run.py", *CONFIGS[name], "save_samples=true", "progress=false",
-               f"hydra.run.dir={target}"]
+        cmd = [
+            sys.executable,
+            "run.py",
+            *CONFIGS[name],
+            "save_samples=true",
+            "progress=false",
+            f"hydra.run.dir={target}",
+        ]
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
         status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
-        print(f"{name:28s} {status}  {done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ''}",
-              flush=True)
+        print(f"{name:28s} {status}  {done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ''}", flush=True)
         if done.returncode != 0:
             target.mkdir(parents=True, exist_ok=True)
             (target / "stderr.txt").write_text(done.stderr)
@@ -157,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     base = args.keep or Path(tempfile.mkdtemp(prefix="golden-"))
     tree = base / "worktree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(tree), args.rev], cwd=ROOT, check=True, capture_output=True
+    )
     try:
         print(f"-- at {args.rev}", flush=True)
         run(base / "before", names, cwd=tree)

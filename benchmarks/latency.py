@@ -77,6 +77,7 @@ def _timed_run(overrides: list[str], target) -> tuple[float, object]:
             res = fn(*a, **k)
             box["s"], box["res"] = time.perf_counter() - t0, res
             return res
+
         return inner
 
     loop.sample_speculative, loop.sample_standard = wrap(spec), wrap(std)
@@ -87,8 +88,9 @@ def _timed_run(overrides: list[str], target) -> tuple[float, object]:
     return box["s"], box["res"]
 
 
-def measure(pads_ms=(0, 2, 5, 20), ns=(1, 2, 4, 8), arms=DEFAULT_ARMS, repeats: int = 5, progress=print,
-            compile: bool = False) -> list[dict]:
+def measure(
+    pads_ms=(0, 2, 5, 20), ns=(1, 2, 4, 8), arms=DEFAULT_ARMS, repeats: int = 5, progress=print, compile: bool = False
+) -> list[dict]:
     """Rows ``{pad_ms, n, arm, compile, median_s, min_s, max_s, calls, ideal_speedup, wall_speedup, realised, ...}``;
     with ``compile``, every speculative arm twice (eager, then ``compile=true``, with ``vs_eager`` and ``compile_s``)."""
     from specsamp.runner import build_target, compose, load_config
@@ -120,18 +122,31 @@ def measure(pads_ms=(0, 2, 5, 20), ns=(1, 2, 4, 8), arms=DEFAULT_ARMS, repeats: 
                 t = times[(n, v)]
                 med = statistics.median(t)
                 ideal = calls[(n, ("standard", False))] / calls[(n, v)]
-                row = {"pad_ms": pad, "n": n, "arm": arm, "median_s": med, "min_s": min(t), "max_s": max(t),
-                       "calls": calls[(n, v)], "nfe_speedup": nfe[(n, v)], "ideal_speedup": ideal,
-                       "wall_speedup": std / med, "realised": std / med / ideal, "repeats": len(t)}
+                row = {
+                    "pad_ms": pad,
+                    "n": n,
+                    "arm": arm,
+                    "median_s": med,
+                    "min_s": min(t),
+                    "max_s": max(t),
+                    "calls": calls[(n, v)],
+                    "nfe_speedup": nfe[(n, v)],
+                    "ideal_speedup": ideal,
+                    "wall_speedup": std / med,
+                    "realised": std / med / ideal,
+                    "repeats": len(t),
+                }
                 if compile:
                     eager = statistics.median(times[(n, (arm, False))])
                     row.update(compile=comp, vs_eager=eager / med, compile_s=first[(n, v)] - med if comp else 0.0)
                 rows.append(row)
                 if progress:
-                    extra = (f"  {eager / med:5.2f}x eager, compile {row['compile_s']:.1f} s" if compile and comp else "")
-                    progress(f"  pad {pad:>2} ms n={n} {arm + (' +compile' if comp else ''):<24} {med * 1e3:8.1f} ms "
-                             f"[{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]  calls {row['calls']:>3}  ideal {ideal:5.2f}x  "
-                             f"wall {row['wall_speedup']:5.2f}x  realised {row['realised']:.0%}{extra}")
+                    extra = f"  {eager / med:5.2f}x eager, compile {row['compile_s']:.1f} s" if compile and comp else ""
+                    progress(
+                        f"  pad {pad:>2} ms n={n} {arm + (' +compile' if comp else ''):<24} {med * 1e3:8.1f} ms "
+                        f"[{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]  calls {row['calls']:>3}  ideal {ideal:5.2f}x  "
+                        f"wall {row['wall_speedup']:5.2f}x  realised {row['realised']:.0%}{extra}"
+                    )
     return rows
 
 
@@ -152,13 +167,18 @@ def main(argv=None) -> int:
         assert all(v >= 0 for v in pads) and all(v >= 1 for v in ns) and all(s in ARMS for s in arms) and a.repeats >= 1
         assert "standard" in arms
     except (ValueError, AssertionError):
-        print(f"error: --pad={a.pad!r} --n={a.n!r} --arms={a.arms!r} --repeats={a.repeats!r} is invalid: pads are ms >= 0, "
-              f"n integers >= 1, arms among {', '.join(ARMS)} (standard included), repeats >= 1", file=sys.stderr)
+        print(
+            f"error: --pad={a.pad!r} --n={a.n!r} --arms={a.arms!r} --repeats={a.repeats!r} is invalid: pads are ms >= 0, "
+            f"n integers >= 1, arms among {', '.join(ARMS)} (standard included), repeats >= 1",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
-    print(f"latency on the digits network: {cpu_model()}, torch {torch.__version__}, 1 thread, load average {load0:.2f}",
-          flush=True)
+    print(
+        f"latency on the digits network: {cpu_model()}, torch {torch.__version__}, 1 thread, load average {load0:.2f}",
+        flush=True,
+    )
     if a.compile:
         from specsamp.inductor import unavailable
 

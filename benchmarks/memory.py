@@ -45,13 +45,21 @@ def _one(kind: str, shape: tuple[int, ...], m: int) -> dict:
         base = peak_rss_mib()
         sample_speculative(model, sch, tree, "dgrs", m, execution="tree")
         inputs = m * len(tree) * torch.Size(shape).numel() * 4 / 2**20
-    return {"what": kind, "shape": "x".join(map(str, shape)), "M": m, "peak_growth_mib": peak_rss_mib() - base, "state_block_mib": inputs}
+    return {
+        "what": kind,
+        "shape": "x".join(map(str, shape)),
+        "M": m,
+        "peak_growth_mib": peak_rss_mib() - base,
+        "state_block_mib": inputs,
+    }
 
 
 def main(argv=None) -> int:
     """CLI: ``python -m benchmarks.memory [--trajectories M] [--json PATH]``; prints one table."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trajectories", type=int, default=16, help="trajectories (round) or parents (coupling); default 16")
+    p.add_argument(
+        "--trajectories", type=int, default=16, help="trajectories (round) or parents (coupling); default 16"
+    )
     p.add_argument("--one", nargs=2, metavar=("KIND", "SHAPE"), help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -62,9 +70,14 @@ def main(argv=None) -> int:
     print(f"{'what':<9} {'state':<8} {'M':>4} {'peak growth MiB':>16} {'node block MiB':>15}", flush=True)
     for kind in ("round", "coupling"):
         for name in SHAPES:
-            r = json.loads(in_subprocess("benchmarks.memory", "--one", kind, name, "--trajectories", str(a.trajectories)))
+            r = json.loads(
+                in_subprocess("benchmarks.memory", "--one", kind, name, "--trajectories", str(a.trajectories))
+            )
             rows.append(r)
-            print(f"{r['what']:<9} {r['shape']:<8} {r['M']:>4} {r['peak_growth_mib']:>16.1f} {r['state_block_mib']:>15.1f}", flush=True)
+            print(
+                f"{r['what']:<9} {r['shape']:<8} {r['M']:>4} {r['peak_growth_mib']:>16.1f} {r['state_block_mib']:>15.1f}",
+                flush=True,
+            )
     write_json(rows, a.json)
     return 0
 

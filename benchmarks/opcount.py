@@ -44,8 +44,22 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "masked_select", "repeat_interleave", "item", "is_nonzero", "nonzero_numpy", "argwhere")
+SYNC_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "nonzero_static",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "masked_select",
+    "repeat_interleave",
+    "item",
+    "is_nonzero",
+    "nonzero_numpy",
+    "argwhere",
+)
 """ATen operator base names that make the host wait (see the module docstring). Under ``torch.inference_mode``
 (the samplers run in it) composite operators reach the dispatcher undecomposed: ``item()`` and ``bool()`` as
 ``item`` and ``is_nonzero`` rather than ``_local_scalar_dense``, ``nonzero(as_tuple=True)`` as ``nonzero_numpy``,
@@ -58,7 +72,9 @@ MASK_OPS = ("index", "index_put", "index_put_", "_index_put_impl_")
 
 def _has_bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
-    return isinstance(indices, (list, tuple)) and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+    )
 
 
 def _base(func) -> str:
@@ -109,8 +125,12 @@ class OpCounter(TorchDispatchMode):
         reg = self.region[-1]
         self.counts.ops[reg] += 1
         self.counts.by_op[(reg, name)] += 1
-        if (name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None)
-                or name == "where" and len(args) == 1):
+        if (
+            name in SYNC_OPS
+            and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None)
+            or name == "where"
+            and len(args) == 1
+        ):
             self.counts.syncs[reg] += 1
         elif name in MASK_OPS and _has_bool_index(args):
             self.counts.syncs[reg] += 1
@@ -167,6 +187,7 @@ def counting():
         def inner(*a, **k):
             with mode.enter("setup"):
                 return fn(*a, **k)
+
         return inner
 
     smod.Velocity.__call__, cmod.Coupling.__call__, cmod.Coupling.choice = velocity, coupling, choice
@@ -262,7 +283,7 @@ def counting_compiled():
                 reg = "network"
                 break
             up = up.cpu_parent
-        name = ev.name[len("aten::"):]
+        name = ev.name[len("aten::") :]
         counts.ops[reg] += 1
         counts.by_op[(reg, name)] += 1
         if name in SYNC_OPS:
@@ -337,10 +358,11 @@ def count_config(overrides: list[str], target=None, profiler: bool | None = None
 
     def wrap(fn):
         def inner(*a, **k):
-            with (counting_compiled() if profiler else counting()) as c:
+            with counting_compiled() if profiler else counting() as c:
                 res = fn(*a, **k)
             box["counts"], box["res"] = c, res
             return res
+
         return inner
 
     loop.sample_speculative, loop.sample_standard = wrap(spec), wrap(std)
@@ -352,15 +374,22 @@ def count_config(overrides: list[str], target=None, profiler: bool | None = None
     standard = res.attempts.shape[1] == 0 and res.attempts_by_root is None
     rounds = res.speculative_steps + 2 if standard else int(res.rounds.max())
     return {
-        "rounds": rounds, "network_calls": c.network_calls, "batch_nfe": res.batch_nfe,
-        "ops_round": c.ops["round"] / rounds, "syncs_round": c.syncs["round"] / rounds,
-        "ops_coupling": c.ops["coupling"] / rounds, "syncs_coupling": c.syncs["coupling"] / rounds,
+        "rounds": rounds,
+        "network_calls": c.network_calls,
+        "batch_nfe": res.batch_nfe,
+        "ops_round": c.ops["round"] / rounds,
+        "syncs_round": c.syncs["round"] / rounds,
+        "ops_coupling": c.ops["coupling"] / rounds,
+        "syncs_coupling": c.syncs["coupling"] / rounds,
         "ops_network_call": c.ops["network"] / max(c.network_calls, 1),
-        "kernels_round": c.by_op[("round", "inductor kernel")] / rounds, "counts": c,
+        "kernels_round": c.by_op[("round", "inductor kernel")] / rounds,
+        "counts": c,
     }
 
 
-def table_rows(models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=print, compiled: bool = False) -> list[dict]:
+def table_rows(
+    models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=print, compiled: bool = False
+) -> list[dict]:
     """Counted rows for every ``model x n x arm`` (tree execution), one target built per model; with
     ``compiled``, every speculative arm under ``compile=true`` (:func:`counting_compiled`; column ``compile``)."""
     from specsamp.runner import build_target, compose, load_config
@@ -377,15 +406,26 @@ def table_rows(models=("digits", "gmm"), ns=(1, 16), arms=tuple(ARMS), progress=
                 r.pop("counts")
                 rows.append({"model": model, "n": n, "arm": arm, "compile": "yes" if compiled else "no", **r})
                 if progress:
-                    progress(f"  {model} n={n} {arm}: {r['ops_round']:.0f} ops/round + {r['ops_coupling']:.0f} in the coupling, "
-                             f"{r['syncs_round']:.2f} + {r['syncs_coupling']:.2f} syncs/round, {r['rounds']} rounds")
+                    progress(
+                        f"  {model} n={n} {arm}: {r['ops_round']:.0f} ops/round + {r['ops_coupling']:.0f} in the coupling, "
+                        f"{r['syncs_round']:.2f} + {r['syncs_coupling']:.2f} syncs/round, {r['rounds']} rounds"
+                    )
     return rows
 
 
-COLUMNS = [("model", "model", "s"), ("n", "n", "d"), ("arm", "arm", "s"), ("compile", "compile", "s"), ("rounds", "rounds", "d"),
-           ("ops_round", "ops/round", ".0f"), ("ops_coupling", "coupling ops", ".0f"),
-           ("syncs_round", "syncs/round", ".2f"), ("syncs_coupling", "coupling syncs", ".2f"),
-           ("kernels_round", "of them fused kernels", ".1f"), ("ops_network_call", "ops/net call", ".0f")]
+COLUMNS = [
+    ("model", "model", "s"),
+    ("n", "n", "d"),
+    ("arm", "arm", "s"),
+    ("compile", "compile", "s"),
+    ("rounds", "rounds", "d"),
+    ("ops_round", "ops/round", ".0f"),
+    ("ops_coupling", "coupling ops", ".0f"),
+    ("syncs_round", "syncs/round", ".2f"),
+    ("syncs_coupling", "coupling syncs", ".2f"),
+    ("kernels_round", "of them fused kernels", ".1f"),
+    ("ops_network_call", "ops/net call", ".0f"),
+]
 
 
 def main(argv=None) -> int:
@@ -397,15 +437,20 @@ def main(argv=None) -> int:
     p.add_argument("--n", default="1,16", help="comma-separated trajectory counts")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of: {', '.join(ARMS)}")
     p.add_argument("--json", default=None, help="also write the rows here")
-    p.add_argument("--compile", action="store_true",
-                   help="also count every speculative arm under compile=true (needs a C compiler; see specsamp.round.compiled)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also count every speculative arm under compile=true (needs a C compiler; see specsamp.round.compiled)",
+    )
     a = p.parse_args(argv)
     arms = [s.strip() for s in a.arms.split(",")]
     bad = [s for s in arms if s not in ARMS]
     models = a.models.split(",")
     if bad or any(m not in PROFILES for m in models):
-        print(f"error: --arms/--models invalid ({bad or models}); valid arms: {', '.join(ARMS)}; models: digits, gmm",
-              file=sys.stderr)
+        print(
+            f"error: --arms/--models invalid ({bad or models}); valid arms: {', '.join(ARMS)}; models: digits, gmm",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(1)
     ns = [int(v) for v in a.n.split(",")]

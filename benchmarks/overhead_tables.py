@@ -42,8 +42,16 @@ class Timed:
         return out
 
 
-def round_overhead(event_shape, B: int, trajectories: int = 1, execution: str = "tree", steps: int = 12,
-                   eps: float = 0.3, repeats: int = 2, dtype=torch.float32) -> dict:
+def round_overhead(
+    event_shape,
+    B: int,
+    trajectories: int = 1,
+    execution: str = "tree",
+    steps: int = 12,
+    eps: float = 0.3,
+    repeats: int = 2,
+    dtype=torch.float32,
+) -> dict:
     """Seconds of sampler work per speculative round, target time excluded.
 
     Args:
@@ -102,7 +110,9 @@ def network_call_seconds(model, rows: int, probe: int = 4, cond_for=None, repeat
     return t * rows / p
 
 
-def overhead_table(model, name: str, budgets=(14, 62, 155), trajectories: int = 1, probe: int = 4, progress=print) -> list[dict]:
+def overhead_table(
+    model, name: str, budgets=(14, 62, 155), trajectories: int = 1, probe: int = 4, progress=print
+) -> list[dict]:
     """Overhead per round as a fraction of one batched call of ``model``, for each budget (item of ``make bench``)."""
     cond_for = None
     if getattr(model, "label_dim", 0):
@@ -115,7 +125,9 @@ def overhead_table(model, name: str, budgets=(14, 62, 155), trajectories: int = 
         r.update({"network": name, "call_s": call, "fraction": r["overhead_s"] / call})
         rows.append(r)
         if progress:
-            progress(f"  overhead {name} B={B}: {r['overhead_s'] * 1e3:.1f} ms/round vs call {call:.2f} s ({100 * r['fraction']:.3f}%)")
+            progress(
+                f"  overhead {name} B={B}: {r['overhead_s'] * 1e3:.1f} ms/round vs call {call:.2f} s ({100 * r['fraction']:.3f}%)"
+            )
     return rows
 
 
@@ -131,4 +143,3 @@ def scaling_table(dims=(500, 3072, 16384), budgets=(14, 340), trajectories: int 
                 if progress:
                     progress(f"  scaling d={d} B={B} {ex}: {r['overhead_s'] * 1e3:.2f} ms/round")
     return rows
-

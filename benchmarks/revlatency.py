@@ -64,8 +64,14 @@ class Side:
 
     def __init__(self, tree: Path, out_dir: Path):
         env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=out_dir, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD],
+            cwd=out_dir,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the benchmark's child for {tree} did not start (exit {self.proc.poll()})")
 
@@ -94,7 +100,7 @@ def measure(rev: str, arms=DEFAULT_ARMS, n: int = 1, repeats: int = 9, progress=
             for rep in range(repeats + 1):  # repetition 0 warms both sides and is not kept
                 for a in arms:
                     ov = arm_overrides("digits", a, n) + [f"hydra.run.dir={tmp / 'out'}"]
-                    for s in (("rev", "head") if rep % 2 else ("head", "rev")):
+                    for s in ("rev", "head") if rep % 2 else ("head", "rev"):
                         t = sides[s].time(ov)
                         if rep:
                             times[(a, s)].append(t)
@@ -105,14 +111,23 @@ def measure(rev: str, arms=DEFAULT_ARMS, n: int = 1, repeats: int = 9, progress=
     rows = []
     for a in arms:
         r, h = times[(a, "rev")], times[(a, "head")]
-        row = {"arm": a, "rev_ms": 1e3 * statistics.median(r), "rev_min": 1e3 * min(r), "rev_max": 1e3 * max(r),
-               "head_ms": 1e3 * statistics.median(h), "head_min": 1e3 * min(h), "head_max": 1e3 * max(h)}
+        row = {
+            "arm": a,
+            "rev_ms": 1e3 * statistics.median(r),
+            "rev_min": 1e3 * min(r),
+            "rev_max": 1e3 * max(r),
+            "head_ms": 1e3 * statistics.median(h),
+            "head_min": 1e3 * min(h),
+            "head_max": 1e3 * max(h),
+        }
         row["ratio"] = row["head_ms"] / row["rev_ms"]
         rows.append(row)
         if progress:
-            progress(f"  {a:<16} {rev}: {row['rev_ms']:8.1f} ms [{row['rev_min']:.1f}-{row['rev_max']:.1f}]   "
-                     f"here: {row['head_ms']:8.1f} ms [{row['head_min']:.1f}-{row['head_max']:.1f}]   "
-                     f"here/{rev} {row['ratio']:.3f}")
+            progress(
+                f"  {a:<16} {rev}: {row['rev_ms']:8.1f} ms [{row['rev_min']:.1f}-{row['rev_max']:.1f}]   "
+                f"here: {row['head_ms']:8.1f} ms [{row['head_min']:.1f}-{row['head_max']:.1f}]   "
+                f"here/{rev} {row['ratio']:.3f}"
+            )
     return rows
 
 
@@ -128,8 +143,10 @@ def main(argv=None) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown or args.n < 1 or args.repeats < 1:
         p.error(f"--arms {unknown} unknown (valid: {', '.join(ARMS)})" if unknown else "--n and --repeats must be >= 1")
-    print(f"digits network, tree execution, n={args.n}, one torch thread, {args.repeats} repeats interleaved, "
-          f"CPU: {cpu_model()}")
+    print(
+        f"digits network, tree execution, n={args.n}, one torch thread, {args.repeats} repeats interleaved, "
+        f"CPU: {cpu_model()}"
+    )
     measure(args.rev, arms, args.n, args.repeats)
     return 0
 

@@ -151,7 +151,9 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
         finally:
             context.Velocity.__call__ = vel_call
         aten, alloc, ops = _aten_outside_network(prof)
-        rounds = int(max(res.rounds)) if arm != "standard" else int(spent["network_calls"])  # the standard sampler: steps
+        rounds = (
+            int(max(res.rounds)) if arm != "standard" else int(spent["network_calls"])
+        )  # the standard sampler: steps
         splits[arm] = (s_prof, dict(spent), aten, alloc, ops, rounds)
     for arm in arms:
         s_prof, spent_p, aten, alloc, ops, rounds = splits[arm]
@@ -162,10 +164,19 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
         own = max(wall - net - tables, 0.0)
         scale = own / own_prof  # the profiled run's split of the round's own time, scaled to the plain run
         aten_s = min(aten * scale, own)
-        row = {"arm": arm, "n": n, "rounds": rounds, "wall_ms": wall * 1e3, "network_ms": net * 1e3,
-               "tables_ms": tables * 1e3, "aten_ms": (aten_s - alloc * scale) * 1e3, "alloc_ms": alloc * scale * 1e3,
-               "python_ms": (own - aten_s) * 1e3, "ops": ops,
-               "spread_ms": (max(s for s, _ in walls[arm]) - min(s for s, _ in walls[arm])) * 1e3}
+        row = {
+            "arm": arm,
+            "n": n,
+            "rounds": rounds,
+            "wall_ms": wall * 1e3,
+            "network_ms": net * 1e3,
+            "tables_ms": tables * 1e3,
+            "aten_ms": (aten_s - alloc * scale) * 1e3,
+            "alloc_ms": alloc * scale * 1e3,
+            "python_ms": (own - aten_s) * 1e3,
+            "ops": ops,
+            "spread_ms": (max(s for s, _ in walls[arm]) - min(s for s, _ in walls[arm])) * 1e3,
+        }
         per = max(rounds, 1)
         for k in ("network", "tables", "aten", "alloc", "python"):
             row[f"{k}_per_round_ms"] = row[f"{k}_ms"] / per
@@ -174,12 +185,14 @@ def measure(arms=DEFAULT_ARMS, n: int = 1, repeats: int = 5, progress=print) -> 
         rows.append(row)
         if progress:
             unit = "step" if arm == "standard" else "round"
-            progress(f"  {arm:<16} {wall * 1e3:7.1f} ms [spread {row['spread_ms']:.1f}]  "
-                     f"{'steps' if arm == 'standard' else 'rounds'} {rounds:>3}  per {unit}: "
-                     f"network {row['network_per_round_ms']:.2f}  tables {row['tables_per_round_ms']:.2f}  "
-                     f"aten {row['aten_per_round_ms']:.2f} (+alloc {row['alloc_per_round_ms']:.2f})  "
-                     f"python {row['python_per_round_ms']:.2f} ms  ({row['ops_per_round']:.0f} ops, "
-                     f"{row['us_per_op']:.1f} us of own time per op)")
+            progress(
+                f"  {arm:<16} {wall * 1e3:7.1f} ms [spread {row['spread_ms']:.1f}]  "
+                f"{'steps' if arm == 'standard' else 'rounds'} {rounds:>3}  per {unit}: "
+                f"network {row['network_per_round_ms']:.2f}  tables {row['tables_per_round_ms']:.2f}  "
+                f"aten {row['aten_per_round_ms']:.2f} (+alloc {row['alloc_per_round_ms']:.2f})  "
+                f"python {row['python_per_round_ms']:.2f} ms  ({row['ops_per_round']:.0f} ops, "
+                f"{row['us_per_op']:.1f} us of own time per op)"
+            )
     return rows
 
 
@@ -192,12 +205,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     arms = [s.strip() for s in a.arms.split(",")]
     if not all(s in ARMS for s in arms) or a.n < 1 or a.repeats < 1:
-        print(f"error: --arms={a.arms!r} --n={a.n!r} --repeats={a.repeats!r} is invalid: arms among {', '.join(ARMS)}, "
-              f"n and repeats integers >= 1", file=sys.stderr)
+        print(
+            f"error: --arms={a.arms!r} --n={a.n!r} --repeats={a.repeats!r} is invalid: arms among {', '.join(ARMS)}, "
+            f"n and repeats integers >= 1",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(1)
-    print(f"round cost on the digits network: {cpu_model()}, torch {torch.__version__}, 1 thread, n={a.n}, "
-          f"median of {a.repeats}", flush=True)
+    print(
+        f"round cost on the digits network: {cpu_model()}, torch {torch.__version__}, 1 thread, n={a.n}, "
+        f"median of {a.repeats}",
+        flush=True,
+    )
     measure(arms, a.n, a.repeats)
     return 0
 

@@ -88,7 +88,10 @@ estimate's), the chain of 62 with the ``x0_affine`` draft, and D-GRS on the pape
 
 SEARCH = (
     *(Config(f"rmc chain{L} x0", "rmc", ("chain", L)) for L in (14, 30, 45, 62)),
-    *(Config(f"rmc chain62 {d}", "rmc", ("chain", 62), d) for d in ("velocity", "x0_extrap", "x0_extrap_gated", "x0_affine")),
+    *(
+        Config(f"rmc chain62 {d}", "rmc", ("chain", 62), d)
+        for d in ("velocity", "x0_extrap", "x0_extrap_gated", "x0_affine")
+    ),
     Config("rmc chain62 x0 prefetch=parent", "rmc", ("chain", 62), prefetch="parent"),
     Config("rmc chain62 x0 prefetch=none", "rmc", ("chain", 62), prefetch="none"),
     Config("dgrs (2,3) x0", "dgrs", ("uniform", 2, 3)),
@@ -137,8 +140,9 @@ class SchedulerNetwork:
         return from_velocity(v, x, s, self.prediction, self.coords).to(y.dtype)
 
 
-def scheduler_loop(sch, steps: int, net, event_shape, dtype, seed: int, cond: dict | None = None,
-                   batch: int = 1) -> torch.Tensor:
+def scheduler_loop(
+    sch, steps: int, net, event_shape, dtype, seed: int, cond: dict | None = None, batch: int = 1
+) -> torch.Tensor:
     """The pipeline's own loop (``batch`` images; one in the timings): ``set_timesteps``, initial noise from a seeded
     ``torch.Generator`` times ``init_noise_sigma`` (1 where the scheduler has none), then per step
     ``scale_model_input`` (where the scheduler has it), one network call and ``step``."""
@@ -171,15 +175,29 @@ def make_target(name: str, tiny: bool = False) -> Target:
         from specsamp.runner import build_target, compose, load_config
 
         model = build_target(load_config(compose(["model=digits"]))[0]).model
-        return Target(name, TimedModel(model), 3, lambda ids: {"class_labels": torch.as_tensor(ids) % 10},
-                      {"network": "edm-digits-8x8-cond", "event_shape": list(model.event_shape), "dtype": "float32"})
+        return Target(
+            name,
+            TimedModel(model),
+            3,
+            lambda ids: {"class_labels": torch.as_tensor(ids) % 10},
+            {"network": "edm-digits-8x8-cond", "event_shape": list(model.event_shape), "dtype": "float32"},
+        )
     if name == "gmm":
         from specsamp.models import GaussianMixture
 
         d = 8 if tiny else 500
         model = GaussianMixture(dim=d, components=5, layout_seed=0, dtype=torch.float64)
-        return Target(name, TimedModel(model), 1, lambda ids: {},
-                      {"network": f"GaussianMixture(dim={d}, components=5, layout_seed=0)", "event_shape": [d], "dtype": "float64"})
+        return Target(
+            name,
+            TimedModel(model),
+            1,
+            lambda ids: {},
+            {
+                "network": f"GaussianMixture(dim={d}, components=5, layout_seed=0)",
+                "event_shape": [d],
+                "dtype": "float64",
+            },
+        )
     raise ValueError(f"target={name!r} is invalid: valid are {', '.join(TARGETS)}")
 
 
@@ -192,8 +210,18 @@ def plan_of(kernel: str, steps: int, target: Target):
 def speculative(target: Target, plan, cfg: Config, ids, seed: int = 0):
     from specsamp.sampler import sample_speculative
 
-    return sample_speculative(target.model, plan.schedule, cfg.tree(), cfg.coupling, indices=list(ids), draft=cfg.draft,
-                              execution=cfg.execution, prefetch=cfg.prefetch, seed=seed, cond=target.cond(list(ids)))
+    return sample_speculative(
+        target.model,
+        plan.schedule,
+        cfg.tree(),
+        cfg.coupling,
+        indices=list(ids),
+        draft=cfg.draft,
+        execution=cfg.execution,
+        prefetch=cfg.prefetch,
+        seed=seed,
+        cond=target.cond(list(ids)),
+    )
 
 
 def counts(target: Target, plan, cfg: Config, n: int, steps: int) -> dict:
@@ -205,11 +233,16 @@ def counts(target: Target, plan, cfg: Config, n: int, steps: int) -> dict:
     att, acc = res.attempts.sum(0).double(), res.accepts.sum(0).double()
     depth = [round(float(a / t), 4) if t > 0 else None for a, t in zip(acc, att)]
     committed_per_call = float(res.committed.sum()) / float(res.nfe.sum())
-    return {"calls_per_image": float(calls.mean()), "rows_per_image": float(rows.mean()),
-            "nfe_speedup": steps / float(calls.mean()), "row_ratio": steps / float(rows.mean()),
-            "speculative_calls_per_image": float(res.nfe.double().mean()),
-            "steps_per_call": committed_per_call, "acceptance_by_depth": depth,
-            "attempts_by_depth": [int(a) for a in att]}
+    return {
+        "calls_per_image": float(calls.mean()),
+        "rows_per_image": float(rows.mean()),
+        "nfe_speedup": steps / float(calls.mean()),
+        "row_ratio": steps / float(rows.mean()),
+        "speculative_calls_per_image": float(res.nfe.double().mean()),
+        "steps_per_call": committed_per_call,
+        "acceptance_by_depth": depth,
+        "attempts_by_depth": [int(a) for a in att],
+    }
 
 
 def estimate(target: Target, plan, n: int, chains=(14, 62), seed: int = 0) -> dict:
@@ -240,7 +273,9 @@ def estimate(target: Target, plan, n: int, chains=(14, 62), seed: int = 0) -> di
             mm = torch.full((n,), m, dtype=torch.long)
             v = model(x, sch.sigmas[mm], **cond).to(x.dtype)
             x0s.append(_x0(sch, x, v, mm))
-            x = sch.mean(x, v, mm) + per_row_std(sch, mm, x) * rng.normal(rng.fold(keys, m), model.event_shape, dtype=x.dtype)
+            x = sch.mean(x, v, mm) + per_row_std(sch, mm, x) * rng.normal(
+                rng.fold(keys, m), model.event_shape, dtype=x.dtype
+            )
     x0 = torch.stack(x0s).double().reshape(T, n, -1)  # [T, n, d]
     c0, std = cols["c_x0"], cols["std"]
     Lmax = max(chains)
@@ -307,24 +342,33 @@ def timings(target: Target, plan, kernel: str, steps: int, configs, repeats: int
     for a in arms:
         med = statistics.median(wall[a])
         out["loop" if a is None else a.name] = {
-            "median_s": med, "min_s": min(wall[a]), "max_s": max(wall[a]), "n": repeats,
+            "median_s": med,
+            "min_s": min(wall[a]),
+            "max_s": max(wall[a]),
+            "n": repeats,
             "network_share": statistics.median(s / w for s, w in zip(net_s[a], wall[a])),
-            "wall_speedup": ref / med}
+            "wall_speedup": ref / med,
+        }
         if progress:
-            progress(f"    {'loop' if a is None else a.name}: {1e3 * med:.1f} ms [{1e3 * min(wall[a]):.1f}-"
-                     f"{1e3 * max(wall[a]):.1f}], {ref / med:.2f}x the loop, network {100 * out[list(out)[-1]]['network_share']:.0f}%")
+            progress(
+                f"    {'loop' if a is None else a.name}: {1e3 * med:.1f} ms [{1e3 * min(wall[a]):.1f}-"
+                f"{1e3 * max(wall[a]):.1f}], {ref / med:.2f}x the loop, network {100 * out[list(out)[-1]]['network_share']:.0f}%"
+            )
     return out
 
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def measure(cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: int = 5, tiny: bool = False,
-            progress=print) -> dict:
+def measure(
+    cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: int = 5, tiny: bool = False, progress=print
+) -> dict:
     """The whole benchmark as one JSON-ready dict (``counts`` and ``timings`` rows apart, keyed alike)."""
     from benchmarks.common import cpu_model
 
@@ -332,11 +376,27 @@ def measure(cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: 
         raise ValueError(f"n={n}, repeats={repeats}: each must be >= 1")
     torch.set_num_threads(1)
     load0 = _load()
-    out = {"commit": commit(), "n": n, "repeats": repeats, "cpu": cpu_model(), "torch": torch.__version__,
-           "threads": 1, "configs": {c.name: {"coupling": c.coupling, "tree": list(c.shape), "budget": c.budget,
-                                             "draft": c.draft, "execution": c.execution, "prefetch": c.prefetch}
-                                     for c in configs},
-           "counts": [], "timings": []}
+    out = {
+        "commit": commit(),
+        "n": n,
+        "repeats": repeats,
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "threads": 1,
+        "configs": {
+            c.name: {
+                "coupling": c.coupling,
+                "tree": list(c.shape),
+                "budget": c.budget,
+                "draft": c.draft,
+                "execution": c.execution,
+                "prefetch": c.prefetch,
+            }
+            for c in configs
+        },
+        "counts": [],
+        "timings": [],
+    }
     for tname in targets:
         target = make_target(tname, tiny)
         out.setdefault("targets", {})[tname] = target.info
@@ -347,16 +407,29 @@ def measure(cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: 
                 progress(f"[{tname}] {case}")
             for cfg in configs:
                 c = counts(target, plan, cfg, n, steps)
-                out["counts"].append({"target": tname, "case": case, "config": cfg.name, "budget": cfg.budget,
-                                      "loop_calls_per_image": steps, **c})
+                out["counts"].append(
+                    {
+                        "target": tname,
+                        "case": case,
+                        "config": cfg.name,
+                        "budget": cfg.budget,
+                        "loop_calls_per_image": steps,
+                        **c,
+                    }
+                )
                 if progress:
-                    progress(f"    {cfg.name}: {c['calls_per_image']:.2f} calls/image ({c['nfe_speedup']:.1f}x fewer), "
-                             f"{c['steps_per_call']:.1f} steps per speculative call, rows/image {c['rows_per_image']:.0f}")
+                    progress(
+                        f"    {cfg.name}: {c['calls_per_image']:.2f} calls/image ({c['nfe_speedup']:.1f}x fewer), "
+                        f"{c['steps_per_call']:.1f} steps per speculative call, rows/image {c['rows_per_image']:.0f}"
+                    )
             if (kernel, steps) == ("ddpm", 1000) or tiny:
                 est = estimate(target, plan, n, chains=(14, 62))
                 out.setdefault("estimate", []).append({"target": tname, "case": case, **est})
                 if progress:
-                    progress("    estimate (frozen x0, RMC): " + ", ".join(f"{k} {v}" for k, v in est.items() if k.startswith("chain")))
+                    progress(
+                        "    estimate (frozen x0, RMC): "
+                        + ", ".join(f"{k} {v}" for k, v in est.items() if k.startswith("chain"))
+                    )
             if repeats:
                 for arm, t in timings(target, plan, kernel, steps, configs, repeats, progress).items():
                     out["timings"].append({"target": tname, "case": case, "arm": arm, **t})
@@ -364,7 +437,9 @@ def measure(cases=CASES, targets=TARGETS, configs=CONFIGS, n: int = 8, repeats: 
     return out
 
 
-def search(targets=TARGETS, configs=SEARCH, n: int = 8, steps: int = 1000, tiny: bool = False, progress=print) -> list[dict]:
+def search(
+    targets=TARGETS, configs=SEARCH, n: int = 8, steps: int = 1000, tiny: bool = False, progress=print
+) -> list[dict]:
     """Counts of every configuration of ``configs`` on DDPM at ``steps`` (no timing), with the estimate beside them."""
     torch.set_num_threads(1)
     rows = []
@@ -373,18 +448,46 @@ def search(targets=TARGETS, configs=SEARCH, n: int = 8, steps: int = 1000, tiny:
         plan = plan_of("ddpm", steps, target)
         for cfg in configs:
             c = counts(target, plan, cfg, n, steps)
-            rows.append({"target": tname, "case": f"ddpm {steps}", "config": cfg.name, "coupling": cfg.coupling,
-                         "tree": list(cfg.shape), "budget": cfg.budget, "draft": cfg.draft, "execution": cfg.execution,
-                         "prefetch": cfg.prefetch, **c})
+            rows.append(
+                {
+                    "target": tname,
+                    "case": f"ddpm {steps}",
+                    "config": cfg.name,
+                    "coupling": cfg.coupling,
+                    "tree": list(cfg.shape),
+                    "budget": cfg.budget,
+                    "draft": cfg.draft,
+                    "execution": cfg.execution,
+                    "prefetch": cfg.prefetch,
+                    **c,
+                }
+            )
             if progress:
-                progress(f"  [{tname}] {cfg.name} (B={cfg.budget}): {c['nfe_speedup']:.1f}x fewer calls, "
-                         f"{c['steps_per_call']:.1f} steps per speculative call")
+                progress(
+                    f"  [{tname}] {cfg.name} (B={cfg.budget}): {c['nfe_speedup']:.1f}x fewer calls, "
+                    f"{c['steps_per_call']:.1f} steps per speculative call"
+                )
     return rows
 
 
-CSV_FIELDS = ("target", "case", "config", "budget", "loop_calls_per_image", "calls_per_image", "nfe_speedup",
-              "rows_per_image", "row_ratio", "steps_per_call", "loop_median_s", "median_s", "min_s", "max_s",
-              "wall_speedup", "network_share")
+CSV_FIELDS = (
+    "target",
+    "case",
+    "config",
+    "budget",
+    "loop_calls_per_image",
+    "calls_per_image",
+    "nfe_speedup",
+    "rows_per_image",
+    "row_ratio",
+    "steps_per_call",
+    "loop_median_s",
+    "median_s",
+    "min_s",
+    "max_s",
+    "wall_speedup",
+    "network_share",
+)
 
 
 def csv_rows(res: dict) -> list[dict]:
@@ -394,8 +497,13 @@ def csv_rows(res: dict) -> list[dict]:
     for c in res["counts"]:
         t = timed.get((c["target"], c["case"], c["config"]), {})
         loop = timed.get((c["target"], c["case"], "loop"), {})
-        rows.append({**{k: c.get(k) for k in CSV_FIELDS}, **{k: t.get(k) for k in ("median_s", "min_s", "max_s", "wall_speedup", "network_share")},
-                     "loop_median_s": loop.get("median_s")})
+        rows.append(
+            {
+                **{k: c.get(k) for k in CSV_FIELDS},
+                **{k: t.get(k) for k in ("median_s", "min_s", "max_s", "wall_speedup", "network_share")},
+                "loop_median_s": loop.get("median_s"),
+            }
+        )
     return rows
 
 
@@ -417,7 +525,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats of one image per arm")
     p.add_argument("--cases", default=",".join(f"{k}:{s}" for k, s in CASES), help="kernel:steps, comma-separated")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: digits, gmm")
-    p.add_argument("--search", action="store_true", help="also the counts of the searched configurations on DDPM at 1000 steps")
+    p.add_argument(
+        "--search", action="store_true", help="also the counts of the searched configurations on DDPM at 1000 steps"
+    )
     p.add_argument("--tiny", action="store_true", help="the mixture at d = 8 (a rehearsal of the code path)")
     p.add_argument("--out", default=None, help="JSON to write (results/samplers.json); its CSV beside it (.csv)")
     a = p.parse_args(argv)
@@ -426,26 +536,49 @@ def main(argv=None) -> int:
         bad = [k for k, _ in cases if k not in {c[0] for c in CASES}]
         assert not bad
     except (ValueError, AssertionError):
-        print(f"error: --cases={a.cases!r} is invalid: use kernel:steps pairs of ddpm, euler_ancestral or flow_stochastic, "
-              "e.g. ddpm:1000,euler_ancestral:50", file=sys.stderr)
+        print(
+            f"error: --cases={a.cases!r} is invalid: use kernel:steps pairs of ddpm, euler_ancestral or flow_stochastic, "
+            "e.g. ddpm:1000,euler_ancestral:50",
+            file=sys.stderr,
+        )
         return 2
     targets = a.targets.split(",")
     if any(t not in TARGETS for t in targets) or min(a.n, a.repeats) < 1:
-        print(f"error: --targets={a.targets!r}, --n={a.n}, --repeats={a.repeats}: targets are {', '.join(TARGETS)}, "
-              "n and repeats integers >= 1", file=sys.stderr)
+        print(
+            f"error: --targets={a.targets!r}, --n={a.n}, --repeats={a.repeats}: targets are {', '.join(TARGETS)}, "
+            "n and repeats integers >= 1",
+            file=sys.stderr,
+        )
         return 2
-    print(f"scheduler kernels vs the scheduler's own loop: torch {torch.__version__}, 1 thread, counts from {a.n} images, "
-          f"one-image wall clock median of {a.repeats} interleaved repeats", flush=True)
+    print(
+        f"scheduler kernels vs the scheduler's own loop: torch {torch.__version__}, 1 thread, counts from {a.n} images, "
+        f"one-image wall clock median of {a.repeats} interleaved repeats",
+        flush=True,
+    )
     log = lambda s: print(s, flush=True)  # noqa: E731
     res = measure(cases, targets, n=a.n, repeats=a.repeats, tiny=a.tiny, progress=log)
     if a.search:
         log("[search] DDPM at 1000 steps, counts only")
         res["search"] = search(targets, n=a.n, tiny=a.tiny, progress=log)
     rows = csv_rows(res)
-    print(table(rows, [("target", "target", "s"), ("case", "case", "s"), ("config", "config", "s"), ("budget", "B", "d"),
-                       ("nfe_speedup", "NFE speedup", ".1f"), ("steps_per_call", "steps/call", ".1f"),
-                       ("rows_per_image", "rows/image", ".0f"), ("loop_median_s", "loop s", ".3f"),
-                       ("median_s", "spec s", ".3f"), ("wall_speedup", "wall speedup", ".2f")]), flush=True)
+    print(
+        table(
+            rows,
+            [
+                ("target", "target", "s"),
+                ("case", "case", "s"),
+                ("config", "config", "s"),
+                ("budget", "B", "d"),
+                ("nfe_speedup", "NFE speedup", ".1f"),
+                ("steps_per_call", "steps/call", ".1f"),
+                ("rows_per_image", "rows/image", ".0f"),
+                ("loop_median_s", "loop s", ".3f"),
+                ("median_s", "spec s", ".3f"),
+                ("wall_speedup", "wall speedup", ".2f"),
+            ],
+        ),
+        flush=True,
+    )
     if a.out:
         import csv
         import io

@@ -15,25 +15,39 @@ STAND_INS = {
     # DDPM++-like widths for CIFAR-10 32x32 (EDM: model_channels=128, channel_mult=[2,2,2], 4 blocks,
     # attention at 16x16): ~59M parameters vs ~56M for EDM's DDPM++ CIFAR-10 net
     "cifar10": dict(
-        sample_size=32, block_out_channels=(256, 256, 256), layers_per_block=4, label_dim=10,
+        sample_size=32,
+        block_out_channels=(256, 256, 256),
+        layers_per_block=4,
+        label_dim=10,
         down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
     ),
     # a ~36M-parameter CIFAR-sized net (2 blocks per level), cheaper on CPUs
     "cifar35m": dict(
-        sample_size=32, block_out_channels=(256, 256, 256), layers_per_block=2, label_dim=10,
+        sample_size=32,
+        block_out_channels=(256, 256, 256),
+        layers_per_block=2,
+        label_dim=10,
         down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
     ),
     # FFHQ 64x64 (EDM: channel_mult=[1,2,2,2], attention at 16x16), ~59M vs ~62M
     "ffhq64": dict(
-        sample_size=64, block_out_channels=(128, 256, 256, 256), layers_per_block=4, label_dim=0,
+        sample_size=64,
+        block_out_channels=(128, 256, 256, 256),
+        layers_per_block=4,
+        label_dim=0,
         down_block_types=("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
     ),
     "tiny": dict(
-        sample_size=4, block_out_channels=(8, 8), layers_per_block=1, label_dim=10, norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+        sample_size=4,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        label_dim=10,
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
     ),
 }
 

@@ -80,12 +80,22 @@ def run(n_samples: int | None = None, budgets=None, arms=None, out=CSV) -> pd.Da
             d = compose([*ov, f"K={K}", f"L={L}", f"budget={B}", f"n_samples={n}", "progress=false"])
             rec, res = run_config(d)
             print(f"{arm:30s} {summary_line(rec)}", flush=True)
-            rows.append({"arm": arm, "budget": B, "tree": rec["tree"], "sampler": rec["sampler"], "draft": d["draft"],
-                         "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
-                         "nfe_mean": rec["nfe"]["mean"], "target_rows_mean": rec["target_rows"]["mean"],
-                         "acceptance_pooled": rec["acceptance_pooled"],
-                         "delta_profile": profile_text(rec.get("delta_profile")),
-                         "n_samples": n})
+            rows.append(
+                {
+                    "arm": arm,
+                    "budget": B,
+                    "tree": rec["tree"],
+                    "sampler": rec["sampler"],
+                    "draft": d["draft"],
+                    "speedup_mean": rec["speedup"]["mean"],
+                    "speedup_sem": rec["speedup"]["sem"],
+                    "nfe_mean": rec["nfe"]["mean"],
+                    "target_rows_mean": rec["target_rows"]["mean"],
+                    "acceptance_pooled": rec["acceptance_pooled"],
+                    "delta_profile": profile_text(rec.get("delta_profile")),
+                    "n_samples": n,
+                }
+            )
     df = pd.DataFrame(rows)
     write_csv(df, out)
     print(f"wrote {out}")
@@ -99,11 +109,21 @@ HEADLINE = {  # name: (overrides, trajectories); the README's headline table
     "D-GRS (7,6), B=137,256": (["sampler=dgrs", "K=7", "L=6"], 1000),
     "x0 draft + optimal tree + D-GRS, B=155": (["sampler=dgrs", "draft=x0", "tree=optimal", "budget=155"], 2000),
     "x0 extrapolated + tree per step + D-GRS, B=62": (
-        ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=62"], 2000),
+        ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=62"],
+        2000,
+    ),
     "x0 extrapolated + tree per step + D-GRS, B=155": (
-        ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=155"], 2000),
-    "x0 affine + tree per step + D-GRS, B=62": (["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step", "budget=62"], 10_000),
-    "x0 affine + tree per step + D-GRS, B=155": (["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step", "budget=155"], 10_000),
+        ["sampler=dgrs", "draft=x0_extrap_gated", "tree=optimal_per_step", "budget=155"],
+        2000,
+    ),
+    "x0 affine + tree per step + D-GRS, B=62": (
+        ["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step", "budget=62"],
+        10_000,
+    ),
+    "x0 affine + tree per step + D-GRS, B=155": (
+        ["sampler=dgrs", "draft=x0_affine", "tree=optimal_per_step", "budget=155"],
+        10_000,
+    ),
 }
 
 
@@ -127,12 +147,23 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
         n = max(int(n * scale), 2)
         d = compose([*ov, f"n_samples={n}", "progress=false"])
         rec, res = run_config(d)
-        row = {"row": name, "n_samples": n, "speedup_mean": rec["speedup"]["mean"], "speedup_sem": rec["speedup"]["sem"],
-               "nfe_mean": rec["nfe"]["mean"], "target_rows_mean": rec["target_rows"]["mean"]}
+        row = {
+            "row": name,
+            "n_samples": n,
+            "speedup_mean": rec["speedup"]["mean"],
+            "speedup_sem": rec["speedup"]["sem"],
+            "nfe_mean": rec["nfe"]["mean"],
+            "target_rows_mean": rec["target_rows"]["mean"],
+        }
         cal = rec.get("calibration")  # the tree=optimal* calibration run's cost, recorded by the runner
         if cal:  # shared by k trajectories, in the estimator of speedup_mean (SampleResult.speedup_charged)
-            row.update({"calibration_trajectories": cal["trajectories"], "calibration_calls": cal["nfe"],
-                        "calibration_rows": cal["target_rows"]})
+            row.update(
+                {
+                    "calibration_trajectories": cal["trajectories"],
+                    "calibration_calls": cal["nfe"],
+                    "calibration_rows": cal["target_rows"],
+                }
+            )
             for k in (100, 1000):
                 row[f"speedup_amortised_{k}"] = res.speedup_charged(cal["nfe"], k)
         print(f"{name:40s} {row['speedup_mean']:.3f} ± {row['speedup_sem']:.3f} (n={n})", flush=True)
@@ -144,9 +175,12 @@ def headline(out=HEADLINE_CSV, scale: float = 1.0) -> pd.DataFrame:
 
 
 def _frontier(df: pd.DataFrame):
-    return levers_frontier(df, title="Gaussian mixture: levers beyond the paper, all exact",
-                           ylabel="expected speedup (400-10,000 trajectories, ±1 s.e.)",
-                           hline=(2.34, "paper's best (2.34x at B=137,256)"))
+    return levers_frontier(
+        df,
+        title="Gaussian mixture: levers beyond the paper, all exact",
+        ylabel="expected speedup (400-10,000 trajectories, ±1 s.e.)",
+        hline=(2.34, "paper's best (2.34x at B=137,256)"),
+    )
 
 
 def _acceptance_vs_bound():
@@ -180,8 +214,10 @@ def _acceptance_vs_bound():
 
 def figures() -> list:
     """The frontier (from beyond.csv) and the acceptance-vs-bound curves (theory)."""
-    out = [save(_frontier(read_csv(CSV)), OUT / "beyond_frontier.png"),
-           save(_acceptance_vs_bound(), OUT / "beyond_acceptance.png")]
+    out = [
+        save(_frontier(read_csv(CSV)), OUT / "beyond_frontier.png"),
+        save(_acceptance_vs_bound(), OUT / "beyond_acceptance.png"),
+    ]
     for p in out:
         print(f"wrote {p}")
     return out
@@ -198,10 +234,16 @@ def table(df: pd.DataFrame) -> str:
 
 def main(argv=None) -> int:
     """CLI: ``run``, ``figures`` or ``table``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.beyond", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.beyond", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["run", "headline", "figures", "table"])
-    ap.add_argument("--n", type=int, default=None, help="trajectories per (arm, budget) of `run` (default: 400, 2,000 for the x0 arms)")
+    ap.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="trajectories per (arm, budget) of `run` (default: 400, 2,000 for the x0 arms)",
+    )
     a = ap.parse_args(argv)
     if a.command == "run":
         run(a.n)

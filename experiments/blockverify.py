@@ -148,14 +148,19 @@ def project_chain(children, mean_p, mean_q, sigma) -> ChainProjection:
     if children.ndim < 3 or children.shape[1] < 1:
         raise ValueError(f"children must be [n, L, *event] with L >= 1, got {tuple(children.shape)}")
     if mean_p.shape != children.shape or mean_q.shape != children.shape:
-        raise ValueError(f"mean_p {tuple(mean_p.shape)} and mean_q {tuple(mean_q.shape)} must match children {tuple(children.shape)}")
+        raise ValueError(
+            f"mean_p {tuple(mean_p.shape)} and mean_q {tuple(mean_q.shape)} must match children {tuple(children.shape)}"
+        )
     n, L = children.shape[:2]
     sig = _sigma_rows(sigma, n, L, children.device)
     parts = [project(children[:, i : i + 1], mean_p[:, i], mean_q[:, i], sig[:, i]) for i in range(L)]
     delta = torch.stack([p.delta for p in parts], 1)
     s_hat = torch.stack([p.s_hat[:, 0] for p in parts], 1)
     return ChainProjection(
-        delta=delta, s_hat=s_hat, e=torch.stack([p.e for p in parts], 1), sigma=sig,
+        delta=delta,
+        s_hat=s_hat,
+        e=torch.stack([p.e for p in parts], 1),
+        sigma=sig,
         log_r=delta * s_hat - 0.5 * delta**2,
     )
 
@@ -316,14 +321,27 @@ def _memoryless_draft(name: str):
     dr = get_draft(name)
     if dr.history:
         valid = sorted(n for n in DRAFTS.names() if not get_draft(n).history)
-        raise ConfigError(f"draft={name!r} is invalid for block verification: it reads the trajectory's last "
-                          f"{dr.history} exact data predictions, which these chains do not keep; valid: {valid}.")
+        raise ConfigError(
+            f"draft={name!r} is invalid for block verification: it reads the trajectory's last "
+            f"{dr.history} exact data predictions, which these chains do not keep; valid: {valid}."
+        )
     return dr
 
 
-def draft_chain(model, schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor, L: int, *,
-                draft: str = "x0", seed: int = 0, ids: torch.Tensor | None = None, max_batch: int | None = None,
-                velocity=None) -> DraftedChain:
+def draft_chain(
+    model,
+    schedule: Schedule,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    n: torch.Tensor,
+    L: int,
+    *,
+    draft: str = "x0",
+    seed: int = 0,
+    ids: torch.Tensor | None = None,
+    max_batch: int | None = None,
+    velocity=None,
+) -> DraftedChain:
     """Draft a chain of ``L`` nodes from each of ``m`` roots and compute its target kernel means.
 
     The drafting is the library sampler's for a chain tree (Algorithm 1, ``K = 1``): the draft is frozen at
@@ -363,8 +381,10 @@ def draft_chain(model, schedule: Schedule, x: torch.Tensor, v: torch.Tensor, n: 
     if v.shape != x.shape or n.shape != (m,):
         raise ValueError(f"x {tuple(x.shape)}, v {tuple(v.shape)} and n {tuple(n.shape)} must be [m, *e], [m, *e], [m]")
     if m and int(n.max()) + L > schedule.end_speculative:
-        raise ValueError(f"a chain of L={L} from state index {int(n.max())} passes the last speculative state "
-                         f"{schedule.end_speculative}; use L <= T - 1 - n")
+        raise ValueError(
+            f"a chain of L={L} from state index {int(n.max())} passes the last speculative state "
+            f"{schedule.end_speculative}; use L <= T - 1 - n"
+        )
     dr = _memoryless_draft(draft)
     dev = x.device
     if ids is None:
@@ -427,9 +447,22 @@ def synthetic_rows(deltas=(0.25, 0.5, 1.0, 2.0), lengths=(4, 8, 14), n: int = 20
             bt, bse, bs, bsse = expected_lengths(block)
             nt, nse, ns, nsse = expected_lengths(node)
             alpha = 2.0 * float(torch.special.ndtr(torch.tensor(-d / 2.0, dtype=torch.float64)))
-            rows.append({"source": "synthetic", "delta": d, "L": L, "node_tau": nt, "node_tau_se": nse, "block_tau": bt, "block_tau_se": bse,
-                             "node_steps": ns, "block_steps": bs, "steps_se": max(nsse, bsse),
-                             "node_exact": sum(alpha**j for j in range(1, L + 1)), "gain": bs / ns})
+            rows.append(
+                {
+                    "source": "synthetic",
+                    "delta": d,
+                    "L": L,
+                    "node_tau": nt,
+                    "node_tau_se": nse,
+                    "block_tau": bt,
+                    "block_tau_se": bse,
+                    "node_steps": ns,
+                    "block_steps": bs,
+                    "steps_se": max(nsse, bsse),
+                    "node_exact": sum(alpha**j for j in range(1, L + 1)),
+                    "gain": bs / ns,
+                }
+            )
     return rows
 
 
@@ -462,7 +495,9 @@ def gmm_chain_tails(model, schedule: Schedule, L: int, n_roots: int = 200, draft
             block, node = chain_acceptance(proj.log_r)
             out[step] = (block, node, proj.delta)
         mean = schedule.mean(x, v, nn)
-        x = mean + per_row(schedule.std(nn).to(x.dtype), x) * rng.normal(rng.fold(keys, step), model.event_shape, dtype=x.dtype)
+        x = mean + per_row(schedule.std(nn).to(x.dtype), x) * rng.normal(
+            rng.fold(keys, step), model.event_shape, dtype=x.dtype
+        )
     return out
 
 
@@ -482,7 +517,9 @@ def implied_nfe(schedule: Schedule, tails: dict, which: int) -> float:
     return 1.0 + R[schedule.first_speculative]
 
 
-def gmm_rows(lengths=(4, 8, 14, 28), n_roots: int = 200, n_samples: int = 0, seed: int = 0, dim: int = 500) -> list[dict]:
+def gmm_rows(
+    lengths=(4, 8, 14, 28), n_roots: int = 200, n_samples: int = 0, seed: int = 0, dim: int = 500
+) -> list[dict]:
     """Section 5.1 mixture (``GaussianMixture(dim)``, ``Schedule.make(30, 0.1)``, x0 draft): per chain length,
     the expected accepted nodes and committed steps per round of both rules on the same drafted chains
     (averaged over root steps, uniformly), the per-node ``delta`` range, and the implied speedup
@@ -524,13 +561,20 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small Monte Carlo sizes")
-    ap.add_argument("--n-samples", type=int, default=300, help="trajectories of the library sampler's node-wise run (0: none)")
-    ap.add_argument("--out", default=None, help="also write both tables to this folder (blockverify_synthetic.csv, "
-                                                  "blockverify_gmm.csv), e.g. results/gmm")
+    ap.add_argument(
+        "--n-samples", type=int, default=300, help="trajectories of the library sampler's node-wise run (0: none)"
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="also write both tables to this folder (blockverify_synthetic.csv, blockverify_gmm.csv), e.g. results/gmm",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    tables = {"synthetic": synthetic_rows(n=20_000 if a.quick else 200_000),
-              "gmm": gmm_rows(n_roots=50 if a.quick else 200, n_samples=min(a.n_samples, 50) if a.quick else a.n_samples)}
+    tables = {
+        "synthetic": synthetic_rows(n=20_000 if a.quick else 200_000),
+        "gmm": gmm_rows(n_roots=50 if a.quick else 200, n_samples=min(a.n_samples, 50) if a.quick else a.n_samples),
+    }
     for name, rows in tables.items():
         w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].keys()))
         w.writeheader()

@@ -49,16 +49,20 @@ def main(argv: list[str]) -> Path:
                 raise ConfigError(f"out={a[4:]!r} is invalid: {problem}; must be the path of the .json file to write.")
             out = Path(a[4:]).expanduser()
         elif a.startswith("overwrite="):
-            value = a[len("overwrite="):]
+            value = a[len("overwrite=") :]
             if value.lower() not in ("true", "false"):
-                raise ConfigError(f"overwrite={value} is invalid: must be true (let out= replace a profile shipped in "
-                                  "conf/profiles/) or false (the default: refuse to).")
+                raise ConfigError(
+                    f"overwrite={value} is invalid: must be true (let out= replace a profile shipped in "
+                    "conf/profiles/) or false (the default: refuse to)."
+                )
             overwrite = value.lower() == "true"
         elif a.startswith("trajectories="):
-            value = a[len("trajectories="):]
+            value = a[len("trajectories=") :]
             if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"trajectories={value} is invalid: must be an integer >= 1 (default 64, what a "
-                                  "run's own calibration uses).")
+                raise ConfigError(
+                    f"trajectories={value} is invalid: must be an integer >= 1 (default 64, what a "
+                    "run's own calibration uses)."
+                )
             n = int(value)
         else:
             overrides.append(a)
@@ -73,16 +77,27 @@ def main(argv: list[str]) -> Path:
     profiles, r = calibrate(build_target(run, plan), schedule, run, n=n)
     kernel = kernel_name(run)
     where = {"eps": run.eps} if kernel == "em" else {"kernel": schedule.kernel_name}  # em's profiles as they were
-    data = {"config": {"model": run.model.name, "draft": run.draft, "steps": run.steps, **where,
-                       "seed": run.seed, "prefetch": run.prefetch, "warmup": run.warmup},
-            "calibration": {**calibration_cost(r), "tree": "uniform(2, 8)", "coupling": "dgrs"},
-            **profiles}  # no timings: a rerun writes the same file
+    data = {
+        "config": {
+            "model": run.model.name,
+            "draft": run.draft,
+            "steps": run.steps,
+            **where,
+            "seed": run.seed,
+            "prefetch": run.prefetch,
+            "warmup": run.warmup,
+        },
+        "calibration": {**calibration_cost(r), "tree": "uniform(2, 8)", "coupling": "dgrs"},
+        **profiles,
+    }  # no timings: a rerun writes the same file
     if out is None:  # claimed only now: a failed calibration leaves no empty directory
         out = Path(fresh_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S"))) / name
     atomic_write(out, lambda f: f.write(json.dumps(data, indent=1) + "\n"), mode="w")
     print("delta_profile=[" + ",".join(f"{d:.4f}" for d in profiles["profile"]) + "]")
-    print(f"per-root profiles ({len(profiles['per_root'])} root steps) and cost {data['calibration']} "
-          f"({time.perf_counter() - t0:.1f} s) -> {out}")
+    print(
+        f"per-root profiles ({len(profiles['per_root'])} root steps) and cost {data['calibration']} "
+        f"({time.perf_counter() - t0:.1f} s) -> {out}"
+    )
     shipped = out.resolve().parent == PROFILE_DIR.resolve()
     print(f"use: python run.py ... tree=optimal_per_step delta_profile={out.stem if shipped else out}")
     return out
@@ -96,10 +111,12 @@ def refuse_shipped(out: Path, overwrite: bool) -> None:
     """
     if overwrite or not out.is_file() or out.resolve().parent != PROFILE_DIR.resolve():
         return
-    raise ConfigError(f"out={out} is invalid: it is the shipped profile delta_profile={out.stem} (conf/profiles/), "
-                      "which a new calibration would replace (its floats differ in the last bits from one machine or "
-                      "torch version to another); add overwrite=true to replace it, or give another out=PATH (default: "
-                      "outputs/DATE/TIME/).")
+    raise ConfigError(
+        f"out={out} is invalid: it is the shipped profile delta_profile={out.stem} (conf/profiles/), "
+        "which a new calibration would replace (its floats differ in the last bits from one machine or "
+        "torch version to another); add overwrite=true to replace it, or give another out=PATH (default: "
+        "outputs/DATE/TIME/)."
+    )
 
 
 if __name__ == "__main__":
@@ -128,5 +145,7 @@ if __name__ == "__main__":
     except OSError as e:
         if not is_infrastructure(e):
             raise
-        print(f"error: {infrastructure_message(e, elsewhere='out=PATH', then='rerun the same command')}", file=sys.stderr)
+        print(
+            f"error: {infrastructure_message(e, elsewhere='out=PATH', then='rerun the same command')}", file=sys.stderr
+        )
         sys.exit(INFRASTRUCTURE)

@@ -68,8 +68,16 @@ def _frontier_panel(ax, df: pd.DataFrame, colors: dict, hline=None) -> None:
     for arm, s in df.groupby("arm", sort=False):
         s = s.sort_values("budget")
         style = "--" if arm.startswith("paper") else ":" if "affine" in arm else "-"
-        ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o" + style, ms=4, capsize=3,
-                    color=colors[arm], label=arm + (" (mixture-specific)" if "affine" in arm else ""))
+        ax.errorbar(
+            s["budget"],
+            s["speedup_mean"],
+            yerr=s["speedup_sem"],
+            fmt="o" + style,
+            ms=4,
+            capsize=3,
+            color=colors[arm],
+            label=arm + (" (mixture-specific)" if "affine" in arm else ""),
+        )
     if hline is not None:
         ax.axhline(hline[0], color="0.4", lw=0.8, ls=":", label=hline[1])
     budgets = sorted(df["budget"].unique())

@@ -59,8 +59,14 @@ def collect_fig4(sweep_dir: str | None = None) -> pd.DataFrame:
 
 
 def _fig4():
-    return trained.fig4_figure(read_csv(OUT / "fig4.csv"), EPS, SHAPES, title="digits (trained EDM net), eps={eps}",
-                               ylabel="NFE speedup (mean ± std, 100 images)", yerr="speedup_std")
+    return trained.fig4_figure(
+        read_csv(OUT / "fig4.csv"),
+        EPS,
+        SHAPES,
+        title="digits (trained EDM net), eps={eps}",
+        ylabel="NFE speedup (mean ± std, 100 images)",
+        yerr="speedup_std",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,8 +90,11 @@ def _job_dirs(sweep_dir: str):
     for arm, (sampler, seed) in ARMS.items():
         sel = df[(df["sampler"] == sampler) & (df["seed"] == seed)]
         if sel.empty:
-            print(f"error: {sweep_dir} has no finished job for sampler={sampler} seed={seed}; run "
-                  f"`python run.py +experiment=digits_fid`", file=sys.stderr)
+            print(
+                f"error: {sweep_dir} has no finished job for sampler={sampler} seed={seed}; run "
+                f"`python run.py +experiment=digits_fid`",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
         dirs[arm], recs[arm] = Path(sweep_dir) / sel.iloc[0]["job"], sel.iloc[0]
     return dirs, recs
@@ -96,7 +105,9 @@ def _classifier_outputs(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     from specsamp.metrics.fid import extract_features
 
     kw = dict(feature_extractor="digits-classifier", device="cpu", batch_size=500)
-    return extract_features(images, feature_layer="features", **kw), extract_features(images, feature_layer="logits", **kw)
+    return extract_features(images, feature_layer="features", **kw), extract_features(
+        images, feature_layer="logits", **kw
+    )
 
 
 def bootstrap_fid(features: np.ndarray, ref, n_boot: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float]:
@@ -133,22 +144,46 @@ def two_sample_tests(a: tuple, b: tuple, comparison: str) -> list[dict]:
     strata = 0.0
     dof = 0
     for c in range(10):
-        tab = np.array([[np.sum((ya == c) & (la.argmax(1) == c)), np.sum((ya == c) & (la.argmax(1) != c))],
-                        [np.sum((yb == c) & (lb.argmax(1) == c)), np.sum((yb == c) & (lb.argmax(1) != c))]])
+        tab = np.array(
+            [
+                [np.sum((ya == c) & (la.argmax(1) == c)), np.sum((ya == c) & (la.argmax(1) != c))],
+                [np.sum((yb == c) & (lb.argmax(1) == c)), np.sum((yb == c) & (lb.argmax(1) != c))],
+            ]
+        )
         if tab.sum(0).min() > 0 and tab.sum(1).min() > 0:
             strata += stats.chi2_contingency(tab, correction=False).statistic
             dof += 1
     ks_max = stats.ks_2samp(_softmax(la).max(1), _softmax(lb).max(1))
     ks_logit = stats.ks_2samp(la[np.arange(len(ya)), ya], lb[np.arange(len(yb)), yb])
     return [
-        {"comparison": comparison, "test": "chi-square, predicted class counts", "statistic": chi.statistic,
-         "dof": chi.dof, "p_value": chi.pvalue},
-        {"comparison": comparison, "test": "chi-square, per-class accuracy given the label", "statistic": strata,
-         "dof": dof, "p_value": float(stats.chi2.sf(strata, dof)) if dof else np.nan},
-        {"comparison": comparison, "test": "KS, max softmax probability", "statistic": ks_max.statistic,
-         "dof": np.nan, "p_value": ks_max.pvalue},
-        {"comparison": comparison, "test": "KS, logit of the conditioning class", "statistic": ks_logit.statistic,
-         "dof": np.nan, "p_value": ks_logit.pvalue},
+        {
+            "comparison": comparison,
+            "test": "chi-square, predicted class counts",
+            "statistic": chi.statistic,
+            "dof": chi.dof,
+            "p_value": chi.pvalue,
+        },
+        {
+            "comparison": comparison,
+            "test": "chi-square, per-class accuracy given the label",
+            "statistic": strata,
+            "dof": dof,
+            "p_value": float(stats.chi2.sf(strata, dof)) if dof else np.nan,
+        },
+        {
+            "comparison": comparison,
+            "test": "KS, max softmax probability",
+            "statistic": ks_max.statistic,
+            "dof": np.nan,
+            "p_value": ks_max.pvalue,
+        },
+        {
+            "comparison": comparison,
+            "test": "KS, logit of the conditioning class",
+            "statistic": ks_logit.statistic,
+            "dof": np.nan,
+            "p_value": ks_logit.pvalue,
+        },
     ]
 
 
@@ -177,10 +212,24 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
         correct = logits.argmax(1) == labels
         outs[arm] = (logits, labels)
         pics[arm] = images[:100]
-        rows.append({"arm": arm, "sampler": r["sampler"], "seed": int(r["seed"]), "tree": r["tree"], "eps": 0.3,
-                     "n_images": n, "fid": fid, "fid_se": se, "fid_runner": r.get("fid", np.nan),
-                     "label_accuracy": correct.mean(), "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n),
-                     "speedup_mean": r["speedup_mean"], "speedup_sem": r["speedup_sem"], "nfe_mean": r["nfe_mean"]})
+        rows.append(
+            {
+                "arm": arm,
+                "sampler": r["sampler"],
+                "seed": int(r["seed"]),
+                "tree": r["tree"],
+                "eps": 0.3,
+                "n_images": n,
+                "fid": fid,
+                "fid_se": se,
+                "fid_runner": r.get("fid", np.nan),
+                "label_accuracy": correct.mean(),
+                "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n),
+                "speedup_mean": r["speedup_mean"],
+                "speedup_sem": r["speedup_sem"],
+                "nfe_mean": r["nfe_mean"],
+            }
+        )
     # the floor: as many real digits (drawn with replacement), same features, same reference
     x, y = load_digits_data()
     rng = np.random.default_rng(1)
@@ -191,8 +240,16 @@ def collect_fid(sweep_dir: str = "multirun/digits_fid") -> tuple[pd.DataFrame, p
     real_logits = logits
     fid, se = bootstrap_fid(feats, ref)
     correct = logits.argmax(1) == y.numpy()[pick]
-    rows.append({"arm": "data (real digits)", "n_images": n, "fid": fid, "fid_se": se,
-                 "label_accuracy": correct.mean(), "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n)})
+    rows.append(
+        {
+            "arm": "data (real digits)",
+            "n_images": n,
+            "fid": fid,
+            "fid_se": se,
+            "label_accuracy": correct.mean(),
+            "label_accuracy_se": correct.std(ddof=1) / np.sqrt(n),
+        }
+    )
     fid_df = pd.DataFrame(rows)
     base = fid_df.set_index("arm").loc["standard"]
     fid_df["fid_z_vs_standard"] = (fid_df["fid"] - base["fid"]) / np.sqrt(fid_df["fid_se"] ** 2 + base["fid_se"] ** 2)
@@ -230,7 +287,7 @@ def sample_grid(images: np.ndarray, pad: int = TILE_PAD, fill: int = PAD_GREY) -
     grid = np.full((k * (h + pad) - pad, k * (w + pad) - pad), fill, dtype=np.uint8)
     for i in range(k * k):
         r, c = divmod(i, k)
-        grid[r * (h + pad): r * (h + pad) + h, c * (w + pad): c * (w + pad) + w] = images[i]
+        grid[r * (h + pad) : r * (h + pad) + h, c * (w + pad) : c * (w + pad) + w] = images[i]
     return grid
 
 
@@ -259,20 +316,32 @@ def levers(n_samples: int = 100, eps: float = 0.3) -> pd.DataFrame:
 
 def _levers_figure():
     df = read_csv(OUT / "levers.csv")
-    return levers_frontier(df, title=f"digits (trained EDM net), eps={df['eps'].iloc[0]:g}: levers beyond the paper, all exact",
-                           ylabel="speedup (100 images, ±1 s.e.)", figsize=(7, 4.2))
+    return levers_frontier(
+        df,
+        title=f"digits (trained EDM net), eps={df['eps'].iloc[0]:g}: levers beyond the paper, all exact",
+        ylabel="speedup (100 images, ±1 s.e.)",
+        figsize=(7, 4.2),
+    )
 
 
 def figures() -> list:
     """Figure 4, the levers frontier and the sample grids, from the committed tables (no sampling)."""
-    return trained.draw_figures(OUT, (("fig4_speedup_vs_budget.png", _fig4), ("levers_frontier.png", _levers_figure),
-                                      ("samples.png", _samples_figure)), "experiments.digits")
+    return trained.draw_figures(
+        OUT,
+        (
+            ("fig4_speedup_vs_budget.png", _fig4),
+            ("levers_frontier.png", _levers_figure),
+            ("samples.png", _samples_figure),
+        ),
+        "experiments.digits",
+    )
 
 
 def main(argv=None) -> int:
     """CLI: ``collect`` (Figure 4 + FID tables from the sweeps), ``levers``, ``figures``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.digits", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.digits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["collect", "levers", "figures"])
     ap.add_argument("--fig4-sweep", default="multirun/digits_fig4")
     ap.add_argument("--fid-sweep", default="multirun/digits_fid")

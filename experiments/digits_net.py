@@ -72,7 +72,9 @@ class DigitsNet(torch.nn.Module):
             torch.nn.Linear(emb_channels, emb_channels), torch.nn.SiLU(), torch.nn.Linear(emb_channels, emb_channels)
         )
         self.conv_in = torch.nn.Conv2d(img_channels, channels, 3, padding=1)
-        self.pos = torch.nn.Parameter(torch.zeros(1, channels, img_resolution, img_resolution))  # digits are not translation invariant
+        self.pos = torch.nn.Parameter(
+            torch.zeros(1, channels, img_resolution, img_resolution)
+        )  # digits are not translation invariant
         self.blocks = torch.nn.ModuleList([ResBlock(channels, emb_channels) for _ in range(blocks)])
         self.norm_out = torch.nn.GroupNorm(8, channels)
         self.conv_out = torch.nn.Conv2d(channels, img_channels, 3, padding=1)
@@ -138,13 +140,17 @@ class DigitsClassifier(torch.nn.Module):
         self.classes = classes
         self.feature_dim = feature_dim
         self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(img_channels, channels, 3, padding=1), torch.nn.SiLU(),
-            torch.nn.Conv2d(channels, channels, 3, padding=1), torch.nn.SiLU(),
+            torch.nn.Conv2d(img_channels, channels, 3, padding=1),
+            torch.nn.SiLU(),
+            torch.nn.Conv2d(channels, channels, 3, padding=1),
+            torch.nn.SiLU(),
             torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(channels, 2 * channels, 3, padding=1), torch.nn.SiLU(),
+            torch.nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            torch.nn.SiLU(),
             torch.nn.MaxPool2d(2),
             torch.nn.Flatten(),
-            torch.nn.Linear(2 * channels * (img_resolution // 4) ** 2, feature_dim), torch.nn.SiLU(),
+            torch.nn.Linear(2 * channels * (img_resolution // 4) ** 2, feature_dim),
+            torch.nn.SiLU(),
         )
         self.head = torch.nn.Linear(feature_dim, classes)
 

@@ -35,8 +35,9 @@ def network_module(name: str):
     return importlib.import_module(f"experiments.{name}")
 
 
-def train_edm(build, draw, *, steps: int, batch: int, lr: float, ema_decay: float, seed: int, sigma_data: float,
-              log_every: int):
+def train_edm(
+    build, draw, *, steps: int, batch: int, lr: float, ema_decay: float, seed: int, sigma_data: float, log_every: int
+):
     """EDM training loop; returns ``(ema network, per-interval mean losses)``.
 
     ``build()``: a fresh network ``net(x [B, C, H, W], sigma [B], *cond) -> D(x; sigma)``, called after

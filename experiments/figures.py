@@ -9,7 +9,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ["experiments.gmm", "experiments.pixel", "experiments.sd3", "experiments.beyond", "experiments.digits", "experiments.patches"]
+MODULES = [
+    "experiments.gmm",
+    "experiments.pixel",
+    "experiments.sd3",
+    "experiments.beyond",
+    "experiments.digits",
+    "experiments.patches",
+]
 
 
 def main() -> int:

@@ -28,9 +28,22 @@ OUT = RESULTS / "gmm"
 GRID_CSV = OUT / "grid.csv"
 ACC_CSV = OUT / "acceptance.csv"
 SWEEP = "multirun/gmm_grid"
-GRID_COLUMNS = ["sampler", "K", "L", "budget", "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean",
-                "target_rows_mean", "batch_speedup", "committed_per_round", "acceptance_pooled", "acceptance",
-                "n_samples"]  # no timings: a rerun with the same seed reproduces the table byte for byte
+GRID_COLUMNS = [
+    "sampler",
+    "K",
+    "L",
+    "budget",
+    "speedup_mean",
+    "speedup_std",
+    "speedup_sem",
+    "nfe_mean",
+    "target_rows_mean",
+    "batch_speedup",
+    "committed_per_round",
+    "acceptance_pooled",
+    "acceptance",
+    "n_samples",
+]  # no timings: a rerun with the same seed reproduces the table byte for byte
 
 
 def collect(sweep_dir: str = SWEEP, out=GRID_CSV) -> pd.DataFrame:
@@ -71,8 +84,16 @@ def acceptance_mc(n: int = 20000, seed: int = 0, out=ACC_CSV, progress: bool = T
         for rule in rules:
             acc = get_coupling(rule)(kids, mean_p, mean_q, 1.0, generator=g).accepted.double()
             p = float(acc.mean())
-            rows.append({"rule": rule, "K": K, "delta": delta, "acceptance": p,
-                         "sem": math.sqrt(max(p * (1 - p), 1e-12) / n), "n": n})
+            rows.append(
+                {
+                    "rule": rule,
+                    "K": K,
+                    "delta": delta,
+                    "acceptance": p,
+                    "sem": math.sqrt(max(p * (1 - p), 1e-12) / n),
+                    "n": n,
+                }
+            )
     df = pd.DataFrame(rows)
     write_csv(df, out)
     print(f"wrote {out} ({len(df)} rows)")
@@ -90,8 +111,15 @@ def _heatmaps(df: pd.DataFrame):
             for j, L in enumerate(sub.columns):
                 val = sub.loc[K, L]
                 if np.isfinite(val):
-                    ax.text(j, i, f"{val:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if val < (vmin + vmax) / 2 else "black")
+                    ax.text(
+                        j,
+                        i,
+                        f"{val:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if val < (vmin + vmax) / 2 else "black",
+                    )
         ax.set_xticks(range(len(sub.columns)), sub.columns)
         ax.set_yticks(range(len(sub.index)), sub.index)
         ax.set_xlabel("lookahead L")
@@ -112,8 +140,16 @@ def frontier(df: pd.DataFrame) -> pd.DataFrame:
             row = grp.loc[grp["speedup_mean"].idxmax()]
             if best is None or row["speedup_mean"] > best["speedup_mean"]:
                 best = row
-            out.append({"sampler": rule, "budget": B, "speedup": best["speedup_mean"], "sem": best["speedup_sem"],
-                        "K": int(best["K"]), "L": int(best["L"])})
+            out.append(
+                {
+                    "sampler": rule,
+                    "budget": B,
+                    "speedup": best["speedup_mean"],
+                    "sem": best["speedup_sem"],
+                    "K": int(best["K"]),
+                    "L": int(best["L"]),
+                }
+            )
     return pd.DataFrame(out)
 
 
@@ -121,7 +157,9 @@ def _frontier_fig(df: pd.DataFrame):
     fr = frontier(df)
     fig, ax = plt.subplots(figsize=(6, 4))
     for rule, sub in fr.groupby("sampler"):
-        ax.step(sub["budget"], sub["speedup"], where="post", color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
+        ax.step(
+            sub["budget"], sub["speedup"], where="post", color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule)
+        )
         ax.errorbar(sub["budget"], sub["speedup"], yerr=sub["sem"], fmt="o", ms=3, color=RULE_COLORS.get(rule))
     ax.set_xscale("log")
     ax.set_xlabel("proposal budget B (drafted states)")
@@ -141,7 +179,9 @@ def _speedup_vs_k(df: pd.DataFrame):
         s = sub[sub["L"] == L].sort_values("K")
         c = cmap(i / max(len(Ls) - 1, 1))
         ax.plot(s["K"], s["speedup_mean"], "o-", color=c, ms=3, label=f"L={L}")
-        ax.fill_between(s["K"], s["speedup_mean"] - s["speedup_sem"], s["speedup_mean"] + s["speedup_sem"], color=c, alpha=0.2)
+        ax.fill_between(
+            s["K"], s["speedup_mean"] - s["speedup_sem"], s["speedup_mean"] + s["speedup_sem"], color=c, alpha=0.2
+        )
     rmc = df[df["sampler"] == "rmc"]["speedup_mean"]
     if len(rmc):
         ax.axhspan(rmc.min(), rmc.max(), color=RULE_COLORS["rmc"], alpha=0.12, label="RMC range")
@@ -214,15 +254,21 @@ def paper_table(df: pd.DataFrame) -> str:
         f"| D-GRS, (6,6) | 2.33x | {_fmt(_cell(df, 'dgrs', 6, 6))} |",
         f"| D-GRS, (7,6) | 2.34x | {_fmt(_cell(df, 'dgrs', 7, 6))} |",
         "| best D-GRS cell at L=2 | 1.876x | "
-        + ("—" if best_l2 is None else f"{best_l2['speedup_mean']:.3f} ± {best_l2['speedup_sem']:.3f} at K={int(best_l2['K'])}")
+        + (
+            "—"
+            if best_l2 is None
+            else f"{best_l2['speedup_mean']:.3f} ± {best_l2['speedup_sem']:.3f} at K={int(best_l2['K'])}"
+        )
         + " |",
         f"| D-GRS first beats RMC from | (2,3) | {_first_win(df)} |",
     ]
     row = _cell(df, "rmc", 5, 3)
     if row is not None and "acceptance_pooled" in df.columns:
         acc = [float(a) for a in str(row["acceptance"]).split("/") if a]
-        lines.append(f"| RMC measured acceptance (pooled over all verifications) | ≈0.52 | {row['acceptance_pooled']:.2f} "
-                     f"(depth 1: {acc[0]:.2f}, depths 2–4: {np.mean(acc[1:4]):.2f}) |")
+        lines.append(
+            f"| RMC measured acceptance (pooled over all verifications) | ≈0.52 | {row['acceptance_pooled']:.2f} "
+            f"(depth 1: {acc[0]:.2f}, depths 2–4: {np.mean(acc[1:4]):.2f}) |"
+        )
     return "\n".join(lines)
 
 
@@ -256,7 +302,9 @@ def _plateau(df) -> str:
 
 def main(argv=None) -> int:
     """CLI: ``collect``, ``acceptance``, ``figures`` or ``table``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.gmm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.gmm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["collect", "acceptance", "figures", "table"])
     ap.add_argument("--sweep", default=SWEEP, help="sweep directory for collect")
     a = ap.parse_args(argv)

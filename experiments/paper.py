@@ -49,8 +49,9 @@ def mark_fig1(fig):
     offsets = {(5, 3): (-8, 7, "right"), (6, 6): (-8, 7, "right"), (7, 6): (4, -14, "left")}
     for (K, L), v in cells:
         dx, dy, ha = offsets.get((K, L), (-8, 7, "right"))
-        ax.annotate(f"({K},{L}) {v:.2f}", (budget(K, L), v), textcoords="offset points", xytext=(dx, dy), fontsize=7,
-                    ha=ha)
+        ax.annotate(
+            f"({K},{L}) {v:.2f}", (budget(K, L), v), textcoords="offset points", xytext=(dx, dy), fontsize=7, ha=ha
+        )
     band(ax, *RMC_PLATEAU, "paper: RMC plateau 1.96–2.00x")
     ax.hlines(BEST_L2, *L2_BUDGETS, colors=PAPER, linestyles="--", lw=1.2, label="paper: best L=2 cell, 1.876x")
     ax.legend(fontsize=7)
@@ -81,8 +82,17 @@ def mark_fig3(fig):
                 for t in ax.texts:  # our value moves up to make room for the paper's below it
                     if tuple(t.get_position()) == (j, i):
                         t.set_position((j, i + 0.2))
-                ax.text(j, i - 0.22, f"paper {v:.2f}", ha="center", va="center", fontsize=PAPER_LABEL_SIZE, color="red",
-                        fontweight="bold", bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+                ax.text(
+                    j,
+                    i - 0.22,
+                    f"paper {v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=PAPER_LABEL_SIZE,
+                    color="red",
+                    fontweight="bold",
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
+                )
         ax.set_title(f"{title}\nred boxes: the paper's cells; paper's best at L=2: 1.876x", fontsize=10)
     suptitle = getattr(fig, "_suptitle", None)
     if suptitle is not None:  # room for the two-line panel titles
@@ -121,5 +131,15 @@ def integer_ticks(ax, values) -> None:
     ax.set_xlim(values[0] - 0.5, values[-1] + 0.5)
 
 
-__all__ = ["BEST_L2", "DGRS_CELLS", "RMC_PLATEAU", "band", "integer_ticks", "mark_fig1", "mark_fig3", "mark_fig7",
-           "paper_ranges", "parse_range"]
+__all__ = [
+    "BEST_L2",
+    "DGRS_CELLS",
+    "RMC_PLATEAU",
+    "band",
+    "integer_ticks",
+    "mark_fig1",
+    "mark_fig3",
+    "mark_fig7",
+    "paper_ranges",
+    "parse_range",
+]

@@ -30,7 +30,10 @@ from experiments.common import RESULTS, levers_frontier, plt, read_csv, write_cs
 OUT = RESULTS / "patches32"
 EPS = (0.1, 0.3, 0.6)
 SHAPES = ((2, 3), (2, 5), (3, 4), (4, 4))
-PAPER_CIFAR10 = (2.2, 2.6)  # paper section 5.2: D-GRS speedups on EDM CIFAR-10 from B=62 ("2.2-2.6x"), stated as a range
+PAPER_CIFAR10 = (
+    2.2,
+    2.6,
+)  # paper section 5.2: D-GRS speedups on EDM CIFAR-10 from B=62 ("2.2-2.6x"), stated as a range
 ARMS = {  # label: (sampler overrides, seed); independent image sets
     "standard": (["sampler=standard"], 0),
     "standard, 2nd run": (["sampler=standard"], 1),
@@ -59,17 +62,27 @@ LEVERS = {  # arm: overrides (K, L, budget filled per budget), as for the digits
 
 def collect_fig4(sweep_dir: str | None = None) -> pd.DataFrame:
     """``results/patches32/fig4.csv`` from the ``patches_fig4`` sweep: one row per (rule, eps, K, L)."""
-    return trained.collect_fig4(sweep_dir or "multirun/patches_fig4", "patches_fig4", OUT / "fig4.csv",
-                                show=["sampler", "eps", "budget", "speedup_mean", "speedup_sem", "acceptance"])
+    return trained.collect_fig4(
+        sweep_dir or "multirun/patches_fig4",
+        "patches_fig4",
+        OUT / "fig4.csv",
+        show=["sampler", "eps", "budget", "speedup_mean", "speedup_sem", "acceptance"],
+    )
 
 
 def _fig4():
     from experiments.paper import band
 
-    return trained.fig4_figure(read_csv(OUT / "fig4.csv"), EPS, SHAPES,
-                               title="patches32 (trained EDM net, 3x32x32), eps={eps}", title_fontsize=9,
-                               ylabel="NFE speedup (mean ± s.e., 100 images)", yerr="speedup_sem",
-                               decorate=lambda ax: band(ax, *PAPER_CIFAR10, "paper: CIFAR-10 D-GRS from B=62, 2.2–2.6x"))
+    return trained.fig4_figure(
+        read_csv(OUT / "fig4.csv"),
+        EPS,
+        SHAPES,
+        title="patches32 (trained EDM net, 3x32x32), eps={eps}",
+        title_fontsize=9,
+        ylabel="NFE speedup (mean ± s.e., 100 images)",
+        yerr="speedup_sem",
+        decorate=lambda ax: band(ax, *PAPER_CIFAR10, "paper: CIFAR-10 D-GRS from B=62, 2.2–2.6x"),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,15 +143,27 @@ def two_sample_tests(a: np.ndarray, b: np.ndarray, comparison: str, permutations
     rows = []
     for k in range(PROJECTIONS):
         ks = stats.ks_2samp(pa[:, k], pb[:, k])
-        rows.append({"comparison": comparison, "test": f"KS, random pixel projection {k}", "statistic": ks.statistic,
-                     "p_value": ks.pvalue})
+        rows.append(
+            {
+                "comparison": comparison,
+                "test": f"KS, random pixel projection {k}",
+                "statistic": ks.statistic,
+                "p_value": ks.pvalue,
+            }
+        )
     sa, sb = patch_statistics(a), patch_statistics(b)
     for name in sa:
         ks = stats.ks_2samp(sa[name], sb[name])
         rows.append({"comparison": comparison, "test": f"KS, {name}", "statistic": ks.statistic, "p_value": ks.pvalue})
     e, p = energy_test(a, b, permutations)
-    rows.append({"comparison": comparison, "test": f"energy distance, {permutations} permutations", "statistic": e,
-                 "p_value": p})
+    rows.append(
+        {
+            "comparison": comparison,
+            "test": f"energy distance, {permutations} permutations",
+            "statistic": e,
+            "p_value": p,
+        }
+    )
     return [{**r, "n_a": len(a), "n_b": len(b)} for r in rows]
 
 
@@ -151,8 +176,21 @@ def sample_arms(n: int, *, K: int = 2, L: int = 3, eps: float = 0.3, steps: int 
     torch.set_num_threads(1)
     out, target = {}, None
     for arm, (ov, seed) in ARMS.items():
-        cfg = compose(["model=patches32", *ov, f"K={K}", f"L={L}", f"eps={eps}", f"n_samples={n}", f"seed={seed}",
-                       "execution=path", "progress=false", *([f"steps={steps}"] if steps else []), *extra])
+        cfg = compose(
+            [
+                "model=patches32",
+                *ov,
+                f"K={K}",
+                f"L={L}",
+                f"eps={eps}",
+                f"n_samples={n}",
+                f"seed={seed}",
+                "execution=path",
+                "progress=false",
+                *([f"steps={steps}"] if steps else []),
+                *extra,
+            ]
+        )
         target = target or build_target(load_config(cfg)[0])
         rec, res = run_config(cfg, target=target)
         print(f"{arm:20s} {summary_line(rec)}", flush=True)
@@ -179,16 +217,24 @@ def collect_two_sample(n: int = 1000, permutations: int = PERMUTATIONS, out_dir=
     write_csv(df, out_dir / "two_sample.csv")
     pick = np.random.default_rng(0).choice(len(real), 64, replace=False)
     to_u8 = lambda x: ((x[:64] + 1) * 127.5).round().clip(0, 255).astype(np.uint8)  # noqa: E731
-    atomic_write(out_dir / "samples.npz", lambda f: np.savez_compressed(
-        f, real=to_u8(real[pick]), **{a.replace(", 2nd run", "_2"): to_u8(x) for a, (x, _) in arms.items()}))
+    atomic_write(
+        out_dir / "samples.npz",
+        lambda f: np.savez_compressed(
+            f, real=to_u8(real[pick]), **{a.replace(", 2nd run", "_2"): to_u8(x) for a, (x, _) in arms.items()}
+        ),
+    )
     print(df.to_string(index=False))
     return df
 
 
 def _samples_figure():
     z = np.load(OUT / "samples.npz")
-    panels = [("real", "held-out real crops"), ("standard", "standard"), ("rmc", "RMC (K=2, L=3, eps=0.3)"),
-              ("dgrs", "D-GRS (K=2, L=3, eps=0.3)")]
+    panels = [
+        ("real", "held-out real crops"),
+        ("standard", "standard"),
+        ("rmc", "RMC (K=2, L=3, eps=0.3)"),
+        ("dgrs", "D-GRS (K=2, L=3, eps=0.3)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.6), constrained_layout=True)
     for ax, (key, title) in zip(axes, panels):
         k = int(np.sqrt(min(64, len(z[key]))))
@@ -223,29 +269,48 @@ def _denoising_figure():
 
 def levers(n_samples: int = 100, eps: float = 0.3, budgets=None, out_dir=None, extra=()) -> pd.DataFrame:
     """Every arm of :data:`LEVERS` at every budget of :data:`LEVER_BUDGETS`; ``results/patches32/levers.csv``."""
-    df = trained.levers_table("patches32", LEVERS, budgets or LEVER_BUDGETS, n_samples=n_samples, eps=eps,
-                              tail=("execution=path", "progress=false", *extra), arm_width=32)
+    df = trained.levers_table(
+        "patches32",
+        LEVERS,
+        budgets or LEVER_BUDGETS,
+        n_samples=n_samples,
+        eps=eps,
+        tail=("execution=path", "progress=false", *extra),
+        arm_width=32,
+    )
     write_csv(df, (OUT if out_dir is None else out_dir) / "levers.csv")
     return df
 
 
 def _levers_figure():
     df = read_csv(OUT / "levers.csv")
-    return levers_frontier(df, title=f"patches32 (trained EDM net, 3x32x32), eps={df['eps'].iloc[0]:g}: levers, all exact",
-                           ylabel="speedup (100 images, ±1 s.e.)", figsize=(7, 4.2))
+    return levers_frontier(
+        df,
+        title=f"patches32 (trained EDM net, 3x32x32), eps={df['eps'].iloc[0]:g}: levers, all exact",
+        ylabel="speedup (100 images, ±1 s.e.)",
+        figsize=(7, 4.2),
+    )
 
 
 def figures() -> list:
     """Figure 4, the levers frontier, the sample grids and the denoising curve, from the committed tables (no sampling)."""
-    return trained.draw_figures(OUT, (("fig4_speedup_vs_budget.png", _fig4), ("levers_frontier.png", _levers_figure),
-                                      ("samples.png", _samples_figure), ("denoising.png", _denoising_figure)),
-                                "experiments.patches")
+    return trained.draw_figures(
+        OUT,
+        (
+            ("fig4_speedup_vs_budget.png", _fig4),
+            ("levers_frontier.png", _levers_figure),
+            ("samples.png", _samples_figure),
+            ("denoising.png", _denoising_figure),
+        ),
+        "experiments.patches",
+    )
 
 
 def main(argv=None) -> int:
     """CLI: ``collect`` (Figure 4 from the sweep), ``two_sample``, ``levers``, ``figures``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.patches", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.patches", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["collect", "two_sample", "levers", "figures"])
     ap.add_argument("--fig4-sweep", default="multirun/patches_fig4")
     ap.add_argument("--n", type=int, default=None, help="images per arm (two_sample: 1000, levers: 100)")

@@ -29,26 +29,57 @@ DATASETS = ("cifar10", "ffhq")
 EPS = (0.1, 0.3, 0.6)
 SHAPES = ((2, 3), (2, 5), (3, 4), (4, 4))
 # FID on 50k samples at K=2, L=3, eps=0.3 (section 5.2); "standard" is EDM's published baseline.
-PAPER_FID = {("cifar10", "dgrs"): 1.824, ("cifar10", "rmc"): 1.822, ("cifar10", "standard"): 1.79,
-             ("ffhq", "dgrs"): 2.86, ("ffhq", "rmc"): 2.88, ("ffhq", "standard"): 2.39}
+PAPER_FID = {
+    ("cifar10", "dgrs"): 1.824,
+    ("cifar10", "rmc"): 1.822,
+    ("cifar10", "standard"): 1.79,
+    ("ffhq", "dgrs"): 2.86,
+    ("ffhq", "rmc"): 2.88,
+    ("ffhq", "standard"): 2.39,
+}
 # The paper gives Figure 4 only as a plot; its text states the ranges below.
 PAPER_RANGE = {"cifar10": "2.2–2.6x", "ffhq": "≈2.0–2.2x"}
 
 
 def empty_fig4(dataset: str) -> pd.DataFrame:
     """Every Figure 4 cell, values empty (to be filled by ``collect``)."""
-    rows = [{"dataset": dataset, "sampler": s, "eps": e, "K": K, "L": L, "budget": budget(K, L),
-             "speedup_mean": np.nan, "speedup_std": np.nan, "speedup_sem": np.nan, "n_samples": np.nan,
-             "paper_range": PAPER_RANGE[dataset]}
-            for s in ("rmc", "dgrs") for e in EPS for K, L in SHAPES]
+    rows = [
+        {
+            "dataset": dataset,
+            "sampler": s,
+            "eps": e,
+            "K": K,
+            "L": L,
+            "budget": budget(K, L),
+            "speedup_mean": np.nan,
+            "speedup_std": np.nan,
+            "speedup_sem": np.nan,
+            "n_samples": np.nan,
+            "paper_range": PAPER_RANGE[dataset],
+        }
+        for s in ("rmc", "dgrs")
+        for e in EPS
+        for K, L in SHAPES
+    ]
     return pd.DataFrame(rows)
 
 
 def empty_fid() -> pd.DataFrame:
     """The FID table with the paper's values and empty columns for ours."""
-    rows = [{"dataset": d, "sampler": s, "K": 2, "L": 3, "eps": 0.3, "n_images": 50000,
-             "fid_paper": PAPER_FID[(d, s)], "fid": np.nan}
-            for d in DATASETS for s in ("standard", "rmc", "dgrs")]
+    rows = [
+        {
+            "dataset": d,
+            "sampler": s,
+            "K": 2,
+            "L": 3,
+            "eps": 0.3,
+            "n_images": 50000,
+            "fid_paper": PAPER_FID[(d, s)],
+            "fid": np.nan,
+        }
+        for d in DATASETS
+        for s in ("standard", "rmc", "dgrs")
+    ]
     return pd.DataFrame(rows)
 
 
@@ -57,8 +88,12 @@ def collect(dataset: str, sweep_dir: str | None = None) -> pd.DataFrame:
     df = ok_records(sweep_dir or f"multirun/fig4_{dataset}", f"fig4_{dataset}")
     out = empty_fig4(dataset)
     for _, r in df.iterrows():
-        sel = ((out["sampler"] == r["sampler"]) & np.isclose(out["eps"], float(r["eps"])) & (out["K"] == int(r["K"]))
-               & (out["L"] == int(r["L"])))
+        sel = (
+            (out["sampler"] == r["sampler"])
+            & np.isclose(out["eps"], float(r["eps"]))
+            & (out["K"] == int(r["K"]))
+            & (out["L"] == int(r["L"]))
+        )
         for c in ("speedup_mean", "speedup_std", "speedup_sem", "n_samples"):
             out.loc[sel, c] = r[c]
     write_csv(out, OUT / f"fig4_{dataset}.csv")
@@ -75,8 +110,9 @@ def model_fid_settings(dataset: str) -> tuple[str, dict]:
     return str(model.fid_ref), model.fid_settings()
 
 
-def record_fid(dataset: str, sampler: str, images: str, reference: str | None = None, *, table_path=None,
-               **fid_kwargs) -> pd.DataFrame:
+def record_fid(
+    dataset: str, sampler: str, images: str, reference: str | None = None, *, table_path=None, **fid_kwargs
+) -> pd.DataFrame:
     """Score a rule's 50k images with torch-fidelity and write the value into ``results/pixel/fid.csv``.
 
     Args:
@@ -109,8 +145,9 @@ def fig4(tables: dict[str, pd.DataFrame]):
     with the range the paper's text states for the dataset (``paper_range``) as a hatched band."""
     from experiments import paper
 
-    fig, axes = plt.subplots(len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.6 * len(DATASETS)), squeeze=False,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(
+        len(DATASETS), len(EPS), figsize=(4.2 * len(EPS), 3.6 * len(DATASETS)), squeeze=False, constrained_layout=True
+    )
     for i, ds in enumerate(DATASETS):
         df = tables[ds]
         for j, eps in enumerate(EPS):
@@ -122,13 +159,28 @@ def fig4(tables: dict[str, pd.DataFrame]):
                 if s.empty:
                     continue
                 ours = True
-                ax.errorbar(s["budget"], s["speedup_mean"], yerr=s["speedup_std"], fmt="o-", capsize=3,
-                            color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
+                ax.errorbar(
+                    s["budget"],
+                    s["speedup_mean"],
+                    yerr=s["speedup_std"],
+                    fmt="o-",
+                    capsize=3,
+                    color=RULE_COLORS.get(rule),
+                    label=RULE_LABELS.get(rule, rule),
+                )
             for lo, hi, text in paper.paper_ranges(sub["paper_range"]):
                 paper.band(ax, lo, hi, f"paper's range (section 5.2 text): {text}")
             if not ours:
-                ax.text(0.5, 0.06, "ours: not run yet (needs a GPU and the EDM checkpoint)", ha="center", va="bottom",
-                        transform=ax.transAxes, fontsize=7, color="0.4")
+                ax.text(
+                    0.5,
+                    0.06,
+                    "ours: not run yet (needs a GPU and the EDM checkpoint)",
+                    ha="center",
+                    va="bottom",
+                    transform=ax.transAxes,
+                    fontsize=7,
+                    color="0.4",
+                )
             ax.set_xscale("log")
             ax.set_xticks([budget(K, L) for K, L in SHAPES], [str(budget(K, L)) for K, L in SHAPES])
             ax.set_xlim(10, 450)
@@ -151,15 +203,18 @@ def figures() -> list:
 
 def main(argv=None) -> int:
     """CLI: ``init`` (write the empty tables), ``collect --dataset D``, ``figures``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.pixel", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.pixel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["init", "collect", "fid", "figures"])
     ap.add_argument("--dataset", choices=DATASETS, default="cifar10")
     ap.add_argument("--sweep", default=None)
     ap.add_argument("--sampler", choices=("standard", "rmc", "dgrs"), help="fid: the rule whose images are scored")
     ap.add_argument("--images", help="fid: the rule's merged run directory, its images/ folder or its samples.pt")
     ap.add_argument("--ref", default=None, help="fid: reference statistics (default: the model config's fid_ref)")
-    ap.add_argument("--weights", default=None, help="fid: local extractor weights (default: the model config's fid_weights)")
+    ap.add_argument(
+        "--weights", default=None, help="fid: local extractor weights (default: the model config's fid_weights)"
+    )
     ap.add_argument("--device", default=None, help="fid: cpu | cuda (default: CUDA when available)")
     ap.add_argument("--table", default=None, help="fid: the table to fill (default: results/pixel/fid.csv)")
     a = ap.parse_args(argv)

@@ -45,6 +45,7 @@ def rows_per_round(widths) -> tuple[int, int]:
 
 def matched_widths(rows: int, depth: int, most: int = 12) -> list[int]:
     """Non-increasing widths of ``depth`` levels whose tree has ``|V|`` closest to ``rows`` (ties: the wider root)."""
+
     def shapes(left, top):  # non-increasing width sequences, widest first
         if left == 0:
             yield ()
@@ -93,13 +94,27 @@ def run(models=None, n_samples: int | None = None) -> dict:
                 sp = _stats(T2 / res.nfe.double().cpu().numpy())
                 per_rows = _stats(100.0 * T2 / res.target_rows.double().cpu().numpy())
                 acc = res.accepts.sum(0).double() / res.attempts.sum(0).clamp(min=1).double()
-                rows.append({"model": model, "K": K, "L": L, "arm": arm, "refine": J, "tree": rec["tree"],
-                             "round_rows": rec["call_rows"] + J * (I if J else 0),
-                             "speedup_mean": sp[0], "speedup_sem": sp[1],
-                             "steps_per_100_rows_mean": per_rows[0], "steps_per_100_rows_sem": per_rows[1],
-                             "nfe_mean": float(res.nfe.double().mean()), "target_rows_mean": float(res.target_rows.double().mean()),
-                             "acceptance_per_depth": " ".join(f"{a:.3f}" for a in acc.tolist()),
-                             "eps": rec["eps"], "steps": rec["steps"], "n_samples": n})
+                rows.append(
+                    {
+                        "model": model,
+                        "K": K,
+                        "L": L,
+                        "arm": arm,
+                        "refine": J,
+                        "tree": rec["tree"],
+                        "round_rows": rec["call_rows"] + J * (I if J else 0),
+                        "speedup_mean": sp[0],
+                        "speedup_sem": sp[1],
+                        "steps_per_100_rows_mean": per_rows[0],
+                        "steps_per_100_rows_sem": per_rows[1],
+                        "nfe_mean": float(res.nfe.double().mean()),
+                        "target_rows_mean": float(res.target_rows.double().mean()),
+                        "acceptance_per_depth": " ".join(f"{a:.3f}" for a in acc.tolist()),
+                        "eps": rec["eps"],
+                        "steps": rec["steps"],
+                        "n_samples": n,
+                    }
+                )
         df = pd.DataFrame(rows)
         path = RESULTS / model / "refine.csv"
         write_csv(df, path)

@@ -29,12 +29,36 @@ PAPER_SPEEDUP = {("dgrs", 6): "1.18x (peak)", **{("rmc", K): "1.10–1.12x" for 
 
 def empty_table() -> pd.DataFrame:
     """Every cell of Figure 5 / Table 1, values empty."""
-    rows = [{"sampler": s, "K": K, "L": 2, "budget": budget(K, 2), "speedup_mean": np.nan, "speedup_std": np.nan,
-             "speedup_sem": np.nan, "clip_mean": np.nan, "clip_sem": np.nan,
-             "paper_speedup": PAPER_SPEEDUP.get((s, K), "")}
-            for s in ("rmc", "dgrs") for K in KS]
-    rows.append({"sampler": "standard", "K": 1, "L": 1, "budget": 0, "speedup_mean": 1.0, "speedup_std": 0.0,
-                 "speedup_sem": 0.0, "clip_mean": np.nan, "clip_sem": np.nan, "paper_speedup": "1.00x"})
+    rows = [
+        {
+            "sampler": s,
+            "K": K,
+            "L": 2,
+            "budget": budget(K, 2),
+            "speedup_mean": np.nan,
+            "speedup_std": np.nan,
+            "speedup_sem": np.nan,
+            "clip_mean": np.nan,
+            "clip_sem": np.nan,
+            "paper_speedup": PAPER_SPEEDUP.get((s, K), ""),
+        }
+        for s in ("rmc", "dgrs")
+        for K in KS
+    ]
+    rows.append(
+        {
+            "sampler": "standard",
+            "K": 1,
+            "L": 1,
+            "budget": 0,
+            "speedup_mean": 1.0,
+            "speedup_std": 0.0,
+            "speedup_sem": 0.0,
+            "clip_mean": np.nan,
+            "clip_sem": np.nan,
+            "paper_speedup": "1.00x",
+        }
+    )
     return pd.DataFrame(rows)
 
 
@@ -44,8 +68,13 @@ def collect(sweep_dir: str = "multirun/fig5_sd3") -> pd.DataFrame:
     table = empty_table()
     for _, r in df.iterrows():
         sel = (table["sampler"] == r["sampler"]) & ((table["K"] == r["K"]) | (r["sampler"] == "standard"))
-        for c_out, c_in in (("speedup_mean", "speedup_mean"), ("speedup_std", "speedup_std"),
-                            ("speedup_sem", "speedup_sem"), ("clip_mean", "clip_score"), ("clip_sem", "clip_score_sem")):
+        for c_out, c_in in (
+            ("speedup_mean", "speedup_mean"),
+            ("speedup_std", "speedup_std"),
+            ("speedup_sem", "speedup_sem"),
+            ("clip_mean", "clip_score"),
+            ("clip_sem", "clip_score_sem"),
+        ):
             if c_in in r:
                 table.loc[sel, c_out] = r[c_in]
     write_csv(table, TABLE)
@@ -65,8 +94,15 @@ def fig5(df: pd.DataFrame):
         if s.empty:
             continue
         ours = True
-        ax.errorbar(s["K"], s["speedup_mean"], yerr=s["speedup_sem"], fmt="o-", capsize=3,
-                    color=RULE_COLORS[rule], label=RULE_LABELS[rule])
+        ax.errorbar(
+            s["K"],
+            s["speedup_mean"],
+            yerr=s["speedup_sem"],
+            fmt="o-",
+            capsize=3,
+            color=RULE_COLORS[rule],
+            label=RULE_LABELS[rule],
+        )
     for rule in ("rmc", "dgrs"):
         rows = df[(df["sampler"] == rule) & df["paper_speedup"].notna()]
         for lo, hi, text in paper.paper_ranges(rows["paper_speedup"]):
@@ -75,10 +111,25 @@ def fig5(df: pd.DataFrame):
         for _, r in rows.iterrows():
             lo, hi = paper.parse_range(r["paper_speedup"])
             if lo == hi:
-                ax.plot([r["K"]], [lo], "*", ms=11, color=paper.PAPER, label=f"paper: {RULE_LABELS[rule]} {lo:g}x at K={int(r['K'])}")
+                ax.plot(
+                    [r["K"]],
+                    [lo],
+                    "*",
+                    ms=11,
+                    color=paper.PAPER,
+                    label=f"paper: {RULE_LABELS[rule]} {lo:g}x at K={int(r['K'])}",
+                )
     if not ours:
-        ax.text(0.5, 0.04, "ours: not run yet (needs a GPU and the SD3.5 weights)", ha="center", va="bottom",
-                transform=ax.transAxes, fontsize=8, color="0.4")
+        ax.text(
+            0.5,
+            0.04,
+            "ours: not run yet (needs a GPU and the SD3.5 weights)",
+            ha="center",
+            va="bottom",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="0.4",
+        )
     ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
     paper.integer_ticks(ax, KS)
     ax.set_ylim(0.95, 1.3)
@@ -99,8 +150,9 @@ def figures() -> list:
 
 def main(argv=None) -> int:
     """CLI: ``init``, ``collect`` or ``figures``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.sd3", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.sd3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("command", choices=["init", "collect", "figures"])
     ap.add_argument("--sweep", default="multirun/fig5_sd3")
     a = ap.parse_args(argv)

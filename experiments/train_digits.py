@@ -60,8 +60,18 @@ def train_denoiser(x, y, *, steps: int, batch: int, lr: float, ema_decay: float,
         return x[idx], (onehot[idx],)
 
     return edm_training.train_edm(
-        lambda: m.EDMPrecond(RESOLUTION, CHANNELS, CLASSES, sigma_data=SIGMA_DATA, channels=32, blocks=4, emb_channels=64),
-        draw, steps=steps, batch=batch, lr=lr, ema_decay=ema_decay, seed=seed, sigma_data=SIGMA_DATA, log_every=log_every)
+        lambda: m.EDMPrecond(
+            RESOLUTION, CHANNELS, CLASSES, sigma_data=SIGMA_DATA, channels=32, blocks=4, emb_channels=64
+        ),
+        draw,
+        steps=steps,
+        batch=batch,
+        lr=lr,
+        ema_decay=ema_decay,
+        seed=seed,
+        sigma_data=SIGMA_DATA,
+        log_every=log_every,
+    )
 
 
 def train_classifier(x, y, *, epochs: int, seed: int, held_out: int = 300):
@@ -95,8 +105,11 @@ def train_classifier(x, y, *, epochs: int, seed: int, held_out: int = 300):
 
 def main(argv=None) -> int:
     """CLI: ``python -m experiments.train_digits [--steps N] [--seed S] [--out-dir D]``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.train_digits", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.train_digits",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--steps", type=int, default=2000, help="denoiser optimiser steps (batch 256)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -108,7 +121,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     for key in ("steps", "batch", "classifier_epochs", "threads"):
         if getattr(a, key) < 1:
-            print(f"error: --{key.replace('_', '-')}={getattr(a, key)} is invalid: must be an integer >= 1", file=sys.stderr)
+            print(
+                f"error: --{key.replace('_', '-')}={getattr(a, key)} is invalid: must be an integer >= 1",
+                file=sys.stderr,
+            )
             return 2
     torch.set_num_threads(a.threads)
     out = Path(a.out_dir) if a.out_dir else DENOISER_FILE.parent
@@ -117,26 +133,50 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ema, losses = train_denoiser(x, y, steps=a.steps, batch=a.batch, lr=a.lr, ema_decay=a.ema, seed=a.seed)
     t_denoiser = time.perf_counter() - t0
-    meta = {"data": "sklearn.datasets.load_digits, x / 8 - 1", "sigma_data": SIGMA_DATA, "steps": a.steps,
-            "batch": a.batch, "lr": a.lr, "ema": a.ema, "seed": a.seed, "final_loss": losses[-1]}
+    meta = {
+        "data": "sklearn.datasets.load_digits, x / 8 - 1",
+        "sigma_data": SIGMA_DATA,
+        "steps": a.steps,
+        "batch": a.batch,
+        "lr": a.lr,
+        "ema": a.ema,
+        "seed": a.seed,
+        "final_loss": losses[-1],
+    }
     sha_d = edm_training.save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
 
     t1 = time.perf_counter()
     clf, accuracy, clf_loss = train_classifier(x, y, epochs=a.classifier_epochs, seed=a.seed)
     t_classifier = time.perf_counter() - t1
-    sha_c = edm_training.save_pickle({"classifier": clf, "training_options": {"epochs": a.classifier_epochs, "seed": a.seed,
-                                                                 "held_out_accuracy": accuracy}}, out / CLASSIFIER_FILE.name)
+    sha_c = edm_training.save_pickle(
+        {
+            "classifier": clf,
+            "training_options": {"epochs": a.classifier_epochs, "seed": a.seed, "held_out_accuracy": accuracy},
+        },
+        out / CLASSIFIER_FILE.name,
+    )
     with torch.no_grad():
         feats = clf(x)[0]
     stats = feature_statistics(feats)
     stats.save(out / REFERENCE_FILE.name)
 
     report = {
-        "denoiser": {"seconds": round(t_denoiser, 1), "loss_every_250_steps": [round(v, 4) for v in losses],
-                     "parameters": sum(p.numel() for p in ema.parameters()), "sha256": sha_d, **meta},
-        "classifier": {"seconds": round(t_classifier, 1), "held_out_accuracy": accuracy, "final_batch_loss": clf_loss,
-                       "parameters": sum(p.numel() for p in clf.parameters()), "sha256": sha_c},
-        "threads": a.threads, "torch": torch.__version__,
+        "denoiser": {
+            "seconds": round(t_denoiser, 1),
+            "loss_every_250_steps": [round(v, 4) for v in losses],
+            "parameters": sum(p.numel() for p in ema.parameters()),
+            "sha256": sha_d,
+            **meta,
+        },
+        "classifier": {
+            "seconds": round(t_classifier, 1),
+            "held_out_accuracy": accuracy,
+            "final_batch_loss": clf_loss,
+            "parameters": sum(p.numel() for p in clf.parameters()),
+            "sha256": sha_c,
+        },
+        "threads": a.threads,
+        "torch": torch.__version__,
     }
     if a.out_dir is None:
         edm_training.write_report(report, "digits")

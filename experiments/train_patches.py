@@ -61,9 +61,17 @@ def build_network():
 def train_denoiser(pyramid, *, steps: int, batch: int, lr: float, ema_decay: float, seed: int, log_every: int = 100):
     """EDM training loop (:func:`experiments.edm_training.train_edm`) on random crops of ``pyramid``
     (:func:`specsamp.models.patches.training_crops`); returns ``(ema network, per-interval mean losses)``."""
-    return edm_training.train_edm(build_network, lambda gen, n: (training_crops(pyramid, n, gen), ()), steps=steps,
-                                  batch=batch, lr=lr, ema_decay=ema_decay, seed=seed, sigma_data=SIGMA_DATA,
-                                  log_every=log_every)
+    return edm_training.train_edm(
+        build_network,
+        lambda gen, n: (training_crops(pyramid, n, gen), ()),
+        steps=steps,
+        batch=batch,
+        lr=lr,
+        ema_decay=ema_decay,
+        seed=seed,
+        sigma_data=SIGMA_DATA,
+        log_every=log_every,
+    )
 
 
 class GaussianDenoiser:
@@ -93,18 +101,30 @@ def denoising_table(net, gauss: GaussianDenoiser, crops: torch.Tensor, seed: int
         noise = torch.randn(crops.shape, generator=gen)
         y = crops + s * noise
         with torch.no_grad():
-            d_net = torch.cat([net(y[i : i + 250], torch.full((len(y[i : i + 250]),), s)) for i in range(0, len(y), 250)])
+            d_net = torch.cat(
+                [net(y[i : i + 250], torch.full((len(y[i : i + 250]),), s)) for i in range(0, len(y), 250)]
+            )
         d_g = gauss(y, s)
-        rows.append({"sigma": s, "mse_network": float(((d_net - crops) ** 2).mean()),
-                     "mse_gaussian": float(((d_g - crops) ** 2).mean()),
-                     "mse_identity": float(min(s**2, float(((crops - gauss.mu.reshape(crops.shape[1:]).float()) ** 2).mean())))})
+        rows.append(
+            {
+                "sigma": s,
+                "mse_network": float(((d_net - crops) ** 2).mean()),
+                "mse_gaussian": float(((d_g - crops) ** 2).mean()),
+                "mse_identity": float(
+                    min(s**2, float(((crops - gauss.mu.reshape(crops.shape[1:]).float()) ** 2).mean()))
+                ),
+            }
+        )
     return rows
 
 
 def main(argv=None) -> int:
     """CLI: ``python -m experiments.train_patches [--steps N] [--seed S] [--out-dir D]``."""
-    ap = argparse.ArgumentParser(prog="python -m experiments.train_patches", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.train_patches",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--steps", type=int, default=3000, help="optimiser steps")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -128,10 +148,18 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ema, losses = train_denoiser(pyramid, steps=a.steps, batch=a.batch, lr=a.lr, ema_decay=a.ema, seed=a.seed)
     seconds = time.perf_counter() - t0
-    meta = {"data": "sklearn.datasets.load_sample_images (china.jpg, flower.jpg), p / 127.5 - 1, 32x32 crops "
-                    "of columns 0-511 at scales 1 and 1/2, left-right flips", "sigma_data": SIGMA_DATA,
-            "widths": list(WIDTHS), "steps": a.steps, "batch": a.batch, "lr": a.lr, "ema": a.ema, "seed": a.seed,
-            "final_loss": losses[-1]}
+    meta = {
+        "data": "sklearn.datasets.load_sample_images (china.jpg, flower.jpg), p / 127.5 - 1, 32x32 crops "
+        "of columns 0-511 at scales 1 and 1/2, left-right flips",
+        "sigma_data": SIGMA_DATA,
+        "widths": list(WIDTHS),
+        "steps": a.steps,
+        "batch": a.batch,
+        "lr": a.lr,
+        "ema": a.ema,
+        "seed": a.seed,
+        "final_loss": losses[-1],
+    }
     sha = edm_training.save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
 
     held = held_out_crops()
@@ -140,12 +168,17 @@ def main(argv=None) -> int:
         gauss = GaussianDenoiser(training_crops(pyramid, 20000, torch.Generator().manual_seed(a.seed + 3)))
         table = denoising_table(ema, gauss, held, a.seed)
     report = {
-        "denoiser": {"seconds": round(seconds, 1), "loss_every_100_steps": [round(v, 4) for v in losses],
-                     "parameters": sum(p.numel() for p in ema.parameters()), "pickle_bytes": (out / DENOISER_FILE.name).stat().st_size,
-                     "sha256": sha, **meta},
-        "held_out": {"crops": len(held), "data_std": float(held.std()),
-                     "denoising_mse_per_pixel": table},
-        "threads": a.threads, "torch": torch.__version__,
+        "denoiser": {
+            "seconds": round(seconds, 1),
+            "loss_every_100_steps": [round(v, 4) for v in losses],
+            "parameters": sum(p.numel() for p in ema.parameters()),
+            "pickle_bytes": (out / DENOISER_FILE.name).stat().st_size,
+            "sha256": sha,
+            **meta,
+        },
+        "held_out": {"crops": len(held), "data_std": float(held.std()), "denoising_mse_per_pixel": table},
+        "threads": a.threads,
+        "torch": torch.__version__,
     }
     if a.out_dir is None:
         edm_training.write_report(report, "patches32")

@@ -17,8 +17,21 @@ import pandas as pd
 from experiments.common import RULE_COLORS, RULE_LABELS, ok_records, plt, profile_text, save, write_csv
 from specsamp.trees import budget
 
-FIG4_COLUMNS = ["sampler", "eps", "K", "L", "budget", "speedup_mean", "speedup_std", "speedup_sem", "nfe_mean",
-                "target_rows_mean", "acceptance_pooled", "acceptance", "n_samples"]  # no timings: a rerun reproduces the table
+FIG4_COLUMNS = [
+    "sampler",
+    "eps",
+    "K",
+    "L",
+    "budget",
+    "speedup_mean",
+    "speedup_std",
+    "speedup_sem",
+    "nfe_mean",
+    "target_rows_mean",
+    "acceptance_pooled",
+    "acceptance",
+    "n_samples",
+]  # no timings: a rerun reproduces the table
 
 
 def collect_fig4(sweep_dir: str, experiment: str, path: Path, show=None) -> pd.DataFrame:
@@ -37,16 +50,18 @@ def collect_fig4(sweep_dir: str, experiment: str, path: Path, show=None) -> pd.D
     return out
 
 
-def fig4_figure(df: pd.DataFrame, eps_values, shapes, *, title: str, ylabel: str, yerr: str,
-                title_fontsize=None, decorate=None):
+def fig4_figure(
+    df: pd.DataFrame, eps_values, shapes, *, title: str, ylabel: str, yerr: str, title_fontsize=None, decorate=None
+):
     """Figure 4's panels: speedup vs budget ``B = budget(K, L)`` (log axis, ticks at ``shapes``), one line per rule.
 
     ``df``: a table of :func:`collect_fig4`; one panel per value of ``eps_values``; ``yerr``: the error
     bar column (``speedup_std`` or ``speedup_sem``); ``title``: a format string with ``{eps}``;
     ``decorate(ax)``: drawn first on each panel (e.g. the paper's band).
     """
-    fig, axes = plt.subplots(1, len(eps_values), figsize=(4.2 * len(eps_values), 3.6), squeeze=False,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(
+        1, len(eps_values), figsize=(4.2 * len(eps_values), 3.6), squeeze=False, constrained_layout=True
+    )
     title_kw = {} if title_fontsize is None else {"fontsize": title_fontsize}
     for j, eps in enumerate(eps_values):
         ax = axes[0][j]
@@ -54,8 +69,15 @@ def fig4_figure(df: pd.DataFrame, eps_values, shapes, *, title: str, ylabel: str
             decorate(ax)
         for rule, s in df[np.isclose(df["eps"], eps)].groupby("sampler"):
             s = s.sort_values("budget")
-            ax.errorbar(s["budget"], s["speedup_mean"], yerr=s[yerr], fmt="o-", capsize=3,
-                        color=RULE_COLORS.get(rule), label=RULE_LABELS.get(rule, rule))
+            ax.errorbar(
+                s["budget"],
+                s["speedup_mean"],
+                yerr=s[yerr],
+                fmt="o-",
+                capsize=3,
+                color=RULE_COLORS.get(rule),
+                label=RULE_LABELS.get(rule, rule),
+            )
         ax.set_xscale("log")
         ax.set_xticks([budget(K, L) for K, L in shapes], [str(budget(K, L)) for K, L in shapes])
         ax.xaxis.set_minor_formatter(plt.NullFormatter())
@@ -67,8 +89,16 @@ def fig4_figure(df: pd.DataFrame, eps_values, shapes, *, title: str, ylabel: str
     return fig
 
 
-def levers_table(model: str, levers: dict, budgets: dict, *, n_samples: int, eps: float, tail=("progress=false",),
-                 arm_width: int = 30) -> pd.DataFrame:
+def levers_table(
+    model: str,
+    levers: dict,
+    budgets: dict,
+    *,
+    n_samples: int,
+    eps: float,
+    tail=("progress=false",),
+    arm_width: int = 30,
+) -> pd.DataFrame:
     """Every arm of ``levers`` (``{arm: overrides}``) at every budget of ``budgets`` (``{B: (K, L)}``), on one thread.
 
     Each cell composes ``model=<model>``, the arm's overrides, ``K``, ``L``, ``budget``, ``eps``,
@@ -84,16 +114,38 @@ def levers_table(model: str, levers: dict, budgets: dict, *, n_samples: int, eps
     rows, target = [], None
     for B, (K, L) in budgets.items():
         for arm, ov in levers.items():
-            cfg = compose([f"model={model}", *ov, f"K={K}", f"L={L}", f"budget={B}", f"eps={eps}", f"n_samples={n_samples}",
-                           *tail])
+            cfg = compose(
+                [
+                    f"model={model}",
+                    *ov,
+                    f"K={K}",
+                    f"L={L}",
+                    f"budget={B}",
+                    f"eps={eps}",
+                    f"n_samples={n_samples}",
+                    *tail,
+                ]
+            )
             target = target or build_target(load_config(cfg)[0])
             rec, _ = run_config(cfg, target=target)
             print(f"{arm:{arm_width}s} {summary_line(rec)}", flush=True)
-            rows.append({"arm": arm, "budget": B, "eps": eps, "tree": rec["tree"], "sampler": rec["sampler"],
-                         "draft": cfg.draft, "speedup_mean": rec["speedup"]["mean"],
-                         "speedup_sem": rec["speedup"]["sem"], "nfe_mean": rec["nfe"]["mean"],
-                         "target_rows_mean": rec["target_rows"]["mean"], "acceptance_pooled": rec["acceptance_pooled"],
-                         "delta_profile": profile_text(rec.get("delta_profile")), "n_samples": n_samples})
+            rows.append(
+                {
+                    "arm": arm,
+                    "budget": B,
+                    "eps": eps,
+                    "tree": rec["tree"],
+                    "sampler": rec["sampler"],
+                    "draft": cfg.draft,
+                    "speedup_mean": rec["speedup"]["mean"],
+                    "speedup_sem": rec["speedup"]["sem"],
+                    "nfe_mean": rec["nfe"]["mean"],
+                    "target_rows_mean": rec["target_rows"]["mean"],
+                    "acceptance_pooled": rec["acceptance_pooled"],
+                    "delta_profile": profile_text(rec.get("delta_profile")),
+                    "n_samples": n_samples,
+                }
+            )
     return pd.DataFrame(rows)
 
 

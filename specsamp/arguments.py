@@ -55,7 +55,12 @@ def integer(name: str, value, lo: int = 1, hi: int | None = None, *, optional: b
     """``value`` as an ``int`` in ``[lo, hi]`` (bools refused; None allowed where ``optional``)."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value > hi):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < lo
+        or (hi is not None and value > hi)
+    ):
         span = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
         raise refuse(name, value, f"must be {span}" + (", or None" if optional else ""))
     return int(value)
@@ -79,8 +84,12 @@ def choice(name: str, value, valid) -> str:
 
 def number(name: str, value, *, positive: bool = False) -> float:
     """``value`` as a finite ``float`` (``> 0`` where ``positive``; bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value) \
-            or (positive and not value > 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not math.isfinite(value)
+        or (positive and not value > 0)
+    ):
         raise refuse(name, value, "must be a finite number" + (" > 0" if positive else ""))
     return float(value)
 
@@ -118,8 +127,11 @@ def states(name: str, x) -> torch.Tensor:
     if x.device.type == "meta":
         raise refuse(name, x, "a meta tensor has no values: pass the states on the device the model runs on")
     if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0, 0]) if x.ndim > 1 else \
-            int((~torch.isfinite(x)).nonzero()[0, 0])
+        bad = (
+            int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0, 0])
+            if x.ndim > 1
+            else int((~torch.isfinite(x)).nonzero()[0, 0])
+        )
         raise refuse(name, x, f"row {bad} holds NaN or inf; the sampler starts from finite states")
     return x
 
@@ -133,12 +145,19 @@ def network_output(out, expected: torch.Size, dtype: torch.dtype | None = None, 
     """
     if isinstance(out, torch.Tensor) and out.dtype.is_floating_point and out.shape == expected:
         return out
-    want = f"a floating-point tensor of shape {tuple(expected)}" + (f" ({str(dtype).removeprefix('torch.')})" if dtype else "")
+    want = f"a floating-point tensor of shape {tuple(expected)}" + (
+        f" ({str(dtype).removeprefix('torch.')})" if dtype else ""
+    )
     got = describe(out) if isinstance(out, torch.Tensor) else f"a {type(out).__name__} ({describe(out)})"
-    hint = " (a diffusers network returns a tuple or an output object unless called with return_dict=False: return its "\
-        "first element)" if isinstance(out, tuple) or hasattr(out, "sample") else ""
-    raise ModelOutputError(f"{who} returned {got}, where the sampler expected {want}: one prediction per row of its "
-                           f"input{hint}.")
+    hint = (
+        " (a diffusers network returns a tuple or an output object unless called with return_dict=False: return its "
+        "first element)"
+        if isinstance(out, tuple) or hasattr(out, "sample")
+        else ""
+    )
+    raise ModelOutputError(
+        f"{who} returned {got}, where the sampler expected {want}: one prediction per row of its input{hint}."
+    )
 
 
 def uniform_nodes(K: int, L: int, horizon: int, chain: bool = False) -> int:
@@ -153,8 +172,18 @@ def uniform_nodes(K: int, L: int, horizon: int, chain: bool = False) -> int:
     return nodes
 
 
-def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, defaults: tuple[int, int] = (2, 3),
-               memory: dict | None = None):
+def draft_tree(
+    coupling,
+    tree,
+    K,
+    L,
+    budget,
+    horizon: int,
+    options: dict,
+    *,
+    defaults: tuple[int, int] = (2, 3),
+    memory: dict | None = None,
+):
     """A run's draft tree: ``tree`` as given, else the ``(K, L)`` tree within ``horizon`` levels (a one-child coupling:
     the chain of its nominal budget ``K + ... + K^L``), else the tree searched for ``budget`` from the
     ``delta_profile`` in ``options`` (:func:`specsamp.treesearch.optimal_tree`). A uniform tree is sized before it
@@ -175,11 +204,15 @@ def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, def
     """
     if tree is not None:
         if K is not None or L is not None or budget is not None:
-            raise ConfigError(f"tree={describe(tree)} is given together with K, L or budget: give the tree, or K and L, "
-                              "or budget.")
+            raise ConfigError(
+                f"tree={describe(tree)} is given together with K, L or budget: give the tree, or K and L, or budget."
+            )
         if not (isinstance(tree, DraftTree) or callable(tree)):
-            raise refuse("tree", tree, "must be a specsamp.trees.DraftTree, tree(n) -> DraftTree, or None (the "
-                                       "uniform K, L tree)")
+            raise refuse(
+                "tree",
+                tree,
+                "must be a specsamp.trees.DraftTree, tree(n) -> DraftTree, or None (the uniform K, L tree)",
+            )
         if isinstance(tree, DraftTree):
             coupling.check_tree(tree)
             if len(tree) < 2:
@@ -194,8 +227,12 @@ def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, def
     if not chain and ("delta_profile" in options or "max_width" in options):
         raise ConfigError("delta_profile and max_width are for a searched tree: give budget= as well.")
     nodes = uniform_nodes(K, L, horizon, chain) if budget is None else min(budget, horizon) + 1
-    check_memory(f"the draft tree K={K}, L={L} ({nodes:,} nodes within the {horizon} speculative steps)",
-                 nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L.")
+    check_memory(
+        f"the draft tree K={K}, L={L} ({nodes:,} nodes within the {horizon} speculative steps)",
+        nodes * TREE_BYTES_PER_NODE,
+        "cpu",
+        "lower K or L.",
+    )
     if memory is not None:
         check_sampler_memory((nodes, 1 if chain else K, nodes - 1 if chain else min(L, horizon)), **memory)
     if chain:
@@ -205,9 +242,11 @@ def draft_tree(coupling, tree, K, L, budget, horizon: int, options: dict, *, def
 
 def _searched_tree(coupling, budget: int, horizon: int, options: dict) -> DraftTree:
     if options.get("delta_profile") is None:
-        raise ConfigError(f"budget={budget} with coupling={coupling.name!r} needs delta_profile=[...]: the tree searched "
-                          "for a budget depends on the displacement per depth (e.g. specsamp.treesearch."
-                          "deltas_from_acceptance of an earlier run's accepts / attempts); or give K and L.")
+        raise ConfigError(
+            f"budget={budget} with coupling={coupling.name!r} needs delta_profile=[...]: the tree searched "
+            "for a budget depends on the displacement per depth (e.g. specsamp.treesearch."
+            "deltas_from_acceptance of an earlier run's accepts / attempts); or give K and L."
+        )
     from . import treesearch
 
     try:
@@ -230,9 +269,21 @@ def activation_bytes(event_shape, dtype: torch.dtype) -> int:
     return int(np.prod(event_shape)) * dtype.itemsize * ROW_ACTIVATION_FACTOR
 
 
-def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape, dtype: torch.dtype, device, *,
-                         execution: str = "tree", refine: int = 0, steps: int | None = None, max_batch: int | None = None,
-                         row_bytes: int = 0, rows_per_state: int = 1, available: int | None = None) -> None:
+def check_sampler_memory(
+    tree: DraftTree | tuple | None,
+    batch: int,
+    event_shape,
+    dtype: torch.dtype,
+    device,
+    *,
+    execution: str = "tree",
+    refine: int = 0,
+    steps: int | None = None,
+    max_batch: int | None = None,
+    row_bytes: int = 0,
+    rows_per_state: int = 1,
+    available: int | None = None,
+) -> None:
     """Refuse a run that cannot fit, before anything is allocated: the runner's estimate of the sampler's states
     (:func:`specsamp.memory.sampler_bytes`) for ``batch`` trajectories of ``event_shape`` in ``dtype`` on ``device``
     with ``tree`` (a tree's ``(nodes, widest, depth)`` before it is built; None: the standard sampler) in
@@ -254,8 +305,9 @@ def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape
         nodes, widest, depth = len(tree), int(tree.num_children.max()) if len(tree) > 1 else 1, tree.max_depth
     else:
         nodes, widest, depth = tree if tree is not None else (None, 1, 0)
-    fixed, per_traj = sampler_bytes(nodes, widest, depth, numel, elem, execution=execution, n_total=batch, steps=steps,
-                                    refine=refine)
+    fixed, per_traj = sampler_bytes(
+        nodes, widest, depth, numel, elem, execution=execution, n_total=batch, steps=steps, refine=refine
+    )
     per_call = nodes if nodes and execution == "tree" else widest
     states = batch * per_call if max_batch is None else min(batch * per_call, max_batch)
     row = row_bytes * rows_per_state
@@ -267,12 +319,17 @@ def check_sampler_memory(tree: DraftTree | tuple | None, batch: int, event_shape
     fits = int(room // row) if room > 0 and row > 0 else 0
     hint = f"pass max_batch={fits} (states per forward pass) or less" if fits >= 1 else "sample fewer at once"
     if nodes:
-        hint += ", lower K or L" + (", or use execution='path' (the same law and counts, only the visited nodes)"
-                                    if execution == "tree" and not refine else "")
-    raise ConfigError(f"{batch} trajectories of shape {tuple(event_shape)} ({str(dtype).removeprefix('torch.')}) with "
-                      f"{what} (execution={execution}) need about {gib(need)}: {gib(batch * per_traj)} of states and "
-                      f"{gib(states * row)} of network activations for {states:,} states in one forward pass; "
-                      f"{device} has {gib(free)} available: {hint}.")
+        hint += ", lower K or L" + (
+            ", or use execution='path' (the same law and counts, only the visited nodes)"
+            if execution == "tree" and not refine
+            else ""
+        )
+    raise ConfigError(
+        f"{batch} trajectories of shape {tuple(event_shape)} ({str(dtype).removeprefix('torch.')}) with "
+        f"{what} (execution={execution}) need about {gib(need)}: {gib(batch * per_traj)} of states and "
+        f"{gib(states * row)} of network activations for {states:,} states in one forward pass; "
+        f"{device} has {gib(free)} available: {hint}."
+    )
 
 
 PREFETCH = ("nearest", "parent", "none")
@@ -280,8 +337,9 @@ EXECUTIONS = ("tree", "path")
 WARMUPS = ("call", "step0")
 
 
-def sampler_options(*, execution, prefetch="nearest", evaluate_leaves=True, max_batch=None, warmup="call",
-                    check_contract=None, refine=0) -> dict:
+def sampler_options(
+    *, execution, prefetch="nearest", evaluate_leaves=True, max_batch=None, warmup="call", check_contract=None, refine=0
+) -> dict:
     """The options of :func:`specsamp.sampler.sample_speculative` that every entry point passes on, checked
     (``compile`` is checked with the machine's compiler, :func:`specsamp.inductor.check_compile`).
 
@@ -290,22 +348,31 @@ def sampler_options(*, execution, prefetch="nearest", evaluate_leaves=True, max_
     """
     execution = choice("execution", execution, EXECUTIONS)
     if isinstance(refine, bool) or not isinstance(refine, (int, np.integer)) or refine < 0:
-        raise refuse("refine", refine, "the number of Picard sweeps per round must be an integer >= 0 (0: plain drafts)")
+        raise refuse(
+            "refine", refine, "the number of Picard sweeps per round must be an integer >= 0 (0: plain drafts)"
+        )
     refine = int(refine)
     if refine > 0 and execution != "tree":
-        raise ConfigError(f"refine={refine} is invalid with execution={execution}: a Picard sweep evaluates every "
-                          "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
-                          "use execution=tree, or refine=0.")
-    return dict(prefetch=choice("prefetch", prefetch, PREFETCH), evaluate_leaves=flag("evaluate_leaves", evaluate_leaves),
-                execution=execution, max_batch=integer("max_batch", max_batch, optional=True),
-                warmup=choice("warmup", warmup, WARMUPS), check_contract=flag("check_contract", check_contract, optional=True),
-                refine=refine)
+        raise ConfigError(
+            f"refine={refine} is invalid with execution={execution}: a Picard sweep evaluates every "
+            "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
+            "use execution=tree, or refine=0."
+        )
+    return dict(
+        prefetch=choice("prefetch", prefetch, PREFETCH),
+        evaluate_leaves=flag("evaluate_leaves", evaluate_leaves),
+        execution=execution,
+        max_batch=integer("max_batch", max_batch, optional=True),
+        warmup=choice("warmup", warmup, WARMUPS),
+        check_contract=flag("check_contract", check_contract, optional=True),
+        refine=refine,
+    )
 
 
 def unknown_option(entry: str, options: dict, valid) -> None:
     """Refuse the first of ``options`` (sorted) that is not in ``valid``, naming ``entry`` and what it takes."""
     bad = sorted(set(options) - set(valid))
     if bad:
-        raise ConfigError(f"{bad[0]}={describe(options[bad[0]])} is not an option of {entry}: valid are "
-                          f"{', '.join(valid)}.")
-
+        raise ConfigError(
+            f"{bad[0]}={describe(options[bad[0]])} is not an option of {entry}: valid are {', '.join(valid)}."
+        )

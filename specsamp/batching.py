@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def batched(model, x: torch.Tensor, sigma: torch.Tensor, max_batch: int | None = None, cond: dict | None = None
-            ) -> torch.Tensor:
+def batched(
+    model, x: torch.Tensor, sigma: torch.Tensor, max_batch: int | None = None, cond: dict | None = None
+) -> torch.Tensor:
     """Evaluate ``model`` on ``x`` in chunks of at most ``max_batch`` rows.
 
     One logical target call (one NFE) may need several forward passes when it does not fit in

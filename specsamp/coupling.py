@@ -117,8 +117,10 @@ class Coupling:
     def __call__(self, children, mean_p, mean_q, sigma, generator=None) -> Verdict:
         verdict = self.verify(children, mean_p, mean_q, sigma, generator)
         if not isinstance(verdict, Verdict):
-            raise TypeError(f"coupling {self.name!r} returned {type(verdict).__name__}; "
-                            "a coupling must return a specsamp.coupling.Verdict")
+            raise TypeError(
+                f"coupling {self.name!r} returned {type(verdict).__name__}; "
+                "a coupling must return a specsamp.coupling.Verdict"
+            )
         return verdict
 
     def choice(self, children, mean_p, mean_q, sigma, generator=None) -> Verdict:
@@ -128,8 +130,10 @@ class Coupling:
             return self(children, mean_p, mean_q, sigma, generator)
         verdict = self.decide(children, mean_p, mean_q, sigma, generator)
         if not isinstance(verdict, Verdict):
-            raise TypeError(f"coupling {self.name!r}'s decide returned {type(verdict).__name__}; "
-                            "it must return a specsamp.coupling.Verdict")
+            raise TypeError(
+                f"coupling {self.name!r}'s decide returned {type(verdict).__name__}; "
+                "it must return a specsamp.coupling.Verdict"
+            )
         return verdict
 
     def check_tree(self, tree) -> None:
@@ -163,7 +167,9 @@ def contract_violation(verdict: Verdict, kids: torch.Tensor) -> torch.Tensor:
     return ~in_range | (verdict.accepted.reshape(n) != (index < k)) | (verdict.accepted.reshape(n) & ~same) | ~finite
 
 
-def check_verdict_contract(coupling: Coupling, verdict: Verdict, kids: torch.Tensor, describe: Callable[[int], str]) -> None:
+def check_verdict_contract(
+    coupling: Coupling, verdict: Verdict, kids: torch.Tensor, describe: Callable[[int], str]
+) -> None:
     """Raise if ``verdict`` breaks the contract of :class:`specsamp.coupling.Coupling` for ``kids [n, K, *e]``.
 
     Args:
@@ -178,15 +184,20 @@ def check_verdict_contract(coupling: Coupling, verdict: Verdict, kids: torch.Ten
         k = kids.shape[1]
         sample = verdict.sample.reshape(kids.shape[0], -1)
         if not bool(torch.isfinite(sample[r]).all()):
-            where = (f"coupling {coupling.name!r} returned a sample holding NaN or inf at {describe(r)} (accepted="
-                     f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])}, K={k})")
+            where = (
+                f"coupling {coupling.name!r} returned a sample holding NaN or inf at {describe(r)} (accepted="
+                f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])}, K={k})"
+            )
             if not bool(torch.isfinite(kids[r]).all()):
-                raise NonFiniteSampleError(f"{where}: the children it was handed hold NaN or inf already, so the target's "
-                                           "velocity or the draft produced non-finite states there")
+                raise NonFiniteSampleError(
+                    f"{where}: the children it was handed hold NaN or inf already, so the target's "
+                    "velocity or the draft produced non-finite states there"
+                )
             raise NonFiniteSampleError(
                 f"{where}, from finite children: a verdict's sample must be a finite draw from N(mean_q, sigma^2 I), "
                 "the accepted child itself or the residual (specsamp.coupling.Coupling); check the rule with "
-                "specsamp.testing.check_exactness")
+                "specsamp.testing.check_exactness"
+            )
         raise ContractError(
             f"coupling {coupling.name!r} broke its contract at {describe(r)}: it returned accepted="
             f"{bool(verdict.accepted.reshape(-1)[r])}, index={int(verdict.index.reshape(-1)[r])} (K={k}), but an accepted "
@@ -206,8 +217,9 @@ class NonFiniteSampleError(ContractError):
 COUPLINGS: Registry[Coupling] = Registry("coupling")
 
 
-def register_coupling(name: str, max_children: int | None = None, positional: Callable | None = None,
-                      decide: Callable | None = None) -> Callable[[Callable[..., Verdict]], Coupling]:
+def register_coupling(
+    name: str, max_children: int | None = None, positional: Callable | None = None, decide: Callable | None = None
+) -> Callable[[Callable[..., Verdict]], Coupling]:
     """Decorator: register a ``verify`` function (contract: :class:`Coupling`) as coupling ``name``,
     with its widest node ``max_children``, its optional theory ``positional`` and its optional
     choice-only ``decide`` (:class:`Coupling`).
@@ -238,8 +250,9 @@ def get_coupling(name: str | Coupling | Callable) -> Coupling:
         return Coupling(getattr(name, "__name__", repr(name)), name)
     found = COUPLINGS.get(name)  # a registered name, or "pkg.module:name" (imported)
     if not callable(found):
-        raise ConfigError(f"coupling={name!r} is invalid: it names a {type(found).__name__}, "
-                          "not a Coupling or a verify function.")
+        raise ConfigError(
+            f"coupling={name!r} is invalid: it names a {type(found).__name__}, not a Coupling or a verify function."
+        )
     return get_coupling(found)
 
 

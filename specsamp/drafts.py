@@ -82,7 +82,11 @@ class DraftHistory:
     def empty(cls, like: torch.Tensor, slots: int) -> DraftHistory:
         """``slots`` empty records for each row of ``like [M, *e]`` (its dtype and device)."""
         shape = (like.shape[0], slots) + tuple(like.shape[1:])
-        return cls(like.new_zeros(shape), torch.full(shape[:2], -1, dtype=torch.long, device=like.device), like.new_zeros(shape))
+        return cls(
+            like.new_zeros(shape),
+            torch.full(shape[:2], -1, dtype=torch.long, device=like.device),
+            like.new_zeros(shape),
+        )
 
     @property
     def slots(self) -> int:
@@ -114,8 +118,14 @@ class DraftHistory:
                 t[rows, 1:] = t[rows, :-1].clone()
             t[rows, 0] = v
 
-    def prepend(self, fresh: DraftHistory, count: torch.Tensor, *, slot: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> DraftHistory:
+    def prepend(
+        self,
+        fresh: DraftHistory,
+        count: torch.Tensor,
+        *,
+        slot: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> DraftHistory:
         """What ``count [M, 1]`` (long) pushes per row would leave: slot ``s`` holds ``fresh``'s slot ``s`` where
         ``s < count`` (``fresh`` most recent first, shaped like this history or with the event flattened), else this
         history's slot ``s - count``; a new history.
@@ -134,8 +144,9 @@ class DraftHistory:
         def pick(mine, theirs):
             if mine.ndim not in masks:
                 masks[mine.ndim] = new.reshape(M, H, *(1,) * (mine.ndim - 2))
-            return torch.where(masks[mine.ndim], theirs if theirs.shape == mine.shape else theirs.reshape(mine.shape),
-                               mine[rows, old])
+            return torch.where(
+                masks[mine.ndim], theirs if theirs.shape == mine.shape else theirs.reshape(mine.shape), mine[rows, old]
+            )
 
         return DraftHistory(*(pick(a, b) for a, b in zip(self._parts(), fresh._parts())))
 
@@ -227,7 +238,9 @@ def table_means(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, coef: dict,
     return draft.table_mean(frozen, x, coef, kernel)
 
 
-def _mean_from_table(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, n: torch.Tensor, sch: Schedule) -> torch.Tensor:
+def _mean_from_table(
+    draft: Draft, frozen: torch.Tensor, x: torch.Tensor, n: torch.Tensor, sch: Schedule
+) -> torch.Tensor:
     """``Draft.mean`` of a draft given by its table form: :func:`table_means` at the kernel's coefficients of ``n``."""
     flat = x.reshape(x.shape[0], x.shape[1], -1)
     return table_means(draft, frozen, flat, sch.kernel.coefs(n, flat), sch.kernel).reshape(x.shape)
@@ -236,9 +249,14 @@ def _mean_from_table(draft: Draft, frozen: torch.Tensor, x: torch.Tensor, n: tor
 DRAFTS: Registry[Draft] = Registry("draft", Draft)
 
 
-def register_draft(name: str, mean: Callable[..., torch.Tensor], *, history: int = 0,
-                   table_mean: Callable[..., torch.Tensor] | None = None,
-                   table_frozen: Callable[..., torch.Tensor] | None = None) -> Callable[[Callable], Draft]:
+def register_draft(
+    name: str,
+    mean: Callable[..., torch.Tensor],
+    *,
+    history: int = 0,
+    table_mean: Callable[..., torch.Tensor] | None = None,
+    table_frozen: Callable[..., torch.Tensor] | None = None,
+) -> Callable[[Callable], Draft]:
     """Decorator: register a ``freeze`` function with its ``mean`` (contract: :class:`Draft`) as draft ``name``.
 
     Returns:
@@ -428,7 +446,9 @@ def _x0_affine():
         dB = torch.where(pe(d_r), hist.x0[:, 0], hist.x0[:, 1])
         xB = torch.where(pe(d_r), hist.x[:, 0], hist.x[:, 1])
         nB = torch.where(ex, hist.n[:, 0], hist.n[:, 1])
-        usable = (nA >= 1) & (nB >= 1) & (nA != nB)  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
+        usable = (
+            (nA >= 1) & (nB >= 1) & (nA != nB)
+        )  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
         sA, sB = sig[nA.clamp(min=0)], sig[nB.clamp(min=0)]
         s2, res = _fit_s2(dA, xA, sA, dB, xB, sB)
         red = lambda t: row_sums(t.reshape(t.shape[0], -1).double().square())
@@ -477,12 +497,20 @@ def _affine_table_mean(fr, x, coef, kernel):
 
 for _draft in (
     Draft("velocity", freeze=lambda root, sch: root.v, table_mean=_velocity_table_mean),
-    Draft("drift", freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x,
-          table_mean=lambda fr, x, coef, kernel: x + fr),
+    Draft(
+        "drift",
+        freeze=lambda root, sch: sch.mean(root.x, root.v, root.n) - root.x,
+        table_mean=lambda fr, x, coef, kernel: x + fr,
+    ),
     Draft("x0", freeze=_x0_freeze, table_mean=_x0_table_mean),
     Draft("x0_extrap", _x0_extrap(), history=2, table_mean=_x0_table_mean, table_frozen=_extrap_table_frozen),
-    Draft("x0_extrap_gated", _x0_extrap(gate=True), history=3, table_mean=_x0_table_mean,
-          table_frozen=_extrap_table_frozen),
+    Draft(
+        "x0_extrap_gated",
+        _x0_extrap(gate=True),
+        history=3,
+        table_mean=_x0_table_mean,
+        table_frozen=_extrap_table_frozen,
+    ),
     Draft("x0_affine", _x0_affine(), history=3, table_mean=_affine_table_mean, table_frozen=_affine_table_frozen),
 ):
     DRAFTS.register(_draft.name, _draft)

@@ -128,8 +128,9 @@ def _grid_constants(device) -> tuple[torch.Tensor, torch.Tensor]:
 _grid_constants("cpu")  # made at import, so that no counted or compiled call on the CPU makes them
 
 
-def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
-                        grid_levels: int = GRID_LEVELS) -> torch.Tensor:
+def sample_grs_residual(
+    delta, lam, mass, u, iterations: int = RESIDUAL_STEPS, grid_levels: int = GRID_LEVELS
+) -> torch.Tensor:
     """Draw ``S`` from the normalised residual of eq. 17 by inverting its survival function at ``u``.
 
     The residual density is ``r(s) / G`` with ``r(s) = (phi(s - delta) - lam phi(s))_+ =
@@ -201,8 +202,9 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     # ... but the survival side stays informative there: Phibar(root - delta) = 1 - G (1 - u) <=
     # 2 K Phibar(delta / 2) + u G (a child is accepted with probability at most 1 - TV(P, Q) each),
     # and K <= 1 + (lambda_K - 1) / G_{K+1} (the masses decrease)
-    p_up = torch.addcmul(t_lin, (lam - 1.0).div_(mass.clamp_min(1e-300)).add_(1.0),
-                         torch.special.erfc(delta * (0.5 * math.sqrt(0.5))))
+    p_up = torch.addcmul(
+        t_lin, (lam - 1.0).div_(mass.clamp_min(1e-300)).add_(1.0), torch.special.erfc(delta * (0.5 * math.sqrt(0.5)))
+    )
     q = torch.maximum(q, torch.special.ndtri(p_up.clamp_(max=1.0)).neg_())
     z_lo = torch.add(delta - _WIDEN, q)
     lo = torch.minimum(torch.maximum(z_lo, c), hi)
@@ -239,8 +241,9 @@ def sample_grs_residual(delta, lam, mass, u, iterations: int = RESIDUAL_STEPS,
     return s
 
 
-def grs_select(delta: torch.Tensor, s_hat: torch.Tensor, rows,
-               residual: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grs_select(
+    delta: torch.Tensor, s_hat: torch.Tensor, rows, residual: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scalar part of Algorithm 3: which child to accept, and the residual projection.
 
     Child ``j`` is accepted with probability ``beta_j = min(1, (rho_j - lambda_{j-1})_+ / G_j)``, that

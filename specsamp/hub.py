@@ -76,7 +76,9 @@ def fetch(url: str, dest: Path, sha256: str | None, timeout: float = 60.0) -> No
                 out.write(block)
                 h.update(block)
         if sha256 is not None and h.hexdigest() != sha256.lower():
-            raise CheckpointTrustError(f"download of {url} has SHA-256 {h.hexdigest()}, expected {sha256}; file discarded")
+            raise CheckpointTrustError(
+                f"download of {url} has SHA-256 {h.hexdigest()}, expected {sha256}; file discarded"
+            )
         os.replace(tmp, dest)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -196,7 +196,9 @@ def load_images(folder: str | os.PathLike, indices=None) -> np.ndarray:
         return _stack_pngs(files, p)
     if not p.is_dir():
         raise FileNotFoundError(f"no images at {str(p)!r}")
-    files = sorted((f for f in p.iterdir() if f.suffix.lower() == ".png" and f.stem.isdigit()), key=lambda f: int(f.stem))
+    files = sorted(
+        (f for f in p.iterdir() if f.suffix.lower() == ".png" and f.stem.isdigit()), key=lambda f: int(f.stem)
+    )
     if not files:
         raise FileNotFoundError(f"no index-named PNG files in {str(p)!r}")
     return _stack_pngs(files, p)

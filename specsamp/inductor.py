@@ -24,8 +24,11 @@ CACHE_FAULT = "compile=true cannot use inductor's cache directory"  # how cache_
 PROBE_BYTES = 1 << 20  # written and removed by check_cache_dir: a compile writes kernels of this order
 NOEXEC_SIGNS = ("failed to map segment from shared object", "Operation not permitted")  # dlopen on a noexec mount
 # errnos that say the cache's file system refuses the compile's files (read-only, full, a file in the path, ...)
-CACHE_ERRNOS = frozenset(getattr(errno, n) for n in ("EROFS", "EACCES", "EPERM", "ENOSPC", "EDQUOT", "EFBIG", "EIO",
-                                                     "ENOTDIR", "EEXIST", "ENOENT") if hasattr(errno, n))
+CACHE_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in ("EROFS", "EACCES", "EPERM", "ENOSPC", "EDQUOT", "EFBIG", "EIO", "ENOTDIR", "EEXIST", "ENOENT")
+    if hasattr(errno, n)
+)
 
 
 def unavailable(device) -> str | None:
@@ -59,7 +62,11 @@ def unavailable(device) -> str | None:
 
         cxx = os.environ.get("CXX")
         if not (cxx and shutil.which(cxx)) and not any(shutil.which(c) for c in COMPILERS):
-            return "inductor's CPU backend needs a C/C++ compiler on PATH (none of $CXX, " + ", ".join(COMPILERS) + " found)"
+            return (
+                "inductor's CPU backend needs a C/C++ compiler on PATH (none of $CXX, "
+                + ", ".join(COMPILERS)
+                + " found)"
+            )
         return None
     if dev.type == "cuda":
         try:
@@ -83,13 +90,17 @@ def check_compile(compile, execution: str, device, *, here: bool = True) -> bool
         InfrastructureError: inductor's cache directory cannot serve a compile (:func:`check_cache_dir`).
     """
     if not isinstance(compile, bool):
-        raise ConfigError(f"compile={compile!r} is invalid: must be true or false (run the dense round under torch.compile).")
+        raise ConfigError(
+            f"compile={compile!r} is invalid: must be true or false (run the dense round under torch.compile)."
+        )
     if not compile:
         return False
     if execution != "tree":
-        raise ConfigError(f"compile=true is invalid with execution={execution}: only the tree execution's round has "
-                          "static shapes to compile (every node of every row, one batched call); set execution=tree, "
-                          "or compile=false.")
+        raise ConfigError(
+            f"compile=true is invalid with execution={execution}: only the tree execution's round has "
+            "static shapes to compile (every node of every row, one batched call); set execution=tree, "
+            "or compile=false."
+        )
     if here:
         check_cache_dir()
     why = unavailable(device) if here else None
@@ -136,7 +147,8 @@ def cache_fault(directory: str, why) -> InfrastructureError:
         f"kernels there and loads them from it, so it needs a writable directory with free space on a file system "
         f"mounted with exec permission. This is a problem of the machine, not of the configuration: set "
         f"{CACHE_ENV} to such a directory (e.g. {CACHE_ENV}=$HOME/.cache/torchinductor), free space there, or run "
-        f"with compile=false (the eager round, the same law).")
+        f"with compile=false (the eager round, the same law)."
+    )
 
 
 def check_cache_dir() -> str:
@@ -165,8 +177,9 @@ def check_cache_dir() -> str:
     except OSError as e:
         raise cache_fault(d, e) from None
     if noexec:
-        raise cache_fault(d, "its file system is mounted noexec, so the compiled kernels (.so files) could be written "
-                             "but not loaded")
+        raise cache_fault(
+            d, "its file system is mounted noexec, so the compiled kernels (.so files) could be written but not loaded"
+        )
     return d
 
 
@@ -184,12 +197,16 @@ def classify_compile_error(error: BaseException) -> InfrastructureError | None:
     for e in error_chain(error):
         text = str(e)
         if any(sign in text for sign in NOEXEC_SIGNS) and (d in text or ".so" in text):
-            return cache_fault(d, "a compiled kernel written there cannot be loaded (dlopen: "
-                                  f"{' '.join(text.split())[:300]}); the usual cause is a file system mounted noexec")
+            return cache_fault(
+                d,
+                "a compiled kernel written there cannot be loaded (dlopen: "
+                f"{' '.join(text.split())[:300]}); the usual cause is a file system mounted noexec",
+            )
         if isinstance(e, OSError) and e.errno in CACHE_ERRNOS:
             name = os.path.abspath(str(e.filename)) if e.filename else None
             if (name is not None and (name == d or name.startswith(d + os.sep))) or (
-                    name is None and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))):
+                name is None and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+            ):
                 return cache_fault(d, e)
         if "No space left on device" in text:
             return cache_fault(d, "No space left on device [errno 28] while compiling")

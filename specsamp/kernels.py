@@ -72,7 +72,11 @@ class SchedulerLevels(NamedTuple):
 
 def config_value(scheduler, key, default=None):
     """``scheduler.config[key]`` (a dict-like or attribute config), ``default`` where it is absent."""
-    return scheduler.config.get(key, default) if hasattr(scheduler.config, "get") else getattr(scheduler.config, key, default)
+    return (
+        scheduler.config.get(key, default)
+        if hasattr(scheduler.config, "get")
+        else getattr(scheduler.config, key, default)
+    )
 
 
 def linear_levels(s: torch.Tensor) -> torch.Tensor:
@@ -83,8 +87,10 @@ def linear_levels(s: torch.Tensor) -> torch.Tensor:
     """
     s = torch.cat([s.to(torch.float64).cpu(), torch.zeros(1, dtype=torch.float64)])
     if not (bool((s[1:] < s[:-1]).all()) and float(s[0]) <= 1.0):
-        raise ConfigError("the scheduler's grid is not strictly decreasing in noise (repeated or rising timesteps); "
-                          "choose another num_inference_steps or timestep_spacing")
+        raise ConfigError(
+            "the scheduler's grid is not strictly decreasing in noise (repeated or rising timesteps); "
+            "choose another num_inference_steps or timestep_spacing"
+        )
     return s
 
 
@@ -112,11 +118,15 @@ def supported_schedulers() -> str:
 
 def refuse(name: str, why: str = "") -> ConfigError:
     """The one paragraph that refuses scheduler ``name``."""
-    why = why or ("its step is not a Gaussian transition with a state-independent scale (a multistep, "
-                  "deterministic or predictor-corrector solver: DPM-Solver++, DDIM with eta=0, UniPC, Heun, "
-                  "PNDM, LMS, Euler without noise), so speculation cannot be exact")
-    return ConfigError(f"scheduler={name!r} is not supported: {why}. The exact kernels are {supported_schedulers()}; "
-                       "set the pipeline's scheduler to one of them (e.g. DDPMScheduler.from_config(pipe.scheduler.config)).")
+    why = why or (
+        "its step is not a Gaussian transition with a state-independent scale (a multistep, "
+        "deterministic or predictor-corrector solver: DPM-Solver++, DDIM with eta=0, UniPC, Heun, "
+        "PNDM, LMS, Euler without noise), so speculation cannot be exact"
+    )
+    return ConfigError(
+        f"scheduler={name!r} is not supported: {why}. The exact kernels are {supported_schedulers()}; "
+        "set the pipeline's scheduler to one of them (e.g. DDPMScheduler.from_config(pipe.scheduler.config))."
+    )
 
 
 class Kernel:
@@ -157,8 +167,9 @@ class Kernel:
         return {**keys, **cls.scheduler_flags}
 
     @classmethod
-    def read_scheduler(cls, scheduler, steps: int, *, event_ndim: int = 3, mu: float | None = None,
-                       **options) -> SchedulerLevels:
+    def read_scheduler(
+        cls, scheduler, steps: int, *, event_ndim: int = 3, mu: float | None = None, **options
+    ) -> SchedulerLevels:
         """What a fresh ``scheduler`` (one of :attr:`schedulers`) at ``steps`` makes of this kernel: its grid on the
         linear path, the kernel's options and the network's timesteps, coordinates and prediction.
 
@@ -313,8 +324,15 @@ class DataPredictionKernel(Kernel):
     columns = ("c_x", "c_x0", "sigma", "std", "lsnr")
     stochastic_endpoints = True
 
-    def __init__(self, sigmas: torch.Tensor, eps: float, clip: float | None = None, threshold=None,
-                 event_ndim: int = 1, init_scale: float | None = None):
+    def __init__(
+        self,
+        sigmas: torch.Tensor,
+        eps: float,
+        clip: float | None = None,
+        threshold=None,
+        event_ndim: int = 1,
+        init_scale: float | None = None,
+    ):
         super().__init__(sigmas, eps)
         self.clip, self.threshold, self.event_ndim = clip, threshold, int(event_ndim)
         self._init_scale = init_scale
@@ -388,14 +406,22 @@ class DDPM(DataPredictionKernel):
     def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, **options) -> SchedulerLevels:
         variance = config_value(sch, "variance_type", "fixed_small")
         if variance not in DDPM_VARIANCES:
-            raise refuse("DDPMScheduler", f"variance_type={variance!r} is not reproduced (supported: "
-                         f"{', '.join(DDPM_VARIANCES)}; a learned variance depends on the state)")
+            raise refuse(
+                "DDPMScheduler",
+                f"variance_type={variance!r} is not reproduced (supported: "
+                f"{', '.join(DDPM_VARIANCES)}; a learned variance depends on the state)",
+            )
         if config_value(sch, "rescale_betas_zero_snr", False):
-            raise refuse("DDPMScheduler", "rescale_betas_zero_snr=True puts the first level at infinite noise, where the "
-                         "data prediction is undefined on the linear path")
+            raise refuse(
+                "DDPMScheduler",
+                "rescale_betas_zero_snr=True puts the first level at infinite noise, where the "
+                "data prediction is undefined on the linear path",
+            )
         if steps > config_value(sch, "num_train_timesteps", 1000):
-            raise ConfigError(f"num_inference_steps={steps} is invalid: DDPMScheduler has num_train_timesteps="
-                              f"{config_value(sch, 'num_train_timesteps')} and needs num_inference_steps at most that")
+            raise ConfigError(
+                f"num_inference_steps={steps} is invalid: DDPMScheduler has num_train_timesteps="
+                f"{config_value(sch, 'num_train_timesteps')} and needs num_inference_steps at most that"
+            )
         sch.set_timesteps(steps)
         ts = sch.timesteps.long()
         a = sch.alphas_cumprod.to(torch.float64)[ts]
@@ -403,8 +429,10 @@ class DDPM(DataPredictionKernel):
         s = linear_levels(sg / (al + sg))
         opts = {"variance_type": variance, "final_noise": bool(ts[-1] > 0), "event_ndim": event_ndim}
         if config_value(sch, "thresholding", False):
-            opts["threshold"] = (float(config_value(sch, "dynamic_thresholding_ratio")),
-                                 float(config_value(sch, "sample_max_value")))
+            opts["threshold"] = (
+                float(config_value(sch, "dynamic_thresholding_ratio")),
+                float(config_value(sch, "sample_max_value")),
+            )
         elif config_value(sch, "clip_sample", False):
             opts["clip"] = float(config_value(sch, "clip_sample_range", 1.0))
         k0 = float(al[0] + sg[0])
@@ -413,7 +441,9 @@ class DDPM(DataPredictionKernel):
     def __init__(self, sigmas, eps, variance_type: str = "fixed_small", final_noise: bool = False, **options):
         super().__init__(sigmas, eps, **options)
         if variance_type not in DDPM_VARIANCES:
-            raise ValueError(f"variance_type={variance_type!r} is not reproduced: supported are {', '.join(DDPM_VARIANCES)}")
+            raise ValueError(
+                f"variance_type={variance_type!r} is not reproduced: supported are {', '.join(DDPM_VARIANCES)}"
+            )
         self.variance_type, self.final_noise = variance_type, bool(final_noise)
 
     def alphas_cumprod(self) -> torch.Tensor:
@@ -432,7 +462,9 @@ class DDPM(DataPredictionKernel):
         cur_beta = 1.0 - cur_alpha
         A = cur_alpha.sqrt() * (1.0 - a_p) / (1.0 - a_t)
         B = a_p.sqrt() * cur_beta / (1.0 - a_t)
-        var = cur_beta if self.variance_type == "fixed_large" else ((1.0 - a_p) / (1.0 - a_t) * cur_beta).clamp(min=1e-20)
+        var = (
+            cur_beta if self.variance_type == "fixed_large" else ((1.0 - a_p) / (1.0 - a_t) * cur_beta).clamp(min=1e-20)
+        )
         S = var.sqrt()
         if not self.final_noise:
             S = torch.cat([S[:-1], S.new_zeros(1)])
@@ -461,24 +493,31 @@ class EulerAncestral(DataPredictionKernel):
     train_steps_bound = True
 
     @classmethod
-    def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, eta: float = 1.0,
-                       s_noise: float = 1.0) -> SchedulerLevels:
+    def read_scheduler(
+        cls, sch, steps: int, *, event_ndim: int = 3, mu=None, eta: float = 1.0, s_noise: float = 1.0
+    ) -> SchedulerLevels:
         pred = config_value(sch, "prediction_type", "epsilon")
         if pred not in ("epsilon", "v_prediction"):
-            raise refuse("EulerAncestralDiscreteScheduler", f"prediction_type={pred!r} is not implemented by the "
-                         "scheduler itself (supported: epsilon, v_prediction)")
+            raise refuse(
+                "EulerAncestralDiscreteScheduler",
+                f"prediction_type={pred!r} is not implemented by the "
+                "scheduler itself (supported: epsilon, v_prediction)",
+            )
         sch.set_timesteps(steps)
         sig = sch.sigmas.to(torch.float64)[:-1]
         s = linear_levels(sig / (1.0 + sig))
         init = float(sch.init_noise_sigma) / (1.0 + float(sig[0]))
-        return SchedulerLevels(s, {"eta": eta, "s_noise": s_noise, "init_scale": init}, sch.timesteps.clone(), "vp",
-                               pred, init)
+        return SchedulerLevels(
+            s, {"eta": eta, "s_noise": s_noise, "init_scale": init}, sch.timesteps.clone(), "vp", pred, init
+        )
 
     def __init__(self, sigmas, eps, eta: float = 1.0, s_noise: float = 1.0, **options):
         super().__init__(sigmas, eps, **options)
         if not (eta > 0 and s_noise > 0):
-            raise ValueError(f"eta={eta!r}, s_noise={s_noise!r}: both must be > 0 (eta=0 is the deterministic "
-                             "Euler sampler, where speculation is vacuous)")
+            raise ValueError(
+                f"eta={eta!r}, s_noise={s_noise!r}: both must be > 0 (eta=0 is the deterministic "
+                "Euler sampler, where speculation is vacuous)"
+            )
         self.eta, self.s_noise = float(eta), float(s_noise)
 
     def sigmas_ve(self) -> torch.Tensor:
@@ -523,12 +562,17 @@ class FlowStochastic(DataPredictionKernel):
     @classmethod
     def read_scheduler(cls, sch, steps: int, *, event_ndim: int = 3, mu=None, **options) -> SchedulerLevels:
         if not config_value(sch, "stochastic_sampling", False):
-            raise refuse("FlowMatchEulerDiscreteScheduler", "stochastic_sampling=False is the deterministic Euler ODE "
-                         "solver, where speculation is vacuous; set stochastic_sampling=True")
+            raise refuse(
+                "FlowMatchEulerDiscreteScheduler",
+                "stochastic_sampling=False is the deterministic Euler ODE "
+                "solver, where speculation is vacuous; set stochastic_sampling=True",
+            )
         if config_value(sch, "use_dynamic_shifting", False):
             if mu is None:
-                raise ConfigError("mu=None is invalid: this FlowMatchEulerDiscreteScheduler uses dynamic shifting, so "
-                                  "its grid needs the shift mu (the pipeline computes it from the image size); pass mu=")
+                raise ConfigError(
+                    "mu=None is invalid: this FlowMatchEulerDiscreteScheduler uses dynamic shifting, so "
+                    "its grid needs the shift mu (the pipeline computes it from the image size); pass mu="
+                )
             sch.set_timesteps(steps, mu=mu)
         else:
             sch.set_timesteps(steps)

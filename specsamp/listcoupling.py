@@ -324,13 +324,15 @@ def _choose(proj, u_mark, u_grs, u_res) -> tuple[torch.Tensor, torch.Tensor | No
     mm = pl.use.nonzero(as_tuple=True)[0]
     dg = (~pl.use).nonzero(as_tuple=True)[0]
     if mm.numel():
-        index[mm], s = select(pl.params, pl.levels, proj.s_hat[mm], u_mark[mm], u_grs[mm],
-                              u_res[mm] if residual else None)
+        index[mm], s = select(
+            pl.params, pl.levels, proj.s_hat[mm], u_mark[mm], u_grs[mm], u_res[mm] if residual else None
+        )
         if residual:
             s_res[mm] = s
     if dg.numel():
-        index[dg], s = grs_select(proj.delta[dg], proj.s_hat[dg], _Fixed(u_grs[dg], u_res[dg] if residual else None),
-                                  residual=residual)
+        index[dg], s = grs_select(
+            proj.delta[dg], proj.s_hat[dg], _Fixed(u_grs[dg], u_res[dg] if residual else None), residual=residual
+        )
         if residual:
             s_res[dg] = s
     return index, s_res

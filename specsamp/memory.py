@@ -86,8 +86,10 @@ def check_memory(what: str, nbytes: float, device: str, hint: str = "") -> None:
     free = available_bytes(device)
     if free is None or nbytes <= 0.8 * free:
         return
-    raise ConfigError(f"{what} needs about {gib(nbytes)} of memory, but {device} has {gib(free)} available"
-                      + (f": {hint}" if hint else "."))
+    raise ConfigError(
+        f"{what} needs about {gib(nbytes)} of memory, but {device} has {gib(free)} available"
+        + (f": {hint}" if hint else ".")
+    )
 
 
 def gib(nbytes: float) -> str:
@@ -116,8 +118,18 @@ def capped_budget(K: int, L: int, cap: int = MAX_BUDGET) -> int:
     return total
 
 
-def sampler_bytes(nodes: int | None, widest: int, depth: int, numel: int, elem: int, *, execution: str = "tree",
-                  n_total: int, steps: int | None = None, refine: int = 0) -> tuple[int, int]:
+def sampler_bytes(
+    nodes: int | None,
+    widest: int,
+    depth: int,
+    numel: int,
+    elem: int,
+    *,
+    execution: str = "tree",
+    n_total: int,
+    steps: int | None = None,
+    refine: int = 0,
+) -> tuple[int, int]:
     """``(fixed, per trajectory of a batch)`` bytes of the sampler's states (:func:`check_tree_memory`'s estimate).
 
     Args:

@@ -26,8 +26,10 @@ def coupling_positional(coupling) -> Callable[[np.ndarray, int], np.ndarray]:
         coupling = COUPLINGS.get(coupling)
     if isinstance(coupling, Coupling):
         if coupling.positional is None:
-            raise ValueError(f"coupling={coupling.name!r} has no positional theory (its Coupling.positional is None); "
-                             "tree=optimal needs one: register_coupling(..., positional=fn)")
+            raise ValueError(
+                f"coupling={coupling.name!r} has no positional theory (its Coupling.positional is None); "
+                "tree=optimal needs one: register_coupling(..., positional=fn)"
+            )
         return coupling.positional
     if callable(coupling):
         return coupling
@@ -131,7 +133,9 @@ def deltas_by_root(attempts, accepts, K: int, coupling="dgrs", min_attempts: int
     att = np.asarray(attempts, dtype=np.float64)
     acc = np.asarray(accepts, dtype=np.float64)
     if att.ndim != 2 or att.shape != acc.shape or np.any(acc < 0) or np.any(acc > att):
-        raise ValueError(f"attempts {att.shape} and accepts {acc.shape} must be [T, L] counts with 0 <= accepts <= attempts")
+        raise ValueError(
+            f"attempts {att.shape} and accepts {acc.shape} must be [T, L] counts with 0 <= accepts <= attempts"
+        )
     min_attempts = check_int("min_attempts", min_attempts, 1)
     T, L = att.shape
     # cumulative sums over root indices: window sums in O(1)

@@ -238,7 +238,9 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
     mant, _ = torch.frexp(scale)
     pow2 = scale.div_(mant.mul_(2.0))
     unit = diff.div_(pow2[:, None])  # exact; the largest coordinate is in [1, 2)
-    dist = row_reduce(lambda t: torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64), unit)  # ||mean_q - mean_p|| / pow2, 0 or >= 1
+    dist = row_reduce(
+        lambda t: torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64), unit
+    )  # ||mean_q - mean_p|| / pow2, 0 or >= 1
     p64 = pow2.double()
     full = dist * p64  # exact where it neither over- nor underflows: then delta is the unscaled quotient
     direct = full.clamp(torch.finfo(torch.float64).tiny, torch.finfo(torch.float64).max) == full
@@ -269,14 +271,17 @@ def project(children, mean_p, mean_q, sigma) -> Projection:
 
 def _rows(x: torch.Tensor, ndim: int) -> torch.Tensor:
     """``x`` with its event dimensions flattened into one (``ndim`` dimensions in all); as is when it has them."""
-    return x if x.ndim == ndim else x.reshape(*x.shape[:ndim - 1], -1)
+    return x if x.ndim == ndim else x.reshape(*x.shape[: ndim - 1], -1)
 
 
 def _refuse_non_finite(bad, children, mean_p, mean_q, sigma, w) -> None:
     """Raise for the rows ``bad`` of :func:`project`: non-finite inputs, or finite ones whose differences overflow."""
     n = children.shape[0]
-    finite = (torch.isfinite(children.reshape(n, -1)).all(1) & torch.isfinite(mean_p.reshape(n, -1)).all(1)
-              & torch.isfinite(mean_q.reshape(n, -1)).all(1))
+    finite = (
+        torch.isfinite(children.reshape(n, -1)).all(1)
+        & torch.isfinite(mean_p.reshape(n, -1)).all(1)
+        & torch.isfinite(mean_q.reshape(n, -1)).all(1)
+    )
     rows = bad.nonzero(as_tuple=True)[0].tolist()
     listed = f"{rows[:10]}{' ...' if len(rows) > 10 else ''}"
     if bool(finite[bad].all()):

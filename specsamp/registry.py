@@ -30,8 +30,10 @@ def import_object(spec: str, key: str = "value"):
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as err:
-        raise ConfigError(f"{key}={spec!r} is invalid: cannot import module {mod_name!r} ({err}); the module "
-                          "must be importable (installed, or on PYTHONPATH).") from None
+        raise ConfigError(
+            f"{key}={spec!r} is invalid: cannot import module {mod_name!r} ({err}); the module "
+            "must be importable (installed, or on PYTHONPATH)."
+        ) from None
     for part in attr.split("."):
         if not part or not hasattr(obj, part):
             raise ConfigError(f"{key}={spec!r} is invalid: module {mod_name!r} has no attribute {attr!r}.") from None
@@ -78,8 +80,10 @@ class Registry(Generic[T]):
         if isinstance(name, str) and ":" in name and name not in self._entries:
             obj = import_object(name, self.kind)
             if self.cls is not None and not isinstance(obj, self.cls):
-                raise ConfigError(f"{self.kind}={name!r} is invalid: it names a {type(obj).__name__}, not a "
-                                  f"{self.cls.__module__}.{self.cls.__name__}.")
+                raise ConfigError(
+                    f"{self.kind}={name!r} is invalid: it names a {type(obj).__name__}, not a "
+                    f"{self.cls.__module__}.{self.cls.__name__}."
+                )
             return obj
         try:
             return self._entries[name]
@@ -88,7 +92,9 @@ class Registry(Generic[T]):
 
     def valid_text(self) -> str:
         """What a value may be, for messages: the registered names (comma-separated), or a ``pkg.module:name``."""
-        return f"{', '.join(self.names()) or 'none'} (registered), or pkg.module:name of a {self.kind} defined elsewhere"
+        return (
+            f"{', '.join(self.names()) or 'none'} (registered), or pkg.module:name of a {self.kind} defined elsewhere"
+        )
 
     def valid(self, name) -> bool:
         """Whether :meth:`get` finds ``name`` (importing a ``pkg.module:name``)."""

@@ -50,7 +50,15 @@ class SampleResult:
     accepts_by_root: torch.Tensor | None = None
 
     PER_TRAJECTORY: ClassVar[tuple[str, ...]] = (
-        "samples", "nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
+        "samples",
+        "nfe",
+        "nfe_total",
+        "target_rows",
+        "rounds",
+        "committed",
+        "attempts",
+        "accepts",
+    )
     """The tensor fields with one row per trajectory (leading dimension ``M``), in declaration order."""
     PER_ROOT: ClassVar[tuple[str, ...]] = ("attempts_by_root", "accepts_by_root")
     """The ``[T, L]`` fields summed over trajectories (None from the standard sampler)."""
@@ -59,6 +67,7 @@ class SampleResult:
         """This result with every tensor field an ordinary tensor: a copy of each one made under
         ``torch.inference_mode()`` (which the samplers run in), taken outside it, so that the caller may
         update it in place or use it with autograd; other tensors as they are."""
+
         def plain(t):
             return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
 
@@ -118,7 +127,10 @@ class SampleResult:
             ts = [getattr(p, name) for p in parts]
             if ts[0].ndim == 2:
                 width = max(t.shape[1] for t in ts)
-                ts = [t if t.shape[1] == width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], 1) for t in ts]
+                ts = [
+                    t if t.shape[1] == width else torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], 1)
+                    for t in ts
+                ]
             return torch.cat(ts)
 
         def total(name: str) -> torch.Tensor | None:
@@ -126,9 +138,18 @@ class SampleResult:
             return None if any(t is None for t in ts) else torch.stack(ts).sum(0)
 
         plain = (bool, int, float, str)
-        extra = {k: v for k, v in parts[0].extra.items() if k != "batch_speedups" and isinstance(v, plain)
-                 and all(isinstance(p.extra.get(k), type(v)) and p.extra.get(k) == v for p in parts)}
+        extra = {
+            k: v
+            for k, v in parts[0].extra.items()
+            if k != "batch_speedups"
+            and isinstance(v, plain)
+            and all(isinstance(p.extra.get(k), type(v)) and p.extra.get(k) == v for p in parts)
+        }
         extra["batch_speedups"] = [b for p in parts for b in p.extra.get("batch_speedups", [p.batch_speedup])]
-        return cls(**{n: cat(n) for n in cls.PER_TRAJECTORY}, speculative_steps=parts[0].speculative_steps,
-                   batch_nfe=max(p.batch_nfe for p in parts), extra=extra,
-                   **{n: total(n) for n in cls.PER_ROOT})
+        return cls(
+            **{n: cat(n) for n in cls.PER_TRAJECTORY},
+            speculative_steps=parts[0].speculative_steps,
+            batch_nfe=max(p.batch_nfe for p in parts),
+            extra=extra,
+            **{n: total(n) for n in cls.PER_ROOT},
+        )

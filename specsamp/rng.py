@@ -138,7 +138,9 @@ def _uniform_block(k: torch.Tensor, j: torch.Tensor, words: torch.Tensor, tmp: t
     torch.bitwise_right_shift(words, 12, out=tmp)  # 52 random bits: (top + 0.5) 2^-52 is exact and < 1
     tmp &= (1 << 52) - 1
     tmp |= _ONE  # the float64 1 + top 2^-52 ...
-    torch.sub(tmp.view(torch.float64), 1.0 - 2.0**-53, out=out)  # ... minus 1 - 2^-53, exactly (Sterbenz): (top + 0.5) 2^-52
+    torch.sub(
+        tmp.view(torch.float64), 1.0 - 2.0**-53, out=out
+    )  # ... minus 1 - 2^-53, exactly (Sterbenz): (top + 0.5) 2^-52
 
 
 def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
@@ -162,7 +164,9 @@ def uniform(keys: torch.Tensor, m: int) -> torch.Tensor:
     return out.reshape(*keys.shape, m)
 
 
-def normal(keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None) -> torch.Tensor:
+def normal(
+    keys: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Standard normals of event shape ``shape`` per key (Box--Muller on :func:`uniform`).
 
     With ``numel(shape) = N`` and ``h = ceil(N / 2)``, the key's uniforms ``u = uniform(key, 2h)``
@@ -313,7 +317,9 @@ def node_keys(keys_of_round: torch.Tensor, nodes) -> torch.Tensor:
     return fold(keys_of_round, nodes)
 
 
-def draft_noise(keys: torch.Tensor, event, dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None) -> torch.Tensor:
+def draft_noise(
+    keys: torch.Tensor, event, dtype: torch.dtype = torch.float64, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The draft noise ``z ~ N(0, I)`` of nodes from their keys (:func:`node_keys` of the ``draft`` stream), in
     the states' ``dtype`` (or into ``out``): a child is its parent's proposal mean plus ``std z``."""
     return normal(keys, event, dtype=dtype, out=out)

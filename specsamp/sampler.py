@@ -14,14 +14,25 @@ import torch
 
 from . import arguments, rng
 from .arguments import EXECUTIONS, PREFETCH, WARMUPS  # noqa: F401  (public here)
-from .coupling import Coupling, ContractError, NonFiniteSampleError, check_verdict_contract, get_coupling  # noqa: F401  (public here)
+from .coupling import ContractError, Coupling, NonFiniteSampleError, check_verdict_contract, get_coupling  # noqa: F401  (public here)
 from .drafts import Draft, get_draft
 from .errors import ConfigError
 from .inductor import check_compile
 from .kernels import shift_history
 from .result import SampleResult
-from .round import (DenseLayout, SparseLayout, Tally, Velocity, build_context, compiled_round, first_step, for_compile,
-                    initial_noise, initial_state, run_rounds)  # noqa: F401  (initial_noise: public here)
+from .round import (
+    DenseLayout,
+    SparseLayout,
+    Tally,
+    Velocity,
+    build_context,
+    compiled_round,
+    first_step,
+    for_compile,
+    initial_noise,  # noqa: F401  (initial_noise: public here)
+    initial_state,
+    run_rounds,
+)
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -46,6 +57,7 @@ def _without_autograd(sampler: Callable[..., SampleResult]) -> Callable[..., Sam
     returning ordinary tensors (:meth:`SampleResult.ordinary`). A model that differentiates inside its call
     (gradient guidance) must do so on copies made under ``torch.inference_mode(False)``: ``torch.enable_grad()``
     does not leave inference mode."""
+
     @functools.wraps(sampler)
     def run(*args, **kwargs) -> SampleResult:
         with torch.inference_mode():
@@ -93,9 +105,18 @@ def sample_standard(
     m = ids.numel()
     arguments.function("callback", callback, optional=True)
     max_batch = arguments.integer("max_batch", max_batch, optional=True)
-    arguments.check_sampler_memory(None, m, model.event_shape, model.dtype, dev, execution="path", steps=schedule.steps,
-                                   max_batch=max_batch, row_bytes=getattr(model, "row_bytes", 0),
-                                   rows_per_state=rows_per_state(model))
+    arguments.check_sampler_memory(
+        None,
+        m,
+        model.event_shape,
+        model.dtype,
+        dev,
+        execution="path",
+        steps=schedule.steps,
+        max_batch=max_batch,
+        row_bytes=getattr(model, "row_bytes", 0),
+        rows_per_state=rows_per_state(model),
+    )
     velocity = Velocity(model, schedule, cond, max_batch)
     x = initial_state(schedule, seed, ids, model.event_shape, model.dtype, init)
     step_keys = rng.base_key(seed, ids, "step", device=dev)
@@ -141,7 +162,9 @@ def _trees_by_root(tree: TreeRule, first: int, end: int, coupling: Coupling) -> 
             raise ValueError(f"tree({n}) returned {type(t).__name__}, not a DraftTree")
         coupling.check_tree(t)
         if len(t) < 2:
-            raise ValueError(f"the draft tree{f' of root {n}' if callable(tree) else ''} must draft at least one state (L >= 1)")
+            raise ValueError(
+                f"the draft tree{f' of root {n}' if callable(tree) else ''} must draft at least one state (L >= 1)"
+            )
         out[n] = t.restrict(end - n)
     return out
 
@@ -223,17 +246,29 @@ def sample_speculative(
             raise ValueError("the draft tree must draft at least one state (L >= 1)")
     elif not callable(tree):
         raise arguments.refuse("tree", tree, "must be a specsamp.trees.DraftTree or tree(n) -> DraftTree")
-    opts = arguments.sampler_options(prefetch=prefetch, evaluate_leaves=evaluate_leaves, execution=execution,
-                                     max_batch=max_batch, warmup=warmup, check_contract=check_contract, refine=refine)
+    opts = arguments.sampler_options(
+        prefetch=prefetch,
+        evaluate_leaves=evaluate_leaves,
+        execution=execution,
+        max_batch=max_batch,
+        warmup=warmup,
+        check_contract=check_contract,
+        refine=refine,
+    )
     draft = get_draft(draft)
     arguments.function("callback", callback, optional=True)
     dev = _model_device(model)
     compiled = check_compile(compile, execution, dev)
     if compiled and (opts["refine"] > 0 or draft.table_mean is None):
-        why = f"refine={opts['refine']}: the Picard sweeps run eagerly" if opts["refine"] > 0 else \
-            f"draft={draft.name!r} has no table form (Draft.table_mean), and only table forms compile"
-        raise ConfigError(f"compile=true is invalid here: {why}. Set compile=false, or "
-                          + ("refine=0." if opts["refine"] > 0 else "a registered draft."))
+        why = (
+            f"refine={opts['refine']}: the Picard sweeps run eagerly"
+            if opts["refine"] > 0
+            else f"draft={draft.name!r} has no table form (Draft.table_mean), and only table forms compile"
+        )
+        raise ConfigError(
+            f"compile=true is invalid here: {why}. Set compile=false, or "
+            + ("refine=0." if opts["refine"] > 0 else "a registered draft.")
+        )
     ids = _trajectory_ids(n_samples, indices, dev)
     M, T, end = ids.numel(), schedule.steps, schedule.end_speculative
     if isinstance(tree, DraftTree):
@@ -242,16 +277,39 @@ def sample_speculative(
     else:  # step-dependent trees: T_n per root index n
         tree = _trees_by_root(tree, schedule.first_speculative, end, coupling)
         largest = max(tree.values(), key=len)
-    arguments.check_sampler_memory(largest, M, model.event_shape, model.dtype, dev, execution=execution,
-                                   refine=opts["refine"], steps=T, max_batch=opts["max_batch"],
-                                   row_bytes=getattr(model, "row_bytes", 0), rows_per_state=rows_per_state(model))
-    tally = Tally.zeros(M, T, largest.max_depth if isinstance(tree, DraftTree) else
-                         max(t.max_depth for t in tree.values()), dev)
-    rules = dict(coupling=for_compile(coupling) if compiled else coupling, draft=draft, prefetch=opts["prefetch"],
-                 evaluate_leaves=opts["evaluate_leaves"], refine=opts["refine"], compiled=compiled,
-                 check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"])
-    ctx = build_context(schedule, Velocity(model, schedule, cond, opts["max_batch"]), ids, seed, rules,
-                        (model.event_shape, model.dtype) if execution == "tree" else None)
+    arguments.check_sampler_memory(
+        largest,
+        M,
+        model.event_shape,
+        model.dtype,
+        dev,
+        execution=execution,
+        refine=opts["refine"],
+        steps=T,
+        max_batch=opts["max_batch"],
+        row_bytes=getattr(model, "row_bytes", 0),
+        rows_per_state=rows_per_state(model),
+    )
+    tally = Tally.zeros(
+        M, T, largest.max_depth if isinstance(tree, DraftTree) else max(t.max_depth for t in tree.values()), dev
+    )
+    rules = dict(
+        coupling=for_compile(coupling) if compiled else coupling,
+        draft=draft,
+        prefetch=opts["prefetch"],
+        evaluate_leaves=opts["evaluate_leaves"],
+        refine=opts["refine"],
+        compiled=compiled,
+        check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"],
+    )
+    ctx = build_context(
+        schedule,
+        Velocity(model, schedule, cond, opts["max_batch"]),
+        ids,
+        seed,
+        rules,
+        (model.event_shape, model.dtype) if execution == "tree" else None,
+    )
     st = first_step(ctx, model, seed, warmup, tally, init)
     if execution == "tree":
         layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)

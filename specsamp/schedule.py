@@ -36,7 +36,9 @@ def check_churn(eps: float) -> float:
         ValueError: ``eps`` outside (0, 1].
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) <= 1.0):
-        raise ValueError(f"eps={eps!r} is invalid: the churn must lie in (0, 1] (eps=0 is the ODE, where speculation is vacuous)")
+        raise ValueError(
+            f"eps={eps!r} is invalid: the churn must lie in (0, 1] (eps=0 is the ODE, where speculation is vacuous)"
+        )
     return float(eps)
 
 
@@ -82,7 +84,9 @@ class Schedule:
             ValueError: ``steps < 3``, ``eps`` outside (0, 1], ``shift <= 0``, ``sigma_min`` not in (0, 1).
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
-            raise ValueError(f"steps={steps!r} is invalid: need an integer >= 3 (two deterministic endpoints and at least one stochastic step)")
+            raise ValueError(
+                f"steps={steps!r} is invalid: need an integer >= 3 (two deterministic endpoints and at least one stochastic step)"
+            )
         eps = check_churn(eps)
         if not 0.0 < sigma_min < 1.0:
             raise ValueError(f"sigma_min={sigma_min!r} is invalid: must lie in (0, 1)")

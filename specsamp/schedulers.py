@@ -64,13 +64,22 @@ class SchedulerPlan:
 def _check_steps(num_inference_steps) -> int:
     n = num_inference_steps
     if isinstance(n, bool) or not isinstance(n, int) or not 3 <= n <= MAX_STEPS:
-        raise ConfigError(f"num_inference_steps={describe(num_inference_steps)} is invalid: need an integer in "
-                          f"[3, {MAX_STEPS}] (the first and last steps lie outside speculation).")
+        raise ConfigError(
+            f"num_inference_steps={describe(num_inference_steps)} is invalid: need an integer in "
+            f"[3, {MAX_STEPS}] (the first and last steps lie outside speculation)."
+        )
     return num_inference_steps
 
 
-def from_scheduler(scheduler, num_inference_steps: int, *, event_ndim: int = 3, mu: float | None = None,
-                   eta: float = 1.0, s_noise: float = 1.0) -> SchedulerPlan:
+def from_scheduler(
+    scheduler,
+    num_inference_steps: int,
+    *,
+    event_ndim: int = 3,
+    mu: float | None = None,
+    eta: float = 1.0,
+    s_noise: float = 1.0,
+) -> SchedulerPlan:
     """The :class:`SchedulerPlan` of a diffusers scheduler at ``num_inference_steps``.
 
     Args:
@@ -95,10 +104,17 @@ def from_scheduler(scheduler, num_inference_steps: int, *, event_ndim: int = 3, 
     steps = _check_steps(num_inference_steps)
     fresh = type(scheduler).from_config(scheduler.config)
     given = {"eta": eta, "s_noise": s_noise}
-    read = kernel.read_scheduler(fresh, steps, event_ndim=event_ndim, mu=mu,
-                                 **{k: given[k] for k in kernel.run_options})
-    return SchedulerPlan(Schedule(read.levels, 1.0, kernel.name, read.options), read.timesteps, read.coords,
-                         read.prediction, read.init_scale, name)
+    read = kernel.read_scheduler(
+        fresh, steps, event_ndim=event_ndim, mu=mu, **{k: given[k] for k in kernel.run_options}
+    )
+    return SchedulerPlan(
+        Schedule(read.levels, 1.0, kernel.name, read.options),
+        read.timesteps,
+        read.coords,
+        read.prediction,
+        read.init_scale,
+        name,
+    )
 
 
 __all__ = ["KERNEL_OF", "MAX_STEPS", "SUPPORTED", "SchedulerPlan", "from_scheduler", "refuse"]

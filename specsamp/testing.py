@@ -80,8 +80,10 @@ class ExactnessReport:
         for c in self.cases:
             low = {k: p for k, p in c.pvalues.items() if not p > self.alpha}
             if low or c.errors:
-                out.append(f"delta={c.delta:g} K={c.K} {str(c.dtype).replace('torch.', '')}: "
-                           + "; ".join(c.errors + [f"{k} p={p:.3g}" for k, p in low.items()]))
+                out.append(
+                    f"delta={c.delta:g} K={c.K} {str(c.dtype).replace('torch.', '')}: "
+                    + "; ".join(c.errors + [f"{k} p={p:.3g}" for k, p in low.items()])
+                )
         return out
 
     @property
@@ -93,8 +95,10 @@ class ExactnessReport:
         """Raises ``AssertionError`` naming every failed case."""
         bad = self.failures()
         if bad:
-            raise AssertionError(f"coupling {self.coupling!r} failed {len(bad)} of {len(self.cases)} cases "
-                                 f"(alpha={self.alpha:g}):\n" + "\n".join(bad))
+            raise AssertionError(
+                f"coupling {self.coupling!r} failed {len(bad)} of {len(self.cases)} cases "
+                f"(alpha={self.alpha:g}):\n" + "\n".join(bad)
+            )
 
 
 def make_problem(delta: float, K: int, dtype: torch.dtype, n: int = 3000, dim: int = 8, seed: int = 1234):

@@ -145,8 +145,10 @@ class DraftTree:
     def index_tensors(self, device) -> dict[str, torch.Tensor]:
         """``parent``, ``depth``, ``num_children`` and ``first_child`` as long tensors ``[N]`` on ``device`` (the
         rounds' indices)."""
-        return {k: torch.as_tensor(getattr(self, k), dtype=torch.long, device=device)
-                for k in ("parent", "depth", "num_children", "first_child")}
+        return {
+            k: torch.as_tensor(getattr(self, k), dtype=torch.long, device=device)
+            for k in ("parent", "depth", "num_children", "first_child")
+        }
 
     def restrict(self, m: int) -> DraftTree:
         """The subtree ``T|_m`` induced by the nodes of depth at most ``m`` (eq. 11).
@@ -173,7 +175,9 @@ class DraftTree:
         internal_rows = np.zeros(self.max_depth + 1, dtype=np.int64)
         for m in range(self.max_depth + 1):
             # internal in T|_m: depth < m and has a child (children all have depth <= m then)
-            internal_rows[m] = int(np.count_nonzero(has_child[: self.layer_end[m]] & (self.depth[: self.layer_end[m]] < m)))
+            internal_rows[m] = int(
+                np.count_nonzero(has_child[: self.layer_end[m]] & (self.depth[: self.layer_end[m]] < m))
+            )
         return internal_rows, all_rows
 
     @cached_property

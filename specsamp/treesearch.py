@@ -142,8 +142,14 @@ def search_cost(budget: int, max_depth: int, max_width: int, shared_prefix: bool
     return {"budget": cap[0], "pairs": pairs, "seconds": pairs / PAIRS_PER_SECOND, "bytes": nbytes}
 
 
-def check_search(budget: int, max_depth: int, max_width: int, shared_prefix: bool = True,
-                 max_pairs: float = MAX_PAIRS, free_bytes: int | None = None) -> dict:
+def check_search(
+    budget: int,
+    max_depth: int,
+    max_width: int,
+    shared_prefix: bool = True,
+    max_pairs: float = MAX_PAIRS,
+    free_bytes: int | None = None,
+) -> dict:
     """Refuse, before any work, a search that would take too long or not fit in memory.
 
     Returns:
@@ -166,11 +172,16 @@ def check_search(budget: int, max_depth: int, max_width: int, shared_prefix: boo
             lo = mid
         else:
             hi = mid - 1
-    what = (f"about {cost['pairs']:.2g} max-plus updates (~{_duration(cost['seconds'])} at {PAIRS_PER_SECOND:.2g}/s; "
-            f"the limit is {max_pairs:.2g})" if slow else "")
+    what = (
+        f"about {cost['pairs']:.2g} max-plus updates (~{_duration(cost['seconds'])} at {PAIRS_PER_SECOND:.2g}/s; "
+        f"the limit is {max_pairs:.2g})"
+        if slow
+        else ""
+    )
     if big:
-        what += (" and " if what else "") + (f"about {cost['bytes'] / 2**30:.1f} GiB of memory "
-                                             f"({free_bytes / 2**30:.1f} GiB free)")
+        what += (" and " if what else "") + (
+            f"about {cost['bytes'] / 2**30:.1f} GiB of memory ({free_bytes / 2**30:.1f} GiB free)"
+        )
     raise ValueError(
         f"tree=optimal with budget={budget}, max_depth={max_depth}, max_width={max_width} is too large to search: it "
         f"needs {what}. "
@@ -291,9 +302,16 @@ def _prepare(budget, positional, max_depth, max_width, max_pairs):
     return budget, pos, max_depth, max_width
 
 
-def optimal_tree(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None, *,
-                 max_pairs: float | None = MAX_PAIRS, callback: Callable[[int, int], None] | None = None,
-                 gains: Sequence[float] | None = None) -> DraftTree:
+def optimal_tree(
+    budget: int,
+    positional: PositionalFn,
+    max_depth: int,
+    max_width: int | None = None,
+    *,
+    max_pairs: float | None = MAX_PAIRS,
+    callback: Callable[[int, int], None] | None = None,
+    gains: Sequence[float] | None = None,
+) -> DraftTree:
     """The draft tree with at most ``budget`` drafted states maximising :func:`theory.expected_steps`.
 
     Exact dynamic program (module docstring). Ties go to the smaller tree, so the result may draft
@@ -337,8 +355,15 @@ def _gains(gains, max_depth: int):
     return g
 
 
-def optimal_value(budget: int, positional: PositionalFn, max_depth: int, max_width: int | None = None, *,
-                  max_pairs: float | None = MAX_PAIRS, gains: Sequence[float] | None = None) -> float:
+def optimal_value(
+    budget: int,
+    positional: PositionalFn,
+    max_depth: int,
+    max_width: int | None = None,
+    *,
+    max_pairs: float | None = MAX_PAIRS,
+    gains: Sequence[float] | None = None,
+) -> float:
     """``F_0(budget)``: the expected steps (or worth, with ``gains``) of :func:`optimal_tree` (same arguments and errors)."""
     budget, pos, max_depth, max_width = _prepare(budget, positional, max_depth, max_width, max_pairs)
     F, _ = _solve(budget, pos, max_depth, max_width, gains=_gains(gains, max_depth))
@@ -359,9 +384,18 @@ def shared_prefix(coupling, width: int) -> bool:
     return _shared_prefix(_Positional(profile_positional([1.0], coupling)), 0, max(int(width), 1))
 
 
-def optimal_trees_by_root(budget: int, table, first: int, end: int, max_depth: int, max_width: int | None = None,
-                          coupling="dgrs", *, max_pairs: float | None = MAX_PAIRS,
-                          callback: Callable[[int, int], None] | None = None) -> dict[int, DraftTree]:
+def optimal_trees_by_root(
+    budget: int,
+    table,
+    first: int,
+    end: int,
+    max_depth: int,
+    max_width: int | None = None,
+    coupling="dgrs",
+    *,
+    max_pairs: float | None = MAX_PAIRS,
+    callback: Callable[[int, int], None] | None = None,
+) -> dict[int, DraftTree]:
     """Step-dependent optimal trees: for each root state index ``n``, :func:`optimal_tree` at the same
     ``budget`` for row ``n`` of ``table`` and depth ``min(max_depth, end - n)`` (the steps left).
 

@@ -30,9 +30,12 @@ sys.meta_path.insert(0, _Blocker())
 """
 
 
-def run_blocked(code: str, blocked=DEVICE_LACKS, args=(), env=None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_blocked(
+    code: str, blocked=DEVICE_LACKS, args=(), env=None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``python -c <blocker + code> args`` from the repository root; returns the completed process (text output)."""
     full = _PRELUDE.format(blocked=tuple(blocked)) + code
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", full, *args], cwd=ROOT, env=e, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", full, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout
+    )

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)  # tests/: helpers.py, tiny_edm.py, tiny_sd3.py, tiny_weights.py, bare_env.py, from every group folder
+sys.path.insert(
+    0, HERE
+)  # tests/: helpers.py, tiny_edm.py, tiny_sd3.py, tiny_weights.py, bare_env.py, from every group folder
 sys.path.insert(0, os.path.dirname(HERE))  # the repo root: experiments/, hydra_plugins/ (our sweeper)
 
 import specsamp.runner.config  # noqa: E402,F401  (Hydra's ConfigStore knows the schemas before any compose)
@@ -39,7 +41,11 @@ def slurm_cluster_missing() -> str | None:
                 why = None if p.returncode == 0 and "UP" in p.stdout else f"no SLURM controller answers ({said})"
             except (OSError, subprocess.TimeoutExpired) as e:
                 why = f"no SLURM controller answers ({e})"
-        _CLUSTER.append(None if why is None else f"{why}: start the test cluster with `tests/slurm/cluster.sh start` (root), then `python -m pytest -m slurm`")
+        _CLUSTER.append(
+            None
+            if why is None
+            else f"{why}: start the test cluster with `tests/slurm/cluster.sh start` (root), then `python -m pytest -m slurm`"
+        )
     return _CLUSTER[0]
 
 

@@ -29,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository root: run.py, conf/
 TINY = ["model.dim=16", "steps=8", "n_samples=8"]  # a GMM small enough for a subprocess run in seconds
 
 
-def python(argv, *, cwd, env=None, timeout=300, capture_output=True,
-           text=True) -> subprocess.CompletedProcess:
+def python(argv, *, cwd, env=None, timeout=300, capture_output=True, text=True) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` as a child process, with text output captured.
 
     ``argv`` is a command line that starts with ``sys.executable``. The child is forked from this test process,
@@ -56,8 +55,12 @@ class Forked:
 
     def __init__(self, argv, *, cwd, env=None):
         argv = [str(a) for a in argv]
-        if argv[0] != sys.executable or len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3) \
-                or (argv[1] != "-m" and argv[1].startswith("-")):
+        if (
+            argv[0] != sys.executable
+            or len(argv) < 2
+            or (argv[1] == "-m" and len(argv) < 3)
+            or (argv[1] != "-m" and argv[1].startswith("-"))
+        ):
             raise ValueError(f"python(): expected [sys.executable, script | -m module, ...], got {argv[:3]}")
         env = dict(os.environ if env is None else env)
         self.argv, self.returncode, self._result = argv, None, None
@@ -123,8 +126,10 @@ def _forked_main(argv, cwd, env, out, err) -> None:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        head = [str(Path(cwd, argv[1]).resolve().parent) if argv[1] != "-m" else str(Path(cwd).resolve()),
-                *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]  # as the interpreter builds sys.path
+        head = [
+            str(Path(cwd, argv[1]).resolve().parent) if argv[1] != "-m" else str(Path(cwd).resolve()),
+            *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+        ]  # as the interpreter builds sys.path
         sys.path[:] = [*head, *(p for p in sys.path[1:] if p not in head)]
         try:
             if argv[1] == "-m":
@@ -234,8 +239,19 @@ def run_digits_with_fid(tmp_path: Path, *, steps: int, n_samples: int):
     Asserts exit status 0 (stderr as the message); returns ``(stdout, result.json as a dict)``.
     """
     env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
-    cmd = [sys.executable, str(ROOT / "run.py"), "model=digits", "sampler=dgrs", "K=2", "L=3", f"steps={steps}",
-           f"n_samples={n_samples}", "metrics=[fid]", "threads=1", f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "model=digits",
+        "sampler=dgrs",
+        "K=2",
+        "L=3",
+        f"steps={steps}",
+        f"n_samples={n_samples}",
+        "metrics=[fid]",
+        "threads=1",
+        f"hydra.run.dir={tmp_path}",
+    ]
     out = python(cmd, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout, json.loads((tmp_path / "result.json").read_text())
@@ -307,8 +323,14 @@ class RowwiseMixture(GaussianMixture):
 ROWWISE = RowwiseMixture(dim=4, components=3, layout_seed=1)
 IRREGULAR = [-1, 0, 0, 0, 1, 1, 2, 4, 4]  # widths 3 / (2, 1, 0) / (2, 0, 0) / leaves
 # step-dependent trees (tree=optimal_per_step's kind): a different shape per root state index 1..6
-BY_ROOT = {1: DraftTree.uniform(2, 3), 2: DraftTree.from_widths([3, 1, 2]), 3: DraftTree.chain(2), 4: DraftTree(IRREGULAR),
-           5: DraftTree.uniform(1, 1), 6: DraftTree.uniform(3, 2)}
+BY_ROOT = {
+    1: DraftTree.uniform(2, 3),
+    2: DraftTree.from_widths([3, 1, 2]),
+    3: DraftTree.chain(2),
+    4: DraftTree(IRREGULAR),
+    5: DraftTree.uniform(1, 1),
+    6: DraftTree.uniform(3, 2),
+}
 
 
 def tree_of(spec):
@@ -364,8 +386,11 @@ def nan_residual_coupling(**_):
 
     def verify(children, mean_p, mean_q, sigma, generator=None):
         n, k = children.shape[:2]
-        return Verdict(torch.full_like(mean_q, float("nan")), torch.zeros(n, dtype=torch.bool, device=children.device),
-                       torch.full((n,), k, dtype=torch.long, device=children.device))
+        return Verdict(
+            torch.full_like(mean_q, float("nan")),
+            torch.zeros(n, dtype=torch.bool, device=children.device),
+            torch.full((n,), k, dtype=torch.long, device=children.device),
+        )
 
     return Coupling("nan_residual", verify)
 

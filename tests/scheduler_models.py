@@ -67,7 +67,9 @@ class PredictionNet:
 
 def mixture_denoiser(gmm):
     """``denoise(x, s)``: the mixture's exact posterior mean ``E[x0 | x]`` (states of any event shape)."""
-    return lambda x, s: gmm.denoise(x.reshape(x.shape[0], -1).to(gmm.dtype), s.to(gmm.dtype)).reshape(x.shape).to(torch.float64)
+    return lambda x, s: (
+        gmm.denoise(x.reshape(x.shape[0], -1).to(gmm.dtype), s.to(gmm.dtype)).reshape(x.shape).to(torch.float64)
+    )
 
 
 def edm_denoiser(net, label: int | None = None, label_dim: int = 0):
@@ -133,5 +135,7 @@ def law_pvalues(a: torch.Tensor, b: torch.Tensor, gmm=None, directions: int = 5,
         ca = np.bincount(gmm.component(a.to(gmm.dtype)).numpy(), minlength=C)
         cb = np.bincount(gmm.component(b.to(gmm.dtype)).numpy(), minlength=C)
         keep = (ca + cb) > 0
-        out["components"] = float(stats.chi2_contingency(np.stack([ca[keep], cb[keep]])).pvalue) if keep.sum() > 1 else 1.0
+        out["components"] = (
+            float(stats.chi2_contingency(np.stack([ca[keep], cb[keep]])).pvalue) if keep.sum() > 1 else 1.0
+        )
     return out

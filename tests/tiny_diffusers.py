@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from tiny_sd3 import tiny_tokenizer, write_tokenizer_files
 
 IMAGE = 8  # DDPM image side; SD latent side (image 16)
@@ -30,9 +29,16 @@ def tiny_unet2d(seed: int = 0):
     from diffusers import UNet2DModel
 
     torch.manual_seed(seed)
-    return UNet2DModel(sample_size=IMAGE, in_channels=3, out_channels=3, layers_per_block=1,
-                       block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4).eval()
+    return UNet2DModel(
+        sample_size=IMAGE,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+    ).eval()
 
 
 def tiny_ddpm(seed: int = 0, **scheduler):
@@ -45,15 +51,22 @@ def tiny_ddpm(seed: int = 0, **scheduler):
 
 def tiny_text_encoder(seed: int = 2):
     """A two-layer ``CLIPTextModel`` of width 8 over the tokenizer's vocabulary."""
+    from tiny_sd3 import clip_vocab
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from tiny_sd3 import clip_vocab
-
     vocab, _ = clip_vocab()
-    cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
-                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
-                         hidden_act="quick_gelu", bos_token_id=vocab["<|startoftext|>"],
-                         eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"])
+    cfg = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=2 * TEXT_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        hidden_act="quick_gelu",
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )
     torch.manual_seed(seed)
     return CLIPTextModel(cfg).eval()
 
@@ -63,10 +76,18 @@ def tiny_unet_cond(seed: int = 0):
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(seed)
-    return UNet2DConditionModel(sample_size=IMAGE, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=TEXT_HIDDEN,
-                                attention_head_dim=2, norm_num_groups=4).eval()
+    return UNet2DConditionModel(
+        sample_size=IMAGE,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=TEXT_HIDDEN,
+        attention_head_dim=2,
+        norm_num_groups=4,
+    ).eval()
 
 
 def tiny_vae(seed: int = 1):
@@ -74,9 +95,18 @@ def tiny_vae(seed: int = 1):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
-                         latent_channels=4, norm_num_groups=4, sample_size=2 * IMAGE, scaling_factor=0.18215).eval()
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=2 * IMAGE,
+        scaling_factor=0.18215,
+    ).eval()
 
 
 def tiny_sd(scheduler: str = "ddpm", prediction_type: str = "epsilon", seed: int = 0):
@@ -86,18 +116,31 @@ def tiny_sd(scheduler: str = "ddpm", prediction_type: str = "epsilon", seed: int
 
     cls = {"ddpm": DDPMScheduler, "euler_ancestral": EulerAncestralDiscreteScheduler}[scheduler]
     extra = {"clip_sample": False} if scheduler == "ddpm" else {}
-    sch = cls(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", prediction_type=prediction_type,
-              steps_offset=1, timestep_spacing="leading", **extra)
-    return StableDiffusionPipeline(vae=tiny_vae(), text_encoder=tiny_text_encoder(), tokenizer=tiny_tokenizer(),
-                                   unet=tiny_unet_cond(seed), scheduler=sch, safety_checker=None,
-                                   feature_extractor=None, requires_safety_checker=False)
+    sch = cls(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type=prediction_type,
+        steps_offset=1,
+        timestep_spacing="leading",
+        **extra,
+    )
+    return StableDiffusionPipeline(
+        vae=tiny_vae(),
+        text_encoder=tiny_text_encoder(),
+        tokenizer=tiny_tokenizer(),
+        unet=tiny_unet_cond(seed),
+        scheduler=sch,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
 
 
 def tiny_sd3(stochastic: bool = True):
     """:func:`tiny_sd3.tiny_pipeline` with ``FlowMatchEulerDiscreteScheduler(shift=3, stochastic_sampling=...)``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     import tiny_sd3 as sd3
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     pipe = sd3.tiny_pipeline()
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=stochastic)

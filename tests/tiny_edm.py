@@ -15,7 +15,7 @@ import types
 
 import torch
 
-TINY_SRC = '''
+TINY_SRC = """
 import torch
 from torch_utils import persistence
 
@@ -31,7 +31,7 @@ class TinyPrecond(torch.nn.Module):
         s = sigma.to(torch.float32).reshape(-1, 1, 1, 1)
         h = self.proj(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         return x / (1 + s ** 2) + h * s / (1 + s)
-'''
+"""
 
 
 def tiny_precond(img_channels: int = 2, label_dim: int = 0, img_resolution: int = 4):

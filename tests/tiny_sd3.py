@@ -157,11 +157,23 @@ def write_tokenizer_files(directory: str | Path, pad_token: str = "<|endoftext|>
     directory.mkdir(parents=True, exist_ok=True)
     vocab, merges = clip_vocab()
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "pad_token": pad_token}
+    (directory / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+    )
+    special = {
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": pad_token,
+    }
     (directory / "special_tokens_map.json").write_text(json.dumps(special), encoding="utf-8")
-    config = {**special, "tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "do_lower_case": True,
-              "clean_up_tokenization_spaces": True}
+    config = {
+        **special,
+        "tokenizer_class": "CLIPTokenizer",
+        "model_max_length": 77,
+        "do_lower_case": True,
+        "clean_up_tokenization_spaces": True,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return directory
 

@@ -42,8 +42,11 @@ def tiny_inception_state_dict(seed: int = 0) -> dict:
 
     import torch_fidelity.feature_extractor_inceptionv3 as inc
 
-    with torch.device("meta"), mock.patch.object(inc, "load_state_dict_from_url", lambda *a, **k: {}), \
-            mock.patch.object(inc.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd: None):
+    with (
+        torch.device("meta"),
+        mock.patch.object(inc, "load_state_dict_from_url", lambda *a, **k: {}),
+        mock.patch.object(inc.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd: None),
+    ):
         net = inc.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])  # shapes only, nothing allocated
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -100,7 +103,13 @@ def write_tiny_clip(directory: str | Path, quick_gelu: bool = True, seed: int = 
     weights = directory / "open_clip_model.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
     if config:
-        preprocess = {"mean": list(open_clip.OPENAI_DATASET_MEAN), "std": list(open_clip.OPENAI_DATASET_STD),
-                      "interpolation": "bicubic", "resize_mode": "shortest"}
-        (directory / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess}))
+        preprocess = {
+            "mean": list(open_clip.OPENAI_DATASET_MEAN),
+            "std": list(open_clip.OPENAI_DATASET_STD),
+            "interpolation": "bicubic",
+            "resize_mode": "shortest",
+        }
+        (directory / "open_clip_config.json").write_text(
+            json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess})
+        )
     return weights

@@ -21,7 +21,9 @@ def _gflop_per_row(model) -> float | None:
 
         cond = {"class_labels": torch.zeros(1, dtype=torch.long, device=model.device)} if model.label_dim else {}
         with FlopCounterMode(display=False) as counter:
-            model(torch.randn(1, *model.event_shape).to(model.device), torch.full((1,), 0.5, device=model.device), **cond)
+            model(
+                torch.randn(1, *model.event_shape).to(model.device), torch.full((1,), 0.5, device=model.device), **cond
+            )
         return counter.get_total_flops() / 1e9
     except Exception:  # noqa: BLE001  (a count is a convenience, not a measurement)
         return None
@@ -77,14 +79,23 @@ def call_cost(ctx: Context) -> dict:
                     break
                 s = stats(times)
                 gf = entry["gflop_per_row"]
-                curve.append({"rows": b, "seconds": s, "per_row_s": s["median"] / b, "peak_mib": peak_mib(dev),
-                              "tflop_per_s": gf * b / s["median"] / 1e3 if gf else None})
+                curve.append(
+                    {
+                        "rows": b,
+                        "seconds": s,
+                        "per_row_s": s["median"] / b,
+                        "peak_mib": peak_mib(dev),
+                        "tflop_per_s": gf * b / s["median"] / 1e3 if gf else None,
+                    }
+                )
                 del xs
             entry["curves"][dtype] = curve
             ok = [c for c in curve if "seconds" in c]
             if ok:
-                ctx.log(f"  call_cost {name} {dtype}: {ok[-1]['rows']} rows {fmt_stats(ok[-1]['seconds'])}, "
-                        f"peak {'n/a' if ok[-1]['peak_mib'] is None else format(ok[-1]['peak_mib'], '.0f') + ' MiB'}")
+                ctx.log(
+                    f"  call_cost {name} {dtype}: {ok[-1]['rows']} rows {fmt_stats(ok[-1]['seconds'])}, "
+                    f"peak {'n/a' if ok[-1]['peak_mib'] is None else format(ok[-1]['peak_mib'], '.0f') + ' MiB'}"
+                )
             del model
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -96,7 +107,9 @@ def call_cost(ctx: Context) -> dict:
             ok = [c for c in curve if "seconds" in c]
             if ok:
                 rate = ok[-1]["tflop_per_s"]
-                lines.append(f"call_cost {name} {dtype}: 1 row {fmt_stats(ok[0]['seconds'])}, {ok[-1]['rows']} rows "
-                             f"{fmt_stats(ok[-1]['seconds'])} ({ok[-1]['seconds']['median'] / ok[0]['seconds']['median']:.1f}x"
-                             + (f", {rate:.3g} TFLOP/s)" if rate else ")"))
+                lines.append(
+                    f"call_cost {name} {dtype}: 1 row {fmt_stats(ok[0]['seconds'])}, {ok[-1]['rows']} rows "
+                    f"{fmt_stats(ok[-1]['seconds'])} ({ok[-1]['seconds']['median'] / ok[0]['seconds']['median']:.1f}x"
+                    + (f", {rate:.3g} TFLOP/s)" if rate else ")")
+                )
     return {"networks": out, "summary": lines, "passed": True}

@@ -40,14 +40,17 @@ def compile_check(ctx: Context) -> dict:
         if why is not None:
             skipped.append(f"sampler round under compile: {why}")
         elif dev.type != "cuda" and ctx.tiny:
-            skipped.append("sampler round under compile on the CPU: not in --tiny (a compilation takes tens of seconds)")
+            skipped.append(
+                "sampler round under compile on the CPU: not in --tiny (a compilation takes tens of seconds)"
+            )
         elif ctx.left() < 90:
             skipped.append("sampler round under compile: under 90 s of the soft budget left (two compilations)")
         else:
             out += _sampler_compiled(ctx)
     else:
-        skipped.append("sampler round under compile: sample_speculative takes no 'compile' keyword; "
-                       "the network call only")
+        skipped.append(
+            "sampler round under compile: sample_speculative takes no 'compile' keyword; the network call only"
+        )
     if dev.type != "cuda":
         lines = [_sampler_line(r) for r in out] or ["compile: skipped on the CPU"]
         passed = all(r.get("counts_equal", True) and "error" not in r for r in out)
@@ -85,9 +88,16 @@ def compile_check(ctx: Context) -> dict:
                 sync(dev)
                 cs = time.perf_counter() - t
                 st = timed(lambda cnet=cnet, x=x, s=s, lab=lab: cnet(x, s, lab))
-                out.append({"variant": "torch.compile", "rows": b, "seconds": st, "compile_s": cs,
-                            "speedup_vs_eager": eager["median"] / st["median"],
-                            "max_abs_diff": float((y - ref).abs().max())})
+                out.append(
+                    {
+                        "variant": "torch.compile",
+                        "rows": b,
+                        "seconds": st,
+                        "compile_s": cs,
+                        "speedup_vs_eager": eager["median"] / st["median"],
+                        "max_abs_diff": float((y - ref).abs().max()),
+                    }
+                )
             except _NotTried as e:
                 skipped.append(f"torch.compile at {b} rows: {e}")
             except Exception as e:  # noqa: BLE001  (recorded: compile may not work on this image)
@@ -105,14 +115,25 @@ def compile_check(ctx: Context) -> dict:
                 graph.replay()
                 sync(dev)
                 st = timed(graph.replay)
-                out.append({"variant": "cuda graph", "rows": b, "seconds": st,
-                            "speedup_vs_eager": eager["median"] / st["median"],
-                            "max_abs_diff": float((y - ref).abs().max())})
+                out.append(
+                    {
+                        "variant": "cuda graph",
+                        "rows": b,
+                        "seconds": st,
+                        "speedup_vs_eager": eager["median"] / st["median"],
+                        "max_abs_diff": float((y - ref).abs().max()),
+                    }
+                )
             except Exception as e:  # noqa: BLE001
                 out.append({"variant": "cuda graph", "rows": b, "error": f"{type(e).__name__}: {e}"[:2000]})
-    lines = [_sampler_line(r) if r["variant"].startswith("sampler") else
-             f"compile {r['variant']:<13} {r['rows']:>5} rows: {fmt_stats(r['seconds'])} ({r['speedup_vs_eager']:.2f}x eager)"
-             if "seconds" in r else f"compile {r['variant']} {r['rows']} rows: {r['error'][:120]}" for r in out]
+    lines = [
+        _sampler_line(r)
+        if r["variant"].startswith("sampler")
+        else f"compile {r['variant']:<13} {r['rows']:>5} rows: {fmt_stats(r['seconds'])} ({r['speedup_vs_eager']:.2f}x eager)"
+        if "seconds" in r
+        else f"compile {r['variant']} {r['rows']} rows: {r['error'][:120]}"
+        for r in out
+    ]
     return {"network": DIGITS, "rows": out, "skipped": skipped, "summary": lines, "passed": True}
 
 
@@ -129,8 +150,14 @@ def _sampler_line(r: dict) -> str:
     """One summary line of a :func:`_sampler_compiled` row."""
     if "error" in r:
         return f"compile {r['variant']} {r['rows']} rows: {r['error'][:120]}"
-    extra = (f", first run {r['first_run_s']:.1f} s, counts equal: {r.get('counts_equal')}, samples within "
-             f"{r.get('max_abs_diff', float('nan')):.2g}") if "counts_equal" in r else ""
+    extra = (
+        (
+            f", first run {r['first_run_s']:.1f} s, counts equal: {r.get('counts_equal')}, samples within "
+            f"{r.get('max_abs_diff', float('nan')):.2g}"
+        )
+        if "counts_equal" in r
+        else ""
+    )
     speedup = r.get("speedup_vs_eager", 1.0)
     return f"compile {r['variant']:<22} {r['rows']:>3} rows: {fmt_stats(r['seconds'])} ({speedup:.2f}x eager{extra})"
 
@@ -149,9 +176,20 @@ def _sampler_compiled(ctx: Context) -> list[dict]:
     cond = labels_for(model, n, ctx.seed)
     out, res = [], {}
     for flag in (False, True):
+
         def go(flag=flag):
-            return sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", n, execution="tree",
-                                      seed=ctx.seed, cond=cond, compile=flag)
+            return sample_speculative(
+                model,
+                sched,
+                DraftTree.uniform(2, 3),
+                "dgrs",
+                n,
+                execution="tree",
+                seed=ctx.seed,
+                cond=cond,
+                compile=flag,
+            )
+
         try:
             t = time.perf_counter()
             res[flag] = go()
@@ -168,7 +206,9 @@ def _sampler_compiled(ctx: Context) -> list[dict]:
     if len(res) == 2 and "seconds" in out[0] and "seconds" in out[1]:
         out[1]["speedup_vs_eager"] = out[0]["seconds"]["median"] / out[1]["seconds"]["median"]
         out[0]["speedup_vs_eager"] = 1.0
-        out[1]["counts_equal"] = bool(torch.equal(res[False].nfe.cpu(), res[True].nfe.cpu())
-                                      and torch.equal(res[False].accepts.cpu(), res[True].accepts.cpu()))
+        out[1]["counts_equal"] = bool(
+            torch.equal(res[False].nfe.cpu(), res[True].nfe.cpu())
+            and torch.equal(res[False].accepts.cpu(), res[True].accepts.cpu())
+        )
         out[1]["max_abs_diff"] = float((res[False].samples.float() - res[True].samples.float()).abs().max())
     return out

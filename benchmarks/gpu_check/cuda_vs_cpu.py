@@ -71,9 +71,16 @@ def cuda_vs_cpu(ctx: Context) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     out = []
     try:
-        targets = [("gmm d=500 float64", lambda d: GaussianMixture(500, 5, 0, dtype=torch.float64, device=d), 64),
-                   ("digits float32", lambda d: digits_velocity(d), 16)]
-        tree = {"name": "dgrs (2,3)", "tree": DraftTree.uniform(2, min(3, T - 2)), "coupling": "dgrs", "draft": "velocity"}
+        targets = [
+            ("gmm d=500 float64", lambda d: GaussianMixture(500, 5, 0, dtype=torch.float64, device=d), 64),
+            ("digits float32", lambda d: digits_velocity(d), 16),
+        ]
+        tree = {
+            "name": "dgrs (2,3)",
+            "tree": DraftTree.uniform(2, min(3, T - 2)),
+            "coupling": "dgrs",
+            "draft": "velocity",
+        }
         for name, make, n in targets:
             if ctx.left() < 0:
                 out.append({"target": name, "skipped": "soft budget spent"})
@@ -91,15 +98,36 @@ def cuda_vs_cpu(ctx: Context) -> dict:
                 probe = float(p_diff[p_same].max()) if bool(p_same.any()) else float("nan")
                 floor = 64 * u * float(r_cpu.samples.double().abs().max())
                 tol = max(10 * probe, floor) if math.isfinite(probe) else floor
-                out.append({"target": name, "arm": arm["name"], "images": n, "steps": T,
-                            "counts_equal": int(same.sum()), "max_abs_diff": float(diff.max()),
-                            "max_abs_diff_counts_equal": float(diff[same].max()) if bool(same.any()) else None,
-                            "rel": rel, "probe_D": probe, "probe_counts_equal": int(p_same.sum()), "tol": tol,
-                            "passed": bool(same.all()) and float(diff.max()) <= tol})
+                out.append(
+                    {
+                        "target": name,
+                        "arm": arm["name"],
+                        "images": n,
+                        "steps": T,
+                        "counts_equal": int(same.sum()),
+                        "max_abs_diff": float(diff.max()),
+                        "max_abs_diff_counts_equal": float(diff[same].max()) if bool(same.any()) else None,
+                        "rel": rel,
+                        "probe_D": probe,
+                        "probe_counts_equal": int(p_same.sum()),
+                        "tol": tol,
+                        "passed": bool(same.all()) and float(diff.max()) <= tol,
+                    }
+                )
             del m_dev, m_cpu
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
-    lines = [f"cuda_vs_cpu {r['target']} {r['arm']}: counts equal {r['counts_equal']}/{r['images']}, max |diff| "
-             f"{r['max_abs_diff']:.3g} <= tol {r['tol']:.3g}: {'pass' if r['passed'] else 'FAIL'}" for r in out if "arm" in r]
-    return {"reference": "cpu", "device": str(dev), "trivial": dev.type == "cpu", "targets": out, "summary": lines,
-            "passed": all(r.get("passed", False) for r in out)}
+    lines = [
+        f"cuda_vs_cpu {r['target']} {r['arm']}: counts equal {r['counts_equal']}/{r['images']}, max |diff| "
+        f"{r['max_abs_diff']:.3g} <= tol {r['tol']:.3g}: {'pass' if r['passed'] else 'FAIL'}"
+        for r in out
+        if "arm" in r
+    ]
+    return {
+        "reference": "cpu",
+        "device": str(dev),
+        "trivial": dev.type == "cpu",
+        "targets": out,
+        "summary": lines,
+        "passed": all(r.get("passed", False) for r in out),
+    }

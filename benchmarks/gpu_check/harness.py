@@ -83,8 +83,12 @@ def parse_args(argv, description: str) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5; tiny 2)")
     p.add_argument("--batches", default=None, help="images sampled together, e.g. 1,4,16,64 (the default)")
-    p.add_argument("--budget-s", type=float, default=270.0,
-                   help="soft time budget in seconds: sections not begun by then are skipped (default 270)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="soft time budget in seconds: sections not begun by then are skipped (default 270)",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,8 +175,10 @@ def main(argv, description: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ctx = Context(a)
     env = environment(ctx.device)
-    head = (f"# specsamp GPU check on {env.get('gpu', 'CPU')} ({env['device']}), torch {env['torch']}, "
-            f"{'tiny rehearsal' if a.tiny else 'full sizes'}, {env['date']}")
+    head = (
+        f"# specsamp GPU check on {env.get('gpu', 'CPU')} ({env['device']}), torch {env['torch']}, "
+        f"{'tiny rehearsal' if a.tiny else 'full sizes'}, {env['date']}"
+    )
     summary = [head]
     print(head, flush=True)
     statuses = {}
@@ -194,7 +200,8 @@ def main(argv, description: str) -> int:
         signal.signal(signal.SIGTERM, previous)
     ran = all(s.startswith("ok") for s in statuses.values())
     final = f"# {'every section ran' if ran else 'some sections did not run'}: " + ", ".join(
-        f"{k} {v}" for k, v in statuses.items())
+        f"{k} {v}" for k, v in statuses.items()
+    )
     summary.append(final)
     print(final, flush=True)
     _write_text(out / "summary.txt", "\n".join(summary) + "\n")

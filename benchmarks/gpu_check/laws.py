@@ -54,19 +54,31 @@ def laws(ctx: Context) -> dict:
             keys = rng.base_key(ctx.seed, torch.arange(n), "verify").to(dev)
             v = fn(kids.to(dev), mean_p.to(dev), mean_q.to(dev), sigma, rng.KeyedRows(keys))
             z = (v.sample.double().cpu() - mean_q.double()) / sigma
-            coup.append({"rule": name, "K": K, "delta": delta,
-                         "p_parallel": float(stats.kstest((z @ e).numpy(), "norm").pvalue),
-                         "p_orthogonal": float(stats.kstest((z @ w).numpy(), "norm").pvalue),
-                         "acceptance": float(v.accepted.float().mean())})
+            coup.append(
+                {
+                    "rule": name,
+                    "K": K,
+                    "delta": delta,
+                    "p_parallel": float(stats.kstest((z @ e).numpy(), "norm").pvalue),
+                    "p_orthogonal": float(stats.kstest((z @ w).numpy(), "norm").pvalue),
+                    "acceptance": float(v.accepted.float().mean()),
+                }
+            )
             del kids, v
     m = 120 if ctx.tiny else 512
     model = digits_velocity(dev, "bfloat16")
     sched = Schedule.make(6 if ctx.tiny else 8, EPS)
     ref = run_arm(model, {"tree": None}, sched, m, ctx.seed + 1).samples.double().cpu().reshape(m, -1)
     bf = []
-    for arm in ({"name": "dgrs (2,3)", "tree": DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"},
-                {"name": "rmc chain 14", "tree": DraftTree.chain(min(14, sched.steps - 2)), "coupling": "rmc",
-                 "draft": "velocity"}):
+    for arm in (
+        {"name": "dgrs (2,3)", "tree": DraftTree.uniform(2, 3), "coupling": "dgrs", "draft": "velocity"},
+        {
+            "name": "rmc chain 14",
+            "tree": DraftTree.chain(min(14, sched.steps - 2)),
+            "coupling": "rmc",
+            "draft": "velocity",
+        },
+    ):
         x = run_arm(model, arm, sched, m, ctx.seed + 2).samples.double().cpu().reshape(m, -1)
         gp = torch.Generator().manual_seed(ctx.seed)
         ps = []
@@ -75,7 +87,9 @@ def laws(ctx: Context) -> dict:
             ps.append(float(stats.ks_2samp((x @ u).numpy(), (ref @ u).numpy()).pvalue))
         bf.append({"arm": arm["name"], "n": m, "p_values": ps, "min_p": min(ps)})
     passed = all(min(r["p_parallel"], r["p_orthogonal"]) > P_MIN for r in coup) and all(r["min_p"] > P_MIN for r in bf)
-    lines = [f"laws: {len(coup)} coupling checks, smallest KS p "
-             f"{min(min(r['p_parallel'], r['p_orthogonal']) for r in coup):.3g}; bfloat16 sampler smallest p "
-             f"{min(r['min_p'] for r in bf):.3g}; {'pass' if passed else 'FAIL'} (p > {P_MIN:g})"]
+    lines = [
+        f"laws: {len(coup)} coupling checks, smallest KS p "
+        f"{min(min(r['p_parallel'], r['p_orthogonal']) for r in coup):.3g}; bfloat16 sampler smallest p "
+        f"{min(r['min_p'] for r in bf):.3g}; {'pass' if passed else 'FAIL'} (p > {P_MIN:g})"
+    ]
     return {"couplings": coup, "bf16": bf, "p_min": P_MIN, "summary": lines, "passed": passed}

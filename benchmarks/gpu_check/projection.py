@@ -47,17 +47,35 @@ def projection(ctx: Context) -> dict:
             wall = net + r["other_s"]["median"]
             if r["arm"] == "standard":
                 base[r["batch"]] = wall
-            out.append({"arm": r["arm"], "batch": r["batch"], "dtype": dtype, "projected_network_s": net,
-                        "other_s": r["other_s"]["median"], "projected_wall_s": wall,
-                        "projected_speedup": base[r["batch"]] / wall if r["batch"] in base else None,
-                        "nfe_speedup": r["nfe_speedup"], "max_rows": max(hist),
-                        "beyond_measured": max(hist) > max(c["rows"] for c in curve if "seconds" in c)})
+            out.append(
+                {
+                    "arm": r["arm"],
+                    "batch": r["batch"],
+                    "dtype": dtype,
+                    "projected_network_s": net,
+                    "other_s": r["other_s"]["median"],
+                    "projected_wall_s": wall,
+                    "projected_speedup": base[r["batch"]] / wall if r["batch"] in base else None,
+                    "nfe_speedup": r["nfe_speedup"],
+                    "max_rows": max(hist),
+                    "beyond_measured": max(hist) > max(c["rows"] for c in curve if "seconds" in c),
+                }
+            )
     lines = []
     for dtype in dict.fromkeys(r["dtype"] for r in out):
         for arm in dict.fromkeys(r["arm"] for r in out if r["arm"] != "standard"):
             cells = [r for r in out if r["dtype"] == dtype and r["arm"] == arm]
-            lines.append(f"projection (EDM CIFAR-10 layout, {dtype}) {arm:<16} projected speedup "
-                         + ", ".join(f"x{r['batch']} {r['projected_speedup'] or float('nan'):.2f} (NFE {r['nfe_speedup']:.2f})"
-                                     for r in cells))
-    return {"what": "projection, not a measurement: digits calls priced at the CIFAR-10 layout's measured call "
-                    "cost, plus the digits runs' non-network time", "rows": out, "summary": lines, "passed": True}
+            lines.append(
+                f"projection (EDM CIFAR-10 layout, {dtype}) {arm:<16} projected speedup "
+                + ", ".join(
+                    f"x{r['batch']} {r['projected_speedup'] or float('nan'):.2f} (NFE {r['nfe_speedup']:.2f})"
+                    for r in cells
+                )
+            )
+    return {
+        "what": "projection, not a measurement: digits calls priced at the CIFAR-10 layout's measured call "
+        "cost, plus the digits runs' non-network time",
+        "rows": out,
+        "summary": lines,
+        "passed": True,
+    }

@@ -43,5 +43,6 @@ def run_arm(model, arm: dict, schedule: Schedule, n: int, seed: int):
     cond = labels_for(model, n, seed)
     if arm["tree"] is None:
         return sample_standard(model, schedule, n, seed=seed, cond=cond)
-    return sample_speculative(model, schedule, arm["tree"], arm["coupling"], n, draft=arm["draft"],
-                              execution="tree", seed=seed, cond=cond)
+    return sample_speculative(
+        model, schedule, arm["tree"], arm["coupling"], n, draft=arm["draft"], execution="tree", seed=seed, cond=cond
+    )

@@ -33,11 +33,41 @@ def arms(steps: int) -> list[dict]:
     h = steps - 2
     return [
         {"name": "standard", "tree": None, "coupling": None, "draft": None, "budget": 0},
-        {"name": "dgrs (2,3)", "tree": DraftTree.uniform(2, min(3, h)), "coupling": "dgrs", "draft": "velocity", "budget": 14},
-        {"name": "dgrs (2,5)", "tree": DraftTree.uniform(2, min(5, h)), "coupling": "dgrs", "draft": "velocity", "budget": 62},
-        {"name": "rmc chain 14", "tree": DraftTree.chain(min(14, h)), "coupling": "rmc", "draft": "velocity", "budget": 14},
-        {"name": "x0+optimal B=14", "tree": x0_optimal_tree(14, steps), "coupling": "dgrs", "draft": "x0", "budget": 14},
-        {"name": "x0+optimal B=62", "tree": x0_optimal_tree(62, steps), "coupling": "dgrs", "draft": "x0", "budget": 62},
+        {
+            "name": "dgrs (2,3)",
+            "tree": DraftTree.uniform(2, min(3, h)),
+            "coupling": "dgrs",
+            "draft": "velocity",
+            "budget": 14,
+        },
+        {
+            "name": "dgrs (2,5)",
+            "tree": DraftTree.uniform(2, min(5, h)),
+            "coupling": "dgrs",
+            "draft": "velocity",
+            "budget": 62,
+        },
+        {
+            "name": "rmc chain 14",
+            "tree": DraftTree.chain(min(14, h)),
+            "coupling": "rmc",
+            "draft": "velocity",
+            "budget": 14,
+        },
+        {
+            "name": "x0+optimal B=14",
+            "tree": x0_optimal_tree(14, steps),
+            "coupling": "dgrs",
+            "draft": "x0",
+            "budget": 14,
+        },
+        {
+            "name": "x0+optimal B=62",
+            "tree": x0_optimal_tree(62, steps),
+            "coupling": "dgrs",
+            "draft": "x0",
+            "budget": 62,
+        },
     ]
 
 
@@ -82,15 +112,25 @@ def wallclock(ctx: Context) -> dict:
             for r in call_rows:
                 hist[r] = hist.get(r, 0) + 1
             calls[(arm["name"], n)] = hist
-            rows.append({
-                "arm": arm["name"], "batch": n, "budget": arm["budget"], "wall_s": w, "network_s": stats(nets),
-                "other_s": stats([a - b for a, b in zip(walls, nets)]), "per_image_s": w["median"] / n,
-                "wall_speedup": (base / w["median"]) if base else None,
-                "nfe_speedup": float(res.speedup.double().mean()) if arm["tree"] is not None else 1.0,
-                "batch_nfe": int(res.batch_nfe), "rounds_mean": float(res.rounds.double().mean()),
-                "rows_per_image": float(res.target_rows.double().mean()), "peak_mib": peak_mib(dev),
-                "calls": {str(k): v for k, v in sorted(hist.items())}, "runs_with_other_calls": differ,
-            })
+            rows.append(
+                {
+                    "arm": arm["name"],
+                    "batch": n,
+                    "budget": arm["budget"],
+                    "wall_s": w,
+                    "network_s": stats(nets),
+                    "other_s": stats([a - b for a, b in zip(walls, nets)]),
+                    "per_image_s": w["median"] / n,
+                    "wall_speedup": (base / w["median"]) if base else None,
+                    "nfe_speedup": float(res.speedup.double().mean()) if arm["tree"] is not None else 1.0,
+                    "batch_nfe": int(res.batch_nfe),
+                    "rounds_mean": float(res.rounds.double().mean()),
+                    "rows_per_image": float(res.target_rows.double().mean()),
+                    "peak_mib": peak_mib(dev),
+                    "calls": {str(k): v for k, v in sorted(hist.items())},
+                    "runs_with_other_calls": differ,
+                }
+            )
             ctx.log(f"  wallclock {arm['name']:<16} x{n:<3}: {fmt_stats(w)}, NFE speedup {rows[-1]['nfe_speedup']:.2f}")
     syncs = {}
     n_sync = 16 if 16 in ctx.batches else max(ctx.batches)
@@ -98,18 +138,37 @@ def wallclock(ctx: Context) -> dict:
         if dev.type != "cuda" or ctx.over_share(SHARE):
             break
         syncs[arm["name"]] = host_syncs(model, arm, schedule, n_sync, ctx.seed)
-        ctx.log(f"  host syncs {arm['name']:<16} x{n_sync}: {syncs[arm['name']]['total']} "
-                f"({syncs[arm['name']]['per_round']:.1f} per round)")
+        ctx.log(
+            f"  host syncs {arm['name']:<16} x{n_sync}: {syncs[arm['name']]['total']} "
+            f"({syncs[arm['name']]['per_round']:.1f} per round)"
+        )
     ctx.shared["wallclock"] = {"rows": rows, "calls": calls}
-    lines = [f"wallclock {r['arm']:<16} x{r['batch']:<3}: {fmt_stats(r['wall_s'])} (network {fmt_stats(r['network_s'])}), "
-             f"NFE speedup {r['nfe_speedup']:.2f}, wall speedup {r['wall_speedup'] or float('nan'):.2f}"
-             for r in rows if "wall_s" in r]
+    lines = [
+        f"wallclock {r['arm']:<16} x{r['batch']:<3}: {fmt_stats(r['wall_s'])} (network {fmt_stats(r['network_s'])}), "
+        f"NFE speedup {r['nfe_speedup']:.2f}, wall speedup {r['wall_speedup'] or float('nan'):.2f}"
+        for r in rows
+        if "wall_s" in r
+    ]
     trees = {a["name"]: (a["tree"].parent.tolist() if a["tree"] is not None else None) for a in the_arms}
-    lines += [f"host syncs {k:<16} x{n_sync}: {v['total']} in all, {v['per_round']:.1f} per round; most at "
-              + ", ".join(f"{w} ({c})" for w, c in v["where"][:3]) for k, v in syncs.items()]
-    return {"network": DIGITS, "steps": ctx.steps, "eps": EPS, "execution": "tree", "repeats": ctx.repeats,
-            "tree_search_s": search_s, "trees": trees, "rows": rows, "host_syncs": syncs,
-            "host_syncs_batch": n_sync if syncs else None, "summary": lines, "passed": True}
+    lines += [
+        f"host syncs {k:<16} x{n_sync}: {v['total']} in all, {v['per_round']:.1f} per round; most at "
+        + ", ".join(f"{w} ({c})" for w, c in v["where"][:3])
+        for k, v in syncs.items()
+    ]
+    return {
+        "network": DIGITS,
+        "steps": ctx.steps,
+        "eps": EPS,
+        "execution": "tree",
+        "repeats": ctx.repeats,
+        "tree_search_s": search_s,
+        "trees": trees,
+        "rows": rows,
+        "host_syncs": syncs,
+        "host_syncs_batch": n_sync if syncs else None,
+        "summary": lines,
+        "passed": True,
+    }
 
 
 def host_syncs(model, arm: dict, schedule: Schedule, n: int, seed: int) -> dict:
@@ -143,5 +202,8 @@ def host_syncs(model, arm: dict, schedule: Schedule, n: int, seed: int) -> dict:
         counts[where] = counts.get(where, 0) + 1
     total = sum(counts.values())
     rounds = max(int(res.rounds.max()), 1) if arm["tree"] is not None else schedule.steps
-    return {"total": total, "per_round": total / rounds,
-            "where": sorted(([k, v] for k, v in counts.items()), key=lambda kv: -kv[1])[:20]}
+    return {
+        "total": total,
+        "per_round": total / rounds,
+        "where": sorted(([k, v] for k, v in counts.items()), key=lambda kv: -kv[1])[:20],
+    }

@@ -89,7 +89,9 @@ def failed_job_config(master: DictConfig, overrides: Sequence[str], error: BaseE
         cfg.hydra.sweep.subdir = subdir
         cfg.hydra.job.override_dirname = subdir
         cfg.hydra.overrides.task = [str(o) for o in overrides]
-        cfg.hydra.job.env_set[COMPOSE_ERROR_ENV] = _explained(error) or _one_paragraph(str(error)) or type(error).__name__
+        cfg.hydra.job.env_set[COMPOSE_ERROR_ENV] = (
+            _explained(error) or _one_paragraph(str(error)) or type(error).__name__
+        )
         cfg.hydra.job.env_set[COMPOSE_ERROR_KIND_ENV] = _kind(error)
     return cfg
 
@@ -143,7 +145,8 @@ def check_launcher(launcher: Any) -> None:
             f"hydra/launcher=slurm needs the SLURM command{'s' if len(missing) > 1 else ''} {' and '.join(missing)} "
             "on PATH, and this machine has none: start the sweep on a cluster's login node (with its SLURM "
             "module loaded), or run it here with hydra/launcher=local (submitit, one process per job) or "
-            "hydra/launcher=basic (one job after another). Nothing was launched.")
+            "hydra/launcher=basic (one job after another). Nothing was launched."
+        )
 
 
 KEEP_COMPOSED = 512  # composed job configs kept from the pre-check for the launcher (the rest are composed again)
@@ -155,11 +158,13 @@ def check_sweeper_keys(max_batch_size: Any, params: Any, validate: Any) -> None:
     Raises:
         specsamp.errors.ConfigError: names ``hydra.sweeper.KEY``, its value and what is valid.
     """
+
     def bad(key: str, value: Any) -> ConfigError:
         return ConfigError(f"hydra.sweeper.{key}={value!r} is invalid: must be {SWEEPER_KEYS[key]}.")
 
-    if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
-                                       or max_batch_size < 1):
+    if max_batch_size is not None and (
+        isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
+    ):
         raise bad("max_batch_size", max_batch_size)
     if params is not None and not isinstance(params, Mapping):
         raise bad("params", params)
@@ -212,11 +217,16 @@ def refusal(problems: Sequence[tuple[str, str]], n_jobs: int, validate: bool, sh
         head = f"{len(problems)} of the sweep's {n_jobs} jobs cannot run and hydra.sweeper.validate=true"
     parts = []
     for message, names in list(groups.items())[:shown]:
-        who = ("every job" if len(names) == n_jobs and n_jobs > 1 else
-               f"job {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
+        who = (
+            "every job"
+            if len(names) == n_jobs and n_jobs > 1
+            else f"job {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+        )
         parts.append(f"{who}: {message.rstrip('.')}")
     rest = len(groups) - shown
-    more = f"; {rest} more distinct error{'s' if rest > 1 else ''} (fix these and rerun to see them)" if rest > 0 else ""
+    more = (
+        f"; {rest} more distinct error{'s' if rest > 1 else ''} (fix these and rerun to see them)" if rest > 0 else ""
+    )
     parts[0] = parts[0][:1].upper() + parts[0][1:]
     return f"{head}, so nothing was launched. " + "; ".join(parts) + more + ". Fix the command and rerun it."
 
@@ -244,7 +254,9 @@ class SpecsampSweeper(BasicSweeper):
         self.config = config
         self.tolerant = TolerantConfigLoader(hydra_context.config_loader)
         tolerant = HydraContext(config_loader=self.tolerant, callbacks=hydra_context.callbacks)
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=tolerant, task_function=task_function, config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=tolerant, task_function=task_function, config=config
+        )
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:  # noqa: D102
         pass  # every job was checked before the first batch (precheck)
@@ -310,7 +322,9 @@ class SpecsampSweeper(BasicSweeper):
             self.validate_batch_is_legal(batch)
             results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
             for ret in results or []:
-                if getattr(ret, "status", None) == JobStatus.FAILED and is_infrastructure(getattr(ret, "_return_value", None)):
+                if getattr(ret, "status", None) == JobStatus.FAILED and is_infrastructure(
+                    getattr(ret, "_return_value", None)
+                ):
                     SWEEP_STATE["infrastructure"] = True
             initial_job_idx += len(batch)
             returns.append(results)

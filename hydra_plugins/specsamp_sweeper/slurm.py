@@ -85,7 +85,9 @@ class SpecsampSlurmConf(SlurmQueueConf):
 
 
 if HAVE_SUBMITIT:
-    ConfigStore.instance().store(group="hydra/launcher", name="specsamp_slurm", node=SpecsampSlurmConf, provider="specsamp")
+    ConfigStore.instance().store(
+        group="hydra/launcher", name="specsamp_slurm", node=SpecsampSlurmConf, provider="specsamp"
+    )
 
 
 def _gpus_for(device: Any) -> int:
@@ -117,17 +119,39 @@ class CellTimedOut(RuntimeError):
 
 _SETTINGS = (  # (pattern in sbatch's error, the settings it is about, what to do)
     (r"invalid partition", ("partition",), "name a partition that `sinfo -s` lists (null: the cluster's default)"),
-    (r"invalid account", ("account", "partition"), "name an account that `sacctmgr show assoc user=$USER` lists for that partition"),
-    (r"invalid qos|qos.*not valid|invalid quality of service", ("qos",), "name a QOS of your association (`sacctmgr show assoc user=$USER format=qos`)"),
-    (r"invalid generic resource|invalid gres|gres", ("gpus_per_node", "gres"), "use hydra/launcher=slurm_cpu (gpus_per_node=0) on a partition without GPUs"),
+    (
+        r"invalid account",
+        ("account", "partition"),
+        "name an account that `sacctmgr show assoc user=$USER` lists for that partition",
+    ),
+    (
+        r"invalid qos|qos.*not valid|invalid quality of service",
+        ("qos",),
+        "name a QOS of your association (`sacctmgr show assoc user=$USER format=qos`)",
+    ),
+    (
+        r"invalid generic resource|invalid gres|gres",
+        ("gpus_per_node", "gres"),
+        "use hydra/launcher=slurm_cpu (gpus_per_node=0) on a partition without GPUs",
+    ),
     (r"time limit", ("timeout_min",), "stay within the partition's MaxTime (`sinfo -o '%P %l'`)"),
     (r"memory", ("mem_gb",), "ask for less memory than a node has (`sinfo -N -o '%N %m'`, in MB)"),
-    (r"more processors|cpu count|cpus", ("cpus_per_task",), "ask for at most the CPUs of one node (`sinfo -N -o '%N %c'`)"),
-    (r"requested node configuration is not available|node count|nodes", ("cpus_per_task", "mem_gb", "gpus_per_node", "constraint", "nodes"),
-     "no node of the partition has that much: compare with `sinfo -N -o '%N %c %m %G'` (CPUs, MB, GPUs)"),
+    (
+        r"more processors|cpu count|cpus",
+        ("cpus_per_task",),
+        "ask for at most the CPUs of one node (`sinfo -N -o '%N %c'`)",
+    ),
+    (
+        r"requested node configuration is not available|node count|nodes",
+        ("cpus_per_task", "mem_gb", "gpus_per_node", "constraint", "nodes"),
+        "no node of the partition has that much: compare with `sinfo -N -o '%N %c %m %G'` (CPUs, MB, GPUs)",
+    ),
 )
-_INFRA = re.compile(r"unable to contact slurm controller|socket timed out|connection refused|zero bytes were transmitted|"
-                    r"transport endpoint|munge|communication connection failure|slurm_persist_conn", re.I)
+_INFRA = re.compile(
+    r"unable to contact slurm controller|socket timed out|connection refused|zero bytes were transmitted|"
+    r"transport endpoint|munge|communication connection failure|slurm_persist_conn",
+    re.I,
+)
 
 
 def _sbatch_error(text: str) -> str:
@@ -148,17 +172,23 @@ def explain_refusal(error: BaseException, params: dict[str, Any]) -> tuple[int, 
     text = str(error)
     said = _sbatch_error(text)
     if _INFRA.search(text):
-        return INFRASTRUCTURE, (f"sbatch could not reach the SLURM controller ({said}). This is a problem of the cluster, "
-                                "not of the configuration: check `scontrol ping` (or ask the admins), then rerun the same "
-                                "command (finished cells are kept and skipped). Nothing was submitted.")
+        return INFRASTRUCTURE, (
+            f"sbatch could not reach the SLURM controller ({said}). This is a problem of the cluster, "
+            "not of the configuration: check `scontrol ping` (or ask the admins), then rerun the same "
+            "command (finished cells are kept and skipped). Nothing was submitted."
+        )
     for pattern, keys, what in _SETTINGS:
         if re.search(pattern, said, re.I):
             shown = ", ".join(f"hydra.launcher.{k}={params.get(k)!r}" for k in keys if k in params or k == keys[0])
-            return USAGE, (f"sbatch refused the sweep's job array: {said} The setting{'s' if ',' in shown else ''} "
-                           f"involved: {shown}; {what}. Nothing was submitted.")
-    return USAGE, (f"sbatch refused the sweep's job array: {said} Check the hydra.launcher settings (partition, account, "
-                   "qos, cpus_per_task, mem_gb, gpus_per_node, timeout_min, additional_parameters) against the cluster "
-                   "(`sinfo -s`); hydra.launcher.dry_run=true prints the sbatch script without submitting. Nothing was submitted.")
+            return USAGE, (
+                f"sbatch refused the sweep's job array: {said} The setting{'s' if ',' in shown else ''} "
+                f"involved: {shown}; {what}. Nothing was submitted."
+            )
+    return USAGE, (
+        f"sbatch refused the sweep's job array: {said} Check the hydra.launcher settings (partition, account, "
+        "qos, cpus_per_task, mem_gb, gpus_per_node, timeout_min, additional_parameters) against the cluster "
+        "(`sinfo -s`); hydra.launcher.dry_run=true prints the sbatch script without submitting. Nothing was submitted."
+    )
 
 
 SIGNAL_SLACK_S = 60  # SLURM sends the warning signal up to about a minute early (the controller polls)
@@ -179,22 +209,30 @@ def check_time_limit(params: dict[str, Any]) -> None:
 
     timeout, delay = params.get("timeout_min"), params.get("signal_delay_s")
     if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1:
-        raise ConfigError(f"hydra.launcher.timeout_min={timeout!r} is invalid: must be a whole number of minutes >= 1 "
-                          "(sbatch --time).")
+        raise ConfigError(
+            f"hydra.launcher.timeout_min={timeout!r} is invalid: must be a whole number of minutes >= 1 "
+            "(sbatch --time)."
+        )
     if delay is None:
         return
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
-        raise ConfigError(f"hydra.launcher.signal_delay_s={delay!r} is invalid: must be a whole number of seconds >= 0.")
+        raise ConfigError(
+            f"hydra.launcher.signal_delay_s={delay!r} is invalid: must be a whole number of seconds >= 0."
+        )
     if timeout * 60 - delay >= SIGNAL_SLACK_S:
         return
     least = -(-(delay + SIGNAL_SLACK_S) // 60)
-    lower = (f", or lower hydra.launcher.signal_delay_s to at most {timeout * 60 - SIGNAL_SLACK_S}"
-             if timeout * 60 - SIGNAL_SLACK_S >= 0 else "")
+    lower = (
+        f", or lower hydra.launcher.signal_delay_s to at most {timeout * 60 - SIGNAL_SLACK_S}"
+        if timeout * 60 - SIGNAL_SLACK_S >= 0
+        else ""
+    )
     raise ConfigError(
         f"hydra.launcher.timeout_min={timeout} ({timeout * 60} s) is too short for hydra.launcher.signal_delay_s="
         f"{delay}: SLURM sends the time-limit warning signal signal_delay_s seconds before timeout_min (up to "
         f"{SIGNAL_SLACK_S} s earlier), so every cell would be stopped by its own warning as soon as it starts, "
-        f"and again on every relaunch. Use hydra.launcher.timeout_min={least} or more{lower}. Nothing was submitted.")
+        f"and again on every relaunch. Use hydra.launcher.timeout_min={least} or more{lower}. Nothing was submitted."
+    )
 
 
 # squeue's pending reasons that no wait resolves: the request exceeds every node of the partition
@@ -234,7 +272,11 @@ class QueueView:
         for state, n in sorted(self.states.items()):
             part = f"{n} {state.lower()}"
             if state == "PENDING" and self.reasons:
-                part += " (" + ", ".join(r if len(self.reasons) == 1 else f"{k} {r}" for r, k in sorted(self.reasons.items())) + ")"
+                part += (
+                    " ("
+                    + ", ".join(r if len(self.reasons) == 1 else f"{k} {r}" for r, k in sorted(self.reasons.items()))
+                    + ")"
+                )
             parts.append(part)
         return ", ".join(parts)
 
@@ -275,20 +317,31 @@ def _nodes_of(partition: str | None) -> str:
 def stuck_message(job: str, view: QueueView, params: dict[str, Any], nodes: str, cancelled: bool) -> str:
     """The paragraph of a job whose tasks pend for a reason that cannot resolve (exit 2)."""
     reasons = sorted({r for r in view.reasons if stuck_reason(r)})
-    asked = ", ".join(f"hydra.launcher.{k}={params.get(k)!r}" for k in ("cpus_per_task", "mem_gb", "gpus_per_node", "partition")
-                      if k in params)
+    asked = ", ".join(
+        f"hydra.launcher.{k}={params.get(k)!r}"
+        for k in ("cpus_per_task", "mem_gb", "gpus_per_node", "partition")
+        if k in params
+    )
     extra = params.get("additional_parameters") or {}
     if extra:
         asked += f", hydra.launcher.additional_parameters={dict(extra)!r}"
-    have = (f"; the partition's nodes: {nodes}" if nodes else
-            "; compare with `sinfo -N -o '%N %c %m %G'` (CPUs, MB, GPUs per node)")
-    done = (f"The {len(view.stuck)} pending task{'s were' if len(view.stuck) > 1 else ' was'} cancelled (scancel); "
-            if cancelled else f"Cancel the pending tasks with scancel {job}; ")
-    return (f"SLURM cannot run job {job}: {len(view.stuck)} task{'s pend' if len(view.stuck) > 1 else ' pends'} with reason "
-            f"{', '.join(reasons)}, which waiting does not resolve (no node of the partition can take the request). "
-            f"The request: {asked}{have}. Lower the request (or choose another partition or launcher preset: "
-            f"hydra/launcher=slurm_cpu for a CPU partition). {done}then rerun the same command with the new settings "
-            "(finished cells are kept and skipped).")
+    have = (
+        f"; the partition's nodes: {nodes}"
+        if nodes
+        else "; compare with `sinfo -N -o '%N %c %m %G'` (CPUs, MB, GPUs per node)"
+    )
+    done = (
+        f"The {len(view.stuck)} pending task{'s were' if len(view.stuck) > 1 else ' was'} cancelled (scancel); "
+        if cancelled
+        else f"Cancel the pending tasks with scancel {job}; "
+    )
+    return (
+        f"SLURM cannot run job {job}: {len(view.stuck)} task{'s pend' if len(view.stuck) > 1 else ' pends'} with reason "
+        f"{', '.join(reasons)}, which waiting does not resolve (no node of the partition can take the request). "
+        f"The request: {asked}{have}. Lower the request (or choose another partition or launcher preset: "
+        f"hydra/launcher=slurm_cpu for a CPU partition). {done}then rerun the same command with the new settings "
+        "(finished cells are kept and skipped)."
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +364,9 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         **params: hydra-submitit-launcher's ``SlurmQueueConf`` keys, passed on unchanged.
     """
 
-    def __init__(self, poll_s: float = 5.0, cancel_on_interrupt: bool = False, dry_run: bool = False, **params: Any) -> None:
+    def __init__(
+        self, poll_s: float = 5.0, cancel_on_interrupt: bool = False, dry_run: bool = False, **params: Any
+    ) -> None:
         super().__init__(**params)
         self.poll_s = float(poll_s)
         self.cancel_on_interrupt = bool(cancel_on_interrupt)
@@ -320,7 +375,9 @@ class SpecsampSlurmLauncher(SlurmLauncher):
 
     # -- inside the array task -------------------------------------------------------------------
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict[type, Any]) -> JobReturn:
+    def __call__(
+        self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict[type, Any]
+    ) -> JobReturn:
         """Run one cell in its array task (hydra-submitit-launcher's body), with a timeout handler, and
         raise :class:`CellFailed` when it recorded a failure, so that the task's exit status is non-zero.
 
@@ -343,8 +400,10 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         def _timed_out(signum, frame):  # noqa: ARG001
             store = resume.active()
             if store is None:
-                why = ("it runs as one batch, so it restarts on relaunch; raise hydra.launcher.timeout_min, or set "
-                       "batch_size (or num_shards) so that it can resume")
+                why = (
+                    "it runs as one batch, so it restarts on relaunch; raise hydra.launcher.timeout_min, or set "
+                    "batch_size (or num_shards) so that it can resume"
+                )
             else:
                 why = "submitit's signal handler is not installed"
                 if callable(previous):
@@ -352,14 +411,17 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                         previous(signum, frame)  # checkpoint(), scontrol requeue, then SystemExit: the requeue resumes
                     except Exception as e:  # noqa: BLE001 (out of requeues, or scontrol refused): record timed_out
                         why = " ".join(str(e).split()) or type(e).__name__
-                why = (f"was not requeued ({why}); its {store.finished()} of {store.total} batches finished so far are "
-                       f"kept in {store.dir} and a relaunch continues from them; raise hydra.launcher.timeout_min or "
-                       "hydra.launcher.max_num_timeout")
+                why = (
+                    f"was not requeued ({why}); its {store.finished()} of {store.total} batches finished so far are "
+                    f"kept in {store.dir} and a relaunch continues from them; raise hydra.launcher.timeout_min or "
+                    "hydra.launcher.max_num_timeout"
+                )
             signal.signal(sig, signal.SIG_IGN)  # once: the cell is stopping
             raise CellTimedOut(
                 f"SLURM's time limit is near (signal {signal.Signals(signum).name}, sent signal_delay_s="
                 f"{self.params.get('signal_delay_s')} s before timeout_min={self.params.get('timeout_min')}): the cell "
-                f"stopped and {why}")
+                f"stopped and {why}"
+            )
 
         signal.signal(sig, _timed_out)
         try:
@@ -373,8 +435,9 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         failed = out_dir / jobs.FAILED if out_dir is not None else None
         if ret.status == JobStatus.FAILED or (failed is not None and failed.exists()):
             kind = (jobs._read_json(failed) or {}).get("kind") if failed is not None else None
-            raise CellFailed(f"cell {' '.join(ret.overrides or sweep_overrides)} failed (kind {kind or 'unknown'}): "
-                             f"see {failed}")
+            raise CellFailed(
+                f"cell {' '.join(ret.overrides or sweep_overrides)} failed (kind {kind or 'unknown'}): see {failed}"
+            )
         return ret
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -395,8 +458,11 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         import submitit
 
         params = dict(self.params)
-        ex = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
-                                   slurm_max_num_timeout=params.pop("max_num_timeout", 3))
+        ex = submitit.AutoExecutor(
+            folder=params.pop("submitit_folder"),
+            cluster="slurm",
+            slurm_max_num_timeout=params.pop("max_num_timeout", 3),
+        )
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
         return ex
@@ -454,10 +520,17 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 ids[d] = str(sub.get("job_id"))
         st = queue.states(ids.values()) if ids else {}
         if ids and not st:
-            print(f"warning: neither squeue nor sacct knows the {len(ids)} earlier SLURM task(s) of this sweep (or they do "
-                  "not answer): those cells are judged by their running.json", file=sys.stderr, flush=True)
-        live = {d: f"SLURM job {j} {st[j][0]}" + (f" ({st[j][1]})" if st[j][1] and st[j][1] != "None" else "")
-                for d, j in ids.items() if j in st and st[j][0] in queue.ALIVE}
+            print(
+                f"warning: neither squeue nor sacct knows the {len(ids)} earlier SLURM task(s) of this sweep (or they do "
+                "not answer): those cells are judged by their running.json",
+                file=sys.stderr,
+                flush=True,
+            )
+        live = {
+            d: f"SLURM job {j} {st[j][0]}" + (f" ({st[j][1]})" if st[j][1] and st[j][1] != "None" else "")
+            for d, j in ids.items()
+            if j in st and st[j][0] in queue.ALIVE
+        }
         for _, d in cells:
             if d in live or (d / jobs.RESULT).exists() or (d / jobs.FAILED).exists() or (d in ids and ids[d] in st):
                 continue
@@ -491,8 +564,11 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         mem = self._mem_gb([c for _, c in todo])
         if mem is not None:
             self.params["mem_gb"] = mem
-            print(f"mem_gb={mem} per task: the cells' own memory estimate with a margin (set hydra.launcher.mem_gb to "
-                  "choose it)", flush=True)
+            print(
+                f"mem_gb={mem} per task: the cells' own memory estimate with a margin (set hydra.launcher.mem_gb to "
+                "choose it)",
+                flush=True,
+            )
         executor = self._executor()
         if self.dry_run:
             from specsamp.runner.callback import SWEEP_STATE
@@ -501,10 +577,21 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             ex = executor._executor
             ex.parameters["map_count"] = len(todo)
             print(ex._make_submission_file_text(ex._submitit_command_str, "dry_run"), flush=True)
-            print(f"dry run: {len(todo)} cell(s) would be submitted as the job array above; nothing was submitted", flush=True)
+            print(
+                f"dry run: {len(todo)} cell(s) would be submitted as the job array above; nothing was submitted",
+                flush=True,
+            )
             return []
-        job_params = [(overrides, "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}", Singleton.get_state())
-                      for i, (overrides, _) in todo]
+        job_params = [
+            (
+                overrides,
+                "hydra.sweep.dir",
+                initial_job_idx + i,
+                f"job_id_for_{initial_job_idx + i}",
+                Singleton.get_state(),
+            )
+            for i, (overrides, _) in todo
+        ]
         try:
             submitted = executor.map_array(self, *zip(*job_params))
         except Exception as e:  # noqa: BLE001 (sbatch's refusal or an unreachable controller)
@@ -519,27 +606,41 @@ class SpecsampSlurmLauncher(SlurmLauncher):
         folder = Path(str(self.params["submitit_folder"]).replace("%j", array))
         for (_, (overrides, d)), job in zip(todo, submitted):
             d.mkdir(parents=True, exist_ok=True)
-            _write_json(d / queue.SLURM_FILE, {
-                "job_id": str(job.job_id), "array_job_id": array, "array_task_id": str(job.job_id).partition("_")[2] or None,
-                "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": list(overrides),
-                "stdout": str(job.paths.stdout), "stderr": str(job.paths.stderr),
-                "sbatch_script": str((folder / f"{array}_submission.sh").absolute())})
+            _write_json(
+                d / queue.SLURM_FILE,
+                {
+                    "job_id": str(job.job_id),
+                    "array_job_id": array,
+                    "array_task_id": str(job.job_id).partition("_")[2] or None,
+                    "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "overrides": list(overrides),
+                    "stdout": str(job.paths.stdout),
+                    "stderr": str(job.paths.stderr),
+                    "sbatch_script": str((folder / f"{array}_submission.sh").absolute()),
+                },
+            )
         where = f" to partition {self.params['partition']}" if self.params.get("partition") else ""
         par = self.params.get("array_parallelism")
         if len(todo) == 1:  # submitit submits one cell as a plain job: no array, no task ids
             job = submitted[0]
-            print(f"submitted SLURM job {array}{where}: 1 task (one cell: a plain job, not an array)\n"
-                  f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
-                  f"  logs:          {job.paths.stdout} (.err)\n"
-                  f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
-                  f"  cancel:        scancel {array}", flush=True)
+            print(
+                f"submitted SLURM job {array}{where}: 1 task (one cell: a plain job, not an array)\n"
+                f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
+                f"  logs:          {job.paths.stdout} (.err)\n"
+                f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
+                f"  cancel:        scancel {array}",
+                flush=True,
+            )
         else:
-            print(f"submitted SLURM array job {array}{where}: {len(todo)} tasks"
-                  f"{f' (at most {par} at once)' if par and par < len(todo) else ''}\n"
-                  f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
-                  f"  logs:          {folder.parent}/{array}_<task>/{array}_<task>_0_log.out (.err)\n"
-                  f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
-                  f"  cancel:        scancel {array}        (one task: scancel {array}_<task>)", flush=True)
+            print(
+                f"submitted SLURM array job {array}{where}: {len(todo)} tasks"
+                f"{f' (at most {par} at once)' if par and par < len(todo) else ''}\n"
+                f"  sbatch script: {folder / f'{array}_submission.sh'}\n"
+                f"  logs:          {folder.parent}/{array}_<task>/{array}_<task>_0_log.out (.err)\n"
+                f"  watch:         squeue -j {array}      accounting: sacct -j {array} -X\n"
+                f"  cancel:        scancel {array}        (one task: scancel {array}_<task>)",
+                flush=True,
+            )
         try:
             self._wait(array, submitted)
         except KeyboardInterrupt:
@@ -552,9 +653,12 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 print(f"interrupted: cancelled SLURM {what} {array} (scancel {array}).", file=sys.stderr, flush=True)
             else:
                 SWEEP_STATE["left_running"] = array  # exits.main's Ctrl-C line: wait for it, do not rerun yet
-                print(f"interrupted: SLURM {what} {array} keeps running on the cluster, and its cells write their "
-                      f"records as they finish (squeue -j {array}); to stop it: scancel {array}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"interrupted: SLURM {what} {array} keeps running on the cluster, and its cells write their "
+                    f"records as they finish (squeue -j {array}); to stop it: scancel {array}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise
         return [self._outcome(job, overrides) for (_, (overrides, _)), job in zip(todo, submitted)]
 
@@ -575,8 +679,12 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             text = None
             if shutil.which("squeue"):
                 try:
-                    p = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%i|%T|%r"], capture_output=True,
-                                       text=True, timeout=queue.QUERY_TIMEOUT_S)
+                    p = subprocess.run(
+                        ["squeue", "-h", "-r", "-j", array, "-o", "%i|%T|%r"],
+                        capture_output=True,
+                        text=True,
+                        timeout=queue.QUERY_TIMEOUT_S,
+                    )
                     text = p.stdout if p.returncode == 0 else None
                     if p.returncode != 0 and "Invalid job id" in p.stderr:
                         text = ""  # the controller forgot the array: it is over
@@ -585,8 +693,11 @@ class SpecsampSlurmLauncher(SlurmLauncher):
             if text is None:
                 failures += 1
                 if failures == 3:
-                    print(f"warning: squeue does not answer; still waiting for {what} {array} (Ctrl-C leaves it running)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"warning: squeue does not answer; still waiting for {what} {array} (Ctrl-C leaves it running)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(self.poll_s)
                 continue
             failures = 0
@@ -600,13 +711,19 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 last = now
             if view.stuck and len(view.stuck) == view.left:  # nothing left that can ever run
                 try:
-                    cancelled = subprocess.run(["scancel", *view.stuck], capture_output=True, text=True,
-                                               timeout=queue.QUERY_TIMEOUT_S).returncode == 0
+                    cancelled = (
+                        subprocess.run(
+                            ["scancel", *view.stuck], capture_output=True, text=True, timeout=queue.QUERY_TIMEOUT_S
+                        ).returncode
+                        == 0
+                    )
                 except (OSError, subprocess.TimeoutExpired):
                     cancelled = False
                 if cancelled:
                     self._settle(view.stuck, limit_s=10.0)
-                raise ConfigError(stuck_message(array, view, self.params, _nodes_of(self.params.get("partition")), cancelled))
+                raise ConfigError(
+                    stuck_message(array, view, self.params, _nodes_of(self.params.get("partition")), cancelled)
+                )
             time.sleep(self.poll_s)
 
     def _settle(self, ids: Sequence[str], limit_s: float = 60.0) -> None:
@@ -635,7 +752,9 @@ class SpecsampSlurmLauncher(SlurmLauncher):
                 return ret
             if outcome == "success":
                 return value
-            ret.return_value = (InfrastructureError if "kind infrastructure" in str(value) else RuntimeError)(str(value).strip().splitlines()[-1])
+            ret.return_value = (InfrastructureError if "kind infrastructure" in str(value) else RuntimeError)(
+                str(value).strip().splitlines()[-1]
+            )
             return ret
         st = queue.states([str(job.job_id)]).get(str(job.job_id), ("UNKNOWN", ""))
         ret.return_value = RuntimeError(f"SLURM task {job.job_id} ended {st[0]} without a result ({job.paths.stderr})")

@@ -50,16 +50,56 @@ KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusi
 
 ARGUMENTS = {
     "ddpm": ("batch_size", "generator", "seed", "num_inference_steps", "output_type", "return_dict"),
-    "sd": ("prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
-           "num_images_per_prompt", "generator", "seed", "output_type", "return_dict", "guidance_rescale", "clip_skip"),
-    "sd3": ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "height",
-            "width", "num_inference_steps", "guidance_scale", "num_images_per_prompt", "generator", "seed",
-            "output_type", "return_dict", "mu", "max_sequence_length", "clip_skip"),
+    "sd": (
+        "prompt",
+        "negative_prompt",
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "num_images_per_prompt",
+        "generator",
+        "seed",
+        "output_type",
+        "return_dict",
+        "guidance_rescale",
+        "clip_skip",
+    ),
+    "sd3": (
+        "prompt",
+        "prompt_2",
+        "prompt_3",
+        "negative_prompt",
+        "negative_prompt_2",
+        "negative_prompt_3",
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "num_images_per_prompt",
+        "generator",
+        "seed",
+        "output_type",
+        "return_dict",
+        "mu",
+        "max_sequence_length",
+        "clip_skip",
+    ),
 }
 """The pipeline arguments each kind takes (plus ``seed``); their defaults are the pipeline's own."""
 
-OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "warmup", "refine", "compile",
-           "check_contract", "dtype")
+OPTIONS = (
+    "tree",
+    "execution",
+    "prefetch",
+    "evaluate_leaves",
+    "max_batch",
+    "warmup",
+    "refine",
+    "compile",
+    "check_contract",
+    "dtype",
+)
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
 
 LOOP_SCALES = {"ddpm": False, "sd": True, "sd3": False}
@@ -67,9 +107,11 @@ LOOP_SCALES = {"ddpm": False, "sd": True, "sd3": False}
 and passes the network's input through ``scheduler.scale_model_input``: ``StableDiffusionPipeline`` does both,
 ``DDPMPipeline`` and ``StableDiffusion3Pipeline`` neither."""
 
-INSTEAD = {"ddpm": "DDPMScheduler.from_config(pipe.scheduler.config)",
-           "sd": "DDPMScheduler or EulerAncestralDiscreteScheduler (.from_config(pipe.scheduler.config))",
-           "sd3": "FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)"}
+INSTEAD = {
+    "ddpm": "DDPMScheduler.from_config(pipe.scheduler.config)",
+    "sd": "DDPMScheduler or EulerAncestralDiscreteScheduler (.from_config(pipe.scheduler.config))",
+    "sd3": "FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)",
+}
 """What a refusal of :func:`check_loop` suggests for each kind."""
 
 
@@ -77,9 +119,11 @@ def _kind(pipe) -> str:
     for cls in type(pipe).__mro__:
         if cls.__name__ in KINDS:
             return KINDS[cls.__name__]
-    raise ConfigError(f"pipeline={type(pipe).__name__!r} is not supported: speculative() drives "
-                      f"{', '.join(KINDS)} (and their subclasses), whose loops it reproduces; load one of them "
-                      "with the same components.")
+    raise ConfigError(
+        f"pipeline={type(pipe).__name__!r} is not supported: speculative() drives "
+        f"{', '.join(KINDS)} (and their subclasses), whose loops it reproduces; load one of them "
+        "with the same components."
+    )
 
 
 def _defaults(pipe) -> dict:
@@ -106,20 +150,23 @@ def check_loop(pipe, kind: str) -> None:
             "latents by scheduler.init_noise_sigma nor passes the network's input through scheduler.scale_model_input "
             "(diffusers warns that it should), so pipe(...) is not the Euler ancestral sampler and its images follow "
             f"another law, which speculative() does not reproduce. Instead use {INSTEAD[kind]} with {pname}, or Euler "
-            "ancestral in a pipeline whose loop applies both (StableDiffusionPipeline).")
+            "ancestral in a pipeline whose loop applies both (StableDiffusionPipeline)."
+        )
     if kernel is not None and kernel.scaling_loop is False and LOOP_SCALES[kind]:
         raise ConfigError(
             f"scheduler={name!r} is refused with pipeline={pname!r}: {pname}'s own loop multiplies its first latents "
             f"by scheduler.init_noise_sigma, which {name} does not have, so pipe(...) itself fails and there is no "
             f"law to reproduce. Instead use {INSTEAD[kind]} with {pname}, or the flow scheduler in a flow pipeline "
-            "(StableDiffusion3Pipeline).")
+            "(StableDiffusion3Pipeline)."
+        )
     get = sch.config.get if hasattr(sch.config, "get") else lambda k, d=None: getattr(sch.config, k, d)
     if kernel is not None and kernel.flow and kind != "sd3" and get("use_dynamic_shifting", False):
         raise ConfigError(
             f"scheduler={name!r} with use_dynamic_shifting=True is refused with pipeline={pname!r}: {pname}'s own "
             "loop calls scheduler.set_timesteps without the shift mu, which this scheduler then needs, so pipe(...) "
             "itself fails and there is no law to reproduce. Instead set use_dynamic_shifting=False (a fixed shift) or "
-            "use StableDiffusion3Pipeline, which computes mu from the image size.")
+            "use StableDiffusion3Pipeline, which computes mu from the image size."
+        )
 
 
 def _is_default(value, default) -> bool:
@@ -127,7 +174,11 @@ def _is_default(value, default) -> bool:
     if value is default:
         return True
     plain = (int, float, str, list, tuple)
-    if isinstance(value, bool) or isinstance(default, bool) or not (isinstance(value, plain) and isinstance(default, plain)):
+    if (
+        isinstance(value, bool)
+        or isinstance(default, bool)
+        or not (isinstance(value, plain) and isinstance(default, plain))
+    ):
         return False
     try:
         return bool(value == default)
@@ -154,8 +205,13 @@ def _scheduler_mu(pipe, latent_shape, mu):
 
     patch = pipe.transformer.config.patch_size
     seq = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
-    return calculate_shift(seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                           cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.16))
+    return calculate_shift(
+        seq,
+        cfg.get("base_image_seq_len", 256),
+        cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5),
+        cfg.get("max_shift", 1.16),
+    )
 
 
 class SpeculativePipeline:
@@ -201,8 +257,10 @@ class SpeculativePipeline:
         kwargs = self._bind(args, kwargs)
         unknown = sorted(set(kwargs) - set(ARGUMENTS[self.kind]))
         if unknown:
-            raise ConfigError(f"{unknown[0]}={arguments.describe(kwargs[unknown[0]])} is not supported by the speculative "
-                              f"{type(self.pipe).__name__}: it takes {', '.join(ARGUMENTS[self.kind])}.")
+            raise ConfigError(
+                f"{unknown[0]}={arguments.describe(kwargs[unknown[0]])} is not supported by the speculative "
+                f"{type(self.pipe).__name__}: it takes {', '.join(ARGUMENTS[self.kind])}."
+            )
         a = _check_call({k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]})
         with torch.no_grad():  # as the pipeline's own __call__
             return getattr(self, f"_{self.kind}")(a)
@@ -214,38 +272,60 @@ class SpeculativePipeline:
         nothing in the pipeline's loop: ``timesteps=None`` passed on the way to ``guidance_scale``)."""
         name, takes = type(self.pipe).__name__, ARGUMENTS[self.kind]
         if len(args) > len(self.positional):
-            raise ConfigError(f"{len(args)} positional arguments were given, and {name}'s __call__ takes at most "
-                              f"{len(self.positional)} ({', '.join(self.positional)}); pass the others by keyword.")
+            raise ConfigError(
+                f"{len(args)} positional arguments were given, and {name}'s __call__ takes at most "
+                f"{len(self.positional)} ({', '.join(self.positional)}); pass the others by keyword."
+            )
         for i, (key, value) in enumerate(zip(self.positional, args)):
             if key in kwargs:
-                raise ConfigError(f"{key} is given twice, as positional argument {i + 1} ({arguments.describe(value)}) and by "
-                                  f"keyword ({arguments.describe(kwargs[key])}); give it once.")
+                raise ConfigError(
+                    f"{key} is given twice, as positional argument {i + 1} ({arguments.describe(value)}) and by "
+                    f"keyword ({arguments.describe(kwargs[key])}); give it once."
+                )
             if key not in takes and not _is_default(value, self.defaults.get(key, inspect.Parameter.empty)):
-                raise ConfigError(f"positional argument {i + 1} is {name}'s {key}={arguments.describe(value)}, which the "
-                                  f"speculative {name} takes only at its default "
-                                  f"({arguments.describe(self.defaults.get(key))}): it takes "
-                                  f"{', '.join(k for k in takes if k != 'seed')}, and seed by keyword only.")
+                raise ConfigError(
+                    f"positional argument {i + 1} is {name}'s {key}={arguments.describe(value)}, which the "
+                    f"speculative {name} takes only at its default "
+                    f"({arguments.describe(self.defaults.get(key))}): it takes "
+                    f"{', '.join(k for k in takes if k != 'seed')}, and seed by keyword only."
+                )
         given = {**dict(zip(self.positional, args)), **kwargs}
-        return {k: v for k, v in given.items()
-                if k in takes or not _is_default(v, self.defaults.get(k, inspect.Parameter.empty))}
+        return {
+            k: v
+            for k, v in given.items()
+            if k in takes or not _is_default(v, self.defaults.get(k, inspect.Parameter.empty))
+        }
 
     # --- the parts every kind shares -----------------------------------------------------------------
     def _plan(self, steps, latent_shape, mu=None, guided: bool = False) -> tuple[SchedulerPlan, object]:
         """The scheduler's plan for ``steps`` and the round's tree within its speculative steps, refused (before any
         network call) where the sampler's states for ``latent_shape`` cannot fit."""
         check_loop(self.pipe, self.kind)  # the scheduler may have been replaced since speculative()
-        plan = from_scheduler(self.pipe.scheduler, steps, event_ndim=len(latent_shape) - 1,
-                              mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None)
+        plan = from_scheduler(
+            self.pipe.scheduler,
+            steps,
+            event_ndim=len(latent_shape) - 1,
+            mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None,
+        )
         horizon = max(plan.schedule.steps - 2, 1)
         given = not isinstance(self.tree, tuple)
         K, L = (None, None) if given else self.tree
         net_dtype, device = net_dtype_device(self.pipe.unet if self.kind != "sd3" else self.pipe.transformer)
-        memory = dict(batch=latent_shape[0], event_shape=latent_shape[1:], dtype=self.dtype, device=device,
-                      execution=self.options["execution"], refine=self.options.get("refine", 0), steps=plan.schedule.steps,
-                      max_batch=self.options.get("max_batch"), row_bytes=arguments.activation_bytes(latent_shape[1:], net_dtype),
-                      rows_per_state=2 if self.kind != "ddpm" and guided else 1)
-        tree = arguments.draft_tree(get_coupling(self.coupling), self.tree if given else None, K, L, None, horizon, {},
-                                    memory=memory)
+        memory = dict(
+            batch=latent_shape[0],
+            event_shape=latent_shape[1:],
+            dtype=self.dtype,
+            device=device,
+            execution=self.options["execution"],
+            refine=self.options.get("refine", 0),
+            steps=plan.schedule.steps,
+            max_batch=self.options.get("max_batch"),
+            row_bytes=arguments.activation_bytes(latent_shape[1:], net_dtype),
+            rows_per_state=2 if self.kind != "ddpm" and guided else 1,
+        )
+        tree = arguments.draft_tree(
+            get_coupling(self.coupling), self.tree if given else None, K, L, None, horizon, {}, memory=memory
+        )
         if isinstance(tree, DraftTree):  # tree(n) is sized by the sampler once built
             arguments.check_sampler_memory(tree.restrict(horizon), **memory)
         return plan, tree
@@ -278,8 +358,19 @@ class SpeculativePipeline:
                 done[0] = upto
 
         with bar:
-            res = sample_speculative(model, plan.schedule, tree, self.coupling, m, draft=self.draft, seed=seed,
-                                     cond=cond, init=init, callback=progress, **self.options)
+            res = sample_speculative(
+                model,
+                plan.schedule,
+                tree,
+                self.coupling,
+                m,
+                draft=self.draft,
+                seed=seed,
+                cond=cond,
+                init=init,
+                callback=progress,
+                **self.options,
+            )
             bar.update(T - done[0])  # the last step
         self.last = res
         return res
@@ -347,11 +438,15 @@ class SpeculativePipeline:
     def _sd(self, a):
         pipe = self.pipe
         if a["guidance_rescale"]:
-            raise ConfigError(f"guidance_rescale={arguments.describe(a['guidance_rescale'])} is not supported: the speculative pipeline "
-                              "reproduces plain classifier-free guidance only; set guidance_rescale=0.")
+            raise ConfigError(
+                f"guidance_rescale={arguments.describe(a['guidance_rescale'])} is not supported: the speculative pipeline "
+                "reproduces plain classifier-free guidance only; set guidance_rescale=0."
+            )
         if pipe.unet.config.time_cond_proj_dim is not None:
-            raise ConfigError("unet.config.time_cond_proj_dim is set (a guidance-embedded, LCM-style network): its "
-                              "scheduler is not one of the exact kernels; use a plain UNet2DConditionModel.")
+            raise ConfigError(
+                "unet.config.time_cond_proj_dim is set (a guidance-embedded, LCM-style network): its "
+                "scheduler is not one of the exact kernels; use a plain UNet2DConditionModel."
+            )
         b, w, n = self._batch(a), self._guidance(a), _check_int("num_images_per_prompt", a["num_images_per_prompt"])
         size = pipe.unet.config.sample_size
         side = (size if isinstance(size, int) else size[0]) * pipe.vae_scale_factor
@@ -363,8 +458,9 @@ class SpeculativePipeline:
         embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] != "latent":
-            image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False,
-                                    generator=a["generator"])[0]
+            image = pipe.vae.decode(
+                latents / pipe.vae.config.scaling_factor, return_dict=False, generator=a["generator"]
+            )[0]
             image, nsfw = pipe.run_safety_checker(image, device, embeds.dtype)
         else:
             image, nsfw = latents, None
@@ -373,8 +469,11 @@ class SpeculativePipeline:
         pipe.maybe_free_model_hooks()
         from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 
-        out = (image, nsfw) if not a["return_dict"] else StableDiffusionPipelineOutput(images=image,
-                                                                                     nsfw_content_detected=nsfw)
+        out = (
+            (image, nsfw)
+            if not a["return_dict"]
+            else StableDiffusionPipelineOutput(images=image, nsfw_content_detected=nsfw)
+        )
         return self._finish(out, res)
 
     def _sd3(self, a):
@@ -383,23 +482,34 @@ class SpeculativePipeline:
         h, wd = self._hw(a, pipe.default_sample_size * pipe.vae_scale_factor)
         f = pipe.vae_scale_factor
         shape = (b * n, pipe.transformer.config.in_channels, h // f, wd // f)
-        res, c = self._text_sample(a, "sd3", shape, w, n, self._plan(a["num_inference_steps"], shape, a["mu"], w > 1),
-                                   max_sequence_length=a["max_sequence_length"],
-                                   extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")})
+        res, c = self._text_sample(
+            a,
+            "sd3",
+            shape,
+            w,
+            n,
+            self._plan(a["num_inference_steps"], shape, a["mu"], w > 1),
+            max_sequence_length=a["max_sequence_length"],
+            extra={k: a[k] for k in ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")},
+        )
         embeds = c.embeds
         latents = res.samples.to(embeds.dtype)
         if a["output_type"] == "latent":
             image = latents
         else:
             z = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-            image = pipe.image_processor.postprocess(pipe.vae.decode(z, return_dict=False)[0], output_type=a["output_type"])
+            image = pipe.image_processor.postprocess(
+                pipe.vae.decode(z, return_dict=False)[0], output_type=a["output_type"]
+            )
         pipe.maybe_free_model_hooks()
         from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutput
 
         return self._finish((image,) if not a["return_dict"] else StableDiffusion3PipelineOutput(images=image), res)
 
 
-def speculative(pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str = "x0", **options) -> SpeculativePipeline:
+def speculative(
+    pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str = "x0", **options
+) -> SpeculativePipeline:
     """``pipe`` with its sampling loop run by the exact speculative sampler (:class:`SpeculativePipeline`).
 
     Args:
@@ -451,8 +561,11 @@ def _check_call(a: dict) -> dict:
     if a.get("seed") is not None:
         arguments.integer("seed", a["seed"], 0, MAX_SEED)
     g = a.get("generator")
-    if not (g is None or isinstance(g, torch.Generator)
-            or (isinstance(g, list) and g and all(isinstance(x, torch.Generator) for x in g))):
+    if not (
+        g is None
+        or isinstance(g, torch.Generator)
+        or (isinstance(g, list) and g and all(isinstance(x, torch.Generator) for x in g))
+    ):
         raise arguments.refuse("generator", g, "must be a torch.Generator, a list of them (one per image), or None")
     arguments.flag("return_dict", a.get("return_dict", True))
     valid = OUTPUT_TYPES["ddpm" if "batch_size" in a else "text"]
@@ -477,5 +590,14 @@ OUTPUT_TYPES = {"ddpm": ("pil", "np", "pt"), "text": ("pil", "np", "pt", "latent
 """The ``output_type`` values each kind's pipeline returns."""
 
 
-__all__ = ["KINDS", "Conditioning", "SpeculativePipeline", "check_loop", "encode", "network_call", "rows_of", "speculative",
-           "velocity_model"]
+__all__ = [
+    "KINDS",
+    "Conditioning",
+    "SpeculativePipeline",
+    "check_loop",
+    "encode",
+    "network_call",
+    "rows_of",
+    "speculative",
+    "velocity_model",
+]

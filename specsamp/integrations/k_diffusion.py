@@ -27,8 +27,9 @@ from ..schedule import Schedule
 from ..trees import DraftTree
 
 
-def node_maxima(event_shape=(4, 64, 64), dtype: torch.dtype = torch.float32, available: int = 24 * 2**30,
-                steps: int = 20) -> tuple[int, int]:
+def node_maxima(
+    event_shape=(4, 64, 64), dtype: torch.dtype = torch.float32, available: int = 24 * 2**30, steps: int = 20
+) -> tuple[int, int]:
     """The largest ``(K, L) = (m, m)`` whose uniform tree the memory estimate admits for one image
     (:func:`specsamp.arguments.check_sampler_memory`, the network's activations at its allowance): a ComfyUI node's
     maxima for ``K`` and ``L``. The defaults are one 512x512 SD1.x latent in float32 at 20 steps on a 24 GiB device
@@ -37,8 +38,16 @@ def node_maxima(event_shape=(4, 64, 64), dtype: torch.dtype = torch.float32, ava
     m = 1
     while True:
         try:
-            arguments.check_sampler_memory(DraftTree.uniform(m + 1, m + 1), 1, event_shape, dtype, "cpu", steps=steps,
-                                           row_bytes=arguments.activation_bytes(event_shape, dtype), available=available)
+            arguments.check_sampler_memory(
+                DraftTree.uniform(m + 1, m + 1),
+                1,
+                event_shape,
+                dtype,
+                "cpu",
+                steps=steps,
+                row_bytes=arguments.activation_bytes(event_shape, dtype),
+                available=available,
+            )
         except ConfigError:
             return m, m
         m += 1
@@ -49,9 +58,28 @@ PASSED_ON = ("prefetch", "evaluate_leaves", "max_batch", "warmup", "check_contra
 SEARCH = ("delta_profile", "max_width")
 
 
-def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1.0, s_noise=1.0,
-                           noise_sampler=None, *, K=None, L=None, coupling="dgrs", draft="x0", tree=None, budget=None,
-                           execution="tree", seed=None, stats=None, **options):
+def sample_euler_ancestral(
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    eta=1.0,
+    s_noise=1.0,
+    noise_sampler=None,
+    *,
+    K=None,
+    L=None,
+    coupling="dgrs",
+    draft="x0",
+    tree=None,
+    budget=None,
+    execution="tree",
+    seed=None,
+    stats=None,
+    **options,
+):
     """k-diffusion's Euler ancestral sampler, exact and speculative: the same law, fewer network calls.
 
     Args:
@@ -116,8 +144,10 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
             shape, at the first call that does.
     """
     if noise_sampler is not None:
-        raise ConfigError("noise_sampler is not supported: the speculative sampler draws every step's noise by key (seed, row, step), so it cannot take noise from a sampler such "
-                          "as BrownianTreeNoiseSampler; pass noise_sampler=None and set seed= to choose the noise.")
+        raise ConfigError(
+            "noise_sampler is not supported: the speculative sampler draws every step's noise by key (seed, row, step), so it cannot take noise from a sampler such "
+            "as BrownianTreeNoiseSampler; pass noise_sampler=None and set seed= to choose the noise."
+        )
     arguments.unknown_option("sample_euler_ancestral", options, PASSED_ON + SEARCH)
     arguments.function("model", model)
     x = arguments.states("x", x)
@@ -128,15 +158,24 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
     arguments.flag("disable", disable, optional=True)
     eta, s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
     stats = arguments.stats(stats)
-    passed = arguments.sampler_options(execution=execution, **{k: v for k, v in options.items()
-                                                               if k in PASSED_ON and k != "compile"})
+    passed = arguments.sampler_options(
+        execution=execution, **{k: v for k, v in options.items() if k in PASSED_ON and k != "compile"}
+    )
     passed["compile"] = options.get("compile", False)  # checked with the machine's compiler by the sampler
     T = sig.numel() - 1
     state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     row_bytes = arguments.activation_bytes(x.shape[1:], x.dtype)  # the user's network: an allowance a row
-    memory = dict(batch=x.shape[0], event_shape=x.shape[1:], dtype=state_dtype, device=x.device,
-                  execution=passed["execution"], refine=passed["refine"], steps=T, max_batch=passed["max_batch"],
-                  row_bytes=row_bytes)
+    memory = dict(
+        batch=x.shape[0],
+        event_shape=x.shape[1:],
+        dtype=state_dtype,
+        device=x.device,
+        execution=passed["execution"],
+        refine=passed["refine"],
+        steps=T,
+        max_batch=passed["max_batch"],
+        row_bytes=row_bytes,
+    )
     draft_tree = arguments.draft_tree(get_coupling(coupling), tree, K, L, budget, max(T - 2, 1), options, memory=memory)
     get_draft(draft)
     seed = arguments.seed(seed)
@@ -154,14 +193,27 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback=None, dis
         calls[0] += 1
         return model(y, t, **static, **per_row)
 
-    target = Parametrised(net, "sample", "ve", x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype)
+    target = Parametrised(
+        net, "sample", "ve", x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype
+    )
     target.device = x.device
     target.row_bytes = row_bytes  # the sampler checks the tree it builds (a given one, tree(n)) against it
     init = (x.to(torch.float64) / (1.0 + sig[0])).to(state_dtype)
     report = _Reporter(callback, disable, sigmas, sig, lin, x.dtype, T)
     try:
-        res = sample_speculative(target, schedule, draft_tree, coupling, x.shape[0], draft=draft, seed=seed,
-                                 cond=rows or None, init=init, callback=report.round, **passed)
+        res = sample_speculative(
+            target,
+            schedule,
+            draft_tree,
+            coupling,
+            x.shape[0],
+            draft=draft,
+            seed=seed,
+            cond=rows or None,
+            init=init,
+            callback=report.round,
+            **passed,
+        )
     except BaseException:
         report.bar.close()
         raise
@@ -248,8 +300,11 @@ def _check_sigmas(sigmas) -> torch.Tensor:
     elif not bool((s[:-1] > 0).all()) or not bool((s[1:] < s[:-1]).all()):
         why = "it must decrease strictly, every level but the last > 0"
     if why:
-        shown = sigmas.tolist() if isinstance(sigmas, torch.Tensor) and sigmas.numel() <= 8 else \
-            f"a {type(sigmas).__name__}" + (f" of shape {tuple(sigmas.shape)}" if hasattr(sigmas, "shape") else "")
+        shown = (
+            sigmas.tolist()
+            if isinstance(sigmas, torch.Tensor) and sigmas.numel() <= 8
+            else f"a {type(sigmas).__name__}" + (f" of shape {tuple(sigmas.shape)}" if hasattr(sigmas, "shape") else "")
+        )
         raise ConfigError(f"sigmas={shown} is invalid: {why}.")
     return s
 
@@ -264,9 +319,11 @@ def _check_model(model) -> None:
     inner = getattr(getattr(model, "inner_model", None), "inner_model", None)
     sampling = getattr(inner, "model_sampling", None)
     if sampling is not None and any(c.__name__ == "CONST" for c in type(sampling).__mro__):
-        raise ConfigError("model is a flow model (model_sampling CONST: SD3, Flux): its Euler ancestral step is the "
-                          "rectified-flow one, which this sampler does not compute; use it with variance-exploding "
-                          "denoisers (SD1.x, SDXL), or use specsamp.integrations.schedulers' flow_stochastic kernel.")
+        raise ConfigError(
+            "model is a flow model (model_sampling CONST: SD3, Flux): its Euler ancestral step is the "
+            "rectified-flow one, which this sampler does not compute; use it with variance-exploding "
+            "denoisers (SD1.x, SDXL), or use specsamp.integrations.schedulers' flow_stochastic kernel."
+        )
 
 
 def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
@@ -276,9 +333,11 @@ def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
     if not isinstance(extra_args, dict):
         raise ConfigError(f"extra_args is a {type(extra_args).__name__}: it must be a dict of the model's keywords.")
     if extra_args.get("denoise_mask") is not None:
-        raise ConfigError("extra_args['denoise_mask'] is not supported: ComfyUI's inpainting wrapper blends the batch's "
-                          "own latent rows into every call, and a speculative call evaluates other rows; sample "
-                          "without a mask.")
+        raise ConfigError(
+            "extra_args['denoise_mask'] is not supported: ComfyUI's inpainting wrapper blends the batch's "
+            "own latent rows into every call, and a speculative call evaluates other rows; sample "
+            "without a mask."
+        )
     rows = {k: v for k, v in extra_args.items() if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == b}
     return {k: v for k, v in extra_args.items() if k not in rows}, rows
 

@@ -64,7 +64,7 @@ def _hub_repo_of(path: str) -> str | None:
     """``org/name`` when ``path`` lies in a Hugging Face cache folder ``models--org--name/``."""
     for part in reversed(os.path.normpath(os.path.abspath(path)).split(os.sep)):
         if part.startswith("models--") and part.count("--") >= 2:
-            return "/".join(part[len("models--"):].split("--", 1))
+            return "/".join(part[len("models--") :].split("--", 1))
     return None
 
 
@@ -101,7 +101,9 @@ def checkpoint_activation(path: str | os.PathLike) -> tuple[bool | None, str]:
             with open(cfg_path, encoding="utf-8") as f:
                 cfg = json.load(f)
             cfg = cfg.get("model_cfg", cfg)
-            return bool(cfg.get("quick_gelu", False)), f"{cfg_path} says quick_gelu={bool(cfg.get('quick_gelu', False))}"
+            return bool(
+                cfg.get("quick_gelu", False)
+            ), f"{cfg_path} says quick_gelu={bool(cfg.get('quick_gelu', False))}"
         except (OSError, ValueError, AttributeError):
             pass
     repo = _hub_repo_of(path)
@@ -117,7 +119,9 @@ def checkpoint_activation(path: str | os.PathLike) -> tuple[bool | None, str]:
     return None, ""
 
 
-def _check_file_activation(model_name: str, quick: bool, path: str, stated: bool | None, keys: dict | None = None) -> None:
+def _check_file_activation(
+    model_name: str, quick: bool, path: str, stated: bool | None, keys: dict | None = None
+) -> None:
     """Refuse a weights file whose training activation differs from the model config's, or is unknown."""
     k = {"model_name": "model_name", "checkpoint": "checkpoint", "quick_gelu": "quick_gelu", **(keys or {})}
     detected, how = checkpoint_activation(path)
@@ -144,8 +148,13 @@ def _check_file_activation(model_name: str, quick: bool, path: str, stated: bool
         )
 
 
-PYTHON_KEYS = {"model_name": "model_name", "pretrained": "pretrained", "checkpoint": "checkpoint",
-               "quick_gelu": "quick_gelu", "cache_dir": "cache_dir"}
+PYTHON_KEYS = {
+    "model_name": "model_name",
+    "pretrained": "pretrained",
+    "checkpoint": "checkpoint",
+    "quick_gelu": "quick_gelu",
+    "cache_dir": "cache_dir",
+}
 
 
 def _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only, keys=None):
@@ -157,26 +166,37 @@ def _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, 
 
     k = {**PYTHON_KEYS, **(keys or {})}
     if not isinstance(model_name, str) or not model_name:
-        raise ValueError(f"{k['model_name']}={model_name!r} is invalid: name an open_clip model, e.g. {DEFAULT_MODEL!r}")
+        raise ValueError(
+            f"{k['model_name']}={model_name!r} is invalid: name an open_clip model, e.g. {DEFAULT_MODEL!r}"
+        )
     schema = model_name.startswith(("local-dir:", "hf-hub:"))
     if schema and checkpoint is None:
-        if model_name.startswith("local-dir:") and not os.path.isfile(os.path.join(model_name[len("local-dir:"):], "open_clip_config.json")):
-            raise FileNotFoundError(f"{k['model_name']}={model_name!r}: no open_clip_config.json in that folder (open_clip's local-dir layout)")
+        if model_name.startswith("local-dir:") and not os.path.isfile(
+            os.path.join(model_name[len("local-dir:") :], "open_clip_config.json")
+        ):
+            raise FileNotFoundError(
+                f"{k['model_name']}={model_name!r}: no open_clip_config.json in that folder (open_clip's local-dir layout)"
+            )
         return True, None, {}
     config = open_clip.get_model_config(model_name)
     if config is None:
         import difflib
 
         close = difflib.get_close_matches(model_name, open_clip.list_models(), n=4, cutoff=0.5)
-        raise ValueError(f"{k['model_name']}={model_name!r} is not an open_clip model; e.g. {DEFAULT_MODEL!r}"
-                         + (f" (close: {', '.join(close)})" if close else "") + " (see open_clip.list_models()), or "
-                         "local-dir:/path/to/a/folder/with/open_clip_config.json")
+        raise ValueError(
+            f"{k['model_name']}={model_name!r} is not an open_clip model; e.g. {DEFAULT_MODEL!r}"
+            + (f" (close: {', '.join(close)})" if close else "")
+            + " (see open_clip.list_models()), or "
+            "local-dir:/path/to/a/folder/with/open_clip_config.json"
+        )
     quick = bool(config.get("quick_gelu", False))
     tag_cfg = {}
     if checkpoint is not None:
         path = os.fspath(os.path.expanduser(os.fspath(checkpoint)))
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{k['checkpoint']}={os.fspath(checkpoint)!r} does not exist (expected a local open_clip weights file)")
+            raise FileNotFoundError(
+                f"{k['checkpoint']}={os.fspath(checkpoint)!r} does not exist (expected a local open_clip weights file)"
+            )
         _check_file_activation(model_name, quick, path, quick_gelu, k)
     elif pretrained:
         tag_cfg = open_clip.get_pretrained_cfg(model_name, pretrained)
@@ -301,7 +321,9 @@ def load_clip(
     """
     import open_clip
 
-    schema, path, tag_cfg = _resolve_weights(model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only)
+    schema, path, tag_cfg = _resolve_weights(
+        model_name, pretrained, checkpoint, quick_gelu, cache_dir, local_files_only
+    )
     if schema:
         try:
             model, _, preprocess = open_clip.create_model_and_transforms(model_name, device=device)
@@ -431,4 +453,9 @@ def summarize(scores) -> dict:
     """
     a = _as_1d("scores", scores)
     std = float(a.std(ddof=1)) if a.size > 1 else math.nan
-    return {"mean": float(a.mean()), "std": std, "sem": std / math.sqrt(a.size) if a.size > 1 else math.nan, "n": int(a.size)}
+    return {
+        "mean": float(a.mean()),
+        "std": std,
+        "sem": std / math.sqrt(a.size) if a.size > 1 else math.nan,
+        "n": int(a.size),
+    }

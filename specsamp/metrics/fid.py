@@ -191,7 +191,11 @@ def make_extractor(
     from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
     from torch_fidelity.utils import create_feature_extractor
 
-    if isinstance(feature_extractor, str) and ":" in feature_extractor and feature_extractor not in FEATURE_EXTRACTORS_REGISTRY:
+    if (
+        isinstance(feature_extractor, str)
+        and ":" in feature_extractor
+        and feature_extractor not in FEATURE_EXTRACTORS_REGISTRY
+    ):
         feature_extractor = _import_extractor(feature_extractor)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
@@ -213,10 +217,14 @@ def make_extractor(
     name = str(feature_extractor)
     cls = registered_extractor(name)
     if cls is None:
-        raise ValueError(f"feature_extractor={name!r} is invalid; registered: {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}")
+        raise ValueError(
+            f"feature_extractor={name!r} is invalid; registered: {', '.join(sorted(FEATURE_EXTRACTORS_REGISTRY))}"
+        )
     layer = feature_layer or cls.get_default_feature_layer_for_metric("fid")
     if layer not in cls.get_provided_features_list():
-        raise ValueError(f"feature_layer={layer!r} is invalid for {name}; valid: {', '.join(map(str, cls.get_provided_features_list()))}")
+        raise ValueError(
+            f"feature_layer={layer!r} is invalid for {name}; valid: {', '.join(map(str, cls.get_provided_features_list()))}"
+        )
     inception = name.startswith("inception-v3")
     if inception:
         _check_inception_weights(weights_path, allow_download)
@@ -264,8 +272,12 @@ def extract_features(
         See :func:`make_extractor`; ``ValueError`` for malformed images or ``batch_size < 1``.
     """
     ext, layer, cuda = make_extractor(
-        feature_extractor, feature_layer, weights_path=weights_path, device=device,
-        allow_download=allow_download, verbose=verbose,
+        feature_extractor,
+        feature_layer,
+        weights_path=weights_path,
+        device=device,
+        allow_download=allow_download,
+        verbose=verbose,
     )
     return _features(ext, layer, cuda, images, batch_size, verbose)
 
@@ -321,18 +333,28 @@ def compute_fid(
     """
     if isinstance(samples, (str, os.PathLike)):
         samples = run_images(samples)  # a missing or unreadable path is named before any weights are loaded
-    local = isinstance(reference, (str, os.PathLike)) and os.fspath(reference) not in REFERENCE_STATS and "://" not in os.fspath(reference)
+    local = (
+        isinstance(reference, (str, os.PathLike))
+        and os.fspath(reference) not in REFERENCE_STATS
+        and "://" not in os.fspath(reference)
+    )
     if local:  # so is a local reference that is no .npz with mu and sigma or folder of images (names: load_statistics)
         _reference_dim(reference, "reference", allow_download, cache_dir)
     ext, layer, cuda = make_extractor(
-        feature_extractor, feature_layer, weights_path=weights_path, device=device,
-        allow_download=allow_download, verbose=verbose,
+        feature_extractor,
+        feature_layer,
+        weights_path=weights_path,
+        device=device,
+        allow_download=allow_download,
+        verbose=verbose,
     )
     feats = _features(ext, layer, cuda, samples, batch_size, verbose)
     if feats.shape[0] < MIN_IMAGES:
-        raise ValueError(f"an FID needs at least {MIN_IMAGES} images (the covariance of one is undefined), and "
-                         f"{feats.shape[0]} were given; a usable FID needs more images than feature dimensions "
-                         f"({feats.shape[1]}): at least {feats.shape[1] + 1}.")
+        raise ValueError(
+            f"an FID needs at least {MIN_IMAGES} images (the covariance of one is undefined), and "
+            f"{feats.shape[0]} were given; a usable FID needs more images than feature dimensions "
+            f"({feats.shape[1]}): at least {feats.shape[1] + 1}."
+        )
     if save_features is not None:
         from ..io import atomic_write as _atomic_write
 
@@ -421,13 +443,23 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m specsamp.metrics.fid",
-                                 description="FID of saved samples against reference statistics or images.")
+    ap = argparse.ArgumentParser(
+        prog="python -m specsamp.metrics.fid",
+        description="FID of saved samples against reference statistics or images.",
+    )
     ap.add_argument("path", help="a run directory, its images/ folder, a merged run's directory, or a samples.pt")
-    ap.add_argument("--ref", default=None, help="reference: a name (cifar10-32x32, ffhq-64x64, digits-8x8), URL, .npz "
-                                                "with mu/sigma, or a folder of images (default: the run's model.fid_ref)")
-    ap.add_argument("--feature-extractor", default=None, help="torch-fidelity extractor name or package.module:Class "
-                                                              "(default: the run's model.fid_extractor, else inception-v3-compat)")
+    ap.add_argument(
+        "--ref",
+        default=None,
+        help="reference: a name (cifar10-32x32, ffhq-64x64, digits-8x8), URL, .npz "
+        "with mu/sigma, or a folder of images (default: the run's model.fid_ref)",
+    )
+    ap.add_argument(
+        "--feature-extractor",
+        default=None,
+        help="torch-fidelity extractor name or package.module:Class "
+        "(default: the run's model.fid_extractor, else inception-v3-compat)",
+    )
     ap.add_argument("--feature-layer", default=None, help="feature name (default: the extractor's FID feature)")
     ap.add_argument("--weights", default=None, help="local extractor weights (default: the run's model.fid_weights)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
@@ -438,32 +470,64 @@ def main(argv: list[str] | None = None) -> int:
     model = ((_run_record(Path(a.path)) or {}).get("config") or {}).get("model") or {}
     ref = a.ref or model.get("fid_ref")
     if not ref:
-        print(f"error: --ref is missing: {a.path!r} is not beside a run record naming model.fid_ref; give --ref "
-              f"(a name of {sorted(REFERENCE_STATS)}, a URL, an .npz with mu and sigma, or a folder of images).", file=sys.stderr)
+        print(
+            f"error: --ref is missing: {a.path!r} is not beside a run record naming model.fid_ref; give --ref "
+            f"(a name of {sorted(REFERENCE_STATS)}, a URL, an .npz with mu and sigma, or a folder of images).",
+            file=sys.stderr,
+        )
         return 2
     extractor = a.feature_extractor or model.get("fid_extractor") or INCEPTION
     layer = a.feature_layer or (model.get("fid_layer") if not a.feature_extractor else None)
     weights = a.weights or (model.get("fid_weights") if not a.feature_extractor else None)
     # each input named as it was given: the run record's key when the value came from there, else its flag
-    recorded = {"reference": (ref, "fid_ref"), "feature_extractor": (extractor, "fid_extractor"),
-                "feature_layer": (layer, "fid_layer"), "weights_path": (weights, "fid_weights")}
-    flags = {"reference": "--ref", "feature_extractor": "--feature-extractor", "feature_layer": "--feature-layer",
-             "weights_path": "--weights"}
-    from_record = {arg: f"model.{key}" if value is not None and value == model.get(key) and value != getattr(a, flags[arg][2:].replace("-", "_"))
-                   else flags[arg] for arg, (value, key) in recorded.items()}
+    recorded = {
+        "reference": (ref, "fid_ref"),
+        "feature_extractor": (extractor, "fid_extractor"),
+        "feature_layer": (layer, "fid_layer"),
+        "weights_path": (weights, "fid_weights"),
+    }
+    flags = {
+        "reference": "--ref",
+        "feature_extractor": "--feature-extractor",
+        "feature_layer": "--feature-layer",
+        "weights_path": "--weights",
+    }
+    from_record = {
+        arg: f"model.{key}"
+        if value is not None and value == model.get(key) and value != getattr(a, flags[arg][2:].replace("-", "_"))
+        else flags[arg]
+        for arg, (value, key) in recorded.items()
+    }
     try:
-        check_fid_inputs(ref, feature_extractor=extractor, feature_layer=layer, weights_path=weights,
-                         allow_download=not a.offline, keys=from_record)
-        res = compute_fid(a.path, ref, feature_extractor=extractor, feature_layer=layer, weights_path=weights,
-                          batch_size=a.batch_size, device=a.device, allow_download=not a.offline)
+        check_fid_inputs(
+            ref,
+            feature_extractor=extractor,
+            feature_layer=layer,
+            weights_path=weights,
+            allow_download=not a.offline,
+            keys=from_record,
+        )
+        res = compute_fid(
+            a.path,
+            ref,
+            feature_extractor=extractor,
+            feature_layer=layer,
+            weights_path=weights,
+            batch_size=a.batch_size,
+            device=a.device,
+            allow_download=not a.offline,
+        )
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:  # hub.CheckpointTrustError is a ValueError
         if isinstance(e, RuntimeError) and not str(e).startswith("could not download"):
             raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"FID {res['fid']:.4f}  ({res['n_samples']} samples; reference {res['reference']}; extractor "
-          f"{res['feature_extractor']}, layer {res['feature_layer']})"
-          + ("  [too few images: see the warning]" if res.get("warning") else ""), flush=True)
+    print(
+        f"FID {res['fid']:.4f}  ({res['n_samples']} samples; reference {res['reference']}; extractor "
+        f"{res['feature_extractor']}, layer {res['feature_layer']})"
+        + ("  [too few images: see the warning]" if res.get("warning") else ""),
+        flush=True,
+    )
     if res.get("warning"):
         print(f"warning: {res['warning']}", file=sys.stderr, flush=True)
     if a.json:

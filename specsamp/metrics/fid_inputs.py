@@ -22,7 +22,9 @@ from ..hub import offline, resolve_path
 
 INCEPTION = "inception-v3-compat"
 # torch-fidelity's Inception weights (torch_fidelity.feature_extractor_inceptionv3.URL_INCEPTION_V3)
-INCEPTION_URL = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+INCEPTION_URL = (
+    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+)
 # NVlabs/edm README, "Calculating FID": reference statistics of the training sets
 REFERENCE_STATS = {
     "cifar10-32x32": "https://nvlabs-fi-cdn.nvidia.com/edm/fid-refs/cifar10-32x32.npz",
@@ -58,13 +60,17 @@ def run_images(path: str | os.PathLike):
         if (p / "samples.pt").is_file():
             p = p / "samples.pt"
         else:
-            raise FileNotFoundError(f"no images at {str(path)!r}: neither index-named PNGs, an images/ folder nor a samples.pt")
+            raise FileNotFoundError(
+                f"no images at {str(path)!r}: neither index-named PNGs, an images/ folder nor a samples.pt"
+            )
     if p.suffix == ".pt" and p.is_file():
         x = torch.load(p, map_location="cpu", weights_only=True)
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] not in (1, 3) or not x.is_floating_point():
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{str(p)!r} holds {shape}, not float images [N, 1 or 3, H, W] in [-1, 1]: score the run's "
-                             "images/ folder instead (a latent model's samples are decoded into it by the run)")
+            raise ValueError(
+                f"{str(p)!r} holds {shape}, not float images [N, 1 or 3, H, W] in [-1, 1]: score the run's "
+                "images/ folder instead (a latent model's samples are decoded into it by the run)"
+            )
         return x.float().clamp(-1, 1)
     if not p.exists():
         raise FileNotFoundError(f"no images at {str(path)!r}")
@@ -120,9 +126,11 @@ def few_images_warning(n: int, dim: int | None) -> str | None:
     """
     if dim is None or n > dim:
         return None
-    return (f"an FID of {n} images is not a usable number: it needs more images than its {dim} feature dimensions "
-            f"(at least {dim + 1}, for a full-rank covariance; published FIDs use 50,000 and compare at equal N). "
-            f"With {n} the covariance has rank {max(n - 1, 0)} < {dim} and the estimate is biased far upward.")
+    return (
+        f"an FID of {n} images is not a usable number: it needs more images than its {dim} feature dimensions "
+        f"(at least {dim + 1}, for a full-rank covariance; published FIDs use 50,000 and compare at equal N). "
+        f"With {n} the covariance has rank {max(n - 1, 0)} < {dim} and the estimate is biased far upward."
+    )
 
 
 def _named(key: str, value) -> str:
@@ -130,8 +138,12 @@ def _named(key: str, value) -> str:
     return f"{key} {str(value)!r}" if key.startswith("--") else f"{key}={value!r}"
 
 
-PYTHON_KEYS = {"reference": "reference", "feature_extractor": "feature_extractor", "feature_layer": "feature_layer",
-               "weights_path": "weights_path"}
+PYTHON_KEYS = {
+    "reference": "reference",
+    "feature_extractor": "feature_extractor",
+    "feature_layer": "feature_layer",
+    "weights_path": "weights_path",
+}
 
 
 def _npz_shapes(path: Path) -> dict[str, tuple]:
@@ -145,15 +157,19 @@ def _npz_shapes(path: Path) -> dict[str, tuple]:
                 continue
             with z.open(name) as f:
                 version = np.lib.format.read_magic(f)
-                header = (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)
+                header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
                 shapes[name[:-4]] = tuple(header(f)[0])
     return shapes
 
 
 def _reference_dim(reference, key: str, allow_download: bool, cache_dir) -> int | None:
     """Check a reference as :func:`compute_fid` will read it; the feature dimension of its statistics (None: images)."""
-    valid = (f"valid: a name ({', '.join(sorted(REFERENCE_STATS))}), an http(s) URL of an .npz, a local .npz holding mu "
-             "and sigma, or a folder of images")
+    valid = (
+        f"valid: a name ({', '.join(sorted(REFERENCE_STATS))}), an http(s) URL of an .npz, a local .npz holding mu "
+        "and sigma, or a folder of images"
+    )
     s = os.fspath(reference)
     p = Path(s).expanduser()
     if s in REFERENCE_STATS or "://" in s:
@@ -168,7 +184,9 @@ def _reference_dim(reference, key: str, allow_download: bool, cache_dir) -> int 
             raise ValueError(f"{_named(key, s)} is invalid: {e}; {valid}.") from None
         return None
     elif not p.is_file():
-        raise FileNotFoundError(f"{_named(key, s)} is invalid: no such file or folder, and not a reference name; {valid}.")
+        raise FileNotFoundError(
+            f"{_named(key, s)} is invalid: no such file or folder, and not a reference name; {valid}."
+        )
     elif p.suffix != ".npz":
         if p.suffix == ".pt":  # a samples.pt of images (run_images reads it)
             return None
@@ -176,24 +194,31 @@ def _reference_dim(reference, key: str, allow_download: bool, cache_dir) -> int 
     try:
         shapes = _npz_shapes(p)
     except Exception as e:  # noqa: BLE001  (zipfile.BadZipFile, a truncated header: any of them means unreadable)
-        raise ValueError(f"{_named(key, s)} is invalid: {str(p)!r} is not a readable .npz ({type(e).__name__}: {e}); "
-                         f"{valid}.") from None
+        raise ValueError(
+            f"{_named(key, s)} is invalid: {str(p)!r} is not a readable .npz ({type(e).__name__}: {e}); {valid}."
+        ) from None
     mu, sigma = shapes.get("mu"), shapes.get("sigma")
     if mu is None or sigma is None:
-        raise ValueError(f"{_named(key, s)} is invalid: {str(p)!r} lacks {[k for k in ('mu', 'sigma') if k not in shapes]} "
-                         f"(keys: {sorted(shapes)}); reference statistics hold mu [F] and sigma [F, F].")
+        raise ValueError(
+            f"{_named(key, s)} is invalid: {str(p)!r} lacks {[k for k in ('mu', 'sigma') if k not in shapes]} "
+            f"(keys: {sorted(shapes)}); reference statistics hold mu [F] and sigma [F, F]."
+        )
     if len(mu) != 1 or sigma != (mu[0], mu[0]):
-        raise ValueError(f"{_named(key, s)} is invalid: {str(p)!r} holds mu of shape {mu} and sigma of shape {sigma}; "
-                         "reference statistics hold mu [F] and sigma [F, F].")
+        raise ValueError(
+            f"{_named(key, s)} is invalid: {str(p)!r} holds mu of shape {mu} and sigma of shape {sigma}; "
+            "reference statistics hold mu [F] and sigma [F, F]."
+        )
     return int(mu[0])
 
 
 def _check_weights_file(path, key: str, name: str | None) -> None:
     p = Path(os.fspath(path)).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"{_named(key, os.fspath(path))} is invalid: no such file (the extractor's weights: "
-                                f"{'a torch-fidelity Inception .pth' if name and name.startswith('inception') else 'a local weights file'}, "
-                                f"or null for {'the torch hub cache' if name and name.startswith('inception') else 'its default'}).")
+        raise FileNotFoundError(
+            f"{_named(key, os.fspath(path))} is invalid: no such file (the extractor's weights: "
+            f"{'a torch-fidelity Inception .pth' if name and name.startswith('inception') else 'a local weights file'}, "
+            f"or null for {'the torch hub cache' if name and name.startswith('inception') else 'its default'})."
+        )
     if p.stat().st_size == 0:
         raise ValueError(f"{_named(key, os.fspath(path))} is invalid: the file is empty.")
     if name == "digits-classifier":  # loaded only with the shipped file's hash (models.digits.load_classifier)
@@ -202,9 +227,11 @@ def _check_weights_file(path, key: str, name: str | None) -> None:
 
         actual = file_sha256(p)
         if actual != CLASSIFIER_SHA256:
-            raise ValueError(f"{_named(key, os.fspath(path))} is invalid: its SHA-256 {actual} is not that of the shipped "
-                             f"digits classifier ({CLASSIFIER_SHA256}); give a copy of {CLASSIFIER_FILE.name}, or null "
-                             "for the shipped file.")
+            raise ValueError(
+                f"{_named(key, os.fspath(path))} is invalid: its SHA-256 {actual} is not that of the shipped "
+                f"digits classifier ({CLASSIFIER_SHA256}); give a copy of {CLASSIFIER_FILE.name}, or null "
+                "for the shipped file."
+            )
 
 
 def _ensure_inception_weights(key: str, allow_download: bool) -> None:
@@ -224,7 +251,8 @@ def _ensure_inception_weights(key: str, allow_download: bool) -> None:
     raise FileNotFoundError(
         f"{key} is not set and the FID's Inception weights are not in the torch hub cache ({str(cached)!r}), and "
         f"{why}. Download {INCEPTION_URL} where the network is reachable and put it at that path (or set "
-        f"$TORCH_HOME), or give a local copy of that file: {how}.")
+        f"$TORCH_HOME), or give a local copy of that file: {how}."
+    )
 
 
 def _extractor_names() -> list[str]:
@@ -269,18 +297,26 @@ def check_fid_inputs(
     from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 
     k = {**PYTHON_KEYS, **(keys or {})}
-    ref_dim = _reference_dim(reference, k["reference"], allow_download, cache_dir) if isinstance(reference, (str, os.PathLike)) else None
+    ref_dim = (
+        _reference_dim(reference, k["reference"], allow_download, cache_dir)
+        if isinstance(reference, (str, os.PathLike))
+        else None
+    )
     fe, cls, name = feature_extractor, None, None
     if isinstance(fe, str) and ":" in fe and fe not in FEATURE_EXTRACTORS_REGISTRY:
         try:
             fe = _import_extractor(fe)
         except ValueError as e:
-            raise ValueError(f"{_named(k['feature_extractor'], feature_extractor)} is invalid: "
-                             f"{str(e).split(' is invalid: ', 1)[-1]}; valid: a torch-fidelity extractor name "
-                             f"({', '.join(_extractor_names())}), or package.module:Class.") from None
+            raise ValueError(
+                f"{_named(k['feature_extractor'], feature_extractor)} is invalid: "
+                f"{str(e).split(' is invalid: ', 1)[-1]}; valid: a torch-fidelity extractor name "
+                f"({', '.join(_extractor_names())}), or package.module:Class."
+            ) from None
         if not (isinstance(fe, FeatureExtractorBase) or callable(fe)):
-            raise ValueError(f"{_named(k['feature_extractor'], feature_extractor)} is invalid: it names a "
-                             f"{type(fe).__name__}, not a torch-fidelity FeatureExtractorBase class, an instance or a callable.")
+            raise ValueError(
+                f"{_named(k['feature_extractor'], feature_extractor)} is invalid: it names a "
+                f"{type(fe).__name__}, not a torch-fidelity FeatureExtractorBase class, an instance or a callable."
+            )
     if isinstance(fe, FeatureExtractorBase):
         cls, name = type(fe), fe.get_name()
     elif isinstance(fe, type) and issubclass(fe, FeatureExtractorBase):
@@ -288,21 +324,27 @@ def check_fid_inputs(
     elif isinstance(fe, str):
         cls, name = registered_extractor(fe), fe
         if cls is None:
-            raise ValueError(f"{_named(k['feature_extractor'], fe)} is invalid: not a registered torch-fidelity extractor; "
-                             f"valid: {', '.join(_extractor_names())}, or package.module:Class.")
+            raise ValueError(
+                f"{_named(k['feature_extractor'], fe)} is invalid: not a registered torch-fidelity extractor; "
+                f"valid: {', '.join(_extractor_names())}, or package.module:Class."
+            )
     layer = None
     if cls is not None:
         layer = feature_layer or cls.get_default_feature_layer_for_metric("fid")
         provided = [str(x) for x in cls.get_provided_features_list()]
         if str(layer) not in provided:
-            raise ValueError(f"{_named(k['feature_layer'], layer)} is invalid for {name}; valid: {', '.join(provided)}.")
+            raise ValueError(
+                f"{_named(k['feature_layer'], layer)} is invalid for {name}; valid: {', '.join(provided)}."
+            )
     if weights_path is not None:
         _check_weights_file(weights_path, k["weights_path"], name)
     elif isinstance(fe, str) and name.startswith("inception-v3"):
         _ensure_inception_weights(k["weights_path"], allow_download)
     layer_dim = int(layer) if isinstance(layer, str) and layer.isdigit() else None
     if ref_dim is not None and layer_dim is not None and ref_dim != layer_dim:
-        raise ValueError(f"{_named(k['reference'], os.fspath(reference))} is invalid with {name} layer {layer}: its "
-                         f"statistics have {ref_dim} dimensions and the features {layer_dim}; use reference statistics "
-                         f"computed with the same extractor and layer.")
+        raise ValueError(
+            f"{_named(k['reference'], os.fspath(reference))} is invalid with {name} layer {layer}: its "
+            f"statistics have {ref_dim} dimensions and the features {layer_dim}; use reference statistics "
+            f"computed with the same extractor and layer."
+        )
     return {"dim": ref_dim or layer_dim, "extractor": name, "layer": layer}

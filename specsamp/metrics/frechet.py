@@ -138,7 +138,9 @@ def frechet_distance_to_features(features, mu2, sigma2) -> float:
     mu2 = np.atleast_1d(np.asarray(mu2, np.float64))
     s2 = np.atleast_2d(np.asarray(sigma2, np.float64))
     if mu2.shape != (f,) or s2.shape != (f, f):
-        raise ValueError(f"shapes features {x.shape}, mu2 {mu2.shape}, sigma2 {s2.shape} are invalid: need [N, F], [F], [F, F]")
+        raise ValueError(
+            f"shapes features {x.shape}, mu2 {mu2.shape}, sigma2 {s2.shape} are invalid: need [N, F], [F], [F, F]"
+        )
     mu1 = x.mean(0)
     xc = (x - mu1) / np.sqrt(n - 1)
     s2 = (s2 + s2.T) / 2

@@ -65,8 +65,13 @@ def isc_from_logits(logits, splits: int = SPLITS) -> dict:
         raise ValueError(f"{t.shape[0]} images are too few for splits={splits}: need at least one image per split")
     res = isc_features_to_metric(t, splits=int(splits))
     std = float(res[KEY_METRIC_ISC_STD])
-    return {"isc": float(res[KEY_METRIC_ISC_MEAN]), "isc_std": std, "isc_se": std / math.sqrt(int(splits) - 1),
-            "isc_splits": int(splits), "n_samples": int(t.shape[0])}
+    return {
+        "isc": float(res[KEY_METRIC_ISC_MEAN]),
+        "isc_std": std,
+        "isc_se": std / math.sqrt(int(splits) - 1),
+        "isc_splits": int(splits),
+        "n_samples": int(t.shape[0]),
+    }
 
 
 def inception_score(
@@ -98,8 +103,17 @@ def inception_score(
     """
     layer = feature_layer or isc_layer(feature_extractor)
     if layer is None:
-        raise ValueError(f"feature_extractor={feature_extractor!r} has no class logits: the Inception Score needs a "
-                         f"classifier's logits (inception-v3-compat or digits-classifier)")
-    logits = extract_features(samples, feature_extractor, layer, weights_path=weights_path, batch_size=batch_size,
-                              device=device, allow_download=allow_download)
+        raise ValueError(
+            f"feature_extractor={feature_extractor!r} has no class logits: the Inception Score needs a "
+            f"classifier's logits (inception-v3-compat or digits-classifier)"
+        )
+    logits = extract_features(
+        samples,
+        feature_extractor,
+        layer,
+        weights_path=weights_path,
+        batch_size=batch_size,
+        device=device,
+        allow_download=allow_download,
+    )
     return {**isc_from_logits(logits, splits), "feature_extractor": str(feature_extractor), "feature_layer": layer}

@@ -16,8 +16,12 @@ from .edm import EDMConfig
 from .gmm import GaussianMixture, GMMConfig
 from .sd3 import SD3Config
 
-MODEL_SCHEMAS = {"gmm_schema": GMMConfig, "edm_schema": EDMConfig, "sd3_schema": SD3Config,
-                 "diffusers_schema": DiffusersConfig}
+MODEL_SCHEMAS = {
+    "gmm_schema": GMMConfig,
+    "edm_schema": EDMConfig,
+    "sd3_schema": SD3Config,
+    "diffusers_schema": DiffusersConfig,
+}
 
 
 def register_model(name: str, schema: type | None = None):
@@ -40,8 +44,10 @@ def register_model(name: str, schema: type | None = None):
     if schema is None:
         return lambda cls: register_model(name, cls)
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema) and issubclass(schema, TargetConfig)):
-        raise TypeError(f"register_model({name!r}, {schema!r}): the schema must be a dataclass subclassing "
-                        "specsamp.models.base.TargetConfig")
+        raise TypeError(
+            f"register_model({name!r}, {schema!r}): the schema must be a dataclass subclassing "
+            "specsamp.models.base.TargetConfig"
+        )
     key = f"{name}_schema"
     if MODEL_SCHEMAS.get(key, schema) is not schema:
         raise ValueError(f"model schema {key!r} is already registered to {MODEL_SCHEMAS[key].__name__}")
@@ -52,5 +58,17 @@ def register_model(name: str, schema: type | None = None):
     return schema
 
 
-__all__ = ["MODEL_SCHEMAS", "DiffusersConfig", "EDMConfig", "GMMConfig", "GaussianMixture", "Paper", "SD3Config", "Target", "TargetConfig",
-           "VelocityModel", "batched", "register_model"]
+__all__ = [
+    "MODEL_SCHEMAS",
+    "DiffusersConfig",
+    "EDMConfig",
+    "GMMConfig",
+    "GaussianMixture",
+    "Paper",
+    "SD3Config",
+    "Target",
+    "TargetConfig",
+    "VelocityModel",
+    "batched",
+    "register_model",
+]

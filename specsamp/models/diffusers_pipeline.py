@@ -18,7 +18,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,8 +39,10 @@ def _read_json(path: str, key: str) -> dict:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"model.path={key!r} is invalid: {path} does not exist; pass a diffusers pipeline folder "
-                          "(what save_pretrained writes: model_index.json, scheduler/, unet/ or transformer/, ...).") from None
+        raise ConfigError(
+            f"model.path={key!r} is invalid: {path} does not exist; pass a diffusers pipeline folder "
+            "(what save_pretrained writes: model_index.json, scheduler/, unet/ or transformer/, ...)."
+        ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={key!r} is invalid: {path} cannot be read as JSON ({e}).") from None
     if not isinstance(data, dict):
@@ -70,11 +72,11 @@ class DiffusersConfig(TargetConfig):
     name: str = "diffusers"
     path: str = MISSING
     net_dtype: str = "float32"
-    guidance: Optional[float] = None
+    guidance: float | None = None
     negative_prompt: str = ""
     resolution: Any = None
     max_sequence_length: int = 256
-    max_batch: Optional[int] = None
+    max_batch: int | None = None
     decode_chunk: int = 4
     images_per_prompt: int = 1
     prompts: PromptsConfig = field(default_factory=lambda: PromptsConfig(source="demo"))
@@ -97,8 +99,10 @@ class DiffusersConfig(TargetConfig):
         """
         cls = self._index().get("_class_name")
         if cls not in PIPELINES:
-            raise ConfigError(f"model.path={self.path!r} is invalid: its pipeline is {cls!r}; model=diffusers takes "
-                              f"{', '.join(PIPELINES)}.")
+            raise ConfigError(
+                f"model.path={self.path!r} is invalid: its pipeline is {cls!r}; model=diffusers takes "
+                f"{', '.join(PIPELINES)}."
+            )
         return PIPELINES[cls]
 
     def check_weights(self) -> None:
@@ -110,9 +114,11 @@ class DiffusersConfig(TargetConfig):
             names = os.listdir(folder) if os.path.isdir(folder) else []
             if not any(n.endswith(".safetensors") for n in names):
                 pickled = [n for n in names if n.endswith(PICKLES)]
-                raise ConfigError(f"model.path={self.path!r} is invalid: {sub}/ has no .safetensors weights"
-                                  + (f" (only {', '.join(sorted(pickled))}, a pickle format that is never loaded)" if pickled else "")
-                                  + "; save the pipeline with save_pretrained(..., safe_serialization=True).")
+                raise ConfigError(
+                    f"model.path={self.path!r} is invalid: {sub}/ has no .safetensors weights"
+                    + (f" (only {', '.join(sorted(pickled))}, a pickle format that is never loaded)" if pickled else "")
+                    + "; save the pipeline with save_pretrained(..., safe_serialization=True)."
+                )
 
     def guidance_scale(self) -> float:
         """The guidance scale: ``guidance``, or the pipeline class's own default (1 for an unconditional pipeline)."""
@@ -128,8 +134,10 @@ class DiffusersConfig(TargetConfig):
             cls = getattr(diffusers, self._index()["_class_name"])
             w = inspect.signature(cls.__call__).parameters["guidance_scale"].default
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ConfigError(f"model.guidance={self.guidance!r} is invalid: must be a finite number or null (the "
-                              "pipeline's default; 1 or less = no guidance).")
+            raise ConfigError(
+                f"model.guidance={self.guidance!r} is invalid: must be a finite number or null (the "
+                "pipeline's default; 1 or less = no guidance)."
+            )
         return float(w)
 
     def rows_per_state(self) -> int:
@@ -164,8 +172,13 @@ class DiffusersConfig(TargetConfig):
         else:
             res = None
         patch = int(net.get("patch_size") or 1)
-        if (res is None or len(res) != 2 or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in res)
-                or any(r % (f * patch) for r in res) or (kind == "ddpm" and res != default)):
+        if (
+            res is None
+            or len(res) != 2
+            or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in res)
+            or any(r % (f * patch) for r in res)
+            or (kind == "ddpm" and res != default)
+        ):
             valid = f"{default}, the network's sample size" if kind == "ddpm" else f"positive multiples of {f * patch}"
             raise ConfigError(f"model.resolution={self.resolution!r} is invalid: need null or [H, W] ({valid}).")
         return int(net["in_channels"]), res[0] // f, res[1] // f
@@ -202,9 +215,11 @@ class DiffusersConfig(TargetConfig):
             config = {**config, **chosen.scheduler_flags}
         else:
             valid = " or ".join(k.name for k in scheduler_kernels() if k.flow == flow)
-            raise ConfigError(f"kernel={kernel} is invalid with model=diffusers and this {'flow' if flow else 'noise-prediction'} "
-                              f"pipeline ({self.path}): its network is trained on its scheduler's own timesteps; set "
-                              f"kernel=auto (the folder's {own}) or kernel={valid}.")
+            raise ConfigError(
+                f"kernel={kernel} is invalid with model=diffusers and this {'flow' if flow else 'noise-prediction'} "
+                f"pipeline ({self.path}): its network is trained on its scheduler's own timesteps; set "
+                f"kernel=auto (the folder's {own}) or kernel={valid}."
+            )
         cls = getattr(diffusers, str(cls_name), None)
         if cls is None or not isinstance(cls, type):
             raise refuse(str(cls_name))
@@ -215,9 +230,13 @@ class DiffusersConfig(TargetConfig):
 
             _, h, w = self.event_shape()
             patch = int(self._network_config().get("patch_size") or 1)
-            mu = calculate_shift((h // patch) * (w // patch), config.get("base_image_seq_len", 256),
-                                 config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                                 config.get("max_shift", 1.16))
+            mu = calculate_shift(
+                (h // patch) * (w // patch),
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),
+            )
         return from_scheduler(scheduler, steps, event_ndim=3, mu=mu)
 
     # --- the target ------------------------------------------------------------------------------------
@@ -233,12 +252,17 @@ class DiffusersConfig(TargetConfig):
         from diffusers.utils import logging as dlog
 
         self.check_weights()
-        kwargs = {"use_safetensors": True, "local_files_only": True,
-                  "low_cpu_mem_usage": importlib.util.find_spec("accelerate") is not None}
+        kwargs = {
+            "use_safetensors": True,
+            "local_files_only": True,
+            "low_cpu_mem_usage": importlib.util.find_spec("accelerate") is not None,
+        }
         try:  # diffusers >= 0.36 renamed torch_dtype to dtype
             from diffusers.utils import deprecation_utils
 
-            kwargs["dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"] = self.torch_dtype("net_dtype")
+            kwargs["dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"] = self.torch_dtype(
+                "net_dtype"
+            )
         except ImportError:
             kwargs["torch_dtype"] = self.torch_dtype("net_dtype")
         loggers = [dlog]
@@ -255,8 +279,10 @@ class DiffusersConfig(TargetConfig):
             folder = os.path.expanduser(self.path)  # components saved as null (SD3 without T5) load as None
             pipe = DiffusionPipeline.from_pretrained(folder, **{**_absent_components(folder), **kwargs})
         except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"model.path={self.path!r} is invalid: diffusers cannot load it with safetensors "
-                              f"weights ({str(e).splitlines()[0] if str(e) else type(e).__name__}).") from None
+            raise ConfigError(
+                f"model.path={self.path!r} is invalid: diffusers cannot load it with safetensors "
+                f"weights ({str(e).splitlines()[0] if str(e) else type(e).__name__})."
+            ) from None
         finally:
             for lg in bars:
                 lg.enable_progress_bar()
@@ -279,15 +305,19 @@ class DiffusersConfig(TargetConfig):
         from .sd3 import SOURCES, image_plan, load_prompts
 
         if plan is None:
-            raise ConfigError("model=diffusers is built on its scheduler's plan: call scheduler_plan(steps, kernel) "
-                              "first and pass build(device, plan=plan) (run.py does).")
+            raise ConfigError(
+                "model=diffusers is built on its scheduler's plan: call scheduler_plan(steps, kernel) "
+                "first and pass build(device, plan=plan) (run.py does)."
+            )
         dtype = self.torch_dtype("dtype")
         check_positive("max_batch", self.max_batch, optional=True)
         for key in ("max_sequence_length", "decode_chunk", "images_per_prompt"):
             check_positive(key, getattr(self, key))
         kind, shape, w = self.kind(), self.event_shape(), self.guidance_scale()
         if kind != "ddpm" and self.prompts.source not in SOURCES and prompts is None:
-            raise ConfigError(f"model.prompts.source={self.prompts.source!r} is invalid: valid values are {', '.join(SOURCES)}.")
+            raise ConfigError(
+                f"model.prompts.source={self.prompts.source!r} is invalid: valid values are {', '.join(SOURCES)}."
+            )
         clip = self.clip.load_kwargs() if kind != "ddpm" else None
         pipe = pipeline if pipeline is not None else self.load(device)
         decode = self._decoder(pipe, kind)
@@ -295,24 +325,40 @@ class DiffusersConfig(TargetConfig):
             model = velocity_model(pipe, kind, plan, Conditioning(), shape, 1.0, dtype)
             return Target(model, decode=decode, max_batch=self.max_batch)
         p = self.prompts
-        texts = load_prompts(p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts,
-                             n_key="n_samples")
+        texts = load_prompts(
+            p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts, n_key="n_samples"
+        )
         layout = image_plan(texts, self.images_per_prompt)
         with torch.no_grad():
-            cond = encode(pipe, kind, texts, [self.negative_prompt] * len(texts), w > 1, 1,
-                          max_sequence_length=self.max_sequence_length)
+            cond = encode(
+                pipe,
+                kind,
+                texts,
+                [self.negative_prompt] * len(texts),
+                w > 1,
+                1,
+                max_sequence_length=self.max_sequence_length,
+            )
         model = velocity_model(pipe, kind, plan, cond, shape, w, dtype)
         prompt_index = torch.as_tensor(layout.prompt_index)
 
         def cond_for(ids, seed):
             if int(ids.max()) >= prompt_index.numel():
-                raise ConfigError(f"n_samples is invalid: the prompt plan has {prompt_index.numel()} images "
-                                  "(model.prompts.n x model.images_per_prompt).")
+                raise ConfigError(
+                    f"n_samples is invalid: the prompt plan has {prompt_index.numel()} images "
+                    "(model.prompts.n x model.images_per_prompt)."
+                )
             return rows_of(model, prompt_index[ids.cpu()])
 
-        return Target(model, cond_for=cond_for, decode=decode,
-                      prompts_for=lambda ids: [layout.prompts[int(layout.prompt_index[int(i)])] for i in ids],
-                      clip=clip, max_batch=self.max_batch, indices=torch.as_tensor(layout.noise_id))
+        return Target(
+            model,
+            cond_for=cond_for,
+            decode=decode,
+            prompts_for=lambda ids: [layout.prompts[int(layout.prompt_index[int(i)])] for i in ids],
+            clip=clip,
+            max_batch=self.max_batch,
+            indices=torch.as_tensor(layout.noise_id),
+        )
 
     def _decoder(self, pipe, kind):
         """``latents [n, C, h, w] -> images [n, 3, H, W]`` float32 in ``[-1, 1]`` on the CPU, as the pipeline decodes."""
@@ -326,9 +372,10 @@ class DiffusersConfig(TargetConfig):
             out = []
             with torch.no_grad():
                 for i in range(0, x.shape[0], chunk):
-                    z = x[i:i + chunk].to(vae.device, torch.float32) / scale + shift
+                    z = x[i : i + chunk].to(vae.device, torch.float32) / scale + shift
                     out.append(vae.decode(z.to(vae.dtype), return_dict=False)[0].float().clamp(-1, 1).cpu())
             return torch.cat(out)
+
         return decode
 
 

@@ -42,14 +42,21 @@ def load_digits_data() -> tuple[torch.Tensor, torch.Tensor]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as err:
-        raise ImportError("the digits data need scikit-learn: pip install 'specsamp[digits]' (or scikit-learn)") from err
+        raise ImportError(
+            "the digits data need scikit-learn: pip install 'specsamp[digits]' (or scikit-learn)"
+        ) from err
     d = load_digits()
     x = torch.from_numpy(np.asarray(d.images, np.float32) / 8.0 - 1.0)[:, None]
     return x, torch.from_numpy(np.asarray(d.target, np.int64))
 
 
-def load_classifier(path: str | Path | None = None, *, sha256: str | None = None, trust: bool = False,
-                    device: str | torch.device = "cpu"):
+def load_classifier(
+    path: str | Path | None = None,
+    *,
+    sha256: str | None = None,
+    trust: bool = False,
+    device: str | torch.device = "cpu",
+):
     """The digits classifier (``forward(x [b, 1, 8, 8]) -> (features [b, 64], logits [b, 10])``).
 
     Loaded by :func:`specsamp.models.edm.load_edm` (checksum first, then unpickled) from ``path``

@@ -81,12 +81,18 @@ CHECKPOINTS: dict[str, Checkpoint] = {
     "edm-ffhq-64x64-uncond-vp": Checkpoint(_EDM_CDN + "edm-ffhq-64x64-uncond-vp.pkl", None, 0, 64),
     # shipped with the package: trained on scikit-learn's digits by experiments/train_digits.py (specsamp.models.digits)
     "edm-digits-8x8-cond": Checkpoint(
-        (Path(__file__).resolve().parents[1] / "data" / "edm-digits-8x8-cond.pkl").as_uri(), "ee0542d9eb229546125fbc0fa58a689dacf195454034ccd26cae8da09dd53b16", 10, 8
+        (Path(__file__).resolve().parents[1] / "data" / "edm-digits-8x8-cond.pkl").as_uri(),
+        "ee0542d9eb229546125fbc0fa58a689dacf195454034ccd26cae8da09dd53b16",
+        10,
+        8,
     ),
     # shipped with the package: trained on crops of scikit-learn's two sample photographs by
     # experiments/train_patches.py (specsamp.models.patches); class-unconditional, CIFAR-10's dimension
     "edm-patches-32x32-uncond": Checkpoint(
-        (Path(__file__).resolve().parents[1] / "data" / "edm-patches-32x32-uncond.pkl").as_uri(), "d4f51d18f91aa0f03d2eee8efc39b7b462b927d22efdc82afc30e70624402c88", 0, 32
+        (Path(__file__).resolve().parents[1] / "data" / "edm-patches-32x32-uncond.pkl").as_uri(),
+        "d4f51d18f91aa0f03d2eee8efc39b7b462b927d22efdc82afc30e70624402c88",
+        0,
+        32,
     ),
 }
 
@@ -157,15 +163,19 @@ def load_edm(
     except FileNotFoundError as err:
         hint = f" Published at {known.url}." if known is not None and known.url != location else ""
         if expected is None and not trust_checkpoint:  # else the copy would meet a second refusal (verify_sha256)
-            hint += (" Once the file is there, loading it also needs model.sha256=<its SHA-256> (`sha256sum FILE`, "
-                     "for a copy from a source you trust) or model.trust_checkpoint=true: no hash is published for "
-                     "it, and a pickle runs code when it is loaded.")
+            hint += (
+                " Once the file is there, loading it also needs model.sha256=<its SHA-256> (`sha256sum FILE`, "
+                "for a copy from a source you trust) or model.trust_checkpoint=true: no hash is published for "
+                "it, and a pickle runs code when it is loaded."
+            )
         raise FileNotFoundError(f"{err}{hint}") from None
     verify_sha256(path, expected, trust=trust_checkpoint)
     obj = _unpickle(path)
     if key is not None and isinstance(obj, dict):
         if key not in obj:
-            raise CheckpointFormatError(f"model.key={key!r} is not in checkpoint {str(path)!r}; its keys: {sorted(obj)}")
+            raise CheckpointFormatError(
+                f"model.key={key!r} is not in checkpoint {str(path)!r}; its keys: {sorted(obj)}"
+            )
         obj = obj[key]
     if isinstance(obj, torch.nn.Module):
         obj = obj.eval().requires_grad_(False)
@@ -210,7 +220,11 @@ def _unpickle(path: Path):
         with nvlabs_compat.installed(), open(path, "rb") as f:
             return _CpuMappingUnpickler(f).load()  # checksum verified (or explicitly trusted) by the caller
     except Exception as err:  # noqa: BLE001 - a pickle can raise anything; all mean "not a loadable network"
-        cause = "truncated (it ends before the pickle does)" if isinstance(err, EOFError) else "not a loadable EDM network pickle"
+        cause = (
+            "truncated (it ends before the pickle does)"
+            if isinstance(err, EOFError)
+            else "not a loadable EDM network pickle"
+        )
         raise CheckpointFormatError(
             f"{what} could not be unpickled: it is {cause} ({type(err).__name__}: {err}). Fetch the file again "
             f"and check its SHA-256 against a copy you trust."
@@ -461,8 +475,11 @@ class EDMConfig(TargetConfig):
 
     def fid_settings(self) -> dict:
         """:func:`specsamp.metrics.fid.compute_fid` keyword arguments from ``fid_extractor``/``fid_layer``/``fid_weights``."""
-        pairs = (("feature_extractor", self.fid_extractor), ("feature_layer", self.fid_layer),
-                 ("weights_path", self.fid_weights))
+        pairs = (
+            ("feature_extractor", self.fid_extractor),
+            ("feature_layer", self.fid_layer),
+            ("weights_path", self.fid_weights),
+        )
         return {arg: v for arg, v in pairs if v is not None}
 
     def build(self, device: str) -> Target:
@@ -474,32 +491,52 @@ class EDMConfig(TargetConfig):
             FileNotFoundError, CheckpointTrustError, CheckpointFormatError: see :func:`load_edm`.
         """
         if str(self.dtype).removeprefix("torch.") in ("float16", "bfloat16"):
-            raise ConfigError(f"model.dtype={self.dtype!r} is invalid for an EDM network: model.dtype is the sampler's "
-                              "state dtype, float32 or float64; to run the network "
-                              f"itself in half precision, keep model.dtype=float32 and set model.net_dtype={self.dtype}.")
+            raise ConfigError(
+                f"model.dtype={self.dtype!r} is invalid for an EDM network: model.dtype is the sampler's "
+                "state dtype, float32 or float64; to run the network "
+                f"itself in half precision, keep model.dtype=float32 and set model.net_dtype={self.dtype}."
+            )
         dtype = self.torch_dtype("dtype", ("float32", "float64"))
         if self.net_dtype is not None and str(self.net_dtype).removeprefix("torch.") not in NET_DTYPES:
-            raise ConfigError(f"model.net_dtype={self.net_dtype!r} is invalid: valid values are {', '.join(NET_DTYPES)} "
-                              "(the network under torch.autocast in half precision) or null (the network in model.dtype).")
+            raise ConfigError(
+                f"model.net_dtype={self.net_dtype!r} is invalid: valid values are {', '.join(NET_DTYPES)} "
+                "(the network under torch.autocast in half precision) or null (the network in model.dtype)."
+            )
         net_dtype = self.torch_dtype("net_dtype", NET_DTYPES)
         check_positive("max_batch", self.max_batch, optional=True)
         if self.labels not in ("uniform", "none", None):
             raise ConfigError(f"model.labels={self.labels!r} is invalid: valid values are uniform, none.")
         known = CHECKPOINTS.get(self.name)
         if known is None and self.url is None and self.path is None:
-            raise ConfigError(f"model.name={self.name!r} is not a known EDM checkpoint; valid: {', '.join(sorted(CHECKPOINTS))} "
-                              "(or give model.url / model.path).")
-        net = load_edm(self.path or self.url or known.url, sha256=self.sha256 or (known.sha256 if known else None),
-                       cache_dir=self.cache_dir, trust_checkpoint=self.trust_checkpoint, download=self.download,
-                       key=self.key, map_location=device)
+            raise ConfigError(
+                f"model.name={self.name!r} is not a known EDM checkpoint; valid: {', '.join(sorted(CHECKPOINTS))} "
+                "(or give model.url / model.path)."
+            )
+        net = load_edm(
+            self.path or self.url or known.url,
+            sha256=self.sha256 or (known.sha256 if known else None),
+            cache_dir=self.cache_dir,
+            trust_checkpoint=self.trust_checkpoint,
+            download=self.download,
+            key=self.key,
+            map_location=device,
+        )
         model = EDMVelocity(net, label_dim=self.label_dim, dtype=dtype, net_dtype=net_dtype, device=device)
         cond_for = None
         if self.labels == "uniform" and not model.label_dim:
             raise ConfigError("model.labels='uniform' is invalid for an unconditional net (label_dim=0): use none.")
         if model.label_dim:
             if self.labels != "uniform":
-                raise ConfigError(f"model.labels={self.labels!r} is invalid for a class-conditional net "
-                                  f"(label_dim={model.label_dim}): use uniform.")
+                raise ConfigError(
+                    f"model.labels={self.labels!r} is invalid for a class-conditional net "
+                    f"(label_dim={model.label_dim}): use uniform."
+                )
             cond_for = lambda ids, seed: {"class_labels": uniform_labels(ids, seed, model.label_dim)}  # noqa: E731
-        return Target(model, cond_for=cond_for, decode=lambda x: x.float().clamp(-1, 1), fid_ref=self.fid_ref,
-                      fid=self.fid_settings(), max_batch=self.max_batch)
+        return Target(
+            model,
+            cond_for=cond_for,
+            decode=lambda x: x.float().clamp(-1, 1),
+            fid_ref=self.fid_ref,
+            fid=self.fid_settings(),
+            max_batch=self.max_batch,
+        )

@@ -137,14 +137,17 @@ class GMMConfig(TargetConfig):
     def size_from_config(self) -> tuple[str, float] | None:
         """The mixture's means and their construction: about four float64 ``[components, dim]`` arrays."""
         if isinstance(self.dim, int) and isinstance(self.components, int) and self.dim > 0 and self.components > 0:
-            return (f"model.dim={self.dim}, model.components={self.components} (the mixture's means)",
-                    4.0 * 8 * self.dim * self.components)
+            return (
+                f"model.dim={self.dim}, model.components={self.components} (the mixture's means)",
+                4.0 * 8 * self.dim * self.components,
+            )
         return None
 
     def build(self, device: str) -> Target:
         """The mixture on ``device``; ConfigError for a bad ``dim``, ``components`` or ``dtype``."""
         try:
-            return Target(GaussianMixture(self.dim, self.components, self.layout_seed, dtype=self.torch_dtype(),
-                                          device=device))
+            return Target(
+                GaussianMixture(self.dim, self.components, self.layout_seed, dtype=self.torch_dtype(), device=device)
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None

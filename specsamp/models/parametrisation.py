@@ -34,8 +34,11 @@ from ..arguments import network_output
 from ..errors import ConfigError
 
 COORDINATES = ("linear", "vp", "ve")
-PREDICTIONS = {"linear": ("flow", "epsilon", "sample"), "vp": ("epsilon", "sample", "v_prediction"),
-               "ve": ("epsilon", "sample")}
+PREDICTIONS = {
+    "linear": ("flow", "epsilon", "sample"),
+    "vp": ("epsilon", "sample", "v_prediction"),
+    "ve": ("epsilon", "sample"),
+}
 ALIASES = {"x0": "sample", "denoised": "sample", "eps": "epsilon", "v": "v_prediction", "velocity": "flow"}
 
 
@@ -66,8 +69,10 @@ def check_parametrisation(prediction: str, coords: str) -> tuple[str, str]:
         raise ConfigError(f"coordinates={coords!r} is invalid: valid are {', '.join(COORDINATES)}.")
     pred = ALIASES.get(prediction, prediction)
     if pred not in PREDICTIONS[coords]:
-        raise ConfigError(f"prediction_type={prediction!r} is invalid for {coords} coordinates: supported are "
-                          f"{', '.join(PREDICTIONS[coords])}.")
+        raise ConfigError(
+            f"prediction_type={prediction!r} is invalid for {coords} coordinates: supported are "
+            f"{', '.join(PREDICTIONS[coords])}."
+        )
     return pred, coords
 
 
@@ -116,8 +121,10 @@ class GridTimesteps:
         idx = torch.searchsorted(-self.sigmas, -q).clamp(max=self.sigmas.numel() - 1)
         if not torch.equal(self.sigmas[idx], q):
             bad = q[self.sigmas[idx] != q][0]
-            raise ValueError(f"sigma={float(bad)!r} is not a level of this grid: a discrete-time network is only "
-                             "evaluated on the scheduler's own timesteps")
+            raise ValueError(
+                f"sigma={float(bad)!r} is not a level of this grid: a discrete-time network is only "
+                "evaluated on the scheduler's own timesteps"
+            )
         return self.timesteps[idx].to(s.device)
 
 
@@ -139,8 +146,16 @@ class Parametrised:
         ConfigError: a prediction the coordinates do not define.
     """
 
-    def __init__(self, net: Callable, prediction: str, coords: str, event_shape, dtype: torch.dtype,
-                 time: Callable | None = None, net_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        net: Callable,
+        prediction: str,
+        coords: str,
+        event_shape,
+        dtype: torch.dtype,
+        time: Callable | None = None,
+        net_dtype: torch.dtype | None = None,
+    ):
         self.net = net
         self.prediction, self.coords = check_parametrisation(prediction, coords)
         self.time = time or (lambda s: s)

@@ -43,7 +43,9 @@ def load_photographs() -> torch.Tensor:
     try:
         from sklearn.datasets import load_sample_images
     except ImportError as err:
-        raise ImportError("the patches32 data need scikit-learn: pip install 'specsamp[digits]' (or scikit-learn)") from err
+        raise ImportError(
+            "the patches32 data need scikit-learn: pip install 'specsamp[digits]' (or scikit-learn)"
+        ) from err
     imgs = np.stack(load_sample_images().images).astype(np.float32)  # [2, 427, 640, 3] uint8 values
     return torch.from_numpy(imgs / 127.5 - 1.0).permute(0, 3, 1, 2).contiguous()
 

@@ -50,6 +50,7 @@ def network_call(pipe, kind: str, cond: Conditioning):
 
         def net(y, t, row=None):
             return unet(y, t).sample
+
         return net
 
     def pick(pos, neg, row, guide):
@@ -63,26 +64,47 @@ def network_call(pipe, kind: str, cond: Conditioning):
 
         def net(y, t, row, guide=None):
             return unet(y, t, encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide), return_dict=False)[0]
+
         return net
 
     transformer = pipe.transformer
 
     def net(y, t, row, guide=None):
-        return transformer(hidden_states=y, timestep=t, encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide),
-                           pooled_projections=pick(cond.pooled, cond.negative_pooled, row, guide), return_dict=False)[0]
+        return transformer(
+            hidden_states=y,
+            timestep=t,
+            encoder_hidden_states=pick(cond.embeds, cond.negative, row, guide),
+            pooled_projections=pick(cond.pooled, cond.negative_pooled, row, guide),
+            return_dict=False,
+        )[0]
+
     return net
 
 
-def velocity_model(pipe, kind: str, plan: SchedulerPlan, cond: Conditioning, event_shape, guidance_scale: float,
-                   dtype: torch.dtype = torch.float32):
+def velocity_model(
+    pipe,
+    kind: str,
+    plan: SchedulerPlan,
+    cond: Conditioning,
+    event_shape,
+    guidance_scale: float,
+    dtype: torch.dtype = torch.float32,
+):
     """The pipeline's network as the velocity model of ``plan``: :class:`Parametrised` on the plan's timesteps,
     wrapped in :class:`Guided` when ``guidance_scale > 1`` (its calls then take ``guide [b]``: 1 on every
     row, which the guided call doubles into ``[0 (unconditional); 1 (conditional)]``). Its calls take ``row [b]``,
     the image's row of ``cond`` (none for ``ddpm``). ``model.device`` is the network's device."""
     module = pipe.unet if kind != "sd3" else pipe.transformer
     net_dtype, device = net_dtype_device(module)
-    model = Parametrised(network_call(pipe, kind, cond), plan.prediction, plan.coords, event_shape, dtype,
-                         time=GridTimesteps(plan.schedule.sigmas, plan.timesteps), net_dtype=net_dtype)
+    model = Parametrised(
+        network_call(pipe, kind, cond),
+        plan.prediction,
+        plan.coords,
+        event_shape,
+        dtype,
+        time=GridTimesteps(plan.schedule.sigmas, plan.timesteps),
+        net_dtype=net_dtype,
+    )
     model.device = device
     if kind != "ddpm" and guidance_scale > 1:
         model = Guided(model, guidance_scale, torch.zeros(1, dtype=torch.long, device=device), cond_key="guide")
@@ -98,19 +120,37 @@ def rows_of(model, rows: torch.Tensor) -> dict:
     return cond
 
 
-def encode(pipe, kind: str, prompt, negative_prompt, guided: bool, images_per_prompt: int = 1, *,
-           clip_skip=None, max_sequence_length: int = 256, extra: dict | None = None) -> Conditioning:
+def encode(
+    pipe,
+    kind: str,
+    prompt,
+    negative_prompt,
+    guided: bool,
+    images_per_prompt: int = 1,
+    *,
+    clip_skip=None,
+    max_sequence_length: int = 256,
+    extra: dict | None = None,
+) -> Conditioning:
     """The prompts encoded by the pipeline's own ``encode_prompt`` (one row per image, prompt-major, as the
     pipeline repeats them), the negative ones when ``guided``."""
     device = pipe._execution_device
     if kind == "sd":
-        embeds, negative = pipe.encode_prompt(prompt, device, images_per_prompt, guided, negative_prompt,
-                                              clip_skip=clip_skip)
+        embeds, negative = pipe.encode_prompt(
+            prompt, device, images_per_prompt, guided, negative_prompt, clip_skip=clip_skip
+        )
         return Conditioning(embeds, negative)
     extra = {"prompt_2": None, "prompt_3": None, **(extra or {})}  # None: the first prompt for every encoder
-    e, n, p, np_ = pipe.encode_prompt(prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guided,
-                                      device=device, clip_skip=clip_skip, num_images_per_prompt=images_per_prompt,
-                                      max_sequence_length=max_sequence_length, **extra)
+    e, n, p, np_ = pipe.encode_prompt(
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        do_classifier_free_guidance=guided,
+        device=device,
+        clip_skip=clip_skip,
+        num_images_per_prompt=images_per_prompt,
+        max_sequence_length=max_sequence_length,
+        **extra,
+    )
     return Conditioning(e, n, p, np_)
 
 

@@ -18,5 +18,18 @@ from .context import Chains, Context, Tally, Velocity, build_context
 from .layouts import DenseLayout, SparseLayout
 from .loop import first_step, initial_noise, initial_state, run_rounds
 
-__all__ = ["Chains", "Context", "DenseLayout", "SparseLayout", "Tally", "Velocity", "build_context", "compiled_round", "first_step",
-           "for_compile", "initial_noise", "initial_state", "run_rounds"]
+__all__ = [
+    "Chains",
+    "Context",
+    "DenseLayout",
+    "SparseLayout",
+    "Tally",
+    "Velocity",
+    "build_context",
+    "compiled_round",
+    "first_step",
+    "for_compile",
+    "initial_noise",
+    "initial_state",
+    "run_rounds",
+]

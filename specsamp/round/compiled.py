@@ -58,13 +58,22 @@ def for_compile(coupling):
 
     from ..coupling import COUPLINGS
 
-    if coupling.name in TRACED_COUPLINGS and coupling.name in COUPLINGS and COUPLINGS.get(coupling.name).verify is coupling.verify:
+    if (
+        coupling.name in TRACED_COUPLINGS
+        and coupling.name in COUPLINGS
+        and COUPLINGS.get(coupling.name).verify is coupling.verify
+    ):
         return coupling
     for fn in (coupling.verify, coupling.decide):
-        if fn is not None and fn not in OUTSIDE_RULES:  # one wrapper per rule: the compiled graphs' guards hold it by identity
+        if (
+            fn is not None and fn not in OUTSIDE_RULES
+        ):  # one wrapper per rule: the compiled graphs' guards hold it by identity
             OUTSIDE_RULES[fn] = torch.compiler.disable(fn, recursive=True)
-    return dataclasses.replace(coupling, verify=OUTSIDE_RULES[coupling.verify],
-                               decide=None if coupling.decide is None else OUTSIDE_RULES[coupling.decide])
+    return dataclasses.replace(
+        coupling,
+        verify=OUTSIDE_RULES[coupling.verify],
+        decide=None if coupling.decide is None else OUTSIDE_RULES[coupling.decide],
+    )
 
 
 def finish(r) -> torch.Tensor:
@@ -141,7 +150,11 @@ def compiled_round() -> Callable:
         logging.getLogger("torch.utils.cpp_extension").addFilter(QuietCudaHome())
         network_outside()  # wrapped here: torch.compiler.disable may not be called inside a compiled region
         outside(rng.draft_noise)
-        stages = Stages(*(torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
-                           for fn in (DenseRound.draft, DenseRound.verify_chunk, finish)))
+        stages = Stages(
+            *(
+                torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+                for fn in (DenseRound.draft, DenseRound.verify_chunk, finish)
+            )
+        )
         ROUND.append(functools.partial(dense_round, stages=stages))
     return guarded(ROUND[0])

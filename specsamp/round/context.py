@@ -52,8 +52,9 @@ class Context:
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each (dense round)
 
 
-def build_context(schedule: Schedule, velocity: Velocity, ids: torch.Tensor, seed: int, rules: dict,
-                  dense: tuple | None) -> Context:
+def build_context(
+    schedule: Schedule, velocity: Velocity, ids: torch.Tensor, seed: int, rules: dict, dense: tuple | None
+) -> Context:
     """The run's :class:`Context`, every field set here once: ``rules``, the :class:`Context` fields ``coupling``,
     ``draft``, ``prefetch``, ``evaluate_leaves``, ``check_contract``, ``refine``, ``compiled`` (the coupling as the round
     calls it); the keys of trajectories ``ids [M]`` under ``seed`` (:func:`specsamp.rng.base_key`: ``draft``,
@@ -67,10 +68,21 @@ def build_context(schedule: Schedule, velocity: Velocity, ids: torch.Tensor, see
     extra = {}
     if dense is not None:
         steps_all = torch.arange(T, device=dev)[None]
-        extra = dict(x_event=tuple(dense[0]), coef_table=schedule.kernel.table(dev, dense[1]),
-                     key_tables=tuple(rng.round_keys(keys[k][:, None], steps_all) for k in ("draft", "verify")))
-    return Context(schedule=schedule, velocity=velocity, ids=ids, draft_keys=keys["draft"], verify_keys=keys["verify"],
-                   step_keys=step_keys, **rules, **extra)
+        extra = dict(
+            x_event=tuple(dense[0]),
+            coef_table=schedule.kernel.table(dev, dense[1]),
+            key_tables=tuple(rng.round_keys(keys[k][:, None], steps_all) for k in ("draft", "verify")),
+        )
+    return Context(
+        schedule=schedule,
+        velocity=velocity,
+        ids=ids,
+        draft_keys=keys["draft"],
+        verify_keys=keys["verify"],
+        step_keys=step_keys,
+        **rules,
+        **extra,
+    )
 
 
 def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
@@ -81,8 +93,14 @@ def round_masks(depth, has_children, depth_limit, evaluate_leaves: bool):
     return internal, (depth <= depth_limit) & (internal | evaluate_leaves)
 
 
-def count_verifications(tally: Tally, n: torch.Tensor, cols: torch.Tensor, ver: torch.Tensor, acc: torch.Tensor,
-                        rows: torch.Tensor | None = None) -> None:
+def count_verifications(
+    tally: Tally,
+    n: torch.Tensor,
+    cols: torch.Tensor,
+    ver: torch.Tensor,
+    acc: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> None:
     """Section 5's verification counts of a round, per row and depth and per (root index, depth): ``ver``, ``acc``
     ``[m, X]`` (long, 0/1) verifications made and accepted, ``cols [m, X]`` their depth column (the verified
     node's depth), for batch rows ``rows [m]`` (distinct; None: all) of rounds rooted at ``n [m]``."""
@@ -193,9 +211,17 @@ class Tally:
 
     def result(self, samples: torch.Tensor, T: int) -> SampleResult:
         return SampleResult(
-            samples=samples, nfe=self.nfe, nfe_total=self.endpoint_nfe + self.nfe, target_rows=self.call_rows,
-            rounds=self.rounds, committed=self.committed, attempts=self.attempts, accepts=self.accepts,
-            speculative_steps=T - 2, batch_nfe=self.batch_nfe, attempts_by_root=self.root_attempts,
+            samples=samples,
+            nfe=self.nfe,
+            nfe_total=self.endpoint_nfe + self.nfe,
+            target_rows=self.call_rows,
+            rounds=self.rounds,
+            committed=self.committed,
+            attempts=self.attempts,
+            accepts=self.accepts,
+            speculative_steps=T - 2,
+            batch_nfe=self.batch_nfe,
+            attempts_by_root=self.root_attempts,
             accepts_by_root=self.root_accepts,
         )
 
@@ -212,5 +238,3 @@ class Chains:
     # a multistep kernel's (Kernel.order > 1) records (Kernel.record) of the order - 1 states before x on each
     # trajectory, most recent first: order - 1 tensors [M, *e] (the first steps' stand-ins: Kernel.mean); else None
     past: tuple | None = None
-
-

@@ -24,7 +24,9 @@ from .sparse import Nodes
 from .tables import DenseTables
 
 
-def dense_round(ctx: Context, lt: DenseTables, st: Chains, sel: torch.Tensor | None, plans: list, stages=None) -> DenseRound:
+def dense_round(
+    ctx: Context, lt: DenseTables, st: Chains, sel: torch.Tensor | None, plans: list, stages=None
+) -> DenseRound:
     """One round of Algorithm 1 for every row of the batch (finished rows padded), without host syncs: a
     :class:`DenseRound` of ``lt``'s tree run through its phases (:meth:`DenseRound.run`) and returned.
 
@@ -109,7 +111,9 @@ class DenseRound:
         sch, draft, kern = ctx.schedule, ctx.draft, ctx.schedule.kernel
         x, n, NC = st.x, self.n, len(kern.columns)
         M, L = x.shape[0], lt.L
-        self.frozen = frozen = draft.freeze(DraftRoot(x=x, v=st.v_root, n=n, exact=st.root_exact, history=st.history), sch)
+        self.frozen = frozen = draft.freeze(
+            DraftRoot(x=x, v=st.v_root, n=n, exact=st.root_exact, history=st.history), sch
+        )
         self.coefs = coefs = lt.coefs_by_root.index_select(2, n)  # [L, NC, M, 1]: one gather of the per-root table
         self.per_depth = per_depth = coefs.reshape(L * NC, M, 1).unbind(0)
         self.states = states = lt.buffers.states
@@ -122,7 +126,9 @@ class DenseRound:
         elif draft.table_frozen is None:
             self.frozen_col = frozen.reshape(1, M, D)
         else:  # components on a leading axis, combined once for every depth as the draft's mean combines them: [L, M, D]
-            self.frozen_col = draft.table_frozen(frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1)))
+            self.frozen_col = draft.table_frozen(
+                frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1))
+            )
         # a layer whose parents all have K children adds the mean of the parent layer (no gather); others gather parents
         for l, (parents, parent_view, out_view) in enumerate(lt.buffers.layers, start=1):
             x_par = parent_view if parents is None else states[parents]
@@ -137,17 +143,25 @@ class DenseRound:
         network = network_outside() if ctx.compiled else target_call
         M = self.n.shape[0]
         for plan, kind in plans[:-1]:
-            self.calls.append(torch.where(live, lt.internal_count.index_select(0, n_lim) - self.root_exact.long(), lt.zero_long))
+            self.calls.append(
+                torch.where(live, lt.internal_count.index_select(0, n_lim) - self.root_exact.long(), lt.zero_long)
+            )
             v0, vrest = network(self, node_step, plan, kind)
-            self.v_root, self.root_exact = torch.where(live[:, None], v0, self.v_root.reshape(M, -1)), self.root_exact | live
+            self.v_root, self.root_exact = (
+                torch.where(live[:, None], v0, self.v_root.reshape(M, -1)),
+                self.root_exact | live,
+            )
             self.picard(torch.cat([self.v_root[None], vrest]))
         self.v0, self.vrest = network(self, node_step, *plans[-1])
         if self.st.past is not None:
             self.recs = self.records(torch.cat([self.v0[None], self.vrest]))
-        self.calls.append(torch.where(live, lt.evaluated_count.index_select(0, n_lim) - self.root_exact.long(), lt.zero_long))
+        self.calls.append(
+            torch.where(live, lt.evaluated_count.index_select(0, n_lim) - self.root_exact.long(), lt.zero_long)
+        )
 
-    def kernel_mean(self, x: torch.Tensor, out: torch.Tensor, c: dict, nodes,
-                    recs: torch.Tensor | None = None) -> torch.Tensor:
+    def kernel_mean(
+        self, x: torch.Tensor, out: torch.Tensor, c: dict, nodes, recs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The target's kernel mean at states ``x`` (node-major ``[c, M, D]``, or ``[M, D]``) of the nodes ``nodes``
         (their indices ``[c]`` or a slice of them, or ``(nodes [M], rows [M])``: one per row), ``out`` their network
         outputs, ``c`` their steps' coefficients: the one place the dense round computes it. A multistep kernel
@@ -232,12 +246,16 @@ class DenseRound:
         ctx, n, frozen = self.ctx, self.n, self.frozen
         M, D, last = n.shape[0], x.shape[-1], ctx.schedule.steps - 1
         if isinstance(at, tuple):
-            return ctx.draft.mean(frozen, x.reshape(M, 1, *ctx.x_event), (n + at[0]).clamp(max=last), ctx.schedule)[:, 0].reshape(M, -1)
+            return ctx.draft.mean(frozen, x.reshape(M, 1, *ctx.x_event), (n + at[0]).clamp(max=last), ctx.schedule)[
+                :, 0
+            ].reshape(M, -1)
         depths = [at] if isinstance(at, int) else at.tolist()
         xp = x.reshape(-1, M, D)
         if len(depths) > 1:
             return torch.stack([self.plain_mean(xp[p], d) for p, d in enumerate(depths)]).reshape(x.shape)
-        out = ctx.draft.mean(frozen, xp.transpose(0, 1).reshape(M, -1, *ctx.x_event), (n + depths[0]).clamp(max=last), ctx.schedule)
+        out = ctx.draft.mean(
+            frozen, xp.transpose(0, 1).reshape(M, -1, *ctx.x_event), (n + depths[0]).clamp(max=last), ctx.schedule
+        )
         return out.reshape(M, -1, D).transpose(0, 1).reshape(x.shape)
 
     def verify_inputs(self) -> None:
@@ -258,7 +276,10 @@ class DenseRound:
         where contiguous), the verdicts written into ``lt.buffers`` (``acc``, ``idx``, the verdict samples)."""
         self.verify_inputs()
         lt = self.lt
-        acc, idx = lt.buffers.acc, lt.buffers.idx  # [M, N]: the chunks write every internal node's column, the others stay 0
+        acc, idx = (
+            lt.buffers.acc,
+            lt.buffers.idx,
+        )  # [M, N]: the chunks write every internal node's column, the others stay 0
         res = lt.buffers.residual  # [I, M, D]: each internal node's verdict sample
         for chunk, sig_tab in zip(lt.buffers.chunks, lt.sigma_by_root):
             accepted, index, sample, bad_c = self.verify_chunk(chunk[:7], sig_tab)
@@ -302,8 +323,12 @@ class DenseRound:
             kids = states[ch_sl].reshape(c * M, 1, *e)  # a view: a chain's children are one block
         else:
             kids = states[ch].permute(0, 2, 1, 3).reshape(c * M, k, *e)
-        rows = keyed_rows(self.vkeys_all, self.drawn_all, lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
-                          lambda: lt.key_cache[1][ar, n].T[u].reshape(-1))
+        rows = keyed_rows(
+            self.vkeys_all,
+            self.drawn_all,
+            lambda t: t[at_u].reshape(c * M, *t.shape[2:]),
+            lambda: lt.key_cache[1][ar, n].T[u].reshape(-1),
+        )
         args = (kids, mean_p.reshape(c * M, *e), mean_q.reshape(c * M, *e), sigma.reshape(-1), rows)
         if own_checks:
             with deferred_checks() as checks:
@@ -353,8 +378,13 @@ class DenseRound:
             mean_q = self.kernel_mean(xw, vw, cw, (w, ar))
             kids = states[lt.first_child[w][:, None] + torch.arange(k, device=w.device)[None], ar[:, None]]  # [M, k, D]
             sigma = torch.where(mine & rejected, cw["std"][:, 0], lt.one)
-            verdict = ctx.coupling(kids.reshape(M, k, *e), mean_p.reshape(M, *e), mean_q.reshape(M, *e), sigma,
-                                   keyed_rows(self.vkeys_all, self.drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]))
+            verdict = ctx.coupling(
+                kids.reshape(M, k, *e),
+                mean_p.reshape(M, *e),
+                mean_q.reshape(M, *e),
+                sigma,
+                keyed_rows(self.vkeys_all, self.drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]),
+            )
             out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
         return out
 
@@ -375,8 +405,12 @@ class DenseRound:
             v_next = torch.where(exact[:, None], v_leaf, v_next)
             if ctx.prefetch == "nearest":
                 ch = lt.child_pad[ustar]  # [M, Kmax]: the siblings of the committed state
-                has, best = nearest_sibling(lt.child_ok[ustar] & evaluated.gather(1, ch) & rejected[:, None],
-                                            states[ch, lt.ar_col], self.out, lt.inf)
+                has, best = nearest_sibling(
+                    lt.child_ok[ustar] & evaluated.gather(1, ch) & rejected[:, None],
+                    states[ch, lt.ar_col],
+                    self.out,
+                    lt.inf,
+                )
                 v_next = torch.where(has[:, None], vrest[ch[ar, best] - 1, ar], v_next)  # children are never the root
         self.v_next, self.verified = v_next, self.on_path & self.internal_r
         self.past = None  # a multistep kernel's past of the committed states: the records of the H states before them
@@ -414,8 +448,15 @@ class DenseRound:
         for rows in self.calls:
             tally.charge(None, rows, batch=False)
         shape = self.st.x.shape
-        new = Commit(self.out.reshape(shape), self.n_new, self.steps, self.v_next.reshape(shape), self.exact_new,
-                     self.hist, self.past)
+        new = Commit(
+            self.out.reshape(shape),
+            self.n_new,
+            self.steps,
+            self.v_next.reshape(shape),
+            self.exact_new,
+            self.hist,
+            self.past,
+        )
         commit_round(self.st, tally, self.live, new)
 
 
@@ -450,7 +491,9 @@ class DenseNodes(Nodes):
         return torch.where((u == 0)[:, None], self.d.v0[b], self.d.vrest[(u - 1).clamp(min=0), b]).view_as(x_u)
 
 
-def target_call(r: DenseRound, node_step: torch.Tensor, plan: torch.Tensor | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def target_call(
+    r: DenseRound, node_step: torch.Tensor, plan: torch.Tensor | None, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense round's batched target call over the planned rows (what the sparse round evaluates).
 
     ``rest`` (every non-root node; the roots' velocities known) and ``all`` (every node) read the states ``[N, M, D]``
@@ -473,7 +516,9 @@ def target_call(r: DenseRound, node_step: torch.Tensor, plan: torch.Tensor | Non
     else:
         full = torch.zeros_like(flat)
         if plan.numel():
-            full[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step.reshape(-1)[plan], plan % M).reshape(plan.numel(), -1)
+            full[plan] = ctx.velocity(flat[plan].reshape(-1, *e), node_step.reshape(-1)[plan], plan % M).reshape(
+                plan.numel(), -1
+            )
         v0 = torch.where(r.root_exact[:, None], r.v_root.reshape(M, -1), full[:M])
         vrest = full[M:].view(N - 1, M, -1)
     return v0, vrest

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 KEY_CACHE = 1 << 21  # largest M * T * N for which a run keeps every (row, root, node) key in a table
 NOISE_CACHE = 1 << 20  # largest M * T * (N - 1) * D for which a run draws every (row, root, node) draft noise once
 UNIFORM_CACHE = 1 << 20  # largest M * T * N * (Kmax + 1) for which a run draws every node's coupling uniforms once
-UNIFORM_TABLE = 1 << 18  # largest m * I * (K_max + 1) for which a sparse round draws every internal node's uniforms at once
+UNIFORM_TABLE = (
+    1 << 18
+)  # largest m * I * (K_max + 1) for which a sparse round draws every internal node's uniforms at once
 DISABLED: dict = {}
 
 
@@ -53,8 +55,10 @@ def run_tables(lt, ctx: Context, M: int, shared: dict, several: bool) -> tuple:
     if M * T * N > KEY_CACHE:
         return None, None, False, None
     if ("keys", N) not in shared:
-        shared["keys", N] = (rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
-                             rng.node_keys(ctx.key_tables[1][:, :, None], lt.nodes[None, None]))
+        shared["keys", N] = (
+            rng.node_keys(ctx.key_tables[0][:, :, None], lt.ids[None, None]),
+            rng.node_keys(ctx.key_tables[1][:, :, None], lt.nodes[None, None]),
+        )
     keys = shared["keys", N]
 
     def once(key, make):  # the run's table under key, made by its first tree; the tree's own where it has one tree
@@ -72,8 +76,10 @@ def run_tables(lt, ctx: Context, M: int, shared: dict, several: bool) -> tuple:
             noise_cache = once(("noise", N), lambda: noise().contiguous())
     widths = rng.verify_widths(lt.tree.num_children)
     if M * T * N * sum(widths) <= UNIFORM_CACHE:
-        uniform_cache = once(("uniform", N, widths),
-                             lambda: [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(keys[1], widths)])
+        uniform_cache = once(
+            ("uniform", N, widths),
+            lambda: [u.permute(2, 0, 1, 3).contiguous() for u in rng.verify_uniforms(keys[1], widths)],
+        )
     return keys, noise_cache, scaled, uniform_cache
 
 
@@ -89,8 +95,11 @@ def dense_noise(ctx: Context, lt, n: torch.Tensor, coefs: torch.Tensor, out: tor
     if lt.noise_cache is not None:  # per-run table of every (row, root, node) z
         torch.mul(lt.noise_cache[:, ar, n], coefs[lt.dm1, lt.std_col], out=out)
         return
-    keys = lt.key_cache[0][ar, n].T if lt.key_cache is not None else \
-        rng.node_keys(ctx.key_tables[0][ar, n][None, :], lt.ids[:, None])  # [N-1, M]: fold(k, n) a per-run table
+    keys = (
+        lt.key_cache[0][ar, n].T
+        if lt.key_cache is not None
+        else rng.node_keys(ctx.key_tables[0][ar, n][None, :], lt.ids[:, None])
+    )  # [N-1, M]: fold(k, n) a per-run table
     (outside(rng.draft_noise) if ctx.compiled else rng.draft_noise)(keys, ctx.x_event, out=out)
     out *= coefs[lt.dm1, lt.std_col]
 
@@ -135,9 +144,11 @@ def sparse_uniforms(verify_keys: torch.Tensor, num_children) -> Callable:
     nc = np.asarray(num_children)
     internal, widths = np.flatnonzero(nc > 0), rng.verify_widths(nc)
     if verify_keys.shape[0] * internal.size * sum(widths) > UNIFORM_TABLE:
+
         def uniforms(sub, u, k):
             keys = rng.node_keys(verify_keys if sub.numel() == verify_keys.shape[0] else verify_keys[sub], u)
             return rng.KeyedRows(keys, rng.verify_uniforms(keys, (k, 1)))
+
         return uniforms
     dev = verify_keys.device
     col = torch.as_tensor(np.cumsum(nc > 0) - 1, device=dev)  # an internal node's column of the draw
@@ -147,4 +158,5 @@ def sparse_uniforms(verify_keys: torch.Tensor, num_children) -> Callable:
     def uniforms(sub, u, k):
         j = col[u]
         return rng.KeyedRows(lambda: keys[sub, j], [d[sub, j] for d in drawn])
+
     return uniforms

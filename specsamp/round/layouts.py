@@ -36,7 +36,9 @@ class DenseLayout:
     the precise error, or commits the same round (bad nodes off the path; markmax rows its table could not certify).
     """
 
-    def __init__(self, ctx: Context, st: Chains, tally: Tally, tree: DraftTree | dict, dense_round_fn: Callable | None = None):
+    def __init__(
+        self, ctx: Context, st: Chains, tally: Tally, tree: DraftTree | dict, dense_round_fn: Callable | None = None
+    ):
         self.ctx, self.st, self.tally, self.dense_round_fn = ctx, st, tally, dense_round_fn or dense_round
         schedule, M, T = ctx.schedule, st.x.shape[0], ctx.schedule.steps
         self.end = schedule.end_speculative
@@ -54,9 +56,14 @@ class DenseLayout:
                     self.trees.append(t_n)
                 self.lt_of_root[n_root] = seen[key]
             internal = max(int((np.asarray(t.num_children) > 0).sum()) for t in self.trees)
-            self.pool = {"states": st.x.new_empty(max(len(t) for t in self.trees) * M * D),
-                         "residual": st.x.new_empty(internal * M * D)}
-        self.lts, self.shared = {}, {}  # shared: the key and random tables of a node count, the same for every tree of that size
+            self.pool = {
+                "states": st.x.new_empty(max(len(t) for t in self.trees) * M * D),
+                "residual": st.x.new_empty(internal * M * D),
+            }
+        self.lts, self.shared = (
+            {},
+            {},
+        )  # shared: the key and random tables of a node count, the same for every tree of that size
 
     def dense_tables(self, g: int) -> DenseTables:
         """The run's :class:`DenseTables` number ``g``, built, bound and given its tables on first use."""
@@ -79,7 +86,9 @@ class DenseLayout:
         out, exact, M = [], self.exact_host, self.st.x.shape[0]
         for j in range(self.ctx.refine + 1):
             plan = lt.plan(self.n_host, exact, self.end, self.ctx.evaluate_leaves and j == self.ctx.refine, rows)
-            kind = "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
+            kind = (
+                "all" if plan.size == lt.N * M else "rest" if plan.size == (lt.N - 1) * M and plan[0] == M else "some"
+            )
             plan_t = upload(plan, self.st.x.device) if kind == "some" else None
             out.append((Hidden(plan_t) if self.ctx.compiled else plan_t, kind, plan.size > 0))
             exact = exact | (self.n_host < self.end)
@@ -121,9 +130,15 @@ class DenseLayout:
         tally.batch_nfe += sum(called)  # a call with nothing to evaluate is not made
 
     def progress(self, r: int, live_host) -> dict:
-        return {"round": r, "live": int((self.n_host < self.end).sum()), "batch_nfe": self.tally.batch_nfe,
-                "steps_done": int((self.n_host - self.ctx.schedule.first_speculative).clip(min=0).sum()),
-                "n": self.st.n, "x": self.st.x, "v": self.st.v_root}
+        return {
+            "round": r,
+            "live": int((self.n_host < self.end).sum()),
+            "batch_nfe": self.tally.batch_nfe,
+            "steps_done": int((self.n_host - self.ctx.schedule.first_speculative).clip(min=0).sum()),
+            "n": self.st.n,
+            "x": self.st.x,
+            "v": self.st.v_root,
+        }
 
     def need_rows(self):
         return upload(np.flatnonzero(~self.exact_host), self.st.x.device)
@@ -137,7 +152,9 @@ class SparseLayout:
     def __init__(self, ctx: Context, st: Chains, tally: Tally, tree: DraftTree | dict):
         self.ctx, self.st, self.tally = ctx, st, tally
         with_tensors = lambda t: (t, t.index_tensors(st.x.device))  # noqa: E731
-        self.trees = with_tensors(tree) if isinstance(tree, DraftTree) else {n: with_tensors(t) for n, t in tree.items()}
+        self.trees = (
+            with_tensors(tree) if isinstance(tree, DraftTree) else {n: with_tensors(t) for n, t in tree.items()}
+        )
 
     def live(self):
         live = (self.st.n < self.ctx.schedule.end_speculative).nonzero(as_tuple=True)[0]
@@ -159,8 +176,15 @@ class SparseLayout:
 
     def progress(self, r: int, live) -> dict:
         first = self.ctx.schedule.first_speculative
-        return {"round": r, "live": int(live.numel()), "batch_nfe": self.tally.batch_nfe,
-                "steps_done": int((self.st.n - first).clamp(min=0).sum()), "n": self.st.n, "x": self.st.x, "v": self.st.v_root}
+        return {
+            "round": r,
+            "live": int(live.numel()),
+            "batch_nfe": self.tally.batch_nfe,
+            "steps_done": int((self.st.n - first).clamp(min=0).sum()),
+            "n": self.st.n,
+            "x": self.st.x,
+            "v": self.st.v_root,
+        }
 
     def need_rows(self):
         return None

@@ -31,7 +31,9 @@ def initial_state(schedule: Schedule, seed: int, ids: torch.Tensor, event_shape,
     if init is not None:
         x = arguments.states("init", init).to(device=ids.device, dtype=dtype)
         if tuple(x.shape) != (ids.numel(), *event_shape):
-            raise ValueError(f"init has shape {tuple(x.shape)}: need {(ids.numel(), *event_shape)} (trajectories, event)")
+            raise ValueError(
+                f"init has shape {tuple(x.shape)}: need {(ids.numel(), *event_shape)} (trajectories, event)"
+            )
         return x.clone()
     x = initial_noise(seed, ids, event_shape, dtype)
     scale = schedule.initial_scale()

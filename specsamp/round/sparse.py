@@ -17,7 +17,17 @@ import torch
 from .. import rng
 from ..coupling import NonFiniteError, check_verdict_contract
 from ..drafts import DraftRoot, data_prediction, table_means
-from .context import Chains, Commit, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling, round_masks
+from .context import (
+    Chains,
+    Commit,
+    Context,
+    Tally,
+    commit_round,
+    count_verifications,
+    leaf_prefetch,
+    nearest_sibling,
+    round_masks,
+)
 from .draws import sparse_noise, sparse_uniforms
 
 
@@ -66,7 +76,9 @@ class Nodes:
 
     def evaluated(self, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
         """Whether the round's call evaluated nodes ``u`` of rows ``sub`` (:func:`specsamp.round.context.round_masks`)."""
-        return round_masks(self.t["depth"][u], self.t["num_children"][u] > 0, self.depth_limit[sub], self.ctx.evaluate_leaves)[1]
+        return round_masks(
+            self.t["depth"][u], self.t["num_children"][u] > 0, self.depth_limit[sub], self.ctx.evaluate_leaves
+        )[1]
 
     def proposal_mean(self, v: Visit) -> torch.Tensor:
         """The draft's means ``[s, *e]`` of the children of the visited nodes ``v``, by the draft's table form where it
@@ -132,15 +144,18 @@ def verify_checked(nodes: Nodes, v: Visit, l: int, kids: torch.Tensor, means: tu
     the step and the node."""
     ctx, sub, u, step = nodes.ctx, v.sub, v.u, v.step
     traj = lambda r: int(ctx.ids[nodes.rows[sub[r]]])  # noqa: E731
-    at = lambda r, what="node": (f"trajectory {traj(r)}, step {int(step[r])}, {what} {int(u[r])} (depth {l - 1}) "  # noqa: E731
-                                 f"of the round rooted at state {int(nodes.n[sub[r]])}")
+    at = lambda r, what="node": (
+        f"trajectory {traj(r)}, step {int(step[r])}, {what} {int(u[r])} (depth {l - 1}) "  # noqa: E731
+        f"of the round rooted at state {int(nodes.n[sub[r]])}"
+    )
     try:
         verdict = ctx.coupling(kids, *means, v.c["std"].reshape(-1), uniforms)
     except NonFiniteError as err:
         raise NonFiniteError(
             f"non-finite states at {at(err.rows[0], 'children of node')}: the target's velocity or the draft produced "
             f"NaN or inf there ({len(err.rows)} such parent(s) at this depth); no coupling can serve them",
-            [traj(r) for r in err.rows]) from None
+            [traj(r) for r in err.rows],
+        ) from None
     if ctx.check_contract:
         check_verdict_contract(ctx.coupling, verdict, kids, at)
     return verdict
@@ -189,7 +204,11 @@ def sparse_round(nodes: Nodes, tally: Tally, batch: bool = True) -> None:
             steps[sub], x_cur[sub], walking[sub], rejected[sub] = l, verdict.sample, verdict.accepted, stopped
             cur[sub] = ids.gather(1, verdict.index.clamp(max=k - 1)[:, None])[:, 0]  # a stopped row's is not read
             if ctx.prefetch == "nearest" and (at := stopped.nonzero(as_tuple=True)[0]).numel():
-                rej, sibs, x_sibs = sub[at], ids[at], kids[at]  # the next root's velocity: the evaluated child nearest it
+                rej, sibs, x_sibs = (
+                    sub[at],
+                    ids[at],
+                    kids[at],
+                )  # the next root's velocity: the evaluated child nearest it
                 has, best = nearest_sibling(nodes.evaluated(sibs, rej[:, None]), x_sibs, x_cur[rej], float("inf"))
                 if (has := has.nonzero(as_tuple=True)[0]).numel():
                     r2 = rej[has]

@@ -53,25 +53,32 @@ class DenseTables:
         D, T = int(np.prod(event, dtype=np.int64)), ctx.schedule.steps
         N, L = self.N, self.L = len(tree), tree.max_depth
         self.tree, self.tensors = tree, tree.index_tensors(dev)
-        self.depth, self.parent, self.first_child, self.num_children = (self.tensors[k] for k in ("depth", "parent", "first_child", "num_children"))
+        self.depth, self.parent, self.first_child, self.num_children = (
+            self.tensors[k] for k in ("depth", "parent", "first_child", "num_children")
+        )
         up = np.tile(np.arange(N)[:, None], (1, L + 1))
         for v in range(1, N):  # breadth-first: the parent's row is complete before the child's
             up[v, : tree.depth[v]] = up[tree.parent[v], : tree.depth[v]]
         self.anc_at_depth = long_tensor(up, dev)
         self.back = back_table(tree, up, ctx.schedule.kernel.order - 1, dev)
-        self.anc_t = torch.as_tensor(np.ascontiguousarray(up.T[tree.depth[1:]] == np.arange(1, N)[:, None]), dtype=dtype, device=dev)
+        self.anc_t = torch.as_tensor(
+            np.ascontiguousarray(up.T[tree.depth[1:]] == np.arange(1, N)[:, None]), dtype=dtype, device=dev
+        )
         self.depth1_row, self.dm1 = (self.depth + 1)[None], self.depth[1:] - 1
         self.parent1, self.parent_c = self.parent[1:], self.parent.clamp(min=0)
         self.one = torch.ones((), dtype=dtype, device=dev)
         self.layer_bounds = [0, *tree.layer_end.tolist()]
-        self.layer_parents = [long_tensor(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])]
+        self.layer_parents = [
+            long_tensor(tree.parent[a:b], dev) for a, b in zip(self.layer_bounds[1:], self.layer_bounds[2:])
+        ]
         self.ids, self.nodes = torch.arange(1, N, device=dev), torch.arange(N, device=dev)
         j = torch.arange(int(tree.num_children.max()), device=dev)
         self.child_ok = j[None] < self.num_children[:, None]
         self.child_pad = (self.first_child[:, None] + j[None]).clamp(max=N - 1)
         self.evaluated_by_limit = {  # [L+1, N]: nodes the call evaluates when L_n = row index, per protocol
             leaves: round_masks(tree.depth[None], tree.num_children[None] > 0, np.arange(L + 1)[:, None], leaves)[1]
-            for leaves in (False, True)}
+            for leaves in (False, True)
+        }
         self.edge_slot = (self.ids - self.first_child[self.parent1])[None]  # each child's place among its siblings
         self.vrest_row = (self.nodes - 1).clamp(min=0)  # node v's row of the non-root velocities (0 for the root)
         self.is_root_col = (self.nodes == 0)[:, None]
@@ -83,28 +90,41 @@ class DenseTables:
         self.rows_rest, self.ar_col = self.rows[M:], self.ar[:, None]
         self.dcol_m = self.depth.clamp(max=max(L - 1, 0))[None].expand(M, N)  # the depth column of a verification
         self.buffers = dense_buffers(self, chunks, (M, D, internal), pool)
-        self.root_state = self.buffers.states[0].view(M, *event)  # node 0's states as the batch's, the others the call's
+        self.root_state = self.buffers.states[0].view(
+            M, *event
+        )  # node 0's states as the batch's, the others the call's
         self.rest_states = self.buffers.states[1:].view((N - 1) * M, *event)
         # the per-root tables
         roots = torch.arange(T, device=dev)
-        step = (roots[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(max=T - 1)  # [T, L+1]: step of depth-l nodes
+        step = (roots[:, None] + torch.arange(L + 1, device=dev)[None]).clamp(
+            max=T - 1
+        )  # [T, L+1]: step of depth-l nodes
         self.std_col = ctx.schedule.kernel.col("std")
         self.coefs_by_root = ctx.coef_table[step[:, :L]].permute(1, 2, 0)[..., None].contiguous()
         self.node_step_by_root = step[:, self.depth].T.contiguous()
         dl = (ctx.schedule.end_speculative - roots).clamp(min=0, max=L)[:, None]  # L_n (0 for finished rows)
-        self.internal_by_root, self.evaluated_by_root = round_masks(self.depth[None], self.num_children[None] > 0, dl,
-                                                                    ctx.evaluate_leaves)
+        self.internal_by_root, self.evaluated_by_root = round_masks(
+            self.depth[None], self.num_children[None] > 0, dl, ctx.evaluate_leaves
+        )
         self.evaluated_count, self.internal_count = self.evaluated_by_root.sum(1), self.internal_by_root.sum(1)
-        self.zero_long, self.false = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
+        self.zero_long, self.false = (
+            torch.zeros((), dtype=torch.long, device=dev),
+            torch.zeros((), dtype=torch.bool, device=dev),
+        )
         self.inf = torch.full((), float("inf"), dtype=dtype, device=dev)
-        self.sigma_by_root = [torch.where(self.internal_by_root[:, u].T, self.coefs_by_root[du, self.std_col, :, 0], self.one)
-                              for _, u, _, _, _, du, _, _ in chunks]
+        self.sigma_by_root = [
+            torch.where(self.internal_by_root[:, u].T, self.coefs_by_root[du, self.std_col, :, 0], self.one)
+            for _, u, _, _, _, du, _, _ in chunks
+        ]
         self.even_chunks = even_chunks(chunks, self.sigma_by_root) if ctx.compiled else None
         # the run's keyed tables (keys, draft noise, verification uniforms), where small
-        self.key_cache, self.noise_cache, self.noise_scaled, self.uniform_cache = run_tables(self, ctx, M, shared,
-                                                                                           pool is not None)
+        self.key_cache, self.noise_cache, self.noise_scaled, self.uniform_cache = run_tables(
+            self, ctx, M, shared, pool is not None
+        )
 
-    def plan(self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None) -> np.ndarray:
+    def plan(
+        self, n: np.ndarray, exact: np.ndarray, end: int, evaluate_leaves: bool, rows: np.ndarray | None = None
+    ) -> np.ndarray:
         """Flat indices ``node * M + row`` of the states a round's call evaluates, from host copies of ``n [M]`` and
         ``exact [M]``: the protocol's nodes of ``T|_{L_n}`` (:meth:`specsamp.round.sparse.Nodes.evaluated`), known roots
         out, live rows only (and only ``rows``, bool ``[M]``, where given)."""
@@ -148,8 +168,18 @@ def plan_chunks(tree: DraftTree, M: int, D: int, dev) -> tuple:
         for i in range(0, len(u_k), step):
             u, ch = u_k[i : i + step], ch_k[i : i + step]
             node_pos[u] = np.arange(pos, pos + len(u))
-            chunks.append((k, long_tensor(u, dev), as_slice(u), long_tensor(ch, dev), as_slice(ch.ravel()),
-                           long_tensor(tree.depth[u], dev), bool(u[0] == 0), slice(pos, pos + len(u))))
+            chunks.append(
+                (
+                    k,
+                    long_tensor(u, dev),
+                    as_slice(u),
+                    long_tensor(ch, dev),
+                    as_slice(ch.ravel()),
+                    long_tensor(tree.depth[u], dev),
+                    bool(u[0] == 0),
+                    slice(pos, pos + len(u)),
+                )
+            )
             pos += len(u)
         width_groups.append((k, long_tensor(u_k[0], dev), torch.as_tensor(nc == k, device=dev)))
     return chunks, long_tensor(node_pos, dev), width_groups, pos
@@ -176,8 +206,14 @@ def dense_buffers(lt: DenseTables, chunks: list, size: tuple, pool: dict | None)
             par = states[b[l - 1] : b[l]]
             layers.append((None, par, out) if k == 1 else (None, par.view(P, 1, M, D), out.view(P, k, M, D)))
     residual = block("residual", internal) if internal * M * D <= RESIDUAL_CACHE else None
-    return DenseBuffers(states, residual, layers, chunks, torch.zeros(M, N, dtype=torch.bool, device=dev),
-                        torch.zeros(M, N, dtype=torch.long, device=dev))
+    return DenseBuffers(
+        states,
+        residual,
+        layers,
+        chunks,
+        torch.zeros(M, N, dtype=torch.bool, device=dev),
+        torch.zeros(M, N, dtype=torch.long, device=dev),
+    )
 
 
 def even_chunks(chunks: list, sigma_by_root: list) -> list:
@@ -194,8 +230,14 @@ def even_chunks(chunks: list, sigma_by_root: list) -> list:
         first, count, most = parts[0][4].start, u.numel(), max(p[0].numel() for p in parts)
         size = max(d for d in range(1, most + 1) if count % d == 0)
         for a in range(0, count, size):  # a width's verdict samples are consecutive rows of the residual
-            out.append((k, *(t[a : a + size].clone() for t in (u, ch, du)), slice(first + a, first + a + size),
-                        sig[a : a + size].clone()))
+            out.append(
+                (
+                    k,
+                    *(t[a : a + size].clone() for t in (u, ch, du)),
+                    slice(first + a, first + a + size),
+                    sig[a : a + size].clone(),
+                )
+            )
     return out
 
 

@@ -57,9 +57,13 @@ def half_precision_note(dtype: torch.dtype) -> None:
     ``python run.py model.dtype=D``: 2.03x in float64 and float32, 2.01x in float16, 1.75x in bfloat16)."""
     if dtype in (torch.float16, torch.bfloat16):
         bits = 11 if dtype == torch.float16 else 8
-        print(f"note: model.dtype={str(dtype).removeprefix('torch.')} holds the states and velocities with {bits} significant "
-              "bits; that rounding enters every kernel mean and lowers the acceptance, so speedups are below float32's "
-              "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).", file=sys.stderr, flush=True)
+        print(
+            f"note: model.dtype={str(dtype).removeprefix('torch.')} holds the states and velocities with {bits} significant "
+            "bits; that rounding enters every kernel mean and lowers the acceptance, so speedups are below float32's "
+            "(GMM, K=2 L=3: 2.03x in float32, 2.01x in float16, 1.75x in bfloat16).",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def load_target(run: RunConfig, target: Target | None, n_images: int, subset: bool, plan=None) -> Target:
@@ -101,12 +105,18 @@ def build_coupling(run: RunConfig) -> Coupling | None:
     try:
         coupling = instantiate(node)
     except InstantiationException as e:
-        raise ConfigError(f"sampler={run.sampler.name!r} is invalid: its coupling could not be built: {e.__cause__ or e}") from None
+        raise ConfigError(
+            f"sampler={run.sampler.name!r} is invalid: its coupling could not be built: {e.__cause__ or e}"
+        ) from None
     if not isinstance(coupling, Coupling):
-        raise ConfigError(f"sampler={run.sampler.name!r} is invalid: sampler.coupling builds {type(coupling).__name__}, "
-                          "not a specsamp.coupling.Coupling.")
+        raise ConfigError(
+            f"sampler={run.sampler.name!r} is invalid: sampler.coupling builds {type(coupling).__name__}, "
+            "not a specsamp.coupling.Coupling."
+        )
     if coupling.max_children == 1 and run.tree != "uniform":
-        raise ConfigError(f"tree={run.tree!r} is invalid with sampler={run.sampler.name}: a one-child rule runs a chain (tree=uniform).")
+        raise ConfigError(
+            f"tree={run.tree!r} is invalid with sampler={run.sampler.name}: a one-child rule runs a chain (tree=uniform)."
+        )
     return coupling
 
 
@@ -136,13 +146,19 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
 
     check_config_sizes(run)
     name = kernel_name(run)
-    plan = run.model.scheduler_plan(run.steps, None if name == "auto" else name) if hasattr(run.model, "scheduler_plan") else None
+    plan = (
+        run.model.scheduler_plan(run.steps, None if name == "auto" else name)
+        if hasattr(run.model, "scheduler_plan")
+        else None
+    )
     if plan is not None:
         return plan.schedule, plan
     if name == "auto":
         names = [k for k in KERNEL_SCHEMAS if k != "auto"]
-        raise ConfigError(f"kernel=auto is invalid with model={run.model.name}: the model brings no scheduler of its own "
-                          f"here; set kernel={', '.join(names[:-1])} or {names[-1]}.")
+        raise ConfigError(
+            f"kernel=auto is invalid with model={run.model.name}: the model brings no scheduler of its own "
+            f"here; set kernel={', '.join(names[:-1])} or {names[-1]}."
+        )
     if name == "em":
         try:
             return Schedule.make(run.steps, run.eps, shift=float(run.model.shift)), None
@@ -157,8 +173,11 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
     try:
         plan = from_scheduler(kernel_scheduler(run), run.steps, event_ndim=len(shape) if shape else 3, **options)
     except ConfigError as e:
-        spacing = (f", kernel.timestep_spacing={k.timestep_spacing}, kernel.steps_offset={k.steps_offset}"
-                   if hasattr(k, "timestep_spacing") else "")
+        spacing = (
+            f", kernel.timestep_spacing={k.timestep_spacing}, kernel.steps_offset={k.steps_offset}"
+            if hasattr(k, "timestep_spacing")
+            else ""
+        )
         raise ConfigError(f"steps={run.steps} is invalid with kernel={name}{spacing}: {str(e).rstrip('.')}.") from None
     return plan.schedule, plan
 
@@ -181,20 +200,29 @@ def kernel_scheduler(run: RunConfig):
     try:
         import diffusers
     except ImportError as e:
-        raise ConfigError(f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, which cannot "
-                          f"be imported ({e}); pip install diffusers, or use kernel=em.") from None
+        raise ConfigError(
+            f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, which cannot "
+            f"be imported ({e}); pip install diffusers, or use kernel=em."
+        ) from None
     cls = getattr(diffusers, kernel.schedulers[0])
     keys = kernel.scheduler_config(keys, getattr(run.model, "shift", None))
     try:
         return cls(**keys)
     except (ValueError, NotImplementedError, TypeError) as e:
-        raise ConfigError(f"kernel={k.name} is invalid with " + ", ".join(f"kernel.{a}={b!r}" for a, b in keys.items()
-                                                                           if a != "stochastic_sampling")
-                          + f": diffusers' {cls.__name__} refuses them ({' '.join(str(e).split())}).") from None
+        raise ConfigError(
+            f"kernel={k.name} is invalid with "
+            + ", ".join(f"kernel.{a}={b!r}" for a, b in keys.items() if a != "stochastic_sampling")
+            + f": diffusers' {cls.__name__} refuses them ({' '.join(str(e).split())})."
+        ) from None
 
 
-def find_tree(run: RunConfig, coupling: Coupling | None, schedule: Schedule, target: Callable[[], Target],
-              callback: Callable[[int, int], None] | None = None) -> tuple[object, dict, dict | None]:
+def find_tree(
+    run: RunConfig,
+    coupling: Coupling | None,
+    schedule: Schedule,
+    target: Callable[[], Target],
+    callback: Callable[[int, int], None] | None = None,
+) -> tuple[object, dict, dict | None]:
     """The run's round tree, found once: a tree rule's (built before the model loads), or a searched one
     (``tree=optimal*``): its nominal budget, search and given profile refused first, then the tree searched
     from that profile, or from one calibrated on the target (:func:`calibrated_profile`).
@@ -228,14 +256,24 @@ def find_tree(run: RunConfig, coupling: Coupling | None, schedule: Schedule, tar
         "call_rows": tree.call_rows(run.evaluate_leaves) if tree is not None else 1,
         **({"refine": run.refine} if tree is not None and run.refine else {}),
         **({"delta_profile": calibrated} if searched else {}),
-        **({"trees_by_root": tree.parents()} if searched and run.tree == "optimal_per_step"
-           else {"tree_parent": tree.parent.tolist()} if searched else {}),
+        **(
+            {"trees_by_root": tree.parents()}
+            if searched and run.tree == "optimal_per_step"
+            else {"tree_parent": tree.parent.tolist()}
+            if searched
+            else {}
+        ),
     }
     return tree, fields, calibration
 
 
-def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_profile=None,
-               callback: Callable[[int, int], None] | None = None):
+def build_tree(
+    run: RunConfig,
+    coupling: Coupling | None,
+    horizon: int,
+    delta_profile=None,
+    callback: Callable[[int, int], None] | None = None,
+):
     """The round tree and its nominal drafted-state budget ``B``, built by the tree rule ``run.tree``
     (:mod:`specsamp.runner.treerules`: a registered name or ``pkg.module:name``).
 
@@ -279,14 +317,18 @@ def build_tree(run: RunConfig, coupling: Coupling | None, horizon: int, delta_pr
         coupling.check_tree(tree)
     depth = min(getattr(tree, "largest", tree).max_depth, horizon)  # step-dependent trees: their largest round's
     if run.refine > depth:
-        raise ConfigError(f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
-                          f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
-                          "further sweeps change nothing but each costs a batched target call per round; use "
-                          f"refine={depth} or less.")
+        raise ConfigError(
+            f"refine={run.refine} is invalid for this tree ({tree.describe()}, {depth} level(s) within T-2): "
+            f"after {depth} Picard sweep(s) every proposal mean is the target kernel mean at its parent, so "
+            "further sweeps change nothing but each costs a batched target call per round; use "
+            f"refine={depth} or less."
+        )
     return tree, budget
 
 
-def calibration_run(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8) -> SampleResult:
+def calibration_run(
+    target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8
+) -> SampleResult:
     """The short run that calibrates ``tree=optimal``: D-GRS with the configured draft on a uniform
     ``(K, L)`` tree (``L`` capped at ``T - 2``) for ``n`` trajectories (ids ``0..n-1``), under its own
     seed (``seed + CALIBRATION_SEED_OFFSET``: the main run's randomness is untouched, so the tree it gets
@@ -299,13 +341,25 @@ def calibration_run(target: Target, schedule: Schedule, run: RunConfig, n: int =
     tree = DraftTree.uniform(K, min(L, schedule.steps - 2))
     ids = torch.arange(n, device=torch.device(getattr(target.model, "device", "cpu")))
     cond = target.cond_for(ids, run.seed) if target.cond_for is not None else None
-    return sample_speculative(target.model, schedule, tree, "dgrs", seed=run.seed + CALIBRATION_SEED_OFFSET, indices=ids,
-                              cond=cond, draft=run.draft, prefetch=run.prefetch, evaluate_leaves=run.evaluate_leaves,
-                              max_batch=run.max_batch or target.max_batch, warmup=run.warmup)
+    return sample_speculative(
+        target.model,
+        schedule,
+        tree,
+        "dgrs",
+        seed=run.seed + CALIBRATION_SEED_OFFSET,
+        indices=ids,
+        cond=cond,
+        draft=run.draft,
+        prefetch=run.prefetch,
+        evaluate_leaves=run.evaluate_leaves,
+        max_batch=run.max_batch or target.max_batch,
+        warmup=run.warmup,
+    )
 
 
-def calibrate(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8,
-              min_attempts: int = 24) -> tuple[dict, SampleResult]:
+def calibrate(
+    target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K: int = 2, L: int = 8, min_attempts: int = 24
+) -> tuple[dict, SampleResult]:
     """Both calibrated profiles from one :func:`calibration_run`.
 
     ``profile``: ``delta`` per depth ``1..L`` from each depth's pooled acceptance (``tree=optimal``).
@@ -323,22 +377,31 @@ def calibrate(target: Target, schedule: Schedule, run: RunConfig, n: int = 64, K
     rates = (r.accepts.sum(0).double() / r.attempts.sum(0).double().clamp_min(1)).cpu().numpy()
     table = deltas_by_root(r.attempts_by_root.cpu().numpy(), r.accepts_by_root.cpu().numpy(), K, "dgrs", min_attempts)
     first, end = schedule.first_speculative, schedule.end_speculative
-    return {"profile": [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")],
-            "per_root": [[float(d) for d in row] for row in table[first:end]]}, r
+    return {
+        "profile": [float(d) for d in deltas_from_acceptance(rates, K, "dgrs")],
+        "per_root": [[float(d) for d in row] for row in table[first:end]],
+    }, r
 
 
 def calibrated_profile(target: Target, schedule: Schedule, run: RunConfig) -> tuple[list, dict]:
     """The profile a searched tree (``run.tree``) reads, calibrated on ``target`` (:func:`calibrate`), and the
     calibration's cost as the record holds it (:func:`calibration_cost`, not charged to the speedup)."""
     profiles, r = calibrate(target, schedule, run)
-    return profiles["per_root" if run.tree == "optimal_per_step" else "profile"], {**calibration_cost(r), "charged": False}
+    return profiles["per_root" if run.tree == "optimal_per_step" else "profile"], {
+        **calibration_cost(r),
+        "charged": False,
+    }
 
 
 def calibration_cost(r: SampleResult) -> dict:
     """What a calibration run cost, for the record: ``{trajectories, nfe, nfe_total, target_rows}`` summed over
     its trajectories (``nfe_total`` adds the endpoint calls; ``target_rows``: states the target evaluated)."""
-    return {"trajectories": int(r.nfe.numel()), "nfe": int(r.nfe.sum()), "nfe_total": int(r.nfe_total.sum()),
-            "target_rows": int(r.target_rows.sum())}
+    return {
+        "trajectories": int(r.nfe.numel()),
+        "nfe": int(r.nfe.sum()),
+        "nfe_total": int(r.nfe_total.sum()),
+        "target_rows": int(r.target_rows.sum()),
+    }
 
 
 def load_profile(value) -> dict:
@@ -357,7 +420,9 @@ def load_profile(value) -> dict:
         if not isinstance(data, dict) or "profile" not in data or "per_root" not in data:
             raise ValueError("needs keys 'profile' and 'per_root'")
     except (OSError, ValueError) as e:
-        raise ConfigError(f"delta_profile={value!r} is invalid: {path} could not be read as a profile file ({e}).") from None
+        raise ConfigError(
+            f"delta_profile={value!r} is invalid: {path} could not be read as a profile file ({e})."
+        ) from None
     return data
 
 
@@ -379,28 +444,47 @@ def given_profile(run: RunConfig):
     horizon = run.steps - 2
     if not isinstance(v, str):
         if run.tree == "optimal_per_step" and np.ndim(v) == 2 and len(v) not in (1, horizon):
-            raise ConfigError(f"delta_profile is invalid for tree=optimal_per_step with steps={run.steps}: it has {len(v)} "
-                              f"rows, but the tree per root step needs one per root step 1..{horizon} (T-2 = {horizon} rows), "
-                              "or a single row used for every root.")
+            raise ConfigError(
+                f"delta_profile is invalid for tree=optimal_per_step with steps={run.steps}: it has {len(v)} "
+                f"rows, but the tree per root step needs one per root step 1..{horizon} (T-2 = {horizon} rows), "
+                "or a single row used for every root."
+            )
         return v
     data = load_profile(v)
     cfg = data.get("config", {})
     rows = data["per_root"]
     if run.tree == "optimal_per_step" and len(rows) not in (1, horizon):
         made = f"steps={cfg['steps']}" if "steps" in cfg else f"{len(rows) + 2} steps"
-        raise ConfigError(f"delta_profile={v!r} is invalid for tree=optimal_per_step with steps={run.steps}: it was "
-                          f"calibrated for {made} ({len(rows)} root steps), and this run has {horizon} root steps "
-                          f"(T-2). Calibrate one for steps={run.steps} (python -m experiments.calibrate ... "
-                          f"steps={run.steps}), use tree=optimal (one profile per depth), or delta_profile=null.")
+        raise ConfigError(
+            f"delta_profile={v!r} is invalid for tree=optimal_per_step with steps={run.steps}: it was "
+            f"calibrated for {made} ({len(rows)} root steps), and this run has {horizon} root steps "
+            f"(T-2). Calibrate one for steps={run.steps} (python -m experiments.calibrate ... "
+            f"steps={run.steps}), use tree=optimal (one profile per depth), or delta_profile=null."
+        )
     # a profile is made on one kernel (em's carry its eps, a scheduler kernel's its name): name what differs
     em = kernel_name(run) == "em"
-    mine = {"model": run.model.name, "draft": run.draft, "steps": run.steps,
-            **({"eps": run.eps} if em else {}), "kernel": "em" if em else kernel_name(run)}
+    mine = {
+        "model": run.model.name,
+        "draft": run.draft,
+        "steps": run.steps,
+        **({"eps": run.eps} if em else {}),
+        "kernel": "em" if em else kernel_name(run),
+    }
     cfg = {"kernel": "em", **cfg}
-    differ = {k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x and not (k == "kernel" and x == "auto")}
+    differ = {
+        k: (cfg[k], x) for k, x in mine.items() if k in cfg and cfg[k] != x and not (k == "kernel" and x == "auto")
+    }
     if differ:
-        print("note: delta_profile=" + v + " was calibrated for " + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
-              + ", not " + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items()) + "; used as given.", file=sys.stderr)
+        print(
+            "note: delta_profile="
+            + v
+            + " was calibrated for "
+            + ", ".join(f"{k}={a!r}" for k, (a, _) in differ.items())
+            + ", not "
+            + ", ".join(f"{k}={b!r}" for k, (_, b) in differ.items())
+            + "; used as given.",
+            file=sys.stderr,
+        )
     entry = "per_root" if run.tree == "optimal_per_step" else "profile"
     _check_profile_entry(v, profile_path(v), entry, data[entry])
     return data[entry]
@@ -425,13 +509,23 @@ def _check_profile_entry(value, path, entry: str, rows) -> None:
     Raises:
         ConfigError: the paragraph.
     """
-    lists = rows if entry == "per_root" and isinstance(rows, list) and rows and all(isinstance(r, list) for r in rows) else [rows]
+    lists = (
+        rows
+        if entry == "per_root" and isinstance(rows, list) and rows and all(isinstance(r, list) for r in rows)
+        else [rows]
+    )
     empty = any(not isinstance(r, list) or not r for r in lists)
     bad = None if empty else _first_bad(rows)
     if not empty and bad is None:
         return
-    shape = "a non-empty list of lists (one per root step) of" if entry == "per_root" else "a non-empty list (one per depth) of"
+    shape = (
+        "a non-empty list of lists (one per root step) of"
+        if entry == "per_root"
+        else "a non-empty list (one per depth) of"
+    )
     held = "an empty or malformed list" if empty else f"the value {bad!r}"
-    raise ConfigError(f"delta_profile={value!r} is invalid: the {entry!r} entry of {path} must be {shape} finite numbers "
-                      f">= 0, and it holds {held}. Calibrate a new one (python -m experiments.calibrate), give delta_profile "
-                      "as a list of values, or delta_profile=null (calibrate).")
+    raise ConfigError(
+        f"delta_profile={value!r} is invalid: the {entry!r} entry of {path} must be {shape} finite numbers "
+        f">= 0, and it holds {held}. Calibrate a new one (python -m experiments.calibrate), give delta_profile "
+        "as a list of values, or delta_profile=null (calibrate)."
+    )

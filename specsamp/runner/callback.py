@@ -46,8 +46,14 @@ class SweepReport(Callback):
         except Exception as e:  # a report must never turn a finished sweep into an error
             print(f"warning: could not summarise {sweep_dir}: {e}", file=sys.stderr)
             return
-        SWEEP_STATE.update(sweep_dir=str(sweep_dir), failed=s["failed"], config_errors_only=s["config_errors_only"],
-                           kinds=s["kinds"], killed=s["killed"], unfinished=s["running"] + s["pending"] + s["missing"])
+        SWEEP_STATE.update(
+            sweep_dir=str(sweep_dir),
+            failed=s["failed"],
+            config_errors_only=s["config_errors_only"],
+            kinds=s["kinds"],
+            killed=s["killed"],
+            unfinished=s["running"] + s["pending"] + s["missing"],
+        )
         if s["unlogged"]:  # a logger failed after the records were written: status 3, as for a single run
             SWEEP_STATE["infrastructure"] = True
         if self.merge_shards and any(sweep_dir.rglob(SHARD)):

@@ -79,8 +79,11 @@ UNHASHED_KEYS = ("progress", "skip_existing", "logger", "threads", "check_contra
 
 
 def _finite_list(v) -> bool:
-    return isinstance(v, (list, tuple)) and len(v) > 0 and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
+    return (
+        isinstance(v, (list, tuple))
+        and len(v) > 0
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
+    )
 
 
 # threads: torch's CPU thread pool; at 2**31 torch's call overflows and far above the cores OpenMP crashes
@@ -117,9 +120,15 @@ def registered(kind: str) -> Any:
 
         return TREE_RULES
 
-    return field(default={"draft": "velocity", "tree": "uniform"}[kind],
-                 metadata={"text": lambda: registry().valid_text(), "ok": lambda v: registry().valid(v),
-                           "get": lambda v: registry().get(v), "nullable": False})
+    return field(
+        default={"draft": "velocity", "tree": "uniform"}[kind],
+        metadata={
+            "text": lambda: registry().valid_text(),
+            "ok": lambda v: registry().valid(v),
+            "get": lambda v: registry().get(v),
+            "nullable": False,
+        },
+    )
 
 
 def _sampler_const(name: str):
@@ -158,29 +167,41 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     K: int = at_least(1)
     L: int = between(1, MAX_L, why="rounds use at most T-2 levels")
-    eps: float = rule("a finite number in (0, 1] (eps=0 is the deterministic ODE, where speculation is vacuous)",
-                      lambda v: math.isfinite(v) and 0.0 < v <= 1.0)
+    eps: float = rule(
+        "a finite number in (0, 1] (eps=0 is the deterministic ODE, where speculation is vacuous)",
+        lambda v: math.isfinite(v) and 0.0 < v <= 1.0,
+    )
     steps: int = at_least(3)
     n_samples: int = at_least(1)
     seed: int = rule("an integer in [0, 2**59)", lambda v: _int(v) and 0 <= v < SEED_BOUND)
     device: str = "cpu"
     tree: str = registered("tree")
-    widths: list[int] | None = rule("a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
-                                       lambda v: len(v) > 0 and all(w >= 1 for w in v), None)
+    widths: list[int] | None = rule(
+        "a non-empty list of integers >= 1, e.g. widths=[3,2,2], or null",
+        lambda v: len(v) > 0 and all(w >= 1 for w in v),
+        None,
+    )
     budget: int | None = at_least(1, None, optional=True)
     delta_profile: Any = rule(
         "a non-empty list of finite values >= 0 (one per depth), a list of such lists (one per root step "
-        "1..T-2, tree=optimal_per_step), the name of a shipped profile (" + ", ".join(
-            sorted(p.stem for p in PROFILE_DIR.glob("*.json"))) + ") or a .json path, or null (calibrate)",
-        lambda v: _profile_ok(v), None)
+        "1..T-2, tree=optimal_per_step), the name of a shipped profile ("
+        + ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+        + ") or a .json path, or null (calibrate)",
+        lambda v: _profile_ok(v),
+        None,
+    )
     max_depth: int | None = at_least(1, None, optional=True)
     max_width: int | None = at_least(1, None, optional=True)
     draft: str = registered("draft")
     prefetch: str = one_of(_sampler_const("PREFETCH"), "nearest")
     warmup: str = one_of(_sampler_const("WARMUPS"), "call")
     evaluate_leaves: bool = True
-    check_contract: Any = rule("one of auto (on for couplings defined outside specsamp), true, false",
-                               lambda v: v == "auto" or isinstance(v, bool), "auto", nullable=False)
+    check_contract: Any = rule(
+        "one of auto (on for couplings defined outside specsamp), true, false",
+        lambda v: v == "auto" or isinstance(v, bool),
+        "auto",
+        nullable=False,
+    )
     match: str = one_of(MATCH, "budget")
     execution: str = one_of(_sampler_const("EXECUTIONS"), "path")
     refine: int = at_least(0, 0)
@@ -188,11 +209,16 @@ class RunConfig:
     batch_size: int | None = at_least(1, None, optional=True)
     max_batch: int | None = at_least(1, None, optional=True)
     threads: int | None = between(1, MAX_THREADS, 1, optional=True, why="null: torch's default, one per core")
-    progress: Any = rule("one of auto (a bar on a terminal, a line every 30 s in a log), true, false",
-                         lambda v: v == "auto" or isinstance(v, bool), "auto", nullable=False)
+    progress: Any = rule(
+        "one of auto (a bar on a terminal, a line every 30 s in a log), true, false",
+        lambda v: v == "auto" or isinstance(v, bool),
+        "auto",
+        nullable=False,
+    )
     save_samples: bool = False
-    metrics: list[str] = rule("a list of fid, clip, e.g. metrics=[fid]", lambda v: all(m in METRICS for m in v),
-                              factory=list)
+    metrics: list[str] = rule(
+        "a list of fid, clip, e.g. metrics=[fid]", lambda v: all(m in METRICS for m in v), factory=list
+    )
     skip_existing: bool = True
     sweep_name: str | None = rule(SWEEP_NAME_TEXT, sweep_name_ok, None)
     num_shards: int = at_least(1, 1)
@@ -327,7 +353,9 @@ def load_config(cfg: DictConfig | Mapping, *, here: bool = True) -> tuple[RunCon
     except OmegaConfBaseException as e:
         raise refuse(e, kernel, "kernel.") from None
     try:
-        run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {**plain, "model": model, "kernel": kernel}))
+        run = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(RunConfig), {**plain, "model": model, "kernel": kernel})
+        )
     except OmegaConfBaseException as e:
         raise refuse(e, plain) from None
     if run.kernel.name == "auto" and not brings_scheduler(run.model):  # auto: the model's own scheduler, else em
@@ -361,9 +389,11 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
     v = run.delta_profile
     if isinstance(v, str) and v.endswith(".json") and not profile_path(v).is_file():
         where = "" if Path(v).expanduser().is_absolute() else f", relative paths are read from {launch_dir()}"
-        raise ConfigError(f"delta_profile={v!r} is invalid: the profile file {profile_path(v)} does not exist{where}. "
-                          "Give an existing .json (python -m experiments.calibrate writes one), the name of a shipped "
-                          "profile, a list of values, or null (calibrate).")
+        raise ConfigError(
+            f"delta_profile={v!r} is invalid: the profile file {profile_path(v)} does not exist{where}. "
+            "Give an existing .json (python -m experiments.calibrate writes one), the name of a shipped "
+            "profile, a list of values, or null (calibrate)."
+        )
     for f in dataclasses.fields(RunConfig):
         meta, v = f.metadata, getattr(run, f.name)
         if meta and v is not None and "get" in meta:
@@ -375,39 +405,54 @@ def check_values(run: RunConfig, *, here: bool = True) -> None:
     for key, v in _model_paths(run.model):
         problem = path_problem(v)
         if problem:
-            raise ConfigError(f"{key}={v!r} is invalid: {problem}; must be a folder or file path without control "
-                              "characters (null: the default location).")
+            raise ConfigError(
+                f"{key}={v!r} is invalid: {problem}; must be a folder or file path without control "
+                "characters (null: the default location)."
+            )
     if here:
         check_device(run.device)
     from .loggers import check_logger
 
     check_logger(run.logger)
     if run.tree == "widths" and run.widths is None:
-        raise ConfigError("widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2].")
+        raise ConfigError(
+            "widths=None is invalid: tree=widths needs a non-empty list of integers >= 1, e.g. widths=[3,2,2]."
+        )
     if run.refine > 0 and run.execution != "tree" and run.sampler.coupling is not None:
-        raise ConfigError(f"refine={run.refine} is invalid with execution={run.execution}: a Picard sweep evaluates every "
-                          "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
-                          "set execution=tree, or refine=0 (plain drafts).")
+        raise ConfigError(
+            f"refine={run.refine} is invalid with execution={run.execution}: a Picard sweep evaluates every "
+            "internal node of the drafted tree in one batched call, which only the tree execution drafts; "
+            "set execution=tree, or refine=0 (plain drafts)."
+        )
     if run.refine > run.steps - 2 and run.sampler.coupling is not None:
-        raise ConfigError(f"refine={run.refine} is invalid with steps={run.steps}: a round's tree is cut at T-2 = "
-                          f"{run.steps - 2} levels, and after as many Picard sweeps as the tree has levels every proposal "
-                          "mean is the target kernel mean at its parent, so further sweeps change nothing but each costs "
-                          f"a batched target call per round; use refine={max(run.steps - 2, 0)} or less (at most the "
-                          "tree's depth).")
+        raise ConfigError(
+            f"refine={run.refine} is invalid with steps={run.steps}: a round's tree is cut at T-2 = "
+            f"{run.steps - 2} levels, and after as many Picard sweeps as the tree has levels every proposal "
+            "mean is the target kernel mean at its parent, so further sweeps change nothing but each costs "
+            f"a batched target call per round; use refine={max(run.steps - 2, 0)} or less (at most the "
+            "tree's depth)."
+        )
     if run.compile and run.sampler.coupling is not None:
         if run.refine > 0:
-            raise ConfigError(f"compile=true is invalid with refine={run.refine}: the Picard sweeps run eagerly (the "
-                              "compiled round has none); set refine=0, or compile=false.")
+            raise ConfigError(
+                f"compile=true is invalid with refine={run.refine}: the Picard sweeps run eagerly (the "
+                "compiled round has none); set refine=0, or compile=false."
+            )
         from ..inductor import check_compile
 
         check_compile(True, run.execution, run.device, here=here)
     if not 0 <= run.shard < run.num_shards:
-        raise ConfigError(f"shard={run.shard!r} is invalid: must be an integer in 0..{run.num_shards - 1} (num_shards={run.num_shards}).")
+        raise ConfigError(
+            f"shard={run.shard!r} is invalid: must be an integer in 0..{run.num_shards - 1} (num_shards={run.num_shards})."
+        )
     if run.num_shards > 1:
         units = math.ceil(run.n_samples / run.batch_size) if run.batch_size else run.n_samples
         if run.num_shards > units:
-            what = (f"the number of batches ceil(n_samples/batch_size) = {units}" if run.batch_size
-                    else f"n_samples={run.n_samples}")
+            what = (
+                f"the number of batches ceil(n_samples/batch_size) = {units}"
+                if run.batch_size
+                else f"n_samples={run.n_samples}"
+            )
             raise ConfigError(f"num_shards={run.num_shards} is invalid: must be <= {what}, so that no shard is empty.")
 
 
@@ -426,8 +471,10 @@ def check_device(device) -> str:
         if d != "cuda" and int(d[5:]) >= n:
             raise ConfigError(f"device={d!r} is invalid: torch sees {n} CUDA device(s), cuda:0..cuda:{n - 1}.")
         return d
-    raise ConfigError(f"device={d!r} is invalid: specsamp runs on cpu, cuda or cuda:N (N a visible CUDA device; "
-                      "other torch backends such as mps are not supported).")
+    raise ConfigError(
+        f"device={d!r} is invalid: specsamp runs on cpu, cuda or cuda:N (N a visible CUDA device; "
+        "other torch backends such as mps are not supported)."
+    )
 
 
 def unused_keys(run: RunConfig, coupling) -> dict:
@@ -454,9 +501,24 @@ def unused_keys(run: RunConfig, coupling) -> dict:
     from .treerules import TREE_KEYS, get_tree_rule
 
     K, L = _paper_value(run.model, "K"), _paper_value(run.model, "L")
-    default = {"K": K, "L": L, "draft": "velocity", "prefetch": "nearest", "warmup": "call",
-               "evaluate_leaves": True, "match": "budget", "execution": "path", "refine": 0, "compile": False, "tree": "uniform",
-               "widths": None, "budget": None, "delta_profile": None, "max_depth": None, "max_width": None}
+    default = {
+        "K": K,
+        "L": L,
+        "draft": "velocity",
+        "prefetch": "nearest",
+        "warmup": "call",
+        "evaluate_leaves": True,
+        "match": "budget",
+        "execution": "path",
+        "refine": 0,
+        "compile": False,
+        "tree": "uniform",
+        "widths": None,
+        "budget": None,
+        "delta_profile": None,
+        "max_depth": None,
+        "max_width": None,
+    }
     if coupling is None:
         keys = list(default)
     elif coupling.max_children == 1:

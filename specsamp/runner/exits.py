@@ -51,8 +51,20 @@ NON_FINITE = 4  # the samples hold NaN or inf (specsamp.errors.NonFiniteSamplesE
 # ENOTDIR and EEXIST: an output directory that cannot be created because a file stands in its path
 INFRA_ERRNOS = frozenset(
     getattr(errno, name)
-    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO", "EFBIG", "ENFILE", "EMFILE", "ESTALE",
-                 "ENOTDIR", "EEXIST")
+    for name in (
+        "ENOSPC",
+        "EDQUOT",
+        "EROFS",
+        "EACCES",
+        "EPERM",
+        "EIO",
+        "EFBIG",
+        "ENFILE",
+        "EMFILE",
+        "ESTALE",
+        "ENOTDIR",
+        "EEXIST",
+    )
     if hasattr(errno, name)
 )
 
@@ -105,8 +117,12 @@ def _writing(value: Any) -> bool:
     if not isinstance(value, io.IOBase):
         return False
     name, mode = getattr(value, "name", None), getattr(value, "mode", "")
-    return (isinstance(name, (str, bytes, os.PathLike)) and str(name) not in _STANDARD_STREAMS
-            and isinstance(mode, str) and any(c in mode for c in "wax+"))
+    return (
+        isinstance(name, (str, bytes, os.PathLike))
+        and str(name) not in _STANDARD_STREAMS
+        and isinstance(mode, str)
+        and any(c in mode for c in "wax+")
+    )
 
 
 def _file_being_written(os_err: OSError) -> IO | None:
@@ -203,16 +219,22 @@ def infrastructure_message(error: BaseException, *, elsewhere: str = RUN_ELSEWHE
     elif os_err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         hint = f"make the directory writable, or write elsewhere: {elsewhere}"
     elif os_err.errno == errno.ENOENT:
-        return (f"could not create the directory {_failed_directory(os_err) or path}: {what} [errno {os_err.errno}]; "
-                "the file system there lets no directory be created (a virtual file system such as /proc, or a "
-                f"folder removed meanwhile): write elsewhere: {elsewhere}, then {then}.")
+        return (
+            f"could not create the directory {_failed_directory(os_err) or path}: {what} [errno {os_err.errno}]; "
+            "the file system there lets no directory be created (a virtual file system such as /proc, or a "
+            f"folder removed meanwhile): write elsewhere: {elsewhere}, then {then}."
+        )
     elif os_err.errno in (errno.ENOTDIR, errno.EEXIST):
-        return (f"could not create the directory {_failed_directory(os_err) or path}: {what} [errno {os_err.errno}]; "
-                f"a file, not a directory, stands in that path: remove it, or write elsewhere: {elsewhere}, then {then}.")
+        return (
+            f"could not create the directory {_failed_directory(os_err) or path}: {what} [errno {os_err.errno}]; "
+            f"a file, not a directory, stands in that path: remove it, or write elsewhere: {elsewhere}, then {then}."
+        )
     else:
         hint = "check the file system holding it"
-    return (f"could not write {path}: {what} [errno {os_err.errno}]. This is a problem of the machine, not of "
-            f"the configuration: {hint}, then {then}.")
+    return (
+        f"could not write {path}: {what} [errno {os_err.errno}]. This is a problem of the machine, not of "
+        f"the configuration: {hint}, then {then}."
+    )
 
 
 def sweep_exit_status(state: dict | None = None) -> int:
@@ -261,9 +283,11 @@ def missing_option(error: BaseException) -> str | None:
         return None
     options = [o for o in error.options if not o.endswith("_schema")]
     where = "" if group.startswith("hydra/") else f" (conf/{group}/)"  # hydra's groups also hold plugins' options
-    return (f"{group}={name} is not an option of the config group {group}; valid: {', '.join(options) or 'none'}"
-            f"{where}, or a YAML of your own in {group}/ of a folder given by "
-            "hydra.searchpath=[file:///abs/path/to/myconf] (docs/extending.md).")
+    return (
+        f"{group}={name} is not an option of the config group {group}; valid: {', '.join(options) or 'none'}"
+        f"{where}, or a YAML of your own in {group}/ of a folder given by "
+        "hydra.searchpath=[file:///abs/path/to/myconf] (docs/extending.md)."
+    )
 
 
 def composition_message(error: BaseException) -> str:
@@ -297,18 +321,24 @@ def sweep_without_multirun(error: BaseException) -> str | None:
     import re
 
     text = str(error)
-    m = re.search(r"Ambiguous value for argument '([^']+)'", text) or re.search(r"Sweep parameters '([^']+)' requires --multirun", text)
+    m = re.search(r"Ambiguous value for argument '([^']+)'", text) or re.search(
+        r"Sweep parameters '([^']+)' requires --multirun", text
+    )
     if m is None:
         return None
     line = m.group(1)
     key = line.partition("=")[0].lstrip("+~")
     if key in LIST_KEYS:
-        return (f"{line} is ambiguous: {key} takes a list, written {key}=[{line.partition('=')[2]}]; to sweep over "
-                f"values instead (one job each), add -m: python run.py -m {line}.")
+        return (
+            f"{line} is ambiguous: {key} takes a list, written {key}=[{line.partition('=')[2]}]; to sweep over "
+            f"values instead (one job each), add -m: python run.py -m {line}."
+        )
     value = line.partition("=")[2]
     one = f", or give one value ({key}={value.split(',')[0]})" if "(" not in value else ", or give one value"
-    return (f"{line} is a sweep over {key} (one job per value), and a single run takes one value of {key}: add -m to run "
-            f"the sweep (python run.py -m {line}){one}.")
+    return (
+        f"{line} is a sweep over {key} (one job per value), and a single run takes one value of {key}: add -m to run "
+        f"the sweep (python run.py -m {line}){one}."
+    )
 
 
 def per_job_model_overrides(argv: list[str]) -> list[str]:
@@ -373,9 +403,11 @@ def group_given_as_key(argv: Sequence[str]) -> str | None:
             continue
         options = group_options(group)
         suggestion = f"hydra/{group}={value}" if value in options else f"hydra/{group}=NAME"
-        return (f"{arg} is invalid: hydra.{group} is the {group}'s whole config, and a {group} is chosen from its "
-                f"config group with a slash: {suggestion} (valid: {', '.join(options)}; specsamp's are in "
-                f"conf/hydra/{group}/); one of its fields is set with hydra.{group}.FIELD=VALUE.")
+        return (
+            f"{arg} is invalid: hydra.{group} is the {group}'s whole config, and a {group} is chosen from its "
+            f"config group with a slash: {suggestion} (valid: {', '.join(options)}; specsamp's are in "
+            f"conf/hydra/{group}/); one of its fields is set with hydra.{group}.FIELD=VALUE."
+        )
     return None
 
 
@@ -399,12 +431,16 @@ def conflicting_modes(argv: Sequence[str]) -> str | None:
     if len(given) < 2:
         return None
     if "--multirun" in given and "--cfg" in given:
-        return ("-m (--multirun) and --cfg cannot be given together: --cfg prints the config of one run, and a sweep "
-                "composes one per job. To see a job's config, give each swept key one of its values and leave out "
-                "-m (python run.py K=1 --cfg job); to see the sweep's own settings, print hydra.sweeper with "
-                "python run.py --cfg hydra -p hydra.sweeper.")
-    return (f"{' and '.join(given)} cannot be given together: Hydra runs one of --run, --multirun, --cfg, --info "
-            "and --shell-completion per command; keep one.")
+        return (
+            "-m (--multirun) and --cfg cannot be given together: --cfg prints the config of one run, and a sweep "
+            "composes one per job. To see a job's config, give each swept key one of its values and leave out "
+            "-m (python run.py K=1 --cfg job); to see the sweep's own settings, print hydra.sweeper with "
+            "python run.py --cfg hydra -p hydra.sweeper."
+        )
+    return (
+        f"{' and '.join(given)} cannot be given together: Hydra runs one of --run, --multirun, --cfg, --info "
+        "and --shell-completion per command; keep one."
+    )
 
 
 def _summary_if_swept() -> None:
@@ -481,9 +517,11 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
         if where and left:
             from .report import resume_hint
 
-            rest = (f"SLURM job {left} is still queued or running and its cells write their records as they end "
-                    f"(squeue -j {left}; python -m specsamp.runner.report collect {where}); do not rerun yet. Once "
-                    f"it has left the queue, {resume_hint(where)}, to run what failed or was killed")
+            rest = (
+                f"SLURM job {left} is still queued or running and its cells write their records as they end "
+                f"(squeue -j {left}; python -m specsamp.runner.report collect {where}); do not rerun yet. Once "
+                f"it has left the queue, {resume_hint(where)}, to run what failed or was killed"
+            )
         elif where:
             from .report import resume_hint
 
@@ -524,5 +562,8 @@ def main(hydra_main: Callable[[], Any], repo_dir: str) -> None:
     if SWEEP_STATE.get("sweep_dir"):
         failed = SWEEP_STATE.get("failed")
         if failed:
-            print(f"error: {len(failed)} job(s) of the sweep failed (listed above; their failed.json has the details).", file=sys.stderr)
+            print(
+                f"error: {len(failed)} job(s) of the sweep failed (listed above; their failed.json has the details).",
+                file=sys.stderr,
+            )
         sys.exit(sweep_exit_status())

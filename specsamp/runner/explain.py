@@ -66,13 +66,28 @@ def unknown_key_message(key: str, shown: str | None = None, schema: type | None 
     valid = valid_keys(key, schema)
     guess = closest_key(key, valid)
     shown = shown or repr(key)
-    where = (f"{schema.__name__} (the config of {key.rsplit('.', 1)[0]})" if "." in key and dataclasses.is_dataclass(schema)
-             else "specsamp's sweeper (hydra/sweeper=specsamp)" if key.startswith("hydra.sweeper.")
-             else "specsamp's config")
-    return (f"{shown} is not a key of {where}" + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
-            + (f". Valid keys here: {', '.join(valid)} (see " + ("conf/hydra/sweeper/specsamp.yaml and docs/running.md"
-               if key.startswith("hydra.sweeper.") else "conf/config.yaml, conf/model/ and docs/extending.md") + ")."
-               if valid else "."))
+    where = (
+        f"{schema.__name__} (the config of {key.rsplit('.', 1)[0]})"
+        if "." in key and dataclasses.is_dataclass(schema)
+        else "specsamp's sweeper (hydra/sweeper=specsamp)"
+        if key.startswith("hydra.sweeper.")
+        else "specsamp's config"
+    )
+    return (
+        f"{shown} is not a key of {where}"
+        + (f"; did you mean {guess}? (e.g. {guess}=...)" if guess else "")
+        + (
+            f". Valid keys here: {', '.join(valid)} (see "
+            + (
+                "conf/hydra/sweeper/specsamp.yaml and docs/running.md"
+                if key.startswith("hydra.sweeper.")
+                else "conf/config.yaml, conf/model/ and docs/extending.md"
+            )
+            + ")."
+            if valid
+            else "."
+        )
+    )
 
 
 def _rule_text(key: str) -> str | None:

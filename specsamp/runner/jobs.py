@@ -43,6 +43,7 @@ def _mtime(p: Path) -> float | None:
     except OSError:
         return None
 
+
 # job directory names (Hydra's ``hydra.sweep.subdir`` and single-run ``hydra.run.dir``)
 
 # an override that names a directory as it is: key=value of plain characters, no '/', ',', '=' in the
@@ -84,7 +85,9 @@ def job_dirname(overrides: Sequence[str], exclude_keys: Sequence[str] = ()) -> s
         (the job runs in the sweep directory itself, as with Hydra's default).
     """
     exclude = {str(k) for k in exclude_keys or ()}
-    items = sorted(str(o) for o in overrides if _key_of(str(o)) not in exclude and not _key_of(str(o)).startswith("hydra"))
+    items = sorted(
+        str(o) for o in overrides if _key_of(str(o)) not in exclude and not _key_of(str(o)).startswith("hydra")
+    )
     plain = ",".join(items)
     if all(_PLAIN.fullmatch(o) for o in items) and len(plain) <= MAX_PLAIN_NAME:
         return plain
@@ -154,13 +157,13 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("specsamp.job_dir"):
         OmegaConf.register_new_resolver(
-            "specsamp.job_dir", lambda overrides, exclude=(): job_dirname(list(overrides or []), list(exclude or [])))
+            "specsamp.job_dir", lambda overrides, exclude=(): job_dirname(list(overrides or []), list(exclude or []))
+        )
     if not OmegaConf.has_resolver("specsamp.fresh_dir"):
         OmegaConf.register_new_resolver("specsamp.fresh_dir", fresh_dir, use_cache=True)
 
 
 register_resolvers()
-
 
 
 def _process_start(pid: int) -> str | None:
@@ -178,9 +181,14 @@ def running_marker() -> dict:
     from .slurm import job_identity
 
     pid = os.getpid()
-    marker = {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
-              "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "heartbeat_s": HEARTBEAT_S}
+    marker = {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pid_start": _process_start(pid),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "heartbeat_s": HEARTBEAT_S,
+    }
     ident = job_identity()
     if ident:
         marker["slurm"] = ident
@@ -219,5 +227,3 @@ def job_liveness(job: str | os.PathLike, now: float | None = None) -> str:
         return "running" if _pid_alive(marker.get("pid"), marker.get("pid_start")) else "killed"
     age = (now if now is not None else time.time()) - (_mtime(path) or 0.0)
     return "running" if age < STALE_S else "killed"
-
-

@@ -7,7 +7,6 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import ConfigError
 from ..kernels import KERNELS, scheduler_kernels
@@ -85,8 +84,11 @@ class EulerAncestralKernelConfig(BetasKernelConfig):
 
     name: str = "euler_ancestral"
     timestep_spacing: str = one_of(TIMESTEP_SPACINGS, "linspace")
-    eta: float = _number("a finite number > 0 (eta=0 is the deterministic Euler sampler, where speculation is vacuous)",
-                         lambda v: v > 0, 1.0)
+    eta: float = _number(
+        "a finite number > 0 (eta=0 is the deterministic Euler sampler, where speculation is vacuous)",
+        lambda v: v > 0,
+        1.0,
+    )
     s_noise: float = _number("a finite number > 0", lambda v: v > 0, 1.0)
 
 
@@ -96,13 +98,20 @@ class FlowStochasticKernelConfig(KernelConfig):
 
     name: str = "flow_stochastic"
     num_train_timesteps: int = between(2, MAX_TRAIN_TIMESTEPS, 1000, why="the scheduler's tables have this length")
-    shift: Optional[float] = rule("a finite number > 0, or null (the model's shift, model.shift)",
-                                  lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                                  and math.isfinite(v) and v > 0, None)
+    shift: float | None = rule(
+        "a finite number > 0, or null (the model's shift, model.shift)",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+        None,
+    )
 
 
-KERNEL_SCHEMAS = {"em": EMKernelConfig, "auto": AutoKernelConfig, "ddpm": DDPMKernelConfig,
-                  "euler_ancestral": EulerAncestralKernelConfig, "flow_stochastic": FlowStochasticKernelConfig}
+KERNEL_SCHEMAS = {
+    "em": EMKernelConfig,
+    "auto": AutoKernelConfig,
+    "ddpm": DDPMKernelConfig,
+    "euler_ancestral": EulerAncestralKernelConfig,
+    "flow_stochastic": FlowStochasticKernelConfig,
+}
 """The kernel config classes by ``kernel.name`` (Hydra schemas ``kernel/<name>_schema``)."""
 SCHEDULER_KERNELS = tuple(cls.name for cls in scheduler_kernels())
 """The kernels that reproduce a diffusers scheduler (their ``schedulers``, :mod:`specsamp.kernels`)."""
@@ -118,9 +127,11 @@ def _kernel_schema(kernel) -> type:
     if name not in KERNEL_SCHEMAS:
         shown = f"kernel.name={name!r}" if isinstance(kernel, Mapping) else f"kernel={kernel!r}"
         schedulers = ", ".join(SCHEDULER_KERNELS[:-1]) + " and " + SCHEDULER_KERNELS[-1]
-        raise ConfigError(f"{shown} is invalid: must be one of {', '.join(KERNEL_SCHEMAS)} (conf/kernel/: em, the paper's "
-                          f"Euler-Maruyama kernel and the default; auto, the model's own scheduler; {schedulers}, the "
-                          "diffusers schedulers' steps).")
+        raise ConfigError(
+            f"{shown} is invalid: must be one of {', '.join(KERNEL_SCHEMAS)} (conf/kernel/: em, the paper's "
+            f"Euler-Maruyama kernel and the default; auto, the model's own scheduler; {schedulers}, the "
+            "diffusers schedulers' steps)."
+        )
     return KERNEL_SCHEMAS[name]
 
 
@@ -152,16 +163,22 @@ def check_kernel(run) -> None:
         meta, v = f.metadata, getattr(k, f.name)
         if meta and (v is not None or not meta.get("nullable", True)) and not meta["ok"](v):
             text = meta["text"]() if callable(meta["text"]) else meta["text"]
-            raise ConfigError(f"kernel.{f.name}={'null' if v is None else repr(v)} is invalid for kernel={k.name}: must be {text}.")
+            raise ConfigError(
+                f"kernel.{f.name}={'null' if v is None else repr(v)} is invalid for kernel={k.name}: must be {text}."
+            )
     kernel = KERNELS.get(k.name) if k.name in KERNELS else None
     if kernel is None or not kernel.schedulers:
         return
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None:
-        raise ConfigError(f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, and diffusers is "
-                          "not installed; pip install 'specsamp[sd3]' (or diffusers), or use kernel=em.")
+        raise ConfigError(
+            f"kernel={k.name} is invalid here: it builds its grid with a diffusers scheduler, and diffusers is "
+            "not installed; pip install 'specsamp[sd3]' (or diffusers), or use kernel=em."
+        )
     if kernel.train_steps_bound and run.steps > k.num_train_timesteps:
-        raise ConfigError(f"steps={run.steps} is invalid with kernel={k.name}: the scheduler samples at most "
-                          f"kernel.num_train_timesteps={k.num_train_timesteps} distinct timesteps; use steps <= "
-                          f"{k.num_train_timesteps}, or raise kernel.num_train_timesteps.")
+        raise ConfigError(
+            f"steps={run.steps} is invalid with kernel={k.name}: the scheduler samples at most "
+            f"kernel.num_train_timesteps={k.num_train_timesteps} distinct timesteps; use steps <= "
+            f"{k.num_train_timesteps}, or raise kernel.num_train_timesteps."
+        )

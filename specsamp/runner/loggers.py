@@ -50,12 +50,16 @@ def check_logger(node) -> None:
         return
     mode = node.mode or os.environ.get("WANDB_MODE", "offline")
     if mode not in WANDB_MODES:
-        raise ConfigError(f"logger.mode={mode!r} is invalid: must be one of {', '.join(WANDB_MODES)} (wandb's modes; "
-                          "offline writes the run under the output directory for a later `wandb sync`).")
+        raise ConfigError(
+            f"logger.mode={mode!r} is invalid: must be one of {', '.join(WANDB_MODES)} (wandb's modes; "
+            "offline writes the run under the output directory for a later `wandb sync`)."
+        )
     if mode in UPLOADING_MODES and not _wandb_credentials():
-        raise ConfigError(f"logger.mode={mode!r} is invalid here: it uploads to W&B, and no credentials are configured "
-                          "(WANDB_API_KEY unset, no netrc entry from `wandb login`). Log in, or use logger.mode=offline "
-                          "and `wandb sync` the run later.")
+        raise ConfigError(
+            f"logger.mode={mode!r} is invalid here: it uploads to W&B, and no credentials are configured "
+            "(WANDB_API_KEY unset, no netrc entry from `wandb login`). Log in, or use logger.mode=offline "
+            "and `wandb sync` the run later."
+        )
 
 
 @dataclass
@@ -78,8 +82,15 @@ class WandbLogger:
         except ImportError:
             print("warning: logger=wandb but the wandb package is not installed (pip install specsamp[wandb]); skipped")
             return
-        run = wandb.init(project=self.project, entity=self.entity, group=self.group, dir=str(out_dir), config=config,
-                         mode=self.mode or os.environ.get("WANDB_MODE", "offline"), reinit=True)
+        run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            group=self.group,
+            dir=str(out_dir),
+            config=config,
+            mode=self.mode or os.environ.get("WANDB_MODE", "offline"),
+            reinit=True,
+        )
         scalars = {
             "speedup": record["speedup"]["mean"],
             "speedup_sem": record["speedup"]["sem"],

@@ -70,6 +70,7 @@ class _Progress:
         from tqdm import tqdm
 
         if self.lines:
+
             class _Lines(tqdm):  # tqdm's meter, written as whole lines (no carriage returns in a log file)
                 def display(self, msg=None, pos=None):
                     msg = (self.__str__() if msg is None else msg).strip()
@@ -78,13 +79,22 @@ class _Progress:
                         self.fp.flush()
                     return True
 
-            self.bar = _Lines(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, mininterval=LOG_INTERVAL,
-                              delay=max(LOG_INTERVAL, self.min_seconds), miniters=1, leave=False,
-                              bar_format="{desc}: {percentage:3.0f}% ({n:.0f}/{total:.0f} {unit}), {elapsed} elapsed, "
-                                         "{remaining} left")
+            self.bar = _Lines(
+                total=total,
+                desc=self.desc,
+                unit=self.unit,
+                file=sys.stderr,
+                mininterval=LOG_INTERVAL,
+                delay=max(LOG_INTERVAL, self.min_seconds),
+                miniters=1,
+                leave=False,
+                bar_format="{desc}: {percentage:3.0f}% ({n:.0f}/{total:.0f} {unit}), {elapsed} elapsed, "
+                "{remaining} left",
+            )
         else:
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, leave=False,
-                            delay=self.min_seconds)
+            self.bar = tqdm(
+                total=total, desc=self.desc, unit=self.unit, file=sys.stderr, leave=False, delay=self.min_seconds
+            )
 
     def to(self, position: float, total: float | None = None) -> None:
         """Move to ``position`` (of ``total``, when first known here)."""
@@ -105,9 +115,12 @@ def non_finite_causes(run: RunConfig) -> str:
     """The likely causes of non-finite samples, for the error paragraph."""
     dtype, net = getattr(run.model, "dtype", None), getattr(run.model, "net_dtype", None)
     half = [f"model.{k}={v}" for k, v in (("dtype", dtype), ("net_dtype", net)) if str(v) in ("float16", "bfloat16")]
-    return ("Likely causes: a coupling or a draft that returns non-finite values (check_contract=true checks every "
-            "verdict and names the first bad one), or a network that overflows in half precision"
-            + (f" ({', '.join(half)} here)" if half else "") + ": try model.net_dtype=null and model.dtype=float32.")
+    return (
+        "Likely causes: a coupling or a draft that returns non-finite values (check_contract=true checks every "
+        "verdict and names the first bad one), or a network that overflows in half precision"
+        + (f" ({', '.join(half)} here)" if half else "")
+        + ": try model.net_dtype=null and model.dtype=float32."
+    )
 
 
 class _Watched:
@@ -133,7 +146,9 @@ class _Watched:
         return out
 
 
-def non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches: int, batch: int) -> NonFiniteSamplesError:
+def non_finite_samples(
+    run, schedule, target, sample, chunk, finite, n_batches: int, batch: int
+) -> NonFiniteSamplesError:
     """The error for a batch whose samples hold NaN or inf: how many, which trajectories, and from which step,
     found by sampling the first such trajectory once more, alone, with a model that watches its calls
     (:class:`_Watched`; trajectory ``i``'s randomness is keyed by ``(seed, i)``, so it meets the same values)."""
@@ -147,16 +162,33 @@ def non_finite_samples(run, schedule, target, sample, chunk, finite, n_batches: 
     if watched.first is not None:
         sigma, what = watched.first
         first_step = int(torch.argmin((schedule.sigmas.double().cpu() - sigma).abs()))
-    where = (f"the first non-finite value was a {what} at step {first_step} of T={schedule.steps} (sigma={sigma:.4g}), "
-             f"met when trajectory {bad_ids[0]} was sampled again alone" if first_step is not None else
-             f"every target call saw finite states and returned finite velocities when trajectory {bad_ids[0]} was "
-             "sampled again alone, so the last update (or a coupling's output) made them")
-    of = f"batch {batch + 1} of {n_batches} ({chunk.numel()} samples)" if n_batches > 1 else f"the {chunk.numel()} samples"
+    where = (
+        f"the first non-finite value was a {what} at step {first_step} of T={schedule.steps} (sigma={sigma:.4g}), "
+        f"met when trajectory {bad_ids[0]} was sampled again alone"
+        if first_step is not None
+        else f"every target call saw finite states and returned finite velocities when trajectory {bad_ids[0]} was "
+        "sampled again alone, so the last update (or a coupling's output) made them"
+    )
+    of = (
+        f"batch {batch + 1} of {n_batches} ({chunk.numel()} samples)"
+        if n_batches > 1
+        else f"the {chunk.numel()} samples"
+    )
     shown = ", ".join(map(str, bad_ids[:10])) + (" ..." if len(bad_ids) > 10 else "")
-    message = (f"{len(bad_ids)} of {of} hold NaN or inf (trajectories {shown}): {where}. They are not a result: no "
-               f"result.json or samples were written for this run. {non_finite_causes(run)}")
-    details = {"samples": len(bad_ids), "of": int(chunk.numel()), "batch": batch, "batches": n_batches,
-               "trajectories": bad_ids, "first_step": first_step, "first_sigma": sigma, "first_kind": what}
+    message = (
+        f"{len(bad_ids)} of {of} hold NaN or inf (trajectories {shown}): {where}. They are not a result: no "
+        f"result.json or samples were written for this run. {non_finite_causes(run)}"
+    )
+    details = {
+        "samples": len(bad_ids),
+        "of": int(chunk.numel()),
+        "batch": batch,
+        "batches": n_batches,
+        "trajectories": bad_ids,
+        "first_step": first_step,
+        "first_sigma": sigma,
+        "first_kind": what,
+    }
     return NonFiniteSamplesError(message, details)
 
 
@@ -233,7 +265,9 @@ def prepare(cfg: DictConfig | Mapping | PreparedRun, indices=None, *, job: Job |
             or ids outside ``[0, n_samples)``.
     """
     if isinstance(cfg, PreparedRun):
-        return cfg if indices is None else dataclasses.replace(cfg, indices=_checked_indices(indices, cfg.run.n_samples))
+        return (
+            cfg if indices is None else dataclasses.replace(cfg, indices=_checked_indices(indices, cfg.run.n_samples))
+        )
     run, recorded = load_config(cfg)
     coupling = build_coupling(run)
     unused = unused_keys(run, coupling)
@@ -241,9 +275,16 @@ def prepare(cfg: DictConfig | Mapping | PreparedRun, indices=None, *, job: Job |
         indices = shard_indices(run.n_samples, run.shard, run.num_shards, run.batch_size)
     if job is not None and job.multirun and run.sweep_name is not None:
         job = dataclasses.replace(job, sweep=str(run.sweep_name))
-    return PreparedRun(run, recorded, coupling, unused, config_hash(recorded, unused),
-                       {k: recorded[k] for k, d in unused.items() if recorded.get(k, d) != d},
-                       _checked_indices(indices, run.n_samples), job)
+    return PreparedRun(
+        run,
+        recorded,
+        coupling,
+        unused,
+        config_hash(recorded, unused),
+        {k: recorded[k] for k, d in unused.items() if recorded.get(k, d) != d},
+        _checked_indices(indices, run.n_samples),
+        job,
+    )
 
 
 def record_hash(cfg: DictConfig | Mapping | PreparedRun) -> tuple[RunConfig, dict, str]:
@@ -282,14 +323,30 @@ class Built:
         """Sample the trajectories ``chunk`` (ids) with ``model`` (the target's, or a copy that watches it):
         :func:`~specsamp.sampler.sample_speculative` on the tree, or :func:`~specsamp.sampler.sample_standard`."""
         run, target = self.prepared.run, self.target
-        common = dict(seed=run.seed, indices=chunk, max_batch=self.max_batch, callback=callback,
-                      cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {})
+        common = dict(
+            seed=run.seed,
+            indices=chunk,
+            max_batch=self.max_batch,
+            callback=callback,
+            cond=target.cond_for(chunk, run.seed) if target.cond_for is not None else {},
+        )
         if self.tree is None:
             return sample_standard(model, self.schedule, **common)
-        return sample_speculative(model, self.schedule, self.tree, self.prepared.coupling, draft=run.draft,
-                                  prefetch=run.prefetch, evaluate_leaves=run.evaluate_leaves, execution=run.execution,
-                                  warmup=run.warmup, refine=run.refine, compile=run.compile if compile is None else compile,
-                                  check_contract=None if run.check_contract == "auto" else run.check_contract, **common)
+        return sample_speculative(
+            model,
+            self.schedule,
+            self.tree,
+            self.prepared.coupling,
+            draft=run.draft,
+            prefetch=run.prefetch,
+            evaluate_leaves=run.evaluate_leaves,
+            execution=run.execution,
+            warmup=run.warmup,
+            refine=run.refine,
+            compile=run.compile if compile is None else compile,
+            check_contract=None if run.check_contract == "auto" else run.check_contract,
+            **common,
+        )
 
 
 def kernel_notes(run: RunConfig) -> None:
@@ -306,8 +363,12 @@ def kernel_notes(run: RunConfig) -> None:
     if name in KERNELS and not KERNELS.get(name).reads_shift and shift != 1.0:
         unread.append(f"model.shift={shift!r}")
     if unread:
-        print(f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by kernel={name}, whose grid and "
-              "noise are its scheduler's (eps is recorded as null).", file=sys.stderr, flush=True)
+        print(
+            f"note: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by kernel={name}, whose grid and "
+            "noise are its scheduler's (eps is recorded as null).",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def build(prepared: PreparedRun, target: Target | None = None) -> Built:
@@ -333,8 +394,9 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
     schedule, plan = build_schedule(run, tuple(target.model.event_shape) if target is not None else None)
     kernel_notes(run)
     # the target, loaded once, when first needed (a calibration needs it before the tree, any other run after)
-    get_target = functools.cache(functools.partial(load_target, run, target, prepared.n_trajectories,
-                                                   prepared.indices is not None, plan))
+    get_target = functools.cache(
+        functools.partial(load_target, run, target, prepared.n_trajectories, prepared.indices is not None, plan)
+    )
     search = "root" if run.tree == "optimal_per_step" else "depth"
     with _Progress(run.progress, "tree search", search, min_seconds=2.0) as bar:  # opened by a search only
         tree, tree_fields, calibration = find_tree(run, coupling, schedule, get_target, callback=bar.to)
@@ -343,16 +405,27 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
     n_total = prepared.n_trajectories
     # every per-trajectory array (the ids included) is sized here, before the first one is allocated
-    check_tree_memory(largest.restrict(min(largest.max_depth, schedule.steps - 2)) if tree is not None else None,
-                      min(run.batch_size or n_total, n_total), target.model, run.device, execution=run.execution,
-                      n_total=n_total, steps=schedule.steps, refine=run.refine if tree is not None else 0,
-                      sampler=run.sampler.name)
+    check_tree_memory(
+        largest.restrict(min(largest.max_depth, schedule.steps - 2)) if tree is not None else None,
+        min(run.batch_size or n_total, n_total),
+        target.model,
+        run.device,
+        execution=run.execution,
+        n_total=n_total,
+        steps=schedule.steps,
+        refine=run.refine if tree is not None else 0,
+        sampler=run.sampler.name,
+    )
     unused = prepared.unused
     if unused:
-        print(f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
-              f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
-              + (f" with tree={run.tree}" if coupling is not None else "")
-              + "; recorded as unused, left out of the config hash.", file=sys.stderr, flush=True)
+        print(
+            f"note: {', '.join(f'{k}={x!r}' for k, x in unused.items())} "
+            f"{'does' if len(unused) == 1 else 'do'} nothing for sampler={run.sampler.name}"
+            + (f" with tree={run.tree}" if coupling is not None else "")
+            + "; recorded as unused, left out of the config hash.",
+            file=sys.stderr,
+            flush=True,
+        )
     return Built(prepared, schedule, tree, target, max_batch, tree_fields, calibration, started)
 
 
@@ -381,8 +454,10 @@ def sample(built: Built, batches=None) -> Sampled:
     bs = run.batch_size or ids.numel()
     n_batches = -(-ids.numel() // bs)
     store = batches if n_batches > 1 else None  # one batch: nothing to keep between attempts
-    with _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar, \
-            (store.running(n_batches, max_batch=built.max_batch) if store is not None else contextlib.nullcontext()):
+    with (
+        _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar,
+        store.running(n_batches, max_batch=built.max_batch) if store is not None else contextlib.nullcontext(),
+    ):
         for start in range(0, ids.numel(), bs):
             chunk = ids[start : start + bs].to(dev)
             base = start * per_traj
@@ -395,8 +470,10 @@ def sample(built: Built, batches=None) -> Sampled:
             try:
                 r = built.draw(target.model, chunk, progress)
             except (NonFiniteError, NonFiniteSampleError) as e:  # found while sampling, where it happened
-                raise NonFiniteSamplesError(f"{str(e).rstrip('.')}. {non_finite_causes(run)}",
-                                            {"error": str(e), "trajectories": getattr(e, "rows", None)}) from None
+                raise NonFiniteSamplesError(
+                    f"{str(e).rstrip('.')}. {non_finite_causes(run)}",
+                    {"error": str(e), "trajectories": getattr(e, "rows", None)},
+                ) from None
             # one reduction per batch, after its last round: samples holding NaN or inf are not a result
             finite = torch.isfinite(r.samples.reshape(r.samples.shape[0], -1)).all(1)
             if not bool(finite.all()):
@@ -407,13 +484,25 @@ def sample(built: Built, batches=None) -> Sampled:
             bar.to(base + chunk.numel() * per_traj)
     res = SampleResult.concat(results)
     res.extra.update(target=target, indices=ids, max_batch=built.max_batch)
-    return Sampled(res, [r.batch_speedup for r in results], built.tree_fields, built.calibration,
-                   resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
-                   wall_seconds=time.perf_counter() - built.started, kernel=built.schedule.kernel_name)
+    return Sampled(
+        res,
+        [r.batch_speedup for r in results],
+        built.tree_fields,
+        built.calibration,
+        resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
+        wall_seconds=time.perf_counter() - built.started,
+        kernel=built.schedule.kernel_name,
+    )
 
 
-def run_config(cfg: DictConfig | Mapping | PreparedRun, *, target: Target | None = None, indices=None,
-               before_sampling: Callable[[], None] | None = None, batches=None) -> tuple[dict, SampleResult]:
+def run_config(
+    cfg: DictConfig | Mapping | PreparedRun,
+    *,
+    target: Target | None = None,
+    indices=None,
+    before_sampling: Callable[[], None] | None = None,
+    batches=None,
+) -> tuple[dict, SampleResult]:
     """Run one configuration and return ``(record, result)``: :func:`prepare`, :func:`build`, :func:`sample`,
     :func:`~specsamp.runner.records.make_record`.
 

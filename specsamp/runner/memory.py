@@ -38,7 +38,9 @@ def check_config_sizes(run) -> None:
     Raises:
         ConfigError: names the key, the bytes needed and available.
     """
-    check_memory(f"steps={run.steps} (the schedule and the per-step tables)", run.steps * STEP_BYTES, "cpu", "lower steps.")
+    check_memory(
+        f"steps={run.steps} (the schedule and the per-step tables)", run.steps * STEP_BYTES, "cpu", "lower steps."
+    )
     size = run.model.size_from_config() if hasattr(run.model, "size_from_config") else None
     if size is not None:
         check_memory(size[0], size[1], run.device, "lower them.")
@@ -57,8 +59,10 @@ def check_nominal_budget(run) -> None:
     while capped_budget(run.K, fits + 1) <= MAX_BUDGET:
         fits += 1
     lower = f"L={fits} or less fits with K={run.K} (or lower K)" if fits else "lower K"
-    raise ConfigError(f"K={run.K}, L={run.L} is invalid: the nominal budget B = K + K^2 + ... + K^L it records is above "
-                      f"2**63 - 1 (a 64-bit integer); a round uses at most T-2 = {run.steps - 2} levels anyway: {lower}.")
+    raise ConfigError(
+        f"K={run.K}, L={run.L} is invalid: the nominal budget B = K + K^2 + ... + K^L it records is above "
+        f"2**63 - 1 (a 64-bit integer); a round uses at most T-2 = {run.steps - 2} levels anyway: {lower}."
+    )
 
 
 def tree_nodes(run, coupling, horizon: int) -> int:
@@ -84,16 +88,28 @@ def check_tree_nodes(run, coupling, horizon: int) -> None:
     """
     nodes = tree_nodes(run, coupling, horizon)
     shape = f"widths={run.widths}" if run.tree == "widths" else f"K={run.K}, L={run.L}"
-    check_memory(f"the draft tree ({shape}: {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
-                 nodes * TREE_BYTES_PER_NODE, "cpu", "lower K or L (or widths).")
+    check_memory(
+        f"the draft tree ({shape}: {nodes:.3g} nodes within the T-2={horizon} speculative steps)",
+        nodes * TREE_BYTES_PER_NODE,
+        "cpu",
+        "lower K or L (or widths).",
+    )
     if coupling is not None and (run.tree == "uniform" or coupling.max_children == 1):
         check_nominal_budget(run)  # the rule records B = K + ... + K^L (RMC: its chain's length)
 
 
-PROCESS_BYTES = 800 * 2**20  # Python, torch, Hydra and the runner imported, one run done: 0.67 GiB peak RSS measured (GMM or digits cell)
-CUDA_HOST_BYTES = 2 * 2**30  # host memory of a CUDA context and the libraries it maps (cuBLAS, cuDNN): an allowance, not measured
-WEIGHT_LOAD_FACTOR = 2  # a checkpoint is read whole and then unpickled (or converted to net_dtype): two copies at the peak
-UNKNOWN_NETWORK_BYTES = 3 * 2**30  # activations of a network none of the tables below knows (its architecture is in the pickle)
+PROCESS_BYTES = (
+    800 * 2**20
+)  # Python, torch, Hydra and the runner imported, one run done: 0.67 GiB peak RSS measured (GMM or digits cell)
+CUDA_HOST_BYTES = (
+    2 * 2**30
+)  # host memory of a CUDA context and the libraries it maps (cuBLAS, cuDNN): an allowance, not measured
+WEIGHT_LOAD_FACTOR = (
+    2  # a checkpoint is read whole and then unpickled (or converted to net_dtype): two copies at the peak
+)
+UNKNOWN_NETWORK_BYTES = (
+    3 * 2**30
+)  # activations of a network none of the tables below knows (its architecture is in the pickle)
 MEM_MARGIN = 1.5  # the estimate is of the large arrays; the margin covers temporaries and the allocator
 
 
@@ -154,7 +170,9 @@ def network_size(model) -> tuple[int, tuple | None, int]:
         local = Path(mid).expanduser()
         files = sum(f.stat().st_size for f in local.rglob("*.safetensors")) if local.is_dir() else 0
         t, other, t5 = SD3_PARAMS.get(mid, SD3_PARAMS["stabilityai/stable-diffusion-3.5-large"])
-        net_bytes = 2 if str(getattr(model, "net_dtype", "bfloat16")).removeprefix("torch.") in ("float16", "bfloat16") else 4
+        net_bytes = (
+            2 if str(getattr(model, "net_dtype", "bfloat16")).removeprefix("torch.") in ("float16", "bfloat16") else 4
+        )
         weights = files or int((t + other + (0 if getattr(model, "drop_t5", False) else t5)) * net_bytes)
         res = getattr(model, "resolution", 512)
         h, w = (res, res) if isinstance(res, int) else tuple(res)
@@ -244,13 +262,27 @@ def run_memory_bytes(run) -> int:
     if shape is not None:
         numel = int(np.prod(shape))
         depth = min(run.L, horizon) if coupling is not None else 0
-        fixed, per_traj = sampler_bytes(nodes if coupling is not None else None, max(run.K, 1), depth, numel, elem,
-                                        execution=run.execution, n_total=run.n_samples, steps=run.steps,
-                                        refine=run.refine)
+        fixed, per_traj = sampler_bytes(
+            nodes if coupling is not None else None,
+            max(run.K, 1),
+            depth,
+            numel,
+            elem,
+            execution=run.execution,
+            n_total=run.n_samples,
+            steps=run.steps,
+            refine=run.refine,
+        )
         total += fixed  # the kept samples come back to the host
         if on_cpu:
             batch = min(run.batch_size or run.n_samples, run.n_samples)
-            per_call = nodes if coupling is not None and run.execution == "tree" else max(run.K, 1) if coupling is not None else 1
+            per_call = (
+                nodes
+                if coupling is not None and run.execution == "tree"
+                else max(run.K, 1)
+                if coupling is not None
+                else 1
+            )
             rows = batch * per_call
             max_batch = run.max_batch or getattr(run.model, "max_batch", None)
             # max_batch counts states; under guidance each state is two network rows
@@ -264,9 +296,18 @@ def mem_gb_for(run) -> int:
     return max(1, int(np.ceil(MEM_MARGIN * run_memory_bytes(run) / 2**30)))
 
 
-def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *, execution: str = "tree",
-                      n_total: int | None = None, steps: int | None = None, refine: int = 0,
-                      sampler: str | None = None) -> None:
+def check_tree_memory(
+    tree: DraftTree | None,
+    batch: int,
+    model,
+    device: str,
+    *,
+    execution: str = "tree",
+    n_total: int | None = None,
+    steps: int | None = None,
+    refine: int = 0,
+    sampler: str | None = None,
+) -> None:
     """Refuse a run whose sampler states cannot fit, before allocating anything.
 
     ``sampler`` is the run's ``sampler=`` value (``dgrs``, ``rmc``, ...), which the message names; without it
@@ -285,18 +326,30 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
     numel = int(np.prod(model.event_shape))
     elem = torch.tensor([], dtype=model.dtype).element_size()
     widest = int(tree.num_children.max()) if tree is not None and len(tree) > 1 else 1
-    fixed, per_traj = sampler_bytes(len(tree) if tree is not None else None, widest, tree.max_depth if tree is not None else 0,
-                                    numel, elem, execution=execution, n_total=batch if n_total is None else n_total,
-                                    steps=steps, refine=refine)
+    fixed, per_traj = sampler_bytes(
+        len(tree) if tree is not None else None,
+        widest,
+        tree.max_depth if tree is not None else 0,
+        numel,
+        elem,
+        execution=execution,
+        n_total=batch if n_total is None else n_total,
+        steps=steps,
+        refine=refine,
+    )
     n_total = batch if n_total is None else n_total
     free = available_bytes(device)
     need = fixed + batch * per_traj
     if free is None or need <= 0.8 * free:
         return
     fits = max(int((0.8 * free - fixed) // per_traj), 0)
-    what = (f"execution={execution} with {len(tree)} nodes per round" if tree is not None and execution == "tree"
-            else f"sampler={sampler} (execution={execution})" if sampler is not None
-            else f"{'sampler=standard' if tree is None else 'the speculative sampler'} (execution={execution})")
+    what = (
+        f"execution={execution} with {len(tree)} nodes per round"
+        if tree is not None and execution == "tree"
+        else f"sampler={sampler} (execution={execution})"
+        if sampler is not None
+        else f"{'sampler=standard' if tree is None else 'the speculative sampler'} (execution={execution})"
+    )
     # execution=path holds only the visited nodes, but Picard sweeps need every internal node (tree execution only)
     path_hint = tree is not None and execution == "tree" and not refine
     # "with batch_size=N" only where the user's batch_size split the run; unset, the run is one batch
@@ -312,6 +365,11 @@ def check_tree_memory(tree: DraftTree | None, batch: int, model, device: str, *,
         f"n_samples={n_total} {batches}: {what} needs about {_gib(need)} ({_gib(per_traj)} per "
         f"trajectory of a batch), but "
         f"{device} has {_gib(free)} available: use batch_size={fits} or less"
-        + (", or execution=path (same law and counts, only the visited nodes)." if path_hint
-           else ", or fewer Picard sweeps (refine=...)." if refine else ".")
+        + (
+            ", or execution=path (same law and counts, only the visited nodes)."
+            if path_hint
+            else ", or fewer Picard sweeps (refine=...)."
+            if refine
+            else "."
+        )
     )

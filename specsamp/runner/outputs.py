@@ -44,10 +44,19 @@ class MetricError(Exception):
         self.values = values or {}
 
 
-FID_KEYS = {"reference": "model.fid_ref", "feature_extractor": "model.fid_extractor", "feature_layer": "model.fid_layer",
-            "weights_path": "model.fid_weights"}
-CLIP_KEYS = {"model_name": "model.clip.model", "pretrained": "model.clip.pretrained", "checkpoint": "model.clip.checkpoint",
-             "quick_gelu": "model.clip.quick_gelu", "cache_dir": "model.clip.cache_dir"}
+FID_KEYS = {
+    "reference": "model.fid_ref",
+    "feature_extractor": "model.fid_extractor",
+    "feature_layer": "model.fid_layer",
+    "weights_path": "model.fid_weights",
+}
+CLIP_KEYS = {
+    "model_name": "model.clip.model",
+    "pretrained": "model.clip.pretrained",
+    "checkpoint": "model.clip.checkpoint",
+    "quick_gelu": "model.clip.quick_gelu",
+    "cache_dir": "model.clip.cache_dir",
+}
 
 
 def scoring_settings(model) -> tuple:
@@ -93,20 +102,26 @@ def check_metrics(names, fid_ref, fid: dict | None, clip: dict | None, n_images:
             from ..metrics.isc import SPLITS, isc_layer
 
             if n_images < MIN_IMAGES:
-                raise ConfigError(f"metrics=[fid] is invalid with {count}: an FID needs at least {MIN_IMAGES} images (the "
-                                  "covariance of one image is undefined), and a usable one more images than feature "
-                                  "dimensions (2049 for Inception); raise n_samples, or drop fid from metrics.")
+                raise ConfigError(
+                    f"metrics=[fid] is invalid with {count}: an FID needs at least {MIN_IMAGES} images (the "
+                    "covariance of one image is undefined), and a usable one more images than feature "
+                    "dimensions (2049 for Inception); raise n_samples, or drop fid from metrics."
+                )
             try:
                 checked = ("feature_extractor", "feature_layer", "weights_path", "allow_download", "cache_dir")
-                info = check_fid_inputs(fid_ref, **{k: v for k, v in (fid or {}).items() if k in checked}, keys=FID_KEYS)
+                info = check_fid_inputs(
+                    fid_ref, **{k: v for k, v in (fid or {}).items() if k in checked}, keys=FID_KEYS
+                )
             except (FileNotFoundError, ValueError, ImportError) as e:
                 raise ConfigError(f"metrics=[fid] cannot be scored: {e}") from None
             warning = few_images_warning(n_images, info["dim"])
             if warning is not None:
                 notes.append(f"metrics=[fid] with {count}: {warning} It is scored and recorded with that warning.")
             if n_images < SPLITS and isc_layer((fid or {}).get("feature_extractor", INCEPTION)):
-                notes.append(f"metrics=[fid] with {count}: the Inception Score beside it needs at least {SPLITS} images "
-                             f"(one per split), so the record will have no isc.")
+                notes.append(
+                    f"metrics=[fid] with {count}: the Inception Score beside it needs at least {SPLITS} images "
+                    f"(one per split), so the record will have no isc."
+                )
         elif name == "clip" and clip is not None:
             from ..metrics.clip import check_clip_inputs
 
@@ -144,9 +159,17 @@ def check_target_scores(run, target: Target) -> None:
     """
     for m in run.metrics:
         if target.decode is None or (m == "clip" and target.prompts_for is None) or (m == "fid" and not target.fid_ref):
-            need = "images" if target.decode is None else "prompts" if m == "clip" else "model.fid_ref (reference statistics)"
-            raise ConfigError(f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not "
-                              "have (fid: model=digits, cifar10 or ffhq; clip: model=sd3).")
+            need = (
+                "images"
+                if target.decode is None
+                else "prompts"
+                if m == "clip"
+                else "model.fid_ref (reference statistics)"
+            )
+            raise ConfigError(
+                f"metrics=[{m}] is invalid for model={run.model.name}: it needs {need}, which this model does not "
+                "have (fid: model=digits, cifar10 or ffhq; clip: model=sd3)."
+            )
 
 
 def compute_metrics(names, result: SampleResult, image_dir: Path | None, device: str = "cpu") -> dict:
@@ -188,7 +211,9 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, device:
                 from ..metrics.fid import compute_fid
 
                 if not target.fid_ref:
-                    raise ConfigError("metrics=[fid] needs model.fid_ref (reference statistics: name, URL or .npz path).")
+                    raise ConfigError(
+                        "metrics=[fid] needs model.fid_ref (reference statistics: name, URL or .npz path)."
+                    )
                 pixels = img.load_images(image_dir, indices=ids) if pixels is None else pixels  # this run's, by index
                 res = compute_fid(pixels, target.fid_ref, device=device, **(target.fid or {}))
                 res["samples"] = str(image_dir)
@@ -208,14 +233,20 @@ def compute_metrics(names, result: SampleResult, image_dir: Path | None, device:
                     raise ConfigError("metrics=[clip] is invalid: the model has no prompts.")
                 model, preprocess, tokenizer = clip.load_clip(**(target.clip or {}), device=device)
                 pixels = img.load_images(image_dir, indices=ids) if pixels is None else pixels
-                scores = clip.clip_scores(pixels, target.prompts_for(ids), model=model, preprocess=preprocess, tokenizer=tokenizer)
+                scores = clip.clip_scores(
+                    pixels, target.prompts_for(ids), model=model, preprocess=preprocess, tokenizer=tokenizer
+                )
                 summ = clip.summarize(scores)
                 out.update(clip_score=summ["mean"], clip_score_sem=summ["sem"], clip_scores=[float(x) for x in scores])
             else:
                 raise ConfigError(f"metrics=[{name}] is invalid: valid entries are fid, clip.")
         except (ConfigError, OSError, ValueError, ImportError, KeyError) as e:
-            errors[name] = f"metrics=[{name}] could not be computed: {e}" if not str(e).startswith("metrics=") else str(e)
-        except RuntimeError as e:  # a download that failed (fid.make_extractor) is the user's to fix; anything else is not
+            errors[name] = (
+                f"metrics=[{name}] could not be computed: {e}" if not str(e).startswith("metrics=") else str(e)
+            )
+        except (
+            RuntimeError
+        ) as e:  # a download that failed (fid.make_extractor) is the user's to fix; anything else is not
             if str(e).startswith("could not download"):
                 errors[name] = f"metrics=[{name}] could not be computed: {e}"
             else:

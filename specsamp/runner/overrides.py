@@ -28,9 +28,11 @@ from typing import Any
 
 # sweep_name: the folder multirun/<sweep_name>/ (one or more '/'-separated parts of these characters)
 _NAME_PART = re.compile(r"[A-Za-z0-9._+=,@-]+")
-SWEEP_NAME_TEXT = ("a folder name under multirun/: one or more parts separated by '/', each made of ASCII letters, "
-                   "digits and . _ - + = , @ (no part empty, '.' or '..'; no leading '/'), e.g. sweep_name=grid or "
-                   "sweep_name=2024-05-01/grid; give any other folder with hydra.sweep.dir=DIR")
+SWEEP_NAME_TEXT = (
+    "a folder name under multirun/: one or more parts separated by '/', each made of ASCII letters, "
+    "digits and . _ - + = , @ (no part empty, '.' or '..'; no leading '/'), e.g. sweep_name=grid or "
+    "sweep_name=2024-05-01/grid; give any other folder with hydra.sweep.dir=DIR"
+)
 
 
 def sweep_name_ok(v) -> bool:
@@ -73,8 +75,13 @@ def _model_paths(node, prefix: str = "model", depth: int = 0):
     """``(key, value)`` of every path key (:data:`PATH_FIELDS`) of a model config, nested configs included."""
     if depth > 2 or node is None:
         return
-    items = (node.items() if isinstance(node, Mapping) else
-             ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else ())
+    items = (
+        node.items()
+        if isinstance(node, Mapping)
+        else ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+        if dataclasses.is_dataclass(node)
+        else ()
+    )
     for name, v in items:
         if name in PATH_FIELDS and isinstance(v, str):
             yield f"{prefix}.{name}", v
@@ -115,12 +122,15 @@ def misread_override(argv: Sequence[str], bool_keys: Callable[[], Collection[str
         key, eq, raw = arg.lstrip("+~").partition("=")
         if not eq:
             continue
-        if bools is None and key.startswith(("model.", "kernel.", "compile", "save_samples", "skip_existing", "evaluate_leaves")):
+        if bools is None and key.startswith(
+            ("model.", "kernel.", "compile", "save_samples", "skip_existing", "evaluate_leaves")
+        ):
             bools = bool_keys()
         is_path = key == "sweep_name" or key in HYDRA_PATH_KEYS or key.rpartition(".")[2] in PATH_FIELDS
         if is_path and path_problem(raw) and raw:  # a newline: Hydra's grammar cannot read it, nor a shell show it
             return f"{key}={raw!r} is invalid: {path_problem(raw)}; must be " + (
-                f"{SWEEP_NAME_TEXT}." if key == "sweep_name" else "a folder path without control characters.")
+                f"{SWEEP_NAME_TEXT}." if key == "sweep_name" else "a folder path without control characters."
+            )
         if not is_path and key not in (bools or ()):
             continue
         parser = parser or OverridesParser.create()
@@ -139,9 +149,11 @@ def misread_override(argv: Sequence[str], bool_keys: Callable[[], Collection[str
         elif key == "sweep_name":
             if not isinstance(v, str) and str(v) != raw:
                 read = "null (no name)" if v is None else f"the {type(v).__name__} {v!r}"
-                return (f"{arg} is invalid: Hydra's override grammar reads {raw} as {read}, not as the name {raw!r} "
-                        f"(underscores between digits make a number; true, false and null are keywords); quote it to "
-                        f"keep it as typed: \"sweep_name='{raw}'\".")
+                return (
+                    f"{arg} is invalid: Hydra's override grammar reads {raw} as {read}, not as the name {raw!r} "
+                    f"(underscores between digits make a number; true, false and null are keywords); quote it to "
+                    f"keep it as typed: \"sweep_name='{raw}'\"."
+                )
             if not sweep_name_ok(str(v)):
                 return f"sweep_name={str(v)!r} is invalid: must be {SWEEP_NAME_TEXT}."
         else:
@@ -163,9 +175,11 @@ def unreadable_override(error: BaseException) -> str | None:
     key, _, value = arg.lstrip("+~").partition("=")
     if key == "sweep_name":
         return f"{arg} is invalid: must be {SWEEP_NAME_TEXT}."
-    return (f"{arg} could not be read: Hydra's override grammar takes unquoted values made of ASCII letters, digits and "
-            "a few symbols (_ - + . / : @ ...), and {key} was given other characters; quote the value to pass it as "
-            f"text: \"{key}='{value}'\" (see docs/running.md for the keys and their values).").replace("{key}", key)
+    return (
+        f"{arg} could not be read: Hydra's override grammar takes unquoted values made of ASCII letters, digits and "
+        "a few symbols (_ - + . / : @ ...), and {key} was given other characters; quote the value to pass it as "
+        f"text: \"{key}='{value}'\" (see docs/running.md for the keys and their values)."
+    ).replace("{key}", key)
 
 
 # ----------------------------------------------------------------------------------------------

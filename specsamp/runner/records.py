@@ -167,15 +167,26 @@ def make_record(prepared, sampled: Sampled) -> dict:
     tree = {k: sampled.tree_fields[k] for k in TREE_FIELDS if k in sampled.tree_fields}
     calibration = sampled.calibration
     shard = job is not None and run.num_shards > 1  # a shard job's record counts the shard's own trajectories
-    job_fields = {} if job is None else {
-        "output_dir": job.output_dir,
-        **({"merged_from": list(job.merged_from)} if job.merged_from is not None else {}),
-        "overrides": list(job.overrides),
-        **({"slurm": job.slurm} if job.slurm else {}),
-        **({"sweep": job.sweep} if job.sweep is not None else {}),
-        **({"shard": run.shard, "num_shards": run.num_shards, "indices": [prepared.indices.start, prepared.indices.stop]}
-           if shard else {}),
-    }
+    job_fields = (
+        {}
+        if job is None
+        else {
+            "output_dir": job.output_dir,
+            **({"merged_from": list(job.merged_from)} if job.merged_from is not None else {}),
+            "overrides": list(job.overrides),
+            **({"slurm": job.slurm} if job.slurm else {}),
+            **({"sweep": job.sweep} if job.sweep is not None else {}),
+            **(
+                {
+                    "shard": run.shard,
+                    "num_shards": run.num_shards,
+                    "indices": [prepared.indices.start, prepared.indices.stop],
+                }
+                if shard
+                else {}
+            ),
+        }
+    )
     return {
         "status": "ok",
         "config": prepared.recorded,
@@ -197,9 +208,14 @@ def make_record(prepared, sampled: Sampled) -> dict:
         # the calibration run's calls, paid by this run but not in its speedup; charged like with like: its
         # calls on the speculative steps, as the run's own nfe counts them (endpoints excluded), shared by
         # the run's trajectories, in the same estimator as ``speedup`` (a mean of per-trajectory ratios)
-        **({"calibration": dict(calibration),
-            "speedup_with_calibration": result.speedup_charged(calibration["nfe"], result.nfe.numel())}
-           if calibration else {}),
+        **(
+            {
+                "calibration": dict(calibration),
+                "speedup_with_calibration": result.speedup_charged(calibration["nfe"], result.nfe.numel()),
+            }
+            if calibration
+            else {}
+        ),
         "wall_seconds": sampled.wall_seconds,
         "versions": sampled.versions,
         **job_fields,
@@ -265,7 +281,8 @@ def refuse_other_record(out_dir: str | os.PathLike, cfg_hash: str, recorded: Map
         f"the output directory {p.parent} already holds the record of another configuration (config "
         f"{rec['config_hash']}; this run is {cfg_hash}" + (f"; differing: {'; '.join(diff)}" if diff else "") + "). "
         "Its files stay as they are: run in another directory (hydra.run.dir=DIR for a run, hydra.sweep.dir=DIR "
-        "or sweep_name=NAME for a sweep), or remove that directory to replace its results.")
+        "or sweep_name=NAME for a sweep), or remove that directory to replace its results."
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -279,7 +296,9 @@ def shipped_model_names() -> dict[str, str]:
     out = {}
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
         cfg = OmegaConf.load(path)
-        name = OmegaConf.select(cfg, "name", default=None) or OmegaConf.select(cfg, "model.name", default=None)  # _global_
+        name = OmegaConf.select(cfg, "name", default=None) or OmegaConf.select(
+            cfg, "model.name", default=None
+        )  # _global_
         if isinstance(name, str):
             out[path.stem] = name
     return out
@@ -302,8 +321,11 @@ def model_text(rec: Mapping) -> str:
     model = model if isinstance(model, Mapping) else {}
     name = model.get("name") if isinstance(model.get("name"), str) else rec.get("model")
     shipped = shipped_model_names()
-    typed = [o.partition("=")[2] for o in rec.get("overrides") or []
-             if isinstance(o, str) and o.lstrip("+").partition("=")[0] == "model"]
+    typed = [
+        o.partition("=")[2]
+        for o in rec.get("overrides") or []
+        if isinstance(o, str) and o.lstrip("+").partition("=")[0] == "model"
+    ]
     option = typed[-1] if typed else next((k for k, v in shipped.items() if v == name), None)
     if option is None:
         return f"model={name}"
@@ -339,8 +361,11 @@ def summary_line(rec: dict) -> str:
     sp = rec["speedup"]
     scores = scores_text(rec)
     cal = rec.get("calibration")  # tree=optimal*'s calibration run, which the speedup does not charge
-    charged = (f" ({rec['speedup_with_calibration']:.2f}x with the calibration's {cal['nfe']} calls)"
-               if isinstance(cal, dict) and "speedup_with_calibration" in rec else "")
+    charged = (
+        f" ({rec['speedup_with_calibration']:.2f}x with the calibration's {cal['nfe']} calls)"
+        if isinstance(cal, dict) and "speedup_with_calibration" in rec
+        else ""
+    )
     return (
         f"{head}  speedup {sp['mean']:.2f}x ± {sp['sem']:.2f}{charged}  NFE {rec['nfe']['mean']:.1f}"
         f"{'  ' + scores if scores else ''}  "

@@ -74,7 +74,12 @@ def job_dirs(sweep_dir: str | os.PathLike) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "wandb")
         here = Path(dirpath)
-        if RESULT in filenames or FAILED in filenames or queue.SLURM_FILE in filenames or (here / ".hydra" / "overrides.yaml").exists():
+        if (
+            RESULT in filenames
+            or FAILED in filenames
+            or queue.SLURM_FILE in filenames
+            or (here / ".hydra" / "overrides.yaml").exists()
+        ):
             out.append(here)
     return out
 
@@ -118,7 +123,9 @@ def exclude_keys_of(sweep_dir: str | os.PathLike) -> list[str]:
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
-        return [str(k) for k in OmegaConf.select(cfg, "hydra.job.config.override_dirname.exclude_keys", default=[]) or []]
+        return [
+            str(k) for k in OmegaConf.select(cfg, "hydra.job.config.override_dirname.exclude_keys", default=[]) or []
+        ]
     except Exception:
         return []
 
@@ -174,7 +181,10 @@ def _kernel_of(cfg: dict) -> str | None:
 
 
 def _record_columns(rec: dict) -> dict:
-    row: dict[str, Any] = {k: rec.get(k) for k in ("model", "sampler", "K", "L", "eps", "steps", "n_samples", "tree", "budget", "call_rows")}
+    row: dict[str, Any] = {
+        k: rec.get(k)
+        for k in ("model", "sampler", "K", "L", "eps", "steps", "n_samples", "tree", "budget", "call_rows")
+    }
     row["kernel"] = rec.get("kernel") or "em"  # the kernel that ran; a record names it unless it is em (the default)
     for name in ("speedup", "nfe"):
         for s in ("mean", "std", "sem"):
@@ -280,7 +290,13 @@ def _collect(root: Path):
         key = tuple(sorted(job))
         if key in started:
             continue
-        row: dict[str, Any] = {"job": _expected_dirname(root, job), "path": None, "status": "missing", "overrides": " ".join(job), "_key": key}
+        row: dict[str, Any] = {
+            "job": _expected_dirname(root, job),
+            "path": None,
+            "status": "missing",
+            "overrides": " ".join(job),
+            "_key": key,
+        }
         for line in job:
             k, value = _split_override(line)
             row.setdefault(k, value)
@@ -320,6 +336,7 @@ def write_csv_atomic(df, path: str | os.PathLike) -> None:
 
     atomic_write(path, lambda f: df.to_csv(f, index=False), mode="w")
 
+
 def _fmt(v, spec: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
@@ -347,7 +364,10 @@ def format_table(df) -> str:
             "job": df["job"].replace("", "."),
             "status": df["status"],
             "B": [_fmt(v, ".0f") for v in df["budget"]],
-            "speedup": [f"{_fmt(m, '.3f')} ± {_fmt(s, '.3f')}" if _fmt(m, "") else "" for m, s in zip(df["speedup_mean"], df["speedup_sem"])],
+            "speedup": [
+                f"{_fmt(m, '.3f')} ± {_fmt(s, '.3f')}" if _fmt(m, "") else ""
+                for m, s in zip(df["speedup_mean"], df["speedup_sem"])
+            ],
             "NFE": [_fmt(v, ".1f") for v in df["nfe_mean"]],
             "acceptance": [_short_acceptance(a) for a in df["acceptance"]],
             "wall_s": [_fmt(v, ".1f") for v in df["wall_seconds"]],
@@ -391,14 +411,18 @@ def sweep_summary(sweep_dir: str | os.PathLike) -> dict:
         wanted = {tuple(sorted(j)) for j in planned}
         mine = df[[k in wanted for k in df["_key"]]]
     elif launch is not None:
-        mine = df[[(p is not None and (_mtime(Path(p) / ".hydra" / "overrides.yaml") or 0) >= launch) for p in df["path"]]]
+        mine = df[
+            [(p is not None and (_mtime(Path(p) / ".hydra" / "overrides.yaml") or 0) >= launch) for p in df["path"]]
+        ]
     else:
         mine = df
     ok = mine[mine["status"] == "ok"]
     skipped = [p for p in ok["path"] if launch is not None and (_mtime(Path(p) / RESULT) or 0) < launch]
     failed = mine[mine["status"] == "failed"]
     kinds = [(_read_json(Path(p) / FAILED) or {}).get("kind") for p in failed["path"]]
-    unlogged = [(p, rec["logger_error"]) for p in ok["path"] if (rec := _read_json(Path(p) / RESULT) or {}).get("logger_error")]
+    unlogged = [
+        (p, rec["logger_error"]) for p in ok["path"] if (rec := _read_json(Path(p) / RESULT) or {}).get("logger_error")
+    ]
     return {
         "unlogged": unlogged,
         "sweep_dir": str(root),
@@ -420,7 +444,9 @@ def resume_hint(sweep_dir: str | os.PathLike) -> str:
     for the relative folder ``multirun/NAME`` (an ad-hoc sweep's default name is its launch time, ``DATE/TIME``, so
     rerunning the command without it starts a new folder), else ``hydra.sweep.dir=DIR``."""
     root = Path(sweep_dir)
-    if not root.is_absolute() and len(root.parts) > 1 and root.parts[0] == "multirun":  # conf/config.yaml's hydra.sweep.dir
+    if (
+        not root.is_absolute() and len(root.parts) > 1 and root.parts[0] == "multirun"
+    ):  # conf/config.yaml's hydra.sweep.dir
         return f"rerun the same command with sweep_name={'/'.join(root.parts[1:])} (its finished jobs are skipped)"
     return f"rerun the same command with hydra.sweep.dir={root} (its finished jobs are skipped)"
 
@@ -447,9 +473,12 @@ def print_sweep_summary(sweep_dir: str | os.PathLike, file=None) -> dict:
         print(f"  not logged: {Path(path).name}: {error} (relaunch to retry)", file=file)
     alive = s["running"] + s["pending"]
     if alive:  # they write their records by themselves: a rerun now would not run them again
-        print(f"  wait: {alive} job{'s are' if alive > 1 else ' is'} still queued or running and will write "
-              f"{'their records' if alive > 1 else 'its record'}; python -m specsamp.runner.report collect "
-              f"{s['sweep_dir']} shows where they stand", file=file)
+        print(
+            f"  wait: {alive} job{'s are' if alive > 1 else ' is'} still queued or running and will write "
+            f"{'their records' if alive > 1 else 'its record'}; python -m specsamp.runner.report collect "
+            f"{s['sweep_dir']} shows where they stand",
+            file=file,
+        )
     if s["failed"] or s["killed"] or s["missing"] or s["unlogged"]:
         print(f"  resume: {'once they have ended, ' if alive else ''}{resume_hint(s['sweep_dir'])}", file=file)
     print(f"  table: python -m specsamp.runner.report collect {s['sweep_dir']}", file=file, flush=True)
@@ -463,8 +492,10 @@ def launched(sweep_dir: str | os.PathLike) -> bool:
     launch = _mtime(root / "multirun.yaml")
     if launch is None:
         return False
-    return any(max(_mtime(j / ".hydra" / "overrides.yaml") or 0, _mtime(j / queue.SLURM_FILE) or 0) >= launch
-               for j in job_dirs(root))
+    return any(
+        max(_mtime(j / ".hydra" / "overrides.yaml") or 0, _mtime(j / queue.SLURM_FILE) or 0) >= launch
+        for j in job_dirs(root)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = Path(args.sweep_dir)
     if not root.is_dir():
-        print(f"error: SWEEP_DIR={args.sweep_dir!r} is invalid: no such directory (sweeps live in multirun/<sweep_name>).", file=sys.stderr)
+        print(
+            f"error: SWEEP_DIR={args.sweep_dir!r} is invalid: no such directory (sweeps live in multirun/<sweep_name>).",
+            file=sys.stderr,
+        )
         return 2
     df = collect(root)
     out = Path(args.csv) if args.csv else root / "summary.csv"

@@ -94,8 +94,12 @@ class BatchStore:
         if data.get("key") != self.key or not torch.equal(data["ids"].to(ids.device), ids):
             return None
         self.loaded += 1
-        return SampleResult(**{n: data[n] for n in _PER_TRAJECTORY}, speculative_steps=int(data["speculative_steps"]),
-                            batch_nfe=int(data["batch_nfe"]), **{n: data.get(n) for n in _PER_ROOT})
+        return SampleResult(
+            **{n: data[n] for n in _PER_TRAJECTORY},
+            speculative_steps=int(data["speculative_steps"]),
+            batch_nfe=int(data["batch_nfe"]),
+            **{n: data.get(n) for n in _PER_ROOT},
+        )
 
     def save(self, ids: torch.Tensor, result) -> Path:
         """Write the batch ``ids``'s ``result`` atomically (the old file, if any, is replaced whole).
@@ -105,8 +109,12 @@ class BatchStore:
         """
         data = {n: getattr(result, n).detach() for n in _PER_TRAJECTORY}
         data.update({n: getattr(result, n).detach() for n in _PER_ROOT if getattr(result, n, None) is not None})
-        data.update(ids=ids.detach(), key=dict(self.key), speculative_steps=int(result.speculative_steps),
-                    batch_nfe=int(result.batch_nfe))
+        data.update(
+            ids=ids.detach(),
+            key=dict(self.key),
+            speculative_steps=int(result.speculative_steps),
+            batch_nfe=int(result.batch_nfe),
+        )
         path = self.path(ids)
         torch_save_atomic(path, data)
         self.saved += 1

@@ -219,8 +219,12 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
     base = unsharded_config(parts[0]["record"]["config"])
     n = int(base["n_samples"])
     if not torch.equal(ids, torch.arange(n)):
-        raise ValueError(f"the shards' trajectory ids are not 0..{n - 1} in order; were they run with different batch_size?")
-    cat = {name: torch.cat([p[name] for p in parts]) for name in ("samples", "nfe", "nfe_total", "target_rows", "rounds")}
+        raise ValueError(
+            f"the shards' trajectory ids are not 0..{n - 1} in order; were they run with different batch_size?"
+        )
+    cat = {
+        name: torch.cat([p[name] for p in parts]) for name in ("samples", "nfe", "nfe_total", "target_rows", "rounds")
+    }
     merged = SampleResult(
         **cat,
         committed=_pad_cat([p["committed"] for p in parts]),
@@ -229,15 +233,26 @@ def merge_group(group: ShardGroup, out_dir: Path) -> dict:
         speculative_steps=parts[0]["speculative_steps"],
     )
     first = parts[0]["record"]
-    job = Job(str(out_dir.resolve()), [o for o in first.get("overrides") or [] if o.partition("=")[0].lstrip("+~") not in SHARD_KEYS],
-              merged_from=[str(group.found[k].resolve()) for k in range(group.num_shards)], sweep=first.get("sweep"))
+    job = Job(
+        str(out_dir.resolve()),
+        [o for o in first.get("overrides") or [] if o.partition("=")[0].lstrip("+~") not in SHARD_KEYS],
+        merged_from=[str(group.found[k].resolve()) for k in range(group.num_shards)],
+        sweep=first.get("sweep"),
+    )
     prepared = dataclasses.replace(prepare(base), recorded=base, job=job)  # the shards' own recorded config, as written
-    record = make_record(prepared, Sampled(
-        merged, [b for p in parts for b in p["batch_speedups"]], {k: first[k] for k in TREE_FIELDS if k in first},
-        # every shard calibrates alike (same seed, same config); the unsharded run pays one calibration
-        calibration=first.get("calibration"),
-        wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)), versions=first.get("versions"),
-        kernel=first.get("kernel")))
+    record = make_record(
+        prepared,
+        Sampled(
+            merged,
+            [b for p in parts for b in p["batch_speedups"]],
+            {k: first[k] for k in TREE_FIELDS if k in first},
+            # every shard calibrates alike (same seed, same config); the unsharded run pays one calibration
+            calibration=first.get("calibration"),
+            wall_seconds=float(sum(p["record"].get("wall_seconds", 0.0) for p in parts)),
+            versions=first.get("versions"),
+            kernel=first.get("kernel"),
+        ),
+    )
     torch_save_atomic(out_dir / SAMPLES_FILE, cat["samples"])
     merge_images([group.found[k] for k in range(group.num_shards)], out_dir)
     write_json_atomic(out_dir / RESULT_FILE, record)  # last: a record means every file of the set is there
@@ -302,7 +317,9 @@ class MergeReport:
         out = [f"merged: {d}" for d in self.merged] + [f"skipped (already merged): {d}" for d in self.skipped]
         for g, missing in self.incomplete:
             names = "; ".join(f"shard {k} ({g.expected_dir(k)})" for k in missing)
-            out.append(f"incomplete: {len(g.found)} of {g.num_shards} shards of config {g.config_hash}; missing {names}")
+            out.append(
+                f"incomplete: {len(g.found)} of {g.num_shards} shards of config {g.config_hash}; missing {names}"
+            )
         return out
 
 
@@ -351,8 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not (report.merged or report.skipped or report.incomplete):
-        print(f"error: DIR={args.dir!r} holds no finished shard ({SHARD_FILE} next to result.json): run the shard jobs "
-              "first, e.g. python run.py -m num_shards=4 'shard=range(4)'.", file=sys.stderr)
+        print(
+            f"error: DIR={args.dir!r} holds no finished shard ({SHARD_FILE} next to result.json): run the shard jobs "
+            "first, e.g. python run.py -m num_shards=4 'shard=range(4)'.",
+            file=sys.stderr,
+        )
         return 2
     for line in report.lines():
         print(line, file=sys.stderr if line.startswith("incomplete") else sys.stdout)

@@ -25,8 +25,23 @@ from collections.abc import Iterable
 SLURM_FILE = "slurm.json"  # written by the SLURM launcher into each job directory at submission
 
 # states in which the scheduler still owns a task: do not submit it again, do not call it killed
-ALIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
-                   "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED"})
+ALIVE = frozenset(
+    {
+        "PENDING",
+        "RUNNING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "CONFIGURING",
+        "COMPLETING",
+        "SUSPENDED",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESV_DEL_HOLD",
+        "STOPPED",
+    }
+)
 QUERY_TIMEOUT_S = 30.0
 
 
@@ -122,8 +137,21 @@ def states(job_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
                         out[j] = (parts[1].split()[0], parts[2])
     left = wanted - set(out)
     if left and shutil.which("sacct"):
-        text = _run(["sacct", "-n", "-X", "-P", "-j", ",".join(sorted({j.split("_")[0] for j in left})),
-                     "-o", "JobID,State,ExitCode"]) or ""
+        text = (
+            _run(
+                [
+                    "sacct",
+                    "-n",
+                    "-X",
+                    "-P",
+                    "-j",
+                    ",".join(sorted({j.split("_")[0] for j in left})),
+                    "-o",
+                    "JobID,State,ExitCode",
+                ]
+            )
+            or ""
+        )
         whole = {}  # an array cancelled before any task started: accounting has one line, the bare array id
         for line in text.splitlines():
             parts = line.strip().split("|")

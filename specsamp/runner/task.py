@@ -123,7 +123,9 @@ def discard_refused_dir(out_dir: Path) -> bool:
     from .jobs import _CLAIMED
 
     out_dir = Path(out_dir)
-    if str(out_dir) not in _CLAIMED.values() and str(out_dir.absolute()) not in {str(Path(v).absolute()) for v in _CLAIMED.values()}:
+    if str(out_dir) not in _CLAIMED.values() and str(out_dir.absolute()) not in {
+        str(Path(v).absolute()) for v in _CLAIMED.values()
+    }:
         return False
     try:
         if any(p.name not in HYDRA_FILES for p in out_dir.iterdir()):
@@ -196,9 +198,11 @@ def _execute(cfg: DictConfig, out_dir: Path, multirun: bool, state: dict) -> flo
     metric_error = _score(prepared, record, sampled.result, image_dir, out_dir)
     logged = _log(prepared.run, prepared.recorded, record, out_dir, multirun, exit_on_failure=False)
     if metric_error is not None:
-        message = (f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
-                   "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
-                   f"{out_dir}/images --ref REF`; CLIP: specsamp.metrics.clip.clip_scores on the same files).")
+        message = (
+            f"{metric_error} The samples, images and result.json are saved in {out_dir}; score the "
+            "images there once the cause is fixed (FID: `python -m specsamp.metrics.fid "
+            f"{out_dir}/images --ref REF`; CLIP: specsamp.metrics.clip.clip_scores on the same files)."
+        )
         if metric_error.user:
             raise ConfigError(message)
         if not multirun:
@@ -291,10 +295,17 @@ def _log(run, recorded: dict, record: dict, out_dir: Path, multirun: bool, *, ex
     except Exception as e:  # noqa: BLE001 - whatever the logger raised, the record stays and says so
         record["logger_error"] = f"logger={run.logger.name} failed: {type(e).__name__}: {' '.join(str(e).split())}"
         write_json_atomic(out_dir / RESULT, record)
-        again = ("relaunch the sweep into the same folder (its summary says how)" if multirun
-                 else f"rerun the same command with hydra.run.dir={shown(out_dir)}")  # a bare rerun gets a new folder
-        print(f"error: {record['logger_error']}. The record is saved in {shown(out_dir / RESULT)} with logger_error "
-              f"set; {again} to retry the logging (the sampling is skipped).", file=sys.stderr, flush=True)
+        again = (
+            "relaunch the sweep into the same folder (its summary says how)"
+            if multirun
+            else f"rerun the same command with hydra.run.dir={shown(out_dir)}"
+        )  # a bare rerun gets a new folder
+        print(
+            f"error: {record['logger_error']}. The record is saved in {shown(out_dir / RESULT)} with logger_error "
+            f"set; {again} to retry the logging (the sampling is skipped).",
+            file=sys.stderr,
+            flush=True,
+        )
         if exit_on_failure and not multirun:
             sys.exit(INFRASTRUCTURE)
         return False

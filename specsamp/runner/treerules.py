@@ -55,15 +55,19 @@ class TreeRule:
         keys = tuple(self.reads(run) if callable(self.reads) else self.reads)
         bad = [k for k in keys if k not in TREE_KEYS]
         if bad:
-            raise ConfigError(f"tree={self.name!r} is invalid: its rule reads {bad}, which are not tree keys "
-                              f"({', '.join(TREE_KEYS)}).")
+            raise ConfigError(
+                f"tree={self.name!r} is invalid: its rule reads {bad}, which are not tree keys "
+                f"({', '.join(TREE_KEYS)})."
+            )
         return keys
 
 
 TREE_RULES: Registry[TreeRule] = Registry("tree", TreeRule)
 
 
-def register_tree_rule(name: str, reads: Sequence[str] | Callable = (), searched: bool = False) -> Callable[[Callable], TreeRule]:
+def register_tree_rule(
+    name: str, reads: Sequence[str] | Callable = (), searched: bool = False
+) -> Callable[[Callable], TreeRule]:
     """Decorator: register a ``build`` function (contract: :class:`TreeRule`) as ``tree=name``.
 
     Returns:
@@ -138,20 +142,26 @@ def check_search(run, coupling, budget: int) -> None:
     from .. import treesearch
 
     if coupling.positional is None:
-        raise ConfigError(f"tree={run.tree} is invalid with sampler={run.sampler.name}: coupling {coupling.name!r} has "
-                          "no positional theory (Coupling.positional, the probability that the k-th child is accepted at "
-                          "displacement delta), which the tree search needs; give it one (register_coupling(..., "
-                          "positional=fn)), or use tree=uniform or tree=widths.")
+        raise ConfigError(
+            f"tree={run.tree} is invalid with sampler={run.sampler.name}: coupling {coupling.name!r} has "
+            "no positional theory (Coupling.positional, the probability that the k-th child is accepted at "
+            "displacement delta), which the tree search needs; give it one (register_coupling(..., "
+            "positional=fn)), or use tree=uniform or tree=widths."
+        )
     depth, width = search_limits(run, budget)
     try:
         shared = treesearch.shared_prefix(coupling, width)
         if run.tree == "optimal_per_step":  # two programs per root (tree and value) at depth min(D, steps left)
-            pairs = sum(2 * treesearch.search_cost(budget, min(depth, h), width, shared)["pairs"]
-                        for h in range(1, run.steps - 1))
+            pairs = sum(
+                2 * treesearch.search_cost(budget, min(depth, h), width, shared)["pairs"]
+                for h in range(1, run.steps - 1)
+            )
             if pairs > treesearch.MAX_PAIRS:
-                raise ValueError(f"tree=optimal_per_step with budget={budget}, max_depth={depth}, max_width={width} needs "
-                                 f"about {pairs:.2g} max-plus updates for its {run.steps - 2} searches (the limit is "
-                                 f"{treesearch.MAX_PAIRS:.2g}); lower budget, max_width or max_depth, or use tree=optimal.")
+                raise ValueError(
+                    f"tree=optimal_per_step with budget={budget}, max_depth={depth}, max_width={width} needs "
+                    f"about {pairs:.2g} max-plus updates for its {run.steps - 2} searches (the limit is "
+                    f"{treesearch.MAX_PAIRS:.2g}); lower budget, max_width or max_depth, or use tree=optimal."
+                )
         treesearch.check_search(budget, depth, width, shared, treesearch.MAX_PAIRS, available_bytes("cpu"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -171,8 +181,10 @@ def optimal(run, coupling, horizon, delta_profile=None, callback=None):
     check_search(run, coupling, budget)
     try:
         if np.ndim(delta_profile) != 1:
-            raise ValueError(f"delta_profile is invalid for tree=optimal: need one list (delta per depth), got "
-                             f"{np.ndim(delta_profile)} levels of lists (per-root tables are for tree=optimal_per_step)")
+            raise ValueError(
+                f"delta_profile is invalid for tree=optimal: need one list (delta per depth), got "
+                f"{np.ndim(delta_profile)} levels of lists (per-root tables are for tree=optimal_per_step)"
+            )
         positional = treesearch.profile_positional(delta_profile, coupling)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -192,11 +204,14 @@ def optimal_per_step(run, coupling, horizon, delta_profile=None, callback=None):
         table = np.asarray(delta_profile, dtype=np.float64)
         if table.ndim == 2:
             if table.shape[0] not in (1, horizon):
-                raise ValueError(f"delta_profile has {table.shape[0]} rows: tree=optimal_per_step needs one per "
-                                 f"root step 1..{horizon} (T-2 = {horizon} rows), or a single profile")
+                raise ValueError(
+                    f"delta_profile has {table.shape[0]} rows: tree=optimal_per_step needs one per "
+                    f"root step 1..{horizon} (T-2 = {horizon} rows), or a single profile"
+                )
             table = np.concatenate([table[:1], table]) if table.shape[0] == horizon else table[0]
-        trees = treesearch.optimal_trees_by_root(budget, table, first, end, *search_limits(run, budget),
-                                                 coupling, callback=callback)
+        trees = treesearch.optimal_trees_by_root(
+            budget, table, first, end, *search_limits(run, budget), coupling, callback=callback
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for t in trees.values():

@@ -19,23 +19,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import BY_ROOT, N_SPEC, P_MIN, NaNBelow, law_pvalues, law_reference, tree_of
+
 from specsamp import inductor, sampler
-from specsamp.round import compiled
 from specsamp.errors import ConfigError
 from specsamp.models import GaussianMixture
+from specsamp.round import compiled
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
 
 SCHED = Schedule.make(8, 1.0)
 MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
 FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
-TOL_EPS = 2.0 ** 18  # sample tolerance in units of the dtype's eps (module docstring)
+TOL_EPS = 2.0**18  # sample tolerance in units of the dtype's eps (module docstring)
 ATOL = TOL_EPS * torch.finfo(torch.float64).eps
 
-needs_inductor = pytest.mark.skipif(inductor.unavailable("cpu") is not None,
-                                    reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}")
+needs_inductor = pytest.mark.skipif(
+    inductor.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}"
+)
 
 
 def _graphs() -> int:
@@ -72,8 +73,9 @@ def test_compiled_round_defers_checks_and_falls_back_to_the_precise_error():
 
     # (the first test's tree, draft, dtype and batch: its compiled graphs serve, nothing new compiles)
     with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step \d+, children of node \d+"):
-        sampler.sample_speculative(NaNBelow(), SCHED, DraftTree.uniform(2, 3), "dgrs", 40, draft="x0", execution="tree",
-                                   seed=4, compile=True)
+        sampler.sample_speculative(
+            NaNBelow(), SCHED, DraftTree.uniform(2, 3), "dgrs", 40, draft="x0", execution="tree", seed=4, compile=True
+        )
     assert active_checks() is None
 
 
@@ -118,7 +120,9 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
     def spy(fn, **kw):
         if fn is not dense.DenseRound.verify_chunk:
             return fn
-        return lambda *a: calls.append([a[1][1].numel(), *(x for x in a[1] if not isinstance(x, torch.Tensor))]) or fn(*a)
+        return lambda *a: (
+            calls.append([a[1][1].numel(), *(x for x in a[1] if not isinstance(x, torch.Tensor))]) or fn(*a)
+        )
 
     monkeypatch.setattr(compiled, "ROUND", [])
     monkeypatch.setattr(torch, "compile", spy)
@@ -127,7 +131,12 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
     chunks = tables.plan_chunks(DraftTree.uniform(2, 3), 16, 2, "cpu")[0]
     assert [len(c[1]) for c in chunks] == ([1] * 7 if floor == 1 else [5, 2])
     if not run_tables:
-        for module, name in ((draws, "KEY_CACHE"), (draws, "NOISE_CACHE"), (draws, "UNIFORM_CACHE"), (tables, "RESIDUAL_CACHE")):
+        for module, name in (
+            (draws, "KEY_CACHE"),
+            (draws, "NOISE_CACHE"),
+            (draws, "UNIFORM_CACHE"),
+            (tables, "RESIDUAL_CACHE"),
+        ):
             monkeypatch.setattr(module, name, 0)
     kw = dict(execution="tree", seed=7, check_contract=not run_tables)
     got = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", 16, compile=True, **kw)
@@ -210,9 +219,11 @@ def test_compiled_round_equals_eager_in_float32():
 
 # one law case per coupling, compiled: a fixed tree with the x0 draft (dgrs), a chain with a history draft
 # (rmc), step-dependent trees with the local-affine draft (markmax: one dense round per distinct tree)
-LAW_CASES = [(("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
-             (("chain", 4), "rmc", "x0_extrap", "none", False),
-             (("by_root", None), "markmax", "x0_affine", "nearest", True)]
+LAW_CASES = [
+    (("uniform", (2, 3)), "dgrs", "x0", "nearest", True),
+    (("chain", 4), "rmc", "x0_extrap", "none", False),
+    (("by_root", None), "markmax", "x0_affine", "nearest", True),
+]
 
 
 @pytest.mark.slow
@@ -222,8 +233,19 @@ def test_compiled_output_law_equals_standard_sampler(i, case, reference):
     # the law tests' statistics (test_sampler.py): 2000 trajectories, seed 300 + i, every p-value > 1e-3
     spec, coupling, draft, prefetch, leaves = case
     tree = tree_of(("by_root", BY_ROOT) if spec[0] == "by_root" else spec)
-    r = sampler.sample_speculative(MODEL, SCHED, tree, coupling, N_SPEC, draft=draft, prefetch=prefetch,
-                                   evaluate_leaves=leaves, execution="tree", seed=300 + i, compile=True)
+    r = sampler.sample_speculative(
+        MODEL,
+        SCHED,
+        tree,
+        coupling,
+        N_SPEC,
+        draft=draft,
+        prefetch=prefetch,
+        evaluate_leaves=leaves,
+        execution="tree",
+        seed=300 + i,
+        compile=True,
+    )
     assert torch.isfinite(r.samples).all()
     assert (r.accepts < r.attempts).any()
     p = law_pvalues(r.samples, reference)
@@ -264,8 +286,11 @@ def test_compile_batch_benchmark_rows(monkeypatch, capsys):
     rows = compile_batch.compile_rows(5000, progress=None)
     assert seen == [(5000, False, 2, False), (5000, True, 2, True), (5000, True, 1, True)]
     assert [(r["arm"], r["seconds"], r["ratio"]) for r in rows] == [
-        ("eager (best of 2)", 1.0, 1.0), ("compiled, first run, empty cache", 60.0, 60.0),
-        ("compiled, second run", 3.0, 3.0), ("compiled, first run, warm cache", 12.0, 12.0)]
+        ("eager (best of 2)", 1.0, 1.0),
+        ("compiled, first run, empty cache", 60.0, 60.0),
+        ("compiled, second run", 3.0, 3.0),
+        ("compiled, first run, warm cache", 12.0, 12.0),
+    ]
     assert all(r["cpu"] == cpu_model() and r["n"] == 5000 for r in rows)
     assert compile_batch.main(["--child", "eager", "--n", "8"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -276,7 +301,9 @@ def test_cuda_home_notice_is_dropped_and_nothing_else():
     import logging
 
     quiet = compiled.QuietCudaHome()
-    rec = lambda msg: logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None)  # noqa: E731
+    rec = lambda msg: logging.LogRecord(
+        "torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None
+    )  # noqa: E731
     assert not quiet.filter(rec("No CUDA runtime is found, using CUDA_HOME='%s'"))
     assert quiet.filter(rec("Error building extension '%s'"))
 
@@ -295,12 +322,12 @@ def _blocked_cache(tmp_path, monkeypatch):
 
 
 def test_an_unusable_inductor_cache_is_refused_before_sampling(tmp_path, monkeypatch):
-    from specsamp.errors import InfrastructureError
-    from specsamp.runner.exits import infrastructure_message, is_infrastructure
-
     import errno
     import sys
     import types
+
+    from specsamp.errors import InfrastructureError
+    from specsamp.runner.exits import infrastructure_message, is_infrastructure
 
     cache = _blocked_cache(tmp_path, monkeypatch)
 
@@ -311,20 +338,28 @@ def test_an_unusable_inductor_cache_is_refused_before_sampling(tmp_path, monkeyp
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "torch._dynamo.eval_frame", Unimportable("torch._dynamo.eval_frame"))
         why = inductor.unavailable("cpu")  # was: "torch.compile does not support Python 3.11.7 with torch ..."
-    assert why.startswith(f"compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
-        "does not support" not in why
+    assert (
+        why.startswith(f"compile=true cannot use inductor's cache directory {cache}: Not a directory")
+        and "does not support" not in why
+    )
     monkeypatch.setattr(inductor, "unavailable", lambda device: None)  # a compiler need not be present here
     with pytest.raises(InfrastructureError) as e:
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
     msg = str(e.value)
-    assert f"cache directory {cache}: Not a directory" in msg and "TORCHINDUCTOR_CACHE_DIR" in msg and "compile=false" in msg
+    assert (
+        f"cache directory {cache}: Not a directory" in msg
+        and "TORCHINDUCTOR_CACHE_DIR" in msg
+        and "compile=false" in msg
+    )
     assert "does not support" not in msg and is_infrastructure(e.value) and infrastructure_message(e.value) == msg
     # a cache on a noexec file system: the .so files inductor builds there could not be loaded
     import os
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "noexec"))
     real = os.statvfs
-    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real(p)[:8], real(p).f_flag | os.ST_NOEXEC, real(p)[9])))
+    monkeypatch.setattr(
+        os, "statvfs", lambda p: os.statvfs_result((*real(p)[:8], real(p).f_flag | os.ST_NOEXEC, real(p)[9]))
+    )
     with pytest.raises(InfrastructureError, match=r"cache directory .*noexec: its file system is mounted noexec"):
         inductor.check_compile(True, "tree", "cpu")
     monkeypatch.setattr(os, "statvfs", real)
@@ -345,8 +380,10 @@ def _dlopen_failure(cache) -> Exception:
     so = f"{cache}/kw/ckwh6cjc.main.so"
     try:
         try:
-            raise OSError(f"{so}: failed to map segment from shared object.  The most common reason this may occur is "
-                          "if the /tmp folder is mounted with noexec")
+            raise OSError(
+                f"{so}: failed to map segment from shared object.  The most common reason this may occur is "
+                "if the /tmp folder is mounted with noexec"
+            )
         except OSError as inner:
             raise RuntimeError(f"OSError: {inner}") from inner
     except RuntimeError as outer:
@@ -369,8 +406,11 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
         run_task(compose(["model.dim=4", "steps=6", "n_samples=2", "execution=tree", "compile=true", "progress=false"]))
     err = capsys.readouterr().err
     assert e.value.code == 3 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: a compiled kernel") and \
-        "failed to map segment" in err and "TORCHINDUCTOR_CACHE_DIR" in err
+    assert (
+        err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: a compiled kernel")
+        and "failed to map segment" in err
+        and "TORCHINDUCTOR_CACHE_DIR" in err
+    )
     import errno
 
     # a full disk while inductor writes (no file named), a read-only file inside the cache: the cache's; elsewhere: not
@@ -396,13 +436,31 @@ def test_run_py_with_an_uncreatable_inductor_cache_exits_3(tmp_path):
     (tmp_path / "blocker").write_text("a file")
     cache = tmp_path / "blocker" / "inductor"
     env = dict(os.environ, WANDB_MODE="offline", TORCHINDUCTOR_CACHE_DIR=str(cache))
-    p = subprocess.run([sys.executable, str(ROOT / "run.py"), "model.dim=4", "steps=6", "n_samples=2", "execution=tree",
-                        "compile=true", f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
-                       env=env, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "model.dim=4",
+            "steps=6",
+            "n_samples=2",
+            "execution=tree",
+            "compile=true",
+            f"hydra.run.dir={tmp_path / 'out'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     err = p.stderr.strip()
     assert p.returncode == 3, p.stdout + p.stderr
-    assert err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: Not a directory") and \
-        "\n" not in err and "TORCHINDUCTOR_CACHE_DIR" in err and "does not support" not in err
+    assert (
+        err.startswith(f"error: compile=true cannot use inductor's cache directory {cache}: Not a directory")
+        and "\n" not in err
+        and "TORCHINDUCTOR_CACHE_DIR" in err
+        and "does not support" not in err
+    )
     assert p.stdout == "" and not (tmp_path / "out" / "result.json").exists()
 
 
@@ -447,9 +505,12 @@ def test_compiled_dgrs_law_with_several_verification_chunks():
     from specsamp.round import tables
 
     n = 50_000
-    assert len(tables.plan_chunks(DraftTree.uniform(2, 3), n, 2, "cpu")[0]) > 1  # the case that failed: several chunks of one shape
-    r = sampler.sample_speculative(SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", n, execution="tree",
-                                   seed=104, compile=True)
+    assert (
+        len(tables.plan_chunks(DraftTree.uniform(2, 3), n, 2, "cpu")[0]) > 1
+    )  # the case that failed: several chunks of one shape
+    r = sampler.sample_speculative(
+        SMALL, SMALL_SCHED, DraftTree.uniform(2, 3), "dgrs", n, execution="tree", seed=104, compile=True
+    )
     ref = sampler.sample_standard(SMALL, SMALL_SCHED, n, seed=10_104).samples
     p = two_sample_pvalues(r.samples, ref, directions=5, seed=0)
     p.append(stats.ks_2samp(r.samples.norm(dim=1).numpy(), ref.norm(dim=1).numpy()).pvalue)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import ROWWISE
+
 from specsamp.coupling import Verdict, dgrs
 from specsamp.models import GaussianMixture
 from specsamp.runner import compose, run_config
@@ -43,8 +43,11 @@ def honest(children, mean_p, mean_q, sigma, generator=None):
 @pytest.mark.parametrize("execution", ["tree", "path"])
 @pytest.mark.parametrize("liar", [shifted_accept, wrong_index])
 def test_a_lying_coupling_raises_naming_coupling_step_and_node(execution, liar):
-    with pytest.raises(ContractError, match=rf"coupling '{liar.__name__}' broke its contract at trajectory \d+, step \d+, "
-                                            r"node \d+ \(depth \d\)"):
+    with pytest.raises(
+        ContractError,
+        match=rf"coupling '{liar.__name__}' broke its contract at trajectory \d+, step \d+, "
+        r"node \d+ \(depth \d\)",
+    ):
         sample_speculative(MODEL, SCHED, TREE, liar, 8, execution=execution, seed=0)
 
 
@@ -77,8 +80,11 @@ def _per_step(n):
 def test_a_lying_coupling_raises_with_a_tree_per_step(liar):
     # the dense round of step-dependent trees flags the broken verdict and repeats the round with the
     # per-root reference rounds, which raise naming coupling, trajectory, step and node
-    with pytest.raises(ContractError, match=rf"coupling '{liar.__name__}' broke its contract at trajectory \d+, step \d+, "
-                                            r"node \d+ \(depth \d\)"):
+    with pytest.raises(
+        ContractError,
+        match=rf"coupling '{liar.__name__}' broke its contract at trajectory \d+, step \d+, "
+        r"node \d+ \(depth \d\)",
+    ):
         sample_speculative(MODEL, SCHED, _per_step, liar, 8, execution="tree", seed=0, draft="x0_extrap_gated")
     # against the path execution, bitwise: a target evaluated row by row (the executions batch a node differently)
     a = sample_speculative(ROWWISE, SCHED, _per_step, honest, 8, execution="tree", seed=0, draft="x0_extrap_gated")

@@ -32,7 +32,8 @@ from specsamp.trees import DraftTree
 def user_module(tmp_path, monkeypatch):
     """A module ``contracts_user`` of the user's (on ``sys.path``): a draft, a tree rule, a coupling without
     theory; removed from the registries and ``sys.modules`` afterwards."""
-    (tmp_path / "contracts_user.py").write_text(textwrap.dedent('''
+    (tmp_path / "contracts_user.py").write_text(
+        textwrap.dedent("""
         from specsamp.coupling import Coupling, dgrs
         from specsamp.drafts import Draft, get_draft
         from specsamp.runner.treerules import TreeRule
@@ -44,14 +45,17 @@ def user_module(tmp_path, monkeypatch):
                         reads=("K",))
         plain = Coupling("plain", dgrs.verify)                       # D-GRS's rule, without its theory
         not_a_draft = 3
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "contracts_user"
     sys.modules.pop("contracts_user", None)
 
 
 def test_registry_names_the_valid_values_and_the_import_form():
-    with pytest.raises(ConfigError, match=r"draft='nope' is not registered; valid: drift, velocity, .*pkg\.module:name"):
+    with pytest.raises(
+        ConfigError, match=r"draft='nope' is not registered; valid: drift, velocity, .*pkg\.module:name"
+    ):
         get_draft("nope")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module_here'"):
         get_draft("no_such_module_here:x")
@@ -69,17 +73,30 @@ def test_config_takes_draft_and_tree_by_import_path(user_module):
     tree, B = build.build_tree(run, build.build_coupling(run), run.steps - 2)
     assert (len(tree), B) == (4, 3)
     # the star reads K only: L and the search keys are hashed at their default
-    assert set(unused_keys(run, build.build_coupling(run))) == {"match", "widths", "L", "budget", "delta_profile",
-                                                                "max_depth", "max_width"}
+    assert set(unused_keys(run, build.build_coupling(run))) == {
+        "match",
+        "widths",
+        "L",
+        "budget",
+        "delta_profile",
+        "max_depth",
+        "max_width",
+    }
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("draft", "nope", r"draft='nope' is not registered; valid: drift, velocity, x0, .*pkg\.module:name"),
-    ("tree", "nope",
-     r"tree='nope' is not registered; valid: optimal, optimal_per_step, uniform, widths \(registered\), or pkg\.module:name"),
-    ("draft", "{mod}:not_a_draft", r"names a int, not a specsamp.drafts.Draft"),
-    ("tree", "{mod}:again", r"names a Draft, not a specsamp.runner.treerules.TreeRule"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("draft", "nope", r"draft='nope' is not registered; valid: drift, velocity, x0, .*pkg\.module:name"),
+        (
+            "tree",
+            "nope",
+            r"tree='nope' is not registered; valid: optimal, optimal_per_step, uniform, widths \(registered\), or pkg\.module:name",
+        ),
+        ("draft", "{mod}:not_a_draft", r"names a int, not a specsamp.drafts.Draft"),
+        ("tree", "{mod}:again", r"names a Draft, not a specsamp.runner.treerules.TreeRule"),
+    ],
+)
 def test_an_unknown_draft_or_tree_names_key_value_and_valid(user_module, key, value, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(compose([*TINY, f"{key}={value.format(mod=user_module)}"]))
@@ -94,14 +111,24 @@ def test_a_registered_tree_rule_declares_what_it_reads():
         run, _ = load_config(compose([*TINY, "tree=_contracts_fan", "widths=[2]", "K=3"]))
         tree, _ = build.build_tree(run, build.build_coupling(run), run.steps - 2)
         assert [int(w) for w in tree.num_children[:1]] == [3] and len(tree) == 1 + 3 + 6
-        assert list(unused_keys(run, build.build_coupling(run))) == ["match", "L", "budget", "delta_profile",
-                                                                     "max_depth", "max_width"]
+        assert list(unused_keys(run, build.build_coupling(run))) == [
+            "match",
+            "L",
+            "budget",
+            "delta_profile",
+            "max_depth",
+            "max_width",
+        ]
     finally:
         TREE_RULES._entries.pop("_contracts_fan")
 
 
 def test_sample_speculative_takes_a_draft_object():
-    model, sched, tree = GaussianMixture(dim=8, components=3, layout_seed=1), Schedule.make(8, 0.3), DraftTree.uniform(2, 2)
+    model, sched, tree = (
+        GaussianMixture(dim=8, components=3, layout_seed=1),
+        Schedule.make(8, 0.3),
+        DraftTree.uniform(2, 2),
+    )
     by_name = sample_speculative(model, sched, tree, "dgrs", seed=3, n_samples=4, draft="x0")
     by_object = sample_speculative(model, sched, tree, "dgrs", seed=3, n_samples=4, draft=get_draft("x0"))
     assert torch.equal(by_name.samples, by_object.samples) and torch.equal(by_name.nfe, by_object.nfe)
@@ -132,7 +159,9 @@ class _Counting:
 def test_searched_tree_without_theory_refuses_before_any_target_call(user_module, tree):
     counting = _Counting()
     cfg = compose([*TINY, f"tree={tree}", f"sampler.coupling.name={user_module}:plain"])
-    with pytest.raises(ConfigError, match=f"tree={tree} is invalid with sampler=dgrs: coupling 'plain' has no positional theory"):
+    with pytest.raises(
+        ConfigError, match=f"tree={tree} is invalid with sampler=dgrs: coupling 'plain' has no positional theory"
+    ):
         run_config(cfg, target=Target(counting))
     assert counting.calls == 0
     # with D-GRS's theory the same config calibrates (target calls) and runs

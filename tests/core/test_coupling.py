@@ -53,6 +53,7 @@ def test_registry_and_contract_object():
         register_coupling("dgrs")(dgrs.verify)
     rmc.check_tree(None)
     from specsamp.trees import DraftTree
+
     rmc.check_tree(DraftTree.chain(3))
     with pytest.raises(ValueError, match=r"'rmc' accepts at most K=1 .* node with 2; a K=1 rule runs a chain"):
         rmc.check_tree(DraftTree.uniform(2, 2))
@@ -126,7 +127,9 @@ def test_bad_inputs_raise_value_error_naming_the_problem():
         dgrs(children, mean_p, mean_q, -1.0)
     with pytest.raises(ValueError, match="K=0"):
         dgrs(children[:, :0], mean_p, mean_q, sigma)
-    with pytest.raises(ValueError, match=r"coupling='nope' is not registered; valid: (\w+, )*dgrs, (\w+, )*rmc(, \w+)* \(registered\)"):
+    with pytest.raises(
+        ValueError, match=r"coupling='nope' is not registered; valid: (\w+, )*dgrs, (\w+, )*rmc(, \w+)* \(registered\)"
+    ):
         get_coupling("nope")
 
 
@@ -145,7 +148,10 @@ def _tiny_sigma_problem(name, dtype, sigma, delta=0.7, n=20000, d=256, seed=77):
     return children, mean_p.to(dtype), mean_q, disp.norm().item(), disp / disp.norm(), g
 
 
-@pytest.mark.parametrize("name,dtype,sigma", [("rmc", torch.float16, 2.0**-14), ("dgrs", torch.float16, 2.0**-14), ("rmc", torch.bfloat16, 2.0**-20)])
+@pytest.mark.parametrize(
+    "name,dtype,sigma",
+    [("rmc", torch.float16, 2.0**-14), ("dgrs", torch.float16, 2.0**-14), ("rmc", torch.bfloat16, 2.0**-20)],
+)
 def test_16bit_states_at_small_sigma_keep_the_law(name, dtype, sigma):
     # seed 77, n = 20000, d = 256, delta = 0.7, states near zero. The coupling used to compute e and
     # the residual's shift in float16, where sigma * delta / sqrt(d) falls below the subnormal spacing

@@ -12,24 +12,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import RowwiseMixture
+
 from specsamp import sampler
-from specsamp.round import draws, layouts, tables
 from specsamp.models import GaussianMixture
+from specsamp.round import draws, layouts, tables
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
 
 SCHED = Schedule.make(8, 1.0)
 FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
-TREES = {"2x3": (DraftTree.uniform(2, 3), "dgrs"), "irregular": (DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4]), "dgrs"),
-         "chain5": (DraftTree.chain(5), "rmc")}
+TREES = {
+    "2x3": (DraftTree.uniform(2, 3), "dgrs"),
+    "irregular": (DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4]), "dgrs"),
+    "chain5": (DraftTree.chain(5), "rmc"),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(TREES))
-@pytest.mark.parametrize("variant", [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0), ("NOISE_CACHE", 0),
-                                     ("UNIFORM_CACHE", 0)])
+@pytest.mark.parametrize(
+    "variant",
+    [("RESIDUAL_CACHE", 0), ("VERIFY_MEMORY", 0.0), ("KEY_CACHE", 0), ("NOISE_CACHE", 0), ("UNIFORM_CACHE", 0)],
+)
 @pytest.mark.parametrize("draft", ["x0", "x0_extrap_gated", "x0_affine"])
 def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant, draft):
     model = GaussianMixture(dim=4, components=3, layout_seed=1, dtype=dtype)
@@ -37,7 +42,9 @@ def test_memory_variants_draw_the_same_numbers(monkeypatch, dtype, name, variant
     kw = dict(draft=draft, prefetch="nearest", seed=3)
     ref = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
     path = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="path", **kw)
-    monkeypatch.setattr(draws if variant[0].endswith(("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE")) else tables, *variant)
+    monkeypatch.setattr(
+        draws if variant[0].endswith(("KEY_CACHE", "NOISE_CACHE", "UNIFORM_CACHE")) else tables, *variant
+    )
     if variant[0] == "VERIFY_MEMORY":  # one node per chunk: the floor of 2**20 elements would keep one chunk
         monkeypatch.setattr(tables, "VERIFY_FLOOR", 0)
     got = sampler.sample_speculative(model, SCHED, tree, coupling, 40, execution="tree", **kw)
@@ -69,8 +76,12 @@ def test_table_mean_equals_the_draft_mean_bit_for_bit(dtype, name):
     draft, sch = get_draft(name), Schedule.make(10, 0.7)
     g = torch.Generator().manual_seed(1)
     M, m, D = 3, 4, 6
-    root = DraftRoot(x=torch.randn(M, D, generator=g, dtype=dtype), v=torch.randn(M, D, generator=g, dtype=dtype),
-                     n=torch.tensor([1, 4, 8]), exact=torch.ones(M, dtype=torch.bool))
+    root = DraftRoot(
+        x=torch.randn(M, D, generator=g, dtype=dtype),
+        v=torch.randn(M, D, generator=g, dtype=dtype),
+        n=torch.tensor([1, 4, 8]),
+        exact=torch.ones(M, dtype=torch.bool),
+    )
     fr = draft.freeze(root, sch)
     x = torch.randn(M, m, D, generator=g, dtype=dtype)
     step = torch.tensor([2, 5, 8])
@@ -117,7 +128,9 @@ def test_per_step_dense_round_serves_several_trees_in_one_round(monkeypatch):
         return real(ctx, lt, st, sel, plans, *rest, **kw)
 
     monkeypatch.setattr(layouts, "dense_round", spy)
-    sampler.sample_speculative(model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3)
+    sampler.sample_speculative(
+        model, SCHED, _per_step_rule, "dgrs", 40, execution="tree", draft="x0_extrap_gated", seed=3
+    )
     assert any(seen)
 
 
@@ -168,7 +181,9 @@ def test_dgrs_decide_gives_verify_choice_and_draws_the_same_numbers():
         for k in (1, 2, 5):
             n, d = 64, 6
             mean_p = torch.randn(n, d, generator=g, dtype=dtype)
-            shift = torch.logspace(-8, 2.5, n, dtype=torch.float64).to(dtype)[:, None] * torch.randn(n, d, generator=g, dtype=dtype)
+            shift = torch.logspace(-8, 2.5, n, dtype=torch.float64).to(dtype)[:, None] * torch.randn(
+                n, d, generator=g, dtype=dtype
+            )
             mean_q = mean_p + shift
             mean_q[:4] = mean_p[:4]  # delta = 0
             kids = mean_p[:, None] + torch.randn(n, k, d, generator=g, dtype=dtype)
@@ -190,7 +205,9 @@ def test_round_without_kept_samples_decides_then_draws_one_residual_per_row_with
     monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     inversion = grs.sample_grs_residual
     rows = []
-    monkeypatch.setattr(grs, "sample_grs_residual", lambda delta, *a, **k: rows.append(delta.shape[0]) or inversion(delta, *a, **k))
+    monkeypatch.setattr(
+        grs, "sample_grs_residual", lambda delta, *a, **k: rows.append(delta.shape[0]) or inversion(delta, *a, **k)
+    )
     with opcount.counting() as c:
         got = sampler.sample_speculative(model, SCHED, DraftTree.uniform(2, 3), "dgrs", 40, execution="tree", seed=3)
     assert rows and set(rows) == {40}, rows  # one inversion per round, over the batch's rows

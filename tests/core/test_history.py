@@ -17,8 +17,12 @@ def _filled(seed: int = 0) -> tuple[DraftHistory, torch.Generator]:
     g = torch.Generator().manual_seed(seed)
     h = DraftHistory.empty(torch.zeros(M, *E, dtype=torch.float64), H)
     for step in range(2):
-        h.push(torch.arange(M), torch.randn(M, *E, generator=g, dtype=torch.float64), torch.full((M,), step),
-               torch.randn(M, *E, generator=g, dtype=torch.float64))
+        h.push(
+            torch.arange(M),
+            torch.randn(M, *E, generator=g, dtype=torch.float64),
+            torch.full((M,), step),
+            torch.randn(M, *E, generator=g, dtype=torch.float64),
+        )
     return h, g
 
 
@@ -33,7 +37,12 @@ def test_push_shifts_back_and_writes_in_front():
     assert torch.equal(h.n, torch.tensor([[1, 0, -1]] * M))
     before = h.clone()
     rows = torch.tensor([0, 3])
-    h.push(rows, torch.full((2, *E), 7.0, dtype=torch.float64), torch.tensor([5, 5]), torch.zeros(2, *E, dtype=torch.float64))
+    h.push(
+        rows,
+        torch.full((2, *E), 7.0, dtype=torch.float64),
+        torch.tensor([5, 5]),
+        torch.zeros(2, *E, dtype=torch.float64),
+    )
     assert torch.equal(h.n[rows], torch.tensor([[5, 1, 0]] * 2))
     assert torch.equal(h.x0[rows, 1:], before.x0[rows, :-1])
     others = torch.tensor([1, 2, 4])
@@ -42,8 +51,11 @@ def test_push_shifts_back_and_writes_in_front():
 
 def test_prepend_equals_count_pushes_per_row():
     h, g = _filled()
-    fresh = DraftHistory(torch.randn(M, H, *E, generator=g, dtype=torch.float64), torch.randint(2, 9, (M, H), generator=g),
-                         torch.randn(M, H, *E, generator=g, dtype=torch.float64))
+    fresh = DraftHistory(
+        torch.randn(M, H, *E, generator=g, dtype=torch.float64),
+        torch.randint(2, 9, (M, H), generator=g),
+        torch.randn(M, H, *E, generator=g, dtype=torch.float64),
+    )
     count = torch.tensor([[0], [1], [2], [3], [1]])
     got = h.prepend(DraftHistory(fresh.x0.reshape(M, H, -1), fresh.n, fresh.x.reshape(M, H, -1)), count)
     want = h.clone()
@@ -58,7 +70,12 @@ def test_take_put_and_where_select_rows():
     h, _ = _filled()
     rows = torch.tensor([4, 1])
     part = h.take(rows)
-    part.push(torch.arange(2), torch.ones(2, *E, dtype=torch.float64), torch.tensor([9, 9]), torch.ones(2, *E, dtype=torch.float64))
+    part.push(
+        torch.arange(2),
+        torch.ones(2, *E, dtype=torch.float64),
+        torch.tensor([9, 9]),
+        torch.ones(2, *E, dtype=torch.float64),
+    )
     assert torch.equal(h.n[rows], torch.tensor([[1, 0, -1]] * 2))  # take copies
     merged = h.clone()
     merged.put(rows, part)

@@ -66,8 +66,13 @@ class TwoStepSDE(Kernel):
         first = torch.arange(s0.numel(), device=device) == 0
         E = torch.where(first | last, 0 * one, 0.5 * B / r)
         S = torch.where(last, 0 * one, s1 * torch.sqrt(-torch.expm1(-2.0 * h)))
-        return {"c_x": A * k[:-1] / k[1:], "c_x0": (B + E) / k[1:], "c_h": -E / k[1:], "sigma": sig[:-1],
-                "std": S / k[1:]}
+        return {
+            "c_x": A * k[:-1] / k[1:],
+            "c_x0": (B + E) / k[1:],
+            "c_h": -E / k[1:],
+            "sigma": sig[:-1],
+            "std": S / k[1:],
+        }
 
     def record(self, x, out, c):
         return x - c["sigma"] * out
@@ -132,7 +137,9 @@ def loop_samples(sch: Schedule, n: int, seed: int, history: bool = True) -> torc
     """``n`` samples of :func:`plain_loop` on ``GMM``, its noise from a ``torch.Generator`` seeded ``seed``."""
     g = torch.Generator().manual_seed(seed)
     x = sch.kernel.init_scale * torch.randn(n, *GMM.event_shape, generator=g, dtype=torch.float64)
-    return plain_loop(GMM, sch, x, lambda _: torch.randn(n, *GMM.event_shape, generator=g, dtype=torch.float64), history)
+    return plain_loop(
+        GMM, sch, x, lambda _: torch.randn(n, *GMM.event_shape, generator=g, dtype=torch.float64), history
+    )
 
 
 @pytest.mark.parametrize("kernel", ["test_dpmpp_2m_sde", "test_three_step_sde"])
@@ -145,7 +152,9 @@ def test_the_standard_sampler_is_the_plain_loop_bit_for_bit(kernel):
     want = plain_loop(GMM, sch, x, lambda n: rng.normal(rng.fold(keys, n), GMM.event_shape, dtype=torch.float64))
     got = sampler.sample_standard(GMM, sch, m, seed=seed).samples
     assert torch.equal(got, want)
-    ignored = plain_loop(GMM, sch, x, lambda n: rng.normal(rng.fold(keys, n), GMM.event_shape, dtype=torch.float64), False)
+    ignored = plain_loop(
+        GMM, sch, x, lambda n: rng.normal(rng.fold(keys, n), GMM.event_shape, dtype=torch.float64), False
+    )
     assert not torch.allclose(got, ignored)  # the history matters
 
 
@@ -181,8 +190,9 @@ def test_target_means_read_the_parents_output(execution, rule):
     d_prev = d(x_init, 0)
     x, n = want(x_init, 0, d_prev) + col["std"][0] * noise0, 1  # step 0 (its c_h is 0)
     log = []
-    res = sampler.sample_speculative(GMM, sch, tree, scripted(rule, log), 1, execution=execution, seed=seed,
-                                     check_contract=False)
+    res = sampler.sample_speculative(
+        GMM, sch, tree, scripted(rule, log), 1, execution=execution, seed=seed, check_contract=False
+    )
     end, checked = sch.end_speculative, 0
     for kids, mean_q in log:
         if execution == "path":  # one call per visited node, in the trajectory's order
@@ -196,7 +206,9 @@ def test_target_means_read_the_parents_output(execution, rule):
         checked += 1
         if limit > 1:
             for u in (1, 2):
-                torch.testing.assert_close(mean_q[u : u + 1], want(kids[0, u - 1 : u], n + 1, d(x, n)), rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(
+                    mean_q[u : u + 1], want(kids[0, u - 1 : u], n + 1, d(x, n)), rtol=1e-12, atol=1e-12
+                )
                 checked += 1
         if rule == "reject":
             d_prev, x, n = d(x, n), mean_q[:1], n + 1
@@ -227,8 +239,11 @@ def test_the_executions_agree_bit_for_bit(monkeypatch, kernel):
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     sch = schedule(8, kernel)
     by_root = lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]  # noqa: E731
-    for coupling, tree, prefetch, draft in (("dgrs", DraftTree.uniform(2, 3), "nearest", "x0_extrap_gated"),
-                                            ("rmc", DraftTree.chain(4), "parent", "drift"), ("dgrs", by_root, "none", "x0")):
+    for coupling, tree, prefetch, draft in (
+        ("dgrs", DraftTree.uniform(2, 3), "nearest", "x0_extrap_gated"),
+        ("rmc", DraftTree.chain(4), "parent", "drift"),
+        ("dgrs", by_root, "none", "x0"),
+    ):
         kw = dict(seed=3, prefetch=prefetch, draft=draft)
         path = sampler.sample_speculative(model, sch, tree, coupling, 24, execution="path", **kw)
         _same(sampler.sample_speculative(model, sch, tree, coupling, 24, execution="tree", **kw), path)
@@ -236,17 +251,22 @@ def test_the_executions_agree_bit_for_bit(monkeypatch, kernel):
     path = sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="path", seed=3)
     dense_refined = sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=1)
     share = listcoupling.static_share
-    monkeypatch.setattr(listcoupling, "static_share",
-                        lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+    monkeypatch.setattr(
+        listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool))
+    )
     walks = []
     real = layouts.sparse_round
     monkeypatch.setattr(layouts, "sparse_round", lambda *a, **k: walks.append(1) or real(*a, **k))
     _same(sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3), path)
-    _same(sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=1), dense_refined)
+    _same(
+        sampler.sample_speculative(model, sch, tree, "markmax", 24, execution="tree", seed=3, refine=1), dense_refined
+    )
     assert walks  # the checked walk served the rounds
 
 
-@pytest.mark.parametrize("tree,coupling", [(DraftTree.uniform(2, 3), "dgrs"), (DraftTree.chain(3), "rmc")], ids=["dgrs", "rmc"])
+@pytest.mark.parametrize(
+    "tree,coupling", [(DraftTree.uniform(2, 3), "dgrs"), (DraftTree.chain(3), "rmc")], ids=["dgrs", "rmc"]
+)
 def test_picard_sweeps_at_depth_hand_the_verifier_the_target_mean(tree, coupling):
     # refine = L (tree execution, 32 trajectories, T = 9, seed 5): every proposal mean is the target mean at its
     # parent, the history from the sweep's own records included, so |mean_p - mean_q| / sigma vanishes to rounding
@@ -259,11 +279,22 @@ def test_picard_sweeps_at_depth_hand_the_verifier_the_target_mean(tree, coupling
     def verify(children, mean_p, mean_q, sigma, generator=None):
         s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
         verified = s < 1  # the kernel's std is below 1 at every step
-        seen.append(((mean_p - mean_q)[verified].reshape(int(verified.sum()), -1).norm(dim=1) / s[verified]).max().item())
+        seen.append(
+            ((mean_p - mean_q)[verified].reshape(int(verified.sum()), -1).norm(dim=1) / s[verified]).max().item()
+        )
         return rule(children, mean_p, mean_q, sigma, generator)
 
-    r = sampler.sample_speculative(GMM, schedule(9), tree, Coupling(coupling, verify, rule.max_children), 32,
-                                   execution="tree", refine=3, seed=5, check_contract=False)
+    r = sampler.sample_speculative(
+        GMM,
+        schedule(9),
+        tree,
+        Coupling(coupling, verify, rule.max_children),
+        32,
+        execution="tree",
+        refine=3,
+        seed=5,
+        check_contract=False,
+    )
     assert seen and max(seen) < 1e-10, max(seen)
     assert torch.equal(r.accepts, r.attempts)
 
@@ -284,7 +315,9 @@ def test_the_records_table_of_an_order_3_kernel():
     assert back_table(tree, up, 0, "cpu") is None
 
 
-def check_law(steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0, kernel: str = "test_dpmpp_2m_sde") -> dict:
+def check_law(
+    steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0, kernel: str = "test_dpmpp_2m_sde"
+) -> dict:
     """Each coupling's path and tree executions (``n`` samples each, seed ``SPEC_SEED``, velocity draft) against the
     loop's ``n`` (seed ``LOOP_SEED``); the two executions draw the same keyed numbers, so they have equal counts and
     samples to the batched mixture's rounding. Returns the smallest p-value per run."""
@@ -292,9 +325,19 @@ def check_law(steps: int, n: int, couplings=("dgrs", "rmc"), refine: int = 0, ke
     ref = loop_samples(sch, n, LOOP_SEED)
     report = {}
     for coupling in couplings:
-        runs = {ex: sampler.sample_speculative(GMM, sch, TREES[coupling], coupling, n, execution=ex, seed=SPEC_SEED,
-                                               refine=refine if ex == "tree" else 0)
-                for ex in ("path", "tree")}
+        runs = {
+            ex: sampler.sample_speculative(
+                GMM,
+                sch,
+                TREES[coupling],
+                coupling,
+                n,
+                execution=ex,
+                seed=SPEC_SEED,
+                refine=refine if ex == "tree" else 0,
+            )
+            for ex in ("path", "tree")
+        }
         for ex, r in runs.items():
             report[coupling, ex] = p = min(law_pvalues(r.samples, ref, GMM).values())
             assert p > P_MIN, (coupling, ex, p)
@@ -313,8 +356,11 @@ def test_law_matches_the_plain_loop_with_a_power_check():
     # on the loop that ignores the previous output (the first-order sampler) against the loop: min p < 1e-6
     report = check_law(8, 2000)
     report["order 3"] = check_law(8, 2000, couplings=("dgrs",), kernel="test_three_step_sde")
-    wrong = min(law_pvalues(loop_samples(schedule(8), 2000, 1, history=False), loop_samples(schedule(8), 2000, LOOP_SEED),
-                            GMM).values())
+    wrong = min(
+        law_pvalues(
+            loop_samples(schedule(8), 2000, 1, history=False), loop_samples(schedule(8), 2000, LOOP_SEED), GMM
+        ).values()
+    )
     print(report, wrong)
     assert wrong < 1e-6
 

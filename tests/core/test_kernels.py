@@ -21,8 +21,13 @@ def test_euler_maruyama_table_is_eqs_36_37_step_by_step():
         row = dict(zip(k.columns, tab[n].tolist()))
         stochastic = 1 <= n <= sch.steps - 2
         g2 = 2 * s[n] / (1 - s[n]) if stochastic else 0.0
-        want = {"dt": s[n + 1] - s[n], "a": 1 + 0.36 if stochastic else 1.0, "b": 0.36 / (1 - s[n]) if stochastic else 0.0,
-                "sigma": s[n], "std": 0.6 * math.sqrt(g2 * (s[n] - s[n + 1])) if stochastic else 0.0}
+        want = {
+            "dt": s[n + 1] - s[n],
+            "a": 1 + 0.36 if stochastic else 1.0,
+            "b": 0.36 / (1 - s[n]) if stochastic else 0.0,
+            "sigma": s[n],
+            "std": 0.6 * math.sqrt(g2 * (s[n] - s[n + 1])) if stochastic else 0.0,
+        }
         for name, value in want.items():
             assert row[name] == pytest.approx(value, rel=2e-16, abs=1e-300), (n, name)
     # the mean with the score written out: x + dt (v - eps^2 g^2 s / 2), s = -(x + (1 - sigma) v) / sigma
@@ -95,16 +100,21 @@ def test_every_coupling_and_draft_runs_on_every_scheduler_kernel_with_equal_coun
     from specsamp.trees import DraftTree
 
     gmm = GaussianMixture(dim=4, components=3, layout_seed=1)
-    plans = [from_scheduler(DDPMScheduler(thresholding=True), 12, event_ndim=1),
-             from_scheduler(EulerAncestralDiscreteScheduler(), 12),
-             from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True), 12)]
+    plans = [
+        from_scheduler(DDPMScheduler(thresholding=True), 12, event_ndim=1),
+        from_scheduler(EulerAncestralDiscreteScheduler(), 12),
+        from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True), 12),
+    ]
     drafts = ("velocity", "x0", "x0_extrap", "drift", "x0_affine")
-    pairs = [("markmax", DraftTree.uniform(2, 2), d) for d in ("x0", "x0_affine")] + \
-            [("rmc", DraftTree.chain(6), d) for d in drafts]  # markmax's share tables cost most: two drafts
+    pairs = [("markmax", DraftTree.uniform(2, 2), d) for d in ("x0", "x0_affine")] + [
+        ("rmc", DraftTree.chain(6), d) for d in drafts
+    ]  # markmax's share tables cost most: two drafts
     for i, (coupling, tree, draft) in enumerate(pairs):
         for plan in (plans[i % 3],):  # each kernel meets most drafts and both couplings across the pairs
-                a, b = (sample_speculative(gmm, plan.schedule, tree, coupling, 12, draft=draft, execution=ex, seed=3)
-                        for ex in ("path", "tree"))
-                where = (plan.kernel, coupling, draft)
-                assert torch.equal(a.nfe, b.nfe) and torch.equal(a.accepts, b.accepts), where
-                assert torch.allclose(a.samples, b.samples, rtol=0, atol=16 * 12 * 2.2e-16 * 10), where
+            a, b = (
+                sample_speculative(gmm, plan.schedule, tree, coupling, 12, draft=draft, execution=ex, seed=3)
+                for ex in ("path", "tree")
+            )
+            where = (plan.kernel, coupling, draft)
+            assert torch.equal(a.nfe, b.nfe) and torch.equal(a.accepts, b.accepts), where
+            assert torch.allclose(a.samples, b.samples, rtol=0, atol=16 * 12 * 2.2e-16 * 10), where

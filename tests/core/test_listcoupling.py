@@ -16,8 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specsamp import listcoupling as lc
-from specsamp import theory
+from specsamp import listcoupling as lc, theory
 from specsamp.coupling import COUPLINGS, get_coupling
 from specsamp.rng import KeyedRows, base_key
 from specsamp.testing import make_problem
@@ -182,9 +181,16 @@ PINNED_DELTAS = (0.0, 1e-7, 1e-3, 0.1, 1.0, 5.0, 50.0, 300.0)
 PINNED_BUILD = ("2.14.1+cu130", "AVX512")
 # re-pinned when the projections and logaddexp became row-independent: index and accepted unchanged, samples
 # within 1 ulp (float64) and 2 ulps (float32) of the earlier pins
-PINS = {("float64", 1): "3c22b4dbf0f7dcac", ("float64", 2): "24912ced8c3b5887", ("float64", 4): "2bebacdb13b5f1d8",
-        ("float64", 16): "7b85c34dda4e7da2", ("float32", 1): "de49410e953e524b", ("float32", 2): "b59b66a8bc8b06f1",
-        ("float32", 4): "78a084fec02d715d", ("float32", 16): "a8a035cef52d1706"}
+PINS = {
+    ("float64", 1): "3c22b4dbf0f7dcac",
+    ("float64", 2): "24912ced8c3b5887",
+    ("float64", 4): "2bebacdb13b5f1d8",
+    ("float64", 16): "7b85c34dda4e7da2",
+    ("float32", 1): "de49410e953e524b",
+    ("float32", 2): "b59b66a8bc8b06f1",
+    ("float32", 4): "78a084fec02d715d",
+    ("float32", 16): "a8a035cef52d1706",
+}
 
 
 def _pinned_problem(K, dtype, per=24, dim=6, seed=17):
@@ -332,8 +338,7 @@ def test_lean_round_hands_uncertified_rounds_to_the_reference_round(monkeypatch)
     # a static share that certifies nothing and is wrong (t = 0) flags every dense round, so the reference round
     # serves each one: the tree execution's counts and samples equal the path execution's (GMM dim 4, 8 steps,
     # 40 trajectories, seed 3, (2, 3) tree); without the flag the wrong share would change the law's numbers
-    from specsamp import markmax_params as mp
-    from specsamp import sampler
+    from specsamp import markmax_params as mp, sampler
     from specsamp.models import GaussianMixture
     from specsamp.schedule import Schedule
     from specsamp.trees import DraftTree
@@ -380,8 +385,8 @@ def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual
     # dense round (GMM dim 4, 8 steps, 40 trajectories, seed 3, (2, 3) tree), one host sync per round in all
     from benchmarks import opcount
     from specsamp import sampler
-    from specsamp.round import tables
     from specsamp.models import GaussianMixture
+    from specsamp.round import tables
     from specsamp.schedule import Schedule
     from specsamp.trees import DraftTree
 
@@ -391,8 +396,9 @@ def test_lean_round_without_kept_samples_decides_markmax_then_draws_one_residual
     ref = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)
     rows = []  # (rows, whether the residual was drawn) of each markmax call
     choose = lc._choose
-    monkeypatch.setattr(lc, "_choose",
-                        lambda proj, *u: rows.append((proj.delta.numel(), u[2] is not None)) or choose(proj, *u))
+    monkeypatch.setattr(
+        lc, "_choose", lambda proj, *u: rows.append((proj.delta.numel(), u[2] is not None)) or choose(proj, *u)
+    )
     monkeypatch.setattr(tables, "RESIDUAL_CACHE", 0)
     with opcount.counting() as c:
         got = sampler.sample_speculative(model, sched, tree, "markmax", 40, **kw)

@@ -57,8 +57,13 @@ def test_the_import_reader_sees_imports_inside_functions():
 
 
 def test_models_do_not_import_integrations():
-    bad = sorted((m, t) for m, ts in _edges().items() if m.startswith("specsamp.models")
-                 for t in ts if t.startswith("specsamp.integrations"))
+    bad = sorted(
+        (m, t)
+        for m, ts in _edges().items()
+        if m.startswith("specsamp.models")
+        for t in ts
+        if t.startswith("specsamp.integrations")
+    )
     assert not bad, f"specsamp.models imports specsamp.integrations: {bad}"
 
 

@@ -13,18 +13,31 @@ import torch
 
 from benchmarks.opcount import counting
 from specsamp import rng
-from specsamp.round import draws
 from specsamp.models import GaussianMixture
+from specsamp.round import draws
 from specsamp.sampler import sample_speculative
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
 
 SCHED = Schedule.make(8, 1.0)
-FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts", "attempts_by_root",
-          "accepts_by_root")
+FIELDS = (
+    "nfe",
+    "nfe_total",
+    "target_rows",
+    "rounds",
+    "committed",
+    "attempts",
+    "accepts",
+    "attempts_by_root",
+    "accepts_by_root",
+)
 IRREGULAR = DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4])  # widths 3, 2, 1 and 2 at depths 1-3: narrower than K_max
-CASES = {"dgrs 2x3": (DraftTree.uniform(2, 3), "dgrs"), "dgrs irregular": (IRREGULAR, "dgrs"),
-         "markmax irregular": (IRREGULAR, "markmax"), "rmc chain5": (DraftTree.chain(5), "rmc")}
+CASES = {
+    "dgrs 2x3": (DraftTree.uniform(2, 3), "dgrs"),
+    "dgrs irregular": (IRREGULAR, "dgrs"),
+    "markmax irregular": (IRREGULAR, "markmax"),
+    "rmc chain5": (DraftTree.chain(5), "rmc"),
+}
 
 
 def _run(model, tree, coupling, **kw):
@@ -72,8 +85,9 @@ def test_the_path_round_stays_lean():
     # counts written per verification cost about 1,850 and 58
     model = GaussianMixture(dim=8, components=3, layout_seed=1)
     with counting() as c:
-        res = sample_speculative(model, Schedule.make(30, 0.1), DraftTree.uniform(2, 3), "dgrs", 8, execution="path",
-                                 seed=0)
+        res = sample_speculative(
+            model, Schedule.make(30, 0.1), DraftTree.uniform(2, 3), "dgrs", 8, execution="path", seed=0
+        )
     per_round = int(res.rounds.max())
     assert (c.ops["round"] + c.ops["coupling"]) / per_round <= 1400, dict(c.ops)
     assert c.syncs["round"] / per_round <= 20, dict(c.syncs)

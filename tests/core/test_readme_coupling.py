@@ -23,7 +23,7 @@ DOC = ROOT / "docs" / "extending.md"
 @pytest.fixture()
 def mine():
     text = DOC.read_text()
-    section = text[text.index("## A coupling"):]
+    section = text[text.index("## A coupling") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     try:
         ns: dict = {}
@@ -63,4 +63,11 @@ def test_a_coupling_that_returns_nothing_is_named():
         return None
 
     with pytest.raises(TypeError, match="must return a specsamp.coupling.Verdict"):
-        sample_speculative(GaussianMixture(dim=8, components=3, layout_seed=1), Schedule.make(8, 0.3), DraftTree.uniform(2, 2), broken, seed=0, n_samples=2)
+        sample_speculative(
+            GaussianMixture(dim=8, components=3, layout_seed=1),
+            Schedule.make(8, 0.3),
+            DraftTree.uniform(2, 2),
+            broken,
+            seed=0,
+            n_samples=2,
+        )

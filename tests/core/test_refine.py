@@ -10,16 +10,16 @@ a false alarm under exactness has probability ~3%; the seeds are fixed, so the o
 
 import pytest
 import torch
+from helpers import CountingModel, chi2_same_counts, two_sample_pvalues
 from scipy import stats
 
-from helpers import CountingModel, chi2_same_counts, two_sample_pvalues
 from specsamp.coupling import Coupling, dgrs, rmc
 from specsamp.errors import ConfigError
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative, sample_standard
 from specsamp.schedule import Schedule
-from specsamp.treesearch import TreesByRoot
 from specsamp.trees import DraftTree
+from specsamp.treesearch import TreesByRoot
 
 P_MIN = 1e-3
 MODEL = GaussianMixture(dim=4, components=3, layout_seed=1)
@@ -49,16 +49,31 @@ CASES = [
     (DraftTree.chain(3), "rmc", "velocity", "nearest", 1),
     (DraftTree.chain(3), "rmc", "x0", "parent", 3),
     (DraftTree.from_widths([3, 2]), "dgrs", "drift", "none", 1),
-    (TreesByRoot({1: DraftTree.uniform(2, 3), 2: DraftTree.from_widths([3, 1, 2]), 3: DraftTree.chain(2),
-                  4: DraftTree.uniform(2, 2), 5: DraftTree.uniform(1, 1), 6: DraftTree.uniform(3, 2)}), "dgrs", "x0", "parent", 2),
+    (
+        TreesByRoot(
+            {
+                1: DraftTree.uniform(2, 3),
+                2: DraftTree.from_widths([3, 1, 2]),
+                3: DraftTree.chain(2),
+                4: DraftTree.uniform(2, 2),
+                5: DraftTree.uniform(1, 1),
+                6: DraftTree.uniform(3, 2),
+            }
+        ),
+        "dgrs",
+        "x0",
+        "parent",
+        2,
+    ),
 ]
 
 
 @pytest.mark.parametrize("i,case", list(enumerate(CASES)))
 def test_refined_drafts_keep_the_output_law(i, case, reference):
     tree, coupling, draft, prefetch, J = case
-    r = sample_speculative(MODEL, SCHED, tree, coupling, 2000, draft=draft, prefetch=prefetch, execution="tree", refine=J,
-                           seed=200 + i)
+    r = sample_speculative(
+        MODEL, SCHED, tree, coupling, 2000, draft=draft, prefetch=prefetch, execution="tree", refine=J, seed=200 + i
+    )
     assert torch.isfinite(r.samples).all()
     ref, lab = reference
     p = two_sample_pvalues(r.samples, ref, directions=3, seed=0)
@@ -80,34 +95,61 @@ def spy(rule):
     return Coupling(rule.name, verify, rule.max_children), seen
 
 
-@pytest.mark.parametrize("tree,rule", [(DraftTree.uniform(2, 3), dgrs), (DraftTree.chain(3), rmc)], ids=["dgrs-2x3", "rmc-chain3"])
+@pytest.mark.parametrize(
+    "tree,rule", [(DraftTree.uniform(2, 3), dgrs), (DraftTree.chain(3), rmc)], ids=["dgrs-2x3", "rmc-chain3"]
+)
 @pytest.mark.parametrize("draft,prefetch", [("velocity", "nearest"), ("x0", "parent")])
 def test_refine_at_depth_hands_the_verifier_the_target_mean(tree, rule, draft, prefetch):
     # J = L: every proposal mean is the target kernel mean at its parent, so delta / sigma vanishes to the
     # rounding of float64 states (|x| ~ 1: a few 1e-16, divided by sigma >= 0.05 here); every draft accepted
     coupling, seen = spy(rule)
-    r = sample_speculative(MODEL, SCHED, tree, coupling, 64, draft=draft, prefetch=prefetch, execution="tree", refine=3,
-                           seed=5, check_contract=False)
+    r = sample_speculative(
+        MODEL,
+        SCHED,
+        tree,
+        coupling,
+        64,
+        draft=draft,
+        prefetch=prefetch,
+        execution="tree",
+        refine=3,
+        seed=5,
+        check_contract=False,
+    )
     assert seen and max(seen) < 1e-12, max(seen)
     assert torch.equal(r.accepts, r.attempts)
     # without refinement the same setup does not coincide
     coupling, seen = spy(rule)
-    sample_speculative(MODEL, SCHED, tree, coupling, 64, draft=draft, prefetch=prefetch, execution="tree", seed=5,
-                       check_contract=False)
+    sample_speculative(
+        MODEL, SCHED, tree, coupling, 64, draft=draft, prefetch=prefetch, execution="tree", seed=5, check_contract=False
+    )
     assert max(seen) > 1e-3
 
 
 @pytest.mark.parametrize("J", [1, 2])
-@pytest.mark.parametrize("tree,prefetch", [(DraftTree.uniform(2, 3), "nearest"), (DraftTree.chain(3), "parent"),
-                                           (DraftTree.uniform(2, 2), "none")], ids=["2x3-nearest", "chain3-parent", "2x2-none"])
+@pytest.mark.parametrize(
+    "tree,prefetch",
+    [(DraftTree.uniform(2, 3), "nearest"), (DraftTree.chain(3), "parent"), (DraftTree.uniform(2, 2), "none")],
+    ids=["2x3-nearest", "chain3-parent", "2x2-none"],
+)
 def test_every_sweep_is_charged_to_nfe_and_rows(J, tree, prefetch):
     # recorded nfe_total = invocations each trajectory took part in; target_rows = the rows it sent to the
     # speculative calls (the sweeps included); with the same seed, each round costs what the plain round costs
     # plus J calls
     m = 6
     model = CountingModel(MODEL)
-    r = sample_speculative(model, SCHED, tree, "dgrs", m, execution="tree", prefetch=prefetch, refine=J, seed=3,
-                           cond={"tid": torch.arange(m)})
+    r = sample_speculative(
+        model,
+        SCHED,
+        tree,
+        "dgrs",
+        m,
+        execution="tree",
+        prefetch=prefetch,
+        refine=J,
+        seed=3,
+        cond={"tid": torch.arange(m)},
+    )
     calls = torch.zeros(m, dtype=torch.long)
     rows = torch.zeros(m, dtype=torch.long)
     for t in model.log:
@@ -132,8 +174,12 @@ def test_refine_zero_is_the_plain_sampler_bit_for_bit():
 def test_refine_lifts_acceptance_on_the_mixture():
     # deterministic counts at a fixed seed: depth-2 acceptance of the velocity draft is exact-at-depth-1 after
     # one sweep (the root velocity is exact), so refine=1 accepts every depth-1 verification and more at depth 2
-    plain = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 200, execution="tree", prefetch="none", seed=3)
-    ref = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 200, execution="tree", prefetch="none", seed=3, refine=1)
+    plain = sample_speculative(
+        MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 200, execution="tree", prefetch="none", seed=3
+    )
+    ref = sample_speculative(
+        MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 200, execution="tree", prefetch="none", seed=3, refine=1
+    )
     rate = lambda r: r.accepts.sum(0).double() / r.attempts.sum(0).double()  # noqa: E731
     assert torch.equal(ref.accepts[:, 0], ref.attempts[:, 0])
     assert rate(ref)[1] > rate(plain)[1]
@@ -172,5 +218,7 @@ def test_memory_check_counts_the_sweeps_buffers(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * 2**20)
     memory.check_tree_memory(DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30)
     with pytest.raises(ConfigError, match=r"batch_size=\d+ or less, or fewer Picard sweeps") as err:
-        memory.check_tree_memory(DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30, refine=1)
+        memory.check_tree_memory(
+            DraftTree.uniform(2, 3), 12, Model(), "cpu", execution="tree", n_total=12, steps=30, refine=1
+        )
     assert "execution=path" not in str(err.value)  # refine needs every internal node: path execution refuses it

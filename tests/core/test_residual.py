@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from benchmarks.opcount import counting
 
+from benchmarks.opcount import counting
 from specsamp import theory
 from specsamp.coupling import (
     deferred_checks,
@@ -52,10 +52,28 @@ def _grid(seed):
         lv, g = grs_levels(deltas, K)
         d.append(deltas), lam.append(lv[:, K]), mass.append(g[:, K])
     d, lam, mass = torch.cat(d), torch.cat(lam), torch.cat(mass)
-    fixed = [1e-300, 1e-100, 1e-30, 1e-10, 1e-3, 0.1, 0.5, 0.9, 0.99, 0.995,
-             1 - 1e-6, 1 - 1e-10, 1 - 2.0**-52, 1 - 2.0**-53]
-    u = torch.cat([torch.tensor(fixed, dtype=torch.float64),
-                   torch.rand(40, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))])
+    fixed = [
+        1e-300,
+        1e-100,
+        1e-30,
+        1e-10,
+        1e-3,
+        0.1,
+        0.5,
+        0.9,
+        0.99,
+        0.995,
+        1 - 1e-6,
+        1 - 1e-10,
+        1 - 2.0**-52,
+        1 - 2.0**-53,
+    ]
+    u = torch.cat(
+        [
+            torch.tensor(fixed, dtype=torch.float64),
+            torch.rand(40, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)),
+        ]
+    )
     D = d[:, None].expand(-1, len(u)).reshape(-1)
     L = lam[:, None].expand(-1, len(u)).reshape(-1)
     M = mass[:, None].expand(-1, len(u)).reshape(-1)
@@ -175,6 +193,7 @@ def test_couplings_are_exact_at_extreme_scales(name, dtype, sigma):
     delta = disp.norm(dim=1).mean().item()
     if name == "markmax":
         from specsamp.listcoupling import markmax_acceptance
+
         want = float(markmax_acceptance(delta, K))
     else:
         want = float(theory.rmc_acceptance(delta)) if K == 1 else float(theory.dgrs_acceptance(delta, K))

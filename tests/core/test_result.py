@@ -48,9 +48,14 @@ def test_concat_of_standard_results_has_no_per_root_tables_and_pads_committed():
     s = sample_standard(MODEL, SCHED, 3)
     cat = SampleResult.concat([s, s])
     assert cat.attempts_by_root is None and cat.attempts.shape == (6, 0)
-    short = SampleResult(**{n: getattr(s, n) for n in SampleResult.PER_TRAJECTORY if n != "committed"},
-                         committed=s.committed[:, :2], speculative_steps=s.speculative_steps)
-    assert torch.equal(SampleResult.concat([short, s]).committed[:3, 2:], torch.zeros(3, s.committed.shape[1] - 2, dtype=torch.long))
+    short = SampleResult(
+        **{n: getattr(s, n) for n in SampleResult.PER_TRAJECTORY if n != "committed"},
+        committed=s.committed[:, :2],
+        speculative_steps=s.speculative_steps,
+    )
+    assert torch.equal(
+        SampleResult.concat([short, s]).committed[:3, 2:], torch.zeros(3, s.committed.shape[1] - 2, dtype=torch.long)
+    )
 
 
 def test_concat_refuses_nothing_and_mixed_step_counts():

@@ -14,7 +14,6 @@ from scipy import stats
 from specsamp import rng
 
 
-
 def keys(n, seed=2024, stream="step"):
     return rng.base_key(seed, torch.arange(n), stream)
 
@@ -208,8 +207,12 @@ def test_runner_refuses_seeds_outside_the_key_range():
 
     root = ROOT
     for bad in (str(2**70),):  # sampled bit-identically to seed=0 when seeds were reduced mod 2**64
-        p = python([sys.executable, "run.py", f"seed={bad}", "n_samples=2", "model.dim=4", "steps=6"], cwd=root,
-                           capture_output=True, text=True)
+        p = python(
+            [sys.executable, "run.py", f"seed={bad}", "n_samples=2", "model.dim=4", "steps=6"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         assert p.returncode == 2 and "seed=" in p.stderr + p.stdout and "Traceback" not in p.stderr
 
 

@@ -10,8 +10,8 @@ import torch
 from helpers import RowwiseMixture
 
 from specsamp import listcoupling, sampler
-from specsamp.round import layouts
 from specsamp.drafts import Draft, get_draft
+from specsamp.round import layouts
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
 
@@ -48,7 +48,9 @@ def _same(got, want):
     assert torch.equal(got.samples, want.samples)
 
 
-@pytest.mark.parametrize("tree", [DraftTree.uniform(2, 3), lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]])
+@pytest.mark.parametrize(
+    "tree", [DraftTree.uniform(2, 3), lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]]
+)
 def test_a_draft_without_a_table_form_runs_the_dense_round_by_its_mean(monkeypatch, tree):
     # a draft given by its mean alone (the velocity draft's, so the same numbers): the tree execution runs the
     # dense round, calling Draft.mean per depth; GMM dim 4, T = 8, 30 trajectories, seed 3, float64
@@ -73,7 +75,9 @@ def test_markmax_rows_the_share_table_cannot_certify_are_served_by_the_checked_w
     tree = DraftTree.uniform(2, 3)
     path = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="path", draft="x0", seed=3)
     share = listcoupling.static_share
-    monkeypatch.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+    monkeypatch.setattr(
+        listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool))
+    )
     calls = _spy(monkeypatch)
     got = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="tree", draft="x0", seed=3)
     # every dense round drafted again for the checked walk
@@ -104,7 +108,9 @@ def test_the_checked_walk_serves_every_tree_of_a_round_with_trees_per_root_step(
     tree = lambda n: [DraftTree.uniform(2, 2), DraftTree.chain(3)][n % 2]  # noqa: E731
     path = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="path", draft="x0", seed=3)
     share = listcoupling.static_share
-    monkeypatch.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+    monkeypatch.setattr(
+        listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool))
+    )
     calls = _spy(monkeypatch)
     got = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="tree", draft="x0", seed=3)
     assert calls["reference"] > int(got.rounds.max()), calls  # some round walked more than one tree
@@ -128,7 +134,11 @@ def test_walks_drawn_again_keep_the_numbers_with_sweeps_and_mean_only_drafts(mon
     want_dgrs = sampler.sample_speculative(model, SCHED, tree, "dgrs", 30, **dict(kw, draft="x0"))
     with monkeypatch.context() as m:
         share = listcoupling.static_share
-        m.setattr(listcoupling, "static_share", lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)))
+        m.setattr(
+            listcoupling,
+            "static_share",
+            lambda delta, K: (share(delta, K)[0], torch.zeros_like(delta, dtype=torch.bool)),
+        )
         calls = _spy(m)
         _same(sampler.sample_speculative(model, SCHED, tree, "markmax", 30, **kw), want)
         assert calls["reference"] > 0, calls

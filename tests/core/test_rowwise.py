@@ -65,8 +65,10 @@ def _same(a, b, what):
         differ = (x != y) & ~both_nan
         if differ.any():
             idx = differ.reshape(differ.shape[0], -1).any(1).nonzero()[:5, 0].tolist()
-            raise AssertionError(f"{what}: rows {idx} differ (first values {x[idx[0]].flatten()[:4].tolist()} vs "
-                                 f"{y[idx[0]].flatten()[:4].tolist()})")
+            raise AssertionError(
+                f"{what}: rows {idx} differ (first values {x[idx[0]].flatten()[:4].tolist()} vs "
+                f"{y[idx[0]].flatten()[:4].tolist()})"
+            )
 
 
 def assert_rowwise(fn, inputs, n: int = BIG, alone: int = 48, sevens: int = 40):
@@ -154,7 +156,9 @@ def _verify(name, decide=False):
 
     def run(children, mean_p, mean_q, sigma, keys):
         gen = KeyedRows(keys)
-        return rule.choice(children, mean_p, mean_q, sigma, gen) if decide else rule(children, mean_p, mean_q, sigma, gen)
+        return (
+            rule.choice(children, mean_p, mean_q, sigma, gen) if decide else rule(children, mean_p, mean_q, sigma, gen)
+        )
 
     return run
 
@@ -212,7 +216,9 @@ def _root(n, d, seed, history=3):
     back = torch.randint(1, 3, (n, history), generator=g).cumsum(1)
     hn = (nr[:, None] - back).clamp(min=-1)
     hn[torch.rand(n, history, generator=g) < 0.05] = -1  # a few empty slots
-    hist = DraftHistory(torch.randn(n, history, d, dtype=F64, generator=g), hn, torch.randn(n, history, d, dtype=F64, generator=g))
+    hist = DraftHistory(
+        torch.randn(n, history, d, dtype=F64, generator=g), hn, torch.randn(n, history, d, dtype=F64, generator=g)
+    )
     nodes = x[:, None] + 0.1 * torch.randn(n, 3, d, dtype=F64, generator=g)
     return x, v, nr, exact, hist.x0, hist.n, hist.x, nodes
 

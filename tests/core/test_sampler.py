@@ -14,15 +14,28 @@ a biased coupling gives p < 1e-3.
 
 import pytest
 import torch
+from helpers import (
+    BY_ROOT,
+    IRREGULAR,
+    MODEL,
+    N_SPEC,
+    P_MIN,
+    REF_SEED,
+    ROWWISE,
+    SCHED,
+    CountingModel,
+    NaNBelow,
+    law_pvalues,
+    law_reference,
+    tree_of,
+)
 
-from helpers import (BY_ROOT, IRREGULAR, MODEL, N_SPEC, ROWWISE, P_MIN, REF_SEED, SCHED, CountingModel, NaNBelow, law_pvalues,
-                     law_reference, tree_of)
 from specsamp.coupling import Verdict, dgrs, rmc
 from specsamp.models import GaussianMixture
 from specsamp.sampler import sample_speculative, sample_standard
 from specsamp.schedule import Schedule
-from specsamp.treesearch import TreesByRoot
 from specsamp.trees import DraftTree
+from specsamp.treesearch import TreesByRoot
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +102,10 @@ LAW_SLOW = [
 
 
 def _law_params():
-    return [pytest.param(i, case, marks=pytest.mark.slow) if case in LAW_SLOW else pytest.param(i, case)
-            for i, case in enumerate(LAW_CASES)]
+    return [
+        pytest.param(i, case, marks=pytest.mark.slow) if case in LAW_SLOW else pytest.param(i, case)
+        for i, case in enumerate(LAW_CASES)
+    ]
 
 
 @pytest.mark.parametrize("i,case", _law_params(), ids=[case_id(c) for c in LAW_CASES])
@@ -100,7 +115,16 @@ def test_output_law_equals_standard_sampler(i, case, reference):
     if coupling == "rmc_as_callable":  # a rule passed as a plain function (no registry metadata)
         coupling = lambda *a, **k: rmc(*a, **k)  # noqa: E731
     r = sample_speculative(
-        MODEL, SCHED, tree, coupling, N_SPEC, draft=draft, prefetch=prefetch, evaluate_leaves=leaves, execution=execution, seed=100 + i
+        MODEL,
+        SCHED,
+        tree,
+        coupling,
+        N_SPEC,
+        draft=draft,
+        prefetch=prefetch,
+        evaluate_leaves=leaves,
+        execution=execution,
+        seed=100 + i,
     )
     assert torch.isfinite(r.samples).all()
     p = law_pvalues(r.samples, reference)
@@ -209,8 +233,11 @@ def test_tree_and_path_executions_agree(case):
     assert torch.equal(a.samples, b.samples)
 
 
-@pytest.mark.parametrize("case", [c for c in EQUIV_CASES if c[2] in ("velocity", "x0")][:6],
-                         ids=[case_id(c + ("batched",)) for c in EQUIV_CASES if c[2] in ("velocity", "x0")][:6])
+@pytest.mark.parametrize(
+    "case",
+    [c for c in EQUIV_CASES if c[2] in ("velocity", "x0")][:6],
+    ids=[case_id(c + ("batched",)) for c in EQUIV_CASES if c[2] in ("velocity", "x0")][:6],
+)
 def test_tree_and_path_agree_with_a_batched_target(case):
     # the batched mixture (its products round a row's last bits by the batch, which the executions form
     # differently): identical counts, samples within 16 T eps of float64 (T = 8 steps of a few roundings each,
@@ -235,7 +262,9 @@ def test_tree_and_path_agree_float32():
 
 
 @pytest.mark.parametrize("execution", ["tree", "path"])
-@pytest.mark.parametrize("spec,coupling", [(("uniform", (2, 3)), "dgrs"), (("chain", 4), "rmc"), (("parent", IRREGULAR), "dgrs")])
+@pytest.mark.parametrize(
+    "spec,coupling", [(("uniform", (2, 3)), "dgrs"), (("chain", 4), "rmc"), (("parent", IRREGULAR), "dgrs")]
+)
 def test_batch_independence(execution, spec, coupling):
     # seed 11: trajectories 3..5 run alone equal rows 3..5 of an 8-trajectory run
     full = sample_speculative(MODEL, SCHED, tree_of(spec), coupling, 8, seed=11, execution=execution)
@@ -273,7 +302,17 @@ def test_seeds_matter_and_repeat():
 
 def run_counted(T, spec, coupling="dgrs", m=6, **kw):
     model = CountingModel(MODEL)
-    r = sample_speculative(model, Schedule.make(T, 1.0), tree_of(spec), coupling, m, execution="tree", cond={"tid": torch.arange(m)}, seed=3, **kw)
+    r = sample_speculative(
+        model,
+        Schedule.make(T, 1.0),
+        tree_of(spec),
+        coupling,
+        m,
+        execution="tree",
+        cond={"tid": torch.arange(m)},
+        seed=3,
+        **kw,
+    )
     return r, model
 
 
@@ -286,7 +325,11 @@ def check_counts_match_invocations(r, model, m):
 
 @pytest.mark.parametrize("T", [4, 8])
 @pytest.mark.parametrize("prefetch", ["nearest", "parent", "none"])
-@pytest.mark.parametrize("spec", [("uniform", (1, 1)), ("uniform", (2, 3)), ("chain", 3), ("parent", IRREGULAR)], ids=lambda s: tree_of(s).describe())
+@pytest.mark.parametrize(
+    "spec",
+    [("uniform", (1, 1)), ("uniform", (2, 3)), ("chain", 3), ("parent", IRREGULAR)],
+    ids=lambda s: tree_of(s).describe(),
+)
 def test_recorded_counts_equal_model_invocations_leaves(T, prefetch, spec):
     # tree execution, B = |V| protocol: recorded nfe_total = target invocations each trajectory took part in,
     # recorded target_rows = rows it sent to the speculative calls
@@ -295,7 +338,9 @@ def test_recorded_counts_equal_model_invocations_leaves(T, prefetch, spec):
 
 
 @pytest.mark.parametrize("prefetch", ["nearest", "parent"])
-@pytest.mark.parametrize("spec", [("uniform", (2, 3)), ("chain", 3), ("uniform", (3, 2))], ids=lambda s: tree_of(s).describe())
+@pytest.mark.parametrize(
+    "spec", [("uniform", (2, 3)), ("chain", 3), ("uniform", (3, 2))], ids=lambda s: tree_of(s).describe()
+)
 def test_recorded_counts_equal_model_invocations_internal(prefetch, spec):
     # B = |I| protocol with depth >= 2 (every round's batch is non-empty)
     r, model = run_counted(8, spec, prefetch=prefetch, evaluate_leaves=False)
@@ -304,7 +349,14 @@ def test_recorded_counts_equal_model_invocations_internal(prefetch, spec):
 
 @pytest.mark.parametrize(
     "spec,prefetch",
-    [(("uniform", (1, 1)), "nearest"), (("uniform", (1, 1)), "parent"), (("uniform", (1, 1)), "none"), (("uniform", (2, 1)), "nearest"), (("uniform", (2, 3)), "none"), (("chain", 3), "none")],
+    [
+        (("uniform", (1, 1)), "nearest"),
+        (("uniform", (1, 1)), "parent"),
+        (("uniform", (1, 1)), "none"),
+        (("uniform", (2, 1)), "nearest"),
+        (("uniform", (2, 3)), "none"),
+        (("chain", 3), "none"),
+    ],
     ids=["1x1-nearest", "1x1-parent", "1x1-none", "2x1-nearest", "2x3-none", "chain3-none"],
 )
 def test_recorded_counts_equal_model_invocations_empty_batches(spec, prefetch):
@@ -331,8 +383,17 @@ def test_no_speculation_costs_one_call_per_step(T, coupling, draft, prefetch):
     m = 5
     model = CountingModel(MODEL)
     r = sample_speculative(
-        model, Schedule.make(T, 1.0), DraftTree.uniform(1, 1), coupling, m, draft=draft, prefetch=prefetch,
-        evaluate_leaves=True, execution="tree", cond={"tid": torch.arange(m)}, seed=4,
+        model,
+        Schedule.make(T, 1.0),
+        DraftTree.uniform(1, 1),
+        coupling,
+        m,
+        draft=draft,
+        prefetch=prefetch,
+        evaluate_leaves=True,
+        execution="tree",
+        cond={"tid": torch.arange(m)},
+        seed=4,
     )
     assert torch.all(r.nfe_total == T)
     assert torch.all(r.nfe == T - 1)
@@ -362,7 +423,14 @@ def test_no_speculation_prefetch_none_pays_the_root_each_round():
 
 ACCOUNT_CASES = [
     (spec, coupling, prefetch, leaves, execution)
-    for spec, coupling in [(("chain", 4), "rmc"), (("uniform", (2, 3)), "dgrs"), (("widths", [3, 1, 2]), "dgrs"), (("parent", IRREGULAR), "dgrs"), (("uniform", (1, 1)), "dgrs"), (("uniform", (2, 9)), "dgrs")]
+    for spec, coupling in [
+        (("chain", 4), "rmc"),
+        (("uniform", (2, 3)), "dgrs"),
+        (("widths", [3, 1, 2]), "dgrs"),
+        (("parent", IRREGULAR), "dgrs"),
+        (("uniform", (1, 1)), "dgrs"),
+        (("uniform", (2, 9)), "dgrs"),
+    ]
     for prefetch in ["nearest", "parent", "none"]
     for leaves in [True, False]
     for execution in ["path"]
@@ -375,7 +443,9 @@ def test_accounting_identities(case):
     spec, coupling, prefetch, leaves, execution = case
     T, M = SCHED.steps, 30
     tree = tree_of(spec)
-    r = sample_speculative(MODEL, SCHED, tree, coupling, M, prefetch=prefetch, evaluate_leaves=leaves, execution=execution, seed=21)
+    r = sample_speculative(
+        MODEL, SCHED, tree, coupling, M, prefetch=prefetch, evaluate_leaves=leaves, execution=execution, seed=21
+    )
     L = min(tree.max_depth, T - 2)
     assert r.speculative_steps == T - 2
     assert r.committed.shape == (M, T - 2) and r.attempts.shape == (M, L) and r.accepts.shape == (M, L)
@@ -459,7 +529,9 @@ def test_cond_rows_follow_their_trajectory():
     c = torch.zeros(m, 4, dtype=torch.float64)
     c[:, 0] = 40.0 * torch.tensor([1, -1, -1, 1, -1, 1, 1, -1], dtype=torch.float64)
     for execution in ("tree", "path"):
-        r = sample_speculative(Shifted(), SCHED, DraftTree.uniform(2, 3), "dgrs", m, cond={"c": c}, execution=execution, seed=6)
+        r = sample_speculative(
+            Shifted(), SCHED, DraftTree.uniform(2, 3), "dgrs", m, cond={"c": c}, execution=execution, seed=6
+        )
         assert torch.all((r.samples[:, 0] - c[:, 0]).abs() < 5.0)
     s = sample_standard(Shifted(), SCHED, m, cond={"c": c}, seed=6)
     assert torch.all((s.samples[:, 0] - c[:, 0]).abs() < 5.0)
@@ -502,8 +574,14 @@ def test_coupling_bad_sigma(name, sigma):
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        ({"coupling": "nope"}, r"coupling='nope' is not registered; valid: (\w+, )*dgrs, (\w+, )*rmc(, \w+)* \(registered\)"),
-        ({"draft": "nope"}, r"draft='nope' is not registered; valid: drift, velocity, x0, x0_affine, x0_extrap, x0_extrap_gated \(registered\)"),
+        (
+            {"coupling": "nope"},
+            r"coupling='nope' is not registered; valid: (\w+, )*dgrs, (\w+, )*rmc(, \w+)* \(registered\)",
+        ),
+        (
+            {"draft": "nope"},
+            r"draft='nope' is not registered; valid: drift, velocity, x0, x0_affine, x0_extrap, x0_extrap_gated \(registered\)",
+        ),
         ({"prefetch": "nope"}, r"prefetch='nope' is invalid: must be one of nearest, parent, none\.$"),
         ({"execution": "nope"}, r"execution='nope' is invalid: must be one of tree, path\.$"),
         ({"max_batch": 0}, r"max_batch=0 is invalid: must be an integer >= 1, or None\.$"),
@@ -578,7 +656,9 @@ def test_warmup_step0_keeps_the_law_and_saves_the_warmup_call(spec, coupling, re
 def test_non_finite_velocity_is_refused_naming_trajectory_step_and_node(execution):
     from specsamp.coupling import NonFiniteError
 
-    with pytest.raises(NonFiniteError, match=r"non-finite states at trajectory \d+, step [3-7], children of node \d+ \(depth \d\)") as err:
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite states at trajectory \d+, step [3-7], children of node \d+ \(depth \d\)"
+    ) as err:
         sample_speculative(NaNBelow(), SCHED, DraftTree.uniform(2, 2), "dgrs", 8, execution=execution, seed=4)
     assert err.value.rows and all(0 <= r < 8 for r in err.value.rows)
 
@@ -596,7 +676,9 @@ def test_one_tree_for_every_root_equals_the_plain_tree(execution):
     assert a.batch_nfe == b.batch_nfe
     assert torch.equal(a.samples, b.samples)
     # per-root counts add up to the per-depth ones
-    assert torch.equal(a.attempts_by_root.sum(0), a.attempts.sum(0)) and torch.equal(a.accepts_by_root.sum(0), a.accepts.sum(0))
+    assert torch.equal(a.attempts_by_root.sum(0), a.attempts.sum(0)) and torch.equal(
+        a.accepts_by_root.sum(0), a.accepts.sum(0)
+    )
 
 
 def test_step_dependent_tree_errors():
@@ -623,8 +705,13 @@ def test_x0_extrap_rebuilds_a_data_prediction_linear_in_log_snr():
     D = lambda n: A + B * lam(n)  # noqa: E731
     n_r = torch.tensor([5, 5])
     s_r = SCHED.sigmas[5]
-    root = DraftRoot(x=x_r, v=(x_r - D(5)) / s_r, n=n_r, exact=torch.tensor([True, True]),
-                     history=DraftHistory(torch.stack([D(4), D(3)], 1), torch.tensor([[4, 3], [4, 3]])))
+    root = DraftRoot(
+        x=x_r,
+        v=(x_r - D(5)) / s_r,
+        n=n_r,
+        exact=torch.tensor([True, True]),
+        history=DraftHistory(torch.stack([D(4), D(3)], 1), torch.tensor([[4, 3], [4, 3]])),
+    )
     n_u = torch.tensor([6, 6])
     want = SCHED.mean(x_u, (x_u - D(6)) / SCHED.sigmas[6], n_u)
     torch.testing.assert_close(draft.mean(draft.freeze(root, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want)
@@ -635,8 +722,13 @@ def test_x0_extrap_rebuilds_a_data_prediction_linear_in_log_snr():
     x0 = get_draft("x0")
     want0 = x0.mean(x0.freeze(root, SCHED), x_u[:, None], n_u, SCHED)
     for hist_n in ([[4, 0], [4, -1]], [[0, -1], [-1, -1]]):
-        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]),
-                       history=DraftHistory(root.history.x0, torch.tensor(hist_n)))
+        r3 = DraftRoot(
+            x=x_r,
+            v=root.v,
+            n=n_r,
+            exact=torch.tensor([False, False]),
+            history=DraftHistory(root.history.x0, torch.tensor(hist_n)),
+        )
         torch.testing.assert_close(draft.mean(draft.freeze(r3, SCHED), x_u[:, None], n_u, SCHED), want0)
 
 
@@ -652,14 +744,20 @@ def test_history_holds_the_trajectorys_exact_data_predictions(prefetch, warmup):
     x0 = get_draft("x0")
 
     def freeze(root, sch):
-        seen.append((root.x.clone(), root.n.clone(), root.exact.clone(), root.history.x0.clone(), root.history.n.clone()))
+        seen.append(
+            (root.x.clone(), root.n.clone(), root.exact.clone(), root.history.x0.clone(), root.history.n.clone())
+        )
         states.append(root.history.x.clone())
         return x0.freeze(root, sch)
 
     DRAFTS.register("_probe", Draft("_probe", freeze, x0.mean, history=3))
     try:
-        r = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 12, draft="_probe", prefetch=prefetch, warmup=warmup, seed=8)
-        base = sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 12, draft="x0", prefetch=prefetch, warmup=warmup, seed=8)
+        r = sample_speculative(
+            MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 12, draft="_probe", prefetch=prefetch, warmup=warmup, seed=8
+        )
+        base = sample_speculative(
+            MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 12, draft="x0", prefetch=prefetch, warmup=warmup, seed=8
+        )
     finally:
         del DRAFTS._entries["_probe"]
     torch.testing.assert_close(r.samples, base.samples, rtol=0, atol=0)  # history changes no number
@@ -713,20 +811,32 @@ def test_x0_affine_is_exact_for_one_gaussian_and_falls_back_otherwise():
     n_u = torch.tensor([6, 6])
     want = SCHED.mean(x_u, (x_u - D(x_u, 6)) / sig[6], n_u)
     x_r, n_r = xs[5], torch.tensor([5, 5])
-    hist = dict(history=DraftHistory(x0=torch.stack([D(xs[4], 4), D(xs[3], 3), D(xs[3], 3) * 0], 1),
-                                     x=torch.stack([xs[4], xs[3], xs[3] * 0], 1), n=torch.tensor([[4, 3, -1], [4, 3, -1]])))
+    hist = dict(
+        history=DraftHistory(
+            x0=torch.stack([D(xs[4], 4), D(xs[3], 3), D(xs[3], 3) * 0], 1),
+            x=torch.stack([xs[4], xs[3], xs[3] * 0], 1),
+            n=torch.tensor([[4, 3, -1], [4, 3, -1]]),
+        )
+    )
     root = DraftRoot(x=x_r, v=(x_r - D(x_r, 5)) / sig[5], n=n_r, exact=torch.tensor([True, True]), **hist)
     fr = draft.freeze(root, SCHED)
     torch.testing.assert_close(fr[:, 3, 0], s2[:, 0], rtol=1e-4, atol=0)
     torch.testing.assert_close(draft.mean(fr, x_u[:, None], n_u, SCHED)[:, 0], want, rtol=1e-6, atol=1e-9)
     wrong_v = DraftRoot(x=x_r, v=torch.zeros_like(x_r), n=n_r, exact=torch.tensor([False, False]), **hist)
-    torch.testing.assert_close(draft.mean(draft.freeze(wrong_v, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        draft.mean(draft.freeze(wrong_v, SCHED), x_u[:, None], n_u, SCHED)[:, 0], want, rtol=1e-6, atol=1e-9
+    )
     # a record at step 0 (sigma = 1) or an empty slot: no fit, the x0_extrap_gated draft exactly
     gated = get_draft("x0_extrap_gated")
     for hist_n in ([[4, 0, -1], [4, -1, -1]], [[0, -1, -1], [-1, -1, -1]]):
         h = hist["history"]
-        r3 = DraftRoot(x=x_r, v=root.v, n=n_r, exact=torch.tensor([False, False]),
-                       history=DraftHistory(x0=h.x0, x=h.x, n=torch.tensor(hist_n)))
+        r3 = DraftRoot(
+            x=x_r,
+            v=root.v,
+            n=n_r,
+            exact=torch.tensor([False, False]),
+            history=DraftHistory(x0=h.x0, x=h.x, n=torch.tensor(hist_n)),
+        )
         fr3 = draft.freeze(r3, SCHED)
         assert torch.all(fr3[:, 3] == -1)
         want3 = gated.mean(gated.freeze(r3, SCHED), x_u[:, None], n_u, SCHED)

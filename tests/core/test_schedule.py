@@ -73,7 +73,9 @@ def test_kernel_eq36_eq37(T, eps, shift):
         torch.testing.assert_close(s.mean(y, v, nn), _eq36_mean(y, v, s0, s1, eps), rtol=1e-12, atol=1e-12)
         std = s.std(nn)
         assert std.dtype == torch.float64 and std.shape == (b,)
-        torch.testing.assert_close(std, torch.full((b,), _eq37_std(s0, s1, eps), dtype=torch.float64), rtol=1e-12, atol=0)
+        torch.testing.assert_close(
+            std, torch.full((b,), _eq37_std(s0, s1, eps), dtype=torch.float64), rtol=1e-12, atol=0
+        )
         assert torch.all(std > 0)
 
 

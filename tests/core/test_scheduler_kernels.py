@@ -17,13 +17,12 @@ terms) and Euler ancestral's ``sigma_up`` (``s^2 / (s^2 - s'^2)``, on every term
 
 import pytest
 import torch
+from scheduler_models import mixture_net
 
 from specsamp.errors import ConfigError
 from specsamp.integrations.schedulers import from_scheduler
 from specsamp.models.gmm import GaussianMixture
 from specsamp.models.parametrisation import level_scale, to_velocity
-
-from scheduler_models import mixture_net
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import (  # noqa: E402
@@ -39,7 +38,11 @@ from diffusers import (  # noqa: E402
 U32 = 2.0**-24
 C_ROUND = 16
 VERBOSE = False
-STATE_COORDS = {"DDPMScheduler": "vp", "EulerAncestralDiscreteScheduler": "ve", "FlowMatchEulerDiscreteScheduler": "linear"}
+STATE_COORDS = {
+    "DDPMScheduler": "vp",
+    "EulerAncestralDiscreteScheduler": "ve",
+    "FlowMatchEulerDiscreteScheduler": "linear",
+}
 
 
 def gmm8(dtype=torch.float64):
@@ -55,8 +58,11 @@ def magnitude(sch, n: int, t, y: torch.Tensor, out: torch.Tensor, z: torch.Tenso
     if name == "DDPMScheduler":
         a_t = float(sch.alphas_cumprod[int(t)])
         a_p = float(sch.alphas_cumprod[int(sch.timesteps[n + 1])]) if n + 1 < len(sch.timesteps) else 1.0
-        X = {"epsilon": (y + (1 - a_t) ** 0.5 * out) / a_t**0.5, "sample": out,
-             "v_prediction": a_t**0.5 * y + (1 - a_t) ** 0.5 * out}[pred]
+        X = {
+            "epsilon": (y + (1 - a_t) ** 0.5 * out) / a_t**0.5,
+            "sample": out,
+            "v_prediction": a_t**0.5 * y + (1 - a_t) ** 0.5 * out,
+        }[pred]
         beta = 1 - a_t / a_p
         A, B = (a_t / a_p) ** 0.5 * (1 - a_p) / (1 - a_t), a_p**0.5 * beta / (1 - a_t)
         kappa = a_t / (a_p - a_t)  # beta = 1 - a_t / a_p cancels: its relative error is u a_t / (a_p - a_t)
@@ -152,14 +158,21 @@ def test_ddpm_one_step_equals_diffusers_every_step(cfg):
 
 def test_ddpm_thresholding_on_images_matches_diffusers():
     # dynamic thresholding takes its quantile per sample over C*H*W (event_ndim=3): [b, 2, 2, 2] states, T = 10
-    sch = DDPMScheduler(num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.7,
-                        sample_max_value=1.8, prediction_type="v_prediction")
+    sch = DDPMScheduler(
+        num_train_timesteps=1000,
+        thresholding=True,
+        dynamic_thresholding_ratio=0.7,
+        sample_max_value=1.8,
+        prediction_type="v_prediction",
+    )
     one_step_check(sch, 10, event=(2, 2, 2), event_ndim=3)
 
 
 def test_threshold_with_leading_dims_is_per_sample():
     # the dense round calls the kernel on [c, M, *event] (c steps, M rows each): the quantile stays per sample
-    sch = DDPMScheduler(num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.75, sample_max_value=2.0)
+    sch = DDPMScheduler(
+        num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.75, sample_max_value=2.0
+    )
     plan = from_scheduler(sch, 10, event_ndim=3)
     g = torch.Generator().manual_seed(3)
     c, M, event = 3, 5, (1, 4, 4)
@@ -168,7 +181,9 @@ def test_threshold_with_leading_dims_is_per_sample():
     n = torch.tensor([1, 4, 7])
     k = plan.schedule.kernel
     batched = k.mean(x, v, k.coefs(n, x))
-    rows = k.mean(x.reshape(c * M, *event), v.reshape(c * M, *event), k.coefs(n.repeat_interleave(M), x.reshape(c * M, *event)))
+    rows = k.mean(
+        x.reshape(c * M, *event), v.reshape(c * M, *event), k.coefs(n.repeat_interleave(M), x.reshape(c * M, *event))
+    )
     assert torch.equal(batched, rows.reshape(batched.shape))
     # and each row's threshold is diffusers' own _threshold_sample of that row's data prediction
     sch.set_timesteps(10)
@@ -198,13 +213,17 @@ def test_thresholding_is_per_sample_in_both_executions(tree, coupling):
     from specsamp.sampler import sample_speculative
     from specsamp.trees import DraftTree
 
-    sch = DDPMScheduler(num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.75, sample_max_value=1.5)
+    sch = DDPMScheduler(
+        num_train_timesteps=1000, thresholding=True, dynamic_thresholding_ratio=0.75, sample_max_value=1.5
+    )
     plan = from_scheduler(sch, 12, event_ndim=3)
     init = torch.randn(20, 1, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     init *= torch.linspace(0.5, 4.0, 20, dtype=torch.float64).reshape(20, 1, 1, 1)
     t = DraftTree.uniform(2, 3) if tree == "uniform" else DraftTree.chain(3)
-    runs = [sample_speculative(_Elementwise(), plan.schedule, t, coupling, 20, execution=ex, seed=1, draft="x0", init=init)
-            for ex in ("path", "tree")]
+    runs = [
+        sample_speculative(_Elementwise(), plan.schedule, t, coupling, 20, execution=ex, seed=1, draft="x0", init=init)
+        for ex in ("path", "tree")
+    ]
     for f in ("nfe", "rounds", "committed", "attempts", "accepts"):
         assert torch.equal(getattr(runs[0], f), getattr(runs[1], f)), f
     assert torch.equal(runs[0].samples, runs[1].samples)
@@ -242,10 +261,13 @@ def test_flow_stochastic_one_step_equals_diffusers_every_step(cfg):
 
 
 def test_plans_follow_the_schedulers_grids_and_initial_scale():
-    for sch, T in [(DDPMScheduler(timestep_spacing="trailing"), 25), (DDPMScheduler(steps_offset=1), 50),
-                   (EulerAncestralDiscreteScheduler(timestep_spacing="leading", steps_offset=1), 30),
-                   (EulerAncestralDiscreteScheduler(), 7),
-                   (FlowMatchEulerDiscreteScheduler(stochastic_sampling=True, shift=3.0), 28)]:
+    for sch, T in [
+        (DDPMScheduler(timestep_spacing="trailing"), 25),
+        (DDPMScheduler(steps_offset=1), 50),
+        (EulerAncestralDiscreteScheduler(timestep_spacing="leading", steps_offset=1), 30),
+        (EulerAncestralDiscreteScheduler(), 7),
+        (FlowMatchEulerDiscreteScheduler(stochastic_sampling=True, shift=3.0), 28),
+    ]:
         plan = from_scheduler(sch, T)
         assert getattr(sch, "num_inference_steps", None) is None  # the caller's scheduler is untouched
         sch.set_timesteps(T)

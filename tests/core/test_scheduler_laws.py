@@ -22,14 +22,13 @@ import time
 
 import pytest
 import torch
+from scheduler_models import law_pvalues, mixture_net, pipeline_loop
 
 from specsamp.integrations.schedulers import from_scheduler
 from specsamp.models.gmm import GaussianMixture
 from specsamp.models.parametrisation import GridTimesteps, Parametrised
 from specsamp.sampler import sample_speculative
 from specsamp.trees import DraftTree
-
-from scheduler_models import law_pvalues, mixture_net, pipeline_loop
 
 pytest.importorskip("diffusers")
 from diffusers import DDPMScheduler, EulerAncestralDiscreteScheduler, FlowMatchEulerDiscreteScheduler  # noqa: E402
@@ -57,20 +56,47 @@ def reference(sch, steps: int, prediction: str, n: int, mu=None, warp: float = 0
     return pipeline_loop(sch, mixture_net(GMM, sch, prediction, warp=warp), latents, g)
 
 
-def speculative(sch, steps: int, prediction: str, n: int, coupling: str, execution: str, dtype=torch.float64,
-                mu=None, seed: int = SPEC_SEED, warp: float = 0.0):
+def speculative(
+    sch,
+    steps: int,
+    prediction: str,
+    n: int,
+    coupling: str,
+    execution: str,
+    dtype=torch.float64,
+    mu=None,
+    seed: int = SPEC_SEED,
+    warp: float = 0.0,
+):
     plan = from_scheduler(sch, steps, event_ndim=1, mu=mu)
     fresh = type(sch).from_config(sch.config)
     fresh.set_timesteps(steps, **({"mu": mu} if mu is not None else {}))
     assert plan.prediction == prediction
-    model = Parametrised(mixture_net(GMM, fresh, prediction, warp=warp), plan.prediction, plan.coords, GMM.event_shape, dtype,
-                         time=GridTimesteps(plan.schedule.sigmas, plan.timesteps))
-    return sample_speculative(model, plan.schedule, TREES[coupling], coupling, n, draft="x0", execution=execution,
-                              seed=seed)
+    model = Parametrised(
+        mixture_net(GMM, fresh, prediction, warp=warp),
+        plan.prediction,
+        plan.coords,
+        GMM.event_shape,
+        dtype,
+        time=GridTimesteps(plan.schedule.sigmas, plan.timesteps),
+    )
+    return sample_speculative(
+        model, plan.schedule, TREES[coupling], coupling, n, draft="x0", execution=execution, seed=seed
+    )
 
 
-def check_law(kind, prediction, steps, n, couplings=("dgrs", "rmc"), tree_n=None, dtype=torch.float64, mu=None,
-              warp: float = WARP, **cfg):
+def check_law(
+    kind,
+    prediction,
+    steps,
+    n,
+    couplings=("dgrs", "rmc"),
+    tree_n=None,
+    dtype=torch.float64,
+    mu=None,
+    warp: float = WARP,
+    **cfg,
+):
     """The law of each coupling's path execution against the loop (``n`` samples each); the tree execution on the
     first ``tree_n`` trajectories (default ``n``) has the path's counts and samples (trajectory ``i`` draws the same
     keyed numbers in any run), so it has the path's law. Returns a report of p-values, NFE and seconds."""
@@ -83,12 +109,17 @@ def check_law(kind, prediction, steps, n, couplings=("dgrs", "rmc"), tree_n=None
         runs = {}
         for ex, rows in (("path", n), ("tree", m)):
             t0 = time.time()
-            runs[ex] = r = speculative(make(kind, prediction, **cfg), steps, prediction, rows, coupling, ex, dtype, mu,
-                                       warp=warp)
+            runs[ex] = r = speculative(
+                make(kind, prediction, **cfg), steps, prediction, rows, coupling, ex, dtype, mu, warp=warp
+            )
             assert bool(torch.isfinite(r.samples).all()) and r.samples.dtype == dtype
             p = law_pvalues(r.samples, ref, GMM) if rows == n else None  # the tree's law is tested when tree_n = n
-            report[(coupling, ex)] = dict(p_min=min(p.values()) if p else None, nfe=round(float(r.nfe_total.double().mean()), 3),
-                                         n=rows, seconds=round(time.time() - t0, 2))
+            report[(coupling, ex)] = dict(
+                p_min=min(p.values()) if p else None,
+                nfe=round(float(r.nfe_total.double().mean()), 3),
+                n=rows,
+                seconds=round(time.time() - t0, 2),
+            )
             assert p is None or min(p.values()) > P_MIN, f"{kind}/{prediction} {coupling} {ex}: {p}"
         a, b = runs["path"], runs["tree"]
         for field in ("nfe", "nfe_total", "rounds", "accepts", "attempts", "committed", "target_rows"):
@@ -118,9 +149,11 @@ FAST = [
 FAST_SLOW = ("v_prediction",)
 
 
-@pytest.mark.parametrize("kind,prediction,cfg",
-                         [pytest.param(*c, marks=pytest.mark.slow) if c[1] in FAST_SLOW else c for c in FAST],
-                         ids=[f"{k}-{p}-{'-'.join(map(str, c.values()))}" for k, p, c in FAST])
+@pytest.mark.parametrize(
+    "kind,prediction,cfg",
+    [pytest.param(*c, marks=pytest.mark.slow) if c[1] in FAST_SLOW else c for c in FAST],
+    ids=[f"{k}-{p}-{'-'.join(map(str, c.values()))}" for k, p, c in FAST],
+)
 def test_law_matches_the_diffusers_loop(kind, prediction, cfg):
     # d = 8, n = 1000, T = 20; dgrs K=2 L=4 and rmc chain L=12, path (n = 1000) and tree (its first 200)
     report = check_law(kind, prediction, 20, 1000, tree_n=200, **cfg)
@@ -136,8 +169,10 @@ def test_law_exact_network():
 def test_the_statistic_sees_a_wrong_grid():
     # power: the loop at one config, specsamp planned from a slightly different one (n = 1000, T = 20, rmc path):
     # min p below 1e-6 where the law tests ask above 1e-3; seeds as above
-    for kind, prediction, loop, spec in [("flow_stochastic", "flow", dict(shift=3.0), dict(shift=2.5)),
-                                         ("ddpm", "epsilon", dict(clip_sample=True), dict(clip_sample=False))]:
+    for kind, prediction, loop, spec in [
+        ("flow_stochastic", "flow", dict(shift=3.0), dict(shift=2.5)),
+        ("ddpm", "epsilon", dict(clip_sample=True), dict(clip_sample=False)),
+    ]:
         ref = reference(make(kind, prediction, **loop), 20, prediction, 1000, warp=WARP)
         r = speculative(make(kind, prediction, **spec), 20, prediction, 1000, "rmc", "path", warp=WARP)
         p = min(law_pvalues(r.samples, ref, GMM).values())
@@ -165,9 +200,11 @@ SLOW = [  # (kind, prediction, T, scheduler config, warp)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,prediction,steps,cfg,warp", SLOW,
-                         ids=[f"{k}-{p}-T{t}-{'-'.join(map(str, c.values()))}-{'warped' if w else 'exact'}"
-                              for k, p, t, c, w in SLOW])
+@pytest.mark.parametrize(
+    "kind,prediction,steps,cfg,warp",
+    SLOW,
+    ids=[f"{k}-{p}-T{t}-{'-'.join(map(str, c.values()))}-{'warped' if w else 'exact'}" for k, p, t, c, w in SLOW],
+)
 def test_law_matches_the_diffusers_loop_thorough(kind, prediction, steps, cfg, warp):
     # d = 8, n = 10,000 (the path's law), the tree on the first 2,000 (500 at T = 1000; counts equal, samples to
     # rounding); dgrs K=2 L=4, rmc chain L=12; min of 7 p-values > 1e-3; flow with dynamic shifting at mu = 0.8

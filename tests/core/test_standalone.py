@@ -14,15 +14,35 @@ import json
 import pytest
 from bare_env import run_blocked
 
-CORE = ("sampler", "coupling", "listcoupling", "drafts", "trees", "treesearch", "schedule", "rng", "theory", "round",
-        "round.tables", "round.compiled", "round.context", "round.loop", "round.sparse", "round.dense", "inductor",
-        "batching", "testing", "result", "grs", "markmax_params")
+CORE = (
+    "sampler",
+    "coupling",
+    "listcoupling",
+    "drafts",
+    "trees",
+    "treesearch",
+    "schedule",
+    "rng",
+    "theory",
+    "round",
+    "round.tables",
+    "round.compiled",
+    "round.context",
+    "round.loop",
+    "round.sparse",
+    "round.dense",
+    "inductor",
+    "batching",
+    "testing",
+    "result",
+    "grs",
+    "markmax_params",
+)
 BLOCKED = ("omegaconf", "hydra", "pandas", "matplotlib", "specsamp.models", "specsamp.runner")
 
 
 def test_the_blocker_refuses_a_subpackage_and_allows_its_parent():
-    code = ("import specsamp\n"
-            "try:\n    import specsamp.models\nexcept ModuleNotFoundError:\n    print('refused')\n")
+    code = "import specsamp\ntry:\n    import specsamp.models\nexcept ModuleNotFoundError:\n    print('refused')\n"
     proc = run_blocked(code, blocked=("specsamp.models",))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "refused"
@@ -88,5 +108,7 @@ def test_no_module_of_the_package_is_over_600_lines():
     import specsamp
 
     root = __import__("pathlib").Path(specsamp.__file__).parent
-    long = {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py")) if (n := len(p.read_text().splitlines())) > 600}
+    long = {
+        str(p.relative_to(root)): n for p in sorted(root.rglob("*.py")) if (n := len(p.read_text().splitlines())) > 600
+    }
     assert not long, f"split these modules by what each part owns: {long}"

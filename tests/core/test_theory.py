@@ -15,8 +15,6 @@ from specsamp import theory
 from specsamp.coupling import dgrs, rmc
 from specsamp.trees import DraftTree
 
-
-
 DELTAS = np.array([0.0, 1e-6, 0.05, 0.3, 1.0, 2.0, 3.5, 6.0, 12.0, 40.0])
 
 
@@ -156,7 +154,9 @@ def test_expected_steps_monte_carlo_rmc_chain():
     assert abs(steps.mean() - want) < 4 * se, (steps.mean(), want, se)
 
 
-@pytest.mark.parametrize("fn", [theory.rmc_acceptance, lambda d: theory.dgrs_acceptance(d, 2), lambda d: theory.list_coupling_bound(d, 2)])
+@pytest.mark.parametrize(
+    "fn", [theory.rmc_acceptance, lambda d: theory.dgrs_acceptance(d, 2), lambda d: theory.list_coupling_bound(d, 2)]
+)
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
 def test_bad_delta(fn, bad):
     with pytest.raises(ValueError, match="delta"):

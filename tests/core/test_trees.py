@@ -120,7 +120,12 @@ def test_internal_nodes_irregular():
 
 @pytest.mark.parametrize(
     "tree",
-    [DraftTree.uniform(2, 3), DraftTree.from_widths([3, 1, 2]), DraftTree.chain(5), DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4])],
+    [
+        DraftTree.uniform(2, 3),
+        DraftTree.from_widths([3, 1, 2]),
+        DraftTree.chain(5),
+        DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4]),
+    ],
     ids=lambda t: t.describe(),
 )
 def test_restrict_eq11(tree):
@@ -153,7 +158,13 @@ def test_restrict_negative_raises():
 
 @pytest.mark.parametrize(
     "tree",
-    [DraftTree.uniform(2, 3), DraftTree.uniform(5, 3), DraftTree.from_widths([3, 1, 2]), DraftTree.chain(6), DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4])],
+    [
+        DraftTree.uniform(2, 3),
+        DraftTree.uniform(5, 3),
+        DraftTree.from_widths([3, 1, 2]),
+        DraftTree.chain(6),
+        DraftTree([-1, 0, 0, 0, 1, 1, 2, 4, 4]),
+    ],
     ids=lambda t: t.describe(),
 )
 def test_call_rows_by_depth(tree):
@@ -192,7 +203,9 @@ def test_invalid_parent_arrays(parent):
         DraftTree(parent)
 
 
-@pytest.mark.parametrize("K,L,bad", [(0, 3, "K=0"), (-2, 3, "K=-2"), (2, 0, "L=0"), (3, -1, "L=-1"), (1.5, 2, "K=1.5"), (True, 2, "K=True")])
+@pytest.mark.parametrize(
+    "K,L,bad", [(0, 3, "K=0"), (-2, 3, "K=-2"), (2, 0, "L=0"), (3, -1, "L=-1"), (1.5, 2, "K=1.5"), (True, 2, "K=True")]
+)
 def test_uniform_bad_K_L(K, L, bad):
     with pytest.raises(ValueError, match=bad):
         DraftTree.uniform(K, L)

@@ -9,8 +9,7 @@ any uniform (K, L) tree of the same or a smaller budget. Tolerance 1e-12 through
 import numpy as np
 import pytest
 
-from specsamp import theory
-from specsamp import treesearch as ts
+from specsamp import theory, treesearch as ts
 from specsamp.trees import DraftTree, budget as uniform_budget
 
 

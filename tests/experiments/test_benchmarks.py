@@ -45,13 +45,19 @@ def test_overhead_and_memory_benchmarks_report_rows():
     assert r["overhead_s"] > 0 and r["rounds"] >= 1 and r["budget"] == 14
     rows = overhead_table(LinearVelocity((3, 8, 8)), "proxy", budgets=(14,), probe=2, progress=None)
     assert rows[0]["fraction"] == pytest.approx(rows[0]["overhead_s"] / rows[0]["call_s"])
-    out = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--one", "coupling", "3x32x32", "--trajectories", "2"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--one", "coupling", "3x32x32", "--trajectories", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out)["what"] == "coupling"
 
 
 def test_make_targets_point_at_the_benchmarks():
-    out = subprocess.run(["make", "-n", "bench", "gpu-check", "bench-samplers"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["make", "-n", "bench", "gpu-check", "bench-samplers"], capture_output=True, text=True, check=True
+    ).stdout
     assert "benchmarks.bench" in out and "benchmarks.gpu_check" in out and "benchmarks.samplers" in out
 
 
@@ -75,8 +81,13 @@ def test_gmm_batch1_reports_every_arm_and_refuses_bad_sizes(tmp_path, capsys):
     from benchmarks import gmm_batch1
 
     rows = gmm_batch1.measure(repeats=1, single=1, batch=2, cells=(("rmc", 2, 3),), progress=None)
-    assert [r["arm"] for r in rows] == ["numpy loop", "specsamp tree n=1", "specsamp tree n=2", "specsamp path n=1",
-                                        "specsamp path n=2"]
+    assert [r["arm"] for r in rows] == [
+        "numpy loop",
+        "specsamp tree n=1",
+        "specsamp tree n=2",
+        "specsamp path n=1",
+        "specsamp path n=2",
+    ]
     assert rows[0]["ratio"] == 1.0 and all(r["median_s"] > 0 for r in rows)
     assert all((r["ops_per_traj"] or 0) > 0 for r in rows if r["arm"].endswith("n=1"))
     assert gmm_batch1.main(["--repeats", "0"]) == 2
@@ -91,7 +102,10 @@ def test_timings_name_the_cpu_and_roundcost_refuses_bad_arguments(capsys):
 
     name = cpu_model()
     assert name and f"{__import__('os').cpu_count()} CPUs)" in name and "(" in name
-    assert roundcost.main(["--arms", "nope"]) == 2 and "--arms='nope' --n=1 --repeats=5 is invalid" in capsys.readouterr().err
+    assert (
+        roundcost.main(["--arms", "nope"]) == 2
+        and "--arms='nope' --n=1 --repeats=5 is invalid" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow
@@ -104,7 +118,9 @@ def test_roundcost_parts_add_up_to_the_wall_time():
     assert rmc["rounds"] > 0 and rmc["ops"] > 0
     for r in rows:  # the parts add up to the uninstrumented wall time
         parts = r["network_ms"] + r["tables_ms"] + r["aten_ms"] + r["alloc_ms"] + r["python_ms"]
-        assert math.isclose(parts, r["wall_ms"], rel_tol=1e-9) and min(r["network_ms"], r["aten_ms"], r["python_ms"]) >= 0
+        assert (
+            math.isclose(parts, r["wall_ms"], rel_tol=1e-9) and min(r["network_ms"], r["aten_ms"], r["python_ms"]) >= 0
+        )
     assert rmc["tables_ms"] > 0
 
 
@@ -119,15 +135,22 @@ def test_golden_compare_sees_a_changed_bit_and_ignores_wall_time(tmp_path):
     for side, wall in (("a", 0.5), ("b", 0.7)):
         d = tmp_path / side / "cfg"
         d.mkdir(parents=True)
-        (d / "result.json").write_text(json.dumps({"nfe": {"mean": 3.0}, "wall_seconds": wall,
-                                                   "versions": {"git": side}, "output_dir": str(d)}))
+        (d / "result.json").write_text(
+            json.dumps({"nfe": {"mean": 3.0}, "wall_seconds": wall, "versions": {"git": side}, "output_dir": str(d)})
+        )
         torch.save(torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float64), d / "samples.pt")
     assert golden.compare(tmp_path / "a", tmp_path / "b") == []
     x = torch.tensor([1.0, 0.0, float("nan")], dtype=torch.float64)  # -0.0 -> 0.0: equal under ==, not bitwise
     torch.save(x, tmp_path / "b" / "cfg" / "samples.pt")
     assert golden.compare(tmp_path / "a", tmp_path / "b") == ["cfg: samples.pt differs"]
-    assert set(golden.CONFIGS) >= {"gmm_dgrs_path", "gmm_dgrs_tree", "gmm_markmax", "gmm_refine1",
-                                   "digits_x0_optimal14", "patches32_dgrs"}
+    assert set(golden.CONFIGS) >= {
+        "gmm_dgrs_path",
+        "gmm_dgrs_tree",
+        "gmm_markmax",
+        "gmm_refine1",
+        "digits_x0_optimal14",
+        "patches32_dgrs",
+    }
 
 
 def test_samplers_benchmark_keeps_counts_apart_from_timings_and_refuses_bad_arguments(tmp_path, capsys):
@@ -139,8 +162,24 @@ def test_samplers_benchmark_keeps_counts_apart_from_timings_and_refuses_bad_argu
     from benchmarks import samplers
 
     out = tmp_path / "s.json"
-    assert samplers.main(["--tiny", "--n", "1", "--repeats", "1", "--cases", "ddpm:12,flow_stochastic:6",
-                          "--targets", "gmm", "--out", str(out)]) == 0
+    assert (
+        samplers.main(
+            [
+                "--tiny",
+                "--n",
+                "1",
+                "--repeats",
+                "1",
+                "--cases",
+                "ddpm:12,flow_stochastic:6",
+                "--targets",
+                "gmm",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["n"] == 1 and (len(res["commit"]) == 40 or res["commit"] == "unknown")
     names = [c.name for c in samplers.CONFIGS]
@@ -150,7 +189,9 @@ def test_samplers_benchmark_keeps_counts_apart_from_timings_and_refuses_bad_argu
         for c in counts:
             assert not {"median_s", "wall_speedup"} & set(c)
             assert c["loop_calls_per_image"] / c["calls_per_image"] == pytest.approx(c["nfe_speedup"])
-            assert c["calls_per_image"] <= c["rows_per_image"] and all(0 <= a <= 1 for a in c["acceptance_by_depth"] if a is not None)
+            assert c["calls_per_image"] <= c["rows_per_image"] and all(
+                0 <= a <= 1 for a in c["acceptance_by_depth"] if a is not None
+            )
         timed = [t["arm"] for t in res["timings"] if t["case"] == case]
         assert timed == ["loop", *names]
     assert {"chain 14", "chain 62", "chain 14 walk", "chain 62 walk"} <= set(res["estimate"][0])

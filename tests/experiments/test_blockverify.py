@@ -44,8 +44,13 @@ from specsamp.trees import DraftTree
 
 ALPHA = 0.01  # family-wise false-alarm level of one case (Bonferroni over its p-values)
 D, S, A = 3, 0.5, 0.8
-U = [torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)]  # displacement directions, alternating
-V = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)  # the draft's error length depends on this coordinate of the parent
+U = [
+    torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
+    torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64),
+]  # displacement directions, alternating
+V = torch.tensor(
+    [0.0, 0.0, 1.0], dtype=torch.float64
+)  # the draft's error length depends on this coordinate of the parent
 
 
 def bias(i):
@@ -60,7 +65,9 @@ def draft_chains(n, delta, seed, L=4, dtype=torch.float64):
         mq = A * x + bias(i)
         scale = delta * 2.0 * torch.sigmoid(4.0 * x @ V)
         mp = mq - S * scale[:, None] * U[i % 2]
-        x = (mp + S * torch.randn(n, D, generator=g, dtype=torch.float64)).to(dtype).double()  # the drafted node, as stored
+        x = (
+            (mp + S * torch.randn(n, D, generator=g, dtype=torch.float64)).to(dtype).double()
+        )  # the drafted node, as stored
         kids.append(x)
         mps.append(mp)
         mqs.append(mq)
@@ -111,7 +118,9 @@ def test_committed_path_has_the_target_chain_law(rule, delta, L, dtype):
     elif 0.3 <= delta <= 1.0 and L == 4:
         assert 0 < int(full.sum()) < n  # both branches exercised
     if delta >= 100:
-        assert float((v.accepted == 0).double().mean()) > 0.8  # most chains stop at their first node: residuals carry the law
+        assert (
+            float((v.accepted == 0).double().mean()) > 0.8
+        )  # most chains stop at their first node: residuals carry the law
     path = completed_paths(root, v, kids, g)
     pv = []
     for j, (mu, var) in enumerate(target_moments(root, L)):
@@ -130,8 +139,10 @@ def test_law_test_catches_a_residual_that_ignores_the_running_weight(monkeypatch
     root, kids, mps, mqs, g = draft_chains(4000, 0.3, seed=103)
     v = block_verify_chain(kids, mps, mqs, S, torch.Generator().manual_seed(7))
     path = completed_paths(root, v, kids, g)
-    pv = [stats.kstest(((path[j] - mu) / math.sqrt(var) @ U[j % 2]).numpy(), "norm").pvalue
-          for j, (mu, var) in enumerate(target_moments(root, 4))]
+    pv = [
+        stats.kstest(((path[j] - mu) / math.sqrt(var) @ U[j % 2]).numpy(), "norm").pvalue
+        for j, (mu, var) in enumerate(target_moments(root, 4))
+    ]
     assert min(pv) < 1e-6, pv
 
 
@@ -222,7 +233,9 @@ def test_one_round_from_exact_roots_keeps_the_target_law(rule, n0, L, draft):
     seed = 400 + L
     x, v, nn = exact_state(seed, ids, n0)
     ch = draft_chain(MODEL, SCHED, x, v, nn, L, draft=draft, seed=seed)
-    verdict = verify(ch.children, ch.mean_p, ch.mean_q, ch.sigma, rng.KeyedRows(rng.fold(rng.base_key(seed, ids, "verify"), nn)))
+    verdict = verify(
+        ch.children, ch.mean_p, ch.mean_q, ch.sigma, rng.KeyedRows(rng.fold(rng.base_key(seed, ids, "verify"), nn))
+    )
     assert 0 < int((verdict.accepted == L).sum()) < ids.numel()  # both branches exercised
     out = continue_by_target(verdict.sample, nn + verdict.steps, seed + 1, ids)
     ref = sample_standard(MODEL, SCHED, 4000, seed=10_000).samples
@@ -274,8 +287,9 @@ def test_a_long_block_chain_from_exact_roots_keeps_the_target_law():
     ids = torch.arange(20_000)
     x, v, nn = exact_state(500, ids, 1, sched)
     ch = draft_chain(MODEL, sched, x, v, nn, 24, draft="x0", seed=500)
-    verdict = block_verify_chain(ch.children, ch.mean_p, ch.mean_q, ch.sigma,
-                                 rng.KeyedRows(rng.fold(rng.base_key(500, ids, "verify"), nn)))
+    verdict = block_verify_chain(
+        ch.children, ch.mean_p, ch.mean_q, ch.sigma, rng.KeyedRows(rng.fold(rng.base_key(500, ids, "verify"), nn))
+    )
     assert len(torch.unique(verdict.steps)) > 5  # residuals at many depths
     out = continue_by_target(verdict.sample, nn + verdict.steps, 501, ids, sched=sched)
     ref = sample_standard(MODEL, sched, 40_000, seed=10_001).samples

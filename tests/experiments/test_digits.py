@@ -21,8 +21,8 @@ import torch
 from helpers import ROOT, chi2_same_counts, run_digits_with_fid, two_sample_pvalues
 
 from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
-from specsamp.models import digits
 from specsamp.hub import CheckpointTrustError, file_sha256
+from specsamp.models import digits
 from specsamp.models.edm import CHECKPOINTS, EDMConfig, EDMVelocity, uniform_labels
 
 NAME = "edm-digits-8x8-cond"
@@ -60,8 +60,8 @@ def test_denoiser_loads_through_the_checked_loader_and_tampering_is_refused(tmp_
 def test_classifier_extractor_through_torch_fidelity_scores_real_digits_near_zero():
     pytest.importorskip("torch_fidelity")
     pytest.importorskip("sklearn")
-    from specsamp.metrics.fid import compute_fid, extract_features
     from specsamp.images import to_uint8
+    from specsamp.metrics.fid import compute_fid, extract_features
 
     x, y = digits.load_digits_data()
     pics = to_uint8(x)  # [N, 8, 8, 1] uint8, as saved PNGs hold them
@@ -141,11 +141,19 @@ def test_training_script_writes_checked_loadable_files(tmp_path):
     pytest.importorskip("sklearn")
     from experiments import train_digits
 
-    assert train_digits.main(["--steps", "3", "--batch", "8", "--classifier-epochs", "1", "--out-dir", str(tmp_path)]) == 0
+    assert (
+        train_digits.main(["--steps", "3", "--batch", "8", "--classifier-epochs", "1", "--out-dir", str(tmp_path)]) == 0
+    )
     sha = file_sha256(tmp_path / digits.DENOISER_FILE.name)
-    net = EDMConfig(name="retrained", path=str(tmp_path / digits.DENOISER_FILE.name), sha256=sha, labels="uniform").build("cpu").model.net
+    net = (
+        EDMConfig(name="retrained", path=str(tmp_path / digits.DENOISER_FILE.name), sha256=sha, labels="uniform")
+        .build("cpu")
+        .model.net
+    )
     assert type(net).__name__ == "EDMPrecond" and net.label_dim == 10
-    clf = digits.load_classifier(tmp_path / digits.CLASSIFIER_FILE.name, sha256=file_sha256(tmp_path / digits.CLASSIFIER_FILE.name))
+    clf = digits.load_classifier(
+        tmp_path / digits.CLASSIFIER_FILE.name, sha256=file_sha256(tmp_path / digits.CLASSIFIER_FILE.name)
+    )
     assert clf(torch.zeros(2, 1, 8, 8))[1].shape == (2, 10)
     assert (tmp_path / digits.REFERENCE_FILE.name).is_file()
     assert train_digits.main(["--steps", "0"]) == 2  # bad input: exit status 2, nothing written
@@ -157,10 +165,16 @@ def test_sharded_fid_route_end_to_end(tmp_path):
     ``python -m specsamp.metrics.fid MERGED_DIR --ref digits-8x8`` and by its samples.pt; both equal the FID
     an unsharded run scores for itself (batch_size=3: the shards run the unsharded run's batches, so the images
     are the same bytes and the FIDs are equal to float64 rounding of one computation, 1e-12 relative)."""
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        HYDRA_FULL_ERROR="0",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     common = ["model=digits", "steps=6", "n_samples=6", "batch_size=3", "save_samples=true", "progress=false"]
-    sh = lambda *a: subprocess.run([sys.executable, *a], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)  # noqa: E731
+    sh = lambda *a: subprocess.run(
+        [sys.executable, *a], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+    )  # noqa: E731
     single = sh(str(ROOT / "run.py"), *common, "metrics=[fid]", f"hydra.run.dir={tmp_path / 'single'}")
     assert single.returncode == 0, single.stderr
     want = json.loads((tmp_path / "single" / "result.json").read_text())["fid"]
@@ -170,7 +184,17 @@ def test_sharded_fid_route_end_to_end(tmp_path):
     assert sorted(f.name for f in (merged / "images").iterdir()) == [f"{i:06d}.png" for i in range(6)]
     assert (merged / "grid.png").read_bytes() == (tmp_path / "single" / "grid.png").read_bytes()
     for target in (merged, merged / "images", merged / "samples.pt"):
-        f = sh("-m", "specsamp.metrics.fid", str(target), "--ref", "digits-8x8", "--device", "cpu", "--json", str(tmp_path / "f.json"))
+        f = sh(
+            "-m",
+            "specsamp.metrics.fid",
+            str(target),
+            "--ref",
+            "digits-8x8",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "f.json"),
+        )
         assert f.returncode == 0, f.stderr
         assert f.stdout.startswith("FID ") and "digits-classifier" in f.stdout  # the extractor comes from the record
         got = json.loads((tmp_path / "f.json").read_text())

@@ -45,7 +45,13 @@ def _anchors(path: Path) -> set[str]:
 def test_readme_is_under_300_lines_and_links_every_document():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) < 300
-    for target in ("results/README.md", "docs/architecture.md", "docs/extending.md", "docs/protocol.md", "docs/running.md"):
+    for target in (
+        "results/README.md",
+        "docs/architecture.md",
+        "docs/extending.md",
+        "docs/protocol.md",
+        "docs/running.md",
+    ):
         assert f"]({target})" in text, target
 
 
@@ -130,8 +136,12 @@ def test_subprocesses_start_python_by_sys_executable():
     for folder in ("tests", "benchmarks", "experiments"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls
-                        and node.args):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in calls
+                    and node.args
+                ):
                     continue
                 first = node.args[0]
                 if isinstance(first, (ast.List, ast.Tuple)) and first.elts:

@@ -42,11 +42,15 @@ def test_pixel_init_collect_figures(tmp_path, record, monkeypatch, capsys):
     fid = pd.read_csv(tmp_path / "pixel" / "fid.csv")
     assert fid["fid"].isna().all() and fid["fid_paper"].tolist() == [1.79, 1.822, 1.824, 2.39, 2.88, 2.86]
     speed = {"mean": 2.4, "std": 0.3, "sem": 0.03}
-    sweep = write_jobs(tmp_path / "sweep", record, [
-        {"sampler": "dgrs", "eps": 0.3, "K": 2, "L": 3, "speedup": speed, "model": "edm-cifar10-32x32-cond-vp"},
-        {"sampler": "rmc", "eps": 0.1, "K": 4, "L": 4, "speedup": {**speed, "mean": 2.2}},
-        {"sampler": "dgrs", "eps": 0.3, "K": 9, "L": 9, "speedup": speed},  # not a cell of Figure 4: ignored
-    ])
+    sweep = write_jobs(
+        tmp_path / "sweep",
+        record,
+        [
+            {"sampler": "dgrs", "eps": 0.3, "K": 2, "L": 3, "speedup": speed, "model": "edm-cifar10-32x32-cond-vp"},
+            {"sampler": "rmc", "eps": 0.1, "K": 4, "L": 4, "speedup": {**speed, "mean": 2.2}},
+            {"sampler": "dgrs", "eps": 0.3, "K": 9, "L": 9, "speedup": speed},  # not a cell of Figure 4: ignored
+        ],
+    )
     assert pixel.main(["collect", "--dataset", "cifar10", "--sweep", str(sweep)]) == 0
     assert "2 of 24 cells filled" in capsys.readouterr().out
     t = pd.read_csv(tmp_path / "pixel" / "fig4_cifar10.csv")
@@ -66,11 +70,24 @@ def test_sd3_init_collect_figures(tmp_path, record, monkeypatch, capsys):
     assert sd3.main(["init"]) == 0
     rows = []
     for K, sp, clip in ((6, 1.18, 31.2), (3, 1.11, 31.0)):
-        rec = {"sampler": "dgrs", "K": K, "L": 2, "speedup": {"mean": sp, "std": 0.1, "sem": 0.01},
-               "clip_score": clip, "metrics": {"clip_score": clip, "clip_score_sem": 0.4, "clip_scores": [clip] * 4}}
+        rec = {
+            "sampler": "dgrs",
+            "K": K,
+            "L": 2,
+            "speedup": {"mean": sp, "std": 0.1, "sem": 0.01},
+            "clip_score": clip,
+            "metrics": {"clip_score": clip, "clip_score_sem": 0.4, "clip_scores": [clip] * 4},
+        }
         rows.append(rec)
-    rows.append({"sampler": "standard", "K": 1, "L": 1, "speedup": {"mean": 1.0, "std": 0.0, "sem": 0.0},
-                 "metrics": {"clip_score": 31.1, "clip_score_sem": 0.5}})
+    rows.append(
+        {
+            "sampler": "standard",
+            "K": 1,
+            "L": 1,
+            "speedup": {"mean": 1.0, "std": 0.0, "sem": 0.0},
+            "metrics": {"clip_score": 31.1, "clip_score_sem": 0.5},
+        }
+    )
     sweep = write_jobs(tmp_path / "sweep", record, rows)
     assert sd3.main(["collect", "--sweep", str(sweep)]) == 0
     t = pd.read_csv(tmp_path / "sd3" / "fig5_table1.csv")
@@ -122,7 +139,17 @@ def test_make_sweep_local_comment_gives_the_cells_speedups():
     got = []
     for K in (1, 2):
         for L in (2, 3):
-            rec, _ = run_config(compose([f"model.dim={args[0]}", f"steps={args[1]}", f"n_samples={args[2]}",
-                                         f"K={K}", f"L={L}", "progress=false"]))
+            rec, _ = run_config(
+                compose(
+                    [
+                        f"model.dim={args[0]}",
+                        f"steps={args[1]}",
+                        f"n_samples={args[2]}",
+                        f"K={K}",
+                        f"L={L}",
+                        "progress=false",
+                    ]
+                )
+            )
             got.append(round(rec["speedup"]["mean"], 2))
     assert got == said

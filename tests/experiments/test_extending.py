@@ -37,8 +37,11 @@ def test_every_part_has_a_section():
 def test_example_runs_through_run_py(title, tmp_path):
     ext = tmp_path / "ext"
     found = blocks(section(title))
-    files = [(body.split("\n", 1)[0][len("# file: "):].strip(), body) for lang, body in found
-             if lang in ("python", "yaml") and body.startswith("# file: ")]
+    files = [
+        (body.split("\n", 1)[0][len("# file: ") :].strip(), body)
+        for lang, body in found
+        if lang in ("python", "yaml") and body.startswith("# file: ")
+    ]
     assert files, f"section {title!r} has no file block"
     for path, body in files:
         (ext / path).parent.mkdir(parents=True, exist_ok=True)
@@ -48,8 +51,9 @@ def test_example_runs_through_run_py(title, tmp_path):
     words = shlex.split(command.replace("$PWD/ext", str(ext)))
     assert words[:3] == ["PYTHONPATH=ext", "python", "run.py"], command
     env = dict(os.environ, PYTHONPATH=str(ext), WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
-    p = python([sys.executable, str(ROOT / "run.py"), *words[3:], f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT,
-               env=env)
+    p = python(
+        [sys.executable, str(ROOT / "run.py"), *words[3:], f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT, env=env
+    )
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("model=")]
     assert line.startswith(expected + "  speedup "), line
@@ -60,11 +64,16 @@ def test_a_typo_in_the_models_keys_names_its_own(tmp_path):
     ext = tmp_path / "ext"
     for _lang, body in blocks(section("A model")):
         if body.startswith("# file: "):
-            path = ext / body.split("\n", 1)[0][len("# file: "):].strip()
+            path = ext / body.split("\n", 1)[0][len("# file: ") :].strip()
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(body)
     env = dict(os.environ, PYTHONPATH=str(ext), WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
-    args = ["model=gaussian", "model.ss=1", f"hydra.searchpath=[file://{ext / 'myconf'}]", f"hydra.run.dir={tmp_path / 'out'}"]
+    args = [
+        "model=gaussian",
+        "model.ss=1",
+        f"hydra.searchpath=[file://{ext / 'myconf'}]",
+        f"hydra.run.dir={tmp_path / 'out'}",
+    ]
     p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env)
     claim = re.search(r'exits 2 with "(.*?)"', section("A model"), re.S).group(1)
     assert p.returncode == 2 and " ".join(claim.split()) in p.stderr, p.stderr

@@ -24,7 +24,11 @@ def _band(ax, lo, hi, text):
     """A patch labelled ``text`` spanning [lo, hi] in y (axhspan draws a rectangle or polygon)."""
     for p in ax.patches:
         if text in (p.get_label() or ""):
-            ys = p.get_path().transformed(p.get_patch_transform()).vertices[:, 1] if isinstance(p, Rectangle) else p.get_xy()[:, 1]
+            ys = (
+                p.get_path().transformed(p.get_patch_transform()).vertices[:, 1]
+                if isinstance(p, Rectangle)
+                else p.get_xy()[:, 1]
+            )
             if np.isclose(ys.min(), lo) and np.isclose(ys.max(), hi):
                 return True
     return False
@@ -48,8 +52,12 @@ def test_gmm_figures_1_and_7_draw_the_papers_values(grid):
 
     fig = paper.mark_fig7(gmm._speedup_vs_k(grid))
     ax = fig.axes[0]
-    pts = {(float(x), float(y)) for line in ax.get_lines() if line.get_marker() == "*"
-           for x, y in zip(line.get_xdata(), line.get_ydata())}
+    pts = {
+        (float(x), float(y))
+        for line in ax.get_lines()
+        if line.get_marker() == "*"
+        for x, y in zip(line.get_xdata(), line.get_ydata())
+    }
     assert pts == {(5.0, 2.14), (6.0, 2.33), (7.0, 2.34)}
     assert _band(ax, 1.96, 2.00, "paper: RMC plateau")
     assert any(np.allclose(line.get_ydata(), 1.876) for line in ax.get_lines())
@@ -86,8 +94,10 @@ def test_beyond_frontier_gives_the_mixture_specific_arms_their_own_panel():
     general, specific = [a for a in fig.axes if a.get_title()]
     names = lambda ax: {lab for lab in ax.get_legend_handles_labels()[1]}  # noqa: E731
     assert not any("affine" in n for n in names(general))
-    assert {n for n in names(specific) if "affine" in n} == {"x0 affine + optimal tree (mixture-specific)",
-                                                            "x0 affine + tree per step (mixture-specific)"}
+    assert {n for n in names(specific) if "affine" in n} == {
+        "x0 affine + optimal tree (mixture-specific)",
+        "x0 affine + tree per step (mixture-specific)",
+    }
     lo, hi = general.get_ylim()
     assert hi < 3.5  # the general levers span most of their axis
     plt.close(fig)
@@ -122,8 +132,12 @@ def test_figure_5_has_integer_K_and_the_papers_values():
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "3", "4", "5", "6", "7"]
     assert ax.get_xlim() == (1.5, 7.5)
-    stars = [(float(x), float(y)) for line in ax.get_lines() if line.get_marker() == "*"
-             for x, y in zip(line.get_xdata(), line.get_ydata())]
+    stars = [
+        (float(x), float(y))
+        for line in ax.get_lines()
+        if line.get_marker() == "*"
+        for x, y in zip(line.get_xdata(), line.get_ydata())
+    ]
     assert stars == [(6.0, 1.18)]
     assert _band(ax, 1.10, 1.12, "paper: RMC")
     plt.close(fig)

@@ -6,13 +6,27 @@ import json
 
 import pytest
 import torch
-
 from bare_env import DEVICE_LACKS, NOT_CORE, run_blocked
 
-CORE = ("specsamp", "specsamp.sampler", "specsamp.coupling", "specsamp.listcoupling", "specsamp.drafts", "specsamp.trees",
-        "specsamp.treesearch", "specsamp.schedule", "specsamp.rng", "specsamp.theory", "specsamp.testing",
-        "specsamp.models", "specsamp.models.edm", "specsamp.models.gmm", "benchmarks.stand_in", "benchmarks.ddpmpp",
-        "benchmarks.gpu_check")
+CORE = (
+    "specsamp",
+    "specsamp.sampler",
+    "specsamp.coupling",
+    "specsamp.listcoupling",
+    "specsamp.drafts",
+    "specsamp.trees",
+    "specsamp.treesearch",
+    "specsamp.schedule",
+    "specsamp.rng",
+    "specsamp.theory",
+    "specsamp.testing",
+    "specsamp.models",
+    "specsamp.models.edm",
+    "specsamp.models.gmm",
+    "benchmarks.stand_in",
+    "benchmarks.ddpmpp",
+    "benchmarks.gpu_check",
+)
 
 
 def test_core_edm_adapter_and_stand_ins_import_with_torch_numpy_scipy_only():
@@ -82,7 +96,9 @@ def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path, monkeyp
         raise RuntimeError("planted failure")
 
     monkeypatch.setitem(gpu_check.SECTION_FNS, "call_cost", broken)
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--sections", "call_cost,projection,compile", "--out", str(tmp_path)])
+    rc = gpu_check.main(
+        ["--device", "cpu", "--tiny", "--sections", "call_cost,projection,compile", "--out", str(tmp_path)]
+    )
     assert rc == 1
     rec = {s: json.loads((tmp_path / f"{s}.json").read_text()) for s in ("call_cost", "projection", "compile")}
     assert rec["call_cost"]["status"] == "error" and "planted failure" in rec["call_cost"]["traceback"]
@@ -94,14 +110,23 @@ def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path, monkeyp
 def test_a_spent_budget_skips_sections_and_exits_1(tmp_path):
     from benchmarks import gpu_check
 
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--sections", "compile", "--budget-s", "1e-9", "--out", str(tmp_path)])
+    rc = gpu_check.main(
+        ["--device", "cpu", "--tiny", "--sections", "compile", "--budget-s", "1e-9", "--out", str(tmp_path)]
+    )
     rec = json.loads((tmp_path / "compile.json").read_text())
     assert rc == 1 and rec["status"] == "skipped" and "budget" in rec["reason"]
 
 
-@pytest.mark.parametrize("argv, key", [(["--sections", "wallclock,nope"], "--sections"), (["--repeats", "0"], "--repeats"),
-                                       (["--batches", "1,x"], "--batches"), (["--device", "tpu"], "--device"),
-                                       (["--budget-s", "0"], "--budget-s")])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--sections", "wallclock,nope"], "--sections"),
+        (["--repeats", "0"], "--repeats"),
+        (["--batches", "1,x"], "--batches"),
+        (["--device", "tpu"], "--device"),
+        (["--budget-s", "0"], "--budget-s"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_key(argv, key, capsys):
     from benchmarks import gpu_check
 
@@ -134,11 +159,22 @@ def test_x0_optimal_arms_are_the_runners_tree_optimal():
     from specsamp.runner.config import compose, load_config
 
     for B in (14, 62):
-        run = load_config(compose(["model=digits", "sampler=dgrs", "draft=x0", "tree=optimal", f"budget={B}",
-                                   "delta_profile=edm-digits-8x8-cond_x0"]))[0]
+        run = load_config(
+            compose(
+                [
+                    "model=digits",
+                    "sampler=dgrs",
+                    "draft=x0",
+                    "tree=optimal",
+                    f"budget={B}",
+                    "delta_profile=edm-digits-8x8-cond_x0",
+                ]
+            )
+        )[0]
         tree, budget = build_tree(run, get_coupling("dgrs"), run.steps - 2, given_profile(run))
-        assert budget == B and torch.equal(torch.as_tensor(tree.parent),
-                                           torch.as_tensor(x0_optimal_tree(B, run.steps).parent))
+        assert budget == B and torch.equal(
+            torch.as_tensor(tree.parent), torch.as_tensor(x0_optimal_tree(B, run.steps).parent)
+        )
 
 
 def test_timed_model_records_rows_and_projection_prices_them():
@@ -150,7 +186,11 @@ def test_timed_model_records_rows_and_projection_prices_them():
     m(torch.zeros(3, 4, dtype=torch.float64), torch.full((3,), 0.5))
     m(torch.zeros(5, 4, dtype=torch.float64), torch.full((5,), 0.5))
     assert m.rows == [3, 5] and m.network_s() > 0
-    curve = [{"rows": 1, "seconds": {"median": 1.0}}, {"rows": 4, "seconds": {"median": 2.5}}, {"rows": 8, "error": "oom"}]
+    curve = [
+        {"rows": 1, "seconds": {"median": 1.0}},
+        {"rows": 4, "seconds": {"median": 2.5}},
+        {"rows": 8, "error": "oom"},
+    ]
     assert [_interp(curve, r) for r in (1, 2, 4, 8)] == [1.0, 1.5, 2.5, 5.0]
 
 
@@ -255,11 +295,27 @@ def test_the_command_runs_the_package_and_writes_each_record_once(tmp_path):
 
     from helpers import ROOT, python
 
-    p = python([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--tiny", "--sections",
-                "compile", "--out", str(tmp_path)], cwd=ROOT, timeout=120)
+    p = python(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--sections",
+            "compile",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["compile.json", "summary.txt"]
     rec = json.loads((tmp_path / "compile.json").read_text())
     assert list(rec) == ["section", "env", "tiny", "seed", "status", "passed", "result", "seconds", "elapsed_s"]
-    assert rec["env"]["device"] == "cpu" and {"torch", "python", "cpu_threads", "matmul_allow_tf32", "date"} <= set(rec["env"])
+    assert rec["env"]["device"] == "cpu" and {"torch", "python", "cpu_threads", "matmul_allow_tf32", "date"} <= set(
+        rec["env"]
+    )
     assert "# every section ran: compile ok" in (tmp_path / "summary.txt").read_text()

@@ -56,8 +56,12 @@ def import_graph() -> dict[str, frozenset[str]]:
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), str(path))
-        graph[name] = frozenset(t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                                for t in _targets(node, name, is_package, known))
+        graph[name] = frozenset(
+            t
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for t in _targets(node, name, is_package, known)
+        )
     return graph
 
 
@@ -126,14 +130,23 @@ def _loop(component: list[str], graph) -> list[str]:
 def _describe(component: list[str], graph) -> str:
     """One component: a chain of imports around it, then each member's imports inside it."""
     inside = set(component)
-    return (" -> ".join(_loop(component, graph)) + "\n    (" +
-            "; ".join(f"{m} imports {', '.join(sorted(graph[m] & inside))}" for m in component) + ")")
+    return (
+        " -> ".join(_loop(component, graph))
+        + "\n    ("
+        + "; ".join(f"{m} imports {', '.join(sorted(graph[m] & inside))}" for m in component)
+        + ")"
+    )
 
 
 def test_the_graph_is_read_as_written():
     graph = import_graph()
-    assert {"specsamp", "specsamp.runner.loop", "experiments.gmm", "benchmarks.bench",
-            "hydra_plugins.specsamp_sweeper"} <= set(graph)
+    assert {
+        "specsamp",
+        "specsamp.runner.loop",
+        "experiments.gmm",
+        "benchmarks.bench",
+        "hydra_plugins.specsamp_sweeper",
+    } <= set(graph)
     assert "specsamp.runner.config" in graph["specsamp.runner.loop"]  # relative, `from . import` or absolute
     assert "specsamp.sampler" in graph["specsamp"]  # the package's re-exports
     assert "specsamp.runner.slurm" in graph["specsamp.runner.report"]  # `from . import slurm as queue`
@@ -157,8 +170,8 @@ def test_no_module_imports_itself_through_others():
     for component in found:
         print("import cycle:", _describe(component, graph))
     assert not found, "import cycles (a strongly connected component, or a self-import):\n" + "\n".join(
-        _describe(c, graph) for c in found)
-
+        _describe(c, graph) for c in found
+    )
 
 
 def test_the_compile_checks_reach_no_round_module():

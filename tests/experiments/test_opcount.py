@@ -109,8 +109,13 @@ def test_round_and_coupling_ops_pinned(digits_rows):
     # round counts 2-10 more than it did with autograd's bookkeeping on (dgrs 2x3: 185 + 211 then)
     # (the couplings' counts rose by 45 per D-GRS call, 216 to 261 for dgrs 2x3, and markmax's 13.8k to 15.5k, when the
     # residual's grid and logaddexp became elementwise so that each row rounds the same in any batch)
-    pins = {"dgrs 2x3": (189, 261), "x0+optimal B14": (319, 241), "rmc chain14": (271, 68),
-            "x0g+per-step B14": (590, 375), "markmax 2x3": (189, 15525)}
+    pins = {
+        "dgrs 2x3": (189, 261),
+        "x0+optimal B14": (319, 241),
+        "rmc chain14": (271, 68),
+        "x0g+per-step B14": (590, 375),
+        "markmax 2x3": (189, 15525),
+    }
     for arm, (ops_round, ops_coupling) in pins.items():
         if arm not in digits_rows:
             continue  # a slow arm: pinned in test_slow_arms_sync_once_and_keep_their_pins
@@ -135,8 +140,11 @@ def test_chain_cost_grows_by_a_few_ops_per_drafted_layer(digits_rows):
     assert 0 < extra <= 7 * (62 - 14), extra
 
 
-@pytest.mark.xfail(strict=True, reason="layer-by-layer drafting with the path's operations costs ~6 ops per layer; "
-                                       "bit-equal tree and path states (tested in test_sampler) rule out a one-product draft")
+@pytest.mark.xfail(
+    strict=True,
+    reason="layer-by-layer drafting with the path's operations costs ~6 ops per layer; "
+    "bit-equal tree and path states (tested in test_sampler) rule out a one-product draft",
+)
 def test_chain62_within_one_and_a_half_chain14(digits_rows):
     assert digits_rows["rmc chain62"]["ops_round"] <= 1.5 * digits_rows["rmc chain14"]["ops_round"]
 
@@ -157,14 +165,24 @@ def test_profiler_counter_agrees_with_the_dispatch_counter_on_an_eager_round(dig
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(inductor.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}")
+@pytest.mark.skipif(
+    inductor.unavailable("cpu") is not None, reason=f"torch.compile unavailable: {inductor.unavailable('cpu')}"
+)
 def test_compiled_round_meets_the_operation_targets():
     # compile=true (specsamp.round.compiled): the round's tensor maths fused into inductor kernels, each launch one
     # operation, plus every ATen call left outside them (the commit, the loop, the wrappers); the network
     # excluded. At one image on the digits network: D-GRS (2,3) <= 300 per round, x0 + optimal B=14 <= 400,
     # a chain of 62 within 1.5x a chain of 14 (the fused drafting does not grow with depth), one sync per round
-    rows = {r["arm"]: r for r in opcount.table_rows(("digits",), (1,), ["dgrs 2x3", "x0+optimal B14", "rmc chain14",
-                                                                       "rmc chain62"], progress=None, compiled=True)}
+    rows = {
+        r["arm"]: r
+        for r in opcount.table_rows(
+            ("digits",),
+            (1,),
+            ["dgrs 2x3", "x0+optimal B14", "rmc chain14", "rmc chain62"],
+            progress=None,
+            compiled=True,
+        )
+    }
     assert rows["dgrs 2x3"]["ops_round"] <= 300, rows["dgrs 2x3"]
     assert rows["x0+optimal B14"]["ops_round"] <= 400, rows["x0+optimal B14"]
     assert rows["rmc chain62"]["ops_round"] <= 1.5 * rows["rmc chain14"]["ops_round"], rows

@@ -52,22 +52,34 @@ def test_held_out_region_is_disjoint_from_training_crops():
     assert photos.shape == (2, 3, 427, 640) and float(photos.min()) >= -1 and float(photos.max()) <= 1
     # mark the held-out columns with a value no photograph pixel has; no training crop may contain it
     marked = photos.clone()
-    marked[..., -patches.HELD_OUT_COLUMNS:] = 5.0
+    marked[..., -patches.HELD_OUT_COLUMNS :] = 5.0
     pyr = patches.training_pyramid(marked)
     crops = patches.training_crops(pyr, 2000, torch.Generator().manual_seed(0))
     assert crops.shape == (2000, 3, 32, 32) and float(crops.max()) <= 1.0
     held = patches.held_out_crops(photos=marked)
     assert held.shape == (2 * 50 * 13, 3, 32, 32) and bool((held == 5.0).all())
-    assert torch.equal(patches.training_crops(pyr, 8, torch.Generator().manual_seed(3)),
-                       patches.training_crops(pyr, 8, torch.Generator().manual_seed(3)))
+    assert torch.equal(
+        patches.training_crops(pyr, 8, torch.Generator().manual_seed(3)),
+        patches.training_crops(pyr, 8, torch.Generator().manual_seed(3)),
+    )
     with pytest.raises(ValueError, match="stride"):
         patches.held_out_crops(0)
 
 
 def test_run_py_patches32_prints_speedup(tmp_path):
     env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline")
-    cmd = [sys.executable, str(ROOT / "run.py"), "model=patches32", "sampler=dgrs", "K=2", "L=3", "steps=12",
-           "n_samples=4", "threads=1", f"hydra.run.dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "model=patches32",
+        "sampler=dgrs",
+        "K=2",
+        "L=3",
+        "steps=12",
+        "n_samples=4",
+        "threads=1",
+        f"hydra.run.dir={tmp_path}",
+    ]
     out = python(cmd, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert "speedup" in out.stdout, out.stdout
@@ -116,8 +128,12 @@ def test_experiment_tables_and_figures_at_a_reduced_size(tmp_path, monkeypatch):
     import experiments.patches as px
 
     df = px.collect_two_sample(8, permutations=10, out_dir=tmp_path, steps=6)
-    assert set(df["comparison"]) == {"standard vs standard, 2nd run", "standard vs rmc", "standard vs dgrs",
-                                     "standard vs held-out real crops"}
+    assert set(df["comparison"]) == {
+        "standard vs standard, 2nd run",
+        "standard vs rmc",
+        "standard vs dgrs",
+        "standard vs held-out real crops",
+    }
     assert df["p_value"].between(0, 1).all()
     lev = px.levers(2, budgets={14: (2, 3)}, out_dir=tmp_path, extra=["steps=6"])
     assert list(lev["arm"]) == list(px.LEVERS) and (lev["speedup_mean"] >= 1).all()
@@ -125,7 +141,12 @@ def test_experiment_tables_and_figures_at_a_reduced_size(tmp_path, monkeypatch):
         shutil.copy(px.OUT / name, tmp_path / name)
     monkeypatch.setattr(px, "OUT", tmp_path)
     paths = px.figures()
-    assert sorted(p.name for p in paths) == ["denoising.png", "fig4_speedup_vs_budget.png", "levers_frontier.png", "samples.png"]
+    assert sorted(p.name for p in paths) == [
+        "denoising.png",
+        "fig4_speedup_vs_budget.png",
+        "levers_frontier.png",
+        "samples.png",
+    ]
 
 
 def test_training_script_writes_a_checked_loadable_pickle(tmp_path):
@@ -145,9 +166,19 @@ def test_fig4_sweep_and_collect_at_a_reduced_size(tmp_path, monkeypatch):
     import experiments.patches as px
 
     env = dict(os.environ, SPECSAMP_OFFLINE="1", WANDB_MODE="offline")
-    cmd = [sys.executable, str(ROOT / "run.py"), "+experiment=patches_fig4", "steps=6", "n_samples=2", "eps=0.3",
-           "shape=k2l3", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    out = python(cmd, cwd=tmp_path, env=env, timeout=300)  # forked (tests/helpers.py); SPECSAMP_OFFLINE is read per call
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "+experiment=patches_fig4",
+        "steps=6",
+        "n_samples=2",
+        "eps=0.3",
+        "shape=k2l3",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    out = python(
+        cmd, cwd=tmp_path, env=env, timeout=300
+    )  # forked (tests/helpers.py); SPECSAMP_OFFLINE is read per call
     assert out.returncode == 0, out.stderr
     monkeypatch.setattr(px, "OUT", tmp_path)
     df = px.collect_fig4(str(tmp_path / "sweep"))

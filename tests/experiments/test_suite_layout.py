@@ -21,8 +21,11 @@ GROUPS = ("core", "runner", "models", "metrics", "experiments", "integrations")
 
 
 def test_every_test_module_sits_in_a_group_folder():
-    outside = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
-                     if p.parent.parent != TESTS or p.parent.name not in GROUPS)
+    outside = sorted(
+        str(p.relative_to(TESTS))
+        for p in TESTS.rglob("test_*.py")
+        if p.parent.parent != TESTS or p.parent.name not in GROUPS
+    )
     assert not outside, f"test modules outside tests/{{{','.join(GROUPS)}}}/: {outside}"
 
 

@@ -45,8 +45,20 @@ def test_gmm_grid_collect_is_deterministic(tmp_path):
     for i in range(2):
         sweep = tmp_path / f"s{i}"
         p = python(
-            [sys.executable, "run.py", "-m", "sampler=dgrs", "K=2", "L=2,3", "model.dim=8", "steps=6", "n_samples=4",
-             "progress=false", f"hydra.sweep.dir={sweep}", "sweep_name=t"],
+            [
+                sys.executable,
+                "run.py",
+                "-m",
+                "sampler=dgrs",
+                "K=2",
+                "L=2,3",
+                "model.dim=8",
+                "steps=6",
+                "n_samples=4",
+                "progress=false",
+                f"hydra.sweep.dir={sweep}",
+                "sweep_name=t",
+            ],
             cwd=ROOT,
         )
         assert p.returncode == 0, p.stderr
@@ -77,8 +89,10 @@ def test_committed_headline_charges_the_calibration_like_the_runs_nfe():
     df = pd.read_csv(ROOT / "results" / "gmm" / "headline.csv")
     rows = df[df["calibration_calls"].notna()]
     assert len(rows) == 5
-    profiles = {json.loads(p.read_text())["calibration"]["target_rows"]: json.loads(p.read_text())["calibration"]
-                for p in (ROOT / "conf" / "profiles").glob("gmm_x0*.json")}
+    profiles = {
+        json.loads(p.read_text())["calibration"]["target_rows"]: json.loads(p.read_text())["calibration"]
+        for p in (ROOT / "conf" / "profiles").glob("gmm_x0*.json")
+    }
     for _, r in rows.iterrows():
         cal = profiles[int(r["calibration_rows"])]  # the same calibration run (same rows, same calls)
         assert r["calibration_calls"] == cal["nfe"] < cal["nfe_total"]

@@ -33,13 +33,13 @@ Measured with these seeds: the quick speculative samples give min p 0.10 to 0.56
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tiny_diffusers as td
+import torch
+from helpers import min_ks_p
+
 from specsamp.errors import ConfigError
 from specsamp.integrations import diffusers as integration
 from specsamp.integrations.diffusers import speculative
-from helpers import min_ks_p
 
 P_MIN = 1e-3
 DDPM, EA, FLOW = "DDPMScheduler", "EulerAncestralDiscreteScheduler", "FlowMatchEulerDiscreteScheduler"
@@ -73,8 +73,14 @@ def arguments(kind: str, n: int, steps: int, guidance: float = 3.0) -> dict:
     ``steps`` steps, as tensors (``pt``; ``latent`` for the text pipelines)."""
     if kind == "ddpm":
         return dict(batch_size=n, num_inference_steps=steps, output_type="pt")
-    kw = dict(prompt="a red cube", negative_prompt="blue", num_inference_steps=steps, guidance_scale=guidance,
-              num_images_per_prompt=n, output_type="latent")
+    kw = dict(
+        prompt="a red cube",
+        negative_prompt="blue",
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        num_images_per_prompt=n,
+        output_type="latent",
+    )
     return {**kw, "max_sequence_length": 8} if kind == "sd3" else kw
 
 
@@ -85,7 +91,9 @@ def own(pipe, kind: str, n: int, steps: int, seed: int = 0, latents_scale: float
     if latents_scale is not None:
         c = pipe.unet.config if kind == "sd" else pipe.transformer.config
         side = 8  # the tiny pipelines' latent side
-        a["latents"] = latents_scale * torch.randn(n, c.in_channels, side, side, generator=torch.Generator().manual_seed(seed))
+        a["latents"] = latents_scale * torch.randn(
+            n, c.in_channels, side, side, generator=torch.Generator().manual_seed(seed)
+        )
     torch.manual_seed(1000 + seed)
     return pipe(generator=torch.Generator().manual_seed(seed), **a).images
 
@@ -117,8 +125,15 @@ def test_law_matches_the_pipelines_own_loop_and_the_test_rejects_a_perturbed_loo
     assert min_ks_p(out, ref) > P_MIN
     assert 0 < int(r.accepts.sum()) < int(r.attempts.sum())  # both verdicts were drawn
     loop_cfg = {k: v for k, v in perturbed.items() if k != "latents_scale"}
-    alt = own(pipeline(kind, scheduler, **loop_cfg), kind, n, steps, seed=2,
-              latents_scale=perturbed.get("latents_scale"), **kw)
+    alt = own(
+        pipeline(kind, scheduler, **loop_cfg),
+        kind,
+        n,
+        steps,
+        seed=2,
+        latents_scale=perturbed.get("latents_scale"),
+        **kw,
+    )
     assert min_ks_p(alt, ref) < P_MIN, perturbed
 
 
@@ -200,8 +215,9 @@ def test_law_of_ddpm_matches_its_own_loop_in_every_execution(coupling, K, L, exe
     pipe = td.tiny_ddpm(clip_sample=clip)
     pipe.set_progress_bar_config(disable=True)
     ref = own(pipe, "ddpm", 1000, 20)
-    out = speculative(pipe, K, L, coupling, execution=execution)(**arguments("ddpm", 1000, 20),
-                                                                 generator=torch.Generator().manual_seed(1))
+    out = speculative(pipe, K, L, coupling, execution=execution)(
+        **arguments("ddpm", 1000, 20), generator=torch.Generator().manual_seed(1)
+    )
     assert min_ks_p(out.images, ref) > P_MIN
 
 

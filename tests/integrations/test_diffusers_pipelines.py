@@ -11,9 +11,9 @@ import json
 
 import numpy as np
 import pytest
+import tiny_diffusers as td
 import torch
 
-import tiny_diffusers as td
 from specsamp.errors import ConfigError
 from specsamp.integrations.diffusers import speculative
 from specsamp.trees import DraftTree
@@ -47,7 +47,9 @@ def test_ddpm_pipeline_returns_its_output_type_with_the_counts(ddpm):
     assert isinstance(pt.images, torch.Tensor) and pt.images.shape == (2, 3, 8, 8)
     pil = sp(batch_size=2, num_inference_steps=12, seed=4, generator=g(), output_type="pil")
     assert len(pil.images) == 2 and pil.images[0].size == (8, 8)
-    np.testing.assert_array_equal(np.asarray(pil.images[0]), (pt.images[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(pil.images[0]), (pt.images[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    )
     tup = sp(batch_size=2, num_inference_steps=12, seed=4, generator=g(), output_type="pt", return_dict=False)
     assert isinstance(tup, tuple) and torch.equal(tup[0], pt.images) and sp.last is not r
 
@@ -65,19 +67,36 @@ def test_a_generator_or_seed_reproduces_a_run_and_the_global_generator_without_e
     c = run()
     torch.manual_seed(11)
     assert torch.equal(c.images, run().images)
-    s1, s2 = run(seed=5, generator=torch.Generator().manual_seed(3)), run(seed=6, generator=torch.Generator().manual_seed(3))
+    s1, s2 = (
+        run(seed=5, generator=torch.Generator().manual_seed(3)),
+        run(seed=6, generator=torch.Generator().manual_seed(3)),
+    )
     assert not torch.equal(s1.images, s2.images)  # same first latents, other keyed noise
 
 
-@pytest.mark.parametrize("scheduler, prediction", [("ddpm", "epsilon"), ("ddpm", "v_prediction"),
-                                                   ("euler_ancestral", "epsilon"), ("euler_ancestral", "v_prediction")])
+@pytest.mark.parametrize(
+    "scheduler, prediction",
+    [
+        ("ddpm", "epsilon"),
+        ("ddpm", "v_prediction"),
+        ("euler_ancestral", "epsilon"),
+        ("euler_ancestral", "v_prediction"),
+    ],
+)
 def test_stable_diffusion_pipeline_returns_its_output_type_with_the_counts(scheduler, prediction):
     from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 
     pipe = _quiet(td.tiny_sd(scheduler, prediction))
     sp = speculative(pipe)
-    out = sp(prompt=["a red cube", "the sea"], negative_prompt=["blurry", "dark"], num_inference_steps=8, guidance_scale=4.0,
-             num_images_per_prompt=2, generator=torch.Generator().manual_seed(0), output_type="np")
+    out = sp(
+        prompt=["a red cube", "the sea"],
+        negative_prompt=["blurry", "dark"],
+        num_inference_steps=8,
+        guidance_scale=4.0,
+        num_images_per_prompt=2,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
     assert type(out) is StableDiffusionPipelineOutput and out.images.shape == (4, 16, 16, 3)
     assert out.nsfw_content_detected is None and np.isfinite(out.images).all()
     r = out.speculative
@@ -90,9 +109,14 @@ def test_sd3_pipeline_returns_its_output_type_with_the_counts():
     from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutput
 
     pipe = _quiet(td.tiny_sd3())
-    out = speculative(pipe, K=2, L=2)(prompt="a cat", num_inference_steps=6, guidance_scale=3.0,
-                                      generator=torch.Generator().manual_seed(0), output_type="pt",
-                                      max_sequence_length=8)
+    out = speculative(pipe, K=2, L=2)(
+        prompt="a cat",
+        num_inference_steps=6,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+        max_sequence_length=8,
+    )
     assert type(out) is StableDiffusion3PipelineOutput and out.images.shape == (1, 3, 64, 64)
     assert out.speculative.samples.shape == (1, 16, 8, 8) and out.speculative.speculative_steps == 4
 
@@ -104,7 +128,9 @@ def test_guidance_doubles_the_target_rows_and_the_network_sees_them():
     sp = speculative(pipe, K=2, L=2, execution="tree")
     for w, per_state in ((1.0, 1), (5.0, 2)):
         seen.clear()
-        r = sp(prompt=["a", "b", "c"], num_inference_steps=6, guidance_scale=w, seed=2, output_type="latent").speculative
+        r = sp(
+            prompt=["a", "b", "c"], num_inference_steps=6, guidance_scale=w, seed=2, output_type="latent"
+        ).speculative
         # every network row: the speculative calls' target_rows, plus steps 0 and T-1 (one row per image each)
         assert sum(seen) == int(r.target_rows.sum()) + 2 * 3 * per_state
         assert all(n % per_state == 0 for n in seen)
@@ -126,20 +152,31 @@ def test_a_positional_call_may_pass_the_parameters_it_does_not_take_at_their_def
     pipe = _quiet(td.tiny_sd("euler_ancestral"))
     sp = speculative(pipe, K=2, L=2)
     kw = lambda: dict(seed=1, output_type="latent", generator=torch.Generator().manual_seed(0))  # noqa: E731
-    ref = sp(prompt="a cat", height=16, width=16, num_inference_steps=5, guidance_scale=3.0, negative_prompt="dog",
-             **kw()).images
+    ref = sp(
+        prompt="a cat", height=16, width=16, num_inference_steps=5, guidance_scale=3.0, negative_prompt="dog", **kw()
+    ).images
     # StableDiffusionPipeline's order: prompt, height, width, num_inference_steps, timesteps, sigmas, guidance_scale,
     # negative_prompt
     assert torch.equal(sp("a cat", 16, 16, 5, None, None, 3.0, "dog", **kw()).images, ref)
-    assert torch.equal(sp("a cat", 16, 16, 5, guidance_scale=3.0, negative_prompt="dog", eta=0.0, timesteps=None,
-                          **kw()).images, ref)
+    assert torch.equal(
+        sp("a cat", 16, 16, 5, guidance_scale=3.0, negative_prompt="dog", eta=0.0, timesteps=None, **kw()).images, ref
+    )
 
 
-@pytest.mark.parametrize("args, kwargs, needle", [
-    ((2, None, 8, "pt", True, 5), {}, ("6 positional arguments were given, and DDPMPipeline's __call__ takes at most "
-                                       "5 (batch_size, generator, num_inference_steps, output_type, return_dict)")),
-    ((2,), {"batch_size": 3}, "batch_size is given twice, as positional argument 1 (2) and by keyword (3)"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, needle",
+    [
+        (
+            (2, None, 8, "pt", True, 5),
+            {},
+            (
+                "6 positional arguments were given, and DDPMPipeline's __call__ takes at most "
+                "5 (batch_size, generator, num_inference_steps, output_type, return_dict)"
+            ),
+        ),
+        ((2,), {"batch_size": 3}, "batch_size is given twice, as positional argument 1 (2) and by keyword (3)"),
+    ],
+)
 def test_what_python_refuses_with_a_type_error_is_a_config_error_before_any_work(args, kwargs, needle):
     pipe = _quiet(td.tiny_ddpm())
     calls = []
@@ -155,8 +192,11 @@ def test_a_parameter_it_does_not_take_is_refused_at_another_value_by_position_or
     for module in (pipe.unet, pipe.text_encoder):
         module.register_forward_hook(lambda *a: calls.append(1))
     sp = speculative(pipe)
-    with pytest.raises(ConfigError, match=r"positional argument 5 is StableDiffusionPipeline's timesteps=\[999, 500\], "
-                                          r"which the speculative StableDiffusionPipeline takes only at its default \(None\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"positional argument 5 is StableDiffusionPipeline's timesteps=\[999, 500\], "
+        r"which the speculative StableDiffusionPipeline takes only at its default \(None\)",
+    ):
         sp("a cat", 16, 16, 5, [999, 500])
     latents = torch.zeros(1, 4, 8, 8)
     with pytest.raises(ConfigError) as e:  # position 12: latents
@@ -199,13 +239,16 @@ def test_the_progress_bar_counts_the_loops_steps_as_the_slowest_image_commits_th
 
     pipe = td.tiny_ddpm()
     bars, seen = [], []  # seen: (slowest image's state index, fastest's, the bar) after each round
-    monkeypatch.setattr(pipe, "progress_bar", lambda iterable=None, total=None: bars.append(_Bar(iterable, total)) or bars[-1])
+    monkeypatch.setattr(
+        pipe, "progress_bar", lambda iterable=None, total=None: bars.append(_Bar(iterable, total)) or bars[-1]
+    )
     real = sampler.sample_speculative
 
     def recording(*args, callback=None, **kw):
         def cb(info):
             callback(info)
             seen.append((int(info["n"].min()), int(info["n"].max()), bars[-1].n))
+
         return real(*args, callback=cb, **kw)
 
     monkeypatch.setattr(sampler, "sample_speculative", recording)
@@ -241,7 +284,10 @@ def _per_row(unet):
 
     def one_by_one(sample, timestep, *args, **kwargs):
         t = timestep.reshape(-1).expand(sample.shape[0])
-        return UNet2DOutput(sample=torch.cat([forward(sample[i:i + 1], t[i:i + 1]).sample for i in range(sample.shape[0])]))
+        return UNet2DOutput(
+            sample=torch.cat([forward(sample[i : i + 1], t[i : i + 1]).sample for i in range(sample.shape[0])])
+        )
+
     unet.forward = one_by_one
     return unet
 
@@ -250,9 +296,12 @@ def _per_row(unet):
 def test_tree_and_path_executions_give_identical_counts_and_samples(coupling, K, L):
     pipe = _quiet(td.tiny_ddpm())
     _per_row(pipe.unet)
-    runs = [speculative(pipe, K, L, coupling, execution=ex)(batch_size=4, num_inference_steps=12, seed=3,
-                                                            generator=torch.Generator().manual_seed(0), output_type="pt")
-            for ex in ("path", "tree")]
+    runs = [
+        speculative(pipe, K, L, coupling, execution=ex)(
+            batch_size=4, num_inference_steps=12, seed=3, generator=torch.Generator().manual_seed(0), output_type="pt"
+        )
+        for ex in ("path", "tree")
+    ]
     a, b = (o.speculative for o in runs)
     for f in COUNTS:
         assert torch.equal(getattr(a, f), getattr(b, f)), f
@@ -260,8 +309,9 @@ def test_tree_and_path_executions_give_identical_counts_and_samples(coupling, K,
 
 
 # --- refusals -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["DDIMScheduler", "DPMSolverMultistepScheduler", "UniPCMultistepScheduler",
-                                  "EulerDiscreteScheduler"])
+@pytest.mark.parametrize(
+    "name", ["DDIMScheduler", "DPMSolverMultistepScheduler", "UniPCMultistepScheduler", "EulerDiscreteScheduler"]
+)
 def test_a_scheduler_that_is_not_reproduced_is_refused_before_any_work(ddpm, name):
     import diffusers
 
@@ -282,12 +332,15 @@ def test_the_deterministic_flow_scheduler_is_refused():
         speculative(pipe)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"timesteps": [999, 500]}, "timesteps=[999, 500] is not supported"),
-    ({"batch_size": 0}, "batch_size=0 is invalid"),
-    ({"num_inference_steps": 2}, "num_inference_steps=2 is invalid"),
-    ({"seed": -1}, "seed=-1 is invalid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"timesteps": [999, 500]}, "timesteps=[999, 500] is not supported"),
+        ({"batch_size": 0}, "batch_size=0 is invalid"),
+        ({"num_inference_steps": 2}, "num_inference_steps=2 is invalid"),
+        ({"seed": -1}, "seed=-1 is invalid"),
+    ],
+)
 def test_bad_arguments_are_refused_in_one_paragraph(ddpm, kwargs, needle):
     with pytest.raises(ConfigError) as e:
         speculative(ddpm)(**kwargs)
@@ -314,8 +367,10 @@ def test_bad_options_are_refused_before_any_work(ddpm):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
-    return {"ddpm": td.save_pipeline(td.tiny_ddpm(), root / "ddpm"),
-            "sd": td.save_pipeline(td.tiny_sd("euler_ancestral", "v_prediction"), root / "sd")}
+    return {
+        "ddpm": td.save_pipeline(td.tiny_ddpm(), root / "ddpm"),
+        "sd": td.save_pipeline(td.tiny_sd("euler_ancestral", "v_prediction"), root / "sd"),
+    }
 
 
 def _config(path, **kw):
@@ -336,8 +391,10 @@ def test_scheduler_plan_reads_the_folder_without_loading_weights(saved, monkeypa
     assert ea.kernel == "euler_ancestral" and ea.prediction == "epsilon"
     sd = _config(saved["sd"]).scheduler_plan(20, None)
     assert sd.kernel == "euler_ancestral" and sd.prediction == "v_prediction" and sd.coords == "vp"
-    for kernel, needle in (("em", "kernel=em is invalid with model=diffusers"),
-                           ("flow_stochastic", "kernel=flow_stochastic is invalid")):
+    for kernel, needle in (
+        ("em", "kernel=em is invalid with model=diffusers"),
+        ("flow_stochastic", "kernel=flow_stochastic is invalid"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             cfg.scheduler_plan(50, kernel)
     assert cfg.rows_per_state() == 1 and _config(saved["sd"], guidance=3.0).rows_per_state() == 2
@@ -372,17 +429,17 @@ def test_a_folder_without_safetensors_is_refused(tmp_path, saved):
 
 def test_build_gives_the_plans_velocity_model_and_the_pipelines_decoding(saved):
     from specsamp.models.parametrisation import Guided
-    from specsamp.sampler import sample_speculative
-
     from specsamp.models.sd3 import PromptsConfig
+    from specsamp.sampler import sample_speculative
 
     cfg = _config(saved["sd"], guidance=3.0, prompts=PromptsConfig(source="demo", n=2))
     plan = cfg.scheduler_plan(6, None)
     target = cfg.build("cpu", plan=plan)
     assert isinstance(target.model, Guided) and target.model.event_shape == (4, 8, 8)
     ids = torch.arange(2)
-    r = sample_speculative(target.model, plan.schedule, DraftTree.uniform(2, 2), "dgrs", indices=ids,
-                           cond=target.cond_for(ids, 0), seed=0)
+    r = sample_speculative(
+        target.model, plan.schedule, DraftTree.uniform(2, 2), "dgrs", indices=ids, cond=target.cond_for(ids, 0), seed=0
+    )
     images = target.decode(r.samples)
     assert images.shape == (2, 3, 16, 16) and images.abs().max() <= 1
     assert len(target.prompts_for(ids)) == 2 and int(r.target_rows.sum()) % 2 == 0
@@ -405,14 +462,25 @@ def _runner_takes_kernels() -> bool:
 def test_run_py_samples_a_saved_pipeline_folder_on_its_own_scheduler_and_refuses_em(saved, tmp_path):
     from helpers import run
 
-    args = ["model=diffusers", f"model.path={saved['sd']}", "model.guidance=3", "steps=6", "n_samples=2", "K=2", "L=2",
-            "device=cpu", "progress=false"]
+    args = [
+        "model=diffusers",
+        f"model.path={saved['sd']}",
+        "model.guidance=3",
+        "steps=6",
+        "n_samples=2",
+        "K=2",
+        "L=2",
+        "device=cpu",
+        "progress=false",
+    ]
     for sub in ("auto", "em"):
         (tmp_path / sub).mkdir()
     p = run(args, tmp_path / "auto")  # model=diffusers selects kernel=auto: the folder's own scheduler
     rec = json.loads((tmp_path / "auto" / "result.json").read_text())
     assert rec["model"] == "diffusers" and rec["status"] == "ok" and rec["steps"] == 6, p.stdout
-    assert p.stdout.startswith(f"model=diffusers model.path={saved['sd']} sampler=dgrs K=2 L=2 kernel=euler_ancestral B=6 "), p.stdout
+    assert p.stdout.startswith(
+        f"model=diffusers model.path={saved['sd']} sampler=dgrs K=2 L=2 kernel=euler_ancestral B=6 "
+    ), p.stdout
     assert rec["config"]["kernel"]["name"] == "auto" and rec["kernel"] == "euler_ancestral"
     bad = run([*args, "kernel=em"], tmp_path / "em", check=False)
     assert bad.returncode == 2 and "kernel=em is invalid with model=diffusers" in bad.stderr

@@ -42,7 +42,11 @@ def _imported_modules(code: str) -> set[str]:
 
 
 def _cases():
-    return [pytest.param(name, line, code, id=f"{name}:{line}") for name in DOCUMENTS for line, code in runnable_blocks(name)]
+    return [
+        pytest.param(name, line, code, id=f"{name}:{line}")
+        for name in DOCUMENTS
+        for line, code in runnable_blocks(name)
+    ]
 
 
 def test_every_document_keeps_its_runnable_blocks():
@@ -51,7 +55,9 @@ def test_every_document_keeps_its_runnable_blocks():
     for name, least in DOCUMENTS.items():
         text = (ROOT / name).read_text()
         assert len(runnable_blocks(name)) >= least, name
-        assert text.count(MARKER) == len(runnable_blocks(name)), f"{name}: a {MARKER} line not followed by a python block"
+        assert text.count(MARKER) == len(runnable_blocks(name)), (
+            f"{name}: a {MARKER} line not followed by a python block"
+        )
 
 
 @pytest.mark.parametrize(("name", "line", "code"), _cases())
@@ -72,8 +78,15 @@ def test_readme_opens_with_setup_quick_start_and_every_entry_point():
     """Within its first 60 lines the README says what specsamp is, how to install and test it, and shows run.py,
     your own model, a diffusers pipeline and k-diffusion's sampler, before any table of measurements."""
     head = "\n".join((ROOT / "README.md").read_text().splitlines()[:60])
-    for needed in ("## Set up", 'pip install -e ".[all]"', "python -m pytest -q --cov", "## Quick start",
-                   "python run.py", "sample_speculative(", "from specsamp.integrations.diffusers import speculative",
-                   "from specsamp.integrations.k_diffusion import sample_euler_ancestral"):
+    for needed in (
+        "## Set up",
+        'pip install -e ".[all]"',
+        "python -m pytest -q --cov",
+        "## Quick start",
+        "python run.py",
+        "sample_speculative(",
+        "from specsamp.integrations.diffusers import speculative",
+        "from specsamp.integrations.k_diffusion import sample_euler_ancestral",
+    ):
         assert needed in head, needed
     assert "\n|" not in head, "a table in the README's first 60 lines"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
+import tiny_diffusers as td
 import torch
 
-import tiny_diffusers as td
 from specsamp import arguments
 from specsamp.errors import ConfigError
 from specsamp.integrations.diffusers import speculative
@@ -55,8 +55,16 @@ def _one_paragraph(e: BaseException, *names: str) -> str:
 def test_every_extra_args_key_reaches_the_model_under_its_own_name():
     # the sampler's own names (x, sigma, t, y, max_batch, cond, row) must not collide with the model's keywords
     labels = torch.arange(3)
-    extra = {"y": labels, "t": torch.tensor([0.5, 1.5, 2.5]), "x": "static", "sigma": 7, "max_batch": None,
-             "cond": [{"c": 1}], "row": torch.ones(3, 5), "model_options": {"k": 1}}
+    extra = {
+        "y": labels,
+        "t": torch.tensor([0.5, 1.5, 2.5]),
+        "x": "static",
+        "sigma": 7,
+        "max_batch": None,
+        "cond": [{"c": 1}],
+        "row": torch.ones(3, 5),
+        "model_options": {"k": 1},
+    }
     model = Denoiser()
     stats = {}
     sample_euler_ancestral(model, X, karras(8), extra, disable=True, seed=3, stats=stats)
@@ -76,7 +84,9 @@ def test_a_class_conditional_model_taking_y():
         calls.append(y)
         return x / (1.0 + sigma.reshape(-1, 1) ** 2) + y[:, None].to(x.dtype)
 
-    out = sample_euler_ancestral(net, torch.zeros(4, 2), karras(6), {"y": torch.tensor([0, 1, 2, 3])}, disable=True, seed=0)
+    out = sample_euler_ancestral(
+        net, torch.zeros(4, 2), karras(6), {"y": torch.tensor([0, 1, 2, 3])}, disable=True, seed=0
+    )
     assert out.shape == (4, 2) and all(y is not None for y in calls)
 
 
@@ -119,7 +129,9 @@ BAD_KDIFF = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,needles", BAD_KDIFF, ids=lambda v: "-".join(map(str, v))[:40] if isinstance(v, dict) else "")
+@pytest.mark.parametrize(
+    "kwargs,needles", BAD_KDIFF, ids=lambda v: "-".join(map(str, v))[:40] if isinstance(v, dict) else ""
+)
 def test_bad_arguments_are_refused_before_the_first_call(kwargs, needles):
     model = Denoiser()
     args = {"model": model, "x": X, "sigmas": karras(8), "disable": True, "seed": 0}
@@ -130,13 +142,17 @@ def test_bad_arguments_are_refused_before_the_first_call(kwargs, needles):
     assert model.calls == 0
 
 
-@pytest.mark.parametrize("out,got", [
-    (lambda x: (x, None), "returned a tuple"),
-    (lambda x: x[:, :1], "returned <tensor of shape (3, 1, 4, 4)"),
-    (lambda x: x.long(), "int64"),
-    (lambda x: x.tolist(), "returned a list"),
-    (lambda x: None, "returned a NoneType"),
-], ids=["tuple", "shape", "dtype", "list", "none"])
+@pytest.mark.parametrize(
+    "out,got",
+    [
+        (lambda x: (x, None), "returned a tuple"),
+        (lambda x: x[:, :1], "returned <tensor of shape (3, 1, 4, 4)"),
+        (lambda x: x.long(), "int64"),
+        (lambda x: x.tolist(), "returned a list"),
+        (lambda x: None, "returned a NoneType"),
+    ],
+    ids=["tuple", "shape", "dtype", "list", "none"],
+)
 def test_a_wrong_network_output_is_named_at_the_first_call(out, got):
     model = Denoiser(out)
     with pytest.raises(arguments.ModelOutputError) as e:
@@ -196,7 +212,9 @@ BAD_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("options,needles", BAD_OPTIONS, ids=lambda v: "-".join(map(str, v))[:30] if isinstance(v, dict) else "")
+@pytest.mark.parametrize(
+    "options,needles", BAD_OPTIONS, ids=lambda v: "-".join(map(str, v))[:30] if isinstance(v, dict) else ""
+)
 def test_speculative_refuses_bad_options_at_once(ddpm, options, needles):
     before = ddpm.calls[0]
     with pytest.raises(ConfigError) as e:
@@ -212,12 +230,17 @@ BAD_CALLS = [
     ({"seed": "3"}, ["seed='3'"]),
     ({"batch_size": 0}, ["batch_size=0"]),
     ({"num_inference_steps": "20"}, ["num_inference_steps='20'"]),
-    ({"latents": torch.zeros(2, 1, 8, 8)}, ["latents=<tensor of shape (2, 1, 8, 8), float32, on cpu> is not supported"]),
+    (
+        {"latents": torch.zeros(2, 1, 8, 8)},
+        ["latents=<tensor of shape (2, 1, 8, 8), float32, on cpu> is not supported"],
+    ),
     ({"prompt_embeds": torch.zeros(2, 77, 768)}, ["prompt_embeds=<tensor of shape (2, 77, 768)"]),
 ]
 
 
-@pytest.mark.parametrize("kwargs,needles", BAD_CALLS, ids=lambda v: "-".join(map(str, v))[:30] if isinstance(v, dict) else "")
+@pytest.mark.parametrize(
+    "kwargs,needles", BAD_CALLS, ids=lambda v: "-".join(map(str, v))[:30] if isinstance(v, dict) else ""
+)
 def test_the_speculative_pipeline_refuses_bad_arguments_before_any_call(ddpm, kwargs, needles):
     before = ddpm.calls[0]
     with pytest.raises(ConfigError) as e:
@@ -257,7 +280,11 @@ def test_uniform_tree_sizes_match_the_built_trees():
         assert arguments.uniform_nodes(K, L, h) == len(DraftTree.uniform(K, min(L, h)))
         built = DraftTree.uniform(K, L).restrict(h)
         assert torch.equal(torch.as_tensor(built.parent), torch.as_tensor(DraftTree.uniform(K, min(L, h)).parent))
-    assert arguments.uniform_nodes(2, 3, 20, chain=True) == 15 and arguments.uniform_nodes(2, 3, 10, chain=True) == 11 and arguments.uniform_nodes(2, 60, 18, chain=True) == 19
+    assert (
+        arguments.uniform_nodes(2, 3, 20, chain=True) == 15
+        and arguments.uniform_nodes(2, 3, 10, chain=True) == 11
+        and arguments.uniform_nodes(2, 60, 18, chain=True) == 19
+    )
 
 
 def test_the_node_maxima_follow_the_memory_estimate():
@@ -265,8 +292,14 @@ def test_the_node_maxima_follow_the_memory_estimate():
 
     K, L = node_maxima()
     assert (K, L) == (4, 4)  # one 512x512 SD1.x latent, float32, 24 GiB
-    fits = dict(event_shape=(4, 64, 64), dtype=torch.float32, device="cpu", steps=20, available=24 * 2**30,
-                row_bytes=arguments.activation_bytes((4, 64, 64), torch.float32))
+    fits = dict(
+        event_shape=(4, 64, 64),
+        dtype=torch.float32,
+        device="cpu",
+        steps=20,
+        available=24 * 2**30,
+        row_bytes=arguments.activation_bytes((4, 64, 64), torch.float32),
+    )
     arguments.check_sampler_memory(DraftTree.uniform(K, L), 1, **fits)  # the corner the node offers fits
     with pytest.raises(ConfigError, match="lower K or L"):
         arguments.check_sampler_memory(DraftTree.uniform(K + 1, L + 1), 1, **fits)

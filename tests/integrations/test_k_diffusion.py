@@ -12,13 +12,13 @@ import inspect
 
 import pytest
 import torch
+from helpers import min_ks_p
 
 from specsamp.errors import ConfigError
 from specsamp.integrations.k_diffusion import sample_euler_ancestral
 from specsamp.models.gmm import GaussianMixture
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
-from helpers import min_ks_p
 
 GMM = GaussianMixture(dim=8, components=3, layout_seed=1)
 
@@ -103,8 +103,9 @@ def test_law_against_k_diffusions_loop_on_the_mixture_and_identical_counts_in_bo
     runs = {}
     for execution in ("path", "tree"):
         info = {}
-        out = sample_euler_ancestral(gmm_denoiser, x, sig, disable=True, coupling=coupling, K=2, L=3,
-                                     execution=execution, seed=11, stats=info)
+        out = sample_euler_ancestral(
+            gmm_denoiser, x, sig, disable=True, coupling=coupling, K=2, L=3, execution=execution, seed=11, stats=info
+        )
         runs[execution] = (out, info["result"])
         assert min_ks_p(out, ref) > 1e-3
     (a, ra), (b, rb) = runs["path"], runs["tree"]
@@ -126,8 +127,9 @@ def test_law_against_k_diffusions_loop_on_the_mixture_large(coupling, execution,
     x = torch.randn(4000, 8, generator=g, dtype=torch.float64) * sig[0]
     ref = kd_euler_ancestral(gmm_denoiser, x, sig, g, eta=eta, s_noise=s_noise)
     x = torch.randn(4000, 8, generator=g, dtype=torch.float64) * sig[0]
-    out = sample_euler_ancestral(gmm_denoiser, x, sig, disable=True, eta=eta, s_noise=s_noise, coupling=coupling,
-                                 execution=execution, seed=12)
+    out = sample_euler_ancestral(
+        gmm_denoiser, x, sig, disable=True, eta=eta, s_noise=s_noise, coupling=coupling, execution=execution, seed=12
+    )
     assert min_ks_p(out, ref) > 1e-3
 
 
@@ -165,8 +167,9 @@ def test_digits_network_as_a_k_diffusion_denoiser(digits):
     labels = torch.nn.functional.one_hot(torch.arange(6) % 10, 10).float()
     x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * sig[0]
     info = {}
-    out = sample_euler_ancestral(digits, x, sig, {"class_labels": labels}, disable=True, execution="tree", seed=3,
-                                 stats=info)
+    out = sample_euler_ancestral(
+        digits, x, sig, {"class_labels": labels}, disable=True, execution="tree", seed=3, stats=info
+    )
     r = info["result"]
     assert out.shape == x.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
     assert info["steps"] == 12 and info["calls"] < 12
@@ -184,8 +187,9 @@ def test_digits_law_against_k_diffusions_loop(digits, coupling):
     labels = torch.nn.functional.one_hot(torch.arange(1000) % 10, 10).float()
     ref, x = reference_and_start(1000, sig, (1, 8, 8), torch.float32, digits, {"class_labels": labels})
     info = {}
-    out = sample_euler_ancestral(digits, x, sig, {"class_labels": labels}, disable=True, coupling=coupling,
-                                 execution="tree", seed=13, stats=info)
+    out = sample_euler_ancestral(
+        digits, x, sig, {"class_labels": labels}, disable=True, coupling=coupling, execution="tree", seed=13, stats=info
+    )
     assert min_ks_p(out, ref) > 1e-3
     assert float(info["result"].nfe_total.double().mean()) < 12
 
@@ -256,26 +260,40 @@ def test_noise_sampler_is_refused_in_one_sentence():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("sigmas,why", [
-    ([3.0, 1.0, 0.5], "ends at 0.5"),
-    ([1.0, 3.0, 0.0], "decrease strictly"),
-    ([3.0, 3.0, 0.0], "decrease strictly"),
-    ([3.0, float("nan"), 0.0], "not finite"),
-    ([0.0], "at least two levels"),
-    ([[3.0, 0.0]], "1-D"),
-])
+@pytest.mark.parametrize(
+    "sigmas,why",
+    [
+        ([3.0, 1.0, 0.5], "ends at 0.5"),
+        ([1.0, 3.0, 0.0], "decrease strictly"),
+        ([3.0, 3.0, 0.0], "decrease strictly"),
+        ([3.0, float("nan"), 0.0], "not finite"),
+        ([0.0], "at least two levels"),
+        ([[3.0, 0.0]], "1-D"),
+    ],
+)
 def test_bad_sigmas_are_refused_naming_the_argument(sigmas, why):
     with pytest.raises(ConfigError, match=r"sigmas=.* is invalid: .*" + why):
         sample_euler_ancestral(gmm_denoiser, torch.zeros(2, 8), torch.tensor(sigmas), disable=True)
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    (dict(eta=0.0), "eta=0.0"), (dict(s_noise=-1.0), "s_noise=-1.0"), (dict(K=0), "K=0"), (dict(L=1.5), "L=1.5"),
-    (dict(execution="gpu"), "execution='gpu'"), (dict(seed=-1), "seed=-1"), (dict(seed=2**60), "seed="),
-    (dict(coupling="nope"), "coupling"), (dict(draft="nope"), "draft"), (dict(frobnicate=1), "frobnicate=1"),
-    (dict(budget=6), "budget=6 with coupling='dgrs' needs delta_profile"), (dict(tree=DraftTree.chain(2), K=2), "tree="),
-    (dict(tree="wide"), "tree='wide'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        (dict(eta=0.0), "eta=0.0"),
+        (dict(s_noise=-1.0), "s_noise=-1.0"),
+        (dict(K=0), "K=0"),
+        (dict(L=1.5), "L=1.5"),
+        (dict(execution="gpu"), "execution='gpu'"),
+        (dict(seed=-1), "seed=-1"),
+        (dict(seed=2**60), "seed="),
+        (dict(coupling="nope"), "coupling"),
+        (dict(draft="nope"), "draft"),
+        (dict(frobnicate=1), "frobnicate=1"),
+        (dict(budget=6), "budget=6 with coupling='dgrs' needs delta_profile"),
+        (dict(tree=DraftTree.chain(2), K=2), "tree="),
+        (dict(tree="wide"), "tree='wide'"),
+    ],
+)
 def test_bad_options_are_refused_naming_the_key(kwargs, key):
     sig = karras(6)
     with pytest.raises(ConfigError, match=key.replace("(", r"\(").replace("[", r"\[")):
@@ -288,8 +306,9 @@ def test_budget_runs_a_chain_for_rmc_and_a_searched_tree_with_a_profile():
     info = {}
     sample_euler_ancestral(gmm_denoiser, x, sig, disable=True, coupling="rmc", budget=5, seed=1, stats=info)
     assert info["result"].attempts.shape[1] == 5  # a chain of 5 drafted states
-    out = sample_euler_ancestral(gmm_denoiser, x, sig, disable=True, budget=6, delta_profile=[0.3, 0.5, 0.8], seed=1,
-                                 stats=info)
+    out = sample_euler_ancestral(
+        gmm_denoiser, x, sig, disable=True, budget=6, delta_profile=[0.3, 0.5, 0.8], seed=1, stats=info
+    )
     assert bool(torch.isfinite(out).all()) and info["result"].attempts.shape[1] >= 1
 
 
@@ -342,7 +361,11 @@ def docs_node(monkeypatch):
 
     class KSAMPLER:
         def __init__(self, sampler_function, extra_options={}, inpaint_options={}):
-            self.sampler_function, self.extra_options, self.inpaint_options = sampler_function, extra_options, inpaint_options
+            self.sampler_function, self.extra_options, self.inpaint_options = (
+                sampler_function,
+                extra_options,
+                inpaint_options,
+            )
 
     samplers = types.ModuleType("comfy.samplers")
     samplers.KSAMPLER = KSAMPLER

@@ -71,7 +71,9 @@ def test_clip_scores_equal_direct_computation(tiny_clip):
     # the same scores
     kw = dict(model=model, preprocess=preprocess, tokenizer=tokenizer)
     np.testing.assert_allclose(clip_scores(images.float() / 127.5 - 1, PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(clip_scores(images.permute(0, 2, 3, 1).numpy(), PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+        clip_scores(images.permute(0, 2, 3, 1).numpy(), PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9
+    )
     pil = [Image.fromarray(im.permute(1, 2, 0).numpy()) for im in images]
     np.testing.assert_allclose(clip_scores(pil, PROMPTS, **kw), scores, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="3 images but 2 prompts"):
@@ -239,7 +241,9 @@ def test_loader_edges(tiny_clip, tmp_path, monkeypatch):
     (tmp_path / "url-cache").mkdir()
     name = cfg["url"].rsplit("/", 1)[1]
     (tmp_path / "url-cache" / name).write_bytes(b"x")
-    assert clip_mod._cached_weights({"url": cfg["url"]}, str(tmp_path / "url-cache")) == str(tmp_path / "url-cache" / name)
+    assert clip_mod._cached_weights({"url": cfg["url"]}, str(tmp_path / "url-cache")) == str(
+        tmp_path / "url-cache" / name
+    )
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
     assert hub.hub_reachable() is True  # behind a proxy the probe trusts it
     monkeypatch.delenv("HTTPS_PROXY")
@@ -275,8 +279,13 @@ def test_score_input_errors(tiny_clip):
         clip_scores(_images(), PROMPTS, batch_size=0, **kw)
 
 
-CLIP_KEYS = {"model_name": "model.clip.model", "pretrained": "model.clip.pretrained", "checkpoint": "model.clip.checkpoint",
-             "quick_gelu": "model.clip.quick_gelu", "cache_dir": "model.clip.cache_dir"}
+CLIP_KEYS = {
+    "model_name": "model.clip.model",
+    "pretrained": "model.clip.pretrained",
+    "checkpoint": "model.clip.checkpoint",
+    "quick_gelu": "model.clip.quick_gelu",
+    "cache_dir": "model.clip.cache_dir",
+}
 
 
 def test_check_clip_inputs_names_the_config_keys_without_building_a_network(tiny_clip, tmp_path, monkeypatch):
@@ -298,10 +307,19 @@ def test_check_clip_inputs_names_the_config_keys_without_building_a_network(tiny
     refused(["model.clip.pretrained='nope' is not a tag of"], pretrained="nope")
     refused(["model.clip.model='ViT-L-14' with model.clip.pretrained='openai' is refused"], model_name="ViT-L-14")
     refused(["model.clip.quick_gelu=False contradicts model.clip.pretrained='openai'"], quick_gelu=False)
-    refused(["model.clip.checkpoint=", "does not exist"], FileNotFoundError, checkpoint=tmp_path / "missing.safetensors")
-    refused(["model.clip.model='local-dir:", "no open_clip_config.json"], FileNotFoundError, model_name=f"local-dir:{tmp_path}")
-    refused(["not in the cache (model.clip.cache_dir=", "offline", "model.clip.checkpoint=<local weights file>"],
-            CLIPUnavailableError, local_files_only=True)
+    refused(
+        ["model.clip.checkpoint=", "does not exist"], FileNotFoundError, checkpoint=tmp_path / "missing.safetensors"
+    )
+    refused(
+        ["model.clip.model='local-dir:", "no open_clip_config.json"],
+        FileNotFoundError,
+        model_name=f"local-dir:{tmp_path}",
+    )
+    refused(
+        ["not in the cache (model.clip.cache_dir=", "offline", "model.clip.checkpoint=<local weights file>"],
+        CLIPUnavailableError,
+        local_files_only=True,
+    )
     _, ckpt = tiny_clip  # a bare state dict: its activation must be stated
     refused(["model.clip.checkpoint=", "model.clip.quick_gelu=true"], model_name=TINY, checkpoint=ckpt)
     assert check_clip_inputs(TINY, checkpoint=ckpt, quick_gelu=True, keys=CLIP_KEYS) == str(ckpt)

@@ -82,7 +82,9 @@ def test_fid_end_to_end_matches_direct_computation(tmp_path):
     save_images(ua[:25], tmp_path / "run")
     save_images(ua[25:], tmp_path / "run", start_index=25)
     save_images(b, tmp_path / "ref_png")
-    res = compute_fid(tmp_path / "run", tmp_path / "ref_png", feature_extractor=TinyExtractor, device="cpu", batch_size=16)
+    res = compute_fid(
+        tmp_path / "run", tmp_path / "ref_png", feature_extractor=TinyExtractor, device="cpu", batch_size=16
+    )
     fa = tiny_features(torch.from_numpy(ua).permute(0, 3, 1, 2)).numpy()
     fb = tiny_features(torch.from_numpy(ub).permute(0, 3, 1, 2)).numpy()
     want = direct_fid(fa, fb)
@@ -98,7 +100,11 @@ def test_fid_end_to_end_matches_direct_computation(tmp_path):
     assert res2["fid"] == pytest.approx(want, rel=1e-8, abs=1e-10)
     # a plain callable as the extractor; identical sets give 0
     res3 = compute_fid(a, (fa.mean(0), np.cov(fa, rowvar=False)), feature_extractor=tiny_features, device="cpu")
-    assert 0.0 <= res3["fid"] <= fid_rounding_bound(np.cov(fa, rowvar=False), np.cov(fa, rowvar=False), fa.mean(0), fa.mean(0))
+    assert (
+        0.0
+        <= res3["fid"]
+        <= fid_rounding_bound(np.cov(fa, rowvar=False), np.cov(fa, rowvar=False), fa.mean(0), fa.mean(0))
+    )
 
 
 def test_frechet_distance_against_scipy_and_torch_fidelity():
@@ -167,8 +173,9 @@ def test_inception_path_with_local_weights(tmp_path):
 
     import torch_fidelity.feature_extractor_inceptionv3 as inc
 
-    with mock.patch.object(inc, "load_state_dict_from_url", lambda *a, **k: None), mock.patch.object(
-        inc.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd: None
+    with (
+        mock.patch.object(inc, "load_state_dict_from_url", lambda *a, **k: None),
+        mock.patch.object(inc.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd: None),
     ):
         net = inc.FeatureExtractorInceptionV3(INCEPTION, ["2048"])
     weights = tmp_path / "inception.pth"
@@ -189,7 +196,8 @@ def test_low_rank_distance_equals_the_general_one():
         mu2, s2 = g.normal(size=f), a @ a.T / f
         st = feature_statistics(x)
         assert frechet_distance_to_features(x, mu2, s2) == pytest.approx(
-            frechet_distance(st.mu, st.sigma, mu2, s2), rel=0, abs=2 * fid_rounding_bound(st.sigma, s2, st.mu, mu2))
+            frechet_distance(st.mu, st.sigma, mu2, s2), rel=0, abs=2 * fid_rounding_bound(st.sigma, s2, st.mu, mu2)
+        )
     with pytest.raises(ValueError, match="N >= 2"):
         frechet_distance_to_features(np.zeros((1, 3)), np.zeros(3), np.eye(3))
     with pytest.raises(ValueError, match="shapes"):
@@ -218,12 +226,17 @@ def test_extractor_from_a_config_string_an_instance_or_a_class(tmp_path):
     imgs = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
     want = tiny_features(torch.from_numpy(imgs).permute(0, 3, 1, 2)).numpy()
     np.testing.assert_allclose(extract_features(imgs, "test_fid:TinyExtractor", device="cpu"), want, rtol=1e-12)
-    np.testing.assert_allclose(extract_features(imgs, TinyExtractor("specsamp-test-tiny", ["tiny"]), device="cpu"), want, rtol=1e-12)
+    np.testing.assert_allclose(
+        extract_features(imgs, TinyExtractor("specsamp-test-tiny", ["tiny"]), device="cpu"), want, rtol=1e-12
+    )
     st = feature_statistics(extract_features(imgs, feature_extractor=TinyExtractor, device="cpu"))
     assert st.n == 5 and st.mu.shape == (8,)
     gray = imgs[..., :1]  # one channel: repeated to three, as torch-fidelity expects
-    np.testing.assert_allclose(extract_features(gray, tiny_features, device="cpu"),
-                               tiny_features(torch.from_numpy(np.repeat(gray, 3, -1)).permute(0, 3, 1, 2)).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(
+        extract_features(gray, tiny_features, device="cpu"),
+        tiny_features(torch.from_numpy(np.repeat(gray, 3, -1)).permute(0, 3, 1, 2)).numpy(),
+        rtol=1e-12,
+    )
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
         make_extractor("no_such_module:X", device="cpu")
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
@@ -269,8 +282,12 @@ def test_compute_fid_references_and_saved_features(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # what scoring needs, checked before any image is made; how few images are too few
 
-KEYS = {"reference": "model.fid_ref", "feature_extractor": "model.fid_extractor", "feature_layer": "model.fid_layer",
-        "weights_path": "model.fid_weights"}
+KEYS = {
+    "reference": "model.fid_ref",
+    "feature_extractor": "model.fid_extractor",
+    "feature_layer": "model.fid_layer",
+    "weights_path": "model.fid_weights",
+}
 
 
 def test_check_fid_inputs_names_the_key_its_value_and_what_is_valid(tmp_path, monkeypatch):
@@ -301,9 +318,22 @@ def test_check_fid_inputs_names_the_key_its_value_and_what_is_valid(tmp_path, mo
     (tmp_path / "empty-folder").mkdir()
     refused(tmp_path / "empty-folder", ["no images at"])
     ok = "digits-8x8"
-    refused(ok, ["model.fid_extractor='nope.mod:Cls' is invalid", "cannot import module 'nope.mod'", "inception-v3-compat",
-                 "digits-classifier", "package.module:Class"], feature_extractor="nope.mod:Cls")
-    refused(ok, ["model.fid_extractor='specsamp.images:Nope' is invalid", "no attribute 'Nope'"], feature_extractor="specsamp.images:Nope")
+    refused(
+        ok,
+        [
+            "model.fid_extractor='nope.mod:Cls' is invalid",
+            "cannot import module 'nope.mod'",
+            "inception-v3-compat",
+            "digits-classifier",
+            "package.module:Class",
+        ],
+        feature_extractor="nope.mod:Cls",
+    )
+    refused(
+        ok,
+        ["model.fid_extractor='specsamp.images:Nope' is invalid", "no attribute 'Nope'"],
+        feature_extractor="specsamp.images:Nope",
+    )
     refused(ok, ["names a str"], feature_extractor="specsamp.metrics.fid:INCEPTION")
     refused(ok, ["model.fid_extractor='nope' is invalid", "inception-v3-compat"], feature_extractor="nope")
     refused(ok, ["model.fid_layer='2048' is invalid for digits-classifier", "features, logits"], feature_layer="2048")
@@ -311,12 +341,19 @@ def test_check_fid_inputs_names_the_key_its_value_and_what_is_valid(tmp_path, mo
     (tmp_path / "other.pkl").write_bytes(b"another classifier")
     refused(ok, ["model.fid_weights=", "SHA-256"], weights_path=tmp_path / "other.pkl")
     # Inception: its weights missing offline name the key (not torch-fidelity's weights_path=), the URL and the path
-    msg = refused(ok, ["model.fid_weights is not set", INCEPTION_URL, str(tmp_path / "empty-torch-home"), "model.fid_weights=FILE"],
-                  feature_extractor=INCEPTION)
+    msg = refused(
+        ok,
+        ["model.fid_weights is not set", INCEPTION_URL, str(tmp_path / "empty-torch-home"), "model.fid_weights=FILE"],
+        feature_extractor=INCEPTION,
+    )
     assert "weights_path" not in msg
     (tmp_path / "inception.pth").write_bytes(b"\x80weights")
-    refused(ok, ["model.fid_ref='digits-8x8' is invalid with inception-v3-compat layer 2048", "64 dimensions"],
-            feature_extractor=INCEPTION, weights_path=tmp_path / "inception.pth")
+    refused(
+        ok,
+        ["model.fid_ref='digits-8x8' is invalid with inception-v3-compat layer 2048", "64 dimensions"],
+        feature_extractor=INCEPTION,
+        weights_path=tmp_path / "inception.pth",
+    )
     # what passes: the shipped reference and classifier, a folder of images, an extractor from an import path
     assert check_fid_inputs(ok, **digits) == {"dim": 64, "extractor": "digits-classifier", "layer": "features"}
     save_images(np.zeros((2, 8, 8, 3), np.uint8), tmp_path / "ref-images")
@@ -348,8 +385,20 @@ def test_fid_command_names_valid_references_and_warns_of_few_images(tmp_path, ca
     assert err.startswith("error: --ref 'digits' is invalid") and "digits-8x8" in err and err.count("\n") == 1
     assert fid_mod.main([str(tmp_path / "images"), "--ref", "digits-8x8", "--feature-extractor", "nope.mod:Cls"]) == 2
     assert "--feature-extractor 'nope.mod:Cls' is invalid" in capsys.readouterr().err
-    assert fid_mod.main([str(tmp_path / "images"), "--ref", "digits-8x8", "--feature-extractor", "digits-classifier",
-                         "--device", "cpu"]) == 0
+    assert (
+        fid_mod.main(
+            [
+                str(tmp_path / "images"),
+                "--ref",
+                "digits-8x8",
+                "--feature-extractor",
+                "digits-classifier",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert out.out.startswith("FID ") and "(3 samples;" in out.out and "too few images" in out.out
     assert out.err.startswith("warning: an FID of 3 images is not a usable number") and "at least 65" in out.err

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("torch_fidelity")
 from helpers import run_digits_with_fid  # noqa: E402
+
 from specsamp.metrics.isc import inception_score, isc_from_logits, isc_layer  # noqa: E402
 
 
@@ -78,8 +79,11 @@ def test_isc_of_real_digits_is_near_the_number_of_classes():
     x, _ = load_digits_data()
     real = inception_score(to_uint8(x), feature_extractor="digits-classifier", device="cpu")
     assert real["feature_layer"] == "logits" and 8 < real["isc"] <= 10
-    noise = inception_score(to_uint8(torch.rand(len(x), 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1),
-                            feature_extractor="digits-classifier", device="cpu")
+    noise = inception_score(
+        to_uint8(torch.rand(len(x), 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1),
+        feature_extractor="digits-classifier",
+        device="cpu",
+    )
     assert noise["isc"] < 0.5 * real["isc"]
 
 

@@ -10,11 +10,10 @@ import torch
 from helpers import two_sample_pvalues
 from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
-from specsamp import DraftTree, Schedule, sample_speculative, sample_standard
-from specsamp.models import GaussianMixture
-from specsamp import hub
+from specsamp import DraftTree, Schedule, hub, sample_speculative, sample_standard
 from specsamp.errors import ConfigError
 from specsamp.hub import CheckpointTrustError
+from specsamp.models import GaussianMixture
 from specsamp.models.edm import CHECKPOINTS, EDMConfig, EDMVelocity, load_edm
 
 

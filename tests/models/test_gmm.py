@@ -14,7 +14,6 @@ import torch
 from specsamp.models import GaussianMixture, VelocityModel, batched
 
 
-
 def log_marginal(model: GaussianMixture, x: torch.Tensor, sigma: float) -> torch.Tensor:
     """log p_sigma(x) of the mixture on the linear path, written from scratch (float64)."""
     alpha = 1.0 - sigma
@@ -150,7 +149,12 @@ def test_interface_and_dtype():
 
 @pytest.mark.parametrize(
     "kwargs,key",
-    [({"dim": 0}, "model.dim=0"), ({"components": 0}, "model.components=0"), ({"dim": 2.5}, "model.dim"), ({"std_range": (0.3, 0.1)}, "model.std_range")],
+    [
+        ({"dim": 0}, "model.dim=0"),
+        ({"components": 0}, "model.components=0"),
+        ({"dim": 2.5}, "model.dim"),
+        ({"std_range": (0.3, 0.1)}, "model.std_range"),
+    ],
 )
 def test_bad_arguments(kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -34,7 +34,12 @@ def _config(name: str, **overrides):
 def test_every_model_yaml_merges_onto_its_schema(name):
     mandatory = {"path": "/a/pipeline/folder"} if name == "diffusers" else {}  # its one key without a default
     cfg = hydra.utils.instantiate(_config(name, **mandatory), _convert_="object")
-    assert type(cfg) is MODEL_SCHEMAS[str(OmegaConf.load(CONF / f"{name}.yaml").defaults[0]).removeprefix("/model/").removesuffix("@model")]
+    assert (
+        type(cfg)
+        is MODEL_SCHEMAS[
+            str(OmegaConf.load(CONF / f"{name}.yaml").defaults[0]).removeprefix("/model/").removesuffix("@model")
+        ]
+    )
     assert cfg._target_ == f"{type(cfg).__module__}.{type(cfg).__name__}"
     if name == "diffusers":  # any pipeline: no protocol of the paper's (the run's defaults apply)
         assert cfg.paper is None and cfg.prompts.n == 3
@@ -63,7 +68,10 @@ def test_bad_values_name_the_key():
         GMMConfig(name="gmm", dtype="float8").build("cpu")
     with pytest.raises(ConfigError, match="model.dim=0"):
         GMMConfig(name="gmm", dim=0).build("cpu")
-    with pytest.raises(ConfigError, match="model.dtype='bfloat16' is invalid for an EDM network: .*float32 or float64.*model.net_dtype=bfloat16"):
+    with pytest.raises(
+        ConfigError,
+        match="model.dtype='bfloat16' is invalid for an EDM network: .*float32 or float64.*model.net_dtype=bfloat16",
+    ):
         EDMConfig(name="edm-digits-8x8-cond", dtype="bfloat16").build("cpu")
     with pytest.raises(ConfigError, match="model.labels='some'"):
         EDMConfig(name="edm-digits-8x8-cond", labels="some").build("cpu")
@@ -93,7 +101,9 @@ def test_sd3_builds_from_a_local_pipeline_directory(tmp_path):
     from tiny_sd3 import RESOLUTION, write_tiny_sd3
 
     directory = write_tiny_sd3(tmp_path / "pipeline")
-    node = _config("sd3", model_id=str(directory), net_dtype="float32", resolution=RESOLUTION, prompts={"source": "demo"})
+    node = _config(
+        "sd3", model_id=str(directory), net_dtype="float32", resolution=RESOLUTION, prompts={"source": "demo"}
+    )
     target = hydra.utils.instantiate(node, _convert_="object").build("cpu")
     ids = torch.arange(3)
     assert target.indices.tolist() == [0, 1, 2] and len(target.prompts_for(ids)) == 3

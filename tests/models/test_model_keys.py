@@ -18,9 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-
 from helpers import ROOT
+from omegaconf import OmegaConf
 from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
@@ -79,12 +78,34 @@ PROBES = {
     "cifar10": {**EDM_COMMON, "label_dim": ([], 5), "labels": ([], "none")},
     "ffhq": {**EDM_COMMON, "label_dim": ([], 3), "labels": ([], "uniform")},
     # the shipped file needs no cache or download: digits.yaml has neither key
-    "digits": {**{k: v for k, v in EDM_COMMON.items() if k not in ("cache_dir", "download")},
-               "label_dim": ([], 5), "labels": ([], "none")},
-    "patches32": {**{k: v for k, v in EDM_COMMON.items() if k in ("_target_", "name", "url", "path", "sha256", "trust_checkpoint",
-                                                                   "key", "dtype", "net_dtype", "shift", "fid_ref")
-                     or k.startswith("paper.")},
-                  "label_dim": ([], 3), "labels": ([], "uniform")},
+    "digits": {
+        **{k: v for k, v in EDM_COMMON.items() if k not in ("cache_dir", "download")},
+        "label_dim": ([], 5),
+        "labels": ([], "none"),
+    },
+    "patches32": {
+        **{
+            k: v
+            for k, v in EDM_COMMON.items()
+            if k
+            in (
+                "_target_",
+                "name",
+                "url",
+                "path",
+                "sha256",
+                "trust_checkpoint",
+                "key",
+                "dtype",
+                "net_dtype",
+                "shift",
+                "fid_ref",
+            )
+            or k.startswith("paper.")
+        },
+        "label_dim": ([], 3),
+        "labels": ([], "uniform"),
+    },
     "sd3": {
         "_target_": ([], "specsamp.models.nope.Config"),
         "name": ([], "another-name"),
@@ -104,7 +125,10 @@ PROBES = {
         "decode_chunk": ([], 1),
         "images_per_prompt": ([], 2),
         "prompts.source": ([], "file"),
-        "prompts.captions_json": (["model.prompts.source=coco", "model.prompts.captions_json={captions}"], "{tmp}/none.json"),
+        "prompts.captions_json": (
+            ["model.prompts.source=coco", "model.prompts.captions_json={captions}"],
+            "{tmp}/none.json",
+        ),
         "prompts.n": ([], 1),
         "prompts.seed": (["model.prompts.source=coco", "model.prompts.captions_json={captions}"], 7),
         "prompts.path": (["model.prompts.source=file", "model.prompts.path={prompt_file}"], "{prompt_file2}"),
@@ -131,7 +155,10 @@ PROBES = {
         "decode_chunk": ([], 0),
         "images_per_prompt": ([], 2),
         "prompts.source": ([], "file"),
-        "prompts.captions_json": (["model.prompts.source=coco", "model.prompts.captions_json={captions}"], "{tmp}/none.json"),
+        "prompts.captions_json": (
+            ["model.prompts.source=coco", "model.prompts.captions_json={captions}"],
+            "{tmp}/none.json",
+        ),
         "prompts.n": ([], 1),
         "prompts.seed": (["model.prompts.source=coco", "model.prompts.captions_json={captions}"], 7),
         "prompts.path": (["model.prompts.source=file", "model.prompts.path={prompt_file}"], "{prompt_file2}"),
@@ -149,8 +176,14 @@ BASE = {
     "ffhq": ["model.path={ckpt}", "model.sha256={sha}"],
     "digits": ["model.path={ckpt}", "model.sha256={sha}"],
     "patches32": ["model.path={ckpt}", "model.sha256={sha}"],
-    "sd3": ["model.model_id={sd3_dir}", "model.prompts.source=demo", "model.resolution=64", "model.net_dtype=float32",
-            "model.max_sequence_length=16", "model.encode_batch=2"],
+    "sd3": [
+        "model.model_id={sd3_dir}",
+        "model.prompts.source=demo",
+        "model.resolution=64",
+        "model.net_dtype=float32",
+        "model.max_sequence_length=16",
+        "model.encode_batch=2",
+    ],
     "diffusers": ["model.path={diffusers_dir}", "kernel=auto"],
 }
 RUN = ["steps=4", "n_samples=2", "K=2", "L=2", "device=cpu", "progress=false", "execution=tree"]
@@ -212,8 +245,12 @@ def _runner_takes_kernels() -> bool:
 def _fill(value, model, files, sd3_dir, diffusers_dir=""):
     if not isinstance(value, str):
         return value
-    subs = {**{k.split(":")[1]: v for k, v in files.items() if k.startswith(model + ":")},
-            **{k: v for k, v in files.items() if ":" not in k}, "sd3_dir": sd3_dir, "diffusers_dir": diffusers_dir}
+    subs = {
+        **{k.split(":")[1]: v for k, v in files.items() if k.startswith(model + ":")},
+        **{k: v for k, v in files.items() if ":" not in k},
+        "sd3_dir": sd3_dir,
+        "diffusers_dir": diffusers_dir,
+    }
     return value.format(**subs)
 
 
@@ -247,7 +284,11 @@ class LoaderSpy:
 
 
 def _digest(t) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16] + str(t.dtype) + str(tuple(t.shape))
+    return (
+        hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+        + str(t.dtype)
+        + str(tuple(t.shape))
+    )
 
 
 def outcome(model, overrides, spy) -> tuple:
@@ -275,10 +316,23 @@ def outcome(model, overrides, spy) -> tuple:
         else:
             pixels = None
         pipe = spy.pipes[-1] if spy.pipes else None
-        out = top, ("ok", rec["model"], res.extra["max_batch"], _digest(res.samples), pixels, tuple(rows),
-                     target.prompts_for(ids) if target.prompts_for else None, target.fid_ref,
-                     json.dumps(target.fid, sort_keys=True), json.dumps(target.clip, sort_keys=True),
-                     repr(spy.calls), None if pipe is None else pipe.text_encoder is None)
+        out = (
+            top,
+            (
+                "ok",
+                rec["model"],
+                res.extra["max_batch"],
+                _digest(res.samples),
+                pixels,
+                tuple(rows),
+                target.prompts_for(ids) if target.prompts_for else None,
+                target.fid_ref,
+                json.dumps(target.fid, sort_keys=True),
+                json.dumps(target.clip, sort_keys=True),
+                repr(spy.calls),
+                None if pipe is None else pipe.text_encoder is None,
+            ),
+        )
     except ConfigError as e:
         out = top, ("error", str(e))
     _OUTCOMES[key] = out
@@ -291,7 +345,13 @@ _OUTCOMES: dict = {}
 CASES = [(m, k) for m in MODELS for k in sorted(PROBES.get(m, {}))]
 
 
-@pytest.mark.parametrize("model,key", [pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits", "patches32", "diffusers") else (m, k) for m, k in CASES])
+@pytest.mark.parametrize(
+    "model,key",
+    [
+        pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits", "patches32", "diffusers") else (m, k)
+        for m, k in CASES
+    ],
+)
 def test_model_key_is_used_or_rejected(model, key, files, request, monkeypatch, tmp_path_factory):
     from specsamp.models import sd3 as sd3_mod
 

@@ -63,7 +63,9 @@ def test_a_parametrised_network_is_the_velocity_it_wraps():
 
 
 def test_a_prediction_the_coordinates_lack_is_refused():
-    with pytest.raises(ConfigError, match="prediction_type='flow' is invalid for vp coordinates: supported are epsilon"):
+    with pytest.raises(
+        ConfigError, match="prediction_type='flow' is invalid for vp coordinates: supported are epsilon"
+    ):
         Parametrised(lambda y, t: y, "flow", "vp", (2,), torch.float32)
     with pytest.raises(ConfigError, match="coordinates='edm' is invalid"):
         Parametrised(lambda y, t: y, "epsilon", "edm", (2,), torch.float32)

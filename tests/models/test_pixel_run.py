@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import ROOT, python
 from tiny_edm import TINY_SRC, tiny_precond, write_persistent_pickle
 
@@ -24,16 +23,35 @@ def checkpoint(tmp_path_factory):
 
 
 def run(tmp_path, *args, **env_extra):
-    env = dict(os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", **env_extra)
-    cmd = [sys.executable, str(ROOT / "run.py"), "model=cifar10", "steps=5", "n_samples=6", "K=2", "L=2",
-           "device=cpu", f"hydra.run.dir={tmp_path}", *args]
+    env = dict(
+        os.environ, SPECSAMP_OFFLINE="1", SPECSAMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline", **env_extra
+    )
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "model=cifar10",
+        "steps=5",
+        "n_samples=6",
+        "K=2",
+        "L=2",
+        "device=cpu",
+        f"hydra.run.dir={tmp_path}",
+        *args,
+    ]
     return python(cmd, cwd=tmp_path, env=env)
 
 
 @pytest.mark.parametrize("sampler", ["dgrs", "rmc", "standard"])
 def test_cifar10_run_saves_images_by_index(tmp_path, checkpoint, sampler):
     path, sha = checkpoint
-    p = run(tmp_path, f"sampler={sampler}", f"model.path={path}", f"model.sha256={sha}", "execution=tree", "save_samples=true")
+    p = run(
+        tmp_path,
+        f"sampler={sampler}",
+        f"model.path={path}",
+        f"model.sha256={sha}",
+        "execution=tree",
+        "save_samples=true",
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(f"model=cifar10 model.path={path} sampler={sampler}")
     rec = json.loads((tmp_path / "result.json").read_text())
@@ -88,15 +106,25 @@ def fid_ref(tmp_path_factory):
 
     g = np.random.default_rng(0)
     a = g.normal(size=(2048, 8)) * 0.01
-    return Statistics(mu=g.normal(size=2048) * 0.01, sigma=a @ a.T, n=8).save(tmp_path_factory.mktemp("ref") / "ref.npz")
+    return Statistics(mu=g.normal(size=2048) * 0.01, sigma=a @ a.T, n=8).save(
+        tmp_path_factory.mktemp("ref") / "ref.npz"
+    )
 
 
 @pytest.fixture(scope="module")
 def fid_run(tmp_path_factory, checkpoint, torch_home, fid_ref):
     path, sha = checkpoint
     out = tmp_path_factory.mktemp("fid-run")
-    p = run(out, "sampler=dgrs", f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]",
-            f"model.fid_ref={fid_ref}", "n_samples=4", TORCH_HOME=str(torch_home))
+    p = run(
+        out,
+        "sampler=dgrs",
+        f"model.path={path}",
+        f"model.sha256={sha}",
+        "metrics=[fid]",
+        f"model.fid_ref={fid_ref}",
+        "n_samples=4",
+        TORCH_HOME=str(torch_home),
+    )
     return out, p
 
 
@@ -126,8 +154,26 @@ def test_pixel_fid_command_fills_the_table_with_a_float(fid_run, torch_home, fid
     assert p.returncode == 0, p.stderr[-3000:]
     monkeypatch.setenv("TORCH_HOME", str(torch_home))
     table = tmp_path / "fid.csv"
-    assert pixel.main(["fid", "--dataset", "cifar10", "--sampler", "dgrs", "--images", str(out / "images"),
-                       "--ref", str(fid_ref), "--device", "cpu", "--table", str(table)]) == 0
+    assert (
+        pixel.main(
+            [
+                "fid",
+                "--dataset",
+                "cifar10",
+                "--sampler",
+                "dgrs",
+                "--images",
+                str(out / "images"),
+                "--ref",
+                str(fid_ref),
+                "--device",
+                "cpu",
+                "--table",
+                str(table),
+            ]
+        )
+        == 0
+    )
     df = pd.read_csv(table)
     row = df[(df["dataset"] == "cifar10") & (df["sampler"] == "dgrs")].iloc[0]
     rec = json.loads((out / "result.json").read_text())
@@ -135,42 +181,73 @@ def test_pixel_fid_command_fills_the_table_with_a_float(fid_run, torch_home, fid
     assert df["fid"].isna().sum() == len(df) - 1
     # a missing images folder: one line, exit 2, the table untouched
     before = table.read_bytes()
-    assert pixel.main(["fid", "--sampler", "rmc", "--images", str(tmp_path / "none"), "--ref", str(fid_ref),
-                       "--table", str(table)]) == 2
+    assert (
+        pixel.main(
+            [
+                "fid",
+                "--sampler",
+                "rmc",
+                "--images",
+                str(tmp_path / "none"),
+                "--ref",
+                str(fid_ref),
+                "--table",
+                str(table),
+            ]
+        )
+        == 2
+    )
     assert "no images at" in capsys.readouterr().err and table.read_bytes() == before
 
 
 def _compose(*overrides):
     from specsamp.runner import compose
 
-    return compose(["model=cifar10", "steps=5", "n_samples=3", "K=2", "L=2", "device=cpu", "progress=false", *overrides])
+    return compose(
+        ["model=cifar10", "steps=5", "n_samples=3", "K=2", "L=2", "device=cpu", "progress=false", *overrides]
+    )
 
 
 def test_fid_scoring_failure_keeps_record_and_images(tmp_path, checkpoint, fid_ref, monkeypatch, capsys):
     """The runner's task in process (Hydra compose + run_task): what no check can foresee fails inside the scorer
     (a callable that is no feature extractor): sampling finishes, the record and the PNGs are written, then the
     scoring error is one paragraph, exit 1."""
-    from specsamp.runner.task import run_task
     from tiny_weights import write_tiny_inception
+
+    from specsamp.runner.task import run_task
 
     path, sha = checkpoint
     monkeypatch.chdir(tmp_path)
     write_tiny_inception(tmp_path / "torch-home")
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     monkeypatch.setenv("SPECSAMP_OFFLINE", "1")
-    cfg = _compose(f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]", f"model.fid_ref={fid_ref}",
-                   "model.fid_extractor=builtins:len")
+    cfg = _compose(
+        f"model.path={path}",
+        f"model.sha256={sha}",
+        "metrics=[fid]",
+        f"model.fid_ref={fid_ref}",
+        "model.fid_extractor=builtins:len",
+    )
     with pytest.raises(SystemExit) as e:
         run_task(cfg)
     err = capsys.readouterr()
     assert e.value.code == 1
     *notes, last = err.err.splitlines()  # notes before sampling (3 images are too few for a usable FID), then the error
-    assert "Traceback" not in err.err and last.startswith("error: metrics=[fid]") and all(n.startswith("note: ") for n in notes)
+    assert (
+        "Traceback" not in err.err
+        and last.startswith("error: metrics=[fid]")
+        and all(n.startswith("note: ") for n in notes)
+    )
     assert "at least 2049" in err.err
     assert str(tmp_path) in last  # says where the samples are
     assert err.out.startswith(f"model=cifar10 model.path={path} sampler=dgrs")  # the summary line came first
     rec = json.loads((tmp_path / "result.json").read_text())
-    assert rec["status"] == "ok" and rec["n_samples"] == 3 and "fid" not in rec and "AttributeError" in rec["metrics_error"]
+    assert (
+        rec["status"] == "ok"
+        and rec["n_samples"] == 3
+        and "fid" not in rec
+        and "AttributeError" in rec["metrics_error"]
+    )
     assert sorted(f.name for f in (tmp_path / "images").iterdir()) == [f"{i:06d}.png" for i in range(3)]
 
 
@@ -180,9 +257,9 @@ def test_what_scoring_needs_is_refused_before_sampling(tmp_path, checkpoint, fid
     is sampled (they were reported after every image was made, and missing weights exited 1): one paragraph
     naming the model.* key, its value and what is valid."""
     import numpy as np
+    from tiny_weights import write_tiny_inception
 
     from specsamp.runner.task import run_task
-    from tiny_weights import write_tiny_inception
 
     path, sha = checkpoint
     monkeypatch.chdir(tmp_path)
@@ -204,11 +281,13 @@ def test_what_scoring_needs_is_refused_before_sampling(tmp_path, checkpoint, fid
         run_task(_compose(f"model.path={path}", f"model.sha256={sha}", "metrics=[fid]", f"model.fid_ref={ref}", *extra))
     err = capsys.readouterr()
     assert e.value.code == 2 and err.err.count("\n") == 1 and "Traceback" not in err.err, err.err
-    assert {"fid_ref": "model.fid_ref='/nonexistent.npz' is invalid: no such file or folder",
-            "fid_extractor": "model.fid_extractor='nope.mod:Cls' is invalid: cannot import module 'nope.mod'",
-            "missing-weights": "model.fid_weights is not set and the FID's Inception weights are not in the torch hub cache",
-            "bad-reference": "statistics have 3 dimensions and the features 2048",
-            "one-image": "metrics=[fid] is invalid with n_samples=1: an FID needs at least 2 images"}[case] in err.err
+    assert {
+        "fid_ref": "model.fid_ref='/nonexistent.npz' is invalid: no such file or folder",
+        "fid_extractor": "model.fid_extractor='nope.mod:Cls' is invalid: cannot import module 'nope.mod'",
+        "missing-weights": "model.fid_weights is not set and the FID's Inception weights are not in the torch hub cache",
+        "bad-reference": "statistics have 3 dimensions and the features 2048",
+        "one-image": "metrics=[fid] is invalid with n_samples=1: an FID needs at least 2 images",
+    }[case] in err.err
     assert "weights_path" not in err.err
     assert err.out == "" and not (tmp_path / "result.json").exists()  # nothing sampled
 
@@ -223,9 +302,9 @@ def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monke
     import numpy as np
 
     from specsamp.images import as_pixels, load_images
+    from specsamp.metrics.fid import extract_features
     from specsamp.runner import run_config
     from specsamp.runner.outputs import save_images
-    from specsamp.metrics.fid import extract_features
 
     path, sha = checkpoint
     record, res = run_config(_compose(f"model.path={path}", f"model.sha256={sha}"))
@@ -238,7 +317,9 @@ def test_edm_target_images_follow_the_one_convention(tmp_path, checkpoint, monke
     def feats(x):
         return x.double().mean(dim=(2, 3))
 
-    np.testing.assert_array_equal(extract_features(decoded, feats, device="cpu"), extract_features(images, feats, device="cpu"))
+    np.testing.assert_array_equal(
+        extract_features(decoded, feats, device="cpu"), extract_features(images, feats, device="cpu")
+    )
 
 
 def test_gmm_target_has_no_images_and_refuses_metrics(tmp_path, monkeypatch, capsys):
@@ -308,9 +389,9 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
     import numpy as np
 
     from specsamp.images import as_pixels, save_images as save_pngs
+    from specsamp.metrics.fid import Statistics
     from specsamp.runner import run_config
     from specsamp.runner.outputs import compute_metrics, save_images
-    from specsamp.metrics.fid import Statistics
 
     path, sha = checkpoint
     _, res = run_config(_compose(f"model.path={path}", f"model.sha256={sha}"))
@@ -332,7 +413,9 @@ def test_metrics_score_exactly_this_runs_images(tmp_path, checkpoint, fid_ref):
 
 
 @pytest.mark.parametrize("metric,need", [("clip", "prompts"), ("fid", "model.fid_ref")])
-def test_metric_the_model_cannot_serve_is_refused_before_sampling(tmp_path, checkpoint, monkeypatch, capsys, metric, need):
+def test_metric_the_model_cannot_serve_is_refused_before_sampling(
+    tmp_path, checkpoint, monkeypatch, capsys, metric, need
+):
     from specsamp.runner.task import run_task
 
     path, sha = checkpoint
@@ -359,8 +442,17 @@ def test_pixel_fid_without_reachable_inception_weights_is_one_paragraph(tmp_path
         raise RuntimeError(f"could not download the Inception weights from {fid_mod.INCEPTION_URL} (no network).")
 
     monkeypatch.setattr(fid_mod, "make_extractor", offline)
-    args = ["fid", "--sampler", "dgrs", "--images", str(tmp_path / "images"), "--ref", "cifar10-32x32",
-            "--table", str(tmp_path / "fid.csv")]
+    args = [
+        "fid",
+        "--sampler",
+        "dgrs",
+        "--images",
+        str(tmp_path / "images"),
+        "--ref",
+        "cifar10-32x32",
+        "--table",
+        str(tmp_path / "fid.csv"),
+    ]
     assert pixel.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: fid") and "could not download the Inception weights" in err and "\n" not in err

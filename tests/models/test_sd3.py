@@ -286,7 +286,9 @@ def test_adapter_errors(tiny):
     with pytest.raises(ValueError, match="guidance"):
         SD3Velocity(transformer, emb, pooled, nemb, npooled, guidance=float("nan"))
     with pytest.raises(ValueError, match="unconditional"):
-        SD3Velocity(transformer, emb, pooled, guidance=7.0)(torch.zeros(1, 4, 8, 8), torch.ones(1), prompt=torch.zeros(1, dtype=torch.long))
+        SD3Velocity(transformer, emb, pooled, guidance=7.0)(
+            torch.zeros(1, 4, 8, 8), torch.ones(1), prompt=torch.zeros(1, dtype=torch.long)
+        )
     model = SD3Velocity(transformer, emb, pooled, nemb, npooled)
     with pytest.raises(ValueError, match=r"prompt indices must lie in \[0, 2\)"):
         model(torch.zeros(1, 4, 8, 8), torch.ones(1), prompt=torch.tensor([2]))
@@ -302,7 +304,16 @@ class FakePipeline:
         self.text_encoder = self.text_encoder_2 = self.text_encoder_3 = object()
         self.encoded = []
 
-    def encode_prompt(self, prompt, prompt_2, prompt_3, device, num_images_per_prompt, do_classifier_free_guidance, max_sequence_length):
+    def encode_prompt(
+        self,
+        prompt,
+        prompt_2,
+        prompt_3,
+        device,
+        num_images_per_prompt,
+        do_classifier_free_guidance,
+        max_sequence_length,
+    ):
         assert not do_classifier_free_guidance and prompt_2 is None and prompt_3 is None
         self.encoded.extend(prompt)
         rows = [_embeds(1, seed=sum(map(ord, p)) % 1000) for p in prompt]
@@ -312,7 +323,9 @@ class FakePipeline:
 def test_sd3_config_builds_a_target(tiny):
     transformer, vae = tiny
     pipe = FakePipeline(transformer, vae)
-    cfg = SD3Config(resolution=16, net_dtype="float32", guidance=3.0, decode_chunk=1)  # tiny VAE factor 2 -> latent 4x8x8
+    cfg = SD3Config(
+        resolution=16, net_dtype="float32", guidance=3.0, decode_chunk=1
+    )  # tiny VAE factor 2 -> latent 4x8x8
     cfg.prompts.source, cfg.prompts.n = "demo", 2
     target = cfg.build("cpu", pipeline=pipe)
     assert target.model.event_shape == (4, 8, 8)
@@ -321,14 +334,19 @@ def test_sd3_config_builds_a_target(tiny):
     assert pipe.text_encoder is None and pipe.text_encoder_3 is None  # freed after encoding
     assert target.cond_for(torch.arange(2), 0)["prompt"].tolist() == [0, 1] and target.indices.tolist() == [0, 1]
     assert target.clip["model_name"] == "ViT-L-14-quickgelu" and target.max_batch is None
-    res = sample_standard(target.model, Schedule.make(4, 0.8, shift=3.0), indices=target.indices,
-                          cond=target.cond_for(target.indices, 0))
+    res = sample_standard(
+        target.model, Schedule.make(4, 0.8, shift=3.0), indices=target.indices, cond=target.cond_for(target.indices, 0)
+    )
     images = target.decode(res.samples)
     assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
     with pytest.raises(ConfigError, match="n_samples is invalid: the prompt plan has 2 images"):
         target.cond_for(torch.arange(3), 0)
-    for key, value, match in (("resolution", 18, "model.resolution"), ("net_dtype", "float8", "model.net_dtype"),
-                              ("max_batch", 0, "model.max_batch=0"), ("guidance", float("nan"), "model.guidance")):
+    for key, value, match in (
+        ("resolution", 18, "model.resolution"),
+        ("net_dtype", "float8", "model.net_dtype"),
+        ("max_batch", 0, "model.max_batch=0"),
+        ("guidance", float("nan"), "model.guidance"),
+    ):
         with pytest.raises(ConfigError, match=match):
             SD3Config(**{**cfg.__dict__, key: value}).build("cpu", pipeline=FakePipeline(transformer, vae))
 

@@ -105,8 +105,13 @@ class Runs:
             from tiny_weights import write_tiny_clip
 
             weights = write_tiny_clip(self.root / "tiny-clip", quick_gelu=True)
-            return [self.model, "sampler=dgrs", "metrics=[clip]", f"model.clip.model=local-dir:{weights.parent}",
-                    "save_samples=true"]
+            return [
+                self.model,
+                "sampler=dgrs",
+                "metrics=[clip]",
+                f"model.clip.model=local-dir:{weights.parent}",
+                "save_samples=true",
+            ]
         if name == "missing":
             return [f"model.model_id={self.root / 'no-such-dir'}"]
         raise KeyError(name)
@@ -158,7 +163,9 @@ def runs(sd3_dir, tmp_path_factory, request):
     r.close()
 
 
-@pytest.mark.parametrize("sampler", ["dgrs", pytest.param("rmc", marks=pytest.mark.slow), pytest.param("standard", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "sampler", ["dgrs", pytest.param("rmc", marks=pytest.mark.slow), pytest.param("standard", marks=pytest.mark.slow)]
+)
 def test_sd3_run_writes_record_and_images(runs, sampler):
     r = runs[sampler]
     p = r.result()
@@ -229,12 +236,16 @@ def test_clip_score_through_runner_with_local_weights(runs, sd3_dir, monkeypatch
     model, pre, tok = load_clip(f"local-dir:{r.out.parent / 'tiny-clip'}")
     kw = dict(model=model, preprocess=pre, tokenizer=tok)
     pngs = load_images(r.out / "images")
-    np.testing.assert_allclose(clip_scores(pngs, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+        clip_scores(pngs, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     decoded = _target(_compose(f"model.model_id={sd3_dir}")).decode(torch.load(r.out / "samples.pt"))
     assert decoded.dtype == torch.float32 and decoded.min() >= -1 and decoded.max() <= 1 and decoded.min() < 0
     np.testing.assert_array_equal(as_pixels(decoded), pngs)
-    np.testing.assert_allclose(clip_scores(decoded, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+        clip_scores(decoded, demo_prompts(N), **kw), rec["metrics"]["clip_scores"], rtol=1e-6, atol=1e-9
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,7 +276,11 @@ class Recorder:
 
     def __call__(self, x, sigma, **cond):
         if self.first is None:
-            self.first = {"x": x.clone(), "sigma": torch.as_tensor(sigma).clone(), **{k: v.clone() for k, v in cond.items()}}
+            self.first = {
+                "x": x.clone(),
+                "sigma": torch.as_tensor(sigma).clone(),
+                **{k: v.clone() for k, v in cond.items()},
+            }
         return self._model(x, sigma, **cond)
 
 
@@ -273,8 +288,8 @@ def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monk
     """Same seed: image i gets the same prompt and the same initial latent under dgrs, rmc and standard,
     and the subprocess runs reproduce the in-process samples."""
     from specsamp.models.base import Target
-    from specsamp.runner import run_config
     from specsamp.models.sd3.prompts import demo_prompts
+    from specsamp.runner import run_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = _compose(f"model.model_id={sd3_dir}")
@@ -301,9 +316,13 @@ def test_every_rule_sees_the_same_prompt_and_noise_per_image(sd3_dir, runs, monk
             assert torch.equal(first[sampler][key], first["dgrs"][key]), (sampler, key)
     # and another seed changes the noise, not the prompts
     rec = Recorder(built.model)
-    run_config(_compose(f"model.model_id={sd3_dir}", "seed=1"),
-               target=Target(rec, cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for))
-    assert torch.equal(rec.first["prompt"], first["dgrs"]["prompt"]) and not torch.equal(rec.first["x"], first["dgrs"]["x"])
+    run_config(
+        _compose(f"model.model_id={sd3_dir}", "seed=1"),
+        target=Target(rec, cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for),
+    )
+    assert torch.equal(rec.first["prompt"], first["dgrs"]["prompt"]) and not torch.equal(
+        rec.first["x"], first["dgrs"]["x"]
+    )
 
 
 def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
@@ -320,12 +339,20 @@ def test_tiny_directory_loads_like_a_hub_checkout(sd3_dir, monkeypatch):
             kw = dict(padding="max_length", max_length=77, truncation=True)
             assert tok(text, **kw).input_ids == ref(text, **kw).input_ids
     prompts = ["a red bicycle", "the sea"]
-    target = SD3Config(resolution=RESOLUTION, net_dtype="float32", guidance=7.0, free_text_encoders=False,
-                       max_sequence_length=16).build("cpu", pipeline=pipe, prompts=prompts)
+    target = SD3Config(
+        resolution=RESOLUTION, net_dtype="float32", guidance=7.0, free_text_encoders=False, max_sequence_length=16
+    ).build("cpu", pipeline=pipe, prompts=prompts)
     assert target.model.event_shape == (16, RESOLUTION // 8, RESOLUTION // 8)
     with torch.no_grad():
-        pe, ne, pp, npool = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device="cpu",
-                                               do_classifier_free_guidance=True, negative_prompt="", max_sequence_length=16)
+        pe, ne, pp, npool = pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device="cpu",
+            do_classifier_free_guidance=True,
+            negative_prompt="",
+            max_sequence_length=16,
+        )
     m = target.model
     assert m.prompt_embeds.shape == (2, 77 + 16, 32)
     torch.testing.assert_close(m.prompt_embeds, pe)
@@ -342,8 +369,11 @@ def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rows = {}
-    for label, overrides in (("model=1", ["model.max_batch=1"]), ("model=null", ["model.max_batch=null"]),
-                             ("top=1", ["model.max_batch=null", "max_batch=1"])):
+    for label, overrides in (
+        ("model=1", ["model.max_batch=1"]),
+        ("model=null", ["model.max_batch=null"]),
+        ("top=1", ["model.max_batch=null", "max_batch=1"]),
+    ):
         cfg = _compose(f"model.model_id={sd3_dir}", *overrides)
         built = _target(cfg)
         seen = []
@@ -360,8 +390,13 @@ def test_model_max_batch_reaches_the_sampler(sd3_dir, monkeypatch):
                 self.seen.append(x.shape[0])
                 return self.inner(x, sigma, **cond)
 
-        target = Target(Spy(inner, seen), cond_for=built.cond_for, decode=built.decode, prompts_for=built.prompts_for,
-                        max_batch=built.max_batch)
+        target = Target(
+            Spy(inner, seen),
+            cond_for=built.cond_for,
+            decode=built.decode,
+            prompts_for=built.prompts_for,
+            max_batch=built.max_batch,
+        )
         _, res = run_config(cfg, target=target)
         rows[label] = (max(seen), res.extra["max_batch"])
     assert rows["model=1"] == (1, 1)

@@ -25,8 +25,12 @@ NO_GPU = not torch.cuda.is_available()
 
 def run(args, cwd, module=None):
     """``python run.py ARGS`` (or ``python -m MODULE ARGS``) in ``cwd``; ``.err`` is stderr stripped."""
-    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        HYDRA_FULL_ERROR="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     head = ["-m", module] if module else [str(ROOT / "run.py")]
     p = python([sys.executable, *head, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
     p.err = p.stderr.strip()
@@ -47,7 +51,9 @@ def one_paragraph(p, status: int) -> str:
 def test_a_sweep_wide_error_is_refused_once_and_writes_nothing(tmp_path):
     p = run(["-m", *TINY, "device=cuda", "K=1,2", "L=2,3", "sweep_name=gpu"], tmp_path)
     err = one_paragraph(p, 2)
-    assert err.startswith("error: none of the sweep's 4 jobs can run, so nothing was launched. Every job: device='cuda'")
+    assert err.startswith(
+        "error: none of the sweep's 4 jobs can run, so nothing was launched. Every job: device='cuda'"
+    )
     assert err.count("torch sees no CUDA device") == 1 and "failed" not in p.stdout
     assert not (tmp_path / "multirun").exists()
 
@@ -55,7 +61,11 @@ def test_a_sweep_wide_error_is_refused_once_and_writes_nothing(tmp_path):
 def test_a_bad_value_in_every_cell_names_each_error_once(tmp_path):
     p = run(["-m", *TINY, "K=0,-1", "sweep_name=bad"], tmp_path)
     err = one_paragraph(p, 2)
-    assert "none of the sweep's 2 jobs can run" in err and "Job K=0: K=0 is invalid" in err and "; job K=-1: K=-1 is invalid" in err
+    assert (
+        "none of the sweep's 2 jobs can run" in err
+        and "Job K=0: K=0 is invalid" in err
+        and "; job K=-1: K=-1 is invalid" in err
+    )
     assert not (tmp_path / "multirun").exists()
 
 
@@ -94,12 +104,14 @@ def test_machine_checks_can_be_left_to_the_machine_that_runs_the_job():
 def test_sweeper_keys_are_checked():
     from hydra_plugins.specsamp_sweeper import check_sweeper_keys
 
-    for args, needle in [(("abc", None, False), "hydra.sweeper.max_batch_size='abc' is invalid: must be an integer >= 1"),
-                         ((-1, None, False), "hydra.sweeper.max_batch_size=-1 is invalid"),
-                         ((0, None, False), "hydra.sweeper.max_batch_size=0 is invalid"),
-                         ((True, None, False), "hydra.sweeper.max_batch_size=True is invalid"),
-                         ((None, "K=1", False), "hydra.sweeper.params='K=1' is invalid: must be a mapping"),
-                         ((None, None, "maybe"), "hydra.sweeper.validate='maybe' is invalid: must be true")]:
+    for args, needle in [
+        (("abc", None, False), "hydra.sweeper.max_batch_size='abc' is invalid: must be an integer >= 1"),
+        ((-1, None, False), "hydra.sweeper.max_batch_size=-1 is invalid"),
+        ((0, None, False), "hydra.sweeper.max_batch_size=0 is invalid"),
+        ((True, None, False), "hydra.sweeper.max_batch_size=True is invalid"),
+        ((None, "K=1", False), "hydra.sweeper.params='K=1' is invalid: must be a mapping"),
+        ((None, None, "maybe"), "hydra.sweeper.validate='maybe' is invalid: must be true"),
+    ]:
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             check_sweeper_keys(*args)
     check_sweeper_keys(2, {"K": "1,2"}, True)
@@ -144,22 +156,32 @@ def _raised(fn):
 def test_enoent_is_infrastructure_only_while_creating_a_directory(tmp_path):
     made = _raised(lambda: Path(tmp_path / "missing" / "out").mkdir())  # Hydra's and specsamp.io's mkdir
     assert made.errno == errno.ENOENT and exits.is_infrastructure(made)
-    assert "could not create the directory" in exits.infrastructure_message(made) and "hydra.run.dir=DIR" in exits.infrastructure_message(made)
+    assert "could not create the directory" in exits.infrastructure_message(
+        made
+    ) and "hydra.run.dir=DIR" in exits.infrastructure_message(made)
     opened = _raised(lambda: open(tmp_path / "missing.json"))
     assert not exits.is_infrastructure(opened)
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
-@pytest.mark.parametrize("args", [["hydra.run.dir=/proc/specsamp-out"], ["-m", "hydra.sweep.dir=/proc/specsamp-sweep", "K=1,2"]],
-                         ids=["run", "sweep"])
+@pytest.mark.parametrize(
+    "args",
+    [["hydra.run.dir=/proc/specsamp-out"], ["-m", "hydra.sweep.dir=/proc/specsamp-sweep", "K=1,2"]],
+    ids=["run", "sweep"],
+)
 def test_an_output_folder_on_proc_exits_3(tmp_path, args):
     err = one_paragraph(run([*args, *TINY], tmp_path), 3)
     assert "could not create the directory /proc/specsamp-" in err and "No such file or directory" in err
 
 
 def test_a_missing_profile_file_stays_a_config_error(tmp_path):
-    err = one_paragraph(run([*TINY, "tree=optimal", f"delta_profile={tmp_path / 'no' / 'p.json'}", f"hydra.run.dir={tmp_path / 'o'}"],
-                            tmp_path), 2)
+    err = one_paragraph(
+        run(
+            [*TINY, "tree=optimal", f"delta_profile={tmp_path / 'no' / 'p.json'}", f"hydra.run.dir={tmp_path / 'o'}"],
+            tmp_path,
+        ),
+        2,
+    )
     assert "delta_profile=" in err and "does not exist" in err
 
 
@@ -176,7 +198,10 @@ def test_calibrate_refuses_to_replace_a_shipped_profile(tmp_path, monkeypatch):
     shipped.write_bytes((PROFILE_DIR / "gmm_x0.json").read_bytes())
     monkeypatch.setattr(calibrate, "PROFILE_DIR", shipped.parent)
     before = shipped.read_bytes()
-    with pytest.raises(ConfigError, match=r"out=.*gmm_x0.json is invalid: it is the shipped profile delta_profile=gmm_x0.*overwrite=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"out=.*gmm_x0.json is invalid: it is the shipped profile delta_profile=gmm_x0.*overwrite=true",
+    ):
         main(["model=gmm", "draft=x0", f"out={shipped}"])
     with pytest.raises(ConfigError, match="overwrite=yes is invalid: must be true"):
         main(["draft=x0", "overwrite=yes"])
@@ -195,9 +220,17 @@ def test_calibrate_writes_under_outputs_by_default(tmp_path, monkeypatch, capsys
 
 def test_calibrate_into_an_uncreatable_folder_exits_3(tmp_path):
     (tmp_path / "blocker").write_text("precious")
-    p = run([*TINY, "draft=x0", "trajectories=4", f"out={tmp_path / 'blocker' / 'p.json'}"], tmp_path, module="experiments.calibrate")
+    p = run(
+        [*TINY, "draft=x0", "trajectories=4", f"out={tmp_path / 'blocker' / 'p.json'}"],
+        tmp_path,
+        module="experiments.calibrate",
+    )
     err = one_paragraph(p, 3)
-    assert f"could not create the directory {tmp_path / 'blocker'}" in err and "out=PATH" in err and "hydra.run.dir" not in err
+    assert (
+        f"could not create the directory {tmp_path / 'blocker'}" in err
+        and "out=PATH" in err
+        and "hydra.run.dir" not in err
+    )
     assert (tmp_path / "blocker").read_text() == "precious"
 
 
@@ -248,7 +281,9 @@ def test_an_ad_hoc_sweep_resumes_with_the_sweep_name_its_summary_prints(tmp_path
     sweep_name that relaunches into it, and that relaunch skips the finished job."""
     from specsamp.runner.report import resume_hint
 
-    assert resume_hint("multirun/2026-01-02/03-04-05").endswith("sweep_name=2026-01-02/03-04-05 (its finished jobs are skipped)")
+    assert resume_hint("multirun/2026-01-02/03-04-05").endswith(
+        "sweep_name=2026-01-02/03-04-05 (its finished jobs are skipped)"
+    )
     assert "hydra.sweep.dir=/x/sw" in resume_hint("/x/sw")
     p = run(["-m", *TINY, "K=1,0"], tmp_path)
     assert p.returncode == 2, p.stdout + p.stderr
@@ -270,11 +305,17 @@ def _inprocess(args, cwd, monkeypatch):
     return run_inprocess(args, cwd / "single", monkeypatch)
 
 
-BAD_SWEEP_NAMES = [("sweep_name=..", "sweep_name='..' is invalid"), ("sweep_name=../../x", "sweep_name='../../x' is invalid"),
-                   ("sweep_name=", "sweep_name='' is invalid"), ("sweep_name=/tmp/abs", "sweep_name='/tmp/abs' is invalid"),
-                   ("sweep_name=a\nb", r"sweep_name='a\nb' is invalid: it holds the control character(s) '\n'"),
-                   ("sweep_name=1_1_1", "reads 1_1_1 as the int 111"), ("sweep_name=true", "reads true as the bool True"),
-                   ("sweep_name=null", "reads null as null"), ("sweep_name=é", "sweep_name=é is invalid: must be a folder name")]
+BAD_SWEEP_NAMES = [
+    ("sweep_name=..", "sweep_name='..' is invalid"),
+    ("sweep_name=../../x", "sweep_name='../../x' is invalid"),
+    ("sweep_name=", "sweep_name='' is invalid"),
+    ("sweep_name=/tmp/abs", "sweep_name='/tmp/abs' is invalid"),
+    ("sweep_name=a\nb", r"sweep_name='a\nb' is invalid: it holds the control character(s) '\n'"),
+    ("sweep_name=1_1_1", "reads 1_1_1 as the int 111"),
+    ("sweep_name=true", "reads true as the bool True"),
+    ("sweep_name=null", "reads null as null"),
+    ("sweep_name=é", "sweep_name=é is invalid: must be a folder name"),
+]
 
 
 @pytest.mark.parametrize("arg,needle", BAD_SWEEP_NAMES, ids=[a.replace("\n", "NL") for a, _ in BAD_SWEEP_NAMES])
@@ -305,24 +346,39 @@ def test_overrides_read_otherwise_than_typed_are_refused():
 
     assert override_problem(["compile=2"]) == "compile=2 is invalid: compile takes true or false, not a number."
     assert "model.trust_checkpoint=1 is invalid" in override_problem(["model.trust_checkpoint=1"])
-    assert "hydra.run.dir='out\\nx' is invalid: it holds the control character(s) '\\n'" in override_problem(["hydra.run.dir=out\nx"])
+    assert "hydra.run.dir='out\\nx' is invalid: it holds the control character(s) '\\n'" in override_problem(
+        ["hydra.run.dir=out\nx"]
+    )
     assert "model.cache_dir='a\\rb' is invalid" in override_problem(["model.cache_dir=a\rb"])
-    for fine in (["compile=true"], ["compile=yes"], ["sweep_name=2024"], ["sweep_name='1_1_1'"], ["hydra.run.dir=out/x"],
-                 ["-m", "K=1,2"], ["sweep_name=a,b"]):
+    for fine in (
+        ["compile=true"],
+        ["compile=yes"],
+        ["sweep_name=2024"],
+        ["sweep_name='1_1_1'"],
+        ["hydra.run.dir=out/x"],
+        ["-m", "K=1,2"],
+        ["sweep_name=a,b"],
+    ):
         assert override_problem(fine) is None, fine
 
 
 def test_a_path_key_with_a_control_character_is_refused():
     with pytest.raises(ConfigError, match=r"model.cache_dir='a\\nb' is invalid: it holds the control character"):
-        load_config({**load_config(compose(TINY))[1], "model": {"_target_": "specsamp.models.edm.EDMConfig",
-                                                               "name": "x", "cache_dir": "a\nb"}})
+        load_config(
+            {
+                **load_config(compose(TINY))[1],
+                "model": {"_target_": "specsamp.models.edm.EDMConfig", "name": "x", "cache_dir": "a\nb"},
+            }
+        )
 
 
 def test_an_unreadable_override_names_its_key_and_the_quoting():
     with pytest.raises(Exception) as e:
         compose([*TINY, "model.dim=é"])
     text = exits.composition_message(e.value)
-    assert text.startswith("model.dim=é could not be read") and "\"model.dim='é'\"" in text and "LexerNoViable" not in text
+    assert (
+        text.startswith("model.dim=é could not be read") and "\"model.dim='é'\"" in text and "LexerNoViable" not in text
+    )
 
 
 def test_a_mistyped_sweeper_key_lists_the_valid_ones(tmp_path, monkeypatch):
@@ -335,7 +391,9 @@ def test_a_mistyped_sweeper_key_lists_the_valid_ones(tmp_path, monkeypatch):
 # a profile file's values, the documented values of model.net_dtype
 
 
-@pytest.mark.parametrize("values,shown", [('["a"]', "'a'"), ("[NaN]", "nan"), ("[1.0, -1]", "-1"), ("[Infinity]", "inf"), ("[]", "empty")])
+@pytest.mark.parametrize(
+    "values,shown", [('["a"]', "'a'"), ("[NaN]", "nan"), ("[1.0, -1]", "-1"), ("[Infinity]", "inf"), ("[]", "empty")]
+)
 def test_a_profile_file_with_bad_values_names_the_file_and_the_value(tmp_path, values, shown):
     from specsamp.runner.build import given_profile
 
@@ -346,7 +404,9 @@ def test_a_profile_file_with_bad_values_names_the_file_and_the_value(tmp_path, v
         with pytest.raises(ConfigError) as e:
             given_profile(run_)
         text = str(e.value)
-        assert text.startswith(f"delta_profile='{path}' is invalid: the {entry} entry of {path}") and shown in text, text
+        assert text.startswith(f"delta_profile='{path}' is invalid: the {entry} entry of {path}") and shown in text, (
+            text
+        )
         assert "array(" not in text and "deltas=" not in text
 
 
@@ -354,7 +414,9 @@ def test_net_dtype_takes_its_documented_values():
     from specsamp.models.edm import EDMConfig
 
     for bad in ("float64", "float32", "int8"):
-        with pytest.raises(ConfigError, match=f"model.net_dtype='{bad}' is invalid: valid values are float16, bfloat16 .* or null"):
+        with pytest.raises(
+            ConfigError, match=f"model.net_dtype='{bad}' is invalid: valid values are float16, bfloat16 .* or null"
+        ):
             EDMConfig(name="edm-digits-8x8-cond", net_dtype=bad).build("cpu")
 
 
@@ -372,8 +434,15 @@ def test_the_contract_check_refuses_a_non_finite_sample():
 
     for execution in ("path", "tree"):
         with pytest.raises(NonFiniteSampleError, match=r"returned a sample holding NaN or inf at trajectory 0, step 1"):
-            sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 2), nan_residual_coupling(), 2, execution=execution,
-                               check_contract=True)
+            sample_speculative(
+                MODEL,
+                SCHED,
+                DraftTree.uniform(2, 2),
+                nan_residual_coupling(),
+                2,
+                execution=execution,
+                check_contract=True,
+            )
 
 
 @pytest.mark.parametrize("contract", ["true", "false"])
@@ -381,7 +450,9 @@ def test_non_finite_samples_exit_4_and_are_recorded(tmp_path, monkeypatch, contr
     out = tmp_path / "single"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    code, stdout, err = _inprocess([*TINY, "n_samples=3", NAN_COUPLING, f"check_contract={contract}"], tmp_path, monkeypatch)
+    code, stdout, err = _inprocess(
+        [*TINY, "n_samples=3", NAN_COUPLING, f"check_contract={contract}"], tmp_path, monkeypatch
+    )
     assert code == exits.NON_FINITE == 4 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and "net_dtype" in err and "check_contract=true" in err, err
     failed = json.loads((out / "failed.json").read_text())
@@ -417,9 +488,19 @@ def test_an_overflowing_network_names_the_step_of_its_first_inf():
     with pytest.raises(NonFiniteSamplesError) as e:
         run_config(cfg, target=target)
     d = e.value.details
-    assert d == {**d, "samples": 2, "of": 2, "batch": 0, "batches": 2, "trajectories": [0, 1], "first_step": 5,
-                 "first_kind": "velocity"}, d
-    assert str(e.value).startswith("2 of batch 1 of 2 (2 samples) hold NaN or inf") and "a velocity at step 5 of T=8" in str(e.value)
+    assert d == {
+        **d,
+        "samples": 2,
+        "of": 2,
+        "batch": 0,
+        "batches": 2,
+        "trajectories": [0, 1],
+        "first_step": 5,
+        "first_kind": "velocity",
+    }, d
+    assert str(e.value).startswith(
+        "2 of batch 1 of 2 (2 samples) hold NaN or inf"
+    ) and "a velocity at step 5 of T=8" in str(e.value)
 
 
 def test_a_sweep_with_non_finite_samples_exits_4():
@@ -435,6 +516,9 @@ def test_other_sizes_and_paths_of_the_commands_are_bounded():
         SD3Config(max_sequence_length=100000).build("cpu")
     from experiments.calibrate import main as calibrate_main
 
-    for bad, shown in (("out=", "out='' is invalid: it is empty"), ("out=a\nb.json", r"out='a\\nb.json' is invalid: it holds")):
+    for bad, shown in (
+        ("out=", "out='' is invalid: it is empty"),
+        ("out=a\nb.json", r"out='a\\nb.json' is invalid: it holds"),
+    ):
         with pytest.raises(ConfigError, match=shown):
             calibrate_main([*TINY, bad])

@@ -45,7 +45,9 @@ def run(args, cwd, env=None, preexec_fn=None, timeout=300):
     if preexec_fn is None:  # forked (tests/helpers.py:python); a resource limit needs a fresh process
         p = python(cmd, cwd=cwd, env=_env() if env is None else env, timeout=timeout)
     else:
-        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout, preexec_fn=preexec_fn)
+        p = subprocess.run(
+            cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout, preexec_fn=preexec_fn
+        )
     p.out = p.stdout + p.stderr
     return p
 
@@ -72,7 +74,13 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def test_exit_policy_is_one_table():
-    assert (exitcodes.OK, exitcodes.BUG, exitcodes.USAGE, exitcodes.INFRASTRUCTURE, exitcodes.INTERRUPTED) == (0, 1, 2, 3, 130)
+    assert (exitcodes.OK, exitcodes.BUG, exitcodes.USAGE, exitcodes.INFRASTRUCTURE, exitcodes.INTERRUPTED) == (
+        0,
+        1,
+        2,
+        3,
+        130,
+    )
     doc = exitcodes.__doc__  # the one table (run.py points to it)
     readme = (ROOT / "README.md").read_text()
     for status in ("130", "  3 ", "  2 "):
@@ -89,7 +97,10 @@ def test_exit_policy_is_one_table():
     assert exitcodes.sweep_exit_status({"kinds": ["config", "non_finite"]}) == 4
     assert exitcodes.sweep_exit_status({"kinds": ["non_finite", "exception"]}) == 1
     assert exitcodes.sweep_exit_status({"kinds": ["config"], "unfinished": 2}) == 2
-    assert "130, then 3, then 1, then 4, then 2, then 75" in doc and "130, then 3, then 1, then 4, then 2, then 75" in readme
+    assert (
+        "130, then 3, then 1, then 4, then 2, then 75" in doc
+        and "130, then 3, then 1, then 4, then 2, then 75" in readme
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,8 +115,12 @@ def test_file_size_limit_at_the_record_prints_the_result_then_names_the_path(tmp
     """samples.pt (33 KB) exceeds a 16 KB file-size limit: EFBIG, like a disk that fills at the record."""
     out = tmp_path / "run"
     (tmp_path / "keep.txt").write_text("precious")
-    p = run(["model.dim=500", "n_samples=8", "steps=6", "save_samples=true", f"hydra.run.dir={out}"], tmp_path,
-            env=_env_unmeasured(), preexec_fn=_fsize_limit(16 * 1024))
+    p = run(
+        ["model.dim=500", "n_samples=8", "steps=6", "save_samples=true", f"hydra.run.dir={out}"],
+        tmp_path,
+        env=_env_unmeasured(),
+        preexec_fn=_fsize_limit(16 * 1024),
+    )
     assert p.returncode == 3, p.out
     assert p.stdout.startswith("model=gmm sampler=dgrs") and "speedup" in p.stdout  # the numbers came first
     assert f"could not write {out / 'samples.pt'}" in p.stderr and "File too large" in p.stderr
@@ -115,8 +130,12 @@ def test_file_size_limit_at_the_record_prints_the_result_then_names_the_path(tmp
 
 
 def test_file_size_limit_in_sweep_jobs_is_recorded_and_the_sweep_exits_3(tmp_path):
-    p = run(["-m", "model.dim=500", "n_samples=8", "steps=6", "save_samples=true", "K=1,2", "sweep_name=full"], tmp_path,
-            env=_env_unmeasured(), preexec_fn=_fsize_limit(16 * 1024))
+    p = run(
+        ["-m", "model.dim=500", "n_samples=8", "steps=6", "save_samples=true", "K=1,2", "sweep_name=full"],
+        tmp_path,
+        env=_env_unmeasured(),
+        preexec_fn=_fsize_limit(16 * 1024),
+    )
     assert p.returncode == 3, p.out
     assert "2 jobs, 0 ran, 0 skipped (done before), 2 failed" in p.stdout and "Traceback" not in p.out
     for f in (tmp_path / "multirun" / "full").glob("*/failed.json"):
@@ -152,6 +171,7 @@ def test_file_size_limit_at_hydras_own_files_names_the_file_and_leaves_no_torn_o
 def test_a_torn_file_is_named_and_removed_only_when_it_was_written_from_empty(tmp_path):
     """In process: an EFBIG raised while a frame holds one file open for writing names that file; the file is
     removed when it was opened with "w" (its old content was truncated anyway), kept when appended to."""
+
     def fail_writing(path, mode):
         with open(path, mode) as f:
             f.write("partial")
@@ -220,7 +240,9 @@ def test_read_only_output_directory_exits_3_and_names_it(tmp_path, mode):
         else:
             p = run(["-m", *TINY, "K=1,2", f"hydra.sweep.dir={ro / 'sweep'}"], tmp_path)
         assert p.returncode == 3, p.out
-        assert f"could not write {ro}" in p.stderr and ("Read-only file system" in p.stderr or "Permission denied" in p.stderr)
+        assert f"could not write {ro}" in p.stderr and (
+            "Read-only file system" in p.stderr or "Permission denied" in p.stderr
+        )
         assert "hydra.run.dir=DIR" in p.stderr and "Traceback" not in p.out
     finally:
         if os.geteuid() == 0:
@@ -274,7 +296,15 @@ def test_ctrl_c_on_a_single_run_prints_one_line_and_writes_nothing(tmp_path):
 
 def _long_sweep(tmp_path, name):
     """A 2-job sweep: a tiny job, then a long one; returns (proc, first job dir, second job dir)."""
-    args = ["-m", "model.dim=64", "steps=30", "batch_size=50", "progress=false", "n_samples=4,200000", f"sweep_name={name}"]
+    args = [
+        "-m",
+        "model.dim=64",
+        "steps=30",
+        "batch_size=50",
+        "progress=false",
+        "n_samples=4,200000",
+        f"sweep_name={name}",
+    ]
     proc = start(args, tmp_path)
     sweep = tmp_path / "multirun" / name
     first = sweep / "batch_size=50,model.dim=64,n_samples=4,steps=30"  # progress does not name directories
@@ -292,7 +322,9 @@ def test_ctrl_c_on_a_sweep_prints_one_line_and_the_summary(tmp_path):
     assert proc.returncode == 130, stdout + stderr
     assert "Traceback" not in stdout + stderr
     assert stderr.startswith("interrupted (Ctrl-C): finished records are kept"), stderr
-    assert f"sweep {sweep.relative_to(tmp_path)}: 2 jobs, 1 ran, 0 skipped (done before), 0 failed, 1 killed" in stderr, stderr
+    assert (
+        f"sweep {sweep.relative_to(tmp_path)}: 2 jobs, 1 ran, 0 skipped (done before), 0 failed, 1 killed" in stderr
+    ), stderr
     assert (first / "result.json").read_bytes() == before and json.loads(before)["status"] == "ok"
     assert not (second / "result.json").exists()
     df = report.collect(sweep).set_index("n_samples")
@@ -310,7 +342,12 @@ def test_collect_tells_a_running_job_from_a_killed_one(tmp_path):
         proc.communicate(timeout=60)
     df = report.collect(sweep).set_index("n_samples")
     assert df.loc[200000, "status"] == "killed" and df.loc[4, "status"] == "ok"
-    p = subprocess.run([sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert "2 jobs: 1 ok, 0 failed, 0 running, 1 killed, 0 missing" in p.stdout, p.stdout
 
 
@@ -334,18 +371,35 @@ def _bare(args, cwd):
     return python([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=_env())
 
 
-@pytest.mark.parametrize("args, needles, absent", [
-    (["K=2,3"], ["K=2,3 is a sweep over K", "python run.py -m K=2,3", "(K=2)"], "key=[value1"),
-    (["L=range(2,4)"], ["L=range(2,4) is a sweep over L", "-m"], "key=[value1"),
-    (["widths=3,2"], ["widths takes a list, written widths=[3,2]", "-m"], "key=[value1"),
-    (["model=digits", "model.dtype=float16"], ["model.dtype='float16' is invalid for an EDM network",
-                                               "model.net_dtype=float16"], "valid values are float32, float64."),
-    (["K=0"], ["K=0 is invalid"], "Traceback"),
-    (["model=nosuch"], ["model=nosuch is not an option of the config group model",
-                        "valid: cifar10, diffusers, digits, ffhq, gmm, patches32, sd3 (conf/model/)", "hydra.searchpath="], "_schema"),
-    (["sampler=nosuch"], ["sampler=nosuch is not an option", "valid: dgrs, markmax, rmc, standard"], "Available options"),
-    ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),
-])
+@pytest.mark.parametrize(
+    "args, needles, absent",
+    [
+        (["K=2,3"], ["K=2,3 is a sweep over K", "python run.py -m K=2,3", "(K=2)"], "key=[value1"),
+        (["L=range(2,4)"], ["L=range(2,4) is a sweep over L", "-m"], "key=[value1"),
+        (["widths=3,2"], ["widths takes a list, written widths=[3,2]", "-m"], "key=[value1"),
+        (
+            ["model=digits", "model.dtype=float16"],
+            ["model.dtype='float16' is invalid for an EDM network", "model.net_dtype=float16"],
+            "valid values are float32, float64.",
+        ),
+        (["K=0"], ["K=0 is invalid"], "Traceback"),
+        (
+            ["model=nosuch"],
+            [
+                "model=nosuch is not an option of the config group model",
+                "valid: cifar10, diffusers, digits, ffhq, gmm, patches32, sd3 (conf/model/)",
+                "hydra.searchpath=",
+            ],
+            "_schema",
+        ),
+        (
+            ["sampler=nosuch"],
+            ["sampler=nosuch is not an option", "valid: dgrs, markmax, rmc, standard"],
+            "Available options",
+        ),
+        ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),
+    ],
+)
 def test_refused_commands_say_what_to_do_and_leave_no_run_directory(tmp_path, args, needles, absent):
     """A refused single run exits 2 with one paragraph (a sweep override without -m says to add -m, not
     Hydra's key=[value1,value2]), and leaves no outputs/DATE/TIME/ holding only Hydra's own files."""
@@ -380,6 +434,8 @@ def test_half_precision_states_get_a_note(capsys):
     from specsamp.runner import compose, run_config
 
     run_config(compose(["model.dim=4", "steps=5", "n_samples=2", "model.dtype=bfloat16", "progress=false"]))
-    assert "note: model.dtype=bfloat16 holds the states and velocities with 8 significant bits" in capsys.readouterr().err
+    assert (
+        "note: model.dtype=bfloat16 holds the states and velocities with 8 significant bits" in capsys.readouterr().err
+    )
     run_config(compose(["model.dim=4", "steps=5", "n_samples=2", "progress=false"]))
     assert "note: model.dtype" not in capsys.readouterr().err

@@ -31,7 +31,9 @@ def test_em_is_the_default_and_its_records_hold_no_kernel():
     a scheduler of its own); a scheduler kernel records its keys and a null eps, and hashes apart."""
     for extra in ([], ["kernel=em"], ["kernel=auto"]):
         run, recorded, h = record_hash(compose(extra))
-        assert h == "dd3aca344e5fa5ea" and "kernel" not in recorded and recorded["eps"] == 0.1 and run.kernel.name == "em"
+        assert (
+            h == "dd3aca344e5fa5ea" and "kernel" not in recorded and recorded["eps"] == 0.1 and run.kernel.name == "em"
+        )
     run, recorded, h = record_hash(compose(["kernel=ddpm"]))
     assert recorded["kernel"]["name"] == "ddpm" and recorded["kernel"]["variance_type"] == "fixed_small"
     assert recorded["eps"] is None and h != "dd3aca344e5fa5ea"
@@ -55,7 +57,10 @@ def test_a_scheduler_kernels_grid_is_the_schedulers():
     schedule, plan = build_schedule(run)
     want = from_scheduler(diffusers.DDPMScheduler(clip_sample=False, thresholding=True), 50, event_ndim=1)
     assert torch.equal(schedule.sigmas, want.schedule.sigmas) and schedule.kernel_name == "ddpm"
-    assert schedule.kernel_options == want.schedule.kernel_options and schedule.kernel_options["threshold"] == (0.995, 1.0)
+    assert schedule.kernel_options == want.schedule.kernel_options and schedule.kernel_options["threshold"] == (
+        0.995,
+        1.0,
+    )
     run, _ = load_config(compose(["kernel=flow_stochastic", "model.shift=3.0", "steps=10"]))
     schedule, _ = build_schedule(run)
     sch = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
@@ -66,10 +71,25 @@ def test_a_scheduler_kernels_grid_is_the_schedulers():
 @pytest.mark.slow
 def test_every_scheduler_kernel_runs_through_run_py_and_records_its_kernel(tmp_path):
     """Six jobs of one sweep (3 kernels x dgrs, standard) on the GMM (d=16, T=20, 8 trajectories)."""
-    env = dict(os.environ, HYDRA_FULL_ERROR="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    p = python([sys.executable, str(ROOT / "run.py"), "-m", *SMALL, "kernel=ddpm,euler_ancestral,flow_stochastic",
-                "sampler=dgrs,standard", "sweep_name=k"], cwd=tmp_path, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        HYDRA_FULL_ERROR="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    p = python(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            *SMALL,
+            "kernel=ddpm,euler_ancestral,flow_stochastic",
+            "sampler=dgrs,standard",
+            "sweep_name=k",
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     recs = [json.loads(f.read_text()) for f in sorted((tmp_path / "multirun" / "k").glob("*/result.json"))]
     assert len(recs) == 6
@@ -154,7 +174,12 @@ def test_a_model_that_brings_its_scheduler_is_built_with_its_plan():
     PLANS.clear()
     rec, _ = run_config(_planned(["kernel=auto"]))
     plan = PLANS[-1]
-    assert plan is not None and plan.kernel == "ddpm" and rec["config"]["kernel"] == {"name": "auto"} and rec["eps"] is None
+    assert (
+        plan is not None
+        and plan.kernel == "ddpm"
+        and rec["config"]["kernel"] == {"name": "auto"}
+        and rec["eps"] is None
+    )
     assert float(plan.timesteps[0]) == 475  # the model's own scheduler (500 training steps, leading spacing)
     rec, _ = run_config(_planned(["kernel=euler_ancestral"]))
     assert PLANS[-1].kernel == "euler_ancestral"  # the model read the kernel's name
@@ -166,22 +191,49 @@ def test_a_model_that_brings_its_scheduler_is_built_with_its_plan():
 # bad input
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["kernel=ddpm", "kernel.variance_type=learned"],
-     "kernel.variance_type='learned' is invalid for kernel=ddpm: must be one of fixed_small, fixed_small_log, fixed_large."),
-    (["kernel=ddpm", "kernel.timestep_spacing=foo"],
-     "kernel.timestep_spacing='foo' is invalid for kernel=ddpm: must be one of leading, trailing, linspace."),
-    (["kernel=euler_ancestral", "kernel.eta=0"], "kernel.eta=0.0 is invalid for kernel=euler_ancestral: must be a finite number > 0"),
-    (["kernel=euler_ancestral", "kernel.s_noise=nan"], "kernel.s_noise=nan is invalid for kernel=euler_ancestral"),
-    (["kernel=ddpm", "steps=1001"], "steps=1001 is invalid with kernel=ddpm: the scheduler samples at most "
-                                     "kernel.num_train_timesteps=1000 distinct timesteps; use steps <= 1000"),
-    (["kernel=euler_ancestral", "steps=50", "kernel.num_train_timesteps=40"], "steps=50 is invalid with kernel=euler_ancestral"),
-    (["kernel=ddpm", "kernel.num_train_timesteps=1000000"],
-     "kernel.num_train_timesteps=1000000 is invalid for kernel=ddpm: must be an integer >= 2, at most 100000"),
-    (["kernel=ddpm", "kernel.beta_schedule=cosine"], "kernel.beta_schedule='cosine' is invalid for kernel=ddpm: must be one of linear"),
-    (["kernel=flow_stochastic", "kernel.shift=0"], "kernel.shift=0.0 is invalid for kernel=flow_stochastic: must be a finite number > 0"),
-    (["kernel.name=foo"], "kernel.name='foo' is invalid: must be one of em, auto, ddpm, euler_ancestral, flow_stochastic"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["kernel=ddpm", "kernel.variance_type=learned"],
+            "kernel.variance_type='learned' is invalid for kernel=ddpm: must be one of fixed_small, fixed_small_log, fixed_large.",
+        ),
+        (
+            ["kernel=ddpm", "kernel.timestep_spacing=foo"],
+            "kernel.timestep_spacing='foo' is invalid for kernel=ddpm: must be one of leading, trailing, linspace.",
+        ),
+        (
+            ["kernel=euler_ancestral", "kernel.eta=0"],
+            "kernel.eta=0.0 is invalid for kernel=euler_ancestral: must be a finite number > 0",
+        ),
+        (["kernel=euler_ancestral", "kernel.s_noise=nan"], "kernel.s_noise=nan is invalid for kernel=euler_ancestral"),
+        (
+            ["kernel=ddpm", "steps=1001"],
+            "steps=1001 is invalid with kernel=ddpm: the scheduler samples at most "
+            "kernel.num_train_timesteps=1000 distinct timesteps; use steps <= 1000",
+        ),
+        (
+            ["kernel=euler_ancestral", "steps=50", "kernel.num_train_timesteps=40"],
+            "steps=50 is invalid with kernel=euler_ancestral",
+        ),
+        (
+            ["kernel=ddpm", "kernel.num_train_timesteps=1000000"],
+            "kernel.num_train_timesteps=1000000 is invalid for kernel=ddpm: must be an integer >= 2, at most 100000",
+        ),
+        (
+            ["kernel=ddpm", "kernel.beta_schedule=cosine"],
+            "kernel.beta_schedule='cosine' is invalid for kernel=ddpm: must be one of linear",
+        ),
+        (
+            ["kernel=flow_stochastic", "kernel.shift=0"],
+            "kernel.shift=0.0 is invalid for kernel=flow_stochastic: must be a finite number > 0",
+        ),
+        (
+            ["kernel.name=foo"],
+            "kernel.name='foo' is invalid: must be one of em, auto, ddpm, euler_ancestral, flow_stochastic",
+        ),
+    ],
+)
 def test_a_bad_kernel_value_names_the_key_the_value_and_what_is_valid(args, needle):
     with pytest.raises(ConfigError) as e:
         load_config(compose(args))
@@ -191,28 +243,48 @@ def test_a_bad_kernel_value_names_the_key_the_value_and_what_is_valid(args, need
 def test_a_scheduler_grid_that_repeats_a_level_is_refused_at_build_naming_the_keys():
     from specsamp.runner.build import build_schedule
 
-    run, _ = load_config(compose(["kernel=euler_ancestral", "steps=1000", "kernel.timestep_spacing=leading",
-                                  "kernel.steps_offset=1"]))
+    run, _ = load_config(
+        compose(["kernel=euler_ancestral", "steps=1000", "kernel.timestep_spacing=leading", "kernel.steps_offset=1"])
+    )
     with pytest.raises(ConfigError) as e:
         build_schedule(run)
-    assert str(e.value).startswith("steps=1000 is invalid with kernel=euler_ancestral, kernel.timestep_spacing=leading, "
-                                   "kernel.steps_offset=1: the scheduler's grid is not strictly decreasing")
+    assert str(e.value).startswith(
+        "steps=1000 is invalid with kernel=euler_ancestral, kernel.timestep_spacing=leading, "
+        "kernel.steps_offset=1: the scheduler's grid is not strictly decreasing"
+    )
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["kernel=foo"], "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, em, "
-                     "euler_ancestral, flow_stochastic (conf/kernel/)"),
-    (["kernel=ddpm", "kernel.clip_sample=2"], "error: kernel.clip_sample=2 is invalid: kernel.clip_sample takes true or false"),
-    (["kernel=ddpm", "steps=5000"], "error: steps=5000 is invalid with kernel=ddpm"),
-    (["kernel=ddpm", "kernel.eta=1"], "error: kernel.eta=1 is not a key of DDPMKernelConfig (the config of kernel); did "
-                                      "you mean kernel.beta_end?"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["kernel=foo"],
+            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, em, "
+            "euler_ancestral, flow_stochastic (conf/kernel/)",
+        ),
+        (
+            ["kernel=ddpm", "kernel.clip_sample=2"],
+            "error: kernel.clip_sample=2 is invalid: kernel.clip_sample takes true or false",
+        ),
+        (["kernel=ddpm", "steps=5000"], "error: steps=5000 is invalid with kernel=ddpm"),
+        (
+            ["kernel=ddpm", "kernel.eta=1"],
+            "error: kernel.eta=1 is not a key of DDPMKernelConfig (the config of kernel); did "
+            "you mean kernel.beta_end?",
+        ),
+    ],
+)
 def test_a_bad_kernel_exits_2_with_one_paragraph(tmp_path, args, needle):
-    env = dict(os.environ, HYDRA_FULL_ERROR="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        HYDRA_FULL_ERROR="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, env=env)
     err = p.stderr.strip()
-    assert p.returncode == 2 and err.startswith(needle) and "\n" not in err and "Traceback" not in p.stdout + p.stderr, err
+    assert (
+        p.returncode == 2 and err.startswith(needle) and "\n" not in err and "Traceback" not in p.stdout + p.stderr
+    ), err
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("result.json"))
 
 
@@ -221,8 +293,11 @@ def test_a_scheduler_kernel_without_diffusers_is_refused(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"kernel=ddpm is invalid here: it builds its grid with a diffusers scheduler, "
-                                          r"and diffusers is not installed"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kernel=ddpm is invalid here: it builds its grid with a diffusers scheduler, "
+        r"and diffusers is not installed",
+    ):
         load_config(compose(["kernel=ddpm"]))
     load_config(compose(["kernel=em"]))  # em needs no diffusers
 
@@ -247,7 +322,8 @@ def test_a_model_yaml_in_package_global_selects_kernel_auto_and_the_command_line
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "own.yaml").write_text(
         "# @package _global_\ndefaults:\n  - /model/gmm_schema@model\n  - override /kernel: auto\n  - _self_\n"
-        "model:\n  _target_: specsamp.models.gmm.GMMConfig\n  name: gmm\n  dim: 16\n")
+        "model:\n  _target_: specsamp.models.gmm.GMMConfig\n  name: gmm\n  dim: 16\n"
+    )
     search = f"hydra.searchpath=[file://{tmp_path}]"
     assert compose([search, "model=own"]).kernel.name == "auto"
     assert compose([search, "model=own", "kernel=ddpm"]).kernel.name == "ddpm"
@@ -258,8 +334,10 @@ def test_a_model_yaml_in_package_global_selects_kernel_auto_and_the_command_line
 def test_keys_a_scheduler_kernel_does_not_read_are_noted_once(capsys):
     rec, _ = run_config(compose([*SMALL, "kernel=ddpm", "eps=0.5", "model.shift=2.0", "sampler=standard"]))
     err = capsys.readouterr().err
-    assert ("note: eps=0.5, model.shift=2.0 are not read by kernel=ddpm, whose grid and noise are its scheduler's "
-            "(eps is recorded as null).") in err
+    assert (
+        "note: eps=0.5, model.shift=2.0 are not read by kernel=ddpm, whose grid and noise are its scheduler's "
+        "(eps is recorded as null)."
+    ) in err
     assert rec["eps"] is None and rec["config"]["eps"] is None
     run_config(compose([*SMALL, "kernel=flow_stochastic", "model.shift=2.0", "sampler=standard"]))
     assert "not read" not in capsys.readouterr().err  # the flow kernel reads model.shift (kernel.shift=null)
@@ -277,8 +355,19 @@ def test_a_profile_names_its_kernel_and_a_run_on_another_is_told(capsys):
 def test_calibrate_samples_the_runs_kernel_and_records_it(tmp_path):
     # experiments.calibrate on kernel=ddpm: the profile is the scheduler kernel's, and says so
     out = tmp_path / "p.json"
-    p = python([sys.executable, "-m", "experiments.calibrate", "kernel=ddpm", "steps=12", "model.dim=8", "trajectories=8", f"out={out}"],
-               cwd=ROOT)
+    p = python(
+        [
+            sys.executable,
+            "-m",
+            "experiments.calibrate",
+            "kernel=ddpm",
+            "steps=12",
+            "model.dim=8",
+            "trajectories=8",
+            f"out={out}",
+        ],
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stderr
     cfg = json.loads(out.read_text())["config"]
     assert cfg["kernel"] == "ddpm" and "eps" not in cfg

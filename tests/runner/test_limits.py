@@ -17,13 +17,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from helpers import ROOT, TINY
 
+from specsamp import treesearch as ts
 from specsamp.errors import ConfigError
 from specsamp.runner import build, loop, memory, treerules
 from specsamp.runner.config import compose, load_config
-from specsamp import treesearch as ts
 from specsamp.sampler import sample_speculative, sample_standard
 from specsamp.schedule import Schedule
 from specsamp.trees import DraftTree
@@ -47,13 +46,22 @@ for line in sys.stdin:
 @pytest.fixture(scope="module")
 def capped():
     """The capped interpreter of this module (started once, stopped at its end)."""
+
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
 
     env = {"PATH": "/usr/bin:/bin", "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     code = _SERVER.format(tests=str(ROOT / "tests"), run_py=str(ROOT / "run.py"))
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=cap)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=cap,
+    )
     yield proc
     proc.stdin.close()
     try:
@@ -101,8 +109,11 @@ def test_oversized_config_is_refused_under_a_memory_cap(capped, tmp_path, args, 
 
 def test_small_width_search_runs_under_the_cap(capped, tmp_path):
     # a huge nominal budget is fine when depth and width bound the tree: 2 + 4 + 8 = 14 states at most
-    p = run_capped(capped, [*TINY, "tree=optimal", "budget=1000000000", "max_width=2", "max_depth=3",
-                    "delta_profile=[0.5,1.0,1.5]"], tmp_path)
+    p = run_capped(
+        capped,
+        [*TINY, "tree=optimal", "budget=1000000000", "max_width=2", "max_depth=3", "delta_profile=[0.5,1.0,1.5]"],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "B=1000000000" in p.stdout
 
@@ -148,7 +159,9 @@ def test_search_memory_is_linear_in_the_budget(monkeypatch):
 
 def test_hopeless_search_is_refused_at_once_with_a_budget_that_fits():
     pos = ts.profile_positional([1.0], "dgrs")
-    with pytest.raises(ValueError, match=r"budget=137256, max_depth=28, max_width=32 .* budget=(\d+) or less fits") as e:
+    with pytest.raises(
+        ValueError, match=r"budget=137256, max_depth=28, max_width=32 .* budget=(\d+) or less fits"
+    ) as e:
         ts.optimal_tree(137256, pos, 28, 32)
     fits = int(str(e.value).split(" or less fits")[0].rsplit("budget=", 1)[1])
     assert ts.search_cost(fits, 28, 32)["pairs"] <= ts.MAX_PAIRS < ts.search_cost(fits + 1, 28, 32)["pairs"]
@@ -202,10 +215,18 @@ def test_tree_nodes_are_counted_within_the_horizon():
 
 
 def test_available_bytes_sees_the_address_space_limit():
-    code = ("import resource, specsamp.runner.memory as m; "
-            "resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); print(m.available_bytes('cpu'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    code = (
+        "import resource, specsamp.runner.memory as m; "
+        "resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)); print(m.available_bytes('cpu'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
     assert 0 < int(out.stdout) < 6 * 2**30, out.stderr
 
 
@@ -248,7 +269,9 @@ def test_refine_beyond_the_trees_depth_is_refused_with_the_largest_that_helps():
     """refine=100000 ran without end even at n_samples=2: sweeps beyond the tree's depth change nothing."""
     with pytest.raises(ConfigError, match=r"refine=100000 is invalid with steps=8: .* use refine=6 or less"):
         load_config(compose([*TINY, "n_samples=2", "execution=tree", "refine=100000"]))
-    with pytest.raises(ConfigError, match=r"refine=4 is invalid for this tree \(uniform\(2,3\), 3 level\(s\) .* use refine=3 or less"):
+    with pytest.raises(
+        ConfigError, match=r"refine=4 is invalid for this tree \(uniform\(2,3\), 3 level\(s\) .* use refine=3 or less"
+    ):
         loop.run_config(compose([*TINY, "n_samples=2", "execution=tree", "L=3", "refine=4"]))
     rec, _ = loop.run_config(compose([*TINY, "n_samples=2", "execution=tree", "L=3", "refine=3"]))
     assert rec["refine"] == 3
@@ -257,7 +280,10 @@ def test_refine_beyond_the_trees_depth_is_refused_with_the_largest_that_helps():
 def test_a_nominal_budget_beyond_64_bits_is_refused_before_it_is_computed():
     """sampler=rmc L=20000 printed a traceback (B had 6021 digits); L=2**62 computed K^L for ever."""
     assert [memory.capped_budget(K, L) for K, L in ((1, 5), (2, 3), (3, 4))] == [5, 14, 120]
-    assert memory.capped_budget(2, 2**62) == memory.MAX_BUDGET + 1 and memory.capped_budget(1, 2**70) == memory.MAX_BUDGET + 1
+    assert (
+        memory.capped_budget(2, 2**62) == memory.MAX_BUDGET + 1
+        and memory.capped_budget(1, 2**70) == memory.MAX_BUDGET + 1
+    )
     with pytest.raises(ConfigError, match=r"K=2, L=20000 is invalid: the nominal budget .* L=62 or less fits with K=2"):
         loop.run_config(compose([*TINY, "n_samples=2", "sampler=rmc", "L=20000"]))
     with pytest.raises(ConfigError, match=rf"K={2**63}, L=3 is invalid: .* lower K\."):

@@ -16,8 +16,14 @@ def test_wandb_offline_run_holds_the_record(tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "out"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    p = python([sys.executable, str(ROOT / "run.py"), "logger=wandb", *TINY, f"hydra.run.dir={out}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = python(
+        [sys.executable, str(ROOT / "run.py"), "logger=wandb", *TINY, f"hydra.run.dir={out}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     rec = json.loads((out / "result.json").read_text())
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -40,16 +46,34 @@ def test_logger_none_and_missing_wandb(tmp_path, monkeypatch, capsys):
 
 
 def _run(args, out, **env):
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]), **env}
-    return python([sys.executable, str(ROOT / "run.py"), *args, *TINY, f"hydra.run.dir={out}"],
-                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HYDRA_FULL_ERROR": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        **env,
+    }
+    return python(
+        [sys.executable, str(ROOT / "run.py"), *args, *TINY, f"hydra.run.dir={out}"],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["logger=wandb", "logger.mode=bogus"], "logger.mode='bogus' is invalid: must be one of online, offline"),
-    (["logger=wandb", "logger.mode=online"], "logger.mode='online' is invalid here: it uploads to W&B, and no credentials"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["logger=wandb", "logger.mode=bogus"], "logger.mode='bogus' is invalid: must be one of online, offline"),
+        (
+            ["logger=wandb", "logger.mode=online"],
+            "logger.mode='online' is invalid here: it uploads to W&B, and no credentials",
+        ),
+    ],
+)
 def test_bad_logger_values_exit_2_before_sampling(tmp_path, args, needle):
     """A logger value that cannot log is refused at the start: exit 2, one paragraph, no record."""
     out = tmp_path / "out"
@@ -66,9 +90,17 @@ def test_a_logger_failure_is_recorded_and_the_relaunch_retries_it(tmp_path):
     args = ["logger._target_=helpers.FlakyLogger", "logger.name=flaky"]
     p = _run(args, out, FLAKY_LOGGER_DOWN="1")
     assert p.returncode == 3 and "Traceback" not in p.stderr, p.stderr
-    assert "logger=flaky failed: ConnectionError" in p.stderr and f"rerun the same command with hydra.run.dir={out.name} " in p.stderr and "to retry the logging" in p.stderr
+    assert (
+        "logger=flaky failed: ConnectionError" in p.stderr
+        and f"rerun the same command with hydra.run.dir={out.name} " in p.stderr
+        and "to retry the logging" in p.stderr
+    )
     rec = json.loads((out / "result.json").read_text())
-    assert rec["status"] == "ok" and rec["logger_error"].startswith("logger=flaky failed") and not (out / "logged.txt").exists()
+    assert (
+        rec["status"] == "ok"
+        and rec["logger_error"].startswith("logger=flaky failed")
+        and not (out / "logged.txt").exists()
+    )
     again = _run(args, out)
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith("skipped (done") and "logged (retried)" in again.stdout
@@ -83,10 +115,24 @@ def test_a_logger_failure_is_recorded_and_the_relaunch_retries_it(tmp_path):
 def test_a_logger_failure_in_a_sweep_is_listed_exits_3_and_is_retried(tmp_path):
     """In a sweep the jobs keep their records (each with logger_error), the summary lists them as not logged
     and the sweep exits 3; the relaunch skips the sampling, logs each job once and exits 0."""
-    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [sys.executable, str(ROOT / "run.py"), "-m", "logger._target_=helpers.FlakyLogger", "logger.name=flaky",
-           *TINY[:-2], "K=1,2", "L=2", "progress=false", "sweep_name=lg"]
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "HYDRA_FULL_ERROR": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    cmd = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "-m",
+        "logger._target_=helpers.FlakyLogger",
+        "logger.name=flaky",
+        *TINY[:-2],
+        "K=1,2",
+        "L=2",
+        "progress=false",
+        "sweep_name=lg",
+    ]
     p = python(cmd, cwd=tmp_path, env={**env, "FLAKY_LOGGER_DOWN": "1"}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 3, p.stdout + p.stderr
     assert p.stdout.count("not logged: ") == 2 and "Traceback" not in p.stderr

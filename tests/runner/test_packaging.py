@@ -15,7 +15,6 @@ import zipfile
 from importlib import metadata
 
 import pytest
-
 from helpers import ROOT
 
 SOURCES = ("pyproject.toml", "README.md", "specsamp", "hydra_plugins")
@@ -32,8 +31,10 @@ def _cannot_build_wheels() -> str | None:
         try:
             metadata.version("wheel")
         except metadata.PackageNotFoundError:
-            return (f"setuptools {version} needs the wheel package to build a wheel "
-                    "(pip install 'setuptools>=70.1', or pip install wheel)")
+            return (
+                f"setuptools {version} needs the wheel package to build a wheel "
+                "(pip install 'setuptools>=70.1', or pip install wheel)"
+            )
     return None
 
 
@@ -49,8 +50,24 @@ def wheel(tmp_path_factory):
         else:
             shutil.copy2(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-                        "--no-index", "-q", "-w", str(out)], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     (whl,) = out.glob("specsamp-*.whl")
     return whl
@@ -59,11 +76,14 @@ def wheel(tmp_path_factory):
 def test_the_wheel_carries_every_config_profile_and_the_sweeper_plugin(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     conf = ROOT / "specsamp" / "conf"
-    configs = sorted(f"specsamp/conf/{p.relative_to(conf).as_posix()}" for p in conf.rglob("*")
-                     if p.suffix in (".yaml", ".json"))
+    configs = sorted(
+        f"specsamp/conf/{p.relative_to(conf).as_posix()}" for p in conf.rglob("*") if p.suffix in (".yaml", ".json")
+    )
     assert "specsamp/conf/config.yaml" in configs and any(c.startswith("specsamp/conf/profiles/") for c in configs)
     assert not [c for c in configs if c not in names], "configs missing from the wheel"
-    plugin = sorted(f"hydra_plugins/specsamp_sweeper/{p.name}" for p in (ROOT / "hydra_plugins" / "specsamp_sweeper").glob("*.py"))
+    plugin = sorted(
+        f"hydra_plugins/specsamp_sweeper/{p.name}" for p in (ROOT / "hydra_plugins" / "specsamp_sweeper").glob("*.py")
+    )
     assert "hydra_plugins/specsamp_sweeper/__init__.py" in plugin
     assert not [f for f in plugin if f not in names], "sweeper plugin files missing from the wheel"
     # hydra_plugins stays a namespace package, shared with the other Hydra plugins installed
@@ -77,22 +97,26 @@ def test_the_unpacked_wheel_composes_and_finds_the_sweeper_away_from_the_checkou
     zipfile.ZipFile(wheel).extractall(site)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = "\n".join([
-        "import specsamp",
-        "from hydra.core.plugins import Plugins",
-        "from hydra.plugins.sweeper import Sweeper",
-        "from specsamp.runner.config import CONF_DIR, compose, load_config",
-        "run, _ = load_config(compose(['sampler=dgrs', 'K=2', 'delta_profile=gmm_x0']))",
-        "print(specsamp.__file__)",
-        "print(CONF_DIR)",
-        "print(run.sampler.name, run.K)",
-        "import sys",
-        "found = [p for p in Plugins.instance().discover(Sweeper) if p.__name__ == 'SpecsampSweeper']",
-        "print(sys.modules[found[0].__module__].__file__ if found else 'no SpecsampSweeper')",
-    ])
+    code = "\n".join(
+        [
+            "import specsamp",
+            "from hydra.core.plugins import Plugins",
+            "from hydra.plugins.sweeper import Sweeper",
+            "from specsamp.runner.config import CONF_DIR, compose, load_config",
+            "run, _ = load_config(compose(['sampler=dgrs', 'K=2', 'delta_profile=gmm_x0']))",
+            "print(specsamp.__file__)",
+            "print(CONF_DIR)",
+            "print(run.sampler.name, run.K)",
+            "import sys",
+            "found = [p for p in Plugins.instance().discover(Sweeper) if p.__name__ == 'SpecsampSweeper']",
+            "print(sys.modules[found[0].__module__].__file__ if found else 'no SpecsampSweeper')",
+        ]
+    )
     # the unpacked wheel first on the path (an editable install's finder comes after sys.path)
     env = dict(os.environ, PYTHONPATH=str(site))
-    p = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=300
+    )
     assert p.returncode == 0, p.stderr
     module, conf_dir, run, sweeper = p.stdout.strip().splitlines()[-4:]
     assert module == str(site / "specsamp" / "__init__.py")

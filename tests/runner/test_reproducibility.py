@@ -66,9 +66,13 @@ def test_splits_give_equal_counts_and_samples_within_the_stated_rounding_gmm(dra
     model, sched = GaussianMixture(dim=16, components=5, layout_seed=0), Schedule.make(30, 0.1)
     kw = dict(seed=3, draft=draft)
     ref = sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", 24, execution="tree", **kw)
-    others = [sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", 24, execution="path", **kw),
-              sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", 24, execution="tree", max_batch=5, **kw)]
-    part = sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", indices=list(range(7, 19)), execution="tree", **kw)
+    others = [
+        sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", 24, execution="path", **kw),
+        sample_speculative(model, sched, DraftTree.uniform(2, 3), "dgrs", 24, execution="tree", max_batch=5, **kw),
+    ]
+    part = sample_speculative(
+        model, sched, DraftTree.uniform(2, 3), "dgrs", indices=list(range(7, 19)), execution="tree", **kw
+    )
     tol = _bound(torch.float64, 30, ref.samples)
     for other, rows in [(o, slice(None)) for o in others] + [(part, slice(7, 19))]:
         for f in SPLIT_COUNTS:
@@ -90,11 +94,27 @@ def test_batches_give_equal_counts_and_samples_within_the_stated_rounding_digits
     target = EDMConfig(name="edm-digits-8x8-cond", download=False, labels="uniform").build("cpu")
     sched = Schedule.make(12, 0.3)
     ids = torch.arange(10)
-    full = sample_speculative(target.model, sched, DraftTree.uniform(2, 3), "dgrs", seed=5, indices=ids,
-                              cond=target.cond_for(ids, 5), execution="path")
+    full = sample_speculative(
+        target.model,
+        sched,
+        DraftTree.uniform(2, 3),
+        "dgrs",
+        seed=5,
+        indices=ids,
+        cond=target.cond_for(ids, 5),
+        execution="path",
+    )
     sub = ids[3:9]
-    part = sample_speculative(target.model, sched, DraftTree.uniform(2, 3), "dgrs", seed=5, indices=sub,
-                              cond=target.cond_for(sub, 5), execution="path")
+    part = sample_speculative(
+        target.model,
+        sched,
+        DraftTree.uniform(2, 3),
+        "dgrs",
+        seed=5,
+        indices=sub,
+        cond=target.cond_for(sub, 5),
+        execution="path",
+    )
     assert full.samples.dtype == torch.float32
     for f in ("nfe", "nfe_total", "target_rows", "rounds", "attempts", "accepts"):
         assert torch.equal(getattr(full, f)[3:9], getattr(part, f)), f
@@ -108,8 +128,15 @@ def test_x0_affine_splits_stay_within_the_stated_rounding_at_the_mixtures_dimens
     equal counts and samples within 16 T eps (docs/architecture.md). Its per-trajectory fit takes the minimiser of
     a squared residual; evaluated from the records' Gram matrix, whose rounding swamps a small residual, that
     minimiser moved with the square root of the target's batched rounding: 1e-9 to 1e-7 here, against 1e-13."""
-    base = ["progress=false", "sampler=dgrs", "tree=optimal", "budget=155", "draft=x0_affine",
-            "delta_profile=gmm_x0_affine", "seed=0"]
+    base = [
+        "progress=false",
+        "sampler=dgrs",
+        "tree=optimal",
+        "budget=155",
+        "draft=x0_affine",
+        "delta_profile=gmm_x0_affine",
+        "seed=0",
+    ]
     _, small = run_config(compose([*base, "n_samples=10"]))
     _, tree = run_config(compose([*base, "n_samples=40", "execution=tree"]))
     _, path = run_config(compose([*base, "n_samples=40", "execution=path"]))

@@ -14,8 +14,20 @@ from specsamp.runner import compose, run_config
 from specsamp.runner.resume import BATCHES, BatchStore, active
 
 CFG = ["model.dim=16", "steps=16", "n_samples=24", "batch_size=5", "K=2", "L=3", "progress=false"]
-SAME = ("config_hash", "nfe", "nfe_total", "speedup", "batch_speedup", "target_rows", "rounds", "committed_per_round",
-        "acceptance_per_depth", "attempts_per_depth", "budget", "tree")
+SAME = (
+    "config_hash",
+    "nfe",
+    "nfe_total",
+    "speedup",
+    "batch_speedup",
+    "target_rows",
+    "rounds",
+    "committed_per_round",
+    "acceptance_per_depth",
+    "attempts_per_depth",
+    "budget",
+    "tree",
+)
 
 
 class Stop(Exception):
@@ -37,8 +49,16 @@ class StopAfter(BatchStore):
         return path
 
 
-@pytest.mark.parametrize("extra", [[], ["sampler=standard"], ["num_shards=2", "shard=1"], ["kernel=ddpm"],
-                                   ["kernel=euler_ancestral", "sampler=standard"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["sampler=standard"],
+        ["num_shards=2", "shard=1"],
+        ["kernel=ddpm"],
+        ["kernel=euler_ancestral", "sampler=standard"],
+    ],
+)
 def test_a_run_interrupted_after_k_batches_resumes_and_records_what_an_uninterrupted_run_does(tmp_path, extra):
     cfg = compose(CFG + extra)
     indices = range(15, 24) if extra[:1] == ["num_shards=2"] else None  # shard 1 of 2: batches 3..4 (ids 15..23)

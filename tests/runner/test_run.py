@@ -42,9 +42,20 @@ def test_run_writes_record_and_prints_one_line(tmp_path, sampler):
     p = run([*TINY, f"sampler={sampler}"], tmp_path)
     lines = [l for l in p.stdout.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"model=gmm sampler={sampler}")
-    assert "speedup" in lines[0] and "(8 trajectories" in lines[0] and lines[0].endswith("record: result.json")  # cwd is the run dir here
+    assert (
+        "speedup" in lines[0] and "(8 trajectories" in lines[0] and lines[0].endswith("record: result.json")
+    )  # cwd is the run dir here
     rec = json.loads((tmp_path / "result.json").read_text())
-    for key in ("budget", "nfe", "speedup", "target_rows", "acceptance_per_depth", "wall_seconds", "config", "versions"):
+    for key in (
+        "budget",
+        "nfe",
+        "speedup",
+        "target_rows",
+        "acceptance_per_depth",
+        "wall_seconds",
+        "config",
+        "versions",
+    ):
         assert key in rec
     assert rec["speedup"]["mean"] > 0 and rec["speedup"]["sem"] >= 0
     assert rec["config"]["sampler"]["name"] == sampler
@@ -157,8 +168,21 @@ def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
     import sys
 
     out = tmp_path / "prof.json"
-    p = python([sys.executable, "-m", "experiments.calibrate", *TINY, "draft=x0", "threads=1", f"out={out}",
-                        "trajectories=16"], capture_output=True, text=True, cwd=ROOT)
+    p = python(
+        [
+            sys.executable,
+            "-m",
+            "experiments.calibrate",
+            *TINY,
+            "draft=x0",
+            "threads=1",
+            f"out={out}",
+            "trajectories=16",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("delta_profile=[")
     data = json.loads(out.read_text())
@@ -168,16 +192,23 @@ def test_calibrate_command_writes_a_profile_that_runs_use(tmp_path):
     assert "calibration" not in json.loads((tmp_path / "r" / "result.json").read_text())
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["Kk=3"], "Kk=3 is not a key of specsamp's config; did you mean K?"),
-    (["model=nosuch"], "model=nosuch is not an option of the config group model"),
-    (["trajectories=abc"], "trajectories=abc is invalid: must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["Kk=3"], "Kk=3 is not a key of specsamp's config; did you mean K?"),
+        (["model=nosuch"], "model=nosuch is not an option of the config group model"),
+        (["trajectories=abc"], "trajectories=abc is invalid: must be an integer >= 1"),
+    ],
+)
 def test_calibrate_command_refuses_bad_input_in_one_paragraph(tmp_path, args, needle):
     """The calibration command exits 2 with run.py's paragraph for overrides that do not compose, and
     writes nothing."""
-    p = python([sys.executable, "-m", "experiments.calibrate", *args, f"out={tmp_path / 'p.json'}"],
-                       capture_output=True, text=True, cwd=ROOT)
+    p = python(
+        [sys.executable, "-m", "experiments.calibrate", *args, f"out={tmp_path / 'p.json'}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     err = p.stderr.strip()
     assert p.returncode == 2 and err.startswith("error: " + needle) and "\n" not in err, p.stderr
     assert not list(tmp_path.iterdir())
@@ -201,30 +232,52 @@ def test_result_line_names_a_coupling_set_apart_from_the_sampler():
 
 def _record(name, overrides=None, **model):
     """A record as the summary line reads it (a dgrs run's fields), for ``model.name=name``."""
-    rec = {"model": name, "sampler": "dgrs", "K": 2, "L": 3, "eps": 0.3, "budget": 14, "steps": 6, "n_samples": 2,
-           "tree": "uniform", "speedup": {"mean": 1.5, "sem": 0.1}, "nfe": {"mean": 4.0}, "wall_seconds": 0.4,
-           "config": {"model": {"name": name, "path": None, **model}, "sampler": {"name": "dgrs"}, "tree": "uniform"}}
+    rec = {
+        "model": name,
+        "sampler": "dgrs",
+        "K": 2,
+        "L": 3,
+        "eps": 0.3,
+        "budget": 14,
+        "steps": 6,
+        "n_samples": 2,
+        "tree": "uniform",
+        "speedup": {"mean": 1.5, "sem": 0.1},
+        "nfe": {"mean": 4.0},
+        "wall_seconds": 0.4,
+        "config": {"model": {"name": name, "path": None, **model}, "sampler": {"name": "dgrs"}, "tree": "uniform"},
+    }
     return rec if overrides is None else {**rec, "overrides": overrides}
 
 
-@pytest.mark.parametrize("rec, head", [
-    # the option typed, not the checkpoint's name; the same option found from the name when none was typed
-    # (the default model, an experiment's, a run composed in-process)
-    (_record("edm-digits-8x8-cond", ["model=digits", "steps=6"]), "model=digits sampler=dgrs K=2 L=3"),
-    (_record("edm-digits-8x8-cond", ["+experiment=digits_fid"]), "model=digits sampler=dgrs"),
-    (_record("edm-digits-8x8-cond"), "model=digits sampler=dgrs"),
-    (_record("gmm", []), "model=gmm sampler=dgrs"),
-    # a local pipeline folder or checkpoint is named (quoted where the shell needs it)
-    (_record("diffusers", ["model=diffusers", "model.path=/data/pipe"], path="/data/pipe"),
-     "model=diffusers model.path=/data/pipe sampler=dgrs"),
-    (_record("diffusers", path="/data/my pipe"), "model=diffusers model.path='/data/my pipe' sampler=dgrs"),
-    (_record("edm-cifar10-32x32-cond-vp", ["model=cifar10"], path="tiny.pkl"), "model=cifar10 model.path=tiny.pkl sampler=dgrs"),
-    # another checkpoint of an option's family is named; a YAML of one's own is named as typed
-    (_record("edm-cifar10-32x32-uncond-vp", ["model=cifar10", "model.name=edm-cifar10-32x32-uncond-vp"]),
-     "model=cifar10 model.name=edm-cifar10-32x32-uncond-vp sampler=dgrs"),
-    (_record("edm-own", ["model=own"]), "model=own sampler=dgrs"),
-    (_record("edm-own"), "model=edm-own sampler=dgrs"),
-])
+@pytest.mark.parametrize(
+    "rec, head",
+    [
+        # the option typed, not the checkpoint's name; the same option found from the name when none was typed
+        # (the default model, an experiment's, a run composed in-process)
+        (_record("edm-digits-8x8-cond", ["model=digits", "steps=6"]), "model=digits sampler=dgrs K=2 L=3"),
+        (_record("edm-digits-8x8-cond", ["+experiment=digits_fid"]), "model=digits sampler=dgrs"),
+        (_record("edm-digits-8x8-cond"), "model=digits sampler=dgrs"),
+        (_record("gmm", []), "model=gmm sampler=dgrs"),
+        # a local pipeline folder or checkpoint is named (quoted where the shell needs it)
+        (
+            _record("diffusers", ["model=diffusers", "model.path=/data/pipe"], path="/data/pipe"),
+            "model=diffusers model.path=/data/pipe sampler=dgrs",
+        ),
+        (_record("diffusers", path="/data/my pipe"), "model=diffusers model.path='/data/my pipe' sampler=dgrs"),
+        (
+            _record("edm-cifar10-32x32-cond-vp", ["model=cifar10"], path="tiny.pkl"),
+            "model=cifar10 model.path=tiny.pkl sampler=dgrs",
+        ),
+        # another checkpoint of an option's family is named; a YAML of one's own is named as typed
+        (
+            _record("edm-cifar10-32x32-uncond-vp", ["model=cifar10", "model.name=edm-cifar10-32x32-uncond-vp"]),
+            "model=cifar10 model.name=edm-cifar10-32x32-uncond-vp sampler=dgrs",
+        ),
+        (_record("edm-own", ["model=own"]), "model=own sampler=dgrs"),
+        (_record("edm-own"), "model=edm-own sampler=dgrs"),
+    ],
+)
 def test_result_line_names_the_model_option_and_its_folder(rec, head):
     from specsamp.runner import summary_line
 
@@ -259,7 +312,8 @@ def test_schema_keys_match_config_yaml():
     from specsamp.runner.config import RunConfig
 
     assert set(OmegaConf.load(CONF / "config.yaml")) - {"defaults", "hydra"} == {
-        f.name for f in dataclasses.fields(RunConfig)} - {"model", "sampler", "kernel", "logger"}  # the groups
+        f.name for f in dataclasses.fields(RunConfig)
+    } - {"model", "sampler", "kernel", "logger"}  # the groups
 
 
 def test_two_runs_in_the_same_second_get_two_directories(tmp_path):
@@ -273,8 +327,14 @@ def test_two_runs_in_the_same_second_get_two_directories(tmp_path):
     before = rec1.read_bytes(), (rec1.parent / ".hydra" / "overrides.yaml").read_bytes()
     base = rec1.parent.relative_to(tmp_path)
     # the second run starts "in the same second": same base directory, given the same way Hydra's config does
-    second = subprocess.run([*py, "K=3", f"hydra.run.dir=${{specsamp.fresh_dir:{base}}}"], cwd=tmp_path,
-                            capture_output=True, text=True, env=env, timeout=300)
+    second = subprocess.run(
+        [*py, "K=3", f"hydra.run.dir=${{specsamp.fresh_dir:{base}}}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert second.returncode == 0, second.stderr
     rec2 = tmp_path / f"{base}_2" / "result.json"
     assert json.loads(rec2.read_text())["K"] == 3 and second.stdout.rstrip().endswith(f"record: {base}_2/result.json")
@@ -292,8 +352,14 @@ def test_concurrent_runs_never_share_a_directory(tmp_path):
     (tmp_path / "o").mkdir()
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
     # three children forked at once (tests/helpers.py: no interpreter start-up between them), all claiming o/t
-    procs = [Forked([sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
-                    cwd=tmp_path, env=env) for s in range(3)]
+    procs = [
+        Forked(
+            [sys.executable, str(ROOT / "run.py"), *TINY, f"seed={s}", "hydra.run.dir=${specsamp.fresh_dir:o/t}"],
+            cwd=tmp_path,
+            env=env,
+        )
+        for s in range(3)
+    ]
     outs = [p.wait(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in outs), [(p.stdout, p.stderr) for p in outs]
     seeds = sorted(json.loads(f.read_text())["config"]["seed"] for f in (tmp_path / "o").glob("t*/result.json"))
@@ -310,7 +376,9 @@ def test_missing_profile_file_is_named_with_the_directory_it_was_read_from(tmp_p
     with pytest.raises(ConfigError, match=r"/nope/prof\.json does not exist\. "):
         load_config(compose([*TINY, "tree=optimal", "delta_profile=/nope/prof.json"]))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=f"{tmp_path}/rel/prof.json does not exist, relative paths are read from {tmp_path}"):
+    with pytest.raises(
+        ConfigError, match=f"{tmp_path}/rel/prof.json does not exist, relative paths are read from {tmp_path}"
+    ):
         load_config(compose([*TINY, "tree=optimal", "delta_profile=rel/prof.json"]))
 
 
@@ -355,9 +423,24 @@ def test_relative_profile_path_is_read_from_the_launch_directory_under_chdir(tmp
     shutil.copy(CONF / "profiles" / "gmm_x0.json", tmp_path / "prof.json")
     out = tmp_path / "out"
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    p = python([sys.executable, str(ROOT / "run.py"), *TINY, "tree=optimal", "budget=6", "draft=x0",
-                        "delta_profile=prof.json", "hydra.job.chdir=true", f"hydra.run.dir={out}"],
-                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    p = python(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            *TINY,
+            "tree=optimal",
+            "budget=6",
+            "draft=x0",
+            "delta_profile=prof.json",
+            "hydra.job.chdir=true",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     rec = json.loads((out / "result.json").read_text())
     assert "calibration" not in rec and rec["config"]["delta_profile"] == "prof.json"
@@ -369,7 +452,9 @@ def test_refine_runs_on_the_tree_execution_records_its_sweeps_and_keeps_plain_ha
     plain = run([*TINY, "execution=tree"], tmp_path / "plain")
     rec0 = json.loads((tmp_path / "plain" / "result.json").read_text())
     assert "refine" not in rec0 and "refine" not in rec0["config"]  # refine=0 records and hashes as before the key
-    assert run([*TINY, "execution=tree", "refine=0"], tmp_path / "plain").stdout.startswith("skipped")  # the same config
+    assert run([*TINY, "execution=tree", "refine=0"], tmp_path / "plain").stdout.startswith(
+        "skipped"
+    )  # the same config
     assert plain.returncode == 0
     run([*TINY, "execution=tree", "refine=2"], tmp_path / "ref")
     rec = json.loads((tmp_path / "ref" / "result.json").read_text())
@@ -377,8 +462,14 @@ def test_refine_runs_on_the_tree_execution_records_its_sweeps_and_keeps_plain_ha
     assert rec["nfe"]["mean"] > rec0["nfe"]["mean"]  # every sweep is a charged call
 
 
-@pytest.mark.parametrize("args,needle", [(["refine=1"], "refine=1 is invalid with execution=path"),
-                                         (["refine=-1", "execution=tree"], "refine=-1 is invalid")], ids=["path", "negative"])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["refine=1"], "refine=1 is invalid with execution=path"),
+        (["refine=-1", "execution=tree"], "refine=-1 is invalid"),
+    ],
+    ids=["path", "negative"],
+)
 def test_bad_refine_exits_2_with_one_paragraph(tmp_path, args, needle):
     p = run([*TINY, *args], tmp_path, check=False)
     assert p.returncode == 2 and needle in p.stderr, (p.stdout, p.stderr)

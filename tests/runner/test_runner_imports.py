@@ -25,8 +25,11 @@ def _imports(path: Path) -> set[str]:
                 continue
             names.update(b.split(".")[0] for b in base)
         elif isinstance(node, ast.Import):
-            names.update(a.name.removeprefix("specsamp.runner.").split(".")[0] for a in node.names
-                         if a.name.startswith("specsamp.runner."))
+            names.update(
+                a.name.removeprefix("specsamp.runner.").split(".")[0]
+                for a in node.names
+                if a.name.startswith("specsamp.runner.")
+            )
     return {n for n in names if (RUNNER / f"{n}.py").is_file()} - {path.stem}
 
 

@@ -49,8 +49,11 @@ def _count_calls(monkeypatch, names) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("overrides", [[], ["tree=widths", "widths=[3,2]"], ["sampler=rmc"], ["sampler=standard", "K=3"]],
-                         ids=["uniform", "widths", "chain", "standard-with-unused-K"])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["tree=widths", "widths=[3,2]"], ["sampler=rmc"], ["sampler=standard", "K=3"]],
+    ids=["uniform", "widths", "chain", "standard-with-unused-K"],
+)
 def test_a_job_loads_checks_and_hashes_its_config_once(tmp_path, monkeypatch, capsys, overrides):
     monkeypatch.chdir(tmp_path)
     cfg = compose([*TINY, *overrides])
@@ -85,7 +88,9 @@ def test_prepare_returns_a_prepared_run_as_it_is_and_run_config_takes_one():
 BOOKKEEPING = {"wall_seconds", "output_dir", "merged_from", "overrides"}
 
 
-@pytest.mark.parametrize("overrides", [["K=3"], ["tree=optimal", "widths=[2,2]"]], ids=["uniform", "optimal-calibrated"])
+@pytest.mark.parametrize(
+    "overrides", [["K=3"], ["tree=optimal", "widths=[2,2]"]], ids=["uniform", "optimal-calibrated"]
+)
 def test_merged_shards_record_equals_the_unsharded_record_on_every_field(tmp_path, overrides):
     """Two shards merged (6 trajectories, batch_size=2: the shards run the unsharded run's batches) give the
     unsharded run's record: same keys in the same order and equal values, timing and shard bookkeeping aside.
@@ -115,7 +120,9 @@ def _record_stages(monkeypatch) -> list:
         for name in STAGES:
             fn = getattr(mod, name, None)
             if callable(fn):
-                monkeypatch.setattr(mod, name, functools.wraps(fn)(lambda *a, _n=name, _f=fn, **k: seen.append(_n) or _f(*a, **k)))
+                monkeypatch.setattr(
+                    mod, name, functools.wraps(fn)(lambda *a, _n=name, _f=fn, **k: seen.append(_n) or _f(*a, **k))
+                )
     return seen
 
 
@@ -130,17 +137,27 @@ def test_a_job_and_run_config_make_the_same_stage_calls_in_order(tmp_path, monke
     assert seen == list(STAGES)
 
 
-@pytest.mark.parametrize("overrides, calibrations", [([], 0), (["sampler=rmc"], 0), (["tree=optimal", "budget=6"], 1),
-                                                     (["tree=optimal_per_step", "budget=6", "delta_profile=[0.5,1.0]"], 0)],
-                         ids=["uniform", "chain", "optimal-calibrated", "per-step-profile"])
+@pytest.mark.parametrize(
+    "overrides, calibrations",
+    [
+        ([], 0),
+        (["sampler=rmc"], 0),
+        (["tree=optimal", "budget=6"], 1),
+        (["tree=optimal_per_step", "budget=6", "delta_profile=[0.5,1.0]"], 0),
+    ],
+    ids=["uniform", "chain", "optimal-calibrated", "per-step-profile"],
+)
 def test_a_run_builds_its_tree_and_its_target_once(monkeypatch, overrides, calibrations):
     from specsamp.runner import build
 
     counts = dict.fromkeys(("build_tree", "build_target", "calibrate"), 0)
     for name in counts:
         fn = getattr(build, name)
-        monkeypatch.setattr(build, name, functools.wraps(fn)(
-            lambda *a, _n=name, _f=fn, **k: counts.__setitem__(_n, counts[_n] + 1) or _f(*a, **k)))
+        monkeypatch.setattr(
+            build,
+            name,
+            functools.wraps(fn)(lambda *a, _n=name, _f=fn, **k: counts.__setitem__(_n, counts[_n] + 1) or _f(*a, **k)),
+        )
     run_config(compose([*TINY, *overrides]))
     assert counts == {"build_tree": 1, "build_target": 1, "calibrate": calibrations}
 
@@ -156,9 +173,22 @@ def test_a_shard_jobs_record_holds_the_job_fields_last_in_their_order():
     assert prepared.indices == range(2, 6) and prepared.job.sweep == "s"  # batches 2 and 3 of 3
     rec = make_record(prepared, sample(build(prepared)))
     keys = list(rec)
-    assert keys[keys.index("versions") + 1:] == ["output_dir", "overrides", "slurm", "sweep", "shard", "num_shards", "indices"]
+    assert keys[keys.index("versions") + 1 :] == [
+        "output_dir",
+        "overrides",
+        "slurm",
+        "sweep",
+        "shard",
+        "num_shards",
+        "indices",
+    ]
     assert keys[keys.index("steps") + 1] == "n_samples" and rec["n_samples"] == 4 and rec["indices"] == [2, 6]
-    assert (rec["output_dir"], rec["overrides"], rec["slurm"], rec["sweep"]) == ("/d", ["shard=1"], {"job_id": "7"}, "s")
+    assert (rec["output_dir"], rec["overrides"], rec["slurm"], rec["sweep"]) == (
+        "/d",
+        ["shard=1"],
+        {"job_id": "7"},
+        "s",
+    )
     library = run_config(cfg)[0]  # a library call is no job: all trajectories, no job fields
     assert library["n_samples"] == 6 and "output_dir" not in library and "shard" not in library
 

@@ -25,20 +25,25 @@ import pytest
 import torch
 from helpers import ROOT, python
 
-from specsamp.runner import report
-from specsamp.runner import slurm as queue
+from specsamp.runner import report, slurm as queue
 
 sys.path.insert(0, str(ROOT))
 from hydra_plugins.specsamp_sweeper.slurm import explain_refusal  # noqa: E402
 
 TINY = ["model.dim=16", "steps=16", "n_samples=8", "threads=1"]
-LAUNCH = ["hydra/launcher=slurm_cpu", "hydra.launcher.poll_s=1", "hydra.launcher.timeout_min=10"]  # mem_gb: the estimate
+LAUNCH = [
+    "hydra/launcher=slurm_cpu",
+    "hydra.launcher.poll_s=1",
+    "hydra.launcher.timeout_min=10",
+]  # mem_gb: the estimate
 WAIT_S = 240  # the longest any one wait may take before the test fails (a hung scheduler, not a slow one)
 
 
 def run(args, cwd, check=True, env=None, timeout=WAIT_S):
     """``python run.py ARGS`` in ``cwd``; the CompletedProcess with ``.out`` (stdout + stderr)."""
-    e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", SPECSAMP_OFFLINE="1", **(env or {}))
+    e = dict(
+        os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", SPECSAMP_OFFLINE="1", **(env or {})
+    )
     p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=e, timeout=timeout)
     p.out = p.stdout + p.stderr
     if check:
@@ -51,7 +56,9 @@ def start(args, cwd):
     thread's Python stack there: :func:`ctrl_c`)."""
     e = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     log = open(cwd / "launch.log", "w")
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=e, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=e, text=True
+    )
 
 
 def _where(pid: int) -> str:
@@ -81,7 +88,10 @@ def ctrl_c(proc, log: Path, timeout: float = 60.0) -> int:
         proc.send_signal(signal.SIGABRT)
         proc.wait(timeout=60)
         pytest.fail(f"two Ctrl-C did not end run.py ({where}); its log and stacks:\n{log.read_text()}")
-    warnings.warn(f"run.py ignored the first Ctrl-C for {timeout:.0f} s ({where}); the second ended it:\n{log.read_text()}", stacklevel=2)
+    warnings.warn(
+        f"run.py ignored the first Ctrl-C for {timeout:.0f} s ({where}); the second ended it:\n{log.read_text()}",
+        stacklevel=2,
+    )
     return code
 
 
@@ -127,7 +137,9 @@ def array_of(out: str) -> str:
 
 def submitted_array(log: Path) -> str:
     """The (array) job id, once the launcher's log at ``log`` has printed its submission line."""
-    return wait_until("the submission line", lambda: "submitted SLURM " in log.read_text() and array_of(log.read_text()))
+    return wait_until(
+        "the submission line", lambda: "submitted SLURM " in log.read_text() and array_of(log.read_text())
+    )
 
 
 def records(sweep: Path, name: str = "result.json") -> dict[str, dict]:
@@ -175,7 +187,9 @@ def test_parity_with_the_local_launcher_records_identify_the_task_and_relaunch_s
     for name, rec in s.items():
         assert {k: rec[k] for k in NUMBERS} == {k: loc[name][k] for k in NUMBERS}
         ident = rec["slurm"]
-        assert ident["array_job_id"] == array and ident["job_id"] == f"{array}_{ident['array_task_id']}" and ident["host"]
+        assert (
+            ident["array_job_id"] == array and ident["job_id"] == f"{array}_{ident['array_task_id']}" and ident["host"]
+        )
         assert (tmp_path / "multirun/s/.submitit" / ident["job_id"]).is_dir()  # submitit's per-task folder
         assert "slurm" not in loc[name]
     assert (tmp_path / f"multirun/s/.submitit/{array}/{array}_submission.sh").is_file()
@@ -236,14 +250,21 @@ def test_relaunch_while_the_array_runs_after_the_launcher_died_submits_nothing_a
     assert set(report.collect(sweep)["status"]) == {"running"}
     again = run(args, tmp_path, check=False)
     assert again.returncode == 75, again.out  # not every job wrote its record: not 0
-    assert "2 of 2 cells still pending or running: not submitted again" in again.stdout and "submitted SLURM" not in again.stdout
+    assert (
+        "2 of 2 cells still pending or running: not submitted again" in again.stdout
+        and "submitted SLURM" not in again.stdout
+    )
     assert "2 running" in again.stdout and "wait: 2 jobs are still queued or running" in again.stdout, again.out
     go.touch()
     queue_empty(array)
     assert set(accounted(array, 2).values()) == {"COMPLETED"}
     recs = records(sweep)
     assert len(recs) == 2 and {r["slurm"]["array_job_id"] for r in recs.values()} == {array}
-    assert sorted(p.name for p in (sweep / ".submitit").iterdir() if not p.name.startswith(".")) == [array, f"{array}_0", f"{array}_1"]
+    assert sorted(p.name for p in (sweep / ".submitit").iterdir() if not p.name.startswith(".")) == [
+        array,
+        f"{array}_0",
+        f"{array}_1",
+    ]
     done = run(args, tmp_path)
     assert "2 of 2 cells already done" in done.stdout and "2 jobs, 0 ran, 2 skipped" in done.stdout
 
@@ -257,8 +278,12 @@ def test_ctrl_c_leaves_the_array_running_and_says_how_to_cancel_it_or_cancels_it
         proc = start(["-m", *LAUNCH, *held, *extra, *TINY, "K=1,2", f"sweep_name={name}"], tmp_path)
         array = submitted_array(log)
         # the first array holds both CPUs: the second one's tasks stay pending, which Ctrl-C cancels as well
-        wait_until("both tasks queued", lambda array=array, extra=extra: len(squeue(array)) == 2
-                   and (extra or set(squeue(array).values()) == {"RUNNING"}))
+        wait_until(
+            "both tasks queued",
+            lambda array=array, extra=extra: (
+                len(squeue(array)) == 2 and (extra or set(squeue(array).values()) == {"RUNNING"})
+            ),
+        )
         assert ctrl_c(proc, log, timeout=WAIT_S) == 130
         out = log.read_text()
         if not extra:
@@ -281,17 +306,25 @@ def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(t
     log = tmp_path / "launch.log"
     array = submitted_array(log)
     wait_until("both tasks running", lambda: list(squeue(array).values()) == ["RUNNING", "RUNNING"])
-    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[0]
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()[
+        0
+    ]
     try:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=specsamp-test"], check=True)
-        wait_until("the tasks to be requeued", lambda: set(squeue(array).values()) <= {"PENDING", "REQUEUED"} and squeue(array))
+        wait_until(
+            "the tasks to be requeued", lambda: set(squeue(array).values()) <= {"PENDING", "REQUEUED"} and squeue(array)
+        )
     finally:
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)  # ReturnToService=2 may have
+        subprocess.run(
+            ["scontrol", "update", f"nodename={node}", "state=resume"], check=False
+        )  # ReturnToService=2 may have
     go.touch()
     assert proc.wait(timeout=WAIT_S) == 0, log.read_text()
     assert "2 jobs, 2 ran, 0 skipped (done before), 0 failed" in log.read_text()
     recs = records(tmp_path / "multirun/node")
-    assert len(recs) == 2 and all(r["slurm"]["restart_count"] >= 1 for r in recs.values())  # the requeued attempt wrote them
+    assert len(recs) == 2 and all(
+        r["slurm"]["restart_count"] >= 1 for r in recs.values()
+    )  # the requeued attempt wrote them
     assert set(accounted(array, 2).values()) == {"COMPLETED"}
 
 
@@ -299,7 +332,16 @@ def test_a_node_lost_mid_sweep_is_requeued_by_slurm_and_the_sweep_waits_for_it(t
 # SLURM's time-limit signal is what `scancel -s USR2` sends to the task's steps, here at once instead of
 # signal_delay_s before the limit (timeout_min=10 is below 10 minutes, so submitit counts it as a time limit)
 LONG = ["model.dim=16", "steps=16", "n_samples=60000", "batch_size=4000", "threads=1"]
-RECORD = (*NUMBERS, "nfe_total", "target_rows", "rounds", "committed_per_round", "attempts_per_depth", "batch_speedup", "tree")
+RECORD = (
+    *NUMBERS,
+    "nfe_total",
+    "target_rows",
+    "rounds",
+    "committed_per_round",
+    "attempts_per_depth",
+    "batch_speedup",
+    "tree",
+)
 
 
 def signal_after_first_batch(tmp_path, args, name):
@@ -330,7 +372,9 @@ def test_the_time_limit_signal_requeues_a_batch_wise_cell_which_resumes_and_reco
     assert rec["slurm"]["restart_count"] == 1 and rec["slurm"]["job_id"] == array  # written by the requeued attempt
     assert 1 <= rec["resumed"]["batches"] < rec["resumed"]["of"] == 15  # it continued from the kept batches
     assert not (cell / "failed.json").exists() and not (cell / "batches").exists()
-    final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
+    final = wait_until(
+        "sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st
+    )
     assert final[0] == "COMPLETED"
     loc = local_record(tmp_path)
     assert {k: rec[k] for k in RECORD} == {k: loc[k] for k in RECORD} and "resumed" not in loc
@@ -346,7 +390,9 @@ def test_without_requeues_the_time_limit_signal_records_timed_out_and_the_relaun
     assert "was not requeued" in failed["error"] and "a relaunch continues from them" in failed["error"]
     kept = len(list((cell / "batches").glob("*.pt")))
     assert kept >= 1 and not (cell / "result.json").exists() and "1 failed" in log.read_text()
-    final = wait_until("sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st)
+    final = wait_until(
+        "sacct to record the job", lambda: (st := queue.states([array]).get(array)) and st[0] not in queue.ALIVE and st
+    )
     assert final[0] == "FAILED"  # one cell: a plain job, no array
     again = run(["-m", *LAUNCH, *LONG, "sweep_name=t"], tmp_path)
     assert "1 jobs, 1 ran, 0 skipped (done before), 0 failed" in again.stdout, again.out
@@ -364,7 +410,10 @@ def test_an_out_of_memory_kill_is_recorded_by_slurm_and_reruns_on_relaunch(tmp_p
     assert p.returncode == 1, p.out
     assert "2 killed" in p.stdout, p.out
     array = array_of(p.stdout)
-    assert set(accounted(array, 2).values()) <= {"OUT_OF_MEMORY", "FAILED"}  # FAILED under polling enforcement (OverMemoryKill)
+    assert set(accounted(array, 2).values()) <= {
+        "OUT_OF_MEMORY",
+        "FAILED",
+    }  # FAILED under polling enforcement (OverMemoryKill)
     df = report.collect(tmp_path / "multirun/oom")
     assert list(df["status"]) == ["killed", "killed"] and all("OUT_OF_MEMORY" in e for e in df["error"])
     again = run(args, tmp_path)
@@ -377,7 +426,11 @@ def test_two_shards_in_an_array_merge_into_one_unsharded_run_bitwise(tmp_path):
     run([*common, f"hydra.run.dir={tmp_path / 'single'}"], tmp_path)
     p = run(["-m", *LAUNCH, *common, "num_shards=2", "shard=0,1", "sweep_name=sh"], tmp_path)
     assert "shards merged" in p.stdout, p.out
-    merged = next(d for d in (tmp_path / "multirun/sh").iterdir() if d.is_dir() and "shard" not in d.name and not d.name.startswith("."))
+    merged = next(
+        d
+        for d in (tmp_path / "multirun/sh").iterdir()
+        if d.is_dir() and "shard" not in d.name and not d.name.startswith(".")
+    )
     assert torch.equal(torch.load(tmp_path / "single/samples.pt"), torch.load(merged / "samples.pt"))
     a, b = (json.loads((d / "result.json").read_text()) for d in (tmp_path / "single", merged))
     assert a["config_hash"] == b["config_hash"] and a["speedup"] == b["speedup"]
@@ -385,9 +438,13 @@ def test_two_shards_in_an_array_merge_into_one_unsharded_run_bitwise(tmp_path):
 
 @slurm
 def test_the_digits_network_runs_in_an_array_task(tmp_path):
-    p = run(["-m", *LAUNCH, "model=digits", "K=2", "L=2", "steps=8", "n_samples=4", "threads=1", "sweep_name=dig"], tmp_path)
+    p = run(
+        ["-m", *LAUNCH, "model=digits", "K=2", "L=2", "steps=8", "n_samples=4", "threads=1", "sweep_name=dig"], tmp_path
+    )
     (rec,) = records(tmp_path / "multirun/dig").values()
-    assert rec["status"] == "ok" and "digits" in rec["model"] and rec["slurm"]["job_id"] == array_of(p.stdout)  # one cell: a plain job, no array
+    assert (
+        rec["status"] == "ok" and "digits" in rec["model"] and rec["slurm"]["job_id"] == array_of(p.stdout)
+    )  # one cell: a plain job, no array
 
 
 @slurm
@@ -405,7 +462,9 @@ def test_a_request_no_node_can_satisfy_shows_the_pending_reason_stops_waiting_an
     """8 CPUs per task on the test cluster's node (its `nproc` CPUs, 2 on CI): sbatch accepts the array, SLURM
     keeps it pending with reason PartitionConfig; the launcher shows the reason, cancels the tasks and exits 2
     naming the setting; the relaunch with a request that fits submits them again."""
-    cpus = int(subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0])
+    cpus = int(
+        subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0]
+    )
     args = ["-m", *LAUNCH, *TINY, "K=1,2", "sweep_name=big"]
     p = run([*args, f"hydra.launcher.cpus_per_task={4 * cpus}"], tmp_path, check=False, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.out, p.out
@@ -421,7 +480,11 @@ def test_a_request_no_node_can_satisfy_shows_the_pending_reason_stops_waiting_an
 @slurm
 def test_dry_run_prints_the_sbatch_script_and_submits_nothing(tmp_path):
     p = run(["-m", *LAUNCH, *TINY, "K=1,2", "hydra.launcher.dry_run=true", "sweep_name=d"], tmp_path)
-    assert "#SBATCH --array=0-1%2" in p.stdout and "#SBATCH --signal=USR2@120" in p.stdout and "#SBATCH --gpus-per-node=0" in p.stdout
+    assert (
+        "#SBATCH --array=0-1%2" in p.stdout
+        and "#SBATCH --signal=USR2@120" in p.stdout
+        and "#SBATCH --gpus-per-node=0" in p.stdout
+    )
     assert "nothing was submitted" in p.stdout and not list((tmp_path / "multirun/d").glob("*/slurm.json"))
 
 
@@ -455,7 +518,10 @@ def test_slurm_presets_follow_the_device_and_threads():
     ("sbatch: error: something new", 2, "dry_run=true"),
 ])  # fmt: skip
 def test_sbatch_refusals_are_sorted_into_user_input_and_infrastructure(said, status, needle):
-    got, message = explain_refusal(RuntimeError(f"Could not submit job (exit 1)\n{said}\n"), {"partition": "gpu", "mem_gb": 4, "gpus_per_node": 1, "cpus_per_task": 1})
+    got, message = explain_refusal(
+        RuntimeError(f"Could not submit job (exit 1)\n{said}\n"),
+        {"partition": "gpu", "mem_gb": 4, "gpus_per_node": 1, "cpus_per_task": 1},
+    )
     assert got == status and needle in message and "\n" not in message
 
 
@@ -464,19 +530,40 @@ def test_queue_states_parse_pending_ranges_and_accounting(tmp_path, monkeypatch)
     bindir.mkdir()
     (bindir / "squeue").write_text("#!/bin/sh\necho '7_[2-3%2]|PENDING|Resources'\necho '7_1|RUNNING|None'\n")
     # 9: an array cancelled while all its tasks were pending, which accounting records under the bare id
-    (bindir / "sacct").write_text("#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\necho '9|CANCELLED by 0|0:0'\n")
+    (bindir / "sacct").write_text(
+        "#!/bin/sh\necho '7_0|OUT_OF_MEMORY|0:125'\necho '7_4|CANCELLED by 0|0:0'\necho '9|CANCELLED by 0|0:0'\n"
+    )
     for f in bindir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     got = queue.states([f"7_{t}" for t in range(5)] + ["8_0", "9_0", "9_1"])
-    assert got == {"7_0": ("OUT_OF_MEMORY", "exit code 0:125"), "7_1": ("RUNNING", "None"), "7_2": ("PENDING", "Resources"),
-                   "7_3": ("PENDING", "Resources"), "7_4": ("CANCELLED", ""), "9_0": ("CANCELLED", ""), "9_1": ("CANCELLED", "")}
+    assert got == {
+        "7_0": ("OUT_OF_MEMORY", "exit code 0:125"),
+        "7_1": ("RUNNING", "None"),
+        "7_2": ("PENDING", "Resources"),
+        "7_3": ("PENDING", "Resources"),
+        "7_4": ("CANCELLED", ""),
+        "9_0": ("CANCELLED", ""),
+        "9_1": ("CANCELLED", ""),
+    }
 
 
 def test_job_identity_names_the_array_task_as_squeue_does():
-    env = {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "37", "SLURM_ARRAY_TASK_ID": "4", "SLURMD_NODENAME": "n1", "SLURM_RESTART_COUNT": "1"}
-    assert queue.job_identity(env) == {"job_id": "37_4", "array_job_id": "37", "array_task_id": "4", "raw_job_id": "41",
-                                       "host": "n1", "restart_count": 1}
+    env = {
+        "SLURM_JOB_ID": "41",
+        "SLURM_ARRAY_JOB_ID": "37",
+        "SLURM_ARRAY_TASK_ID": "4",
+        "SLURMD_NODENAME": "n1",
+        "SLURM_RESTART_COUNT": "1",
+    }
+    assert queue.job_identity(env) == {
+        "job_id": "37_4",
+        "array_job_id": "37",
+        "array_task_id": "4",
+        "raw_job_id": "41",
+        "host": "n1",
+        "restart_count": 1,
+    }
     assert queue.job_identity({}) is None
 
 
@@ -509,7 +596,9 @@ def test_a_timed_out_cell_makes_the_sweep_exit_1_like_a_killed_one():
     assert exits.sweep_exit_status({"kinds": ["config"]}) == exits.USAGE
 
 
-def test_on_the_signal_a_batch_wise_cell_is_checkpointed_and_requeued_by_submitit_and_any_other_records_timed_out(tmp_path, monkeypatch):
+def test_on_the_signal_a_batch_wise_cell_is_checkpointed_and_requeued_by_submitit_and_any_other_records_timed_out(
+    tmp_path, monkeypatch
+):
     """With a batch-wise run sampling (its store active), the launcher's handler hands the signal to the
     handler submitit installed (which calls ``checkpoint`` and requeues: here it records the checkpoint
     and exits as submitit does); when submitit refuses (out of requeues) the cell records ``timed_out``
@@ -574,7 +663,10 @@ def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_h
     # keeps the samples twice (100000 x 2 x 2000 x 8 B = 2.98 GiB): times the margin, at least 13.4 GiB
     assert want >= MEM_MARGIN * (20000 * 20 + 100000 * 2) * 2000 * 8 / 2**30
     dry = ["-m", "hydra/launcher=slurm_cpu", "hydra.launcher.dry_run=true"]
-    p = run([*dry, "steps=16", "threads=1", "model.dim=16,2000", "n_samples=8,100000", "batch_size=20000", "sweep_name=m"], tmp_path)
+    p = run(
+        [*dry, "steps=16", "threads=1", "model.dim=16,2000", "n_samples=8,100000", "batch_size=20000", "sweep_name=m"],
+        tmp_path,
+    )
     assert f"#SBATCH --mem={want}GB" in p.stdout and f"mem_gb={want} per task" in p.stdout, p.out  # the largest cell's
     p = run([*dry, *TINY, "K=1,2", "hydra.launcher.mem_gb=7", "sweep_name=n"], tmp_path)
     assert "#SBATCH --mem=7GB" in p.stdout and "per task" not in p.stdout, p.out
@@ -584,7 +676,10 @@ def test_mem_gb_unset_is_the_cells_memory_estimate_with_a_margin_in_the_sbatch_h
 def test_a_gpu_sweep_submitted_from_a_node_without_a_gpu_is_checked_and_sized_there(tmp_path, monkeypatch):
     """The device is the compute nodes' to check: the sweep is not refused, and its memory is estimated."""
     fake_slurm_commands(tmp_path, monkeypatch)
-    p = run(["-m", "hydra/launcher=slurm", "hydra.launcher.dry_run=true", *TINY, "device=cuda", "K=1,2", "sweep_name=g"], tmp_path)
+    p = run(
+        ["-m", "hydra/launcher=slurm", "hydra.launcher.dry_run=true", *TINY, "device=cuda", "K=1,2", "sweep_name=g"],
+        tmp_path,
+    )
     assert p.returncode == 0 and "torch sees no CUDA device" not in p.out, p.out
     assert "mem_gb=" in p.stdout and "per task" in p.stdout and "#SBATCH --gpus-per-node=1" in p.stdout, p.out
 
@@ -594,7 +689,14 @@ def test_the_memory_estimate_of_a_network_follows_its_checkpoint_and_batch_not_a
     tasks share a 12 GB node; the estimate grows with the rows of a call on the CPU and with the weights, and
     stays large for the big networks: CIFAR-10's 56 M parameters, SD3.5 medium's 8 G (3.4 G without T5)."""
     from specsamp.runner.config import compose, load_config
-    from specsamp.runner.memory import CUDA_HOST_BYTES, EDM_NETWORKS, PROCESS_BYTES, WEIGHT_LOAD_FACTOR, mem_gb_for, run_memory_bytes
+    from specsamp.runner.memory import (
+        CUDA_HOST_BYTES,
+        EDM_NETWORKS,
+        PROCESS_BYTES,
+        WEIGHT_LOAD_FACTOR,
+        mem_gb_for,
+        run_memory_bytes,
+    )
 
     def est(*o):
         return run_memory_bytes(load_config(compose(list(o)), here=False)[0])
@@ -607,9 +709,15 @@ def test_the_memory_estimate_of_a_network_follows_its_checkpoint_and_batch_not_a
     # path execution, K=2: a call evaluates 2 rows per trajectory; 1000 more trajectories add their rows' activations
     grown = est("model=digits", "n_samples=2000") - est("model=digits", "n_samples=1000")
     assert grown >= 1000 * 2 * digits.row_bytes
-    assert est("model=digits", "n_samples=2000", "max_batch=100") < est("model=digits", "n_samples=2000") - 1000 * digits.row_bytes
+    assert (
+        est("model=digits", "n_samples=2000", "max_batch=100")
+        < est("model=digits", "n_samples=2000") - 1000 * digits.row_bytes
+    )
     cifar = est("model=cifar10", "device=cuda")
-    assert cifar >= PROCESS_BYTES + CUDA_HOST_BYTES + WEIGHT_LOAD_FACTOR * EDM_NETWORKS["edm-cifar10-32x32-cond-vp"].weight_bytes
+    assert (
+        cifar
+        >= PROCESS_BYTES + CUDA_HOST_BYTES + WEIGHT_LOAD_FACTOR * EDM_NETWORKS["edm-cifar10-32x32-cond-vp"].weight_bytes
+    )
     assert est("model=cifar10") > cifar - CUDA_HOST_BYTES  # on the CPU the rows of a call come on top
     assert gb("model=sd3", "device=cuda") >= 1.5 * WEIGHT_LOAD_FACTOR * 8.1e9 * 2 / 2**30  # bfloat16 weights, loaded
     assert 20 < gb("model=sd3", "device=cuda", "model.drop_t5=true") < gb("model=sd3", "device=cuda")
@@ -621,9 +729,15 @@ def test_a_timeout_at_or_below_the_signal_delay_is_refused_naming_both_keys():
     from specsamp.errors import ConfigError
 
     check = sys.modules["hydra_plugins.specsamp_sweeper.slurm"].check_time_limit
-    for timeout, delay, hint in ((1, 120, "timeout_min=3 or more"), (2, 120, "timeout_min=3 or more"),
-                                 (3, 150, "signal_delay_s to at most 120"), (1, 60, "signal_delay_s to at most 0")):
-        with pytest.raises(ConfigError, match=f"hydra.launcher.timeout_min={timeout} .*hydra.launcher.signal_delay_s={delay}") as e:
+    for timeout, delay, hint in (
+        (1, 120, "timeout_min=3 or more"),
+        (2, 120, "timeout_min=3 or more"),
+        (3, 150, "signal_delay_s to at most 120"),
+        (1, 60, "signal_delay_s to at most 0"),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"hydra.launcher.timeout_min={timeout} .*hydra.launcher.signal_delay_s={delay}"
+        ) as e:
             check({"timeout_min": timeout, "signal_delay_s": delay})
         assert hint in str(e.value)
     check({"timeout_min": 3, "signal_delay_s": 120})
@@ -633,7 +747,9 @@ def test_a_timeout_at_or_below_the_signal_delay_is_refused_naming_both_keys():
 @pytest.mark.slow
 def test_a_sweep_whose_timeout_leaves_no_time_before_the_signal_exits_2_before_writing_anything(tmp_path, monkeypatch):
     fake_slurm_commands(tmp_path, monkeypatch)
-    p = run(["-m", *LAUNCH[:2], "hydra.launcher.timeout_min=2", *TINY, "K=1,2", "sweep_name=short"], tmp_path, check=False)
+    p = run(
+        ["-m", *LAUNCH[:2], "hydra.launcher.timeout_min=2", *TINY, "K=1,2", "sweep_name=short"], tmp_path, check=False
+    )
     assert p.returncode == 2 and "hydra.launcher.timeout_min=2 (120 s)" in p.stderr, p.out
     assert "hydra.launcher.signal_delay_s=120" in p.stderr and "Traceback" not in p.out
     assert not (tmp_path / "multirun").exists()  # refused before the sweep folder exists
@@ -646,7 +762,9 @@ def test_squeue_lines_give_states_pending_reasons_and_the_tasks_that_cannot_run(
     assert v.line() == "2 pending (PartitionConfig)" and v.stuck == ["4_0", "4_1"] and v.left == 2
     v = mod.queue_view("7_0|RUNNING|None\n7_1|PENDING|Resources\n7_2|PENDING|Priority\n7_3|PENDING|Resources\n")
     assert v.line() == "3 pending (1 Priority, 2 Resources), 1 running" and not v.stuck
-    assert mod.stuck_reason("ReqNodeNotAvail, UnavailableNodes:") and not mod.stuck_reason("ReqNodeNotAvail, UnavailableNodes:n[1-2]")
+    assert mod.stuck_reason("ReqNodeNotAvail, UnavailableNodes:") and not mod.stuck_reason(
+        "ReqNodeNotAvail, UnavailableNodes:n[1-2]"
+    )
     assert not mod.stuck_reason("ReqNodeNotAvail, Reserved for maintenance") and not mod.stuck_reason("None")
     assert mod.stuck_reason("BadConstraints") and mod.stuck_reason("PartitionTimeLimit")
 
@@ -660,9 +778,14 @@ def fake_cluster(tmp_path, monkeypatch, job="43"):
     q = tmp_path / "queue"
     q.write_text("")
     (tmp_path / "acct").write_text("")
-    scripts = {"sbatch": f"echo 'Submitted batch job {job}'", "srun": "exit 1", "sacct": f"cat {tmp_path / 'acct'}",
-               "squeue": f"cat {q}", "scancel": f"echo \"$@\" >> {tmp_path / 'scancel'}; : > {q}",
-               "sinfo": "echo 'n1|2|11980|(null)'"}
+    scripts = {
+        "sbatch": f"echo 'Submitted batch job {job}'",
+        "srun": "exit 1",
+        "sacct": f"cat {tmp_path / 'acct'}",
+        "squeue": f"cat {q}",
+        "scancel": f'echo "$@" >> {tmp_path / "scancel"}; : > {q}',
+        "sinfo": "echo 'n1|2|11980|(null)'",
+    }
     for cmd, body in scripts.items():
         (bindir / cmd).write_text(f"#!/bin/sh\n{body}\n")
         (bindir / cmd).chmod(0o755)
@@ -687,9 +810,14 @@ def test_one_cell_is_a_plain_job_whose_log_path_and_scancel_exist(tmp_path, monk
     fake_cluster(tmp_path, monkeypatch)
     (tmp_path / "acct").write_text("43|FAILED|1:0\n")  # the fake job never ran
     p = run(["-m", *LAUNCH, *TINY, "K=1", "sweep_name=one"], tmp_path, check=False)
-    assert "submitted SLURM job 43: 1 task" in p.stdout and "<task>" not in p.stdout and "scancel 43_" not in p.stdout, p.out
+    assert (
+        "submitted SLURM job 43: 1 task" in p.stdout and "<task>" not in p.stdout and "scancel 43_" not in p.stdout
+    ), p.out
     sweep = (tmp_path / "multirun/one").resolve()
-    assert f"logs:          {sweep}/.submitit/43/43_0_log.out (.err)" in p.stdout and "cancel:        scancel 43\n" in p.stdout, p.out
+    assert (
+        f"logs:          {sweep}/.submitit/43/43_0_log.out (.err)" in p.stdout
+        and "cancel:        scancel 43\n" in p.stdout
+    ), p.out
     assert (sweep / ".submitit/43/43_submission.sh").is_file()  # where the printed sbatch script is
 
 
@@ -704,7 +832,9 @@ def test_a_relaunch_while_every_cell_is_still_queued_exits_75_and_ctrl_c_says_to
     q.write_text("43_0|RUNNING|None\n43_1|PENDING|Priority\n")
     proc = start(args, tmp_path)
     log = tmp_path / "launch.log"
-    wait_until("the progress line", lambda: "1 pending (Priority), 1 running; 0 of 2 finished" in log.read_text(), timeout=120)
+    wait_until(
+        "the progress line", lambda: "1 pending (Priority), 1 running; 0 of 2 finished" in log.read_text(), timeout=120
+    )
     assert ctrl_c(proc, log) == 130, log.read_text()
     out = log.read_text()
     assert "SLURM array job 43 keeps running on the cluster" in out and "do not rerun yet" in out, out
@@ -712,7 +842,9 @@ def test_a_relaunch_while_every_cell_is_still_queued_exits_75_and_ctrl_c_says_to
     again = run(args, tmp_path, check=False)
     assert again.returncode == exits.NOT_FINISHED == 75, again.out
     assert "2 of 2 cells still pending or running: not submitted again" in again.stdout and "(Priority)" in again.stdout
-    assert "1 running, 1 pending (queued)" in again.stdout and "wait: 2 jobs are still queued or running" in again.stdout
+    assert (
+        "1 running, 1 pending (queued)" in again.stdout and "wait: 2 jobs are still queued or running" in again.stdout
+    )
     assert exits.sweep_exit_status({"kinds": [], "unfinished": 2}) == 75
     assert exits.sweep_exit_status({"kinds": ["config"], "unfinished": 2}) == 2
     assert exits.sweep_exit_status({"kinds": [], "unfinished": 2, "dry_run": True}) == 0

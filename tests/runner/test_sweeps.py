@@ -33,7 +33,9 @@ GRID = [*TINY, "K=1,2", "L=2,3"]  # 4 jobs
 def run(args, cwd, check=True, timeout=300):
     """``python run.py ARGS`` in ``cwd``; returns the CompletedProcess (stdout + stderr in ``.out``)."""
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    p = python([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+    p = python(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout
+    )
     p.out = p.stdout + p.stderr
     if check:
         assert p.returncode == 0, p.out
@@ -90,7 +92,15 @@ def test_slurm_overrides_reach_the_sbatch_script(tmp_path, monkeypatch):
     (bindir / "srun").write_text("#!/bin/sh\nexit 0\n")
     (bindir / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    ov = ["partition=gpu", "account=proj", "qos=high", "gpus_per_node=2", "cpus_per_task=4", "mem_gb=32", "timeout_min=90"]
+    ov = [
+        "partition=gpu",
+        "account=proj",
+        "qos=high",
+        "gpus_per_node=2",
+        "cpus_per_task=4",
+        "mem_gb=32",
+        "timeout_min=90",
+    ]
     cfg = compose_cfg(["hydra/launcher=slurm", "sweep_name=x", *(f"hydra.launcher.{o}" for o in ov)], hydra=True)
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
     params.pop("_target_")
@@ -106,7 +116,15 @@ def test_slurm_overrides_reach_the_sbatch_script(tmp_path, monkeypatch):
     base = set(OmegaConf.structured(BaseQueueConf).keys())
     ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
     text = ex._executor._make_submission_file_text("python -m submitit.core._submit x", "uid")
-    for line in ("--partition=gpu", "--account=proj", "--qos=high", "--gpus-per-node=2", "--cpus-per-task=4", "--mem=32GB", "--time=90"):
+    for line in (
+        "--partition=gpu",
+        "--account=proj",
+        "--qos=high",
+        "--gpus-per-node=2",
+        "--cpus-per-task=4",
+        "--mem=32GB",
+        "--time=90",
+    ):
         assert f"#SBATCH {line}" in text, text
 
 
@@ -138,7 +156,9 @@ def test_wandb_group_is_the_sweep_name_unless_set(monkeypatch):
     wandb = load_config(compose_cfg(["logger=wandb"]))[0].logger
     loggers.log_record(wandb, {}, {}, Path("."), "grid")
     loggers.log_record(wandb, {}, {}, Path("."), None)  # single run: no group
-    loggers.log_record(load_config(compose_cfg(["logger=wandb", "logger.group=mine"]))[0].logger, {}, {}, Path("."), "grid")
+    loggers.log_record(
+        load_config(compose_cfg(["logger=wandb", "logger.group=mine"]))[0].logger, {}, {}, Path("."), "grid"
+    )
     loggers.log_record(load_config(compose_cfg([]))[0].logger, {}, {}, Path("."), "grid")  # logger=none: nothing
     assert seen == ["grid", None, "mine"]
 
@@ -154,12 +174,26 @@ def test_collect_gives_one_tidy_row_per_job(grid, tmp_path):
     assert len(df) == 4 and set(df["status"]) == {"ok"}
     assert sorted(zip(df["K"], df["L"])) == [(1, 2), (1, 3), (2, 2), (2, 3)]
     assert sorted(df["budget"]) == [2, 3, 6, 14]  # chains for K=1, B = K + ... + K^L otherwise
-    for col in ("speedup_mean", "speedup_sem", "nfe_mean", "nfe_total_mean", "target_rows_mean", "batch_speedup", "wall_seconds", "acc_d1"):
+    for col in (
+        "speedup_mean",
+        "speedup_sem",
+        "nfe_mean",
+        "nfe_total_mean",
+        "target_rows_mean",
+        "batch_speedup",
+        "wall_seconds",
+        "acc_d1",
+    ):
         assert df[col].notna().all(), col
     assert (df["model.dim"] == "8").all()  # a swept/overridden key that is not a standard column
     assert df["acceptance"].str.count("/").tolist() == [l - 1 for l in df["L"]]
     out = tmp_path / "t.csv"
-    p = python([sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep), "--csv", str(out)], cwd=ROOT, capture_output=True, text=True)
+    p = python(
+        [sys.executable, "-m", "specsamp.runner.report", "collect", str(sweep), "--csv", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     assert "4 jobs: 4 ok, 0 failed, 0 running, 0 killed, 0 missing" in p.stdout
     csv = pd.read_csv(out)
@@ -188,12 +222,20 @@ def test_collect_names_each_jobs_kernel_beside_eps(grid, tmp_path):
     (jobs[0] / "result.json").write_text(json.dumps(ddpm))
     config = json.loads((jobs[1] / "result.json").read_text())["config"]
     (jobs[1] / "result.json").unlink()
-    (jobs[1] / "failed.json").write_text(json.dumps({"status": "failed", "kind": "exception", "error": "boom",
-                                                     "config": {**config, "kernel": {"name": "euler_ancestral"}}}))
+    (jobs[1] / "failed.json").write_text(
+        json.dumps(
+            {
+                "status": "failed",
+                "kind": "exception",
+                "error": "boom",
+                "config": {**config, "kernel": {"name": "euler_ancestral"}},
+            }
+        )
+    )
     (jobs[2] / "result.json").unlink()  # no record: Hydra's .hydra/config.yaml names the kernel
     df = report.collect(sweep)
     columns = list(df.columns)
-    assert columns[columns.index("eps"):columns.index("eps") + 3] == ["eps", "kernel", "steps"]
+    assert columns[columns.index("eps") : columns.index("eps") + 3] == ["eps", "kernel", "steps"]
     assert [c for c in columns if c in report.COLUMNS] == report.COLUMNS  # the standard columns in their order
     kernels = dict(zip(df["job"], df["kernel"]))
     assert [kernels[j.name] for j in jobs] == ["ddpm", "euler_ancestral", "em", "em"], kernels
@@ -204,7 +246,12 @@ def test_collect_names_each_jobs_kernel_beside_eps(grid, tmp_path):
 
 
 def test_collect_cli_bad_dir_exits_2(tmp_path):
-    p = python([sys.executable, "-m", "specsamp.runner.report", "collect", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
+    p = python(
+        [sys.executable, "-m", "specsamp.runner.report", "collect", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2 and "SWEEP_DIR=" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -336,7 +383,11 @@ def test_two_shard_jobs_plus_merge_equal_one_unsharded_run_bitwise(tmp_path):
     assert one.dtype == merged.dtype and torch.equal(one, merged)
     a = json.loads((tmp_path / "single" / "result.json").read_text())
     b = json.loads((merged_dir / "result.json").read_text())
-    assert a["config_hash"] == b["config_hash"] and a["speedup"] == b["speedup"] and a["acceptance_per_depth"] == b["acceptance_per_depth"]
+    assert (
+        a["config_hash"] == b["config_hash"]
+        and a["speedup"] == b["speedup"]
+        and a["acceptance_per_depth"] == b["acceptance_per_depth"]
+    )
     assert shards.main(["merge", str(sweep)]) == 0  # idempotent
     df = report.collect(sweep)
     assert sorted(df["shard"].fillna(-1).astype(int)) == [-1, 0, 1] and (df["status"] == "ok").all()
@@ -366,14 +417,23 @@ def test_submitit_local_sweep_completes_relaunch_skips(tmp_path):
 @pytest.mark.slow
 def test_submitit_local_failure_does_not_stop_the_others(tmp_path):
     # L=0 fails validation; sampler=nope does not even compose (in the job's own process under submitit)
-    p = run(["-m", "hydra/launcher=local", *TINY, "L=2,0", "sampler=dgrs,nope", "sweep_name=locbad"], tmp_path, check=False, timeout=600)
+    p = run(
+        ["-m", "hydra/launcher=local", *TINY, "L=2,0", "sampler=dgrs,nope", "sweep_name=locbad"],
+        tmp_path,
+        check=False,
+        timeout=600,
+    )
     assert p.returncode == 2, p.out
     assert "4 jobs, 1 ran, 0 skipped (done before), 3 failed" in p.stdout, p.out
     df = report.collect(tmp_path / "multirun" / "locbad")
     ok = df[df["sampler"] == "dgrs"].set_index("L")
     assert ok.loc[2, "status"] == "ok" and ok.loc[0, "status"] == "failed" and "L=0 is invalid" in ok.loc[0, "error"]
     nope = df[df["sampler"] == "nope"]
-    assert len(nope) == 2 and (nope["status"] == "failed").all() and nope["error"].str.contains("sampler=nope is not an option").all()
+    assert (
+        len(nope) == 2
+        and (nope["status"] == "failed").all()
+        and nope["error"].str.contains("sampler=nope is not an option").all()
+    )
 
 
 @pytest.mark.slow
@@ -385,8 +445,21 @@ def test_job_raising_an_exception_is_recorded_with_its_traceback(tmp_path):
     write_persistent_pickle(good, tiny_precond(), TINY_SRC, "TinyPrecond")
     boom = TINY_SRC.replace("x = x.to(torch.float32)", "raise RuntimeError('boom in the network')")
     write_persistent_pickle(bad, tiny_precond(), boom, "TinyPrecond")
-    p = run(["-m", "model=ffhq", f"model.path={good},{bad}", "model.trust_checkpoint=true", "steps=4", "n_samples=2",
-             "K=2", "L=2", "sweep_name=exc"], tmp_path, check=False)
+    p = run(
+        [
+            "-m",
+            "model=ffhq",
+            f"model.path={good},{bad}",
+            "model.trust_checkpoint=true",
+            "steps=4",
+            "n_samples=2",
+            "K=2",
+            "L=2",
+            "sweep_name=exc",
+        ],
+        tmp_path,
+        check=False,
+    )
     assert p.returncode == 1, p.out
     sweep = tmp_path / "multirun" / "exc"
     failed = [json.loads(f.read_text()) for f in sweep.glob("*/failed.json")]
@@ -405,11 +478,22 @@ def test_job_dirname_is_one_unique_bounded_component():
     assert jobs.job_dirname(["K=2", "device=cpu"], ["device"]) == "K=2"
     assert jobs.job_dirname([]) == ""
     tricky = [
-        ["model.path=../../tiny.pkl", "L=2"], ["model.path=../../tiny.pkl", "L=3"], ["model.path=..", "L=2"],
-        ["model.path=a/b", "L=2"], ["model.path=a_b", "L=2"], ["model.path=a/b,L=2"], ["model.path='a,b'", "L=2"],
-        ["model.path='a=b'", "L=2"], ["model.path=a", "b=L=2"], ["widths=[3,2]"], ["widths=[3,2", "2]"],
-        ["model.name=" + "x" * 300], ["model.name=" + "x" * 299 + "y"], [f"k{i}=v" for i in range(60)],
-        ["model.name=.hidden"], ["model.name=/abs/path"],
+        ["model.path=../../tiny.pkl", "L=2"],
+        ["model.path=../../tiny.pkl", "L=3"],
+        ["model.path=..", "L=2"],
+        ["model.path=a/b", "L=2"],
+        ["model.path=a_b", "L=2"],
+        ["model.path=a/b,L=2"],
+        ["model.path='a,b'", "L=2"],
+        ["model.path='a=b'", "L=2"],
+        ["model.path=a", "b=L=2"],
+        ["widths=[3,2]"],
+        ["widths=[3,2", "2]"],
+        ["model.name=" + "x" * 300],
+        ["model.name=" + "x" * 299 + "y"],
+        [f"k{i}=v" for i in range(60)],
+        ["model.name=.hidden"],
+        ["model.name=/abs/path"],
     ]
     names = [jobs.job_dirname(o) for o in tricky]
     assert len(set(names)) == len(names), names
@@ -434,8 +518,17 @@ def test_path_valued_override_gives_each_job_its_own_directory_and_resume_finds_
     root, sha = tiny_pickle
     cwd = root / "a" / "b"
     cwd.mkdir(parents=True, exist_ok=True)
-    args = ["-m", "model=cifar10", "model.path=../../tiny.pkl", f"model.sha256={sha}", "L=2,3", "K=2", "steps=5",
-            "n_samples=2", "sweep_name=paths"]
+    args = [
+        "-m",
+        "model=cifar10",
+        "model.path=../../tiny.pkl",
+        f"model.sha256={sha}",
+        "L=2,3",
+        "K=2",
+        "steps=5",
+        "n_samples=2",
+        "sweep_name=paths",
+    ]
     env_cache = {"SPECSAMP_OFFLINE": "1", "SPECSAMP_CACHE": str(root / "cache")}
     os.environ.update(env_cache)
     try:
@@ -468,7 +561,9 @@ def test_shards_of_a_path_valued_job_merge_where_the_unsharded_job_looks(tmp_pat
 # a job that does not compose fails alone
 
 
-@pytest.mark.parametrize("sweeper", [[], ["hydra/sweeper=specsamp", "hydra.sweeper.validate=false"]], ids=["default", "validate=false"])
+@pytest.mark.parametrize(
+    "sweeper", [[], ["hydra/sweeper=specsamp", "hydra.sweeper.validate=false"]], ids=["default", "validate=false"]
+)
 def test_job_that_does_not_compose_is_recorded_and_the_others_run(tmp_path, sweeper):
     p = run(["-m", *sweeper, "sampler=nope,dgrs,rmc", *TINY, "K=2", "L=2", "sweep_name=comp"], tmp_path, check=False)
     assert p.returncode == 2, p.out
@@ -476,13 +571,19 @@ def test_job_that_does_not_compose_is_recorded_and_the_others_run(tmp_path, swee
     sweep = tmp_path / "multirun" / "comp"
     bad = sweep / "K=2,L=2,model.dim=8,n_samples=4,sampler=nope,steps=6"
     failed = json.loads((bad / "failed.json").read_text())
-    assert failed["kind"] == "config" and "sampler=nope is not an option of the config group sampler; valid: dgrs, markmax, rmc, standard" in failed["error"]
+    assert (
+        failed["kind"] == "config"
+        and "sampler=nope is not an option of the config group sampler; valid: dgrs, markmax, rmc, standard"
+        in failed["error"]
+    )
     assert not (bad / "result.json").exists() and not (bad / jobs.RUNNING).exists()
     for ok in ("dgrs", "rmc"):
         assert (sweep / f"K=2,L=2,model.dim=8,n_samples=4,sampler={ok},steps=6" / "result.json").exists()
     assert "Traceback" not in p.out
     df = report.collect(sweep).set_index("sampler")
-    assert df.loc["nope", "status"] == "failed" and df.loc["dgrs", "status"] == "ok" and (df["status"] != "missing").all()
+    assert (
+        df.loc["nope", "status"] == "failed" and df.loc["dgrs", "status"] == "ok" and (df["status"] != "missing").all()
+    )
 
 
 def test_a_bad_job_after_a_good_one_is_counted(tmp_path):
@@ -492,7 +593,11 @@ def test_a_bad_job_after_a_good_one_is_counted(tmp_path):
 
 def test_validate_true_refuses_the_sweep_before_launching(tmp_path):
     p = run(["-m", "hydra.sweeper.validate=true", "sampler=dgrs,nope", *TINY, "sweep_name=v"], tmp_path, check=False)
-    assert p.returncode == 2 and "sampler=nope is not an option of the config group sampler" in p.stderr and "Traceback" not in p.out
+    assert (
+        p.returncode == 2
+        and "sampler=nope is not an option of the config group sampler" in p.stderr
+        and "Traceback" not in p.out
+    )
     assert not list((tmp_path / "multirun" / "v").glob("*/result.json"))
 
 
@@ -501,7 +606,11 @@ def test_validate_true_refuses_the_sweep_before_launching(tmp_path):
 
 
 def _make_var(name: str) -> str:
-    p = subprocess.run(["make", "-s", "-C", str(ROOT), "--eval", f"print-var: ; @echo $({name})", "print-var"], capture_output=True, text=True)
+    p = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "--eval", f"print-var: ; @echo $({name})", "print-var"],
+        capture_output=True,
+        text=True,
+    )
     return p.stdout.strip()
 
 
@@ -541,13 +650,28 @@ def test_sweep_over_models_checks_each_jobs_overrides_against_its_own_model(tmp_
     naming the key and GMMConfig), and the sweep exits 2."""
     from specsamp.runner.exits import per_job_model_overrides
 
-    p = run(["-m", "model=gmm,digits", "model.fid_extractor=digits-classifier", "steps=4", "n_samples=2",
-             "progress=false", "sweep_name=models"], tmp_path, check=False)
+    p = run(
+        [
+            "-m",
+            "model=gmm,digits",
+            "model.fid_extractor=digits-classifier",
+            "steps=4",
+            "n_samples=2",
+            "progress=false",
+            "sweep_name=models",
+        ],
+        tmp_path,
+        check=False,
+    )
     assert p.returncode == 2, p.out
     sweep = tmp_path / "multirun" / "models"
-    ok = json.loads((sweep / "model.fid_extractor=digits-classifier,model=digits,n_samples=2,steps=4" / "result.json").read_text())
+    ok = json.loads(
+        (sweep / "model.fid_extractor=digits-classifier,model=digits,n_samples=2,steps=4" / "result.json").read_text()
+    )
     assert ok["status"] == "ok" and ok["config"]["model"]["fid_extractor"] == "digits-classifier"
-    bad = json.loads((sweep / "model.fid_extractor=digits-classifier,model=gmm,n_samples=2,steps=4" / "failed.json").read_text())
+    bad = json.loads(
+        (sweep / "model.fid_extractor=digits-classifier,model=gmm,n_samples=2,steps=4" / "failed.json").read_text()
+    )
     assert bad["kind"] == "config" and "model.fid_extractor=digits-classifier is not a key of GMMConfig" in bad["error"]
     # only a sweep over the model group is rewritten; everything else reaches Hydra as typed
     assert per_job_model_overrides(["model=digits", "model.dim=3"]) == ["model=digits", "model.dim=3"]

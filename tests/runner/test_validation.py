@@ -132,7 +132,11 @@ def test_a_key_of_another_model_is_not_suggested_back():
     with pytest.raises(ConfigError) as err:
         load_config({**plain, "model": {**plain["model"], "guidance": 2.0}})
     msg = str(err.value)
-    assert "not a key of GMMConfig" in msg and "did you mean" not in msg and "model.guidance" not in msg.split("Valid keys")[1]
+    assert (
+        "not a key of GMMConfig" in msg
+        and "did you mean" not in msg
+        and "model.guidance" not in msg.split("Valid keys")[1]
+    )
 
 
 def test_threads_default_is_one():

@@ -76,9 +76,16 @@ class ClipConfig:
     def load_kwargs(self) -> dict:
         """Keyword arguments of :func:`specsamp.metrics.clip.load_clip` (all but ``device``)."""
         if not isinstance(self.model, str):
-            raise ConfigError(f"model.clip.model={self.model!r} is invalid: name an open_clip model, e.g. ViT-L-14-quickgelu.")
-        return {"model_name": self.model, "pretrained": self.pretrained, "checkpoint": self.checkpoint,
-                "quick_gelu": self.quick_gelu, "cache_dir": self.cache_dir}
+            raise ConfigError(
+                f"model.clip.model={self.model!r} is invalid: name an open_clip model, e.g. ViT-L-14-quickgelu."
+            )
+        return {
+            "model_name": self.model,
+            "pretrained": self.pretrained,
+            "checkpoint": self.checkpoint,
+            "quick_gelu": self.quick_gelu,
+            "cache_dir": self.cache_dir,
+        }
 
 
 @dataclass
@@ -149,49 +156,91 @@ class SD3Config(TargetConfig):
         """
         dtype, net_dtype = self.torch_dtype("dtype"), self.torch_dtype("net_dtype")
         res = self.resolution
-        res = [res, res] if isinstance(res, int) and not isinstance(res, bool) else list(res) if isinstance(res, (list, tuple)) else None
-        if res is None or len(res) != 2 or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in res):
+        res = (
+            [res, res]
+            if isinstance(res, int) and not isinstance(res, bool)
+            else list(res)
+            if isinstance(res, (list, tuple))
+            else None
+        )
+        if (
+            res is None
+            or len(res) != 2
+            or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in res)
+        ):
             raise ConfigError(f"model.resolution={self.resolution!r} is invalid: need a positive int or [H, W].")
         check_positive("max_batch", self.max_batch, optional=True)
         for key in ("max_sequence_length", "encode_batch", "decode_chunk", "images_per_prompt"):
             check_positive(key, getattr(self, key))
         if self.max_sequence_length > MAX_SEQUENCE_LENGTH:  # the T5 prompts are padded to it: memory, not quality
-            raise ConfigError(f"model.max_sequence_length={self.max_sequence_length} is invalid: must be an integer in "
-                              f"1..{MAX_SEQUENCE_LENGTH} (T5 tokens per prompt, padded to it; the diffusers SD3 pipeline "
-                              "takes at most 512; 256 by default).")
-        if isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float)) or not math.isfinite(self.guidance):
-            raise ConfigError(f"model.guidance={self.guidance!r} is invalid: must be a finite number (7.0 in the paper, 1 = no guidance).")
+            raise ConfigError(
+                f"model.max_sequence_length={self.max_sequence_length} is invalid: must be an integer in "
+                f"1..{MAX_SEQUENCE_LENGTH} (T5 tokens per prompt, padded to it; the diffusers SD3 pipeline "
+                "takes at most 512; 256 by default)."
+            )
+        if (
+            isinstance(self.guidance, bool)
+            or not isinstance(self.guidance, (int, float))
+            or not math.isfinite(self.guidance)
+        ):
+            raise ConfigError(
+                f"model.guidance={self.guidance!r} is invalid: must be a finite number (7.0 in the paper, 1 = no guidance)."
+            )
         if self.prompts.source not in SOURCES and prompts is None:
-            raise ConfigError(f"model.prompts.source={self.prompts.source!r} is invalid: valid values are {', '.join(SOURCES)}.")
+            raise ConfigError(
+                f"model.prompts.source={self.prompts.source!r} is invalid: valid values are {', '.join(SOURCES)}."
+            )
         clip = self.clip.load_kwargs()
         p = self.prompts
-        texts = load_prompts(p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts,
-                             n_key="n_samples")  # model.prompts.n follows n_samples (conf/model/sd3.yaml)
+        texts = load_prompts(
+            p.source, p.n, p.seed, captions_json=p.captions_json, path=p.path, prompts=prompts, n_key="n_samples"
+        )  # model.prompts.n follows n_samples (conf/model/sd3.yaml)
         pipe = pipeline
         if pipe is None:
-            pipe = load_sd3(self.model_id, device=device, dtype=net_dtype, local_files_only=self.local_files_only,
-                            cache_dir=self.cache_dir, drop_t5=self.drop_t5)
+            pipe = load_sd3(
+                self.model_id,
+                device=device,
+                dtype=net_dtype,
+                local_files_only=self.local_files_only,
+                cache_dir=self.cache_dir,
+                drop_t5=self.drop_t5,
+            )
         transformer, vae = pipe.transformer, pipe.vae
         f = 2 ** (len(vae.config.block_out_channels) - 1)
         patch = int(_config_get(transformer, "patch_size", 1) or 1)
         h, w = res
         if h % (f * patch) or w % (f * patch):
-            raise ConfigError(f"model.resolution={res} is invalid: H and W must be multiples of {f * patch} "
-                              f"(VAE factor {f} x patch {patch}).")
-        emb = encode_prompts(pipe, texts, self.negative_prompt, batch_size=self.encode_batch,
-                             max_sequence_length=self.max_sequence_length)
+            raise ConfigError(
+                f"model.resolution={res} is invalid: H and W must be multiples of {f * patch} "
+                f"(VAE factor {f} x patch {patch})."
+            )
+        emb = encode_prompts(
+            pipe,
+            texts,
+            self.negative_prompt,
+            batch_size=self.encode_batch,
+            max_sequence_length=self.max_sequence_length,
+        )
         if self.free_text_encoders:
             free_text_encoders(pipe)
-        model = SD3Velocity(transformer, **emb.as_kwargs(), guidance=float(self.guidance),
-                            latent_shape=(int(_config_get(transformer, "in_channels")), h // f, w // f),
-                            dtype=dtype, net_dtype=net_dtype, device=device)
+        model = SD3Velocity(
+            transformer,
+            **emb.as_kwargs(),
+            guidance=float(self.guidance),
+            latent_shape=(int(_config_get(transformer, "in_channels")), h // f, w // f),
+            dtype=dtype,
+            net_dtype=net_dtype,
+            device=device,
+        )
         plan = image_plan(texts, self.images_per_prompt)
         prompt_index = torch.as_tensor(plan.prompt_index, device=model.device)
 
         def cond_for(ids, seed):
             if int(ids.max()) >= prompt_index.numel():
-                raise ConfigError(f"n_samples is invalid: the prompt plan has {prompt_index.numel()} images "
-                                  "(model.prompts.n x model.images_per_prompt).")
+                raise ConfigError(
+                    f"n_samples is invalid: the prompt plan has {prompt_index.numel()} images "
+                    "(model.prompts.n x model.images_per_prompt)."
+                )
             return {"prompt": prompt_index[ids.to(prompt_index.device)]}
 
         return Target(
@@ -206,6 +255,17 @@ class SD3Config(TargetConfig):
 
 
 __all__ = [
-    "DEFAULT_MODEL_ID", "TIMESTEP_SCALE", "ClipConfig", "ImagePlan", "PromptEmbeddings", "PromptsConfig", "SD3Config",
-    "SD3UnavailableError", "SD3Velocity", "decode_latents", "encode_prompts", "free_text_encoders", "load_sd3",
+    "DEFAULT_MODEL_ID",
+    "TIMESTEP_SCALE",
+    "ClipConfig",
+    "ImagePlan",
+    "PromptEmbeddings",
+    "PromptsConfig",
+    "SD3Config",
+    "SD3UnavailableError",
+    "SD3Velocity",
+    "decode_latents",
+    "encode_prompts",
+    "free_text_encoders",
+    "load_sd3",
 ]

@@ -120,7 +120,9 @@ def load_sd3(
 
     if _looks_like_path(name):
         try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(name, local_files_only=True, **{**_absent_components(name), **kwargs})
+            pipe = StableDiffusion3Pipeline.from_pretrained(
+                name, local_files_only=True, **{**_absent_components(name), **kwargs}
+            )
         except (OSError, ValueError, KeyError) as e:
             raise SD3UnavailableError(
                 f"model_id_or_path={model_id_or_path!r} is not a loadable diffusers SD3 directory "

@@ -81,14 +81,18 @@ def coco_prompt_records(captions_json_path: str | os.PathLike, n: int = 100, see
         data = json.load(f)
     anns = data.get("annotations") if isinstance(data, Mapping) else None
     if not isinstance(anns, list) or not anns:
-        raise ValueError(f"captions_json_path={path!r} is not a COCO captions file: need a non-empty 'annotations' list")
+        raise ValueError(
+            f"captions_json_path={path!r} is not a COCO captions file: need a non-empty 'annotations' list"
+        )
     by_image: dict[int, list[tuple[int, str]]] = {}
     for pos, a in enumerate(anns):
         try:
             image_id = int(a["image_id"])
             caption = _clean(a["caption"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"captions_json_path={path!r}: annotation {pos} lacks an integer 'image_id' or a 'caption'") from e
+            raise ValueError(
+                f"captions_json_path={path!r}: annotation {pos} lacks an integer 'image_id' or a 'caption'"
+            ) from e
         lst = by_image.setdefault(image_id, [])
         lst.append((int(a.get("id", len(lst))), caption))
     if n > len(by_image):
@@ -154,9 +158,11 @@ def demo_prompts(n: int | None = None, *, n_key: str = "n") -> list[str]:
         return prompts
     n = _check_count(n_key, n)
     if n > len(prompts):
-        raise ValueError(f"{n_key}={n} is invalid with the demo prompts (model.prompts.source=demo): the demo prompt "
-                         f"file holds {len(prompts)} prompts, one image each; use {n_key}<={len(prompts)}, or another "
-                         "source (model.prompts.source=coco or file)")
+        raise ValueError(
+            f"{n_key}={n} is invalid with the demo prompts (model.prompts.source=demo): the demo prompt "
+            f"file holds {len(prompts)} prompts, one image each; use {n_key}<={len(prompts)}, or another "
+            "source (model.prompts.source=coco or file)"
+        )
     return prompts[:n]
 
 
@@ -199,20 +205,26 @@ def load_prompts(
         raise ValueError(f"prompts.source={source!r} is invalid; valid: {', '.join(SOURCES)}")
     if source == "coco":
         if not captions_json:
-            raise ValueError("model.prompts.captions_json (captions_json= in Python) is required for "
-                             "model.prompts.source='coco': the path of COCO's captions_val2014.json; or choose "
-                             "model.prompts.source=demo (built-in prompts) or file (model.prompts.path=...)")
+            raise ValueError(
+                "model.prompts.captions_json (captions_json= in Python) is required for "
+                "model.prompts.source='coco': the path of COCO's captions_val2014.json; or choose "
+                "model.prompts.source=demo (built-in prompts) or file (model.prompts.path=...)"
+            )
         return coco_prompts(captions_json, n, seed)
     if source == "demo":
         return demo_prompts(n, n_key=n_key)
     if not path:
-        raise ValueError("model.prompts.path (path= in Python) is required for model.prompts.source='file': "
-                         "a text file of one prompt per line")
+        raise ValueError(
+            "model.prompts.path (path= in Python) is required for model.prompts.source='file': "
+            "a text file of one prompt per line"
+        )
     out = read_prompt_file(path)
     n = _check_count(n_key, n)
     if n > len(out):
-        raise ValueError(f"{n_key}={n} is invalid: the prompt file {os.fspath(path)!r} holds {len(out)} prompts, one "
-                         f"image each; use {n_key}<={len(out)}, or a file with more lines")
+        raise ValueError(
+            f"{n_key}={n} is invalid: the prompt file {os.fspath(path)!r} holds {len(out)} prompts, one "
+            f"image each; use {n_key}<={len(out)}, or a file with more lines"
+        )
     return out[:n]
 
 

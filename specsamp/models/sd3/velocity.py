@@ -115,7 +115,9 @@ class SD3Velocity:
         device: str | torch.device | None = None,
     ):
         if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance):
-            raise ValueError(f"guidance={guidance!r} is invalid: must be a finite number (7.0 in the paper, 1 = no guidance)")
+            raise ValueError(
+                f"guidance={guidance!r} is invalid: must be a finite number (7.0 in the paper, 1 = no guidance)"
+            )
         self.transformer = transformer
         self.guidance = float(guidance)
         self.dtype = parse_dtype(dtype, "dtype")
@@ -238,13 +240,17 @@ class SD3Velocity:
             if prompt.numel() != b:
                 raise ValueError(f"prompt has {prompt.numel()} rows for a batch of {b}")
             if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= self.num_prompts):
-                raise ValueError(f"prompt indices must lie in [0, {self.num_prompts}); got {prompt.min()}..{prompt.max()}")
+                raise ValueError(
+                    f"prompt indices must lie in [0, {self.num_prompts}); got {prompt.min()}..{prompt.max()}"
+                )
         c, cp = row("prompt_embeds"), row("pooled_prompt_embeds")
         if (c is None) != (cp is None):
             raise ValueError("prompt_embeds and pooled_prompt_embeds must be passed together")
         if c is None:
             if prompt is None:
-                raise ValueError("SD3Velocity needs conditioning: pass prompt=[b] indices or prompt_embeds/pooled_prompt_embeds")
+                raise ValueError(
+                    "SD3Velocity needs conditioning: pass prompt=[b] indices or prompt_embeds/pooled_prompt_embeds"
+                )
             c = self.prompt_embeds[prompt]
             cp = self.pooled_prompt_embeds[prompt]
         if self.guidance == 1.0:
@@ -263,7 +269,9 @@ class SD3Velocity:
             u = self._lookup(self.negative_prompt_embeds, prompt, b)
             up = self._lookup(self.negative_pooled_prompt_embeds, prompt, b)
         if u.shape[1:] != c.shape[1:]:
-            raise ValueError(f"unconditional embeddings {tuple(u.shape[1:])} and conditional {tuple(c.shape[1:])} differ in shape")
+            raise ValueError(
+                f"unconditional embeddings {tuple(u.shape[1:])} and conditional {tuple(c.shape[1:])} differ in shape"
+            )
         return c, cp, u, up
 
     # --- the velocity --------------------------------------------------------------------------
