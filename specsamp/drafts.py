@@ -339,7 +339,10 @@ def _x0_extrap(gate: bool = False):
             older, ok1 = rate(1)
             d1 = pts_x[0] - pts_x[1]
             pred = older * per_row((f[0] - f[1]).to(d_r.dtype), d_r)
-            red = lambda t: row_sums(t.reshape(t.shape[0], -1).square())
+
+            def red(t):
+                return row_sums(t.reshape(t.shape[0], -1).square())
+
             ok = ok & ok1 & (red(d1 - pred) < red(d1))
         slope = slope * per_row(ok.to(d_r.dtype), d_r)
         f_r = feature(sig[root.n]).to(d_r.dtype)
@@ -437,7 +440,10 @@ def _x0_affine():
         fb = fb_freeze(root, sch)  # [m, 2, *e]
         d_r = data_prediction(root.x, root.v, root.n, sch)
         ex = root.exact
-        pe = lambda t: per_row(ex, t)
+
+        def pe(t):
+            return per_row(ex, t)
+
         hist = root.history
         # the two most recent exact records (the root where its velocity is exact, then the history)
         dA = torch.where(pe(d_r), d_r, hist.x0[:, 0])
@@ -446,12 +452,14 @@ def _x0_affine():
         dB = torch.where(pe(d_r), hist.x0[:, 0], hist.x0[:, 1])
         xB = torch.where(pe(d_r), hist.x[:, 0], hist.x[:, 1])
         nB = torch.where(ex, hist.n[:, 0], hist.n[:, 1])
-        usable = (
-            (nA >= 1) & (nB >= 1) & (nA != nB)
-        )  # sigma < 1 at both: the one-Gaussian form needs a committed posterior
+        # sigma < 1 at both: the one-Gaussian form needs a committed posterior
+        usable = (nA >= 1) & (nB >= 1) & (nA != nB)
         sA, sB = sig[nA.clamp(min=0)], sig[nB.clamp(min=0)]
         s2, res = _fit_s2(dA, xA, sA, dB, xB, sB)
-        red = lambda t: row_sums(t.reshape(t.shape[0], -1).double().square())
+
+        def red(t):
+            return row_sums(t.reshape(t.shape[0], -1).double().square())
+
         # reliable: the fit predicts record B better than a frozen data prediction (the x0 draft) would
         ok = usable & (res < red(dB - dA)) & torch.isfinite(s2)
         s2 = torch.where(ok, s2, torch.full_like(s2, -1.0))

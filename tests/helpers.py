@@ -1,5 +1,6 @@
 """What the test folders share: the repository root, ``run.py`` and the CLIs as child processes forked from
-the test process (:func:`python`: a tiny GMM's overrides, an offline digits run), two-sample statistical checks for the sampler and model tests (one-sample ones:
+the test process (:func:`python`: a tiny GMM's overrides, an offline digits run), two-sample statistical checks for
+the sampler and model tests (one-sample ones:
 :mod:`specsamp.testing`), and stand-ins for a logger and a model."""
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def python(argv, *, cwd, env=None, timeout=300, capture_output=True, text=True) 
     child sees modules this process imported already, so a test whose command depends on what happens at
     import time (an environment variable read when a module loads, the interpreter's start-up) uses
     ``subprocess`` instead; so does one that limits the child's resources (a ``preexec_fn`` would run after
-    the fork, where this process's address space and open files are already there). Returns a :class:`subprocess.CompletedProcess`; a child still running after
+    the fork, where this process's address space and open files are already there). Returns a
+    :class:`subprocess.CompletedProcess`; a child still running after
     ``timeout`` seconds is killed and :class:`subprocess.TimeoutExpired` raised.
     """
     if not (capture_output and text):

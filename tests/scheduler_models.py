@@ -107,7 +107,8 @@ def mixture_net(gmm, sch, prediction: str, calls: list | None = None, warp: floa
 
 
 def pipeline_loop(sch, net, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A pipeline's denoising loop: ``latents * init_noise_sigma`` (1 where the scheduler has none), then for each timestep the network at
+    """A pipeline's denoising loop: ``latents * init_noise_sigma`` (1 where the scheduler has none), then for each
+    timestep the network at
     ``scale_model_input`` of the state (where the scheduler has it) and ``sch.step(..., generator=generator)``."""
     y = latents * getattr(sch, "init_noise_sigma", 1.0)  # flow matching has none (SD3 starts at N(0, I))
     for t in sch.timesteps:

@@ -48,58 +48,21 @@ from ..trees import DraftTree
 KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
 """The pipeline classes covered (subclasses included) and the kind each is driven as."""
 
+# data tables: one line per kind reads better than one line per name
+# fmt: off
 ARGUMENTS = {
     "ddpm": ("batch_size", "generator", "seed", "num_inference_steps", "output_type", "return_dict"),
-    "sd": (
-        "prompt",
-        "negative_prompt",
-        "height",
-        "width",
-        "num_inference_steps",
-        "guidance_scale",
-        "num_images_per_prompt",
-        "generator",
-        "seed",
-        "output_type",
-        "return_dict",
-        "guidance_rescale",
-        "clip_skip",
-    ),
-    "sd3": (
-        "prompt",
-        "prompt_2",
-        "prompt_3",
-        "negative_prompt",
-        "negative_prompt_2",
-        "negative_prompt_3",
-        "height",
-        "width",
-        "num_inference_steps",
-        "guidance_scale",
-        "num_images_per_prompt",
-        "generator",
-        "seed",
-        "output_type",
-        "return_dict",
-        "mu",
-        "max_sequence_length",
-        "clip_skip",
-    ),
+    "sd": ("prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
+           "num_images_per_prompt", "generator", "seed", "output_type", "return_dict", "guidance_rescale", "clip_skip"),
+    "sd3": ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "height",
+            "width", "num_inference_steps", "guidance_scale", "num_images_per_prompt", "generator", "seed",
+            "output_type", "return_dict", "mu", "max_sequence_length", "clip_skip"),
 }
 """The pipeline arguments each kind takes (plus ``seed``); their defaults are the pipeline's own."""
 
-OPTIONS = (
-    "tree",
-    "execution",
-    "prefetch",
-    "evaluate_leaves",
-    "max_batch",
-    "warmup",
-    "refine",
-    "compile",
-    "check_contract",
-    "dtype",
-)
+OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "warmup", "refine", "compile",
+           "check_contract", "dtype")
+# fmt: on
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
 
 LOOP_SCALES = {"ddpm": False, "sd": True, "sd3": False}
@@ -523,7 +486,8 @@ def speculative(
         coupling: ``dgrs``, ``rmc``, ``markmax`` or any registered coupling.
         draft: ``x0`` (the data prediction frozen at the root), ``velocity``, ... (:mod:`specsamp.drafts`).
         **options: ``tree`` (a :class:`~specsamp.trees.DraftTree` or a callable per root step, instead of ``K``,
-            ``L``), ``execution`` (``tree``, the default: a round's nodes in one batched call; or ``path``), ``prefetch``, ``evaluate_leaves``,
+            ``L``), ``execution`` (``tree``, the default: a round's nodes in one batched call; or ``path``),
+            ``prefetch``, ``evaluate_leaves``,
             ``max_batch``, ``warmup``, ``refine``, ``compile``, ``check_contract`` (as
             :func:`~specsamp.sampler.sample_speculative` takes them) and ``dtype`` of the sampler's states
             (``float32``; the network runs in its own dtype).

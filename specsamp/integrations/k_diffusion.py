@@ -145,8 +145,9 @@ def sample_euler_ancestral(
     """
     if noise_sampler is not None:
         raise ConfigError(
-            "noise_sampler is not supported: the speculative sampler draws every step's noise by key (seed, row, step), so it cannot take noise from a sampler such "
-            "as BrownianTreeNoiseSampler; pass noise_sampler=None and set seed= to choose the noise."
+            "noise_sampler is not supported: the speculative sampler draws every step's noise by key (seed, row, step), "
+            "so it cannot take noise from a sampler such as BrownianTreeNoiseSampler; pass noise_sampler=None and set "
+            "seed= to choose the noise."
         )
     arguments.unknown_option("sample_euler_ancestral", options, PASSED_ON + SEARCH)
     arguments.function("model", model)

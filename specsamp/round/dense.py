@@ -383,7 +383,9 @@ class DenseRound:
                 mean_p.reshape(M, *e),
                 mean_q.reshape(M, *e),
                 sigma,
-                keyed_rows(self.vkeys_all, self.drawn_all, lambda t: t[w, ar], lambda: lt.key_cache[1][ar, n, w]),
+                keyed_rows(
+                    self.vkeys_all, self.drawn_all, lambda t, w=w: t[w, ar], lambda w=w: lt.key_cache[1][ar, n, w]
+                ),
             )
             out = torch.where((mine & rejected)[:, None], verdict.sample.reshape(M, -1), out)
         return out

@@ -85,7 +85,8 @@ def run_tables(lt, ctx: Context, M: int, shared: dict, several: bool) -> tuple:
 
 def dense_noise(ctx: Context, lt, n: torch.Tensor, coefs: torch.Tensor, out: torch.Tensor) -> None:
     """Every non-root node's ``std z`` of the dense round rooted at ``n [M]`` into ``out [N-1, M, D]`` (``std`` its
-    parent step's, of the round's coefficients ``coefs [L, C, M, 1]``): gathered from the run's table (``lt.noise_cache``), or drawn in one draw of
+    parent step's, of the round's coefficients ``coefs [L, C, M, 1]``): gathered from the run's table
+    (``lt.noise_cache``), or drawn in one draw of
     every node's key (compiled: outside the graph, whose unrolled loop over the draw's blocks would grow with the
     batch); ``z`` times ``std``, as :func:`sparse_noise` scales it."""
     ar = lt.ar

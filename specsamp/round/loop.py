@@ -85,7 +85,8 @@ def root_call(ctx: Context, st: Chains, live: torch.Tensor, tally: Tally) -> Non
 
 def run_rounds(ctx: Context, st: Chains, tally: Tally, warmup: str, callback, layout) -> torch.Tensor:
     """The loop over rounds (Algorithm 1, line 2; ``docs/architecture.md``, "The round as one diagram"), then the last
-    step; returns the samples. ``layout`` (:class:`specsamp.round.layouts.SparseLayout`, :class:`~specsamp.round.layouts.DenseLayout`)
+    step; returns the samples. ``layout`` (:class:`specsamp.round.layouts.SparseLayout`,
+    :class:`~specsamp.round.layouts.DenseLayout`)
     gives the live rows (``live()``, None when none is), calls their roots (``root_call``), runs the ``round``, reports
     ``progress`` and, where known without asking the device, the rows the last step must evaluate (``need_rows()``)."""
     r = 0

@@ -143,11 +143,16 @@ def verify_checked(nodes: Nodes, v: Visit, l: int, kids: torch.Tensor, means: tu
     proposal and target means ``means`` (``[s, *e]`` each), each check raised where it fails, naming the trajectory,
     the step and the node."""
     ctx, sub, u, step = nodes.ctx, v.sub, v.u, v.step
-    traj = lambda r: int(ctx.ids[nodes.rows[sub[r]]])  # noqa: E731
-    at = lambda r, what="node": (
-        f"trajectory {traj(r)}, step {int(step[r])}, {what} {int(u[r])} (depth {l - 1}) "  # noqa: E731
-        f"of the round rooted at state {int(nodes.n[sub[r]])}"
-    )
+
+    def traj(r):
+        return int(ctx.ids[nodes.rows[sub[r]]])
+
+    def at(r, what="node"):
+        return (
+            f"trajectory {traj(r)}, step {int(step[r])}, {what} {int(u[r])} (depth {l - 1}) "
+            f"of the round rooted at state {int(nodes.n[sub[r]])}"
+        )
+
     try:
         verdict = ctx.coupling(kids, *means, v.c["std"].reshape(-1), uniforms)
     except NonFiniteError as err:

@@ -301,9 +301,10 @@ def test_cuda_home_notice_is_dropped_and_nothing_else():
     import logging
 
     quiet = compiled.QuietCudaHome()
-    rec = lambda msg: logging.LogRecord(
-        "torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None
-    )  # noqa: E731
+
+    def rec(msg):
+        return logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, __file__, 1, msg, ("/usr/local",), None)
+
     assert not quiet.filter(rec("No CUDA runtime is found, using CUDA_HOME='%s'"))
     assert quiet.filter(rec("Error building extension '%s'"))
 

@@ -91,7 +91,8 @@ def test_config_takes_draft_and_tree_by_import_path(user_module):
         (
             "tree",
             "nope",
-            r"tree='nope' is not registered; valid: optimal, optimal_per_step, uniform, widths \(registered\), or pkg\.module:name",
+            r"tree='nope' is not registered; valid: optimal, optimal_per_step, uniform, widths \(registered\), "
+            r"or pkg\.module:name",
         ),
         ("draft", "{mod}:not_a_draft", r"names a int, not a specsamp.drafts.Draft"),
         ("tree", "{mod}:again", r"names a Draft, not a specsamp.runner.treerules.TreeRule"),

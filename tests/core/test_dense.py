@@ -4,7 +4,8 @@ with history and step-dependent trees with the path execution's counts and sampl
 Setup: ``GaussianMixture(dim=4, components=3, layout_seed=1)`` in float64 and float32, ``Schedule.make(8, 1.0)``
 (acceptance about 0.4-0.75 per depth: rejections in most rounds), 40 trajectories, seed 3. Each variant
 (residuals drawn again instead of kept, verification in one-node chunks, keys folded per round instead of
-tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and samples bitwise equal to the default dense round, and counts identical
+tabled, draft noise or coupling uniforms drawn per round instead of once per run) must give counts identical and
+samples bitwise equal to the default dense round, and counts identical
 to the path execution.
 """
 

@@ -89,7 +89,8 @@ def test_a_kernel_is_one_class_and_a_registration():
 
 def test_every_coupling_and_draft_runs_on_every_scheduler_kernel_with_equal_counts_in_both_executions():
     # d = 4 mixture, 12 trajectories, T = 12: each registered draft with rmc (a chain of 6) and two with markmax (a tree
-    # of 2 x 2), the pairs spread over ddpm (thresholding), euler_ancestral and flow_stochastic; path and tree count the same and agree to
+    # of 2 x 2), the pairs spread over ddpm (thresholding), euler_ancestral and flow_stochastic; path and tree count
+    # the same and agree to
     # the batched mixture's rounding (16 T eps)
     pytest.importorskip("diffusers")
     from diffusers import DDPMScheduler, EulerAncestralDiscreteScheduler, FlowMatchEulerDiscreteScheduler

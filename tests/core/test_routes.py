@@ -70,7 +70,8 @@ def test_a_draft_without_a_table_form_runs_the_dense_round_by_its_mean(monkeypat
 
 def test_markmax_rows_the_share_table_cannot_certify_are_served_by_the_checked_walk(monkeypatch):
     # every row reported uncertified: each dense round raises the deferred flag, is discarded and served again by
-    # the checked walk over its drafted tree on the same keys; the run equals the path execution (GMM dim 4, T = 8, 30 trajectories, seed 3)
+    # the checked walk over its drafted tree on the same keys; the run equals the path execution (GMM dim 4, T = 8,
+    # 30 trajectories, seed 3)
     model = RowwiseMixture(dim=4, components=3, layout_seed=1)
     tree = DraftTree.uniform(2, 3)
     path = sampler.sample_speculative(model, SCHED, tree, "markmax", 30, execution="path", draft="x0", seed=3)

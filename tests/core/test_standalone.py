@@ -2,7 +2,8 @@
 
 Run in a subprocess where the runner's and the plotting stack's packages, and the library's own model adapters
 and runner, cannot be imported (a ``sys.meta_path`` finder, :mod:`bare_env`). That subprocess imports torch and
-numpy (and scipy.special, about 0.4 s a child otherwise) once, then forks one child per core module, which imports that module alone and reports what else it
+numpy (and scipy.special, about 0.4 s a child otherwise) once, then forks one child per core module, which imports
+that module alone and reports what else it
 loaded: each module is checked in a process that holds nothing of specsamp beforehand, at the cost of one
 interpreter's start instead of one per module. Deterministic: no sampling.
 """

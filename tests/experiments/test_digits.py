@@ -172,9 +172,10 @@ def test_sharded_fid_route_end_to_end(tmp_path):
         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     common = ["model=digits", "steps=6", "n_samples=6", "batch_size=3", "save_samples=true", "progress=false"]
-    sh = lambda *a: subprocess.run(
-        [sys.executable, *a], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
-    )  # noqa: E731
+
+    def sh(*a):
+        return subprocess.run([sys.executable, *a], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+
     single = sh(str(ROOT / "run.py"), *common, "metrics=[fid]", f"hydra.run.dir={tmp_path / 'single'}")
     assert single.returncode == 0, single.stderr
     want = json.loads((tmp_path / "single" / "result.json").read_text())["fid"]

@@ -360,7 +360,7 @@ def docs_node(monkeypatch):
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "KSAMPLER" in b]
 
     class KSAMPLER:
-        def __init__(self, sampler_function, extra_options={}, inpaint_options={}):
+        def __init__(self, sampler_function, extra_options={}, inpaint_options={}):  # noqa: B006  (ComfyUI's own signature)
             self.sampler_function, self.extra_options, self.inpaint_options = (
                 sampler_function,
                 extra_options,
@@ -392,7 +392,7 @@ def test_ksamplers_call_binds_and_runs(monkeypatch):
     extra_args = {"cond": [], "uncond": [], "cond_scale": 5.0, "model_options": {}, "seed": 7, "denoise_mask": None}
     previews = []
 
-    def model_k(x, sigma, denoise_mask, model_options={}, seed=None, **rest):
+    def model_k(x, sigma, denoise_mask, model_options={}, seed=None, **rest):  # noqa: B006  (ComfyUI's own signature)
         assert denoise_mask is None and seed == 7
         return gmm_denoiser(x, sigma)
 

@@ -27,28 +27,32 @@ HASHES = [
     ("sampler=markmax prefetch=parent warmup=step0 evaluate_leaves=false execution=tree refine=1", "a53f9db4bec32601"),
     ("sampler=dgrs tree=uniform widths=[3,2]", "dd3aca344e5fa5ea"),
     (
-        "sampler=dgrs tree=uniform widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 delta_profile=[0.5,0.6] match=verification",
+        "sampler=dgrs tree=uniform widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 "
+        "delta_profile=[0.5,0.6] match=verification",
         "96e6108f69d66b38",
     ),
     ("sampler=markmax tree=uniform widths=[2,2] delta_profile=gmm_x0", "d9fd6121d5540b7e"),
     ("sampler=standard tree=uniform widths=[2,2]", "62a8856514ad5292"),
     ("sampler=dgrs tree=widths widths=[3,2]", "ace76526096c0c3f"),
     (
-        "sampler=dgrs tree=widths widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 delta_profile=[0.5,0.6] match=verification",
+        "sampler=dgrs tree=widths widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 "
+        "delta_profile=[0.5,0.6] match=verification",
         "ace76526096c0c3f",
     ),
     ("sampler=markmax tree=widths widths=[2,2] delta_profile=gmm_x0", "4fee88375b4eb43c"),
     ("sampler=standard tree=widths widths=[2,2]", "62a8856514ad5292"),
     ("sampler=dgrs tree=optimal widths=[3,2]", "1d277034756c170c"),
     (
-        "sampler=dgrs tree=optimal widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 delta_profile=[0.5,0.6] match=verification",
+        "sampler=dgrs tree=optimal widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 "
+        "delta_profile=[0.5,0.6] match=verification",
         "37217d8709c63033",
     ),
     ("sampler=markmax tree=optimal widths=[2,2] delta_profile=gmm_x0", "53f6889fb6f25230"),
     ("sampler=standard tree=optimal widths=[2,2]", "62a8856514ad5292"),
     ("sampler=dgrs tree=optimal_per_step widths=[3,2]", "00a8b35e27bc1de7"),
     (
-        "sampler=dgrs tree=optimal_per_step widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 delta_profile=[0.5,0.6] match=verification",
+        "sampler=dgrs tree=optimal_per_step widths=[3,2] budget=12 K=4 L=5 max_depth=3 max_width=4 "
+        "delta_profile=[0.5,0.6] match=verification",
         "8a8ce53fcc3f955a",
     ),
     ("sampler=markmax tree=optimal_per_step widths=[2,2] delta_profile=gmm_x0", "af5d633dbe69921a"),

@@ -196,7 +196,8 @@ def test_a_model_that_brings_its_scheduler_is_built_with_its_plan():
     [
         (
             ["kernel=ddpm", "kernel.variance_type=learned"],
-            "kernel.variance_type='learned' is invalid for kernel=ddpm: must be one of fixed_small, fixed_small_log, fixed_large.",
+            "kernel.variance_type='learned' is invalid for kernel=ddpm: "
+            "must be one of fixed_small, fixed_small_log, fixed_large.",
         ),
         (
             ["kernel=ddpm", "kernel.timestep_spacing=foo"],

@@ -1,6 +1,7 @@
 """Trajectory i's result does not depend on how many trajectories the run has, for every tree rule.
 
-What is equal (docs/architecture.md, "What is equal across splits"): the counts bitwise; the samples to the rounding of the model's
+What is equal (docs/architecture.md, "What is equal across splits"): the counts bitwise; the samples to the rounding
+of the model's
 batched evaluation (a row's output may differ by a few ulps with the batch it is in, and the sampler
 carries that rounding through its steps).
 """
@@ -49,7 +50,8 @@ def test_trajectory_results_do_not_depend_on_n_samples(rule):
 
 
 def _bound(dtype, steps, samples):
-    """The documented tolerance for samples across splits (docs/architecture.md): 16 T eps(dtype), relative to the samples' scale."""
+    """The documented tolerance for samples across splits (docs/architecture.md): 16 T eps(dtype), relative to the
+    samples' scale."""
     return 16 * steps * torch.finfo(dtype).eps * max(1.0, float(samples.abs().max()))
 
 

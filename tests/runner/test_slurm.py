@@ -511,9 +511,17 @@ def test_slurm_presets_follow_the_device_and_threads():
 
 @pytest.mark.parametrize("said, status, needle", [
     ("sbatch: error: Batch job submission failed: Invalid partition name specified", 2, "hydra.launcher.partition='gpu'"),
-    ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified", 2, "hydra.launcher.account="),
+    (
+        "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
+        2,
+        "hydra.launcher.account=",
+    ),
     ("sbatch: error: Batch job submission failed: Requested node configuration is not available", 2, "hydra.launcher.mem_gb=4"),
-    ("sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification", 2, "hydra.launcher.gpus_per_node=1"),
+    (
+        "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification",
+        2,
+        "hydra.launcher.gpus_per_node=1",
+    ),
     ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)", 3, "scontrol ping"),
     ("sbatch: error: something new", 2, "dry_run=true"),
 ])  # fmt: skip

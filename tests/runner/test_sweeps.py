@@ -266,7 +266,8 @@ def test_make_tables_without_a_sweep_names_the_variable():
 # resume
 
 
-@pytest.mark.slow  # default guards: test_deleted_record_is_recomputed_alone (3 skips, records kept) and the path-valued resume below
+# default guards: test_deleted_record_is_recomputed_alone (3 skips, records kept) and the path-valued resume below
+@pytest.mark.slow
 def test_relaunch_skips_every_finished_job(grid, tmp_path):
     sweep = copy_grid(grid, tmp_path)
     before = results(sweep)
@@ -311,8 +312,13 @@ def test_failed_job_is_reported_and_the_others_stand(tmp_path):
 
 
 def test_bad_shard_keys_name_key_and_value():
-    for ov, needle in ((["num_shards=0"], "num_shards=0"), (["num_shards=2", "shard=2"], "shard=2"),
-                       (["num_shards=8", "n_samples=4"], "num_shards=8"), (["num_shards=3", "n_samples=4", "batch_size=2"], "batch_size")):  # fmt: skip
+    cases = (
+        (["num_shards=0"], "num_shards=0"),
+        (["num_shards=2", "shard=2"], "shard=2"),
+        (["num_shards=8", "n_samples=4"], "num_shards=8"),
+        (["num_shards=3", "n_samples=4", "batch_size=2"], "batch_size"),
+    )
+    for ov, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             load_config(compose_cfg([*TINY, *ov]))
 
