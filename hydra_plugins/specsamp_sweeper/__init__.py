@@ -64,11 +64,11 @@ def _one_paragraph(text: str) -> str:
 
 def _explained(error: BaseException) -> str | None:
     """specsamp's paragraph for a key the job's config does not have (the key, its config class, the
-    valid keys: :func:`specsamp.runner.config.explain`), instead of Hydra's advice to append it with ``+``,
+    valid keys: :func:`specsamp.runner.explain.explain`), instead of Hydra's advice to append it with ``+``,
     or for a group option that does not exist (:func:`specsamp.runner.exits.missing_option`)."""
     try:
-        from specsamp.runner.config import explain
         from specsamp.runner.exits import missing_option
+        from specsamp.runner.explain import explain
 
         return missing_option(error) or explain(error)
     except Exception:  # noqa: BLE001 - the plain message is still recorded

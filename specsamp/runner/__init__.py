@@ -16,7 +16,9 @@ and the core (``tests/runner/test_runner_imports.py`` checks both this order and
 - :mod:`~specsamp.runner.outputs`: images and their FID / CLIP scores, and what scoring will need;
 - :mod:`~specsamp.runner.records`: the record (:func:`make_record`, the one place it is assembled, job fields
   included), statistics, provenance, config hash, resume, the printed line;
-- :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) and its checks;
+- :mod:`~specsamp.runner.config`: the typed config (Hydra structured configs) composed, and its checks;
+- :mod:`~specsamp.runner.explain`: one paragraph for what Hydra refuses while it composes (unknown key, wrong type);
+- :mod:`~specsamp.runner.schema`: the run's schema (:class:`RunConfig`, the sampler's and the logger's) and constants;
 - :mod:`~specsamp.runner.overrides`: what a user typed, read as typed: raw command-line overrides, sweep
   names and path-like keys, the closest valid key to a mistyped one;
 - :mod:`~specsamp.runner.kernelconfig`: the transition kernel's schemas (``conf/kernel/``), their checks, and which

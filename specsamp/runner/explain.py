@@ -12,9 +12,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from .config import LoggerConfig, RunConfig, SamplerConfig, _model_schema
 from .kernelconfig import KERNEL_SCHEMAS
 from .overrides import SWEEPER_KEYS, _keys, _type_text, closest_key, misread_override, unreadable_override
+from .schema import LoggerConfig, RunConfig, SamplerConfig, _model_schema
 
 
 def _bool_keys() -> set[str]:
