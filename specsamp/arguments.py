@@ -117,6 +117,46 @@ def stats(value) -> MutableMapping | None:
     raise refuse("stats", value, "must be a dict (filled in with the run's counts), or None")
 
 
+def velocity_model(model) -> None:
+    """A velocity model as the samplers read it (:class:`specsamp.models.base.VelocityModel`): callable, with
+    ``event_shape`` a tuple of integers >= 1 and ``dtype`` a floating ``torch.dtype``."""
+    function("model", model)
+    shape = getattr(model, "event_shape", None)
+    if (
+        not isinstance(shape, (tuple, list, torch.Size))
+        or not shape
+        or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)
+    ):
+        raise refuse(
+            "model.event_shape",
+            shape,
+            "a velocity model must say the shape of one state as a tuple of integers >= 1, e.g. (16,) or (3, 32, 32) "
+            "(specsamp.models.base.VelocityModel)",
+        )
+    dtype = getattr(model, "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise refuse(
+            "model.dtype",
+            dtype,
+            "a velocity model must name the states' dtype as a floating torch.dtype, e.g. torch.float32",
+        )
+
+
+def sampler_inputs(model, schedule, cond) -> None:
+    """The samplers' model, schedule and conditioning (:func:`specsamp.sampler.sample_speculative`,
+    :func:`~specsamp.sampler.sample_standard`): a velocity model (:func:`velocity_model`), a
+    :class:`specsamp.schedule.Schedule`, and ``cond`` None or a mapping of names to tensors."""
+    from .schedule import Schedule
+
+    velocity_model(model)
+    if not isinstance(schedule, Schedule):
+        raise refuse(
+            "schedule", schedule, "must be a specsamp.schedule.Schedule, e.g. Schedule.make(steps=30, eps=0.1)"
+        )
+    if cond is not None and not isinstance(cond, dict):
+        raise refuse("cond", cond, "must be a dict of per-trajectory tensors [M, ...] by name, or None")
+
+
 def states(name: str, x) -> torch.Tensor:
     """``x [b, ...]``, the first states: a floating-point tensor with at least one row, on a real device, finite.
 

@@ -99,7 +99,10 @@ def sample_standard(
 
     Raises:
         ValueError: ``n_samples < 1`` or bad indices.
+        ConfigError: (a ``ValueError``) a model that is not a velocity model, a schedule that is not a
+            :class:`Schedule`, ``cond`` not a dict, a bad ``max_batch`` or ``callback``, a run too large for memory.
     """
+    arguments.sampler_inputs(model, schedule, cond)
     dev = _model_device(model)
     ids = _trajectory_ids(n_samples, indices, dev)
     m = ids.numel()
@@ -231,7 +234,9 @@ def sample_speculative(
     Raises:
         NonFiniteError: (a ``ValueError``) the target or the draft produced NaN or inf states; the message
             names the trajectory, step and node, ``rows`` the trajectory ids.
-        ConfigError: (a ``ValueError``) unknown coupling, draft, prefetch, execution or warmup; a tree wider than
+        ConfigError: (a ``ValueError``) a model that is not a velocity model (callable, with ``event_shape`` and a
+            floating ``dtype``), a schedule that is not a :class:`Schedule`, ``cond`` not a dict;
+            unknown coupling, draft, prefetch, execution or warmup; a tree wider than
             the coupling allows; ``refine`` not an integer >= 0, or > 0 with ``execution="path"``; ``compile`` not a
             bool, or true with ``execution="path"``, ``refine > 0``, a draft without a table form, or where
             ``torch.compile`` cannot build kernels (:func:`specsamp.inductor.unavailable`).
@@ -239,6 +244,7 @@ def sample_speculative(
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
     """
+    arguments.sampler_inputs(model, schedule, cond)
     coupling = get_coupling(coupling)
     if isinstance(tree, DraftTree):
         coupling.check_tree(tree)

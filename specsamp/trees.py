@@ -14,12 +14,35 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from .errors import ConfigError
+
+MAX_NODES = 1 << 22
+"""The most nodes a tree may have (4,194,304: one round's batched call would evaluate that many states per image,
+and the tree's own index arrays take about 40 bytes a node). A constructor refuses more before it allocates."""
+
 
 def check_int(name: str, value, lo: int = 1) -> int:
     """``value`` as an ``int`` if it is an integer ``>= lo`` (bools refused); else ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {lo}")
     return int(value)
+
+
+def check_size(widths: Sequence[int], named: str | None = None) -> int:
+    """The node count of the tree whose depth-``l`` nodes have ``widths[l - 1]`` children each; a
+    :class:`~specsamp.errors.ConfigError` naming ``named`` (default: the widths) when it passes :data:`MAX_NODES`.
+    Counts in Python integers, so a huge tree is refused without allocating it."""
+    total, layer = 1, 1
+    for w in widths:
+        layer *= int(w)
+        total += layer
+        if total > MAX_NODES or (layer == 1 and len(widths) >= MAX_NODES):  # a chain that long: no need to count it
+            what = named or f"widths={list(widths)[:8]}{' ...' if len(widths) > 8 else ''}"
+            raise ConfigError(
+                f"{what} is invalid: the draft tree would have more than {MAX_NODES:,} nodes (DraftTree's MAX_NODES; "
+                "one round's batched call evaluates every node per image); lower K or L."
+            )
+    return total
 
 
 class DraftTree:
@@ -72,8 +95,10 @@ class DraftTree:
 
         Raises:
             ValueError: a width below 1.
+            ConfigError: more than :data:`MAX_NODES` nodes (checked before anything is allocated).
         """
         widths = [check_int(f"widths[{i}]", w) for i, w in enumerate(widths)]
+        check_size(widths)
         parts = [np.array([-1], dtype=np.int64)]
         start, size = 0, 1  # current layer: nodes start .. start + size - 1
         for w in widths:
@@ -87,9 +112,11 @@ class DraftTree:
 
         Raises:
             ValueError: ``K < 1`` or ``L < 1``.
+            ConfigError: more than :data:`MAX_NODES` nodes (checked before anything is allocated).
         """
         K = check_int("K", K)
         L = check_int("L", L)
+        check_size([K] * min(L, MAX_NODES), f"K={K}, L={L}")
         return cls.from_widths([K] * L)
 
     @classmethod
@@ -100,6 +127,7 @@ class DraftTree:
             ValueError: ``L < 1``.
         """
         L = check_int("L", L)
+        check_size([1] * min(L, MAX_NODES), f"L={L}")  # [1] * MAX_NODES at most: refused at its first width
         return cls(np.arange(-1, L))
 
     # --- structure ---------------------------------------------------------------------------

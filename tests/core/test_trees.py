@@ -3,6 +3,8 @@
 All checks are deterministic (no randomness).
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -227,3 +229,22 @@ def test_numpy_integers_accepted():
     t = DraftTree.uniform(np.int64(2), np.int32(2))
     assert t.budget == 6
     assert trees.budget(np.int64(5), 3) == 155
+
+
+def test_a_huge_tree_is_refused_before_it_is_allocated():
+    import time
+
+    from specsamp.errors import ConfigError
+    from specsamp.trees import MAX_NODES, check_size
+
+    t0 = time.perf_counter()
+    for make, named in (
+        (lambda: DraftTree.uniform(8, 64), "K=8, L=64"),
+        (lambda: DraftTree.uniform(2, 22), "K=2, L=22"),
+        (lambda: DraftTree.from_widths([16] * 8), "widths=[16, 16"),
+        (lambda: DraftTree.chain(10**12), "L=1000000000000"),
+    ):
+        with pytest.raises(ConfigError, match=f"{re.escape(named)}.*more than {MAX_NODES:,} nodes"):
+            make()
+    assert time.perf_counter() - t0 < 30  # counted, not allocated (the largest would need exabytes)
+    assert check_size([2] * 21) == 2**22 - 1 and len(DraftTree.uniform(2, 3)) == check_size([2] * 3) == 15
