@@ -12,6 +12,8 @@ seeds are fixed so the outcome is deterministic). The sensitivity tests show, on
 a biased coupling gives p < 1e-3.
 """
 
+import re
+
 import pytest
 import torch
 from helpers import (
@@ -841,3 +843,35 @@ def test_x0_affine_is_exact_for_one_gaussian_and_falls_back_otherwise():
         assert torch.all(fr3[:, 3] == -1)
         want3 = gated.mean(gated.freeze(r3, SCHED), x_u[:, None], n_u, SCHED)
         torch.testing.assert_close(draft.mean(fr3, x_u[:, None], n_u, SCHED), want3, rtol=0, atol=0)
+
+
+def test_a_bad_model_schedule_or_cond_is_refused_before_any_call():
+    from specsamp.errors import ConfigError
+
+    sch, tr = Schedule.make(steps=10, eps=0.1), DraftTree.uniform(2, 3)
+
+    class Net:
+        event_shape, dtype, calls = (4,), torch.float32, 0
+
+        def __call__(self, x, sigma, **cond):
+            Net.calls += 1
+            return x
+
+    def without_shape(x, sigma, **cond):
+        return x
+
+    bad_shape, bad_dtype = Net(), Net()
+    bad_shape.event_shape, bad_dtype.dtype = "4", "float32"
+    cases = [
+        ((None, sch), {}, "model=None"),
+        ((Net(), 30), {}, "schedule=30"),
+        ((without_shape, sch), {}, "model.event_shape=None"),
+        ((bad_shape, sch), {}, "model.event_shape='4'"),
+        ((bad_dtype, sch), {}, "model.dtype='float32'"),
+        ((Net(), sch), {"cond": [1]}, "cond=[1]"),
+    ]
+    for args, kw, named in cases:
+        for fn, extra in ((sample_speculative, (tr, "dgrs")), (sample_standard, ())):
+            with pytest.raises(ConfigError, match=re.escape(named) + " is invalid"):
+                fn(*args, *extra, n_samples=2, **kw)
+    assert Net.calls == 0
