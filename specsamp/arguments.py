@@ -142,6 +142,25 @@ def velocity_model(model) -> None:
         )
 
 
+def model_keys(model, keys, name: str) -> None:
+    """Refuse a key of ``name`` (``extra_args`` or ``cond``) that is also the name of one of the two positional
+    parameters the model is called with (the states and the noise level): Python cannot pass one argument twice,
+    and k-diffusion's own loop would fail the same way. A model whose signature cannot be read is not checked."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model).parameters.values())[:2]
+    except (TypeError, ValueError):
+        return
+    clash = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name in keys]
+    if clash:
+        raise ConfigError(
+            f"{name} key {clash[0]!r} is invalid for this model: it is also the name of the model's parameter "
+            f"{clash[0]!r}, which the sampler passes by position, so Python would receive it twice. Rename the key, "
+            f"or make the model's first two parameters positional-only (def model(x, sigma, /, **kwargs))."
+        )
+
+
 def sampler_inputs(model, schedule, cond) -> None:
     """The samplers' model, schedule and conditioning (:func:`specsamp.sampler.sample_speculative`,
     :func:`~specsamp.sampler.sample_standard`): a velocity model (:func:`velocity_model`), a
@@ -155,6 +174,8 @@ def sampler_inputs(model, schedule, cond) -> None:
         )
     if cond is not None and not isinstance(cond, dict):
         raise refuse("cond", cond, "must be a dict of per-trajectory tensors [M, ...] by name, or None")
+    if cond:
+        model_keys(model, cond, "cond")
 
 
 def states(name: str, x) -> torch.Tensor:

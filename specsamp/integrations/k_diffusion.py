@@ -155,6 +155,7 @@ def sample_euler_ancestral(
     sig = _check_sigmas(sigmas)
     _check_model(model)
     static, rows = _split_extra_args(extra_args, x.shape[0])
+    arguments.model_keys(model, {**static, **rows}, "extra_args")
     arguments.function("callback", callback, optional=True)
     arguments.flag("disable", disable, optional=True)
     eta, s_noise = _positive("eta", eta), _positive("s_noise", s_noise)

@@ -77,6 +77,28 @@ def test_every_extra_args_key_reaches_the_model_under_its_own_name():
         assert torch.equal(kw["t"], torch.tensor([0.5, 1.5, 2.5])[rows]) and kw["row"].shape == (rows.numel(), 5)
 
 
+def test_a_key_that_names_the_models_positional_parameter_is_refused_before_the_first_call():
+    from specsamp.sampler import sample_speculative
+    from specsamp.schedule import Schedule
+
+    calls = []
+
+    def net(x, sigma, **kw):
+        calls.append(1)
+        return x
+
+    for key in ("x", "sigma"):
+        with pytest.raises(ConfigError) as e:
+            sample_euler_ancestral(net, X, karras(8), {key: torch.arange(3)}, disable=True)
+        _one_paragraph(e.value, f"extra_args key {key!r}", "positional-only", "def model(x, sigma, /, **kwargs)")
+    net.event_shape, net.dtype = (4,), torch.float32
+    with pytest.raises(ConfigError, match="cond key 'x' is invalid"):
+        sample_speculative(
+            net, Schedule.make(steps=6, eps=0.1), DraftTree.uniform(2, 2), n_samples=2, cond={"x": torch.zeros(2)}
+        )
+    assert not calls
+
+
 def test_a_class_conditional_model_taking_y():
     calls = []
 
