@@ -8,7 +8,8 @@ is a prefix of the array, and a node's children are one slice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 
 import numpy as np
@@ -28,18 +29,18 @@ def check_int(name: str, value, lo: int = 1) -> int:
     return int(value)
 
 
-def check_size(widths: Sequence[int], named: str | None = None) -> int:
+def check_size(widths: Iterable[int], named: str = "the tree's widths") -> int:
     """The node count of the tree whose depth-``l`` nodes have ``widths[l - 1]`` children each; a
-    :class:`~specsamp.errors.ConfigError` naming ``named`` (default: the widths) when it passes :data:`MAX_NODES`.
-    Counts in Python integers, so a huge tree is refused without allocating it."""
+    :class:`~specsamp.errors.ConfigError` naming ``named`` as soon as the count passes :data:`MAX_NODES`.
+    Counts layer by layer in Python integers and stops there, so a huge tree (``widths`` may be a lazy iterable,
+    ``itertools.repeat(K, L)``) is refused without allocating it."""
     total, layer = 1, 1
     for w in widths:
         layer *= int(w)
         total += layer
-        if total > MAX_NODES or (layer == 1 and len(widths) >= MAX_NODES):  # a chain that long: no need to count it
-            what = named or f"widths={list(widths)[:8]}{' ...' if len(widths) > 8 else ''}"
+        if total > MAX_NODES:
             raise ConfigError(
-                f"{what} is invalid: the draft tree would have more than {MAX_NODES:,} nodes (DraftTree's MAX_NODES; "
+                f"{named} is invalid: the draft tree would have more than {MAX_NODES:,} nodes (DraftTree's MAX_NODES; "
                 "one round's batched call evaluates every node per image); lower K or L."
             )
     return total
@@ -98,7 +99,7 @@ class DraftTree:
             ConfigError: more than :data:`MAX_NODES` nodes (checked before anything is allocated).
         """
         widths = [check_int(f"widths[{i}]", w) for i, w in enumerate(widths)]
-        check_size(widths)
+        check_size(widths, f"widths={widths[:8]}{' ...' if len(widths) > 8 else ''}")
         parts = [np.array([-1], dtype=np.int64)]
         start, size = 0, 1  # current layer: nodes start .. start + size - 1
         for w in widths:
@@ -116,7 +117,7 @@ class DraftTree:
         """
         K = check_int("K", K)
         L = check_int("L", L)
-        check_size([K] * min(L, MAX_NODES), f"K={K}, L={L}")
+        check_size(itertools.repeat(K, L), f"K={K}, L={L}")
         return cls.from_widths([K] * L)
 
     @classmethod
@@ -127,7 +128,7 @@ class DraftTree:
             ValueError: ``L < 1``.
         """
         L = check_int("L", L)
-        check_size([1] * min(L, MAX_NODES), f"L={L}")  # [1] * MAX_NODES at most: refused at its first width
+        check_size(itertools.repeat(1, L), f"L={L}")
         return cls(np.arange(-1, L))
 
     # --- structure ---------------------------------------------------------------------------
