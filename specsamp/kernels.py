@@ -582,3 +582,8 @@ class FlowStochastic(DataPredictionKernel):
     def step_coefficients(self, device):
         s1 = self.sigmas.to(device)[1:]
         return torch.zeros_like(s1), 1.0 - s1, s1.clone()
+
+
+# The kernels beyond this module's register themselves when they are imported: import them with it, so that every
+# registry read (the scheduler maps, the config schemas, refusals) sees them.
+from . import ancestral, ddim, dpmpp, dpmsolver  # noqa: E402,F401

@@ -1,0 +1,1 @@
+"""ComfyUI's Euler ancestral for flow models and LCM as kernels (being written)."""

@@ -1,0 +1,1 @@
+"""diffusers' DDIMScheduler with eta > 0 as a kernel (being written)."""

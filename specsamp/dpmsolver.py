@@ -1,0 +1,1 @@
+"""diffusers' DPMSolverMultistepScheduler with algorithm_type="sde-dpmsolver++" as a kernel with history (being written)."""
