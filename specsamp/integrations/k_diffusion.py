@@ -68,7 +68,54 @@ def sample_euler_ancestral(
     eta=1.0,
     s_noise=1.0,
     noise_sampler=None,
+    **speculative,
+):
+    """k-diffusion's Euler ancestral sampler, exact and speculative: the same law, fewer network calls.
+
+    Each step is the ``euler_ancestral`` kernel (:class:`specsamp.kernels.EulerAncestral`); the run is
+    :func:`sample_with_kernel`'s, whose documentation gives every argument, the speculative options and the errors.
+
+    Args:
+        eta: the ancestral noise's share, > 0 (k-diffusion's ``get_ancestral_step``; 1: the full ancestral step).
+        s_noise: the noise's scale, > 0.
+
+    Returns:
+        ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device: what k-diffusion returns.
+    """
+    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise)}
+    return sample_with_kernel(
+        EulerAncestral.name,
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        noise_sampler,
+        kernel_options=options,
+        caller="sample_euler_ancestral",
+        **speculative,
+    )
+
+
+COORDS = ("ve", "linear")
+"""The denoisers' coordinates :func:`sample_with_kernel` takes: ``ve`` (``x = x0 + sigma noise``: k-diffusion's, and
+ComfyUI's for SD1.x/SDXL) and ``linear`` (``x = (1 - sigma) x0 + sigma noise``: ComfyUI's flow models, CONST)."""
+
+
+def sample_with_kernel(
+    kernel,
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    noise_sampler=None,
     *,
+    kernel_options=None,
+    coords="ve",
+    caller="sample_with_kernel",
     K=None,
     L=None,
     coupling="dgrs",
@@ -80,15 +127,19 @@ def sample_euler_ancestral(
     stats=None,
     **options,
 ):
-    """k-diffusion's Euler ancestral sampler, exact and speculative: the same law, fewer network calls.
+    """A k-diffusion sampler whose steps are the registered kernel ``kernel``, exact and speculative: the driver every
+    ``sample_*`` function of this module calls (a new sampler is a kernel and a thin function around this one).
 
     Args:
+        kernel: the registered kernel's name (:mod:`specsamp.kernels`): each step's Gaussian transition, written on the
+            linear path, the sigmas mapped to it (``ve``: ``s = sigma / (1 + sigma)``, states ``x / (1 + sigma)``;
+            ``linear``: unchanged).
         model: a k-diffusion denoiser, ``model(x [b, ...], sigma [b], **extra_args) -> x0 [b, ...]`` (ComfyUI's model
             wrapper is one). It is called with the sampler's rows: a batch of ``m`` states, any mix of the batch's
             trajectories and levels, ``sigma`` one of ``sigmas`` per row in ``x``'s dtype.
         x: ``[b, ...]`` the first states at ``sigmas[0]`` (k-diffusion: the noise times ``sigmas[0]``; ComfyUI adds
             the latent image).
-        sigmas: ``[T + 1]`` decreasing noise levels, ``sigmas[-1] == 0`` and the others > 0.
+        sigmas: ``[T + 1]`` decreasing noise levels, ``sigmas[-1] == 0`` and the others > 0 (``linear``: at most 1).
         extra_args: the model's keywords. A tensor whose first dimension is ``b`` is per row: each call gets the rows
             of the trajectories it evaluates. Everything else (scalars, dicts, ComfyUI's ``cond``, ``model_options``,
             ``seed``) reaches every call unchanged. Every key reaches ``model`` under its own name, whatever it is
@@ -97,7 +148,7 @@ def sample_euler_ancestral(
             "denoised"}`` (``sigma = sigma_hat = sigmas[i]``). A round commits several steps at once and the rows of a
             batch advance at their own pace, so step ``i`` is reported as soon as every row has committed it (several
             steps after one round). ``x`` is then the batch's state: each row at its own level, at or below
-            ``sigmas[i + 1]``, in k-diffusion's coordinates; ``denoised`` each row's data prediction there, from the
+            ``sigmas[i + 1]``, in the model's coordinates; ``denoised`` each row's data prediction there, from the
             velocity its next round drafts from (the network's at that state where the round evaluated it, else a
             stand-in: under the default ``prefetch=nearest``, the nearest evaluated draft's of the same level). At
             the last step they are k-diffusion's: ``x`` the states at ``sigmas[-2]``, ``denoised`` the returned
@@ -105,9 +156,10 @@ def sample_euler_ancestral(
             the chain's states at ``sigmas[i]``. A two-step ``sigmas`` runs no round: both steps are reported at the
             end with the returned samples.
         disable: no progress bar (tqdm's ``disable``: None hides it off a terminal).
-        eta: the ancestral noise's share, > 0 (k-diffusion's ``get_ancestral_step``; 1: the full ancestral step).
-        s_noise: the noise's scale, > 0.
         noise_sampler: must be None (refused otherwise: the noise is drawn by key).
+        kernel_options: the kernel's options (``eta``, ``s_noise``, ...), checked by the caller.
+        coords: the model's coordinates, one of :data:`COORDS`.
+        caller: the public function's name, for errors.
         K, L: the uniform draft tree (``K`` children per node, ``L`` levels; default 2 and 3). A one-child coupling
             (``rmc``) runs a chain of the same drafted-state budget ``K + ... + K^L``.
         coupling: ``dgrs``, ``rmc``, ``markmax``, or any registered coupling.
@@ -117,8 +169,8 @@ def sample_euler_ancestral(
             that budget (:func:`specsamp.treesearch.optimal_tree`) from ``delta_profile``, which must then be given
             (the displacement per depth, e.g. :func:`specsamp.treesearch.deltas_from_acceptance` of an earlier run's
             acceptance).
-        execution: ``tree`` (the default: every node of a round in one batched call, what saves time) or ``path``. Both draw
-            the same numbers and give the same counts.
+        execution: ``tree`` (the default: every node of a round in one batched call, what saves time) or ``path``.
+            Both draw the same numbers and give the same counts.
         seed: the run's seed in ``[0, 2**60)``; None: drawn from torch's global generator, so ``torch.manual_seed``
             (ComfyUI's noise preparation calls it with the node's seed) reproduces the run.
         stats: a dict filled in with the run's counts: ``result`` (:class:`specsamp.result.SampleResult`: ``nfe``,
@@ -136,10 +188,10 @@ def sample_euler_ancestral(
 
     Raises:
         ConfigError: before the first call of ``model`` (:mod:`specsamp.arguments`): a ``noise_sampler``; ``x`` not a
-            finite floating-point tensor on a real device; ``sigmas`` not decreasing to 0; ``eta`` or ``s_noise`` out of
-            range; any argument or option of the wrong type or range; a tree too large for the memory available (the
-            network's activations at an allowance, :func:`specsamp.arguments.activation_bytes`); a ComfyUI flow model
-            (its Euler ancestral step is another) or inpainting mask.
+            finite floating-point tensor on a real device; ``sigmas`` not decreasing to 0; any argument or option of
+            the wrong type or range; a tree too large for the memory available (the network's activations at an
+            allowance, :func:`specsamp.arguments.activation_bytes`); a ComfyUI flow model where ``coords`` is ``ve``,
+            or an inpainting mask.
         ModelOutputError: (a ``ConfigError``) ``model`` returned anything but a floating-point tensor of its input's
             shape, at the first call that does.
     """
@@ -149,16 +201,19 @@ def sample_euler_ancestral(
             "so it cannot take noise from a sampler such as BrownianTreeNoiseSampler; pass noise_sampler=None and set "
             "seed= to choose the noise."
         )
-    arguments.unknown_option("sample_euler_ancestral", options, PASSED_ON + SEARCH)
+    if coords not in COORDS:
+        raise arguments.refuse("coords", coords, f"must be one of {', '.join(COORDS)}")
+    named = ("K", "L", "coupling", "draft", "tree", "budget", "execution", "seed", "stats")
+    arguments.unknown_option(caller, options, named + PASSED_ON + SEARCH)
     arguments.function("model", model)
     x = arguments.states("x", x)
-    sig = _check_sigmas(sigmas)
-    _check_model(model)
+    sig = _check_sigmas(sigmas, coords)
+    if coords == "ve":
+        _check_model(model, caller)
     static, rows = _split_extra_args(extra_args, x.shape[0])
     arguments.model_keys(model, {**static, **rows}, "extra_args")
     arguments.function("callback", callback, optional=True)
     arguments.flag("disable", disable, optional=True)
-    eta, s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
     stats = arguments.stats(stats)
     passed = arguments.sampler_options(
         execution=execution, **{k: v for k, v in options.items() if k in PASSED_ON and k != "compile"}
@@ -184,9 +239,11 @@ def sample_euler_ancestral(
     if T == 1:  # one step to 0 is the data prediction itself (no noise): k-diffusion's loop, one call
         return _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats)
 
-    lin = sig / (1.0 + sig)
+    # the model's state over the linear path's per level: 1 + sigma in ve coordinates (1 at sigma = 0), 1 in linear
+    scale = 1.0 + sig if coords == "ve" else torch.ones_like(sig)
+    lin = sig / scale
     lin[-1] = 0.0
-    schedule = Schedule(lin, 1.0, EulerAncestral.name, {"eta": eta, "s_noise": s_noise})
+    schedule = Schedule(lin, 1.0, kernel, dict(kernel_options or {}))
     levels = _user_levels(sigmas, x)
 
     calls = [0]
@@ -196,12 +253,12 @@ def sample_euler_ancestral(
         return model(y, t, **static, **per_row)
 
     target = Parametrised(
-        net, "sample", "ve", x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype
+        net, "sample", coords, x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype
     )
     target.device = x.device
     target.row_bytes = row_bytes  # the sampler checks the tree it builds (a given one, tree(n)) against it
-    init = (x.to(torch.float64) / (1.0 + sig[0])).to(state_dtype)
-    report = _Reporter(callback, disable, sigmas, sig, lin, x.dtype, T)
+    init = (x.to(torch.float64) / scale[0]).to(state_dtype)
+    report = _Reporter(callback, disable, sigmas, scale, lin, x.dtype, T)
     try:
         res = sample_speculative(
             target,
@@ -230,8 +287,8 @@ def sample_euler_ancestral(
 class _Reporter:
     """The callback and the progress bar: step ``i`` reported once every row has committed it."""
 
-    def __init__(self, callback, disable, sigmas, sig, lin, dtype, T):
-        self.callback, self.sigmas, self.sig, self.lin, self.dtype, self.T = callback, sigmas, sig, lin, dtype, T
+    def __init__(self, callback, disable, sigmas, scale, lin, dtype, T):
+        self.callback, self.sigmas, self.scale, self.lin, self.dtype, self.T = callback, sigmas, scale, lin, dtype, T
         self.done, self.last = 0, None  # steps reported; the last round's (x, n) when every row was at T - 1
         from tqdm.auto import tqdm
 
@@ -253,8 +310,8 @@ class _Reporter:
         with torch.inference_mode(False):  # ordinary tensors for the caller (the sampler runs in inference mode)
             xl = info["x"]
             shape = (-1,) + (1,) * (xl.ndim - 1)
-            k = (1.0 + self.sig.to(xl.device)[n]).reshape(shape)
-            x_ve = (xl.to(torch.float64) * k).to(self.dtype)
+            k = self.scale.to(xl.device)[n].reshape(shape)
+            x_ve = (xl.to(torch.float64) * k).to(self.dtype)  # the model's coordinates
             s = self.lin.to(xl.device)[n].to(xl.dtype).reshape(shape)
             denoised = (xl - s * info["v"]).to(self.dtype)
             if upto >= self.T - 1:
@@ -284,8 +341,9 @@ def _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats):
     return denoised.to(x.dtype)
 
 
-def _check_sigmas(sigmas) -> torch.Tensor:
-    """``sigmas`` as float64 on the CPU; ConfigError unless 1-D, finite, decreasing, positive and ending at 0."""
+def _check_sigmas(sigmas, coords: str = "ve") -> torch.Tensor:
+    """``sigmas`` as float64 on the CPU; ConfigError unless 1-D, finite, decreasing, positive and ending at 0 (and
+    at most 1 in ``linear`` coordinates)."""
     try:
         s = torch.as_tensor(sigmas).detach().to("cpu", torch.float64).clone()
     except (TypeError, ValueError, RuntimeError):
@@ -301,6 +359,8 @@ def _check_sigmas(sigmas) -> torch.Tensor:
         why = f"it ends at {float(s[-1])!r}: the sampler ends at 0 (k-diffusion's append_zero)"
     elif not bool((s[:-1] > 0).all()) or not bool((s[1:] < s[:-1]).all()):
         why = "it must decrease strictly, every level but the last > 0"
+    elif coords == "linear" and float(s[0]) > 1.0:
+        why = f"it starts at {float(s[0])!r}: a flow model's levels lie in [0, 1]"
     if why:
         shown = (
             sigmas.tolist()
@@ -316,15 +376,15 @@ def _user_levels(sigmas, x) -> torch.Tensor:
     return torch.as_tensor(sigmas).detach().to("cpu").to(x.dtype)[:-1]
 
 
-def _check_model(model) -> None:
-    """Refuse a ComfyUI flow model (``model_sampling`` CONST): its Euler ancestral step is the rectified-flow one."""
+def _check_model(model, caller: str = "sample_euler_ancestral") -> None:
+    """Refuse a ComfyUI flow model (``model_sampling`` CONST) where the sampler takes variance-exploding denoisers."""
     inner = getattr(getattr(model, "inner_model", None), "inner_model", None)
     sampling = getattr(inner, "model_sampling", None)
     if sampling is not None and any(c.__name__ == "CONST" for c in type(sampling).__mro__):
         raise ConfigError(
-            "model is a flow model (model_sampling CONST: SD3, Flux): its Euler ancestral step is the "
-            "rectified-flow one, which this sampler does not compute; use it with variance-exploding "
-            "denoisers (SD1.x, SDXL), or use specsamp.integrations.schedulers' flow_stochastic kernel."
+            f"model is a flow model (model_sampling CONST: SD3, Flux): {caller} takes variance-exploding "
+            "denoisers (SD1.x, SDXL), and a flow model's step is another; use it with those, or use "
+            "specsamp.integrations.schedulers' flow_stochastic kernel."
         )
 
 

@@ -422,3 +422,15 @@ def test_comfyui_flow_models_and_inpainting_masks_are_refused():
         sample_euler_ancestral(Wrapper(), torch.zeros(2, 8), sig, disable=True)
     with pytest.raises(ConfigError, match=r"denoise_mask"):
         sample_euler_ancestral(gmm_denoiser, torch.zeros(2, 8), sig, {"denoise_mask": torch.ones(2, 8)}, disable=True)
+
+
+def test_the_driver_refuses_bad_coords_and_an_unknown_option_names_the_sampler_and_its_options():
+    from specsamp.integrations.k_diffusion import sample_with_kernel
+
+    x = torch.randn(2, 8, dtype=torch.float64) * 80.0
+    with pytest.raises(ConfigError, match=r"coords='vp' is invalid.*ve, linear"):
+        sample_with_kernel("euler_ancestral", gmm_denoiser, x, karras(6), coords="vp")
+    with pytest.raises(ConfigError, match=r"Kk=2 is not an option of sample_euler_ancestral: valid are K, L, coupling"):
+        sample_euler_ancestral(gmm_denoiser, x, karras(6), Kk=2)
+    with pytest.raises(ConfigError, match=r"sigmas=\[1\.5, 0\.5, 0\.0\] is invalid: it starts at 1\.5"):
+        sample_with_kernel("flow_stochastic", gmm_denoiser, x, torch.tensor([1.5, 0.5, 0.0]), coords="linear")
