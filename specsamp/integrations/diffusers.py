@@ -82,8 +82,10 @@ def _kind(pipe) -> str:
     for cls in type(pipe).__mro__:
         if cls.__name__ in KINDS:
             return KINDS[cls.__name__]
+    plain = pipe is None or isinstance(pipe, (str, int, float, bool))  # shown as the value, not its type's name
+    shown = repr(pipe) if plain else repr(type(pipe).__name__)
     raise ConfigError(
-        f"pipeline={type(pipe).__name__!r} is not supported: speculative() drives "
+        f"pipeline={shown} is not supported: speculative() drives "
         f"{', '.join(KINDS)} (and their subclasses), whose loops it reproduces; load one of them "
         "with the same components."
     )

@@ -326,3 +326,9 @@ def test_the_node_maxima_follow_the_memory_estimate():
     with pytest.raises(ConfigError, match="lower K or L"):
         arguments.check_sampler_memory(DraftTree.uniform(K + 1, L + 1), 1, **fits)
     assert node_maxima(available=80 * 2**30) > node_maxima() > node_maxima((4, 128, 128))
+
+
+@pytest.mark.parametrize("pipe, shown", [(None, "None"), ("sd3", "'sd3'"), (object(), "'object'")])
+def test_speculative_names_what_it_was_handed_in_place_of_a_pipeline(pipe, shown):
+    with pytest.raises(ConfigError, match=rf"pipeline={shown} is not supported: speculative\(\) drives DDPMPipeline"):
+        speculative(pipe)
