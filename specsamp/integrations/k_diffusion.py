@@ -20,7 +20,7 @@ from .. import arguments
 from ..coupling import get_coupling
 from ..drafts import get_draft
 from ..errors import ConfigError
-from ..kernels import EulerAncestral
+from ..kernels import DDPM, EulerAncestral
 from ..models.parametrisation import GridTimesteps, Parametrised
 from ..sampler import sample_speculative
 from ..schedule import Schedule
@@ -94,6 +94,33 @@ def sample_euler_ancestral(
         noise_sampler,
         kernel_options=options,
         caller="sample_euler_ancestral",
+        **speculative,
+    )
+
+
+def sample_ddpm(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, **speculative):
+    """ComfyUI's ``sample_ddpm`` (its ``ddpm`` sampler), exact and speculative.
+
+    ComfyUI's step, for a variance-exploding denoiser: at ``sigma -> sigma'`` with ``a = 1 / (1 + sigma^2)``,
+    ``a' = 1 / (1 + sigma'^2)``, ``alpha = a / a'``, ``eps = (x - D) / sigma`` and the variance-preserving state
+    ``x / sqrt(1 + sigma^2)``, the ancestral DDPM step
+    ``mu = (x_vp - (1 - alpha) eps / sqrt(1 - a)) / sqrt(alpha) + sqrt((1 - alpha)(1 - a') / (1 - a)) z`` (noise where
+    ``sigma' > 0``), rescaled by ``sqrt(1 + sigma'^2)``. That is the posterior step of Ho et al. (2020) with the
+    ``fixed_small`` variance on the cumulative alphas ``a`` of the caller's sigmas: the ``ddpm`` kernel
+    (:class:`specsamp.kernels.DDPM`) on those levels, with no noise at the step to 0. Arguments, options, return
+    value and errors: :func:`sample_with_kernel`.
+    """
+    return sample_with_kernel(
+        DDPM.name,
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        noise_sampler,
+        kernel_options={"variance_type": "fixed_small", "final_noise": False},
+        caller="sample_ddpm",
         **speculative,
     )
 
