@@ -8,6 +8,7 @@ The round, its keys and what is bitwise equal across splits: ``docs/architecture
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,13 @@ def _trajectory_ids(n_samples: int | None, indices, device) -> torch.Tensor:
     return ids
 
 
+def _refuse_unknown(fn, unknown: dict) -> None:
+    """A ConfigError for the first keyword ``fn`` does not take (not Python's TypeError), naming the ones it does."""
+    if unknown:
+        named = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        arguments.unknown_option(fn.__name__, unknown, named)
+
+
 def _model_device(model) -> torch.device:
     return torch.device(getattr(model, "device", "cpu"))
 
@@ -79,6 +87,7 @@ def sample_standard(
     max_batch: int | None = None,
     callback: Callable[[dict], None] | None = None,
     init: torch.Tensor | None = None,
+    **unknown,
 ) -> SampleResult:
     """The standard Euler--Maruyama sampler: one target call per step (eqs. 4--5, 36--37).
 
@@ -100,8 +109,10 @@ def sample_standard(
     Raises:
         ValueError: ``n_samples < 1`` or bad indices.
         ConfigError: (a ``ValueError``) a model that is not a velocity model, a schedule that is not a
-            :class:`Schedule`, ``cond`` not a dict, a bad ``max_batch`` or ``callback``, a run too large for memory.
+            :class:`Schedule`, ``cond`` not a dict, a bad ``max_batch`` or ``callback``, a run too large for memory, an
+            unknown keyword (``generator=``), named with the valid ones.
     """
+    _refuse_unknown(sample_standard, unknown)
     arguments.sampler_inputs(model, schedule, cond)
     dev = _model_device(model)
     ids = _trajectory_ids(n_samples, indices, dev)
@@ -194,6 +205,7 @@ def sample_speculative(
     refine: int = 0,
     compile: bool = False,
     init: torch.Tensor | None = None,
+    **unknown,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1), any registered coupling; rounds cover steps ``1..T-2``.
 
@@ -239,11 +251,13 @@ def sample_speculative(
             unknown coupling, draft, prefetch, execution or warmup; a tree wider than
             the coupling allows; ``refine`` not an integer >= 0, or > 0 with ``execution="path"``; ``compile`` not a
             bool, or true with ``execution="path"``, ``refine > 0``, a draft without a table form, or where
-            ``torch.compile`` cannot build kernels (:func:`specsamp.inductor.unavailable`).
+            ``torch.compile`` cannot build kernels (:func:`specsamp.inductor.unavailable`); an unknown keyword
+            (``generator=``), named with the valid ones.
         ContractError: (a ``ValueError``) with ``check_contract``, a verdict that breaks the contract; the
             message names the coupling, trajectory, step and node.
         ValueError: a tree without drafted states; bad ``n_samples`` or ``indices``.
     """
+    _refuse_unknown(sample_speculative, unknown)
     arguments.sampler_inputs(model, schedule, cond)
     coupling = get_coupling(coupling)
     if isinstance(tree, DraftTree):

@@ -332,3 +332,20 @@ def test_the_node_maxima_follow_the_memory_estimate():
 def test_speculative_names_what_it_was_handed_in_place_of_a_pipeline(pipe, shown):
     with pytest.raises(ConfigError, match=rf"pipeline={shown} is not supported: speculative\(\) drives DDPMPipeline"):
         speculative(pipe)
+
+
+@pytest.mark.parametrize("which", ["speculative", "standard"])
+def test_the_samplers_refuse_an_unknown_keyword_by_name_listing_theirs(which):
+    from specsamp.models import GaussianMixture
+    from specsamp.sampler import sample_speculative, sample_standard
+    from specsamp.schedule import Schedule
+
+    gmm = GaussianMixture(dim=4, components=2, layout_seed=1)
+    sch = Schedule(torch.linspace(1, 0, 11, dtype=torch.float64), 1.0)
+    call = (
+        (lambda **kw: sample_speculative(gmm, sch, DraftTree.uniform(2, 2), "dgrs", 2, **kw))
+        if which == "speculative"
+        else (lambda **kw: sample_standard(gmm, sch, 2, **kw))
+    )
+    with pytest.raises(ConfigError, match=rf"generator=0 is not an option of sample_{which}: valid are model, sch"):
+        call(generator=0)
