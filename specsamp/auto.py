@@ -1,0 +1,219 @@
+"""Choosing the round for time, not calls: the plain loop, an RMC chain or a D-GRS tree, per root step.
+
+A round on a tree of ``B`` drafted states costs one network call of ``B`` rows per trajectory (the tree execution
+evaluates every drafted state; the root's velocity is the previous round's) plus the round's own host work, and
+commits :func:`specsamp.theory.expected_steps` steps in expectation. The plain loop commits one step per call of one
+row. So the rate of an option, committed steps per second, is::
+
+    rate = E[steps per round] / (call(b * rows) + host(rows)),      the loop's: 1 / (call(b) + host_loop),
+
+with ``call`` the measured cost curve (:class:`specsamp.cost.CallCost`), ``b`` the trajectories sharing each call,
+and ``host`` the round's own cost (:class:`HostCost`). :func:`options_at` prices every candidate at one root step from
+its per-depth displacement profile (calibrated, :mod:`specsamp.profiles`); :func:`choose` takes, for each coupling,
+the fastest option at each root, then the fastest coupling, and keeps the plain loop unless that plan beats it.
+
+Exactness: the choice reads the profile and the costs, fixed before the round it applies to, never the round's own
+draws; each round is then an exact round of its coupling on its tree, so the samples keep the target law whatever is
+chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import CallCost
+from .profiles import profile_positional
+from .theory import expected_steps
+from .trees import DraftTree
+from .treesearch import optimal_tree
+
+COUPLINGS = ("rmc", "dgrs")
+"""The speculative candidates: RMC chains and D-GRS trees (both sync-free, with a positional theory)."""
+BUDGETS = (1, 2, 3, 4, 6, 8, 11, 14, 20, 30, 45, 62)
+"""Drafted states per round tried by default (chains of these lengths; trees searched for these budgets)."""
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """A round's own seconds outside the network, ``fixed + per_row * rows``; ``loop_step``: a plain step's.
+
+    The defaults are of the order measured on one CPU thread (``benchmarks.roundcost``): 1.5 ms a round plus 30 us per
+    drafted state, 0.1 ms a plain step. Measure the machine's own for a real choice.
+    """
+
+    fixed: float = 1.5e-3
+    per_row: float = 3e-5
+    loop_step: float = 1e-4
+
+    def __call__(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+@dataclass(frozen=True)
+class Option:
+    """One candidate at one root step.
+
+    Attributes:
+        name: ``loop``, ``rmc chain L`` or ``dgrs B`` (drafted states of the searched tree).
+        coupling: ``None`` for the loop, else the coupling's registered name.
+        tree: the round's draft tree (None for the loop).
+        steps: expected committed steps per round (1 for the loop).
+        seconds: expected seconds per round: the call at its rows plus the host's share.
+    """
+
+    name: str
+    coupling: str | None
+    tree: DraftTree | None
+    steps: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        """Committed steps per second."""
+        return self.steps / self.seconds
+
+    @property
+    def rows(self) -> int:
+        """Drafted states a round evaluates per trajectory (0: the loop's one row)."""
+        return 0 if self.tree is None else len(self.tree) - 1
+
+
+def loop_option(call: CallCost, host: HostCost, batch: int = 1) -> Option:
+    """The plain loop: one step per call of ``batch`` rows."""
+    return Option("loop", None, None, 1.0, call(batch) + host.loop_step)
+
+
+def options_at(
+    deltas: Sequence[float],
+    call: CallCost,
+    host: HostCost,
+    *,
+    batch: int = 1,
+    max_depth: int,
+    couplings: Sequence[str] = COUPLINGS,
+    budgets: Sequence[int] = BUDGETS,
+    max_width: int = 4,
+) -> list[Option]:
+    """Every candidate at a root with ``max_depth`` steps ahead and displacement profile ``deltas`` (per depth, as
+    :func:`specsamp.profiles.profile_positional` reads it), the loop first.
+
+    Raises:
+        ValueError: a bad profile, budget or depth (:func:`specsamp.treesearch.optimal_tree`'s checks).
+    """
+    out = [loop_option(call, host, batch)]
+    if max_depth < 1:
+        return out
+    for coupling in couplings:
+        pos = profile_positional(deltas, coupling)
+        seen = set()
+        for b in budgets:
+            if coupling == "rmc":
+                tree = DraftTree.chain(min(b, max_depth))
+            else:
+                tree = optimal_tree(b, pos, max_depth, min(max_width, b))
+            rows = len(tree) - 1
+            if rows in seen:
+                continue
+            seen.add(rows)
+            steps = expected_steps(tree, pos)
+            name = f"rmc chain {rows}" if coupling == "rmc" else f"dgrs {rows}"
+            out.append(Option(name, coupling, tree, steps, call(batch * rows) + host(rows)))
+    return out
+
+
+@dataclass
+class Plan:
+    """The choice for a run: the plain loop, or one coupling with one tree per root step ``1 .. T - 2``.
+
+    Attributes:
+        coupling: the coupling of every round (None: the plain loop).
+        by_root: the chosen option at each root (``by_root[n - 1]``; empty for the loop).
+        loop: the plain loop's option (the anchor every plan is measured against).
+        rates: the predicted rate (steps per second) of the best plan of each coupling tried, and the loop's.
+    """
+
+    coupling: str | None
+    by_root: list[Option]
+    loop: Option
+    rates: dict[str, float]
+
+    @property
+    def use_loop(self) -> bool:
+        return self.coupling is None
+
+    def predicted_rate(self) -> float:
+        """Committed steps per second of the plan (each root's round counted once: a root with expected ``E`` steps
+        per round is left after about one round)."""
+        return self.loop.rate if self.use_loop else plan_rate(self.by_root)
+
+    def speedup(self) -> float:
+        """The predicted rate over the loop's (1 for the loop)."""
+        return self.predicted_rate() / self.loop.rate
+
+    def tree(self, n: int) -> DraftTree:
+        """The draft tree at root state index ``n`` (``1 .. T - 2``)."""
+        return self.by_root[min(max(n, 1), len(self.by_root)) - 1].tree
+
+    def summary(self) -> dict:
+        """What a run's record holds: the choice, the predicted rates and why."""
+        return {
+            "choice": self.coupling or "loop",
+            "predicted_speedup": round(self.speedup(), 4),
+            "rates": {k: round(v, 3) for k, v in self.rates.items()},
+            "by_root": [o.name for o in self.by_root],
+        }
+
+
+def plan_rate(by_root: Sequence[Option]) -> float:
+    """Committed steps per second of one option per root, each root's round counted once."""
+    return sum(o.steps for o in by_root) / sum(o.seconds for o in by_root)
+
+
+def choose(
+    deltas_by_root: Sequence[Sequence[float]],
+    call: CallCost,
+    host: HostCost = HostCost(),
+    *,
+    batch: int = 1,
+    couplings: Sequence[str] = COUPLINGS,
+    budgets: Sequence[int] = BUDGETS,
+    max_width: int = 4,
+    margin: float = 0.05,
+) -> Plan:
+    """For each coupling, the fastest option at each root step ``n = 1 .. T - 2`` (``deltas_by_root[n - 1]``, with
+    ``T - 1 - n`` steps ahead); the coupling whose plan is fastest, unless the plain loop is within ``margin`` of it.
+
+    Raises:
+        ValueError: an empty or bad profile (:func:`options_at`).
+    """
+    rows = [np.asarray(d, dtype=np.float64).reshape(-1) for d in deltas_by_root]
+    if not rows:
+        raise ValueError("deltas_by_root is empty: need one profile per root step 1 .. T - 2")
+    loop = loop_option(call, host, batch)
+    plans: dict[str, list[Option]] = {}
+    for coupling in couplings:
+        plans[coupling] = [
+            max(
+                options_at(
+                    d,
+                    call,
+                    host,
+                    batch=batch,
+                    max_depth=len(rows) - i,
+                    couplings=(coupling,),
+                    budgets=budgets,
+                    max_width=max_width,
+                )[1:],
+                key=lambda o: o.rate,
+            )
+            for i, d in enumerate(rows)
+        ]
+    rates = {c: plan_rate(p) for c, p in plans.items()}
+    rates["loop"] = loop.rate
+    best = max(plans, key=rates.get) if plans else None
+    if best is None or rates[best] < (1.0 + margin) * loop.rate:
+        return Plan(None, [], loop, rates)
+    return Plan(best, plans[best], loop, rates)
