@@ -408,3 +408,13 @@ def min_ks_p(a, b) -> float:
     p = [stats.ks_2samp((a @ d).numpy(), (b @ d).numpy()).pvalue for d in dirs]
     p.append(stats.ks_2samp(a.norm(dim=1).numpy(), b.norm(dim=1).numpy()).pvalue)
     return min(p)
+
+
+def karras(n: int, sigma_min: float = 0.03, sigma_max: float = 80.0, rho: float = 7.0):
+    """Karras et al.'s noise levels (k-diffusion's ``get_sigmas_karras``), float64, then 0: ``[n + 1]``."""
+    import torch
+
+    ramp = torch.linspace(0, 1, n, dtype=torch.float64)
+    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    s = (hi + ramp * (lo - hi)) ** rho
+    return torch.cat([s, s.new_zeros(1)])

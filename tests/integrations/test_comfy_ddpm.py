@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import karras
 from scheduler_models import law_pvalues
-from test_k_diffusion import karras
 
 from specsamp.integrations.k_diffusion import sample_ddpm
 from specsamp.models.gmm import GaussianMixture
