@@ -418,3 +418,22 @@ def karras(n: int, sigma_min: float = 0.03, sigma_max: float = 80.0, rho: float 
     lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
     s = (hi + ramp * (lo - hi)) ** rho
     return torch.cat([s, s.new_zeros(1)])
+
+
+def _wide_mixture():
+    from specsamp.models.gmm import GaussianMixture
+
+    return GaussianMixture(dim=8, components=3, layout_seed=1, std_range=(0.5, 0.8))
+
+
+WIDE = _wide_mixture()
+"""A mixture of wide components (standard deviations 0.5 to 0.8 around means in ``[-2, 2]^8``), on which a sampler's
+law depends on every step's coefficients (with tight components every sampler ends on the data law)."""
+
+
+def wide_denoiser(x, sigma, **extra):
+    """:data:`WIDE`'s exact posterior mean as a k-diffusion denoiser (variance-exploding ``x = x0 + sigma xi``)."""
+    import torch
+
+    s = sigma.to(torch.float64)
+    return WIDE.denoise(x.to(torch.float64) / (1.0 + s[:, None]), s / (1.0 + s)).to(x.dtype)

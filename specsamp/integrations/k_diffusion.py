@@ -18,6 +18,7 @@ import torch
 
 from .. import arguments
 from ..coupling import get_coupling
+from ..dpmpp import DPMPP2MSDE, DPMPP3MSDE, SOLVER_TYPES
 from ..drafts import get_draft
 from ..errors import ConfigError
 from ..kernels import DDPM, EulerAncestral
@@ -94,6 +95,92 @@ def sample_euler_ancestral(
         noise_sampler,
         kernel_options=options,
         caller="sample_euler_ancestral",
+        **speculative,
+    )
+
+
+def sample_dpmpp_2m_sde(
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    eta=1.0,
+    s_noise=1.0,
+    noise_sampler=None,
+    solver_type="midpoint",
+    **speculative,
+):
+    """k-diffusion's DPM-Solver++(2M) SDE (``sample_dpmpp_2m_sde``; ComfyUI's ``dpmpp_2m_sde`` and ``_gpu``), exact and
+    speculative.
+
+    Each step is the ``dpmpp_2m_sde`` kernel (:class:`specsamp.dpmpp.DPMPP2MSDE`), a multistep kernel whose mean reads
+    the previous step's data prediction; the run is :func:`sample_with_kernel`'s, whose documentation gives every
+    argument, the speculative options and the errors. k-diffusion's Brownian-tree noise is independent across steps, so
+    one trajectory's law is the same with the keyed Gaussian noise used here.
+
+    Args:
+        eta: the noise's share, > 0 (0 is the deterministic DPM-Solver++(2M), where speculation is vacuous).
+        s_noise: the noise's scale, > 0.
+        solver_type: ``midpoint`` (the default) or ``heun``: the second-order correction's form.
+
+    Returns:
+        ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
+    """
+    if solver_type not in SOLVER_TYPES:
+        raise arguments.refuse("solver_type", solver_type, f"must be one of {', '.join(SOLVER_TYPES)}")
+    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise), "solver_type": solver_type}
+    return sample_with_kernel(
+        DPMPP2MSDE.name,
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        noise_sampler,
+        kernel_options=options,
+        caller="sample_dpmpp_2m_sde",
+        **speculative,
+    )
+
+
+def sample_dpmpp_3m_sde(
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    eta=1.0,
+    s_noise=1.0,
+    noise_sampler=None,
+    **speculative,
+):
+    """k-diffusion's DPM-Solver++(3M) SDE (``sample_dpmpp_3m_sde``; ComfyUI's ``dpmpp_3m_sde`` and ``_gpu``), exact and
+    speculative: the ``dpmpp_3m_sde`` kernel (:class:`specsamp.dpmpp.DPMPP3MSDE`, reading the two previous steps' data
+    predictions) run by :func:`sample_with_kernel`, whose documentation gives every argument and error.
+
+    Args:
+        eta: the noise's share, > 0.
+        s_noise: the noise's scale, > 0.
+
+    Returns:
+        ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
+    """
+    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise)}
+    return sample_with_kernel(
+        DPMPP3MSDE.name,
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        noise_sampler,
+        kernel_options=options,
+        caller="sample_dpmpp_3m_sde",
         **speculative,
     )
 
@@ -433,6 +520,6 @@ def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
 
 def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        extra = " (eta=0 is the deterministic Euler sampler, where speculation is vacuous)" if name == "eta" else ""
+        extra = " (eta=0 is the deterministic sampler, where speculation is vacuous)" if name == "eta" else ""
         raise arguments.refuse(name, value, f"must be a finite number > 0{extra}")
     return float(value)

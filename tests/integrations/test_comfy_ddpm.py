@@ -13,21 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import karras
+from helpers import WIDE, karras, wide_denoiser
 from scheduler_models import law_pvalues
 
 from specsamp.integrations.k_diffusion import sample_ddpm
-from specsamp.models.gmm import GaussianMixture
 from specsamp.schedule import Schedule
-
-WIDE = GaussianMixture(dim=8, components=3, layout_seed=1, std_range=(0.5, 0.8))
-
-
-def wide_denoiser(x, sigma):
-    """The wide mixture's exact posterior mean as a k-diffusion denoiser (variance-exploding ``x = x0 + sigma xi``)."""
-    s = sigma.to(torch.float64)
-    return WIDE.denoise(x / (1.0 + s[:, None]), s / (1.0 + s)).to(x.dtype)
-
 
 P_MIN = 1e-3  # a law case passes when the smallest of its 7 p-values is above this (seeds fixed: deterministic)
 FIELDS = ("nfe", "nfe_total", "target_rows", "rounds", "committed", "attempts", "accepts")
