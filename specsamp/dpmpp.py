@@ -36,10 +36,27 @@ def _positive(name: str, value) -> float:
     return float(value)
 
 
+def karras_levels(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
+    """float64 ``[steps + 1]``: Karras et al.'s (2022) variance-exploding levels (k-diffusion's ``get_sigmas_karras``,
+    ComfyUI's ``karras`` scheduler) on the linear path, ``s / (1 + s)``, then 0."""
+    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
+    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    ve = (hi + ramp * (lo - hi)) ** rho
+    return torch.cat([ve / (1.0 + ve), ve.new_zeros(1)])
+
+
 class _DPMPPSDE(Kernel):
-    """Shared by the 2M and 3M kernels: the step's variance-exploding quantities and the linear path's columns."""
+    """Shared by the 2M and 3M kernels: the step's variance-exploding quantities and the linear path's columns; in a
+    run (``run.py kernel=dpmpp_2m_sde``) the grid is Karras' (:func:`karras_levels`, the keys :attr:`grid_keys`)."""
 
     stochastic_endpoints = True  # step 0 is a noisy step like every other
+    grid_keys = ("sigma_min", "sigma_max", "rho")
+    run_options = ("eta", "s_noise")
+    reads_shift = False
+
+    @staticmethod
+    def make_grid(steps: int, **keys) -> torch.Tensor:
+        return karras_levels(steps, **keys)
 
     def __init__(self, sigmas: torch.Tensor, eps: float, eta: float = 1.0, s_noise: float = 1.0):
         super().__init__(sigmas, eps)
@@ -86,6 +103,7 @@ class DPMPP2MSDE(_DPMPPSDE):
 
     columns = ("c_x", "c_x0", "c_h", "sigma", "std", "lsnr")
     order = 2
+    run_options = ("eta", "s_noise", "solver_type")
 
     def __init__(self, sigmas, eps, eta: float = 1.0, s_noise: float = 1.0, solver_type: str = "midpoint"):
         super().__init__(sigmas, eps, eta, s_noise)

@@ -155,6 +155,8 @@ class Kernel:
     must not (False: the scheduler has no ``init_noise_sigma``), or either (None: both are the identity)."""
     run_options: ClassVar[tuple[str, ...]] = ()
     """Kernel config keys that are the sampler's options, not the scheduler's (passed to :meth:`read_scheduler`)."""
+    grid_keys: ClassVar[tuple[str, ...]] = ()
+    """Config keys of a kernel that makes its own grid, ``make_grid(steps, **keys)`` (no scheduler: Karras' levels)."""
     reads_shift: ClassVar[bool] = True
     """Whether ``model.shift`` moves its grid (a scheduler's own levels do not)."""
     train_steps_bound: ClassVar[bool] = False
@@ -254,7 +256,10 @@ def shift_history(history: tuple | None, record: torch.Tensor, order: int) -> tu
     return (record,) * (order - 1) if history is None else (record, *history[:-1])
 
 
-KERNELS: Registry[type] = Registry("kernel")
+KERNELS: Registry[type] = Registry(
+    "kernel", modules=tuple(f"specsamp.{m}" for m in ("dpmpp", "ddim", "dpmsolver", "ancestral"))
+)
+"""The kernels by name: this module's, and those of the modules named (imported on the table's first read)."""
 
 
 def register_kernel(name: str):
@@ -582,8 +587,3 @@ class FlowStochastic(DataPredictionKernel):
     def step_coefficients(self, device):
         s1 = self.sigmas.to(device)[1:]
         return torch.zeros_like(s1), 1.0 - s1, s1.clone()
-
-
-# The kernels beyond this module's register themselves when they are imported: import them with it, so that every
-# registry read (the scheduler maps, the config schemas, refusals) sees them.
-from . import ancestral, ddim, dpmpp, dpmsolver  # noqa: E402,F401

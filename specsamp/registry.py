@@ -49,12 +49,25 @@ class Registry(Generic[T]):
             error messages name.
         cls: the entries' type, when there is one: :meth:`get` returns an instance of it as is, and
             refuses a ``pkg.module:name`` that names something else.
+        modules: modules whose import registers more entries (the library's own, defined beside the registry's
+            module): imported on the first read of the table, so that they may import the registry's module
+            without a cycle.
     """
 
-    def __init__(self, kind: str, cls: type | None = None):
+    def __init__(self, kind: str, cls: type | None = None, modules: tuple[str, ...] = ()):
         self.kind = kind
         self.cls = cls
         self._entries: dict[str, T] = {}
+        self._pending = tuple(modules)
+
+    def _load(self) -> None:
+        """Import the :attr:`modules` not yet imported (once; a registration they make does not recurse here)."""
+        if self._pending:
+            import importlib
+
+            pending, self._pending = self._pending, ()
+            for module in pending:
+                importlib.import_module(module)
 
     def register(self, name: str, obj: T, *, replace: bool = False) -> T:
         """Store ``obj`` under ``name`` and return it.
@@ -77,6 +90,7 @@ class Registry(Generic[T]):
         """
         if self.cls is not None and isinstance(name, self.cls):
             return name
+        self._load()
         if isinstance(name, str) and ":" in name and name not in self._entries:
             obj = import_object(name, self.kind)
             if self.cls is not None and not isinstance(obj, self.cls):
@@ -108,9 +122,11 @@ class Registry(Generic[T]):
 
     def names(self) -> tuple[str, ...]:
         """Registered names, sorted."""
+        self._load()
         return tuple(sorted(self._entries))
 
     def __contains__(self, name: object) -> bool:
+        self._load()
         return name in self._entries
 
     def __iter__(self) -> Iterator[str]:

@@ -126,7 +126,8 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
 
     In order: the model's own scheduler where it brings one (``run.model.scheduler_plan(steps, kernel)``, the
     kernel's name, None for ``kernel=auto``; :meth:`specsamp.models.base.TargetConfig.scheduler_plan`); else
-    ``kernel=em``: the paper's grid of ``steps`` and ``eps`` with the model's ``shift``; else the diffusers scheduler
+    ``kernel=em``: the paper's grid of ``steps`` and ``eps`` with the model's ``shift``; else a kernel's own grid from
+    its keys (``grid_keys``: the k-diffusion samplers' Karras levels); else the diffusers scheduler
     that the kernel's keys configure (:func:`kernel_scheduler`), read by
     :func:`specsamp.integrations.schedulers.from_scheduler` at ``steps`` (the shipped models return the linear
     path's velocity, which every kernel takes, so their grid is all a run reads of the plan).
@@ -167,6 +168,11 @@ def build_schedule(run: RunConfig, event_shape: tuple | None = None):
     from ..kernels import get_kernel
     from ..schedulers import from_scheduler
 
+    own = get_kernel(name)
+    if own.grid_keys:  # a kernel that makes its own grid (k-diffusion's samplers on Karras' levels)
+        keys = {key: getattr(run.kernel, key) for key in own.grid_keys}
+        options = {key: getattr(run.kernel, key) for key in own.run_options}
+        return Schedule(own.make_grid(run.steps, **keys), 1.0, name, options), None
     shape = event_shape if event_shape is not None else config_event_shape(run.model)
     k = run.kernel
     options = {key: getattr(k, key) for key in get_kernel(name).run_options}

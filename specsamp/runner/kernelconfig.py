@@ -105,12 +105,52 @@ class FlowStochasticKernelConfig(KernelConfig):
     )
 
 
+def _solver_types():
+    from ..dpmpp import SOLVER_TYPES
+
+    return SOLVER_TYPES
+
+
+POSITIVE = ("a finite number > 0", lambda v: v > 0)
+
+
+@dataclass
+class KarrasKernelConfig(KernelConfig):
+    """The keys of Karras et al.'s levels (k-diffusion's ``get_sigmas_karras``; EDM's defaults) and of the
+    stochastic samplers' noise (``eta > 0``: 0 is the deterministic sampler, where speculation is vacuous)."""
+
+    sigma_min: float = _number(*POSITIVE, 0.002)
+    sigma_max: float = _number(*POSITIVE, 80.0)
+    rho: float = _number(*POSITIVE, 7.0)
+    eta: float = _number(
+        "a finite number > 0 (eta=0 is the deterministic sampler, where speculation is vacuous)", lambda v: v > 0, 1.0
+    )
+    s_noise: float = _number(*POSITIVE, 1.0)
+
+
+@dataclass
+class DPMPP2MSDEKernelConfig(KarrasKernelConfig):
+    """``kernel=dpmpp_2m_sde``: k-diffusion's DPM-Solver++(2M) SDE on Karras' levels."""
+
+    name: str = "dpmpp_2m_sde"
+    solver_type: str = one_of(_solver_types, "midpoint")
+
+
+@dataclass
+class DPMPP3MSDEKernelConfig(KarrasKernelConfig):
+    """``kernel=dpmpp_3m_sde``: k-diffusion's DPM-Solver++(3M) SDE on Karras' levels."""
+
+    name: str = "dpmpp_3m_sde"
+
+
 KERNEL_SCHEMAS = {
     "em": EMKernelConfig,
     "auto": AutoKernelConfig,
     "ddpm": DDPMKernelConfig,
     "euler_ancestral": EulerAncestralKernelConfig,
     "flow_stochastic": FlowStochasticKernelConfig,
+    "dpmpp_2m_sde": DPMPP2MSDEKernelConfig,
+    "dpmpp_3m_sde": DPMPP3MSDEKernelConfig,
 }
 """The kernel config classes by ``kernel.name`` (Hydra schemas ``kernel/<name>_schema``)."""
 SCHEDULER_KERNELS = tuple(cls.name for cls in scheduler_kernels())
@@ -166,6 +206,11 @@ def check_kernel(run) -> None:
             raise ConfigError(
                 f"kernel.{f.name}={'null' if v is None else repr(v)} is invalid for kernel={k.name}: must be {text}."
             )
+    if isinstance(k, KarrasKernelConfig) and not k.sigma_min < k.sigma_max:
+        raise ConfigError(
+            f"kernel.sigma_min={k.sigma_min!r} is invalid with kernel.sigma_max={k.sigma_max!r} for kernel={k.name}: "
+            "Karras' levels fall from sigma_max to sigma_min, so sigma_min must be below sigma_max."
+        )
     kernel = KERNELS.get(k.name) if k.name in KERNELS else None
     if kernel is None or not kernel.schedulers:
         return

@@ -109,6 +109,21 @@ def test_a_scheduler_kernel_runs_speculative_and_standard_in_process():
         assert torch.isfinite(res.samples).all() and res.samples.shape == (8, 16)
 
 
+@pytest.mark.parametrize("kernel", ["dpmpp_2m_sde", "dpmpp_3m_sde"])
+def test_a_karras_kernel_runs_on_its_own_grid_and_records_its_keys(kernel):
+    from specsamp.dpmpp import karras_levels
+    from specsamp.runner.build import build_schedule
+
+    run, _ = load_config(compose([*SMALL, f"kernel={kernel}", "kernel.sigma_max=20", "kernel.eta=0.8"]))
+    schedule, plan = build_schedule(run)
+    assert plan is None and torch.equal(schedule.sigmas, karras_levels(20, 0.002, 20.0, 7.0))
+    assert schedule.kernel.eta == 0.8 and schedule.kernel.order == int(kernel[6])
+    for sampler in ("rmc", "standard"):
+        rec, res = run_config(compose([*SMALL, f"kernel={kernel}", f"sampler={sampler}"]))
+        assert rec["kernel"] == kernel and rec["eps"] is None and rec["config"]["kernel"]["sigma_max"] == 80.0
+        assert torch.isfinite(res.samples).all() and res.samples.shape == (8, 16)
+
+
 def test_ddpm_speculative_and_standard_sample_the_same_law_on_the_gmm():
     """A sanity check of the wiring (the thorough law tests live with the kernels): D-GRS and the standard
     sampler under kernel=ddpm, T=20, on the GMM (d=16), n=400 each under different seeds (0 and 1, so the two
@@ -230,6 +245,19 @@ def test_a_model_that_brings_its_scheduler_is_built_with_its_plan():
             "kernel.shift=0.0 is invalid for kernel=flow_stochastic: must be a finite number > 0",
         ),
         (
+            ["kernel=dpmpp_2m_sde", "kernel.eta=0"],
+            "kernel.eta=0.0 is invalid for kernel=dpmpp_2m_sde: must be a finite number > 0 (eta=0 is the "
+            "deterministic sampler",
+        ),
+        (
+            ["kernel=dpmpp_2m_sde", "kernel.solver_type=euler"],
+            "kernel.solver_type='euler' is invalid for kernel=dpmpp_2m_sde: must be one of midpoint, heun",
+        ),
+        (
+            ["kernel=dpmpp_3m_sde", "kernel.sigma_min=100"],
+            "kernel.sigma_min=100.0 is invalid with kernel.sigma_max=80.0 for kernel=dpmpp_3m_sde",
+        ),
+        (
             ["kernel.name=foo"],
             "kernel.name='foo' is invalid: must be one of em, auto, ddpm, euler_ancestral, flow_stochastic",
         ),
@@ -260,8 +288,8 @@ def test_a_scheduler_grid_that_repeats_a_level_is_refused_at_build_naming_the_ke
     [
         (
             ["kernel=foo"],
-            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, em, "
-            "euler_ancestral, flow_stochastic (conf/kernel/)",
+            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, dpmpp_2m_sde, "
+            "dpmpp_3m_sde, em, euler_ancestral, flow_stochastic (conf/kernel/)",
         ),
         (
             ["kernel=ddpm", "kernel.clip_sample=2"],
