@@ -403,7 +403,7 @@ def test_ksamplers_call_binds_and_runs(monkeypatch):
     assert out.shape == noise.shape and previews == list(range(8)) and info["steps"] == 8
 
 
-def test_comfyui_flow_models_and_inpainting_masks_are_refused():
+def test_comfyui_flow_models_go_to_the_flow_form_or_are_refused_and_inpainting_masks_are_refused():
     class CONST:
         pass
 
@@ -418,8 +418,12 @@ def test_comfyui_flow_models_and_inpainting_masks_are_refused():
             return x
 
     sig = karras(6)
-    with pytest.raises(ConfigError, match="flow model"):
-        sample_euler_ancestral(Wrapper(), torch.zeros(2, 8), sig, disable=True)
+    with pytest.raises(ConfigError, match=r"sigmas=.* is invalid: it starts at 80.0: a flow model's levels lie in"):
+        sample_euler_ancestral(Wrapper(), torch.zeros(2, 8), sig, disable=True)  # runs the flow form: levels <= 1
+    from specsamp.integrations.k_diffusion import sample_dpmpp_2m_sde
+
+    with pytest.raises(ConfigError, match="model is a flow model .* sample_dpmpp_2m_sde takes variance-exploding"):
+        sample_dpmpp_2m_sde(Wrapper(), torch.zeros(2, 8), sig, disable=True)
     with pytest.raises(ConfigError, match=r"denoise_mask"):
         sample_euler_ancestral(gmm_denoiser, torch.zeros(2, 8), sig, {"denoise_mask": torch.ones(2, 8)}, disable=True)
 
