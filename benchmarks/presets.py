@@ -6,7 +6,8 @@
 Samplers (the k-diffusion entry points, :mod:`specsamp.integrations.k_diffusion`): Euler ancestral and DPM++ 2M SDE
 (``eta = 1``, midpoint) on Karras et al.'s levels (``sigma_min = 0.002``, ``sigma_max = 80``, ``rho = 7``: "Euler a
 Karras", "DPM++ 2M SDE Karras") at each of ``--steps``, and ComfyUI's flow Euler ancestral at 28 steps on SD3's
-shift-3 levels (times 80/81: the first at sigma 80; the targets served as flow models: ``D_flow(x, s) = D(x / (1 - s), s / (1 - s))``). Targets: the
+shift-3 levels (times 80/81: the first at sigma 80; the targets served as flow models:
+``D_flow(x, s) = D(x / (1 - s), s / (1 - s))``). Targets: the
 shipped digits network (class-conditional EDM, labels ``i mod 10``), patches32 (unconditional EDM at CIFAR-10's
 dimension) and the section 5.1 mixture (d = 500, float64, its exact denoiser). The original loop is the sampler as
 k-diffusion (ComfyUI for the flow form) writes it, transcribed here, with ``torch.randn`` noise.
