@@ -82,16 +82,23 @@ def choice(name: str, value, valid) -> str:
     return value
 
 
-def number(name: str, value, *, positive: bool = False) -> float:
-    """``value`` as a finite ``float`` (``> 0`` where ``positive``; bools refused)."""
+def number(name: str, value, *, positive: bool = False, note: str = "") -> float:
+    """``value`` as a finite ``float`` (``> 0`` where ``positive``; bools refused); ``note`` ends the refusal."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float, np.integer, np.floating))
         or not math.isfinite(value)
         or (positive and not value > 0)
     ):
-        raise refuse(name, value, "must be a finite number" + (" > 0" if positive else ""))
+        raise refuse(name, value, "must be a finite number" + (" > 0" if positive else "") + note)
     return float(value)
+
+
+def noise_options(eta, s_noise) -> dict:
+    """``{"eta": eta, "s_noise": s_noise}`` as floats, each finite and ``> 0``: the noise share and scale of
+    k-diffusion's stochastic samplers (``eta = 0`` is the deterministic sampler, where speculation is vacuous)."""
+    eta = number("eta", eta, positive=True, note=" (eta=0 is the deterministic sampler, where speculation is vacuous)")
+    return {"eta": eta, "s_noise": number("s_noise", s_noise, positive=True)}
 
 
 def function(name: str, value, *, optional: bool = False):

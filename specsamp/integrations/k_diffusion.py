@@ -83,7 +83,7 @@ def sample_euler_ancestral(
     Returns:
         ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device: what k-diffusion returns.
     """
-    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise)}
+    options = arguments.noise_options(eta, s_noise)
     return sample_with_kernel(
         EulerAncestral.name,
         model,
@@ -128,9 +128,10 @@ def sample_dpmpp_2m_sde(
     Returns:
         ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
     """
-    if solver_type not in SOLVER_TYPES:
-        raise arguments.refuse("solver_type", solver_type, f"must be one of {', '.join(SOLVER_TYPES)}")
-    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise), "solver_type": solver_type}
+    options = {
+        **arguments.noise_options(eta, s_noise),
+        "solver_type": arguments.choice("solver_type", solver_type, SOLVER_TYPES),
+    }
     return sample_with_kernel(
         DPMPP2MSDE.name,
         model,
@@ -169,7 +170,7 @@ def sample_dpmpp_3m_sde(
     Returns:
         ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
     """
-    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise)}
+    options = arguments.noise_options(eta, s_noise)
     return sample_with_kernel(
         DPMPP3MSDE.name,
         model,
@@ -516,10 +517,3 @@ def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
         )
     rows = {k: v for k, v in extra_args.items() if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == b}
     return {k: v for k, v in extra_args.items() if k not in rows}, rows
-
-
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        extra = " (eta=0 is the deterministic sampler, where speculation is vacuous)" if name == "eta" else ""
-        raise arguments.refuse(name, value, f"must be a finite number > 0{extra}")
-    return float(value)
