@@ -7,8 +7,10 @@ the variance-exploding coordinates of a Karras grid, fed the standard sampler's 
 dependency). Tests: the standard sampler's trajectories are that loop's on the same numbers (to 1e-10 over the whole
 run: the kernel's coefficients are the loop's, its history is the trajectory's own, its first state is ``sigma_0 xi``);
 they are bit for bit the loop written on the linear path with the kernel's columns and mean; the speculative
-executions (path and tree, several drafts and prefetch rules) agree bit for bit with each other; the default draft
-runs without history (``None``) and gives the first-order form.
+executions (path and tree, several drafts and prefetch rules) agree bit for bit with each other; a mean without
+history (``None``, what a draft's proposal asks for) is the first-order form; and a power check: on a denoiser that
+does not undo a wrong noise scale, the law test passes the speculative samples against the loop and rejects the loop
+with ``s_noise`` 1.05.
 """
 
 from __future__ import annotations
