@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install lint format test test-all bench bench-latency bench-rev bench-samplers gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
+.PHONY: help install lint format test test-all bench bench-latency bench-rev bench-samplers bench-presets gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -37,6 +37,9 @@ bench-rev:  ## the sampler's latency here against git revision REV, interleaved 
 
 bench-samplers:  ## DDPM (1000, 100 steps), Euler ancestral (50) and stochastic flow matching (28) against the scheduler's own loop on the digits network and the mixture: calls, acceptance per depth and one-image wall clock, X
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.samplers --search --n 16 --out results/samplers.json $(ARGS)
+
+bench-presets:  ## the samplers people run at 20-30 steps (Euler a and DPM++ 2M SDE on Karras levels, flow Euler a at 28) against their original loops on digits, patches32 and the mixture: calls, acceptance per depth, one-image wall clock real and padded to 5 and 20 ms (about 12 min)
+	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.presets --out results/presets.json $(ARGS)
 
 gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
 	python3 -m benchmarks.gpu_check $(ARGS)

@@ -94,13 +94,6 @@ def number(name: str, value, *, positive: bool = False, note: str = "") -> float
     return float(value)
 
 
-def noise_options(eta, s_noise) -> dict:
-    """``{"eta": eta, "s_noise": s_noise}`` as floats, each finite and ``> 0``: the noise share and scale of
-    k-diffusion's stochastic samplers (``eta = 0`` is the deterministic sampler, where speculation is vacuous)."""
-    eta = number("eta", eta, positive=True, note=" (eta=0 is the deterministic sampler, where speculation is vacuous)")
-    return {"eta": eta, "s_noise": number("s_noise", s_noise, positive=True)}
-
-
 def function(name: str, value, *, optional: bool = False):
     """``value`` if it can be called (None allowed where ``optional``)."""
     if (value is None and optional) or callable(value):

@@ -115,13 +115,19 @@ POSITIVE = ("a finite number > 0", lambda v: v > 0)
 
 
 @dataclass
-class KarrasKernelConfig(KernelConfig):
-    """The keys of Karras et al.'s levels (k-diffusion's ``get_sigmas_karras``; EDM's defaults) and of the
-    stochastic samplers' noise (``eta > 0``: 0 is the deterministic sampler, where speculation is vacuous)."""
+class KarrasLevelsConfig(KernelConfig):
+    """The keys of Karras et al.'s levels (k-diffusion's ``get_sigmas_karras``; EDM's defaults)."""
 
     sigma_min: float = _number(*POSITIVE, 0.002)
     sigma_max: float = _number(*POSITIVE, 80.0)
     rho: float = _number(*POSITIVE, 7.0)
+
+
+@dataclass
+class KarrasKernelConfig(KarrasLevelsConfig):
+    """Karras' levels and the stochastic samplers' noise (``eta > 0``: 0 is the deterministic sampler, where speculation
+    is vacuous)."""
+
     eta: float = _number(
         "a finite number > 0 (eta=0 is the deterministic sampler, where speculation is vacuous)", lambda v: v > 0, 1.0
     )
@@ -143,6 +149,33 @@ class DPMPP3MSDEKernelConfig(KarrasKernelConfig):
     name: str = "dpmpp_3m_sde"
 
 
+@dataclass
+class LCMKernelConfig(KarrasLevelsConfig):
+    """``kernel=lcm``: ComfyUI's LCM sampler on Karras' levels, the noise scaled from ``s_noise`` to ``s_noise_end``."""
+
+    name: str = "lcm"
+    s_noise: float = _number(*POSITIVE, 1.0)
+    s_noise_end: float | None = rule(
+        "a finite number > 0, or null (s_noise throughout)",
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+        None,
+    )
+
+
+@dataclass
+class EulerAncestralRFKernelConfig(KernelConfig):
+    """``kernel=euler_ancestral_rf``: ComfyUI's Euler ancestral for flow models on the shifted flow levels."""
+
+    name: str = "euler_ancestral_rf"
+    shift: float = _number(*POSITIVE, 3.0)
+    eta: float = _number(
+        "a finite number in (0, 1] (eta=0 is the deterministic Euler sampler; above 1 the step down can fall below 0)",
+        lambda v: 0 < v <= 1,
+        1.0,
+    )
+    s_noise: float = _number(*POSITIVE, 1.0)
+
+
 KERNEL_SCHEMAS = {
     "em": EMKernelConfig,
     "auto": AutoKernelConfig,
@@ -151,6 +184,8 @@ KERNEL_SCHEMAS = {
     "flow_stochastic": FlowStochasticKernelConfig,
     "dpmpp_2m_sde": DPMPP2MSDEKernelConfig,
     "dpmpp_3m_sde": DPMPP3MSDEKernelConfig,
+    "euler_ancestral_rf": EulerAncestralRFKernelConfig,
+    "lcm": LCMKernelConfig,
 }
 """The kernel config classes by ``kernel.name`` (Hydra schemas ``kernel/<name>_schema``)."""
 SCHEDULER_KERNELS = tuple(cls.name for cls in scheduler_kernels())
@@ -206,7 +241,7 @@ def check_kernel(run) -> None:
             raise ConfigError(
                 f"kernel.{f.name}={'null' if v is None else repr(v)} is invalid for kernel={k.name}: must be {text}."
             )
-    if isinstance(k, KarrasKernelConfig) and not k.sigma_min < k.sigma_max:
+    if isinstance(k, KarrasLevelsConfig) and not k.sigma_min < k.sigma_max:
         raise ConfigError(
             f"kernel.sigma_min={k.sigma_min!r} is invalid with kernel.sigma_max={k.sigma_max!r} for kernel={k.name}: "
             "Karras' levels fall from sigma_max to sigma_min, so sigma_min must be below sigma_max."

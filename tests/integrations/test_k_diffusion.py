@@ -384,7 +384,7 @@ def test_ksamplers_call_binds_and_runs(monkeypatch):
     extra_args=..., callback=..., disable=..., **extra_options)``; its model wrapper takes ``denoise_mask``,
     ``model_options`` and ``seed`` keywords (``denoise_mask=None`` without inpainting). The sampler is the docs' node's."""
     sampler = docs_node(monkeypatch)
-    assert sampler.sampler_function is sample_euler_ancestral
+    assert sampler.sampler_function is sample_euler_ancestral  # the node's default: ComfyUI's first name
     sig = karras(8)
     noise = torch.randn(2, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * sig[0]
     info = {}
@@ -403,7 +403,7 @@ def test_ksamplers_call_binds_and_runs(monkeypatch):
     assert out.shape == noise.shape and previews == list(range(8)) and info["steps"] == 8
 
 
-def test_comfyui_flow_models_and_inpainting_masks_are_refused():
+def test_comfyui_flow_models_go_to_the_flow_form_or_are_refused_and_inpainting_masks_are_refused():
     class CONST:
         pass
 
@@ -418,8 +418,12 @@ def test_comfyui_flow_models_and_inpainting_masks_are_refused():
             return x
 
     sig = karras(6)
-    with pytest.raises(ConfigError, match="flow model"):
-        sample_euler_ancestral(Wrapper(), torch.zeros(2, 8), sig, disable=True)
+    with pytest.raises(ConfigError, match=r"sigmas=.* is invalid: it starts at 80.0: a flow model's levels lie in"):
+        sample_euler_ancestral(Wrapper(), torch.zeros(2, 8), sig, disable=True)  # runs the flow form: levels <= 1
+    from specsamp.integrations.k_diffusion import sample_dpmpp_2m_sde
+
+    with pytest.raises(ConfigError, match="model is a flow model .* sample_dpmpp_2m_sde takes variance-exploding"):
+        sample_dpmpp_2m_sde(Wrapper(), torch.zeros(2, 8), sig, disable=True)
     with pytest.raises(ConfigError, match=r"denoise_mask"):
         sample_euler_ancestral(gmm_denoiser, torch.zeros(2, 8), sig, {"denoise_mask": torch.ones(2, 8)}, disable=True)
 
@@ -434,3 +438,40 @@ def test_the_driver_refuses_bad_coords_and_an_unknown_option_names_the_sampler_a
         sample_euler_ancestral(gmm_denoiser, x, karras(6), Kk=2)
     with pytest.raises(ConfigError, match=r"sigmas=\[1\.5, 0\.5, 0\.0\] is invalid: it starts at 1\.5"):
         sample_with_kernel("flow_stochastic", gmm_denoiser, x, torch.tensor([1.5, 0.5, 0.0]), coords="linear")
+
+
+def test_the_docs_node_offers_every_sampler_by_comfyuis_name_and_each_takes_ksamplers_call(monkeypatch):
+    import re
+    from pathlib import Path
+
+    docs_node(monkeypatch)  # the stand-in comfy.samplers module, installed for the node's import
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "KSAMPLER" in b]
+    namespace = {}
+    exec(compile(code, "docs/integrations.md", "exec"), namespace)
+    node = namespace["SpeculativeSampler"]
+    names = node.INPUT_TYPES()["required"]["sampler_name"][0]
+    assert names == [
+        "euler_ancestral",
+        "dpmpp_2m_sde",
+        "dpmpp_2m_sde_gpu",
+        "dpmpp_3m_sde",
+        "dpmpp_3m_sde_gpu",
+        "ddpm",
+        "lcm",
+    ]
+    sig = karras(6, sigma_max=20.0)
+    noise = torch.randn(2, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * sig[0]
+    extra_args = {"cond": [], "model_options": {}, "seed": 7, "denoise_mask": None}
+
+    def model_k(x, sigma, denoise_mask, model_options={}, seed=None, **rest):  # noqa: B006  (ComfyUI's own signature)
+        return gmm_denoiser(x, sigma)
+
+    for name in names:
+        sampler = node().get_sampler(name, 2, 2, "rmc", 0.9, 1.01)[0]
+        info = {}
+        out = sampler.sampler_function(
+            model_k, noise, sig, extra_args=extra_args, callback=None, disable=True, **sampler.extra_options, stats=info
+        )
+        assert out.shape == noise.shape and info["steps"] == 6, name

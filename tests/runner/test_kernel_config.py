@@ -15,6 +15,8 @@ import pytest
 import torch
 from helpers import ROOT, python
 
+from specsamp.ancestral import flow_levels
+from specsamp.dpmpp import karras_levels
 from specsamp.errors import ConfigError
 from specsamp.models.gmm import GMMConfig
 from specsamp.runner import run_config
@@ -122,6 +124,24 @@ def test_a_karras_kernel_runs_on_its_own_grid_and_records_its_keys(kernel):
         rec, res = run_config(compose([*SMALL, f"kernel={kernel}", f"sampler={sampler}"]))
         assert rec["kernel"] == kernel and rec["eps"] is None and rec["config"]["kernel"]["sigma_max"] == 80.0
         assert torch.isfinite(res.samples).all() and res.samples.shape == (8, 16)
+
+
+@pytest.mark.parametrize(
+    "kernel, keys, grid",
+    [
+        ("euler_ancestral_rf", ["kernel.shift=2", "kernel.eta=0.7"], lambda: flow_levels(20, 2.0)),
+        ("lcm", ["kernel.sigma_max=20", "kernel.s_noise_end=0.9"], lambda: karras_levels(20, 0.002, 20.0, 7.0)),
+    ],
+)
+def test_the_comfyui_kernels_run_on_their_own_grids(kernel, keys, grid):
+    from specsamp.runner.build import build_schedule
+
+    run, _ = load_config(compose([*SMALL, f"kernel={kernel}", *keys]))
+    schedule, plan = build_schedule(run)
+    assert plan is None and torch.equal(schedule.sigmas, grid())
+    for sampler in ("rmc", "standard"):
+        rec, res = run_config(compose([*SMALL, f"kernel={kernel}", f"sampler={sampler}", *keys]))
+        assert rec["kernel"] == kernel and rec["eps"] is None and torch.isfinite(res.samples).all()
 
 
 def test_ddpm_speculative_and_standard_sample_the_same_law_on_the_gmm():
@@ -258,6 +278,14 @@ def test_a_model_that_brings_its_scheduler_is_built_with_its_plan():
             "kernel.sigma_min=100.0 is invalid with kernel.sigma_max=80.0 for kernel=dpmpp_3m_sde",
         ),
         (
+            ["kernel=euler_ancestral_rf", "kernel.eta=1.5"],
+            "kernel.eta=1.5 is invalid for kernel=euler_ancestral_rf: must be a finite number in (0, 1]",
+        ),
+        (
+            ["kernel=lcm", "kernel.s_noise_end=0"],
+            "kernel.s_noise_end=0.0 is invalid for kernel=lcm: must be a finite number > 0, or null",
+        ),
+        (
             ["kernel.name=foo"],
             "kernel.name='foo' is invalid: must be one of em, auto, ddpm, euler_ancestral, flow_stochastic",
         ),
@@ -289,7 +317,7 @@ def test_a_scheduler_grid_that_repeats_a_level_is_refused_at_build_naming_the_ke
         (
             ["kernel=foo"],
             "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, dpmpp_2m_sde, "
-            "dpmpp_3m_sde, em, euler_ancestral, flow_stochastic (conf/kernel/)",
+            "dpmpp_3m_sde, em, euler_ancestral, euler_ancestral_rf, flow_stochastic, lcm (conf/kernel/)",
         ),
         (
             ["kernel=ddpm", "kernel.clip_sample=2"],
