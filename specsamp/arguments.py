@@ -82,15 +82,15 @@ def choice(name: str, value, valid) -> str:
     return value
 
 
-def number(name: str, value, *, positive: bool = False) -> float:
-    """``value`` as a finite ``float`` (``> 0`` where ``positive``; bools refused)."""
+def number(name: str, value, *, positive: bool = False, note: str = "") -> float:
+    """``value`` as a finite ``float`` (``> 0`` where ``positive``; bools refused); ``note`` ends the refusal."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float, np.integer, np.floating))
         or not math.isfinite(value)
         or (positive and not value > 0)
     ):
-        raise refuse(name, value, "must be a finite number" + (" > 0" if positive else ""))
+        raise refuse(name, value, "must be a finite number" + (" > 0" if positive else "") + note)
     return float(value)
 
 

@@ -105,8 +105,7 @@ def sample_dpmpp_2m_sde(
     Returns:
         ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
     """
-    if solver_type not in SOLVER_TYPES:
-        raise arguments.refuse("solver_type", solver_type, f"must be one of {', '.join(SOLVER_TYPES)}")
+    solver_type = arguments.choice("solver_type", solver_type, SOLVER_TYPES)
     options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise), "solver_type": solver_type}
     return sample_with_kernel(
         DPMPP2MSDE.name,

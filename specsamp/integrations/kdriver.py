@@ -369,7 +369,6 @@ def _split_extra_args(extra_args, b: int) -> tuple[dict, dict]:
 
 
 def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        extra = " (eta=0 is the deterministic sampler, where speculation is vacuous)" if name == "eta" else ""
-        raise arguments.refuse(name, value, f"must be a finite number > 0{extra}")
-    return float(value)
+    """A sampler's noise option (``eta``, ``s_noise``, ...) as a finite float > 0 (:func:`specsamp.arguments.number`)."""
+    extra = " (eta=0 is the deterministic sampler, where speculation is vacuous)" if name == "eta" else ""
+    return arguments.number(name, value, positive=True, note=extra)
