@@ -31,6 +31,7 @@ import torch
 from experiments import edm_training
 from specsamp.metrics.fid import feature_statistics
 from specsamp.models.digits import (
+    CFG_DENOISER_FILE,
     CHANNELS,
     CLASSES,
     CLASSIFIER_FILE,
@@ -49,15 +50,34 @@ def network_module():
     return edm_training.network_module("digits_net")
 
 
-def train_denoiser(x, y, *, steps: int, batch: int, lr: float, ema_decay: float, seed: int, log_every: int = 250):
+def train_denoiser(
+    x,
+    y,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    ema_decay: float,
+    seed: int,
+    label_dropout: float = 0.0,
+    log_every: int = 250,
+):
     """EDM training loop (:func:`experiments.edm_training.train_edm`) on random draws of the digits ``x [N, 1, 8, 8]``
-    with their one-hot labels ``y``; returns ``(ema network, per-interval mean losses)``."""
+    with their one-hot labels ``y``; returns ``(ema network, per-interval mean losses)``.
+
+    ``label_dropout``: probability that a row's one-hot label is replaced by the all-zero vector (EDM's
+    null class), so the network also learns the unconditional denoiser that classifier-free guidance
+    needs. At 0 no extra number is drawn (the original run's stream, weights reproduced)."""
     m = network_module()
     onehot = torch.nn.functional.one_hot(y, CLASSES).float()
 
     def draw(gen, n):
         idx = torch.randint(0, x.shape[0], (n,), generator=gen)
-        return x[idx], (onehot[idx],)
+        labels = onehot[idx]
+        if label_dropout > 0:
+            keep = torch.rand(n, generator=gen) >= label_dropout
+            labels = labels * keep[:, None].float()
+        return x[idx], (labels,)
 
     return edm_training.train_edm(
         lambda: m.EDMPrecond(
@@ -118,7 +138,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-dir", default=None, help="where the three files go (default: specsamp/data/)")
+    ap.add_argument(
+        "--label-dropout",
+        type=float,
+        default=0.0,
+        help="probability of the null (all-zero) label per training row; > 0 trains the guidance network "
+        f"{CFG_DENOISER_FILE.name} only (classifier and reference statistics are not retrained)",
+    )
     a = ap.parse_args(argv)
+    if not 0.0 <= a.label_dropout < 1.0:
+        print(f"error: --label-dropout={a.label_dropout} is invalid: must be in [0, 1)", file=sys.stderr)
+        return 2
     for key in ("steps", "batch", "classifier_epochs", "threads"):
         if getattr(a, key) < 1:
             print(
@@ -131,7 +161,9 @@ def main(argv=None) -> int:
     x, y = load_digits_data()
 
     t0 = time.perf_counter()
-    ema, losses = train_denoiser(x, y, steps=a.steps, batch=a.batch, lr=a.lr, ema_decay=a.ema, seed=a.seed)
+    ema, losses = train_denoiser(
+        x, y, steps=a.steps, batch=a.batch, lr=a.lr, ema_decay=a.ema, seed=a.seed, label_dropout=a.label_dropout
+    )
     t_denoiser = time.perf_counter() - t0
     meta = {
         "data": "sklearn.datasets.load_digits, x / 8 - 1",
@@ -143,6 +175,25 @@ def main(argv=None) -> int:
         "seed": a.seed,
         "final_loss": losses[-1],
     }
+    if a.label_dropout > 0:
+        meta["label_dropout"] = a.label_dropout
+        meta["null_label"] = "all-zero one-hot"
+        sha = edm_training.save_pickle({"ema": ema, "training_options": meta}, out / CFG_DENOISER_FILE.name)
+        report = {
+            "denoiser": {
+                "seconds": round(t_denoiser, 1),
+                "loss_every_250_steps": [round(v, 4) for v in losses],
+                "parameters": sum(p.numel() for p in ema.parameters()),
+                "sha256": sha,
+                **meta,
+            },
+            "threads": a.threads,
+            "torch": torch.__version__,
+        }
+        if a.out_dir is None:
+            edm_training.write_report(report, "digits-cfg")
+        print(json.dumps(report, indent=2))
+        return 0
     sha_d = edm_training.save_pickle({"ema": ema, "training_options": meta}, out / DENOISER_FILE.name)
 
     t1 = time.perf_counter()

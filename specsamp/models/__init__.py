@@ -14,11 +14,13 @@ from .base import Paper, Target, TargetConfig, VelocityModel, batched
 from .diffusers_pipeline import DiffusersConfig
 from .edm import EDMConfig
 from .gmm import GaussianMixture, GMMConfig
+from .guided import GuidedEDMConfig
 from .sd3 import SD3Config
 
 MODEL_SCHEMAS = {
     "gmm_schema": GMMConfig,
     "edm_schema": EDMConfig,
+    "guided_edm_schema": GuidedEDMConfig,
     "sd3_schema": SD3Config,
     "diffusers_schema": DiffusersConfig,
 }
@@ -64,6 +66,7 @@ __all__ = [
     "EDMConfig",
     "GMMConfig",
     "GaussianMixture",
+    "GuidedEDMConfig",
     "Paper",
     "SD3Config",
     "Target",

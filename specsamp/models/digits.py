@@ -23,6 +23,8 @@ import torch
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DENOISER_FILE = DATA_DIR / "edm-digits-8x8-cond.pkl"
+# the same network trained with label dropout 0.1 (null class: the all-zero one-hot), for classifier-free guidance
+CFG_DENOISER_FILE = DATA_DIR / "edm-digits-8x8-cfg.pkl"
 CLASSIFIER_FILE = DATA_DIR / "digits-classifier-8x8.pkl"
 REFERENCE_FILE = DATA_DIR / "digits-8x8-classifier-stats.npz"
 # SHA-256 of the committed classifier pickle (the denoiser's is in specsamp.models.edm.CHECKPOINTS)

@@ -86,6 +86,14 @@ CHECKPOINTS: dict[str, Checkpoint] = {
         10,
         8,
     ),
+    # shipped with the package: the digits network trained with label dropout 0.1 (null class: the all-zero one-hot) by
+    # experiments/train_digits.py --label-dropout 0.1, for classifier-free guidance (specsamp.models.guided)
+    "edm-digits-8x8-cfg": Checkpoint(
+        (Path(__file__).resolve().parents[1] / "data" / "edm-digits-8x8-cfg.pkl").as_uri(),
+        "3b9b90d0378b1f6a556346a497167d8d1c3c800af8bb1eda0947097ac0cb7739",
+        10,
+        8,
+    ),
     # shipped with the package: trained on crops of scikit-learn's two sample photographs by
     # experiments/train_patches.py (specsamp.models.patches); class-unconditional, CIFAR-10's dimension
     "edm-patches-32x32-uncond": Checkpoint(

@@ -83,6 +83,12 @@ PROBES = {
         "label_dim": ([], 5),
         "labels": ([], "none"),
     },
+    "digits_cfg": {
+        **{k: v for k, v in EDM_COMMON.items() if k not in ("cache_dir", "download")},
+        "label_dim": ([], 5),
+        "labels": ([], "none"),
+        "guidance": ([], -1.0),  # the tiny net ignores its labels: a refused scale shows the key is read
+    },
     "patches32": {
         **{
             k: v
@@ -175,6 +181,7 @@ BASE = {
     "cifar10": ["model.path={ckpt}", "model.sha256={sha}"],
     "ffhq": ["model.path={ckpt}", "model.sha256={sha}"],
     "digits": ["model.path={ckpt}", "model.sha256={sha}"],
+    "digits_cfg": ["model.path={ckpt}", "model.sha256={sha}"],
     "patches32": ["model.path={ckpt}", "model.sha256={sha}"],
     "sd3": [
         "model.model_id={sd3_dir}",
@@ -204,7 +211,7 @@ def test_every_model_key_has_a_probe():
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("keys")
     out = {"tmp": str(tmp), "missing": str(tmp / "no-such-file")}
-    for model, label_dim in (("cifar10", 10), ("ffhq", 0), ("digits", 10), ("patches32", 0)):
+    for model, label_dim in (("cifar10", 10), ("ffhq", 0), ("digits", 10), ("digits_cfg", 10), ("patches32", 0)):
         path = tmp / f"{model}.pkl"
         out[f"{model}:ckpt"] = str(path)
         net = tiny_precond(img_channels=3, label_dim=label_dim)
@@ -348,7 +355,9 @@ CASES = [(m, k) for m in MODELS for k in sorted(PROBES.get(m, {}))]
 @pytest.mark.parametrize(
     "model,key",
     [
-        pytest.param(m, k, marks=pytest.mark.slow) if m in ("sd3", "digits", "patches32", "diffusers") else (m, k)
+        pytest.param(m, k, marks=pytest.mark.slow)
+        if m in ("sd3", "digits", "digits_cfg", "patches32", "diffusers")
+        else (m, k)
         for m, k in CASES
     ],
 )
