@@ -9,7 +9,9 @@ Karras", "DPM++ 2M SDE Karras") at each of ``--steps``, and ComfyUI's flow Euler
 shift-3 levels (times 80/81: the first at sigma 80; the targets served as flow models:
 ``D_flow(x, s) = D(x / (1 - s), s / (1 - s))``). Targets: the
 shipped digits network (class-conditional EDM, labels ``i mod 10``), patches32 (unconditional EDM at CIFAR-10's
-dimension) and the section 5.1 mixture (d = 500, float64, its exact denoiser). The original loop is the sampler as
+dimension) and the section 5.1 mixture (d = 500, float64, its exact denoiser); and the digits network trained with
+label dropout (``model=digits_cfg``) under classifier-free guidance at ``w`` = 3, 5 and 7 (``digits_cfgW``: one call
+of ``2b`` rows, ``D_u + w (D_c - D_u)``), the scales people use. The original loop is the sampler as
 k-diffusion (ComfyUI for the flow form) writes it, transcribed here, with ``torch.randn`` noise.
 
 Two kinds of numbers, kept apart:
@@ -46,7 +48,7 @@ ARMS = {  # name -> speculative options of the entry points
     "rmc chain 8": {"coupling": "rmc", "budget": 8},
     "dgrs 2x3": {"coupling": "dgrs", "K": 2, "L": 3},
 }
-TARGETS = ("digits", "patches32", "gmm")
+TARGETS = ("digits_cfg3", "digits_cfg5", "digits_cfg7", "digits", "patches32", "gmm")
 
 
 def karras(steps: int) -> torch.Tensor:
@@ -71,6 +73,20 @@ def load_target(name: str):
         return gmm_denoiser, (500,), torch.float64
     from specsamp.models.edm import load_edm
 
+    if name.startswith("digits_cfg"):  # the label-dropout network under classifier-free guidance at scale w
+        net = load_edm("edm-digits-8x8-cfg", download=False)
+        w = float(name.removeprefix("digits_cfg"))
+        onehot, null = torch.eye(10), torch.zeros(1, 10)
+
+        def guided(x, sigma, **kw):
+            b = x.shape[0]
+            labels = torch.cat([null.expand(b, 10), onehot[torch.arange(b) % 10]])
+            with torch.no_grad():  # one call of 2b rows: the unconditional half first
+                out = net(torch.cat([x, x]), torch.cat([sigma, sigma]), class_labels=labels)
+            d_u, d_c = out[:b], out[b:]
+            return d_u + w * (d_c - d_u)
+
+        return guided, (1, 8, 8), torch.float32
     if name == "digits":
         net = load_edm("edm-digits-8x8-cond", download=False)
         onehot = torch.eye(10)
