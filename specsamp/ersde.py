@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from .dpmpp import karras_levels
 from .kernels import Kernel, register_kernel
 
 INTEGRATION_POINTS = 200  # ComfyUI's num_integration_points
@@ -61,10 +62,16 @@ def default_noise_scaler(lam: torch.Tensor) -> torch.Tensor:
 
 
 class _History(Kernel):
-    """Shared by the two kernels: the data-prediction record and the linear path's columns."""
+    """Shared by the two kernels: the data-prediction record and the linear path's columns; in a run (``run.py
+    kernel=er_sde``) the grid is Karras' (:func:`specsamp.dpmpp.karras_levels`, the keys :attr:`grid_keys`)."""
 
     stochastic_endpoints = True  # step 0 is a noisy step like every other
     reads_shift = False
+    grid_keys = ("sigma_min", "sigma_max", "rho")
+
+    @staticmethod
+    def make_grid(steps: int, **keys) -> torch.Tensor:
+        return karras_levels(steps, **keys)
 
     @property
     def init_scale(self) -> float:
