@@ -47,12 +47,18 @@ def flow_sigmas(steps: int) -> torch.Tensor:
     return torch.cat([SHIFT * t / (1 + (SHIFT - 1) * t), torch.zeros(1, dtype=torch.float64)])
 
 
-def phi(x):
+def default_phi(x):
     return x * ((x**0.3).exp() + 10.0)
 
 
-def comfy_er_sde(model, x, sigmas, generator, flow=False, s_noise=1.0, max_stage=3):
-    """ComfyUI's ``sample_er_sde`` loop (default noise scaler; ``generator=None``: no noise)."""
+def reverse_time_sde(x):
+    """The ``SamplerER_SDE`` node's reverse-time SDE noise scaler at its eta 1, ``x^(eta + 1)``."""
+    return x**2
+
+
+def comfy_er_sde(model, x, sigmas, generator, flow=False, s_noise=1.0, max_stage=3, noise_scaler=None):
+    """ComfyUI's ``sample_er_sde`` loop (``noise_scaler=None``: the default; ``generator=None``: no noise)."""
+    phi = noise_scaler or default_phi
     if flow and sigmas[0] >= 1:
         sigmas = sigmas.clone()
         sigmas[0] = CONST().percent_to_sigma(1e-4)
@@ -130,7 +136,15 @@ def setup(flow: bool, steps: int = 6):
 
 
 @pytest.mark.parametrize("flow", [False, True])
-@pytest.mark.parametrize("name,opts", [("er_sde", {}), ("er_sde", {"max_stage": 2}), ("res", {"eta": 0.8})])
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("er_sde", {}),
+        ("er_sde", {"max_stage": 2}),
+        ("er_sde", {"noise_scaler": reverse_time_sde}),
+        ("res", {"eta": 0.8}),
+    ],
+)
 def test_each_step_is_comfyuis_noise_free_update(name, opts, flow):
     """On 9 steps, the sampler's kernel mean at each state ComfyUI's noise-free loop visits (the model returning random
     data predictions, the earlier ones as the history) equals the loop's next state, to 1e-10."""
@@ -182,16 +196,25 @@ def speculative(name, flow, n, seed=21, **kw):
 
 
 @pytest.mark.parametrize("coupling", ["dgrs", "rmc"])
-@pytest.mark.parametrize("name,flow", [("er_sde", False), ("er_sde", True), ("res", False), ("res", True)])
-def test_law_against_comfyuis_loop_in_both_executions(name, flow, coupling):
+@pytest.mark.parametrize(
+    "name,flow,opts",
+    [
+        ("er_sde", False, {}),
+        ("er_sde", True, {}),
+        ("er_sde", False, {"noise_scaler": reverse_time_sde, "max_stage": 2}),
+        ("res", False, {}),
+        ("res", True, {}),
+    ],
+)
+def test_law_against_comfyuis_loop_in_both_executions(name, flow, opts, coupling):
     """Loop seed 0, speculative seed 21; n = 2000; d = 8, 6 steps (Karras from 20 to 0.03 for the variance-exploding
     denoiser, shift-3 flow levels from 1 for the flow model) on the wide mixture; min p > 1e-3; the two executions'
-    counts identical; fewer calls than the loop's 6."""
-    ref = loop_samples(name, flow, 2000)
+    counts identical; fewer calls than the loop's 6. ER-SDE also with the node's reverse-time SDE scaler."""
+    ref = loop_samples(name, flow, 2000, **opts)
     runs = {}
     for execution in ("path", "tree"):
         info = {}
-        out = speculative(name, flow, 2000, coupling=coupling, execution=execution, stats=info)
+        out = speculative(name, flow, 2000, coupling=coupling, execution=execution, stats=info, **opts)
         runs[execution] = info["result"]
         p = law_pvalues(out, ref, WIDE)
         assert min(p.values()) > P_MIN, p
