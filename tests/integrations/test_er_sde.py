@@ -269,6 +269,10 @@ def test_bad_options_are_refused_by_name_before_any_call():
     with pytest.raises(ConfigError, match=r"sigmas="):
         sample_er_sde(model, x, torch.tensor([1.0, 2.0]))
     assert calls == []
+    bare = FlowModel()
+    bare.inner_model.inner_model.model_sampling = type("CONST", (), {})()  # no percent_to_sigma
+    with pytest.raises(ConfigError, match=r"sigmas\[0\]=1.0 is invalid for this flow model"):
+        sample_er_sde(bare, x, flow_sigmas(6))
 
 
 @pytest.mark.slow
