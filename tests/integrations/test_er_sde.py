@@ -147,7 +147,8 @@ def setup(flow: bool, steps: int = 6):
 )
 def test_each_step_is_comfyuis_noise_free_update(name, opts, flow):
     """On 9 steps, the sampler's kernel mean at each state ComfyUI's noise-free loop visits (the model returning random
-    data predictions, the earlier ones as the history) equals the loop's next state, to 1e-10."""
+    data predictions, the earlier ones as the history) equals the loop's next state, and its standard deviation the
+    loop's noise scale, to 1e-10."""
     from specsamp.schedule import Schedule
 
     model, sig, scale = setup(flow, 9)
@@ -178,6 +179,15 @@ def test_each_step_is_comfyuis_noise_free_update(name, opts, flow):
         history = tuple(preds[max(n - j, 0)] for j in range(1, kernel.order))
         mean = kernel.mean(x_lin, v, {key: col[n] for key, col in c.items()}, history)
         torch.testing.assert_close(mean * k[n + 1] if n < 8 else mean, states[n], rtol=1e-10, atol=1e-10)
+    lam = levels / (1 - levels) if name == "er_sde" and flow else levels  # the loop's lambda, or its levels
+    s0, s1 = lam[:-2], lam[1:-1]
+    if name == "er_sde":
+        phi = opts.get("noise_scaler", default_phi)
+        want = (s1**2 - s0**2 * (phi(s1) / phi(s0)) ** 2).sqrt() * (1 - levels[1:-1] if flow else 1)
+    else:
+        want = torch.minimum(s1, opts["eta"] * (s1**2 * (s0**2 - s1**2) / s0**2).sqrt())
+    torch.testing.assert_close(c["std"][:-1] * k[1:-1], want, rtol=1e-10, atol=0)
+    assert float(c["std"][-1]) == 0.0
 
 
 def loop_samples(name, flow, n, seed=0, **kw):
