@@ -257,7 +257,7 @@ def shift_history(history: tuple | None, record: torch.Tensor, order: int) -> tu
 
 
 KERNELS: Registry[type] = Registry(
-    "kernel", modules=tuple(f"specsamp.{m}" for m in ("dpmpp", "ddim", "dpmsolver", "ancestral"))
+    "kernel", modules=tuple(f"specsamp.{m}" for m in ("dpmpp", "ddim", "dpmsolver", "ancestral", "ersde"))
 )
 """The kernels by name: this module's, and those of the modules named (imported on the table's first read)."""
 

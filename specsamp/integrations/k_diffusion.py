@@ -7,16 +7,18 @@ by :func:`specsamp.integrations.kdriver.sample_with_kernel`, whose documentation
 callback, ``extra_args``, ``stats``), the speculative options (``K``, ``L``, ``coupling``, ``budget``, ``execution``,
 ``seed``, ...) and the errors:
 
-==================================  ==========================  ================================================
-function                            ComfyUI sampler name        kernel
-==================================  ==========================  ================================================
-:func:`sample_euler_ancestral`      ``euler_ancestral``         ``euler_ancestral``; a flow model: ``euler_ancestral_rf``
-:func:`sample_euler_ancestral_RF`   (its flow form)             ``euler_ancestral_rf`` (:mod:`specsamp.ancestral`)
-:func:`sample_dpmpp_2m_sde`         ``dpmpp_2m_sde`` (+ _gpu)   ``dpmpp_2m_sde`` (:mod:`specsamp.dpmpp`)
-:func:`sample_dpmpp_3m_sde`         ``dpmpp_3m_sde`` (+ _gpu)   ``dpmpp_3m_sde``
-:func:`sample_ddpm`                 ``ddpm``                    ``ddpm``
-:func:`sample_lcm`                  ``lcm``                     ``lcm`` (:mod:`specsamp.ancestral`)
-==================================  ==========================  ================================================
+======================================  ===========================  ================================================
+function                                ComfyUI sampler name         kernel
+======================================  ===========================  ================================================
+:func:`sample_euler_ancestral`          ``euler_ancestral``          ``euler_ancestral``; flow: ``euler_ancestral_rf``
+:func:`sample_euler_ancestral_RF`       (its flow form)              ``euler_ancestral_rf`` (:mod:`specsamp.ancestral`)
+:func:`sample_dpmpp_2m_sde`             ``dpmpp_2m_sde`` (+ _gpu)    ``dpmpp_2m_sde`` (:mod:`specsamp.dpmpp`)
+:func:`sample_dpmpp_3m_sde`             ``dpmpp_3m_sde`` (+ _gpu)    ``dpmpp_3m_sde``
+:func:`sample_ddpm`                     ``ddpm``                     ``ddpm``
+:func:`sample_lcm`                      ``lcm``                      ``lcm`` (:mod:`specsamp.ancestral`)
+:func:`sample_er_sde`                   ``er_sde``                   ``er_sde`` (:mod:`specsamp.ersde`)
+:func:`sample_res_multistep_ancestral`  ``res_multistep_ancestral``  ``res_multistep_ancestral``
+======================================  ===========================  ================================================
 
 k-diffusion and ComfyUI are not imported: their conventions are reproduced here, their code is not used.
 """
@@ -27,6 +29,7 @@ from .. import arguments
 from ..ancestral import LCM, EulerAncestralRF
 from ..dpmpp import DPMPP2MSDE, DPMPP3MSDE, SOLVER_TYPES
 from ..errors import ConfigError
+from ..ersde import ERSDE, RESMultistepAncestral
 from ..kernels import DDPM, EulerAncestral
 from .kdriver import COORDS, _positive, is_flow, node_maxima, sample_with_kernel  # noqa: F401  (public here)
 
@@ -298,3 +301,131 @@ def _check_grid(kernel, sigmas, options: dict, caller: str) -> None:
         return
     except ValueError as e:
         raise ConfigError(f"{e} ({caller}).") from None
+
+
+def sample_er_sde(
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    s_noise=1.0,
+    noise_sampler=None,
+    noise_scaler=None,
+    max_stage=3,
+    **speculative,
+):
+    """ComfyUI's ER-SDE solver (``sample_er_sde``; its ``er_sde`` sampler and the ``SamplerER_SDE`` node's ER-SDE and
+    reverse-time SDE forms, by their ``noise_scaler``), exact and speculative: each step the ``er_sde`` kernel
+    (:class:`specsamp.ersde.ERSDE`, reading the two previous steps' data predictions), for a variance-exploding
+    denoiser or a ComfyUI flow model alike; the run is :func:`sample_with_kernel`'s. A flow model's first level 1 is
+    moved to its ``model_sampling.percent_to_sigma(1e-4)``, as ComfyUI does (the state ``x`` is kept).
+
+    Args:
+        s_noise: the noise's scale, > 0.
+        noise_scaler: ``phi(lambda)``, a function of a float64 tensor (None: ComfyUI's default
+            ``lambda (exp(lambda^0.3) + 10)``); refused where a step would have no noise (the ODE form).
+        max_stage: 1, 2 or 3: the highest stage (order) used.
+
+    Returns:
+        ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
+    """
+    if isinstance(max_stage, bool) or max_stage not in (1, 2, 3):
+        raise arguments.refuse("max_stage", max_stage, "must be 1, 2 or 3")
+    arguments.function("noise_scaler", noise_scaler, optional=True)
+    options = {"s_noise": _positive("s_noise", s_noise), "max_stage": int(max_stage), "noise_scaler": noise_scaler}
+    flow = is_flow(model)
+    if flow:
+        sigmas = _offset_first_sigma(model, sigmas)
+    _check_grid(ERSDE, _linear_levels(sigmas, flow), options, "sample_er_sde")
+    return sample_with_kernel(
+        ERSDE.name,
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        noise_sampler,
+        kernel_options=options,
+        coords="linear" if flow else "ve",
+        caller="sample_er_sde",
+        **speculative,
+    )
+
+
+def sample_res_multistep_ancestral(
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    eta=1.0,
+    s_noise=1.0,
+    noise_sampler=None,
+    **speculative,
+):
+    """ComfyUI's ancestral RES multistep (``sample_res_multistep_ancestral``), exact and speculative: each step the
+    ``res_multistep_ancestral`` kernel (:class:`specsamp.ersde.RESMultistepAncestral`, reading the previous step's data
+    prediction); for a ComfyUI flow model the update in its own coordinates, as ComfyUI runs it. The run is
+    :func:`sample_with_kernel`'s.
+
+    Args:
+        eta: the ancestral noise's share, > 0 (0 is ComfyUI's deterministic ``res_multistep``).
+        s_noise: the noise's scale, > 0.
+
+    Returns:
+        ``[b, ...]`` the samples at sigma = 0, in ``x``'s dtype, shape and device.
+    """
+    flow = is_flow(model)
+    options = {"eta": _positive("eta", eta), "s_noise": _positive("s_noise", s_noise), "flow": flow}
+    _check_grid(RESMultistepAncestral, _linear_levels(sigmas, flow), options, "sample_res_multistep_ancestral")
+    return sample_with_kernel(
+        RESMultistepAncestral.name,
+        model,
+        x,
+        sigmas,
+        extra_args,
+        callback,
+        disable,
+        noise_sampler,
+        kernel_options=options,
+        coords="linear" if flow else "ve",
+        caller="sample_res_multistep_ancestral",
+        **speculative,
+    )
+
+
+def _linear_levels(sigmas, flow: bool):
+    """The caller's ``sigmas`` on the linear path (a flow model's unchanged; else ``sigma / (1 + sigma)``), or
+    ``sigmas`` itself where it is no tensor of levels (the driver refuses it, naming it)."""
+    import torch
+
+    try:
+        s = torch.as_tensor(sigmas).detach().to("cpu", torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return sigmas
+    return s if flow else s / (1.0 + s)
+
+
+def _offset_first_sigma(model, sigmas):
+    """ComfyUI's ``offset_first_sigma_for_snr``: a flow model's first level at or above 1 becomes
+    ``model_sampling.percent_to_sigma(1e-4)``; ConfigError where the model has no such method."""
+    import torch
+
+    try:
+        s = torch.as_tensor(sigmas).detach().clone()
+    except (TypeError, ValueError, RuntimeError):
+        return sigmas
+    if s.ndim != 1 or s.numel() < 2 or not float(s[0]) >= 1.0:
+        return sigmas
+    sampling = model.inner_model.inner_model.model_sampling
+    if not callable(getattr(sampling, "percent_to_sigma", None)):
+        raise ConfigError(
+            f"sigmas[0]={float(s[0])!r} is invalid for this flow model: ER-SDE needs a first level below 1, and "
+            "ComfyUI takes it from model_sampling.percent_to_sigma(1e-4), which this model does not have."
+        )
+    s[0] = float(sampling.percent_to_sigma(1e-4))
+    return s

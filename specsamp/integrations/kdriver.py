@@ -348,7 +348,8 @@ def _check_model(model, caller: str = "sample_euler_ancestral") -> None:
         raise ConfigError(
             f"model is a flow model (model_sampling CONST: SD3, Flux): {caller} takes variance-exploding "
             "denoisers (SD1.x, SDXL), and a flow model's step is another; use it with those, or use "
-            "sample_euler_ancestral (which runs ComfyUI's flow form for it) or sample_lcm."
+            "sample_euler_ancestral (which runs ComfyUI's flow form for it), sample_lcm, sample_er_sde or "
+            "sample_res_multistep_ancestral."
         )
 
 

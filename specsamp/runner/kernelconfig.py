@@ -176,6 +176,22 @@ class EulerAncestralRFKernelConfig(KernelConfig):
     s_noise: float = _number(*POSITIVE, 1.0)
 
 
+@dataclass
+class ERSDEKernelConfig(KarrasLevelsConfig):
+    """``kernel=er_sde``: ComfyUI's ER-SDE solver (default noise scaler) on Karras' levels."""
+
+    name: str = "er_sde"
+    s_noise: float = _number(*POSITIVE, 1.0)
+    max_stage: int = between(1, 3, 3, why="ComfyUI's stages: the order used")
+
+
+@dataclass
+class RESMultistepAncestralKernelConfig(KarrasKernelConfig):
+    """``kernel=res_multistep_ancestral``: ComfyUI's ancestral RES multistep on Karras' levels."""
+
+    name: str = "res_multistep_ancestral"
+
+
 KERNEL_SCHEMAS = {
     "em": EMKernelConfig,
     "auto": AutoKernelConfig,
@@ -186,6 +202,8 @@ KERNEL_SCHEMAS = {
     "dpmpp_3m_sde": DPMPP3MSDEKernelConfig,
     "euler_ancestral_rf": EulerAncestralRFKernelConfig,
     "lcm": LCMKernelConfig,
+    "er_sde": ERSDEKernelConfig,
+    "res_multistep_ancestral": RESMultistepAncestralKernelConfig,
 }
 """The kernel config classes by ``kernel.name`` (Hydra schemas ``kernel/<name>_schema``)."""
 SCHEDULER_KERNELS = tuple(cls.name for cls in scheduler_kernels())

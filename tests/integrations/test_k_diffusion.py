@@ -460,6 +460,8 @@ def test_the_docs_node_offers_every_sampler_by_comfyuis_name_and_each_takes_ksam
         "dpmpp_3m_sde_gpu",
         "ddpm",
         "lcm",
+        "er_sde",
+        "res_multistep_ancestral",
     ]
     sig = karras(6, sigma_max=20.0)
     noise = torch.randn(2, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * sig[0]

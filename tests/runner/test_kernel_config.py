@@ -131,6 +131,8 @@ def test_a_karras_kernel_runs_on_its_own_grid_and_records_its_keys(kernel):
     [
         ("euler_ancestral_rf", ["kernel.shift=2", "kernel.eta=0.7"], lambda: flow_levels(20, 2.0)),
         ("lcm", ["kernel.sigma_max=20", "kernel.s_noise_end=0.9"], lambda: karras_levels(20, 0.002, 20.0, 7.0)),
+        ("er_sde", ["kernel.sigma_max=20", "kernel.max_stage=2"], lambda: karras_levels(20, 0.002, 20.0, 7.0)),
+        ("res_multistep_ancestral", ["kernel.rho=5", "kernel.eta=0.9"], lambda: karras_levels(20, 0.002, 80.0, 5.0)),
     ],
 )
 def test_the_comfyui_kernels_run_on_their_own_grids(kernel, keys, grid):
@@ -286,6 +288,10 @@ def test_a_model_that_brings_its_scheduler_is_built_with_its_plan():
             "kernel.s_noise_end=0.0 is invalid for kernel=lcm: must be a finite number > 0, or null",
         ),
         (
+            ["kernel=er_sde", "kernel.max_stage=4"],
+            "kernel.max_stage=4 is invalid for kernel=er_sde: must be an integer >= 1, at most 3",
+        ),
+        (
             ["kernel.name=foo"],
             "kernel.name='foo' is invalid: must be one of em, auto, ddpm, euler_ancestral, flow_stochastic",
         ),
@@ -317,7 +323,8 @@ def test_a_scheduler_grid_that_repeats_a_level_is_refused_at_build_naming_the_ke
         (
             ["kernel=foo"],
             "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, dpmpp_2m_sde, "
-            "dpmpp_3m_sde, em, euler_ancestral, euler_ancestral_rf, flow_stochastic, lcm (conf/kernel/)",
+            "dpmpp_3m_sde, em, er_sde, euler_ancestral, euler_ancestral_rf, flow_stochastic, lcm, "
+            "res_multistep_ancestral (conf/kernel/)",
         ),
         (
             ["kernel=ddpm", "kernel.clip_sample=2"],
