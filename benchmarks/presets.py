@@ -46,6 +46,7 @@ from specsamp.integrations import k_diffusion as kd
 ARMS = {  # name -> speculative options of the entry points
     "rmc chain 4": {"coupling": "rmc", "budget": 4},
     "rmc chain 8": {"coupling": "rmc", "budget": 8},
+    "rmc chain 16": {"coupling": "rmc", "budget": 16},
     "dgrs 2x3": {"coupling": "dgrs", "K": 2, "L": 3},
 }
 TARGETS = ("digits_cfg3", "digits_cfg5", "digits_cfg7", "digits", "patches32", "gmm")
@@ -60,7 +61,8 @@ def karras(steps: int) -> torch.Tensor:
 
 
 def load_target(name: str):
-    """``(denoiser(x, sigma) -> x0, event_shape, dtype)`` of a target in variance-exploding coordinates."""
+    """``(denoiser(x, sigma, **labels) -> x0, event_shape, dtype)`` of a target in variance-exploding coordinates (the
+    digits targets take ``class_labels``, one-hot per row: :func:`labels_of`)."""
     if name == "gmm":
         from specsamp.models.gmm import GaussianMixture
 
@@ -76,11 +78,11 @@ def load_target(name: str):
     if name.startswith("digits_cfg"):  # the label-dropout network under classifier-free guidance at scale w
         net = load_edm("edm-digits-8x8-cfg", download=False)
         w = float(name.removeprefix("digits_cfg"))
-        onehot, null = torch.eye(10), torch.zeros(1, 10)
+        null = torch.zeros(1, 10)
 
-        def guided(x, sigma, **kw):
+        def guided(x, sigma, class_labels, **kw):
             b = x.shape[0]
-            labels = torch.cat([null.expand(b, 10), onehot[torch.arange(b) % 10]])
+            labels = torch.cat([null.expand(b, 10), class_labels])
             with torch.no_grad():  # one call of 2b rows: the unconditional half first
                 out = net(torch.cat([x, x]), torch.cat([sigma, sigma]), class_labels=labels)
             d_u, d_c = out[:b], out[b:]
@@ -89,12 +91,10 @@ def load_target(name: str):
         return guided, (1, 8, 8), torch.float32
     if name == "digits":
         net = load_edm("edm-digits-8x8-cond", download=False)
-        onehot = torch.eye(10)
 
-        def digits(x, sigma, **kw):
-            labels = onehot[torch.arange(x.shape[0]) % 10] if "class_labels" not in kw else kw["class_labels"]
+        def digits(x, sigma, class_labels, **kw):
             with torch.no_grad():
-                return net(x, sigma, class_labels=labels)
+                return net(x, sigma, class_labels=class_labels)
 
         return digits, (1, 8, 8), torch.float32
     net = load_edm("edm-patches-32x32-uncond", download=False)
@@ -104,6 +104,14 @@ def load_target(name: str):
             return net(x, sigma)
 
     return patches, (3, 32, 32), torch.float32
+
+
+def labels_of(target: str, n: int, first: int = 0) -> dict:
+    """The model's keywords for images ``first .. first + n - 1``: class ``i mod 10`` one-hot for the digits targets
+    (per row: k-diffusion hands each call the rows of the images it evaluates), none otherwise."""
+    if not target.startswith("digits"):
+        return {}
+    return {"class_labels": torch.eye(10)[(torch.arange(n) + first) % 10]}
 
 
 def as_flow(denoiser):
@@ -201,13 +209,13 @@ def cases(steps: list[int]) -> list[tuple[str, int]]:
     return [(s, t) for s in ("euler_a", "dpmpp_2m_sde") for t in steps] + [("euler_a_rf", 28)]
 
 
-def counts(model, shape, dtype, sampler: str, steps: int, arm: dict, n: int) -> dict:
+def counts(model, shape, dtype, sampler: str, steps: int, arm: dict, n: int, extra: dict) -> dict:
     """Calls, rows and per-depth acceptance per image over ``n`` images (seed 0)."""
     entry, _, grid, flow = SAMPLERS[sampler]
     sig = grid(steps).to(dtype)
     x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0), dtype=dtype) * sig[0]
     info = {}
-    entry(Padded(model), x, sig, disable=True, seed=0, stats=info, **arm)
+    entry(Padded(model), x, sig, extra, disable=True, seed=0, stats=info, **arm)
     r = info["result"]
     att, acc = r.attempts.sum(0).double(), r.accepts.sum(0).double()
     depth = [round(float(a / t), 3) if t > 0 else None for a, t in zip(acc, att)]
@@ -220,7 +228,7 @@ def counts(model, shape, dtype, sampler: str, steps: int, arm: dict, n: int) -> 
     }
 
 
-def timings(model, shape, dtype, sampler: str, steps: int, arms: dict, pad_ms: float, repeats: int) -> dict:
+def timings(model, shape, dtype, sampler: str, steps: int, arms: dict, pad_ms: float, repeats: int, extra) -> dict:
     """One image: the loop and each arm alternating, one warm-up each; seconds per arm (median, min, max)."""
     entry, loop, grid, flow = SAMPLERS[sampler]
     sig = grid(steps).to(dtype)
@@ -234,9 +242,9 @@ def timings(model, shape, dtype, sampler: str, steps: int, arms: dict, pad_ms: f
         with torch.no_grad():
             if name == "loop":
                 torch.manual_seed(seed)
-                loop(padded, x, sig)
+                loop(lambda y, s: padded(y, s, **extra), x, sig)
             else:
-                entry(padded, x, sig, disable=True, seed=seed, **arms[name])
+                entry(padded, x, sig, extra, disable=True, seed=seed, **arms[name])
         return time.perf_counter() - t0
 
     for name in names:
@@ -279,9 +287,10 @@ def main(argv=None) -> int:
             model = as_flow(base) if SAMPLERS[sampler][3] else base
             row = {"target": target, "sampler": sampler, "steps": t, "arms": {}}
             for name, arm in arms.items():
-                row["arms"][name] = counts(model, shape, dtype, sampler, t, arm, a.n)
+                row["arms"][name] = counts(model, shape, dtype, sampler, t, arm, a.n, labels_of(target, a.n))
             for pad in pads:
-                row[f"time_pad{pad:g}ms"] = timings(model, shape, dtype, sampler, t, arms, pad, a.repeats)
+                one = labels_of(target, 1, first=3)  # the timed image: class 3
+                row[f"time_pad{pad:g}ms"] = timings(model, shape, dtype, sampler, t, arms, pad, a.repeats, one)
             rows.append(row)
             print(json.dumps(row), flush=True)
     doc = {"cpu": cpu_model(), "torch": torch.__version__, "threads": 1, "n": a.n, "repeats": a.repeats}
