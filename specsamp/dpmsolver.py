@@ -72,6 +72,7 @@ class DPMSolverSDE(DataPredictionKernel):
     columns = ("c_x", "c_x0", "c_h", "c_h2", "sigma", "std", "lsnr")
     schedulers = (NAME,)
     scheduler_note = 'DPMSolverMultistepScheduler with algorithm_type="sde-dpmsolver++"'
+    scheduler_flags = {"algorithm_type": "sde-dpmsolver++"}
     reads_shift = False
 
     @classmethod
