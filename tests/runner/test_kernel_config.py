@@ -260,7 +260,7 @@ def test_a_scheduler_grid_that_repeats_a_level_is_refused_at_build_naming_the_ke
     [
         (
             ["kernel=foo"],
-            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, em, "
+            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddim, ddpm, dpmsolver_sde, em, "
             "euler_ancestral, flow_stochastic (conf/kernel/)",
         ),
         (
