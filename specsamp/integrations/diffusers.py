@@ -133,17 +133,15 @@ def check_loop(pipe, kind: str) -> None:
             "(StableDiffusion3Pipeline)."
         )
     if kernel is not None and (kernel.name == "ddim") != (kind == "ddim"):  # DDIM's eta: only DDIMPipeline's is taken
+        why = {
+            "ddim": f"its own loop passes eta to scheduler.step, which {name} does not take, so pipe(...) itself fails",
+            "sd": "its own loop hands DDIMScheduler.step the pipeline's eta, which speculative() takes from DDIMPipeline only",
+        }.get(
+            kind, "its own loop passes DDIMScheduler.step no eta: pipe(...) is the deterministic DDIM sampler (eta=0)"
+        )
         raise ConfigError(
-            f"scheduler={name!r} is refused with pipeline={pname!r}: "
-            + (
-                f"{pname}'s own loop passes DDIMScheduler.step no eta (or speculative() does not take its eta), so "
-                "pipe(...) is the deterministic DDIM sampler (eta=0), where speculation is vacuous. Instead use "
-                "DDIMPipeline with eta > 0"
-                if kernel.name == "ddim"
-                else f"DDIMPipeline's loop passes eta to scheduler.step, which {name} does not take, so pipe(...) "
-                "itself fails. Instead use DDIMScheduler (eta > 0) with DDIMPipeline"
-            )
-            + f", or another scheduler ({INSTEAD['ddpm' if kind == 'ddim' else kind]})."
+            f"scheduler={name!r} is refused with pipeline={pname!r}: {why}. Instead use DDIMPipeline with "
+            + ("DDIMScheduler (eta > 0)." if kind == "ddim" else f"eta > 0, or another scheduler ({INSTEAD[kind]}).")
         )
     get = sch.config.get if hasattr(sch.config, "get") else lambda k, d=None: getattr(sch.config, k, d)
     if kernel is not None and kernel.flow and kind != "sd3" and get("use_dynamic_shifting", False):
