@@ -119,8 +119,8 @@ def supported_schedulers() -> str:
 def refuse(name: str, why: str = "") -> ConfigError:
     """The one paragraph that refuses scheduler ``name``."""
     why = why or (
-        "its step is not a Gaussian transition with a state-independent scale (a multistep, "
-        "deterministic or predictor-corrector solver: DPM-Solver++, DDIM with eta=0, UniPC, Heun, "
+        "its step is not a Gaussian transition with a state-independent scale (a deterministic or "
+        "predictor-corrector solver: DPM-Solver++ without noise, DDIM with eta=0, UniPC, Heun, "
         "PNDM, LMS, Euler without noise), so speculation cannot be exact"
     )
     return ConfigError(

@@ -79,19 +79,23 @@ def from_scheduler(
     mu: float | None = None,
     eta: float = 1.0,
     s_noise: float = 1.0,
+    use_clipped_model_output: bool = False,
 ) -> SchedulerPlan:
     """The :class:`SchedulerPlan` of a diffusers scheduler at ``num_inference_steps``.
 
     Args:
         scheduler: a scheduler whose class a registered kernel reproduces (``DDPMScheduler``,
-            ``EulerAncestralDiscreteScheduler`` or ``FlowMatchEulerDiscreteScheduler`` with
-            ``stochastic_sampling=True``); its config is read, the instance is not changed.
+            ``EulerAncestralDiscreteScheduler``, ``FlowMatchEulerDiscreteScheduler`` with
+            ``stochastic_sampling=True``, ``DDIMScheduler`` (``eta > 0``) or ``DPMSolverMultistepScheduler`` with
+            ``algorithm_type="sde-dpmsolver++"``); its config is read, the instance is not changed.
         num_inference_steps: the pipeline's number of steps ``T`` (3 to 100,000).
         event_ndim: dimensions of one state (3 for images ``[C, H, W]``): where DDPM's dynamic thresholding
             takes its per-sample quantile.
         mu: the flow scheduler's shift when it uses dynamic shifting (SD3.5 passes it from the image size).
-        eta, s_noise: Euler ancestral's noise options (diffusers' scheduler is ``eta = s_noise = 1``); a kernel
-            reads those in its ``run_options``.
+        eta, s_noise: Euler ancestral's noise options (diffusers' scheduler is ``eta = s_noise = 1``); ``eta`` is
+            also DDIM's (``DDIMScheduler.step(eta=...)``, > 0); a kernel reads those in its ``run_options``.
+        use_clipped_model_output: DDIM's ``step`` option (the noise prediction recomputed from the clipped data
+            prediction).
 
     Raises:
         ConfigError: a scheduler, option or step count whose step is not reproduced exactly (one paragraph
@@ -103,7 +107,7 @@ def from_scheduler(
         raise refuse(name)
     steps = _check_steps(num_inference_steps)
     fresh = type(scheduler).from_config(scheduler.config)
-    given = {"eta": eta, "s_noise": s_noise}
+    given = {"eta": eta, "s_noise": s_noise, "use_clipped_model_output": use_clipped_model_output}
     read = kernel.read_scheduler(
         fresh, steps, event_ndim=event_ndim, mu=mu, **{k: given[k] for k in kernel.run_options}
     )

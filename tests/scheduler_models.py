@@ -91,12 +91,13 @@ def edm_denoiser(net, label: int | None = None, label_dim: int = 0):
 
 def scheduler_levels(sch) -> torch.Tensor:
     """What :class:`PredictionNet` reads at each of ``sch.timesteps`` (after ``set_timesteps``): ``alphas_cumprod[t]``
-    for DDPM, ``1 / (1 + sigma^2)`` at the step's sigma for Euler ancestral, the sigma for flow matching."""
+    for DDPM and DDIM, ``1 / (1 + sigma^2)`` at the step's sigma for Euler ancestral and DPM-Solver, the sigma for flow
+    matching."""
     name = type(sch).__name__
-    if name == "DDPMScheduler":
+    if name in ("DDPMScheduler", "DDIMScheduler"):
         return sch.alphas_cumprod.to(torch.float64)[sch.timesteps.long()]
     sig = sch.sigmas.to(torch.float64)[: len(sch.timesteps)]
-    if name == "EulerAncestralDiscreteScheduler":
+    if name in ("EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler"):
         return 1.0 / (1.0 + sig * sig)
     return sig
 
@@ -106,15 +107,16 @@ def mixture_net(gmm, sch, prediction: str, calls: list | None = None, warp: floa
     return PredictionNet(mixture_denoiser(gmm), prediction, sch.timesteps, scheduler_levels(sch), calls, warp)
 
 
-def pipeline_loop(sch, net, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def pipeline_loop(sch, net, latents: torch.Tensor, generator: torch.Generator, **step) -> torch.Tensor:
     """A pipeline's denoising loop: ``latents * init_noise_sigma`` (1 where the scheduler has none), then for each
     timestep the network at
-    ``scale_model_input`` of the state (where the scheduler has it) and ``sch.step(..., generator=generator)``."""
+    ``scale_model_input`` of the state (where the scheduler has it) and ``sch.step(..., generator=generator, **step)``
+    (``step``: DDIM's ``eta``, ``use_clipped_model_output``)."""
     y = latents * getattr(sch, "init_noise_sigma", 1.0)  # flow matching has none (SD3 starts at N(0, I))
     for t in sch.timesteps:
         y_in = sch.scale_model_input(y, t) if hasattr(sch, "scale_model_input") else y
         out = net(y_in, t)
-        y = sch.step(out, t, y, generator=generator).prev_sample
+        y = sch.step(out, t, y, generator=generator, **step).prev_sample
     return y
 
 

@@ -12,15 +12,17 @@ rows, as diffusers batches it), and :func:`specsamp.sampler.sample_speculative` 
 The samples follow the law of the pipeline's own loop; the noise after the first latents is the sampler's keyed
 noise, so the images are not the pipeline's bit for bit.
 
-Covered: ``DDPMPipeline`` (``UNet2DModel``), ``StableDiffusionPipeline`` (``UNet2DConditionModel``; epsilon,
-v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), each under the schedulers whose sampler its own
-loop is (:func:`check_loop`): ``DDPMPipeline`` and ``StableDiffusion3Pipeline`` under ``DDPMScheduler`` or
-``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``; ``StableDiffusionPipeline`` under ``DDPMScheduler``
-or ``EulerAncestralDiscreteScheduler``. ``EulerAncestralDiscreteScheduler`` in a loop that skips
-``init_noise_sigma`` and ``scale_model_input`` (``DDPMPipeline``, ``StableDiffusion3Pipeline``) is another law,
-and the flow scheduler in ``StableDiffusionPipeline`` makes the pipeline itself fail: both are refused. Any other
-scheduler (DPM-Solver++, DDIM, UniPC, any multistep solver) or pipeline is refused by :func:`speculative`
-itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
+Covered: ``DDPMPipeline`` (``UNet2DModel``; ``DDIMPipeline`` too, with its ``eta``), ``StableDiffusionPipeline``
+(``UNet2DConditionModel``; epsilon, v_prediction or sample) and ``StableDiffusion3Pipeline`` (flow), each under the
+schedulers whose sampler its own loop is (:func:`check_loop`): ``DDPMPipeline`` and ``StableDiffusion3Pipeline`` under
+``DDPMScheduler`` or ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``; ``StableDiffusionPipeline`` under
+``DDPMScheduler`` or ``EulerAncestralDiscreteScheduler``;
+``DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++")`` in ``DDPMPipeline`` and ``StableDiffusionPipeline``;
+``DDIMScheduler`` in ``DDIMPipeline`` with ``eta > 0`` (other loops pass it no ``eta``, or this class does not take
+theirs). ``EulerAncestralDiscreteScheduler`` in a loop that skips ``init_noise_sigma`` and ``scale_model_input``
+(``DDPMPipeline``, ``StableDiffusion3Pipeline``) is another law, and the flow scheduler in ``StableDiffusionPipeline``
+makes the pipeline itself fail: both are refused. Any other scheduler (deterministic DPM-Solver++, UniPC, any ODE
+solver) or pipeline is refused by :func:`speculative` itself, with a :class:`~specsamp.errors.ConfigError`, before any work.
 
 The call takes the pipeline's arguments by keyword or by position, in the order of the pipeline's own
 ``__call__``; the progress bar is the pipeline's (``pipe.progress_bar``, ``set_progress_bar_config``) and
@@ -45,13 +47,20 @@ from ..rng import MAX_SEED
 from ..schedulers import SchedulerPlan, from_scheduler
 from ..trees import DraftTree
 
-KINDS = {"DDPMPipeline": "ddpm", "StableDiffusionPipeline": "sd", "StableDiffusion3Pipeline": "sd3"}
+KINDS = {
+    "DDIMPipeline": "ddim",
+    "DDPMPipeline": "ddpm",
+    "StableDiffusionPipeline": "sd",
+    "StableDiffusion3Pipeline": "sd3",
+}
 """The pipeline classes covered (subclasses included) and the kind each is driven as."""
 
 # data tables: one line per kind reads better than one line per name
 # fmt: off
 ARGUMENTS = {
     "ddpm": ("batch_size", "generator", "seed", "num_inference_steps", "output_type", "return_dict"),
+    "ddim": ("batch_size", "generator", "seed", "eta", "num_inference_steps", "use_clipped_model_output",
+             "output_type", "return_dict"),
     "sd": ("prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale",
            "num_images_per_prompt", "generator", "seed", "output_type", "return_dict", "guidance_rescale", "clip_skip"),
     "sd3": ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "height",
@@ -65,13 +74,14 @@ OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "war
 # fmt: on
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
 
-LOOP_SCALES = {"ddpm": False, "sd": True, "sd3": False}
+LOOP_SCALES = {"ddpm": False, "ddim": False, "sd": True, "sd3": False}
 """Whether each kind's own loop (diffusers 0.42) multiplies its first latents by ``scheduler.init_noise_sigma``
 and passes the network's input through ``scheduler.scale_model_input``: ``StableDiffusionPipeline`` does both,
 ``DDPMPipeline`` and ``StableDiffusion3Pipeline`` neither."""
 
 INSTEAD = {
     "ddpm": "DDPMScheduler.from_config(pipe.scheduler.config)",
+    "ddim": "DDIMScheduler.from_config(pipe.scheduler.config)",
     "sd": "DDPMScheduler or EulerAncestralDiscreteScheduler (.from_config(pipe.scheduler.config))",
     "sd3": "FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)",
 }
@@ -123,6 +133,17 @@ def check_loop(pipe, kind: str) -> None:
             f"by scheduler.init_noise_sigma, which {name} does not have, so pipe(...) itself fails and there is no "
             f"law to reproduce. Instead use {INSTEAD[kind]} with {pname}, or the flow scheduler in a flow pipeline "
             "(StableDiffusion3Pipeline)."
+        )
+    if kernel is not None and (kernel.name == "ddim") != (kind == "ddim"):  # DDIM's eta: only DDIMPipeline's is taken
+        why = {
+            "ddim": f"its own loop passes eta to scheduler.step, which {name} does not take, so pipe(...) itself fails",
+            "sd": "its own loop hands DDIMScheduler.step the pipeline's eta, which speculative() takes from DDIMPipeline only",
+        }.get(
+            kind, "its own loop passes DDIMScheduler.step no eta: pipe(...) is the deterministic DDIM sampler (eta=0)"
+        )
+        raise ConfigError(
+            f"scheduler={name!r} is refused with pipeline={pname!r}: {why}. Instead use DDIMPipeline with "
+            + ("DDIMScheduler (eta > 0)." if kind == "ddim" else f"eta > 0, or another scheduler ({INSTEAD[kind]}).")
         )
     get = sch.config.get if hasattr(sch.config, "get") else lambda k, d=None: getattr(sch.config, k, d)
     if kernel is not None and kernel.flow and kind != "sd3" and get("use_dynamic_shifting", False):
@@ -262,7 +283,7 @@ class SpeculativePipeline:
         }
 
     # --- the parts every kind shares -----------------------------------------------------------------
-    def _plan(self, steps, latent_shape, mu=None, guided: bool = False) -> tuple[SchedulerPlan, object]:
+    def _plan(self, steps, latent_shape, mu=None, guided: bool = False, **step) -> tuple[SchedulerPlan, object]:
         """The scheduler's plan for ``steps`` and the round's tree within its speculative steps, refused (before any
         network call) where the sampler's states for ``latent_shape`` cannot fit."""
         check_loop(self.pipe, self.kind)  # the scheduler may have been replaced since speculative()
@@ -271,6 +292,7 @@ class SpeculativePipeline:
             steps,
             event_ndim=len(latent_shape) - 1,
             mu=_scheduler_mu(self.pipe, latent_shape, mu) if self.kind == "sd3" else None,
+            **step,  # DDIMPipeline's eta and use_clipped_model_output
         )
         horizon = max(plan.schedule.steps - 2, 1)
         given = not isinstance(self.tree, tuple)
@@ -286,7 +308,7 @@ class SpeculativePipeline:
             steps=plan.schedule.steps,
             max_batch=self.options.get("max_batch"),
             row_bytes=arguments.activation_bytes(latent_shape[1:], net_dtype),
-            rows_per_state=2 if self.kind != "ddpm" and guided else 1,
+            rows_per_state=2 if self.kind not in ("ddpm", "ddim") and guided else 1,
         )
         tree = arguments.draft_tree(
             get_coupling(self.coupling), self.tree if given else None, K, L, None, horizon, {}, memory=memory
@@ -347,12 +369,19 @@ class SpeculativePipeline:
         return output
 
     # --- the pipelines -------------------------------------------------------------------------------
+    def _ddim(self, a):
+        return self._ddpm(a)
+
     def _ddpm(self, a):
         pipe = self.pipe
         b = _check_int("batch_size", a["batch_size"])
         size = pipe.unet.config.sample_size
         shape = (b, pipe.unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
-        plan, tree = self._plan(a["num_inference_steps"], shape)
+        step = {k: a[k] for k in ("eta", "use_clipped_model_output") if k in a}
+        if step:  # DDIMPipeline: as its loop hands them to DDIMScheduler.step
+            arguments.number("eta", step["eta"])
+            step["use_clipped_model_output"] = bool(step["use_clipped_model_output"])
+        plan, tree = self._plan(a["num_inference_steps"], shape, **step)
         net_dtype, device = net_dtype_device(pipe.unet)
         noise = self._noise(shape, a["generator"], net_dtype, device)
         seed = self._seed(a["seed"], a["generator"])

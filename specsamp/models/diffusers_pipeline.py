@@ -189,10 +189,11 @@ class DiffusersConfig(TargetConfig):
 
         Args:
             steps: the run's ``steps`` (the pipeline's ``num_inference_steps``).
-            kernel: None (``kernel=auto``): the folder's own scheduler class; ``ddpm``, ``euler_ancestral`` or
-                ``flow_stochastic``: that scheduler class built from the folder's scheduler config
-                (``flow_stochastic`` with ``stochastic_sampling=True``). The kernel config's own keys are not
-                read: the folder's config is the scheduler.
+            kernel: None (``kernel=auto``): the folder's own scheduler class; a scheduler kernel (``ddpm``,
+                ``euler_ancestral``, ``flow_stochastic``, ``ddim``, ``dpmsolver_sde``): that scheduler class built from
+                the folder's scheduler config (with the kernel's ``scheduler_flags``: ``stochastic_sampling=True``,
+                ``algorithm_type="sde-dpmsolver++"``). The kernel config's own keys are not read: the folder's config
+                is the scheduler (DDIM steps at ``eta = 1``).
 
         Raises:
             ConfigError: ``kernel=em`` (a diffusers network is trained on its scheduler's timesteps, not the

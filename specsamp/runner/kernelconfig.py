@@ -25,7 +25,8 @@ class KernelConfig:
     ``em`` (the default) is the paper's Euler--Maruyama kernel on the run's own grid (``steps``, ``eps``,
     ``model.shift``); ``auto`` is the model's own scheduler where it brings one (``model=diffusers``), else ``em``.
     The scheduler kernels (:class:`DDPMKernelConfig`, :class:`EulerAncestralKernelConfig`,
-    :class:`FlowStochasticKernelConfig`) take their grid and noise from a diffusers scheduler built from their keys.
+    :class:`FlowStochasticKernelConfig`, :class:`DDIMKernelConfig`, :class:`DPMSolverSDEKernelConfig`) take their
+    grid and noise from a diffusers scheduler built from their keys.
     """
 
     name: str = "em"
@@ -192,6 +193,47 @@ class RESMultistepAncestralKernelConfig(KarrasKernelConfig):
     name: str = "res_multistep_ancestral"
 
 
+@dataclass
+class DDIMKernelConfig(BetasKernelConfig):
+    """``kernel=ddim``: ``diffusers.DDIMScheduler`` with these keys (``clip_sample`` off here, as for ``ddpm``),
+    stepped with ``eta`` (> 0) and ``use_clipped_model_output`` as ``DDIMScheduler.step`` takes them."""
+
+    name: str = "ddim"
+    clip_sample: bool = False
+    clip_sample_range: float = _number("a finite number > 0", lambda v: v > 0, 1.0)
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = _number("a finite number in (0, 1]", lambda v: 0 < v <= 1, 0.995)
+    sample_max_value: float = _number("a finite number > 0", lambda v: v > 0, 1.0)
+    set_alpha_to_one: bool = True
+    eta: float = _number(
+        "a finite number > 0 (eta=0 is the deterministic DDIM sampler, where speculation is vacuous)",
+        lambda v: v > 0,
+        1.0,
+    )
+    use_clipped_model_output: bool = False
+
+
+@dataclass
+class DPMSolverSDEKernelConfig(BetasKernelConfig):
+    """``kernel=dpmsolver_sde``: ``diffusers.DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++")`` with
+    these keys (at most one of the sigma spacings ``use_*_sigmas``)."""
+
+    name: str = "dpmsolver_sde"
+    timestep_spacing: str = one_of(TIMESTEP_SPACINGS, "linspace")
+    solver_order: int = between(1, 3, 2, why="DPM-Solver++ SDE is written for orders 1 to 3")
+    solver_type: str = one_of(("midpoint", "heun"), "midpoint")
+    lower_order_final: bool = True
+    euler_at_final: bool = False
+    final_sigmas_type: str = one_of(("zero", "sigma_min"), "zero")
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    use_lu_lambdas: bool = False
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = _number("a finite number in (0, 1]", lambda v: 0 < v <= 1, 0.995)
+    sample_max_value: float = _number("a finite number > 0", lambda v: v > 0, 1.0)
+
+
 KERNEL_SCHEMAS = {
     "em": EMKernelConfig,
     "auto": AutoKernelConfig,
@@ -204,6 +246,8 @@ KERNEL_SCHEMAS = {
     "lcm": LCMKernelConfig,
     "er_sde": ERSDEKernelConfig,
     "res_multistep_ancestral": RESMultistepAncestralKernelConfig,
+    "ddim": DDIMKernelConfig,
+    "dpmsolver_sde": DPMSolverSDEKernelConfig,
 }
 """The kernel config classes by ``kernel.name`` (Hydra schemas ``kernel/<name>_schema``)."""
 SCHEDULER_KERNELS = tuple(cls.name for cls in scheduler_kernels())

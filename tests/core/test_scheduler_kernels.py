@@ -292,7 +292,7 @@ def test_plans_follow_the_schedulers_grids_and_initial_scale():
 
 
 REFUSED = [
-    (lambda: DDIMScheduler(), "DDIMScheduler"),
+    (lambda: DDIMScheduler(), "DDIMScheduler"),  # at eta=0, as every case here is planned: deterministic
     (lambda: DPMSolverMultistepScheduler(), "DPMSolverMultistepScheduler"),
     (lambda: UniPCMultistepScheduler(), "UniPCMultistepScheduler"),
     (lambda: EulerDiscreteScheduler(), "EulerDiscreteScheduler"),
@@ -305,10 +305,10 @@ REFUSED = [
 @pytest.mark.parametrize("make,named", REFUSED, ids=[r[1] for r in REFUSED])
 def test_unreproduced_schedulers_are_refused_naming_the_kernels(make, named):
     with pytest.raises(ConfigError) as e:
-        from_scheduler(make(), 10)
+        from_scheduler(make(), 10, eta=0.0)
     msg = str(e.value)
     assert named in msg and "\n" not in msg
-    for kernel in ("ddpm", "euler_ancestral", "flow_stochastic"):
+    for kernel in ("ddpm", "euler_ancestral", "flow_stochastic", "ddim", "dpmsolver_sde"):
         assert kernel in msg
 
 

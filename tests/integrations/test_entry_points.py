@@ -330,7 +330,9 @@ def test_the_node_maxima_follow_the_memory_estimate():
 
 @pytest.mark.parametrize("pipe, shown", [(None, "None"), ("sd3", "'sd3'"), (object(), "'object'")])
 def test_speculative_names_what_it_was_handed_in_place_of_a_pipeline(pipe, shown):
-    with pytest.raises(ConfigError, match=rf"pipeline={shown} is not supported: speculative\(\) drives DDPMPipeline"):
+    with pytest.raises(
+        ConfigError, match=rf"pipeline={shown} is not supported: speculative\(\) drives DDIMPipeline, DDPMPipeline"
+    ):
         speculative(pipe)
 
 

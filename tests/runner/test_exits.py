@@ -387,7 +387,7 @@ def _bare(args, cwd):
             ["model=nosuch"],
             [
                 "model=nosuch is not an option of the config group model",
-                "valid: cifar10, diffusers, digits, ffhq, gmm, patches32, sd3 (conf/model/)",
+                "valid: cifar10, diffusers, digits, digits_cfg, ffhq, gmm, patches32, sd3 (conf/model/)",
                 "hydra.searchpath=",
             ],
             "_schema",

@@ -322,8 +322,8 @@ def test_a_scheduler_grid_that_repeats_a_level_is_refused_at_build_naming_the_ke
     [
         (
             ["kernel=foo"],
-            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddpm, dpmpp_2m_sde, "
-            "dpmpp_3m_sde, em, er_sde, euler_ancestral, euler_ancestral_rf, flow_stochastic, lcm, "
+            "error: kernel=foo is not an option of the config group kernel; valid: auto, ddim, ddpm, dpmpp_2m_sde, "
+            "dpmpp_3m_sde, dpmsolver_sde, em, er_sde, euler_ancestral, euler_ancestral_rf, flow_stochastic, lcm, "
             "res_multistep_ancestral (conf/kernel/)",
         ),
         (
