@@ -197,25 +197,86 @@ def flow_grid(steps: int) -> torch.Tensor:
     return flow_levels(steps, 3.0) * (80.0 / 81.0)
 
 
+def ddim_scheduler():
+    """diffusers' ``DDIMScheduler`` as Stable Diffusion configures it (scaled-linear betas 0.00085 to 0.012,
+    ``steps_offset = 1``, no clipping, ``set_alpha_to_one = False``)."""
+    from diffusers import DDIMScheduler
+
+    return DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+
+
+class Velocity:
+    """A variance-exploding denoiser as the velocity model :func:`specsamp.sampler.sample_speculative` takes:
+    ``v = (x - D(x / (1 - s), s / (1 - s))) / s`` on the linear path."""
+
+    def __init__(self, denoiser, shape, dtype):
+        self.denoiser, self.event_shape, self.dtype = denoiser, tuple(shape), dtype
+
+    def __call__(self, x, s, **cond):
+        r = s.reshape((-1,) + (1,) * (x.ndim - 1)).to(x.dtype)
+        return (x - self.denoiser(x / (1.0 - r), (s / (1.0 - s)).to(x.dtype), **cond)) / r
+
+
+def run_ddim(model, x_noise, steps: int, extra: dict, seed: int, arm: dict | None, stats: dict | None = None):
+    """DDIM at ``eta = 1`` for the images ``x_noise [b, ...]`` (standard normal): diffusers' own loop
+    (``scheduler.step(..., eta=1, generator=...)``, the network presented as its epsilon in VP coordinates) where
+    ``arm`` is None, else the ``ddim`` kernel's speculative sampler (:func:`specsamp.schedulers.from_scheduler`)."""
+    from benchmarks.samplers import SchedulerNetwork
+    from specsamp.sampler import sample_speculative
+    from specsamp.schedulers import from_scheduler
+    from specsamp.trees import DraftTree
+
+    vel = Velocity(model, x_noise.shape[1:], x_noise.dtype)
+    plan = from_scheduler(ddim_scheduler(), steps, event_ndim=x_noise.ndim - 1, eta=1.0)
+    if arm is None:
+        sch, net = ddim_scheduler(), SchedulerNetwork(vel, plan)
+        sch.set_timesteps(steps)
+        g = torch.Generator().manual_seed(seed)
+        y = x_noise * sch.init_noise_sigma
+        for t in sch.timesteps:
+            y = sch.step(net(y, t, **extra), t, y, eta=1.0, generator=g).prev_sample
+        return y
+    tree = DraftTree.chain(arm["budget"]) if arm["coupling"] == "rmc" else DraftTree.uniform(arm["K"], arm["L"])
+    res = sample_speculative(
+        vel, plan.schedule, tree, arm["coupling"], x_noise.shape[0], draft="x0", execution="tree", seed=seed,
+        cond=extra or None, init=x_noise * plan.init_scale,
+    )  # fmt: skip
+    if stats is not None:
+        stats["result"] = res
+    return res.samples
+
+
 SAMPLERS = {  # name -> (entry point, loop, grid(steps), flow)
     "euler_a": (kd.sample_euler_ancestral, loop_euler_ancestral, karras, False),
     "dpmpp_2m_sde": (kd.sample_dpmpp_2m_sde, loop_dpmpp_2m_sde, karras, False),
     "euler_a_rf": (kd.sample_euler_ancestral_RF, loop_euler_ancestral_rf, flow_grid, True),
+    "ddim": (None, None, None, False),  # diffusers' DDIMScheduler on its own timesteps: run_ddim
 }
 
 
 def cases(steps: list[int]) -> list[tuple[str, int]]:
-    """``(sampler, steps)``: Euler a and DPM++ 2M SDE at each of ``steps``, the flow form at 28."""
-    return [(s, t) for s in ("euler_a", "dpmpp_2m_sde") for t in steps] + [("euler_a_rf", 28)]
+    """``(sampler, steps)``: Euler a, DPM++ 2M SDE and DDIM at each of ``steps``, the flow form at 28."""
+    return [(s, t) for s in ("euler_a", "dpmpp_2m_sde", "ddim") for t in steps] + [("euler_a_rf", 28)]
 
 
 def counts(model, shape, dtype, sampler: str, steps: int, arm: dict, n: int, extra: dict) -> dict:
     """Calls, rows and per-depth acceptance per image over ``n`` images (seed 0)."""
     entry, _, grid, flow = SAMPLERS[sampler]
-    sig = grid(steps).to(dtype)
-    x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0), dtype=dtype) * sig[0]
     info = {}
-    entry(Padded(model), x, sig, extra, disable=True, seed=0, stats=info, **arm)
+    if sampler == "ddim":
+        x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+        run_ddim(Padded(model), x, steps, extra, 0, arm, info)
+    else:
+        sig = grid(steps).to(dtype)
+        x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0), dtype=dtype) * sig[0]
+        entry(Padded(model), x, sig, extra, disable=True, seed=0, stats=info, **arm)
     r = info["result"]
     att, acc = r.attempts.sum(0).double(), r.accepts.sum(0).double()
     depth = [round(float(a / t), 3) if t > 0 else None for a, t in zip(acc, att)]
@@ -231,7 +292,7 @@ def counts(model, shape, dtype, sampler: str, steps: int, arm: dict, n: int, ext
 def timings(model, shape, dtype, sampler: str, steps: int, arms: dict, pad_ms: float, repeats: int, extra) -> dict:
     """One image: the loop and each arm alternating, one warm-up each; seconds per arm (median, min, max)."""
     entry, loop, grid, flow = SAMPLERS[sampler]
-    sig = grid(steps).to(dtype)
+    sig = grid(steps).to(dtype) if grid is not None else torch.ones(1, dtype=dtype)
     padded = Padded(model, pad_ms / 1e3)
     names = ["loop", *arms]
 
@@ -240,7 +301,9 @@ def timings(model, shape, dtype, sampler: str, steps: int, arms: dict, pad_ms: f
         x = torch.randn(1, *shape, generator=g, dtype=dtype) * sig[0]
         t0 = time.perf_counter()
         with torch.no_grad():
-            if name == "loop":
+            if sampler == "ddim":
+                run_ddim(padded, x / sig[0], steps, extra, seed, None if name == "loop" else arms[name])
+            elif name == "loop":
                 torch.manual_seed(seed)
                 loop(lambda y, s: padded(y, s, **extra), x, sig)
             else:
@@ -270,6 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--pads", default="0,5,20", help="milliseconds each call is padded to (0: the real call)")
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--samplers", default="euler_a,dpmpp_2m_sde,ddim,euler_a_rf", help="which of the samplers to run")
     ap.add_argument("--quick", action="store_true", help="n=2, 2 repeats, 20 steps, the mixture, no padding")
     ap.add_argument("--out", default="results/presets.json")
     a = ap.parse_args(argv)
@@ -284,6 +348,8 @@ def main(argv=None) -> int:
     for target in a.targets.split(","):
         base, shape, dtype = load_target(target)
         for sampler, t in cases(steps):
+            if sampler not in a.samplers.split(","):
+                continue
             model = as_flow(base) if SAMPLERS[sampler][3] else base
             row = {"target": target, "sampler": sampler, "steps": t, "arms": {}}
             for name, arm in arms.items():

@@ -237,3 +237,28 @@ def test_revlatency_refuses_unknown_arms_before_it_checks_anything_out(capsys):
     with pytest.raises(SystemExit) as e:
         main(["HEAD", "--arms", "standard,nope"])
     assert e.value.code == 2 and "['nope'] unknown" in capsys.readouterr().err
+
+
+def test_presets_counts_and_timings_run_every_sampler_at_a_tiny_size():
+    """The presets benchmark's code path (``benchmarks.presets``) on an 8-d mixture at 6 steps: each sampler's counts
+    and one-image timings against its loop, and the table."""
+    import torch
+    from helpers import wide_denoiser
+
+    from benchmarks import presets
+
+    arms = {"rmc chain 4": presets.ARMS["rmc chain 4"], "dgrs 2x3": presets.ARMS["dgrs 2x3"]}
+    rows = []
+    for sampler in ("euler_a", "dpmpp_2m_sde", "ddim", "euler_a_rf"):
+        model = presets.as_flow(wide_denoiser) if presets.SAMPLERS[sampler][3] else wide_denoiser
+        row = {"target": "tiny", "sampler": sampler, "steps": 6, "arms": {}}
+        for name, arm in arms.items():
+            c = presets.counts(model, (8,), torch.float64, sampler, 6, arm, 2, {})
+            assert 1 <= c["calls"] <= 6 + 1 and c["rows"] > 0 and len(c["acceptance"]) >= 1
+            row["arms"][name] = c
+        t = presets.timings(model, (8,), torch.float64, sampler, 6, arms, 0.0, 1, {})
+        assert set(t) == {"loop", *arms} and all(v["median_s"] > 0 for v in t.values())
+        row["time_pad0ms"] = t
+        rows.append(row)
+    text = presets.markdown({"rows": rows})
+    assert "ddim 6" in text and "wall 0ms" in text
