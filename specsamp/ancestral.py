@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .dpmpp import karras_levels
-from .kernels import DataPredictionKernel, register_kernel
+from .kernels import DataPredictionKernel, positive_option, register_kernel
 
 
 def flow_levels(steps: int, shift: float = 3.0) -> torch.Tensor:
@@ -28,13 +28,6 @@ def flow_levels(steps: int, shift: float = 3.0) -> torch.Tensor:
     ``1 / steps`` in equal steps (SD3's and ComfyUI's ``simple`` schedule of a model with that shift), then 0."""
     t = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
     return torch.cat([shift * t / (1.0 + (shift - 1.0) * t), torch.zeros(1, dtype=torch.float64)])
-
-
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        extra = " (eta=0 is the deterministic Euler sampler, where speculation is vacuous)" if name == "eta" else ""
-        raise ValueError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}")
-    return float(value)
 
 
 @register_kernel("euler_ancestral_rf")
@@ -53,7 +46,10 @@ class EulerAncestralRF(DataPredictionKernel):
 
     def __init__(self, sigmas, eps, eta: float = 1.0, s_noise: float = 1.0, **options):
         super().__init__(sigmas, eps, **options)
-        self.eta, self.s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
+        self.eta, self.s_noise = (
+            positive_option("eta", eta, "Euler sampler"),
+            positive_option("s_noise", s_noise, "Euler sampler"),
+        )
         s0, s1 = self.sigmas[:-1], self.sigmas[1:]
         sd = s1 * (1.0 + (s1 / s0 - 1.0) * self.eta)
         if bool(((sd <= 0) & (s1 > 0)).any()):
@@ -97,8 +93,10 @@ class LCM(DataPredictionKernel):
 
     def __init__(self, sigmas, eps, s_noise: float = 1.0, s_noise_end: float | None = None, **options):
         super().__init__(sigmas, eps, **options)
-        self.s_noise = _positive("s_noise", s_noise)
-        self.s_noise_end = self.s_noise if s_noise_end is None else _positive("s_noise_end", s_noise_end)
+        self.s_noise = positive_option("s_noise", s_noise, "Euler sampler")
+        self.s_noise_end = (
+            self.s_noise if s_noise_end is None else positive_option("s_noise_end", s_noise_end, "Euler sampler")
+        )
 
     @property
     def init_scale(self) -> float:

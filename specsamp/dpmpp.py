@@ -24,16 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import Kernel, register_kernel
+from .kernels import Kernel, positive_option, register_kernel
 
 SOLVER_TYPES = ("midpoint", "heun")
-
-
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        extra = " (eta=0 is the deterministic DPM-Solver++, where speculation is vacuous)" if name == "eta" else ""
-        raise ValueError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}")
-    return float(value)
 
 
 def karras_levels(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
@@ -60,7 +53,10 @@ class _DPMPPSDE(Kernel):
 
     def __init__(self, sigmas: torch.Tensor, eps: float, eta: float = 1.0, s_noise: float = 1.0):
         super().__init__(sigmas, eps)
-        self.eta, self.s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
+        self.eta, self.s_noise = (
+            positive_option("eta", eta, "DPM-Solver++"),
+            positive_option("s_noise", s_noise, "DPM-Solver++"),
+        )
 
     @property
     def init_scale(self) -> float:

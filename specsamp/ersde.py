@@ -44,16 +44,9 @@ from __future__ import annotations
 import torch
 
 from .dpmpp import karras_levels
-from .kernels import Kernel, register_kernel
+from .kernels import Kernel, positive_option, register_kernel
 
 INTEGRATION_POINTS = 200  # ComfyUI's num_integration_points
-
-
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        extra = " (eta=0 is the deterministic RES multistep, where speculation is vacuous)" if name == "eta" else ""
-        raise ValueError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}")
-    return float(value)
 
 
 def default_noise_scaler(lam: torch.Tensor) -> torch.Tensor:
@@ -111,7 +104,7 @@ class ERSDE(_History):
 
     def __init__(self, sigmas, eps, s_noise: float = 1.0, max_stage: int = 3, noise_scaler=None):
         super().__init__(sigmas, eps)
-        self.s_noise = _positive("s_noise", s_noise)
+        self.s_noise = positive_option("s_noise", s_noise, "RES multistep")
         if isinstance(max_stage, bool) or max_stage not in (1, 2, 3):
             raise ValueError(f"max_stage={max_stage!r} is invalid: must be 1, 2 or 3")
         if noise_scaler is not None and not callable(noise_scaler):
@@ -180,7 +173,10 @@ class RESMultistepAncestral(_History):
 
     def __init__(self, sigmas, eps, eta: float = 1.0, s_noise: float = 1.0, flow: bool = False):
         super().__init__(sigmas, eps)
-        self.eta, self.s_noise = _positive("eta", eta), _positive("s_noise", s_noise)
+        self.eta, self.s_noise = (
+            positive_option("eta", eta, "RES multistep"),
+            positive_option("s_noise", s_noise, "RES multistep"),
+        )
         if not isinstance(flow, bool):
             raise ValueError(f"flow={flow!r} is invalid: must be True or False")
         self.flow = flow

@@ -249,6 +249,15 @@ class Kernel:
         return self.named(c.reshape(c.shape[0], len(self.columns), *(1,) * (like.ndim - 1)).unbind(1))
 
 
+def positive_option(name: str, value, sampler: str) -> float:
+    """A kernel's noise option (``eta``, ``s_noise``, ...) as a float; ValueError unless finite and > 0 (a bool
+    refused), naming the option, its value and, for ``eta``, that 0 is the deterministic ``sampler``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        extra = f" (eta=0 is the deterministic {sampler}, where speculation is vacuous)" if name == "eta" else ""
+        raise ValueError(f"{name}={value!r} is invalid: must be a finite number > 0{extra}")
+    return float(value)
+
+
 def shift_history(history: tuple | None, record: torch.Tensor, order: int) -> tuple:
     """A multistep kernel's ``history`` one step on: ``record`` (this step's :meth:`Kernel.record`) in front, the
     oldest entry dropped; from ``None`` (no earlier step), ``record`` in each of the ``order - 1`` places (the stand-in

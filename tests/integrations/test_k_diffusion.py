@@ -12,7 +12,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import min_ks_p
+from helpers import karras, min_ks_p
 
 from specsamp.errors import ConfigError
 from specsamp.integrations.k_diffusion import sample_euler_ancestral
@@ -28,14 +28,6 @@ def gmm_denoiser(x, sigma, **extra):
     state ``x / (1 + sigma)`` at level ``sigma / (1 + sigma)``, and ``E[x0 | x]`` is the same in both coordinates."""
     s = sigma.to(torch.float64)
     return GMM.denoise(x / (1.0 + s[:, None]), s / (1.0 + s)).to(x.dtype)
-
-
-def karras(n: int, sigma_min: float = 0.03, sigma_max: float = 80.0, rho: float = 7.0) -> torch.Tensor:
-    """Karras et al.'s noise levels (k-diffusion's ``get_sigmas_karras``), then 0."""
-    ramp = torch.linspace(0, 1, n, dtype=torch.float64)
-    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
-    s = (hi + ramp * (lo - hi)) ** rho
-    return torch.cat([s, s.new_zeros(1)])
 
 
 def ancestral_step(sigma_from, sigma_to, eta=1.0):
