@@ -172,6 +172,13 @@ def plan_rate(by_root: Sequence[Option]) -> float:
     return sum(o.steps for o in by_root) / sum(o.seconds for o in by_root)
 
 
+def _segments(n_roots: int, segments: int) -> list[range]:
+    """``n_roots`` root indices cut into at most ``segments`` contiguous, near-equal groups."""
+    k = max(1, min(int(segments), n_roots))
+    edges = [round(i * n_roots / k) for i in range(k + 1)]
+    return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
 def choose(
     deltas_by_root: Sequence[Sequence[float]],
     call: CallCost,
@@ -182,9 +189,16 @@ def choose(
     budgets: Sequence[int] = BUDGETS,
     max_width: int = 4,
     margin: float = 0.05,
+    segments: int = 8,
+    resolution: float = 0.02,
 ) -> Plan:
     """For each coupling, the fastest option at each root step ``n = 1 .. T - 2`` (``deltas_by_root[n - 1]``, with
     ``T - 1 - n`` steps ahead); the coupling whose plan is fastest, unless the plain loop is within ``margin`` of it.
+
+    The roots are cut into at most ``segments`` contiguous groups, each priced once from its mean profile (rounded to
+    ``resolution``; equal profiles are searched once) at the steps its first root has ahead; a later root of the group
+    takes that option's tree cut to its own steps ahead, re-priced. So a run of any length is planned in a bounded
+    number of tree searches (at most ``segments x len(budgets)`` per coupling).
 
     Raises:
         ValueError: an empty or bad profile (:func:`options_at`).
@@ -193,24 +207,41 @@ def choose(
     if not rows:
         raise ValueError("deltas_by_root is empty: need one profile per root step 1 .. T - 2")
     loop = loop_option(call, host, batch)
+    n_roots, deepest = len(rows), max(budgets)
+    memo: dict = {}
     plans: dict[str, list[Option]] = {}
     for coupling in couplings:
-        plans[coupling] = [
-            max(
-                options_at(
-                    d,
+        plan: list[Option] = []
+        for seg in _segments(n_roots, segments):
+            width = min(max(len(rows[i]) for i in seg), deepest)
+            mean = np.mean(
+                [np.pad(rows[i][:width], (0, width - min(len(rows[i]), width)), mode="edge") for i in seg], 0
+            )
+            mean = np.round(mean / resolution) * resolution
+            ahead = n_roots - seg[0]
+            key = (coupling, tuple(mean), min(ahead, deepest))
+            if key not in memo:
+                opts = options_at(
+                    mean,
                     call,
                     host,
                     batch=batch,
-                    max_depth=len(rows) - i,
+                    max_depth=min(ahead, deepest),
                     couplings=(coupling,),
                     budgets=budgets,
                     max_width=max_width,
-                )[1:],
-                key=lambda o: o.rate,
-            )
-            for i, d in enumerate(rows)
-        ]
+                )[1:]
+                memo[key] = max(opts, key=lambda o: o.rate)
+            best = memo[key]
+            pos = profile_positional(mean, coupling)
+            for i in seg:
+                o = best
+                if o.tree.max_depth > n_roots - i:
+                    tree = o.tree.restrict(n_roots - i)
+                    rows_i = len(tree) - 1
+                    o = Option(o.name, coupling, tree, expected_steps(tree, pos), call(batch * rows_i) + host(rows_i))
+                plan.append(o)
+        plans[coupling] = plan
     rates = {c: plan_rate(p) for c, p in plans.items()}
     rates["loop"] = loop.rate
     best = max(plans, key=rates.get) if plans else None

@@ -173,7 +173,7 @@ def measure_call_cost(
             if (max_rows is not None and r > max_rows) or calls + 1 + repeats > max_calls:
                 break
             x = torch.randn((r, *shape), generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
-            s = torch.full((r,), float(level), dtype=dtype, device=device)
+            s = torch.full((r,), float(level), dtype=torch.float64, device=device)  # the sampler's levels are float64
             c = {k: v[:1].expand(r, *v.shape[1:]) for k, v in (cond or {}).items()}
             t0 = clock()
             model(x, s, **c)

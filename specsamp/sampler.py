@@ -99,7 +99,9 @@ def sample_standard(
         indices: explicit trajectory ids ``[M]`` (their randomness is keyed by these).
         cond: per-trajectory conditioning tensors ``[M, ...]``.
         max_batch: rows per forward pass.
-        callback: called after each step with ``{"step", "steps_done"}`` (speculative steps done, summed over rows).
+        callback: called after each step ``n`` with ``{"step": n + 1, "steps_done", "i": n, "x", "v"}``
+            (``steps_done``: speculative steps done, summed over rows; ``x [M, *e]`` the states step ``n`` left and
+            ``v`` their velocity; the batch's own: read, do not keep or write).
         init: ``[M, *event]`` first states on the linear path at ``sigmas[0]``; None: the keyed noise times the
             kernel's initial scale (:func:`specsamp.round.loop.initial_state`).
 
@@ -144,9 +146,9 @@ def sample_standard(
             past = shift_history(past, schedule.record(x, out, nn), order)
         std = per_row(schedule.std(nn).to(x.dtype), x)
         noise = rng.normal(rng.fold(step_keys, n), model.event_shape, dtype=x.dtype)
-        x = mean + std * noise
+        x_in, x = x, mean + std * noise
         if callback is not None:
-            callback({"step": n + 1, "steps_done": m * min(n, schedule.steps - 2)})
+            callback({"step": n + 1, "steps_done": m * min(n, schedule.steps - 2), "i": n, "x": x_in, "v": out})
     T = schedule.steps
     z = torch.zeros(m, dtype=torch.long, device=dev)
     return SampleResult(

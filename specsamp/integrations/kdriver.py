@@ -54,6 +54,9 @@ def node_maxima(
 # keyword options handed on to :func:`specsamp.sampler.sample_speculative`, and the tree search's own
 PASSED_ON = ("prefetch", "evaluate_leaves", "max_batch", "warmup", "check_contract", "refine", "compile")
 SEARCH = ("delta_profile", "max_width")
+AUTO = ("call_cost", "host_cost", "cache", "pilot")
+"""``auto``'s own options (:func:`specsamp.autosample.sample_auto`): taken where none of ``K``, ``L``, ``tree``,
+``budget`` and ``coupling`` is given."""
 
 
 COORDS = ("ve", "linear")
@@ -76,7 +79,7 @@ def sample_with_kernel(
     caller="sample_with_kernel",
     K=None,
     L=None,
-    coupling="dgrs",
+    coupling=None,
     draft="x0",
     tree=None,
     budget=None,
@@ -118,9 +121,15 @@ def sample_with_kernel(
         kernel_options: the kernel's options (``eta``, ``s_noise``, ...), checked by the caller.
         coords: the model's coordinates, one of :data:`COORDS`.
         caller: the public function's name, for errors.
-        K, L: the uniform draft tree (``K`` children per node, ``L`` levels; default 2 and 3). A one-child coupling
-            (``rmc``) runs a chain of the same drafted-state budget ``K + ... + K^L``.
-        coupling: ``dgrs``, ``rmc``, ``markmax``, or any registered coupling.
+        K, L: the uniform draft tree (``K`` children per node, ``L`` levels; 2 and 3 where only one or ``coupling`` is
+            given). A one-child coupling (``rmc``) runs a chain of the same drafted-state budget ``K + ... + K^L``.
+            With none of ``K``, ``L``, ``tree``, ``budget`` and ``coupling`` given, the run is ``auto``
+            (:func:`specsamp.autosample.sample_auto`): the plain loop, RMC chains or D-GRS trees per root step,
+            whichever its measured call cost and piloted acceptance say is fastest here; the options ``call_cost``,
+            ``host_cost``, ``cache``, ``pilot`` and ``delta_profile`` are its. ``execution="path"`` or ``refine > 0``
+            without a tree runs the (2, 3) D-GRS tree instead (``auto`` prices the tree execution's one call a round).
+        coupling: ``dgrs`` (the default where ``K``, ``L``, ``tree`` or ``budget`` is given), ``rmc``, ``markmax``, or
+            any registered coupling.
         draft: the draft (default ``x0``: the data prediction frozen at the round's root).
         tree: a :class:`specsamp.trees.DraftTree` (or ``tree(n) -> DraftTree``) in place of ``K`` and ``L``.
         budget: drafted states per round: a one-child coupling's chain length; for the others, the tree searched for
@@ -162,7 +171,8 @@ def sample_with_kernel(
     if coords not in COORDS:
         raise arguments.refuse("coords", coords, f"must be one of {', '.join(COORDS)}")
     named = ("K", "L", "coupling", "draft", "tree", "budget", "execution", "seed", "stats")
-    arguments.unknown_option(caller, options, named + PASSED_ON + SEARCH)
+    auto = K is None and L is None and tree is None and budget is None and coupling is None
+    arguments.unknown_option(caller, options, named + PASSED_ON + SEARCH + (AUTO if auto else ()))
     arguments.function("model", model)
     x = arguments.states("x", x)
     sig = _check_sigmas(sigmas, coords)
@@ -191,7 +201,14 @@ def sample_with_kernel(
         max_batch=passed["max_batch"],
         row_bytes=row_bytes,
     )
-    draft_tree = arguments.draft_tree(get_coupling(coupling), tree, K, L, budget, max(T - 2, 1), options, memory=memory)
+    auto = auto and passed["execution"] == "tree" and not passed["refine"]  # the path or sweeps: the fixed tree
+    if auto:
+        draft_tree = None
+    else:
+        coupling = "dgrs" if coupling is None else coupling
+        draft_tree = arguments.draft_tree(
+            get_coupling(coupling), tree, K, L, budget, max(T - 2, 1), options, memory=memory
+        )
     get_draft(draft)
     seed = arguments.seed(seed)
     if T == 1:  # one step to 0 is the data prediction itself (no noise): k-diffusion's loop, one call
@@ -214,23 +231,41 @@ def sample_with_kernel(
         net, "sample", coords, x.shape[1:], state_dtype, time=GridTimesteps(lin, levels), net_dtype=x.dtype
     )
     target.device = x.device
+    target.cache_key = _model_name(model)  # auto's cost curve and profile are kept under the user's network
     target.row_bytes = row_bytes  # the sampler checks the tree it builds (a given one, tree(n)) against it
     init = (x.to(torch.float64) / scale[0]).to(state_dtype)
     report = _Reporter(callback, disable, sigmas, scale, lin, x.dtype, T)
     try:
-        res = sample_speculative(
-            target,
-            schedule,
-            draft_tree,
-            coupling,
-            x.shape[0],
-            draft=draft,
-            seed=seed,
-            cond=rows or None,
-            init=init,
-            callback=report.round,
-            **passed,
-        )
+        if auto:
+            from ..autosample import sample_auto
+
+            res = sample_auto(
+                target,
+                schedule,
+                x.shape[0],
+                draft=draft,
+                seed=seed,
+                cond=rows or None,
+                init=init,
+                callback=report.any,
+                max_batch=passed.pop("max_batch"),
+                **{k: v for k, v in passed.items() if k not in ("execution", "refine")},
+                **{k: v for k, v in options.items() if k in AUTO or k == "delta_profile"},
+            )
+        else:
+            res = sample_speculative(
+                target,
+                schedule,
+                draft_tree,
+                coupling,
+                x.shape[0],
+                draft=draft,
+                seed=seed,
+                cond=rows or None,
+                init=init,
+                callback=report.round,
+                **passed,
+            )
     except BaseException:
         report.bar.close()
         raise
@@ -238,7 +273,10 @@ def sample_with_kernel(
     report.finish(out)
     if stats is not None:
         endpoint_calls = int((res.nfe_total - res.nfe).max())  # step 0, and step T - 1 where a row needed a call
-        stats.update(result=res, seed=seed, steps=T, calls=calls[0], charged_calls=res.batch_nfe + endpoint_calls)
+        charged = res.batch_nfe + endpoint_calls
+        stats.update(result=res, seed=seed, steps=T, calls=calls[0], charged_calls=charged)
+        if "auto" in res.extra:  # what auto chose and why; its curve's and pilot's calls, made before the run
+            stats.update(auto=res.extra["auto"], setup_calls=calls[0] - charged)
     return out
 
 
@@ -259,6 +297,22 @@ class _Reporter:
                 self.callback({"x": x, "i": i, "sigma": s, "sigma_hat": s, "denoised": denoised})
             self.bar.update(1)
         self.done = max(self.done, upto)
+
+    def any(self, info: dict) -> None:
+        """A round's report (:meth:`round`), or a plain step's (``auto`` chose the loop): step ``i`` at its state."""
+        if "n" in info:
+            return self.round(info)
+        i = info["i"]
+        if i >= self.T - 1:
+            return None
+        with torch.inference_mode(False):
+            xl = info["x"]
+            x_ve = (xl.to(torch.float64) * float(self.scale[i])).to(self.dtype)
+            denoised = (xl - float(self.lin[i]) * info["v"]).to(self.dtype)
+            if i == self.T - 2:
+                self.last = x_ve
+        self._emit(i + 1, x_ve, denoised)
+        return None
 
     def round(self, info: dict) -> None:
         n = info["n"]
@@ -283,6 +337,15 @@ class _Reporter:
         self._emit(self.T - 1, final, final)  # only where no round reported them (a run without rounds)
         self._emit(self.T, x_last, final)
         self.bar.close()
+
+
+def _model_name(model) -> str:
+    """The user's network as ``auto`` caches it: the class of ``model`` and of the network it wraps (ComfyUI's and
+    k-diffusion's wrappers keep it as ``inner_model``), so two networks of one architecture share a cost curve."""
+    inner = getattr(model, "inner_model", None)
+    own = model if hasattr(model, "__qualname__") else type(model)  # a function by its own name, else its class
+    name = f"{getattr(own, '__module__', '')}.{own.__qualname__}"
+    return name if inner is None else f"{name}({_model_name(inner)})"
 
 
 def _one_step(model, x, sigmas, extra_args, callback, disable, seed, stats):

@@ -198,7 +198,7 @@ def test_the_digits_network_runs_both_samplers_in_fewer_calls(digits, order):
     labels = torch.nn.functional.one_hot(torch.arange(6) % 10, 10).float()
     x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * sig[0]
     info = {}
-    out = SAMPLERS[order](digits, x, sig, {"class_labels": labels}, disable=True, seed=3, stats=info)
+    out = SAMPLERS[order](digits, x, sig, {"class_labels": labels}, disable=True, seed=3, stats=info, K=2, L=3)
     assert out.shape == x.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())
     assert info["steps"] == 12 and info["calls"] < 12 and float(out.abs().max()) < 3
 

@@ -198,7 +198,7 @@ def test_the_calls_made_and_the_calls_charged_are_both_reported():
     counts = {}
     for execution in ("tree", "path"):
         model, stats = Denoiser(), {}
-        sample_euler_ancestral(model, X, karras(20), execution=execution, disable=True, seed=5, stats=stats)
+        sample_euler_ancestral(model, X, karras(20), execution=execution, disable=True, seed=5, stats=stats, K=2, L=3)
         assert stats["calls"] == model.calls  # what the network was asked for, max_batch splits included
         counts[execution] = stats
     assert counts["tree"]["calls"] == counts["tree"]["charged_calls"]  # one batched call a round

@@ -160,7 +160,7 @@ def test_digits_network_as_a_k_diffusion_denoiser(digits):
     x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * sig[0]
     info = {}
     out = sample_euler_ancestral(
-        digits, x, sig, {"class_labels": labels}, disable=True, execution="tree", seed=3, stats=info
+        digits, x, sig, {"class_labels": labels}, disable=True, execution="tree", seed=3, stats=info, K=2, L=3
     )
     r = info["result"]
     assert out.shape == x.shape and out.dtype == torch.float32 and bool(torch.isfinite(out).all())

@@ -1,0 +1,479 @@
+"""``auto``: measure what a call costs, predict how far drafts are accepted, choose the round, sample, and record why.
+
+:func:`sample_auto` is the sampler ``auto`` runs (``run.py sampler=auto``, and the default of the k-diffusion
+functions, :func:`specsamp.integrations.diffusers.speculative` and the ComfyUI node). Before its first round it has:
+
+1. **the call's cost curve** (:mod:`specsamp.cost`): given by the user (``call_cost``), found in the cache under the
+   model's key, device, dtype and state shape, or measured on the model within a bounded number of calls (then kept);
+2. **the displacement profile per root step** (:mod:`specsamp.profiles`): given (``delta_profile``), found in the
+   cache under the model's key, kernel, grid and draft, or measured by a *pilot*: a short D-GRS run of ``pilot``
+   trajectories on a chain (``pilot_depth`` drafted states), under its own seed, whose per-root acceptance gives the
+   profile (:func:`specsamp.profiles.deltas_by_root`; then kept);
+3. **the plan** (:func:`specsamp.auto.choose`): the plain loop, RMC chains or D-GRS trees, one per root step, whichever
+   commits the most steps per second by that curve, the round's own host cost (:class:`specsamp.auto.HostCost`) and
+   that profile; the plain loop stays a candidate, so ``auto`` runs the loop unless a plan beats it by its margin.
+
+Exactness. The plan is fixed before the run's first round and reads only the curve, the host cost and the profile:
+none of them depends on the run's own draws (the pilot runs under ``seed + PILOT_SEED_OFFSET``, so its randomness is
+disjoint from the run's). Each round is then an exact round of the chosen coupling on the chosen tree, so the samples
+have the target chain's law whatever is chosen; the loop is the standard sampler itself.
+
+Cost. A first run on a model pays the curve's calls (at most ``max_calls``, default 64) and the pilot (about
+``T / 4`` calls of ``pilot x (pilot_depth + 1)`` rows); both are recorded. A later run in the same process, or with a
+cache file (:class:`AutoCache` ``path``, or the ``SPECSAMP_CACHE_DIR`` environment variable), reuses them and plans
+from the cache (a plan costs under a second to search for a run of any length).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import arguments, rng
+from .auto import BUDGETS, COUPLINGS, HostCost, Plan, choose
+from .cost import CallCost, CostCache, call_cost_from, cost_key, measure_call_cost
+from .drafts import get_draft
+from .errors import ConfigError
+from .inductor import check_compile
+from .profiles import check_profile, deltas_by_root
+from .result import SampleResult
+from .sampler import _model_device, _refuse_unknown, _trajectory_ids, sample_speculative, sample_standard
+from .schedule import Schedule
+from .trees import DraftTree
+
+PILOT_SEED_OFFSET = 2_000_003
+"""The pilot's seed is the run's plus this: its keyed draws are disjoint from the run's, so the plan it informs is
+independent of the samples (exactness)."""
+
+PASSED_ON = ("prefetch", "warmup", "evaluate_leaves", "check_contract", "compile")
+"""The keywords :func:`sample_auto` hands on to :func:`specsamp.sampler.sample_speculative` (tree execution)."""
+
+
+def model_key(model) -> str:
+    """The name a model's curve and profile are cached under: its ``cache_key`` attribute where it has one (the
+    k-diffusion driver sets the user's denoiser's class), else its ``name``, else its class's qualified name."""
+    key = getattr(model, "cache_key", None) or getattr(model, "name", None)
+    return str(key) if key else f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def profile_key(key: str, schedule: Schedule, draft: str) -> str:
+    """The cache key of a profile: the model's key, the kernel and its options, ``T``, ``eps``, a digest of the grid
+    and the draft (a profile measured on one grid says nothing certain of another)."""
+    grid = hashlib.sha1(schedule.sigmas.detach().double().cpu().numpy().tobytes()).hexdigest()[:12]
+    opts = ",".join(f"{k}={v!r}" for k, v in sorted(schedule.kernel_options.items()))
+    return f"{key}|{schedule.kernel_name}({opts})|T={schedule.steps}|eps={schedule.eps!r}|{grid}|{draft}"
+
+
+class AutoCache:
+    """What ``auto`` keeps between runs: cost curves (:class:`specsamp.cost.CostCache`), profiles per root and plans.
+
+    Curves and profiles live in the process and, with ``path`` (a directory), in ``call_costs.json`` and
+    ``profiles.json`` there, read at construction and rewritten atomically on each new entry. Plans are kept in the
+    process only (a plan is a function of what the files hold)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else None
+        self.costs = CostCache(self.path / "call_costs.json" if self.path is not None else None)
+        self.profiles: dict[str, list[list[float]]] = {}
+        self.plans: dict[tuple, Plan] = {}
+        if self.path is not None and (self.path / "profiles.json").is_file():
+            try:
+                data = json.loads((self.path / "profiles.json").read_text())
+            except (OSError, ValueError):
+                data = {}  # an unreadable cache is a miss: the pilot runs again
+            for k, rows in data.items() if isinstance(data, dict) else ():
+                try:
+                    self.profiles[k] = [[float(d) for d in check_profile(r)] for r in rows]
+                except (TypeError, ValueError):
+                    continue
+
+    def put_profile(self, key: str, rows: list[list[float]]) -> None:
+        self.profiles[key] = rows
+        if self.path is not None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = self.path / "profiles.json.tmp"
+            tmp.write_text(json.dumps(self.profiles, sort_keys=True))
+            os.replace(tmp, self.path / "profiles.json")
+
+
+_PROCESS_CACHE: dict[str, AutoCache] = {}
+
+
+def default_cache() -> AutoCache:
+    """The process's cache: file-backed in ``$SPECSAMP_CACHE_DIR`` when that is set, else in memory only."""
+    where = os.environ.get("SPECSAMP_CACHE_DIR", "")
+    if where not in _PROCESS_CACHE:
+        _PROCESS_CACHE[where] = AutoCache(where or None)
+    return _PROCESS_CACHE[where]
+
+
+@dataclass
+class AutoChoice:
+    """What ``auto`` decided before sampling, and from what.
+
+    Attributes:
+        plan: the :class:`specsamp.auto.Plan`.
+        curve: the call's cost curve used.
+        host: the host cost used.
+        profile_source: ``given``, ``cached`` or ``pilot``; curve_source: ``given``, ``cached`` or ``measured``.
+        pilot: the pilot's cost (trajectories, calls, rows, seconds), None when none ran.
+        setup_seconds: wall seconds spent measuring, piloting and planning.
+    """
+
+    plan: Plan
+    curve: CallCost
+    host: HostCost
+    profile_source: str
+    curve_source: str
+    pilot: dict | None = None
+    setup_seconds: float = 0.0
+    rows: list = field(default_factory=list)
+
+    def tree_rule(self) -> Callable[[int], DraftTree]:
+        """``tree(n)`` for :func:`specsamp.sampler.sample_speculative`: the plan's tree at root ``n``."""
+        return self.plan.tree
+
+    def record(self, steps: int, realised_seconds: float | None = None) -> dict:
+        """The run record's ``auto`` entry: the choice, why (rates per candidate), the curve, the host cost, where the
+        profile came from, and the predicted against the realised seconds of the sampling (``steps``: ``T``)."""
+        rate = self.plan.predicted_rate()
+        predicted = (steps - 2) / rate + 2 * self.plan.loop.seconds
+        out = {
+            **self.plan.summary(),
+            "call_cost": self.curve.as_dict(),
+            "host_cost_ms": {
+                "fixed": 1e3 * self.host.fixed,
+                "per_row": 1e3 * self.host.per_row,
+                "loop_step": 1e3 * self.host.loop_step,
+            },
+            "curve_source": self.curve_source,
+            "profile_source": self.profile_source,
+            "pilot": self.pilot,
+            "setup_seconds": round(self.setup_seconds, 4),
+            "predicted_seconds": round(predicted, 6),
+        }
+        if realised_seconds is not None:
+            out["realised_seconds"] = round(realised_seconds, 6)
+            out["realised_over_predicted"] = round(realised_seconds / predicted, 4) if predicted > 0 else None
+        return out
+
+
+def plan_curve(plan: Plan, curve: CallCost | None) -> CallCost:
+    """The curve a record shows: the one used, or an empty one where none was needed."""
+    return curve if curve is not None else CallCost((1,), (0.0,), "none")
+
+
+def _profile_rows(delta_profile, n_roots: int) -> list[list[float]]:
+    """A given profile as one row per root: a flat list (every root alike) or one list per root ``1 .. T - 2``."""
+    valid = f"a list of deltas per depth, or {n_roots} such lists (one per root step 1 .. T - 2), each finite and >= 0"
+    try:
+        if len(delta_profile) and all(np.ndim(r) == 0 for r in delta_profile):
+            return [[float(d) for d in check_profile(delta_profile)]] * n_roots
+        rows = [[float(d) for d in check_profile(r)] for r in delta_profile]
+    except (TypeError, ValueError):
+        raise arguments.refuse("delta_profile", delta_profile, f"must be {valid}") from None
+    if len(rows) != n_roots:
+        raise arguments.refuse("delta_profile", f"<{len(rows)} rows>", f"must be {valid}")
+    return rows
+
+
+def pilot_profile(
+    model,
+    schedule: Schedule,
+    *,
+    trajectories: int = 4,
+    depth: int = 12,
+    draft="velocity",
+    seed: int = 0,
+    cond: dict | None = None,
+    max_batch: int | None = None,
+    min_attempts: int = 24,
+) -> tuple[list[list[float]], dict]:
+    """The displacement profile of each root step ``1 .. T - 2``, measured by a pilot: D-GRS on a chain of ``depth``
+    drafted states (cut at ``T - 2``) for ``trajectories`` trajectories under ``seed + PILOT_SEED_OFFSET``, its
+    per-root acceptance pooled over neighbouring roots until ``min_attempts`` attempts
+    (:func:`specsamp.profiles.deltas_by_root`).
+
+    Args:
+        cond: the run's per-trajectory conditioning ``[M, ...]``; the pilot's trajectory ``i`` takes row ``i mod M``.
+
+    Returns:
+        ``(rows, cost)``: ``rows[n - 1]`` the profile of root ``n`` (per depth ``1 .. depth``), ``cost`` the pilot's
+        ``{trajectories, calls, rows, seconds}``.
+    """
+    horizon = schedule.end_speculative - schedule.first_speculative
+    dev = _model_device(model)
+    ids = torch.arange(trajectories, device=dev)
+    pc = None
+    if cond:
+        pc = {k: v[torch.arange(trajectories, device=v.device) % v.shape[0]] for k, v in cond.items()}
+    t0 = time.perf_counter()
+    r = sample_speculative(
+        model,
+        schedule,
+        DraftTree.chain(max(1, min(depth, horizon))),
+        "dgrs",
+        seed=(seed + PILOT_SEED_OFFSET) % (rng.MAX_SEED + 1),
+        indices=ids,
+        cond=pc,
+        draft=draft,
+        max_batch=max_batch,
+        execution="tree",
+    )
+    seconds = time.perf_counter() - t0
+    table = deltas_by_root(r.attempts_by_root.cpu().numpy(), r.accepts_by_root.cpu().numpy(), 1, "dgrs", min_attempts)
+    rows = [[float(d) for d in row] for row in table[schedule.first_speculative : schedule.end_speculative]]
+    cost = {
+        "trajectories": trajectories,
+        "calls": int(r.batch_nfe) + 2,
+        "rows": int(r.target_rows.sum()),
+        "seconds": round(seconds, 4),
+    }
+    return rows, cost
+
+
+def _admitted_budgets(budgets, M, model, schedule, max_batch, max_width) -> tuple[int, ...]:
+    """The budgets whose rounds the memory estimate admits for ``M`` trajectories (:func:`arguments.check_sampler_memory`:
+    the same bound every entry point applies)."""
+    kept = []
+    for b in sorted(set(budgets)):
+        try:
+            arguments.check_sampler_memory(
+                (b + 1, min(max_width, b), b),
+                M,
+                model.event_shape,
+                model.dtype,
+                _model_device(model),
+                execution="tree",
+                steps=schedule.steps,
+                max_batch=max_batch,
+                row_bytes=getattr(model, "row_bytes", 0),
+            )
+        except ConfigError:
+            break
+        kept.append(b)
+    return tuple(kept)
+
+
+def plan_auto(
+    model,
+    schedule: Schedule,
+    M: int,
+    *,
+    draft="velocity",
+    seed: int = 0,
+    cond: dict | None = None,
+    max_batch: int | None = None,
+    call_cost=None,
+    host_cost: HostCost | None = None,
+    delta_profile=None,
+    cache: AutoCache | None = None,
+    pilot: int = 4,
+    pilot_depth: int = 12,
+    couplings: Sequence[str] = COUPLINGS,
+    budgets: Sequence[int] = BUDGETS,
+    max_width: int = 4,
+    margin: float = 0.05,
+) -> AutoChoice:
+    """The choice :func:`sample_auto` samples with, for ``M`` trajectories sharing each call (module docstring).
+
+    Raises:
+        ConfigError: a bad ``call_cost``, ``host_cost``, ``delta_profile``, ``cache``, ``pilot``, ``pilot_depth``,
+            ``couplings``, ``budgets``, ``max_width`` or ``margin``, each named with what is valid.
+    """
+    t0 = time.perf_counter()
+    cache = default_cache() if cache is None else cache
+    if not isinstance(cache, AutoCache):
+        raise arguments.refuse("cache", cache, "must be a specsamp.autosample.AutoCache or None (the process's)")
+    if host_cost is None:
+        host_cost = HostCost()
+    elif not isinstance(host_cost, HostCost):
+        raise arguments.refuse("host_cost", host_cost, "must be a specsamp.auto.HostCost or None (the defaults)")
+    pilot = arguments.integer("pilot", pilot, 1, 1024)
+    pilot_depth = arguments.integer("pilot_depth", pilot_depth, 1, 1024)
+    max_width = arguments.integer("max_width", max_width, 1, 64)
+    if not (isinstance(margin, (int, float)) and not isinstance(margin, bool) and 0 <= margin < 10):
+        raise arguments.refuse("margin", margin, "must be a number in [0, 10): the loop is kept unless beaten by it")
+    bad = [c for c in (couplings if isinstance(couplings, (list, tuple)) else [couplings]) if c not in COUPLINGS]
+    if bad or not isinstance(couplings, (list, tuple)) or not couplings:
+        raise arguments.refuse("couplings", couplings, f"must be a non-empty list of {', '.join(COUPLINGS)}")
+    if not isinstance(budgets, (list, tuple)) or not budgets:
+        raise arguments.refuse("budgets", budgets, "must be a non-empty list of integers >= 1")
+    budgets = tuple(arguments.integer("budgets", b, 1, 4096) for b in budgets)
+    n_roots = schedule.end_speculative - schedule.first_speculative
+    given_rows = _profile_rows(delta_profile, n_roots) if delta_profile is not None and n_roots > 0 else None
+    curve = call_cost_from(call_cost) if call_cost is not None else None
+    if n_roots <= 0:  # no round to plan: the loop, without measuring anything
+        plan = choose([[0.0]], curve or call_cost_from({1: 0.0}), host_cost, batch=M, couplings=())
+        return AutoChoice(plan, plan_curve(plan, curve), host_cost, "none", "none", None, time.perf_counter() - t0)
+    admitted = _admitted_budgets(budgets, M, model, schedule, max_batch, max_width)
+    key = model_key(model)
+    shape = tuple(model.event_shape)
+    dev = _model_device(model)
+
+    if curve is not None:
+        curve_source = "given"
+    else:
+        ck = cost_key(key, dev, model.dtype, shape)
+        curve_source = "cached" if cache.costs.get(ck) is not None else "measured"
+        top = M * (max(admitted, default=0) + 1)
+        rows = [1 << i for i in range(0, max(top, 1).bit_length() + 1)]
+        curve = cache.costs.curve(
+            ck,
+            lambda: measure_call_cost(
+                model,
+                shape,
+                dtype=model.dtype,
+                device=dev,
+                cond=cond,
+                rows=rows,
+                max_rows=max(top, 1),
+                level=float(schedule.sigmas[schedule.first_speculative]),
+            ),
+        )
+    pilot_cost = None
+    if not admitted:
+        plan = choose([[0.0]], curve, host_cost, batch=M, couplings=(), budgets=budgets)
+        return AutoChoice(plan, curve, host_cost, "none", curve_source, None, time.perf_counter() - t0)
+    pk = profile_key(key, schedule, getattr(draft, "name", str(draft)))
+    if given_rows is not None:
+        rows_by_root, profile_source = given_rows, "given"
+    elif pk in cache.profiles:
+        rows_by_root, profile_source = cache.profiles[pk], "cached"
+    else:
+        rows_by_root, pilot_cost = pilot_profile(
+            model,
+            schedule,
+            trajectories=pilot,
+            depth=pilot_depth,
+            draft=draft,
+            seed=seed,
+            cond=cond,
+            max_batch=max_batch,
+        )
+        cache.put_profile(pk, rows_by_root)
+        profile_source = "pilot"
+    plan_key = (
+        pk if profile_source != "given" else json.dumps(rows_by_root),
+        curve.rows,
+        curve.seconds,
+        host_cost,
+        M,
+        tuple(couplings),
+        admitted,
+        max_width,
+        margin,
+    )
+    plan = cache.plans.get(plan_key)
+    if plan is None:
+        plan = choose(
+            rows_by_root,
+            curve,
+            host_cost,
+            batch=M,
+            couplings=couplings,
+            budgets=admitted,
+            max_width=max_width,
+            margin=margin,
+        )
+        cache.plans[plan_key] = plan
+    return AutoChoice(plan, curve, host_cost, profile_source, curve_source, pilot_cost, time.perf_counter() - t0)
+
+
+def sample_auto(
+    model,
+    schedule: Schedule,
+    n_samples: int | None = None,
+    *,
+    draft="velocity",
+    seed: int = 0,
+    indices=None,
+    cond: dict | None = None,
+    max_batch: int | None = None,
+    callback: Callable[[dict], None] | None = None,
+    init: torch.Tensor | None = None,
+    call_cost=None,
+    host_cost: HostCost | None = None,
+    delta_profile=None,
+    cache: AutoCache | None = None,
+    pilot: int = 4,
+    pilot_depth: int = 12,
+    couplings: Sequence[str] = COUPLINGS,
+    budgets: Sequence[int] = BUDGETS,
+    max_width: int = 4,
+    margin: float = 0.05,
+    **options,
+) -> SampleResult:
+    """Sample with whatever commits the most steps per second here: the plain loop, RMC chains or D-GRS trees, per
+    root step (module docstring); exact whatever it chooses.
+
+    Args:
+        model, schedule, n_samples, seed, indices, cond, max_batch, callback, init: as
+            :func:`specsamp.sampler.sample_speculative` (the loop's callback is :func:`~specsamp.sampler.sample_standard`'s).
+        draft: the draft of the speculative rounds.
+        call_cost: the call's cost curve, ``{rows: milliseconds}`` or pairs (:func:`specsamp.cost.call_cost_from`);
+            None: cached or measured.
+        host_cost: a round's own cost (:class:`specsamp.auto.HostCost`); None: the defaults.
+        delta_profile: per depth, or per root step then per depth; None: cached or piloted.
+        cache: an :class:`AutoCache`; None: the process's (:func:`default_cache`).
+        pilot, pilot_depth: the pilot's trajectories and chain length.
+        couplings, budgets, max_width, margin: the candidates (:func:`specsamp.auto.choose`).
+        **options: ``prefetch``, ``warmup``, ``evaluate_leaves``, ``check_contract``, ``compile`` for the rounds.
+
+    Returns:
+        :class:`SampleResult` whose ``extra["auto"]`` is :meth:`AutoChoice.record` (what was chosen and why, the
+        curve, the predicted and realised seconds).
+
+    Raises:
+        ConfigError: any bad argument, named with its value and what is valid, before the first network call.
+    """
+    _refuse_unknown(sample_auto, {k: v for k, v in options.items() if k not in PASSED_ON})
+    arguments.sampler_inputs(model, schedule, cond)
+    get_draft(draft)
+    arguments.function("callback", callback, optional=True)
+    ids = _trajectory_ids(n_samples, indices, _model_device(model))
+    check_compile(options.get("compile", False), "tree", _model_device(model))
+    choice = plan_auto(
+        model,
+        schedule,
+        ids.numel(),
+        draft=draft,
+        seed=seed,
+        cond=cond,
+        max_batch=max_batch,
+        call_cost=call_cost,
+        host_cost=host_cost,
+        delta_profile=delta_profile,
+        cache=cache,
+        pilot=pilot,
+        pilot_depth=pilot_depth,
+        couplings=couplings,
+        budgets=budgets,
+        max_width=max_width,
+        margin=margin,
+    )
+    common = dict(seed=seed, indices=ids, cond=cond, max_batch=max_batch, callback=callback, init=init)
+    t0 = time.perf_counter()
+    if choice.plan.use_loop:
+        res = sample_standard(model, schedule, **common)
+    else:
+        res = sample_speculative(
+            model,
+            schedule,
+            choice.tree_rule(),
+            choice.plan.coupling,
+            draft=draft,
+            execution="tree",
+            **common,
+            **options,
+        )
+    res.extra["auto"] = choice.record(schedule.steps, time.perf_counter() - t0)
+    return res
