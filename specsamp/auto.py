@@ -163,8 +163,19 @@ class Plan:
             "choice": self.coupling or "loop",
             "predicted_speedup": round(self.speedup(), 4),
             "rates": {k: round(v, 3) for k, v in self.rates.items()},
-            "by_root": [o.name for o in self.by_root],
+            "by_root": runs_of([o.name for o in self.by_root]),
         }
+
+
+def runs_of(names: Sequence[str], first: int = 1) -> list[list]:
+    """``names`` per root ``first, first + 1, ...`` as runs ``[name, first root, last root]`` (a record's form)."""
+    out: list[list] = []
+    for i, name in enumerate(names, start=first):
+        if out and out[-1][0] == name:
+            out[-1][2] = i
+        else:
+            out.append([name, i, i])
+    return out
 
 
 def plan_rate(by_root: Sequence[Option]) -> float:

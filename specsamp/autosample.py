@@ -10,8 +10,10 @@ functions, :func:`specsamp.integrations.diffusers.speculative` and the ComfyUI n
    trajectories on a chain (``pilot_depth`` drafted states), under its own seed, whose per-root acceptance gives the
    profile (:func:`specsamp.profiles.deltas_by_root`; then kept);
 3. **the plan** (:func:`specsamp.auto.choose`): the plain loop, RMC chains or D-GRS trees, one per root step, whichever
-   commits the most steps per second by that curve, the round's own host cost (:class:`specsamp.auto.HostCost`) and
-   that profile; the plain loop stays a candidate, so ``auto`` runs the loop unless a plan beats it by its margin.
+   commits the most steps per second by that curve, the round's own host cost (:class:`specsamp.auto.HostCost`, scaled to what the pilot's rounds cost
+   outside the network) and that profile; the plain loop stays a candidate, so ``auto`` runs the loop unless a plan
+   is predicted faster by its ``margin`` (default 15%: the prediction's error measured on one CPU was up to about
+   that).
 
 Exactness. The plan is fixed before the run's first round and reads only the curve, the host cost and the profile:
 none of them depends on the run's own draws (the pilot runs under ``seed + PILOT_SEED_OFFSET``, so its randomness is
@@ -29,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +67,20 @@ def model_key(model) -> str:
     return str(key) if key else f"{type(model).__module__}.{type(model).__qualname__}"
 
 
+def hardware(device) -> str:
+    """What a call's cost depends on beyond the model: the GPU's name, or the CPU's model and torch's thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} thread(s)"
+
+
 def profile_key(key: str, schedule: Schedule, draft: str) -> str:
     """The cache key of a profile: the model's key, the kernel and its options, ``T``, ``eps``, a digest of the grid
     and the draft (a profile measured on one grid says nothing certain of another)."""
@@ -83,33 +100,68 @@ class AutoCache:
         self.path = Path(path) if path is not None else None
         self.costs = CostCache(self.path / "call_costs.json" if self.path is not None else None)
         self.profiles: dict[str, list[list[float]]] = {}
+        self.hosts: dict[str, HostCost] = {}
         self.plans: dict[tuple, Plan] = {}
         if self.path is not None and (self.path / "profiles.json").is_file():
             try:
                 data = json.loads((self.path / "profiles.json").read_text())
             except (OSError, ValueError):
                 data = {}  # an unreadable cache is a miss: the pilot runs again
-            for k, rows in data.items() if isinstance(data, dict) else ():
+            data = data if isinstance(data, dict) else {}
+            for k, rows in (data.get("profiles") or {}).items():
                 try:
                     self.profiles[k] = [[float(d) for d in check_profile(r)] for r in rows]
                 except (TypeError, ValueError):
                     continue
+            for k, h in (data.get("hosts") or {}).items():
+                try:
+                    self.hosts[k] = HostCost(*(float(v) for v in h))
+                except (TypeError, ValueError):
+                    continue
 
-    def put_profile(self, key: str, rows: list[list[float]]) -> None:
+    def put_profile(self, key: str, rows: list[list[float]], host_key: str, host: HostCost | None) -> None:
+        """Keep a piloted profile, and the host cost the pilot measured (None: none), in the process and the file."""
         self.profiles[key] = rows
+        if host is not None:
+            self.hosts[host_key] = host
         if self.path is not None:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / "profiles.json.tmp"
-            tmp.write_text(json.dumps(self.profiles, sort_keys=True))
+            hosts = {k: [h.fixed, h.per_row, h.loop_step] for k, h in self.hosts.items()}
+            tmp.write_text(json.dumps({"profiles": self.profiles, "hosts": hosts}, sort_keys=True))
             os.replace(tmp, self.path / "profiles.json")
+
+
+class _Timed:
+    """``model`` with the seconds spent inside its calls counted (the pilot's split of its time: network and host)."""
+
+    def __init__(self, model):
+        self._model, self.seconds = model, 0.0
+        self._cuda = _model_device(model).type == "cuda"
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, **kwargs):
+        if self._cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = self._model(*args, **kwargs)
+        if self._cuda:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+        return out
 
 
 _PROCESS_CACHE: dict[str, AutoCache] = {}
 
 
-def default_cache() -> AutoCache:
-    """The process's cache: file-backed in ``$SPECSAMP_CACHE_DIR`` when that is set, else in memory only."""
+def default_cache(persist: bool = False) -> AutoCache:
+    """The process's cache: file-backed in ``$SPECSAMP_CACHE_DIR`` when that is set; else, with ``persist`` (what
+    ``run.py`` asks), in ``$XDG_CACHE_HOME/specsamp/auto`` (``~/.cache/specsamp/auto``); else in memory only."""
     where = os.environ.get("SPECSAMP_CACHE_DIR", "")
+    if not where and persist:
+        where = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsamp" / "auto")
     if where not in _PROCESS_CACHE:
         _PROCESS_CACHE[where] = AutoCache(where or None)
     return _PROCESS_CACHE[where]
@@ -190,7 +242,7 @@ def pilot_profile(
     schedule: Schedule,
     *,
     trajectories: int = 4,
-    depth: int = 12,
+    depth: int = 32,
     draft="velocity",
     seed: int = 0,
     cond: dict | None = None,
@@ -215,9 +267,10 @@ def pilot_profile(
     pc = None
     if cond:
         pc = {k: v[torch.arange(trajectories, device=v.device) % v.shape[0]] for k, v in cond.items()}
+    timed = _Timed(model)
     t0 = time.perf_counter()
     r = sample_speculative(
-        model,
+        timed,
         schedule,
         DraftTree.chain(max(1, min(depth, horizon))),
         "dgrs",
@@ -231,13 +284,27 @@ def pilot_profile(
     seconds = time.perf_counter() - t0
     table = deltas_by_root(r.attempts_by_root.cpu().numpy(), r.accepts_by_root.cpu().numpy(), 1, "dgrs", min_attempts)
     rows = [[float(d) for d in row] for row in table[schedule.first_speculative : schedule.end_speculative]]
+    rounds = max(int(r.batch_nfe), 1)
     cost = {
         "trajectories": trajectories,
         "calls": int(r.batch_nfe) + 2,
         "rows": int(r.target_rows.sum()),
         "seconds": round(seconds, 4),
+        "network_seconds": round(timed.seconds, 4),
+        # the round's own seconds outside the network, per round, at `depth` drafted states a trajectory
+        "host_ms_per_round": round(1e3 * max(seconds - timed.seconds, 0.0) / rounds, 4),
+        "depth": min(depth, horizon),
     }
     return rows, cost
+
+
+def host_from_pilot(pilot: dict, default: HostCost | None = None) -> HostCost:
+    """The host cost the pilot measured: ``default``'s shape (fixed and per drafted state) scaled so that a round of
+    the pilot's depth costs what the pilot's rounds did outside the network."""
+    default = default or HostCost()
+    at = default(pilot["depth"])
+    factor = (pilot["host_ms_per_round"] / 1e3) / at if at > 0 else 1.0
+    return HostCost(default.fixed * factor, default.per_row * factor, default.loop_step)
 
 
 def _admitted_budgets(budgets, M, model, schedule, max_batch, max_width) -> tuple[int, ...]:
@@ -277,11 +344,11 @@ def plan_auto(
     delta_profile=None,
     cache: AutoCache | None = None,
     pilot: int = 4,
-    pilot_depth: int = 12,
+    pilot_depth: int = 32,
     couplings: Sequence[str] = COUPLINGS,
     budgets: Sequence[int] = BUDGETS,
     max_width: int = 4,
-    margin: float = 0.05,
+    margin: float = 0.15,
 ) -> AutoChoice:
     """The choice :func:`sample_auto` samples with, for ``M`` trajectories sharing each call (module docstring).
 
@@ -293,9 +360,8 @@ def plan_auto(
     cache = default_cache() if cache is None else cache
     if not isinstance(cache, AutoCache):
         raise arguments.refuse("cache", cache, "must be a specsamp.autosample.AutoCache or None (the process's)")
-    if host_cost is None:
-        host_cost = HostCost()
-    elif not isinstance(host_cost, HostCost):
+    host_given = host_cost is not None
+    if host_cost is not None and not isinstance(host_cost, HostCost):
         raise arguments.refuse("host_cost", host_cost, "must be a specsamp.auto.HostCost or None (the defaults)")
     pilot = arguments.integer("pilot", pilot, 1, 1024)
     pilot_depth = arguments.integer("pilot_depth", pilot_depth, 1, 1024)
@@ -312,8 +378,8 @@ def plan_auto(
     given_rows = _profile_rows(delta_profile, n_roots) if delta_profile is not None and n_roots > 0 else None
     curve = call_cost_from(call_cost) if call_cost is not None else None
     if n_roots <= 0:  # no round to plan: the loop, without measuring anything
-        plan = choose([[0.0]], curve or call_cost_from({1: 0.0}), host_cost, batch=M, couplings=())
-        return AutoChoice(plan, plan_curve(plan, curve), host_cost, "none", "none", None, time.perf_counter() - t0)
+        plan = choose([[0.0]], curve or call_cost_from({1: 0.0}), host_cost or HostCost(), batch=M, couplings=())
+        return AutoChoice(plan, plan_curve(plan, curve), host_cost or HostCost(), "none", "none", None, time.perf_counter() - t0)
     admitted = _admitted_budgets(budgets, M, model, schedule, max_batch, max_width)
     key = model_key(model)
     shape = tuple(model.event_shape)
@@ -322,28 +388,34 @@ def plan_auto(
     if curve is not None:
         curve_source = "given"
     else:
-        ck = cost_key(key, dev, model.dtype, shape)
-        curve_source = "cached" if cache.costs.get(ck) is not None else "measured"
-        top = M * (max(admitted, default=0) + 1)
-        rows = [1 << i for i in range(0, max(top, 1).bit_length() + 1)]
-        curve = cache.costs.curve(
-            ck,
-            lambda: measure_call_cost(
+        ck = cost_key(f"{key}@{hardware(dev)}", dev, model.dtype, shape)
+        top = M * (max(admitted, default=0) + 1)  # the largest call a plan can make: every trajectory's tree
+        curve = cache.costs.get(ck)
+        if curve is not None and curve.rows[0] <= M and curve.rows[-1] >= top // 2:
+            curve_source = "cached"
+        else:  # the rows this batch's calls take, M to top, doubling; merged with a cached curve's other points
+            rows = [M << i for i in range(max(top // M, 1).bit_length())]
+            got = measure_call_cost(
                 model,
                 shape,
                 dtype=model.dtype,
                 device=dev,
                 cond=cond,
                 rows=rows,
-                max_rows=max(top, 1),
+                max_rows=max(top, M),
                 level=float(schedule.sigmas[schedule.first_speculative]),
-            ),
-        )
+            )
+            if curve is not None:
+                points = {**dict(zip(curve.rows, curve.seconds)), **dict(zip(got.rows, got.seconds))}
+                got = CallCost(tuple(sorted(points)), tuple(points[r] for r in sorted(points)), got.source, got.device)
+            curve, curve_source = got, "measured"
+            cache.costs.put(ck, curve)
     pilot_cost = None
     if not admitted:
-        plan = choose([[0.0]], curve, host_cost, batch=M, couplings=(), budgets=budgets)
-        return AutoChoice(plan, curve, host_cost, "none", curve_source, None, time.perf_counter() - t0)
+        plan = choose([[0.0]], curve, host_cost or HostCost(), batch=M, couplings=(), budgets=budgets)
+        return AutoChoice(plan, curve, host_cost or HostCost(), "none", curve_source, None, time.perf_counter() - t0)
     pk = profile_key(key, schedule, getattr(draft, "name", str(draft)))
+    hk = f"{pk}@{hardware(dev)}"  # the round's host cost: this kernel, grid and draft on this machine
     if given_rows is not None:
         rows_by_root, profile_source = given_rows, "given"
     elif pk in cache.profiles:
@@ -359,8 +431,12 @@ def plan_auto(
             cond=cond,
             max_batch=max_batch,
         )
-        cache.put_profile(pk, rows_by_root)
+        cache.put_profile(pk, rows_by_root, hk, host_from_pilot(pilot_cost))
         profile_source = "pilot"
+    if not host_given:
+        host_cost = cache.hosts.get(hk, HostCost())
+    if profile_source != "given":  # a profile is known to the pilot's depth: rounds much deeper are extrapolation
+        admitted = tuple(b for b in admitted if b <= 2 * pilot_depth) or admitted[:1]
     plan_key = (
         pk if profile_source != "given" else json.dumps(rows_by_root),
         curve.rows,
@@ -405,11 +481,11 @@ def sample_auto(
     delta_profile=None,
     cache: AutoCache | None = None,
     pilot: int = 4,
-    pilot_depth: int = 12,
+    pilot_depth: int = 32,
     couplings: Sequence[str] = COUPLINGS,
     budgets: Sequence[int] = BUDGETS,
     max_width: int = 4,
-    margin: float = 0.05,
+    margin: float = 0.15,
     **options,
 ) -> SampleResult:
     """Sample with whatever commits the most steps per second here: the plain loop, RMC chains or D-GRS trees, per
@@ -421,10 +497,12 @@ def sample_auto(
         draft: the draft of the speculative rounds.
         call_cost: the call's cost curve, ``{rows: milliseconds}`` or pairs (:func:`specsamp.cost.call_cost_from`);
             None: cached or measured.
-        host_cost: a round's own cost (:class:`specsamp.auto.HostCost`); None: the defaults.
+        host_cost: a round's own cost (:class:`specsamp.auto.HostCost`); None: the one the pilot measured
+            (cached with its profile), else the defaults.
         delta_profile: per depth, or per root step then per depth; None: cached or piloted.
         cache: an :class:`AutoCache`; None: the process's (:func:`default_cache`).
-        pilot, pilot_depth: the pilot's trajectories and chain length.
+        pilot, pilot_depth: the pilot's trajectories and chain length (no round drafts more than twice that from a
+            piloted profile).
         couplings, budgets, max_width, margin: the candidates (:func:`specsamp.auto.choose`).
         **options: ``prefetch``, ``warmup``, ``evaluate_leaves``, ``check_contract``, ``compile`` for the rounds.
 

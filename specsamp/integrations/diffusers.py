@@ -46,6 +46,7 @@ from ..models.pipelines import Conditioning, encode, net_dtype_device, network_c
 from ..rng import MAX_SEED
 from ..schedulers import SchedulerPlan, from_scheduler
 from ..trees import DraftTree
+from .pipeline_args import check_call, network_name
 
 KINDS = {
     "DDIMPipeline": "ddim",
@@ -71,6 +72,7 @@ ARGUMENTS = {
 
 OPTIONS = ("tree", "execution", "prefetch", "evaluate_leaves", "max_batch", "warmup", "refine", "compile",
            "check_contract", "dtype")
+AUTO = ("call_cost", "host_cost", "cache", "pilot", "couplings", "budgets", "margin", "delta_profile")
 # fmt: on
 """The speculative options :func:`speculative` takes besides ``K``, ``L``, ``coupling`` and ``draft``."""
 
@@ -247,7 +249,7 @@ class SpeculativePipeline:
                 f"{unknown[0]}={arguments.describe(kwargs[unknown[0]])} is not supported by the speculative "
                 f"{type(self.pipe).__name__}: it takes {', '.join(ARGUMENTS[self.kind])}."
             )
-        a = _check_call({k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]})
+        a = check_call({k: kwargs.get(k, self.defaults.get(k)) for k in ARGUMENTS[self.kind]})
         with torch.no_grad():  # as the pipeline's own __call__
             return getattr(self, f"_{self.kind}")(a)
 
@@ -295,6 +297,8 @@ class SpeculativePipeline:
             **step,  # DDIMPipeline's eta and use_clipped_model_output
         )
         horizon = max(plan.schedule.steps - 2, 1)
+        if self.tree == "auto":  # chosen per call (specsamp.autosample), sized there by the same estimate
+            return plan, "auto"
         given = not isinstance(self.tree, tuple)
         K, L = (None, None) if given else self.tree
         net_dtype, device = net_dtype_device(self.pipe.unet if self.kind != "sd3" else self.pipe.transformer)
@@ -339,25 +343,43 @@ class SpeculativePipeline:
         def progress(info):
             if getattr(bar, "disable", False):
                 return  # no device sync for a hidden bar
-            upto = int(info["n"].min())  # the slowest image has committed steps 0 .. upto - 1
+            # the slowest image has committed steps 0 .. upto - 1 (auto's plain loop: one step at a time)
+            upto = int(info["n"].min()) if "n" in info else info["step"]
             if upto > done[0]:
                 bar.update(upto - done[0])
                 done[0] = upto
 
         with bar:
-            res = sample_speculative(
-                model,
-                plan.schedule,
-                tree,
-                self.coupling,
-                m,
-                draft=self.draft,
-                seed=seed,
-                cond=cond,
-                init=init,
-                callback=progress,
-                **self.options,
-            )
+            if tree == "auto":
+                from ..autosample import sample_auto
+
+                model.cache_key = network_name(self.pipe, self.kind)
+                opts = {k: v for k, v in self.options.items() if k not in ("execution", "refine")}
+                res = sample_auto(
+                    model,
+                    plan.schedule,
+                    m,
+                    draft=self.draft,
+                    seed=seed,
+                    cond=cond,
+                    init=init,
+                    callback=progress,
+                    **opts,
+                )
+            else:
+                res = sample_speculative(
+                    model,
+                    plan.schedule,
+                    tree,
+                    self.coupling,
+                    m,
+                    draft=self.draft,
+                    seed=seed,
+                    cond=cond,
+                    init=init,
+                    callback=progress,
+                    **self.options,
+                )
             bar.update(T - done[0])  # the last step
         self.last = res
         return res
@@ -502,7 +524,7 @@ class SpeculativePipeline:
 
 
 def speculative(
-    pipe, K: int = 2, L: int = 3, coupling: str = "dgrs", draft: str = "x0", **options
+    pipe, K: int | None = None, L: int | None = None, coupling: str | None = None, draft: str = "x0", **options
 ) -> SpeculativePipeline:
     """``pipe`` with its sampling loop run by the exact speculative sampler (:class:`SpeculativePipeline`).
 
@@ -512,9 +534,14 @@ def speculative(
             ``stochastic_sampling=True``, and whose own loop is that scheduler's sampler (:func:`check_loop`: not
             Euler ancestral in ``DDPMPipeline`` or ``StableDiffusion3Pipeline``, not the flow scheduler in
             ``StableDiffusionPipeline``).
-        K, L: the uniform draft tree (``K`` children per node, ``L`` levels); a one-child coupling (``rmc``) runs the
-            chain of the same drafted-state budget ``K + ... + K^L`` (``K=1, L=62``: a chain of 62).
-        coupling: ``dgrs``, ``rmc``, ``markmax`` or any registered coupling.
+        K, L: the uniform draft tree (``K`` children per node, ``L`` levels; 2 and 3 where only one, ``coupling``,
+            ``execution="path"`` or ``refine`` is given); a one-child coupling (``rmc``) runs the chain of the same
+            drafted-state budget ``K + ... + K^L`` (``K=1, L=62``: a chain of 62). With none of ``K``, ``L``,
+            ``coupling`` and ``tree``, each call runs ``auto`` (:func:`specsamp.autosample.sample_auto`): the
+            plain loop, RMC chains or D-GRS trees per root step, whichever the measured cost of the pipeline's network
+            and the piloted acceptance say is fastest; its options ``call_cost``, ``host_cost``, ``cache``, ``pilot``
+            and ``delta_profile`` are then taken. ``last.extra["auto"]`` records the choice.
+        coupling: ``dgrs`` (the default with a tree), ``rmc``, ``markmax`` or any registered coupling.
         draft: ``x0`` (the data prediction frozen at the root), ``velocity``, ... (:mod:`specsamp.drafts`).
         **options: ``tree`` (a :class:`~specsamp.trees.DraftTree` or a callable per root step, instead of ``K``,
             ``L``), ``execution`` (``tree``, the default: a round's nodes in one batched call; or ``path``),
@@ -534,11 +561,20 @@ def speculative(
     except ConfigError as e:
         if not str(e).startswith("num_inference_steps="):
             raise
-    arguments.unknown_option("speculative()", options, ("K", "L", "coupling", "draft") + OPTIONS)
-    tree = options.pop("tree", None)
+    tree = options.get("tree")
+    auto = K is None and L is None and coupling is None and tree is None
+    auto = auto and options.get("execution", "tree") == "tree" and not options.get("refine", 0)
+    arguments.unknown_option(
+        "speculative()", options, ("K", "L", "coupling", "draft") + OPTIONS + (AUTO if auto else ())
+    )
+    options.pop("tree", None)
+    coupling = "dgrs" if coupling is None else coupling
     c = get_coupling(coupling)
     get_draft(draft)
-    if tree is None:  # the (K, L) tree, built per call within its speculative steps (a one-child coupling: the chain
+    K, L = 2 if K is None else K, 3 if L is None else L
+    if auto:
+        tree = "auto"
+    elif tree is None:  # the (K, L) tree, built per call within its speculative steps (a one-child coupling: the chain
         tree = (arguments.integer("K", K), arguments.integer("L", L))  # of its budget K + ... + K^L, as run.py's)
     else:
         arguments.draft_tree(c, tree, None, None, None, 1, {})  # its type and widths, now
@@ -549,40 +585,6 @@ def speculative(
     arguments.flag("compile", options.get("compile", False))
     parse_dtype(options.get("dtype", "float32"), "dtype")
     return SpeculativePipeline(pipe, tree, coupling, draft, dict(options))
-
-
-def _check_call(a: dict) -> dict:
-    """The call's arguments that every kind reads, checked before any network call (the kinds check their sizes)."""
-    if a.get("seed") is not None:
-        arguments.integer("seed", a["seed"], 0, MAX_SEED)
-    g = a.get("generator")
-    if not (
-        g is None
-        or isinstance(g, torch.Generator)
-        or (isinstance(g, list) and g and all(isinstance(x, torch.Generator) for x in g))
-    ):
-        raise arguments.refuse("generator", g, "must be a torch.Generator, a list of them (one per image), or None")
-    arguments.flag("return_dict", a.get("return_dict", True))
-    valid = OUTPUT_TYPES["ddpm" if "batch_size" in a else "text"]
-    if a.get("output_type") not in valid:
-        raise arguments.refuse("output_type", a.get("output_type"), f"must be one of {', '.join(valid)}")
-    for key in ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3"):
-        v = a.get(key)
-        if not (v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))):
-            raise arguments.refuse(key, v, "must be a string, a list of strings, or None")
-    if a.get("clip_skip") is not None:
-        arguments.integer("clip_skip", a["clip_skip"], 0)
-    if a.get("mu") is not None:
-        arguments.number("mu", a["mu"])
-    if "max_sequence_length" in a:
-        arguments.integer("max_sequence_length", a["max_sequence_length"], 1, 512)
-    if "guidance_rescale" in a:
-        arguments.number("guidance_rescale", a["guidance_rescale"])
-    return a
-
-
-OUTPUT_TYPES = {"ddpm": ("pil", "np", "pt"), "text": ("pil", "np", "pt", "latent")}
-"""The ``output_type`` values each kind's pipeline returns."""
 
 
 __all__ = [

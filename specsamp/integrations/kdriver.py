@@ -54,7 +54,7 @@ def node_maxima(
 # keyword options handed on to :func:`specsamp.sampler.sample_speculative`, and the tree search's own
 PASSED_ON = ("prefetch", "evaluate_leaves", "max_batch", "warmup", "check_contract", "refine", "compile")
 SEARCH = ("delta_profile", "max_width")
-AUTO = ("call_cost", "host_cost", "cache", "pilot")
+AUTO = ("call_cost", "host_cost", "cache", "pilot", "couplings", "budgets", "margin")
 """``auto``'s own options (:func:`specsamp.autosample.sample_auto`): taken where none of ``K``, ``L``, ``tree``,
 ``budget`` and ``coupling`` is given."""
 

@@ -334,7 +334,9 @@ def unused_keys(run: RunConfig, coupling) -> dict:
         "max_depth": None,
         "max_width": None,
     }
-    if coupling is None:
+    if run.sampler.name == "auto":  # auto reads the draft and the round's options; it chooses the tree itself
+        keys = ["K", "L", "match", "execution", "refine", "tree", "widths", "budget", "max_depth", "max_width"]
+    elif coupling is None:
         keys = list(default)
     elif coupling.max_children == 1:
         keys = [k for k in TREE_KEYS if k not in ("K", "L")]

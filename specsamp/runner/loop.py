@@ -34,6 +34,7 @@ from ..kernels import KERNELS
 from ..models.base import Target
 from ..sampler import SampleResult, sample_speculative, sample_standard
 from ..schedule import Schedule
+from .autorun import plan_run
 from .build import build_coupling, build_schedule, find_tree, load_target
 from .config import RunConfig, _paper_value, kernel_name, load_config, unused_keys
 from .jobs import shard_indices
@@ -318,6 +319,8 @@ class Built:
     tree_fields: dict
     calibration: dict | None
     started: float
+    auto: dict | None = None
+    auto_coupling: str | None = None
 
     def draw(self, model, chunk: torch.Tensor, callback=None, compile: bool | None = None) -> SampleResult:
         """Sample the trajectories ``chunk`` (ids) with ``model`` (the target's, or a copy that watches it):
@@ -336,11 +339,11 @@ class Built:
             model,
             self.schedule,
             self.tree,
-            self.prepared.coupling,
+            self.auto_coupling or self.prepared.coupling,
             draft=run.draft,
             prefetch=run.prefetch,
             evaluate_leaves=run.evaluate_leaves,
-            execution=run.execution,
+            execution="tree" if self.auto is not None else run.execution,
             warmup=run.warmup,
             refine=run.refine,
             compile=run.compile if compile is None else compile,
@@ -402,6 +405,9 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
         tree, tree_fields, calibration = find_tree(run, coupling, schedule, get_target, callback=bar.to)
     target = get_target()
     max_batch = run.max_batch or target.max_batch  # the top-level key wins; else the model's (SD3: 64 states)
+    auto = None
+    if run.sampler.name == "auto":  # measure, pilot, choose: the loop (tree None) or one coupling's trees by root
+        tree, tree_fields, auto = plan_run(run, schedule, target, prepared, max_batch)
     largest = getattr(tree, "largest", tree)  # step-dependent trees: memory is sized by the largest round
     n_total = prepared.n_trajectories
     # every per-trajectory array (the ids included) is sized here, before the first one is allocated
@@ -410,10 +416,10 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
         min(run.batch_size or n_total, n_total),
         target.model,
         run.device,
-        execution=run.execution,
         n_total=n_total,
         steps=schedule.steps,
-        refine=run.refine if tree is not None else 0,
+        refine=run.refine if tree is not None and auto is None else 0,
+        execution="tree" if auto is not None else run.execution,
         sampler=run.sampler.name,
     )
     unused = prepared.unused
@@ -426,7 +432,8 @@ def build(prepared: PreparedRun, target: Target | None = None) -> Built:
             file=sys.stderr,
             flush=True,
         )
-    return Built(prepared, schedule, tree, target, max_batch, tree_fields, calibration, started)
+    coupling_name = auto["choice"] if auto is not None and auto["choice"] != "loop" else None
+    return Built(prepared, schedule, tree, target, max_batch, tree_fields, calibration, started, auto, coupling_name)
 
 
 def sample(built: Built, batches=None) -> Sampled:
@@ -454,6 +461,7 @@ def sample(built: Built, batches=None) -> Sampled:
     bs = run.batch_size or ids.numel()
     n_batches = -(-ids.numel() // bs)
     store = batches if n_batches > 1 else None  # one batch: nothing to keep between attempts
+    sampling_started = time.perf_counter()
     with (
         _Progress(run.progress, "sampling", "traj-step", total=ids.numel() * per_traj) as bar,
         store.running(n_batches, max_batch=built.max_batch) if store is not None else contextlib.nullcontext(),
@@ -484,6 +492,11 @@ def sample(built: Built, batches=None) -> Sampled:
             bar.to(base + chunk.numel() * per_traj)
     res = SampleResult.concat(results)
     res.extra.update(target=target, indices=ids, max_batch=built.max_batch)
+    auto = built.auto
+    if auto is not None:  # the realised seconds of a batch, beside the predicted ones
+        sampled_seconds = time.perf_counter() - sampling_started
+        auto = {**auto, "realised_seconds": round(sampled_seconds / n_batches, 6)}
+        auto["realised_over_predicted"] = round(auto["realised_seconds"] / auto["predicted_seconds"], 4)
     return Sampled(
         res,
         [r.batch_speedup for r in results],
@@ -492,6 +505,7 @@ def sample(built: Built, batches=None) -> Sampled:
         resumed={"batches": store.loaded, "of": n_batches} if store is not None and store.loaded else None,
         wall_seconds=time.perf_counter() - built.started,
         kernel=built.schedule.kernel_name,
+        auto=auto,
     )
 
 

@@ -136,6 +136,8 @@ class Sampled:
         wall_seconds: the run's wall time (the shards' sum for a merge).
         versions: the software that sampled (default: this process's, :func:`versions`).
         kernel: the kernel that ran (the schedule's; ``kernel=auto`` resolves to the model's own), or None.
+        auto: ``sampler=auto``'s record (:meth:`specsamp.autosample.AutoChoice.record`, with the realised seconds of
+            a batch), or None.
     """
 
     result: SampleResult
@@ -146,6 +148,7 @@ class Sampled:
     wall_seconds: float = 0.0
     versions: Mapping | None = field(default_factory=lambda: versions())
     kernel: str | None = None
+    auto: Mapping | None = None
 
 
 def make_record(prepared, sampled: Sampled) -> dict:
@@ -216,6 +219,7 @@ def make_record(prepared, sampled: Sampled) -> dict:
             if calibration
             else {}
         ),
+        **({"auto": dict(sampled.auto)} if sampled.auto else {}),
         "wall_seconds": sampled.wall_seconds,
         "versions": sampled.versions,
         **job_fields,
@@ -354,6 +358,12 @@ def summary_line(rec: dict) -> str:
     eps = f"eps={rec['eps']:g}" if rec.get("eps") is not None else f"kernel={rec.get('kernel')}"
     if rec["sampler"] == "standard":
         head = f"{model_text(rec)} sampler=standard {eps} T={rec['steps']}"
+    elif isinstance(rec.get("auto"), dict):  # what auto chose, and its prediction
+        a = rec["auto"]
+        head = (
+            f"{model_text(rec)} sampler=auto chose={a['choice']} {eps} B={rec['budget']} "
+            f"(predicted {a['predicted_speedup']:.2f}x the loop's speed)"
+        )
     elif (rec.get("config") or {}).get("tree", "uniform") != "uniform":
         head = f"{model_text(rec)} sampler={sampler} tree={rec['tree']} {eps} B={rec['budget']}"
     else:
