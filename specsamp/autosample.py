@@ -9,19 +9,20 @@ functions, :func:`specsamp.integrations.diffusers.speculative` and the ComfyUI n
    cache under the model's key, kernel, grid and draft, or measured by a *pilot*: a short D-GRS run of ``pilot``
    trajectories on a chain (``pilot_depth`` drafted states), under its own seed, whose per-root acceptance gives the
    profile (:func:`specsamp.profiles.deltas_by_root`; then kept);
-3. **the plan** (:func:`specsamp.auto.choose`): the plain loop, RMC chains or D-GRS trees, one per root step, whichever
-   commits the most steps per second by that curve, the round's own host cost (:class:`specsamp.auto.HostCost`, scaled to what the pilot's rounds cost
-   outside the network) and that profile; the plain loop stays a candidate, so ``auto`` runs the loop unless a plan
-   is predicted faster by its ``margin`` (default 15%: the prediction's error measured on one CPU was up to about
-   that).
+3. **the round's own host cost** (:class:`specsamp.auto.HostCost`): measured on a stand-in network that costs
+   nothing (:func:`measure_host_cost`: the loop's step and a chain round at two depths), then kept per machine;
+4. **the plan** (:func:`specsamp.auto.choose`): the plain loop, RMC chains or D-GRS trees, one per root step,
+   whichever commits the most steps per second by that curve, that host cost and that profile. The plain loop stays
+   a candidate: ``auto`` runs the loop unless a plan is predicted faster by its ``margin`` (default 15%, about the
+   prediction's error measured on one CPU).
 
 Exactness. The plan is fixed before the run's first round and reads only the curve, the host cost and the profile:
 none of them depends on the run's own draws (the pilot runs under ``seed + PILOT_SEED_OFFSET``, so its randomness is
 disjoint from the run's). Each round is then an exact round of the chosen coupling on the chosen tree, so the samples
 have the target chain's law whatever is chosen; the loop is the standard sampler itself.
 
-Cost. A first run on a model pays the curve's calls (at most ``max_calls``, default 64) and the pilot (about
-``T / 4`` calls of ``pilot x (pilot_depth + 1)`` rows); both are recorded. A later run in the same process, or with a
+Cost. A first run on a model pays the curve's calls (at most 64), the pilot (a few calls of ``pilot x (pilot_depth +
+1)`` rows per ``pilot_depth`` steps) and the host's stand-in runs; all are recorded. A later run in the same process, or with a
 cache file (:class:`AutoCache` ``path``, or the ``SPECSAMP_CACHE_DIR`` environment variable), reuses them and plans
 from the cache (a plan costs under a second to search for a run of any length).
 """
@@ -31,10 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ from .auto import BUDGETS, COUPLINGS, HostCost, Plan, choose
 from .cost import CallCost, CostCache, call_cost_from, cost_key, measure_call_cost
 from .drafts import get_draft
 from .errors import ConfigError
+from .hostcost import Timed, hardware, measure_host_cost
 from .inductor import check_compile
 from .profiles import check_profile, deltas_by_root
 from .result import SampleResult
@@ -65,20 +66,6 @@ def model_key(model) -> str:
     k-diffusion driver sets the user's denoiser's class), else its ``name``, else its class's qualified name."""
     key = getattr(model, "cache_key", None) or getattr(model, "name", None)
     return str(key) if key else f"{type(model).__module__}.{type(model).__qualname__}"
-
-
-def hardware(device) -> str:
-    """What a call's cost depends on beyond the model: the GPU's name, or the CPU's model and torch's thread count."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} thread(s)"
 
 
 def profile_key(key: str, schedule: Schedule, draft: str) -> str:
@@ -119,38 +106,23 @@ class AutoCache:
                 except (TypeError, ValueError):
                     continue
 
-    def put_profile(self, key: str, rows: list[list[float]], host_key: str, host: HostCost | None) -> None:
-        """Keep a piloted profile, and the host cost the pilot measured (None: none), in the process and the file."""
+    def put_profile(self, key: str, rows: list[list[float]]) -> None:
+        """Keep a piloted profile, in the process and the file."""
         self.profiles[key] = rows
-        if host is not None:
-            self.hosts[host_key] = host
+        self._write()
+
+    def put_host(self, key: str, host: HostCost) -> None:
+        """Keep a measured host cost, in the process and the file."""
+        self.hosts[key] = host
+        self._write()
+
+    def _write(self) -> None:
         if self.path is not None:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / "profiles.json.tmp"
             hosts = {k: [h.fixed, h.per_row, h.loop_step] for k, h in self.hosts.items()}
             tmp.write_text(json.dumps({"profiles": self.profiles, "hosts": hosts}, sort_keys=True))
             os.replace(tmp, self.path / "profiles.json")
-
-
-class _Timed:
-    """``model`` with the seconds spent inside its calls counted (the pilot's split of its time: network and host)."""
-
-    def __init__(self, model):
-        self._model, self.seconds = model, 0.0
-        self._cuda = _model_device(model).type == "cuda"
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def __call__(self, *args, **kwargs):
-        if self._cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = self._model(*args, **kwargs)
-        if self._cuda:
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - t0
-        return out
 
 
 _PROCESS_CACHE: dict[str, AutoCache] = {}
@@ -187,7 +159,6 @@ class AutoChoice:
     curve_source: str
     pilot: dict | None = None
     setup_seconds: float = 0.0
-    rows: list = field(default_factory=list)
 
     def tree_rule(self) -> Callable[[int], DraftTree]:
         """``tree(n)`` for :func:`specsamp.sampler.sample_speculative`: the plan's tree at root ``n``."""
@@ -267,7 +238,7 @@ def pilot_profile(
     pc = None
     if cond:
         pc = {k: v[torch.arange(trajectories, device=v.device) % v.shape[0]] for k, v in cond.items()}
-    timed = _Timed(model)
+    timed = Timed(model)
     t0 = time.perf_counter()
     r = sample_speculative(
         timed,
@@ -296,15 +267,6 @@ def pilot_profile(
         "depth": min(depth, horizon),
     }
     return rows, cost
-
-
-def host_from_pilot(pilot: dict, default: HostCost | None = None) -> HostCost:
-    """The host cost the pilot measured: ``default``'s shape (fixed and per drafted state) scaled so that a round of
-    the pilot's depth costs what the pilot's rounds did outside the network."""
-    default = default or HostCost()
-    at = default(pilot["depth"])
-    factor = (pilot["host_ms_per_round"] / 1e3) / at if at > 0 else 1.0
-    return HostCost(default.fixed * factor, default.per_row * factor, default.loop_step)
 
 
 def _admitted_budgets(budgets, M, model, schedule, max_batch, max_width) -> tuple[int, ...]:
@@ -379,7 +341,9 @@ def plan_auto(
     curve = call_cost_from(call_cost) if call_cost is not None else None
     if n_roots <= 0:  # no round to plan: the loop, without measuring anything
         plan = choose([[0.0]], curve or call_cost_from({1: 0.0}), host_cost or HostCost(), batch=M, couplings=())
-        return AutoChoice(plan, plan_curve(plan, curve), host_cost or HostCost(), "none", "none", None, time.perf_counter() - t0)
+        return AutoChoice(
+            plan, plan_curve(plan, curve), host_cost or HostCost(), "none", "none", None, time.perf_counter() - t0
+        )
     admitted = _admitted_budgets(budgets, M, model, schedule, max_batch, max_width)
     key = model_key(model)
     shape = tuple(model.event_shape)
@@ -431,10 +395,14 @@ def plan_auto(
             cond=cond,
             max_batch=max_batch,
         )
-        cache.put_profile(pk, rows_by_root, hk, host_from_pilot(pilot_cost))
+        cache.put_profile(pk, rows_by_root)
         profile_source = "pilot"
     if not host_given:
-        host_cost = cache.hosts.get(hk, HostCost())
+        hk = f"{hk}|M={M}"
+        host_cost = cache.hosts.get(hk)
+        if host_cost is None:
+            host_cost = measure_host_cost(schedule, shape, model.dtype, dev, M, draft=draft)
+            cache.put_host(hk, host_cost)
     if profile_source != "given":  # a profile is known to the pilot's depth: rounds much deeper are extrapolation
         admitted = tuple(b for b in admitted if b <= 2 * pilot_depth) or admitted[:1]
     plan_key = (

@@ -33,7 +33,12 @@ def test_a_flat_call_and_high_acceptance_choose_speculation_with_long_rounds():
     assert plan.by_root[0].rows >= 20 and plan.tree(1) is plan.by_root[0].tree
     assert all(o.tree.max_depth <= 30 - i for i, o in enumerate(plan.by_root))  # each tree fits the steps left
     s = plan.summary()
-    assert s["choice"] == plan.coupling and s["predicted_speedup"] > 5 and s["by_root"][0][1] == 1 and s["by_root"][-1][2] == 30
+    assert (
+        s["choice"] == plan.coupling
+        and s["predicted_speedup"] > 5
+        and s["by_root"][0][1] == 1
+        and s["by_root"][-1][2] == 30
+    )
 
 
 def test_an_expensive_round_or_low_acceptance_keeps_the_plain_loop():

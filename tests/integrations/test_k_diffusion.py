@@ -462,10 +462,20 @@ def test_the_docs_node_offers_every_sampler_by_comfyuis_name_and_each_takes_ksam
     def model_k(x, sigma, denoise_mask, model_options={}, seed=None, **rest):  # noqa: B006  (ComfyUI's own signature)
         return gmm_denoiser(x, sigma)
 
+    assert node.INPUT_TYPES()["required"]["coupling"][0][0] == "auto"  # ComfyUI's default: the first entry
     for name in names:
-        sampler = node().get_sampler(name, 2, 2, "rmc", 0.9, 1.01)[0]
-        info = {}
-        out = sampler.sampler_function(
-            model_k, noise, sig, extra_args=extra_args, callback=None, disable=True, **sampler.extra_options, stats=info
-        )
-        assert out.shape == noise.shape and info["steps"] == 6, name
+        for coupling in ("rmc", "auto"):
+            sampler = node().get_sampler(name, 2, 2, coupling, 0.9, 1.01)[0]
+            info = {}
+            out = sampler.sampler_function(
+                model_k,
+                noise,
+                sig,
+                extra_args=extra_args,
+                callback=None,
+                disable=True,
+                **sampler.extra_options,
+                stats=info,
+            )
+            assert out.shape == noise.shape and info["steps"] == 6, name
+            assert ("auto" in info) == (coupling == "auto"), name
