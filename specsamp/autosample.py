@@ -119,7 +119,7 @@ class AutoCache:
     def _write(self) -> None:
         if self.path is not None:
             self.path.mkdir(parents=True, exist_ok=True)
-            tmp = self.path / "profiles.json.tmp"
+            tmp = self.path / f"profiles.json.{os.getpid()}.tmp"  # one per process: no two write one file
             hosts = {k: [h.fixed, h.per_row, h.loop_step] for k, h in self.hosts.items()}
             tmp.write_text(json.dumps({"profiles": self.profiles, "hosts": hosts}, sort_keys=True))
             os.replace(tmp, self.path / "profiles.json")

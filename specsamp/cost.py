@@ -228,7 +228,9 @@ class CostCache:
         self.curves[key] = curve
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+            tmp = self.path.with_suffix(
+                f"{self.path.suffix}.{os.getpid()}.tmp"
+            )  # one per process: no two write one file
             tmp.write_text(json.dumps({k: c.as_dict() for k, c in self.curves.items()}, indent=1, sort_keys=True))
             os.replace(tmp, self.path)
 

@@ -12,6 +12,9 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repo root: experiments/, hydra_
 
 import specsamp.runner.config  # noqa: E402,F401  (Hydra's ConfigStore knows the schemas before any compose)
 
+# auto's measured costs and profiles go to a folder of this test process, not the user's ~/.cache (subprocesses inherit)
+os.environ.setdefault("SPECSAMP_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="specsamp-auto-"))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():

@@ -46,7 +46,7 @@ from ..models.pipelines import Conditioning, encode, net_dtype_device, network_c
 from ..rng import MAX_SEED
 from ..schedulers import SchedulerPlan, from_scheduler
 from ..trees import DraftTree
-from .pipeline_args import check_call, network_name
+from .pipeline_args import auto_mode, auto_options, check_call, network_name
 
 KINDS = {
     "DDIMPipeline": "ddim",
@@ -354,7 +354,7 @@ class SpeculativePipeline:
                 from ..autosample import sample_auto
 
                 model.cache_key = network_name(self.pipe, self.kind)
-                opts = {k: v for k, v in self.options.items() if k not in ("execution", "refine")}
+                opts = auto_options(self.options)
                 res = sample_auto(
                     model,
                     plan.schedule,
@@ -562,11 +562,9 @@ def speculative(
         if not str(e).startswith("num_inference_steps="):
             raise
     tree = options.get("tree")
-    auto = K is None and L is None and coupling is None and tree is None
-    auto = auto and options.get("execution", "tree") == "tree" and not options.get("refine", 0)
-    arguments.unknown_option(
-        "speculative()", options, ("K", "L", "coupling", "draft") + OPTIONS + (AUTO if auto else ())
-    )
+    auto = auto_mode(K, L, coupling, tree, options)
+    named = ("K", "L", "coupling", "draft") + OPTIONS + (AUTO if auto else ())
+    arguments.unknown_option("speculative()", options, named)
     options.pop("tree", None)
     coupling = "dgrs" if coupling is None else coupling
     c = get_coupling(coupling)

@@ -237,7 +237,7 @@ def sample_with_kernel(
     report = _Reporter(callback, disable, sigmas, scale, lin, x.dtype, T)
     try:
         if auto:
-            from ..autosample import sample_auto
+            from ..autosample import default_cache, sample_auto
 
             res = sample_auto(
                 target,
@@ -250,7 +250,8 @@ def sample_with_kernel(
                 callback=report.any,
                 max_batch=passed.pop("max_batch"),
                 **{k: v for k, v in passed.items() if k not in ("execution", "refine")},
-                **{k: v for k, v in options.items() if k in AUTO or k == "delta_profile"},
+                **{k: v for k, v in options.items() if (k in AUTO or k == "delta_profile") and k != "cache"},
+                cache=options.get("cache") or default_cache(persist=True),  # the same seed, the same trees, next time
             )
         else:
             res = sample_speculative(

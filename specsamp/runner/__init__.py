@@ -12,6 +12,7 @@ and the core (``tests/runner/test_runner_imports.py`` checks both this order and
 - :mod:`~specsamp.runner.loop`: the stages of one run (:func:`run_config`): ``prepare`` (the config loaded,
   checked and hashed once), ``build`` (every refusal), ``sample`` (the batch loop);
 - :mod:`~specsamp.runner.resume`: a sweep job's finished batches, kept so that an interrupted job resumes;
+- :mod:`~specsamp.runner.autorun`: ``sampler=auto``'s choice as the run's tree, coupling and record entry;
 - :mod:`~specsamp.runner.build`: target, coupling, schedule and tree from the config;
 - :mod:`~specsamp.runner.outputs`: images and their FID / CLIP scores, and what scoring will need;
 - :mod:`~specsamp.runner.records`: the record (:func:`make_record`, the one place it is assembled, job fields

@@ -394,7 +394,7 @@ def _bare(args, cwd):
         ),
         (
             ["sampler=nosuch"],
-            ["sampler=nosuch is not an option", "valid: dgrs, markmax, rmc, standard"],
+            ["sampler=nosuch is not an option", "valid: auto, dgrs, markmax, rmc, standard"],
             "Available options",
         ),
         ([*TINY, "logger=wandb", "logger.mode=bogus"], ["logger.mode='bogus' is invalid"], "Traceback"),

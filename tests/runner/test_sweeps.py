@@ -579,7 +579,7 @@ def test_job_that_does_not_compose_is_recorded_and_the_others_run(tmp_path, swee
     failed = json.loads((bad / "failed.json").read_text())
     assert (
         failed["kind"] == "config"
-        and "sampler=nope is not an option of the config group sampler; valid: dgrs, markmax, rmc, standard"
+        and "sampler=nope is not an option of the config group sampler; valid: auto, dgrs, markmax, rmc, standard"
         in failed["error"]
     )
     assert not (bad / "result.json").exists() and not (bad / jobs.RUNNING).exists()
