@@ -8,9 +8,10 @@ row. So the rate of an option, committed steps per second, is::
     rate = E[steps per round] / (call(b * rows) + host(rows)),      the loop's: 1 / (call(b) + host_loop),
 
 with ``call`` the measured cost curve (:class:`specsamp.cost.CallCost`), ``b`` the trajectories sharing each call,
-and ``host`` the round's own cost (:class:`HostCost`). :func:`options_at` prices every candidate at one root step from
-its per-depth displacement profile (calibrated, :mod:`specsamp.profiles`); :func:`choose` takes, for each coupling,
-the fastest option at each root, then the fastest coupling, and keeps the plain loop unless that plan beats it.
+and ``host`` the round's own cost (:class:`HostCost`, or one per coupling). :func:`options_at` prices every
+candidate at one root step from its per-depth displacement profile (calibrated, :mod:`specsamp.profiles`);
+:func:`choose` takes, for each coupling, the fastest option at each root, then the fastest coupling, and keeps the
+plain loop unless that plan beats it.
 
 Exactness: the choice reads the profile and the costs, fixed before the round it applies to, never the round's own
 draws; each round is then an exact round of its coupling on its tree, so the samples keep the target law whatever is
@@ -19,7 +20,7 @@ chosen.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,15 +82,26 @@ class Option:
         return 0 if self.tree is None else len(self.tree) - 1
 
 
-def loop_option(call: CallCost, host: HostCost, batch: int = 1) -> Option:
+Hosts = HostCost | Mapping[str, HostCost]
+"""One host cost for every coupling, or one per coupling's name (a D-GRS round does more host work than RMC's)."""
+
+
+def host_of(host: Hosts, coupling: str | None) -> HostCost:
+    """``coupling``'s host cost (any entry's for the loop: its ``loop_step`` is the same)."""
+    if isinstance(host, HostCost):
+        return host
+    return host[coupling] if coupling is not None else next(iter(host.values()))
+
+
+def loop_option(call: CallCost, host: Hosts, batch: int = 1) -> Option:
     """The plain loop: one step per call of ``batch`` rows."""
-    return Option("loop", None, None, 1.0, call(batch) + host.loop_step)
+    return Option("loop", None, None, 1.0, call(batch) + host_of(host, None).loop_step)
 
 
 def options_at(
     deltas: Sequence[float],
     call: CallCost,
-    host: HostCost,
+    host: Hosts,
     *,
     batch: int = 1,
     max_depth: int,
@@ -120,7 +132,7 @@ def options_at(
             seen.add(rows)
             steps = expected_steps(tree, pos)
             name = f"rmc chain {rows}" if coupling == "rmc" else f"dgrs {rows}"
-            out.append(Option(name, coupling, tree, steps, call(batch * rows) + host(rows)))
+            out.append(Option(name, coupling, tree, steps, call(batch * rows) + host_of(host, coupling)(rows)))
     return out
 
 
@@ -167,6 +179,37 @@ class Plan:
         }
 
 
+def plan_to_json(plan: Plan) -> dict:
+    """``plan`` as JSON: its roots in runs of one option on one tree (``[count, name, steps, seconds, parents]``)."""
+    runs: list[list] = []
+    for o in plan.by_root:
+        entry = [o.name, o.steps, o.seconds, o.tree.parent.tolist()]
+        if runs and runs[-1][1:] == entry:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, *entry])
+    return {
+        "coupling": plan.coupling,
+        "loop": [plan.loop.steps, plan.loop.seconds],
+        "rates": plan.rates,
+        "by_root": runs,
+    }
+
+
+def plan_from_json(data: dict) -> Plan:
+    """The :class:`Plan` :func:`plan_to_json` wrote (ValueError, KeyError or TypeError where it is not one)."""
+    coupling = data["coupling"]
+    if coupling is not None and coupling not in COUPLINGS:
+        raise ValueError(f"coupling={coupling!r} is not one of {COUPLINGS}")
+    by_root = []
+    for count, name, steps, seconds, parents in data["by_root"]:
+        o = Option(str(name), coupling, DraftTree(parents), float(steps), float(seconds))
+        by_root.extend([o] * int(count))
+    steps, seconds = data["loop"]
+    rates = {str(k): float(v) for k, v in data["rates"].items()}
+    return Plan(coupling, by_root, Option("loop", None, None, float(steps), float(seconds)), rates)
+
+
 def runs_of(names: Sequence[str], first: int = 1) -> list[list]:
     """``names`` per root ``first, first + 1, ...`` as runs ``[name, first root, last root]`` (a record's form)."""
     out: list[list] = []
@@ -193,7 +236,7 @@ def _segments(n_roots: int, segments: int) -> list[range]:
 def choose(
     deltas_by_root: Sequence[Sequence[float]],
     call: CallCost,
-    host: HostCost = HostCost(),
+    host: Hosts = HostCost(),
     *,
     batch: int = 1,
     couplings: Sequence[str] = COUPLINGS,
@@ -250,7 +293,8 @@ def choose(
                 if o.tree.max_depth > n_roots - i:
                     tree = o.tree.restrict(n_roots - i)
                     rows_i = len(tree) - 1
-                    o = Option(o.name, coupling, tree, expected_steps(tree, pos), call(batch * rows_i) + host(rows_i))
+                    seconds = call(batch * rows_i) + host_of(host, coupling)(rows_i)
+                    o = Option(o.name, coupling, tree, expected_steps(tree, pos), seconds)
                 plan.append(o)
         plans[coupling] = plan
     rates = {c: plan_rate(p) for c, p in plans.items()}

@@ -10,7 +10,8 @@ functions, :func:`specsamp.integrations.diffusers.speculative` and the ComfyUI n
    trajectories on a chain (``pilot_depth`` drafted states), under its own seed, whose per-root acceptance gives the
    profile (:func:`specsamp.profiles.deltas_by_root`; then kept);
 3. **the round's own host cost** (:class:`specsamp.auto.HostCost`): measured on a stand-in network that costs
-   nothing (:func:`measure_host_cost`: the loop's step and a chain round at two depths), then kept per machine;
+   nothing (:func:`specsamp.hostcost.measure_host_cost`: the loop's step and each coupling's round on two trees),
+   then kept per machine;
 4. **the plan** (:func:`specsamp.auto.choose`): the plain loop, RMC chains or D-GRS trees, one per root step,
    whichever commits the most steps per second by that curve, that host cost and that profile. The plain loop stays
    a candidate: ``auto`` runs the loop unless a plan is predicted faster by its ``margin`` (default 15%, about the
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from . import arguments, rng
-from .auto import BUDGETS, COUPLINGS, HostCost, Plan, choose
+from .auto import BUDGETS, COUPLINGS, HostCost, Hosts, Plan, choose, plan_from_json, plan_to_json
 from .cost import CallCost, CostCache, call_cost_from, cost_key, measure_call_cost
 from .drafts import get_draft
 from .errors import ConfigError
@@ -81,14 +82,14 @@ class AutoCache:
 
     Curves and profiles live in the process and, with ``path`` (a directory), in ``call_costs.json`` and
     ``profiles.json`` there, read at construction and rewritten atomically on each new entry. Plans are kept in the
-    process only (a plan is a function of what the files hold)."""
+    process and in ``profiles.json`` too, under a digest of everything a plan is computed from."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else None
         self.costs = CostCache(self.path / "call_costs.json" if self.path is not None else None)
         self.profiles: dict[str, list[list[float]]] = {}
         self.hosts: dict[str, HostCost] = {}
-        self.plans: dict[tuple, Plan] = {}
+        self.plans: dict[str, Plan] = {}
         if self.path is not None and (self.path / "profiles.json").is_file():
             try:
                 data = json.loads((self.path / "profiles.json").read_text())
@@ -105,10 +106,20 @@ class AutoCache:
                     self.hosts[k] = HostCost(*(float(v) for v in h))
                 except (TypeError, ValueError):
                     continue
+            for k, plan in (data.get("plans") or {}).items():
+                try:
+                    self.plans[k] = plan_from_json(plan)
+                except (KeyError, TypeError, ValueError):
+                    continue
 
     def put_profile(self, key: str, rows: list[list[float]]) -> None:
         """Keep a piloted profile, in the process and the file."""
         self.profiles[key] = rows
+        self._write()
+
+    def put_plan(self, key: str, plan: Plan) -> None:
+        """Keep a plan, in the process and the file (a later run with the same inputs searches nothing)."""
+        self.plans[key] = plan
         self._write()
 
     def put_host(self, key: str, host: HostCost) -> None:
@@ -121,7 +132,8 @@ class AutoCache:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / f"profiles.json.{os.getpid()}.tmp"  # one per process: no two write one file
             hosts = {k: [h.fixed, h.per_row, h.loop_step] for k, h in self.hosts.items()}
-            tmp.write_text(json.dumps({"profiles": self.profiles, "hosts": hosts}, sort_keys=True))
+            plans = {k: plan_to_json(p) for k, p in self.plans.items()}
+            tmp.write_text(json.dumps({"profiles": self.profiles, "hosts": hosts, "plans": plans}, sort_keys=True))
             os.replace(tmp, self.path / "profiles.json")
 
 
@@ -146,7 +158,7 @@ class AutoChoice:
     Attributes:
         plan: the :class:`specsamp.auto.Plan`.
         curve: the call's cost curve used.
-        host: the host cost used.
+        host: the host cost used (one, or one per coupling).
         profile_source: ``given``, ``cached`` or ``pilot``; curve_source: ``given``, ``cached`` or ``measured``.
         pilot: the pilot's cost (trajectories, calls, rows, seconds), None when none ran.
         setup_seconds: wall seconds spent measuring, piloting and planning.
@@ -154,7 +166,7 @@ class AutoChoice:
 
     plan: Plan
     curve: CallCost
-    host: HostCost
+    host: Hosts
     profile_source: str
     curve_source: str
     pilot: dict | None = None
@@ -173,9 +185,8 @@ class AutoChoice:
             **self.plan.summary(),
             "call_cost": self.curve.as_dict(),
             "host_cost_ms": {
-                "fixed": 1e3 * self.host.fixed,
-                "per_row": 1e3 * self.host.per_row,
-                "loop_step": 1e3 * self.host.loop_step,
+                c: {"fixed": 1e3 * h.fixed, "per_row": 1e3 * h.per_row, "loop_step": 1e3 * h.loop_step}
+                for c, h in (self.host.items() if isinstance(self.host, dict) else [("all", self.host)])
             },
             "curve_source": self.curve_source,
             "profile_source": self.profile_source,
@@ -183,6 +194,10 @@ class AutoChoice:
             "setup_seconds": round(self.setup_seconds, 4),
             "predicted_seconds": round(predicted, 6),
         }
+        if self.plan.by_root:
+            out["predicted_steps_per_round"] = round(
+                sum(o.steps for o in self.plan.by_root) / len(self.plan.by_root), 3
+            )
         if realised_seconds is not None:
             out["realised_seconds"] = round(realised_seconds, 6)
             out["realised_over_predicted"] = round(realised_seconds / predicted, 4) if predicted > 0 else None
@@ -397,25 +412,27 @@ def plan_auto(
         )
         cache.put_profile(pk, rows_by_root)
         profile_source = "pilot"
-    if not host_given:
-        hk = f"{hk}|M={M}"
-        host_cost = cache.hosts.get(hk)
-        if host_cost is None:
-            host_cost = measure_host_cost(schedule, shape, model.dtype, dev, M, draft=draft)
-            cache.put_host(hk, host_cost)
+    if not host_given:  # one per coupling: D-GRS's round does more host work than RMC's
+        host_cost = {}
+        for c in couplings:
+            key = f"{hk}|M={M}|{c}"
+            if key not in cache.hosts:
+                cache.put_host(key, measure_host_cost(schedule, shape, model.dtype, dev, M, coupling=c, draft=draft))
+            host_cost[c] = cache.hosts[key]
     if profile_source != "given":  # a profile is known to the pilot's depth: rounds much deeper are extrapolation
         admitted = tuple(b for b in admitted if b <= 2 * pilot_depth) or admitted[:1]
-    plan_key = (
-        pk if profile_source != "given" else json.dumps(rows_by_root),
+    inputs = (
+        rows_by_root,
         curve.rows,
         curve.seconds,
-        host_cost,
+        sorted((c, repr(h)) for c, h in host_cost.items()) if isinstance(host_cost, dict) else repr(host_cost),
         M,
-        tuple(couplings),
+        list(couplings),
         admitted,
         max_width,
         margin,
     )
+    plan_key = hashlib.sha1(json.dumps(inputs).encode()).hexdigest()  # a plan is a function of these alone
     plan = cache.plans.get(plan_key)
     if plan is None:
         plan = choose(
@@ -428,7 +445,7 @@ def plan_auto(
             max_width=max_width,
             margin=margin,
         )
-        cache.plans[plan_key] = plan
+        cache.put_plan(plan_key, plan)
     return AutoChoice(plan, curve, host_cost, profile_source, curve_source, pilot_cost, time.perf_counter() - t0)
 
 
@@ -465,8 +482,8 @@ def sample_auto(
         draft: the draft of the speculative rounds.
         call_cost: the call's cost curve, ``{rows: milliseconds}`` or pairs (:func:`specsamp.cost.call_cost_from`);
             None: cached or measured.
-        host_cost: a round's own cost (:class:`specsamp.auto.HostCost`); None: the one the pilot measured
-            (cached with its profile), else the defaults.
+        host_cost: a round's own cost (:class:`specsamp.auto.HostCost`, for every coupling); None: measured on this
+            machine per coupling (:func:`specsamp.hostcost.measure_host_cost`), cached.
         delta_profile: per depth, or per root step then per depth; None: cached or piloted.
         cache: an :class:`AutoCache`; None: the process's (:func:`default_cache`).
         pilot, pilot_depth: the pilot's trajectories and chain length (no round drafts more than twice that from a
@@ -522,4 +539,8 @@ def sample_auto(
             **options,
         )
     res.extra["auto"] = choice.record(schedule.steps, time.perf_counter() - t0)
+    if not choice.plan.use_loop:  # how far the rounds went, beside the prediction (the profile's error shows here)
+        res.extra["auto"]["realised_steps_per_round"] = round(
+            (schedule.steps - 2) / float(res.rounds.double().mean()), 3
+        )
     return res

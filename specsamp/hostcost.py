@@ -9,7 +9,6 @@ import time
 import torch
 
 from .auto import HostCost
-from .result import SampleResult
 from .sampler import sample_speculative, sample_standard
 from .schedule import Schedule
 from .trees import DraftTree
@@ -39,37 +38,78 @@ class Stub:
         return torch.zeros_like(x)
 
 
+class _Enough(Exception):
+    """Raised by :func:`_event_seconds`'s callback once it has timed enough events: the run stops there."""
+
+
+def _event_seconds(run, events: int) -> float:
+    """The median seconds between consecutive callbacks of ``run(callback)`` (a step of the loop, a round), over at
+    most ``events`` of them, the run stopped after that: the per-run set-up before the first is left out."""
+    stamps: list[float] = []
+
+    def callback(info) -> None:
+        stamps.append(time.perf_counter())
+        if len(stamps) > events:
+            raise _Enough
+
+    try:
+        run(callback)
+    except _Enough:
+        pass
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return gaps[len(gaps) // 2] if gaps else 0.0
+
+
 def measure_host_cost(
-    schedule: Schedule, event_shape, dtype, device, M: int = 1, *, draft="velocity", depths=(4, 32), repeats: int = 2
+    schedule: Schedule,
+    event_shape,
+    dtype,
+    device,
+    M: int = 1,
+    *,
+    coupling: str = "rmc",
+    draft="velocity",
+    budgets=(4, 30),
+    events: int = 12,
 ) -> HostCost:
     """A round's own seconds outside the network on this machine, measured on a model that costs nothing
-    (:class:`Stub`): the plain loop's seconds a step, and a chain round's at two depths, fitted as
-    ``fixed + per_row * depth`` (the fastest of ``repeats`` runs each, after one warm-up; ``M`` trajectories)."""
+    (:class:`Stub`), for ``M`` trajectories: the plain loop's seconds a step, and ``coupling``'s round on two trees
+    (chains of ``budgets`` drafted states for a one-child coupling, else the uniform binary trees of about that
+    many), fitted as ``fixed + per_row * drafted states``. Each is the median time between consecutive rounds (steps)
+    over ``events`` of them, after a warm-up run; the run stops there, so a run of any length costs the same.
+
+    Returns:
+        :class:`specsamp.auto.HostCost`, in seconds.
+    """
     stub = Stub(event_shape, dtype, device)
     horizon = schedule.end_speculative - schedule.first_speculative
-    T = schedule.steps
 
-    def best(fn) -> tuple[float, SampleResult]:
-        fn()
-        times, res = [], None
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            res = fn()
-            times.append(time.perf_counter() - t0)
-        return min(times), res
+    def loop(callback):
+        return sample_standard(stub, schedule, M, callback=callback)
 
-    loop_s, _ = best(lambda: sample_standard(stub, schedule, M))
+    _event_seconds(loop, 2)  # warm-up
+    loop_step = _event_seconds(loop, events)
     points = []
-    for d in sorted({max(1, min(d, horizon)) for d in depths}):
-        tree = DraftTree.chain(d)
-        s, r = best(lambda tree=tree: sample_speculative(stub, schedule, tree, "rmc", M, draft=draft, execution="tree"))
-        rounds = max(int(r.batch_nfe), 1)
-        points.append((d, max(s - 2 * loop_s / T, 0.0) / rounds))  # the two endpoint steps are a loop's
+    for b in sorted(set(budgets)):
+        if coupling == "rmc":
+            tree = DraftTree.chain(max(1, min(b, horizon)))
+        else:  # a binary tree of about b drafted states: 2 + 4 + ... + 2^L
+            tree = DraftTree.uniform(2, max(1, min((b + 2).bit_length() - 2, horizon)))
+        rows = len(tree) - 1
+
+        def spec(callback, tree=tree):
+            return sample_speculative(
+                stub, schedule, tree, coupling, M, draft=draft, execution="tree", callback=callback
+            )
+
+        _event_seconds(spec, 2)
+        points.append((rows, _event_seconds(spec, events)))
+    points = sorted(set(points))
     if len(points) == 1:
-        return HostCost(points[0][1], 0.0, loop_s / T)
+        return HostCost(points[0][1], 0.0, loop_step)
     (d1, h1), (d2, h2) = points[0], points[-1]
     per_row = max((h2 - h1) / (d2 - d1), 0.0)
-    return HostCost(max(h1 - per_row * d1, 0.0), per_row, loop_s / T)
+    return HostCost(max(h1 - per_row * d1, 0.0), per_row, loop_step)
 
 
 class Timed:

@@ -142,16 +142,20 @@ def deltas_by_root(attempts, accepts, K: int, coupling="dgrs", min_attempts: int
     ca = np.concatenate([np.zeros((1, L)), np.cumsum(att, 0)])
     cc = np.concatenate([np.zeros((1, L)), np.cumsum(acc, 0)])
     rates = np.full((T, L), np.nan)
+    n = np.arange(T)
     for d in range(L):
         if ca[-1, d] == 0:
             continue
-        for n in range(T):
-            for h in range(T):
-                lo, hi = max(0, n - h), min(T, n + h + 1)
-                a = ca[hi, d] - ca[lo, d]
-                if a >= min_attempts or (lo == 0 and hi == T):
-                    rates[n, d] = (cc[hi, d] - cc[lo, d]) / a
-                    break
+        # the smallest half-width h per root, by bisection over all roots at once (the window's attempts grow with h,
+        # and h = T - 1 spans every root)
+        below, h = np.zeros(T, dtype=np.int64), np.full(T, T - 1, dtype=np.int64)
+        while np.any(below < h):
+            mid = (below + h) // 2
+            lo, hi = np.maximum(0, n - mid), np.minimum(T, n + mid + 1)
+            ok = (ca[hi, d] - ca[lo, d] >= min_attempts) | ((lo == 0) & (hi == T))
+            h, below = np.where(ok, mid, h), np.where(ok, below, mid + 1)
+        lo, hi = np.maximum(0, n - h), np.minimum(T, n + h + 1)
+        rates[:, d] = (cc[hi, d] - cc[lo, d]) / (ca[hi, d] - ca[lo, d])
     out = np.zeros((T, L))
     for d in range(L):
         if np.isnan(rates[0, d]):

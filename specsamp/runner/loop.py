@@ -497,6 +497,8 @@ def sample(built: Built, batches=None) -> Sampled:
         sampled_seconds = time.perf_counter() - sampling_started
         auto = {**auto, "realised_seconds": round(sampled_seconds / n_batches, 6)}
         auto["realised_over_predicted"] = round(auto["realised_seconds"] / auto["predicted_seconds"], 4)
+        if auto["choice"] != "loop":
+            auto["realised_steps_per_round"] = round((built.schedule.steps - 2) / float(res.rounds.double().mean()), 3)
     return Sampled(
         res,
         [r.batch_speedup for r in results],

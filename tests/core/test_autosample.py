@@ -153,5 +153,5 @@ def test_bad_arguments_are_refused_by_name_before_any_call(kw, name):
 
 
 def test_the_host_cost_is_measured_on_a_network_that_costs_nothing():
-    h = measure_host_cost(SCHED, MODEL.event_shape, MODEL.dtype, "cpu", 2, repeats=1)
+    h = measure_host_cost(SCHED, MODEL.event_shape, MODEL.dtype, "cpu", 2, events=4)
     assert h.fixed >= 0 and h.per_row >= 0 and h.loop_step > 0 and h(32) >= h(4)
