@@ -103,6 +103,9 @@ def test_stable_diffusion_pipeline_returns_its_output_type_with_the_counts(sched
     assert r.samples.shape == (4, 4, 8, 8) and r.speculative_steps == 6 and torch.equal(r.nfe_total, r.nfe + 2)
     lat = sp(prompt="a cat", num_inference_steps=8, seed=1, output_type="latent")
     assert lat.images.shape == (1, 4, 8, 8) and torch.equal(lat.images, lat.speculative.samples.to(lat.images.dtype))
+    auto = r.extra["auto"]  # no tree given: auto chose, from the tiny UNet's measured cost, and says why
+    assert auto["choice"] in ("loop", "rmc", "dgrs") and auto["call_cost"]["rows"][0] <= 4 and "rates" in auto
+    assert "auto" not in speculative(pipe, K=2, L=2)(prompt="a", num_inference_steps=4, seed=0).speculative.extra
 
 
 def test_sd3_pipeline_returns_its_output_type_with_the_counts():
