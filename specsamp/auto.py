@@ -157,8 +157,7 @@ class Plan:
         return self.coupling is None
 
     def predicted_rate(self) -> float:
-        """Committed steps per second of the plan (each root's round counted once: a root with expected ``E`` steps
-        per round is left after about one round)."""
+        """Committed steps per second of the plan (:func:`plan_rate`)."""
         return self.loop.rate if self.use_loop else plan_rate(self.by_root)
 
     def speedup(self) -> float:
@@ -222,8 +221,10 @@ def runs_of(names: Sequence[str], first: int = 1) -> list[list]:
 
 
 def plan_rate(by_root: Sequence[Option]) -> float:
-    """Committed steps per second of one option per root, each root's round counted once."""
-    return sum(o.steps for o in by_root) / sum(o.seconds for o in by_root)
+    """Committed steps per second of one option per root: a run reaches a root as the start of a round with
+    probability about ``1 / E`` (``E`` its option's expected steps), so a step there costs ``seconds / E`` and the
+    rate is the harmonic mean of the roots' rates (the arithmetic one over-weights the long rounds)."""
+    return len(by_root) / sum(o.seconds / o.steps for o in by_root)
 
 
 def _segments(n_roots: int, segments: int) -> list[range]:

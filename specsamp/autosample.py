@@ -194,10 +194,9 @@ class AutoChoice:
             "setup_seconds": round(self.setup_seconds, 4),
             "predicted_seconds": round(predicted, 6),
         }
-        if self.plan.by_root:
-            out["predicted_steps_per_round"] = round(
-                sum(o.steps for o in self.plan.by_root) / len(self.plan.by_root), 3
-            )
+        if self.plan.by_root:  # steps per round as a run sees them: a harmonic mean over roots (auto.plan_rate)
+            harmonic = len(self.plan.by_root) / sum(1.0 / o.steps for o in self.plan.by_root)
+            out["predicted_steps_per_round"] = round(harmonic, 3)
         if realised_seconds is not None:
             out["realised_seconds"] = round(realised_seconds, 6)
             out["realised_over_predicted"] = round(realised_seconds / predicted, 4) if predicted > 0 else None
