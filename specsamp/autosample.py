@@ -372,7 +372,7 @@ def plan_auto(
         if curve is not None and curve.rows[0] <= M and curve.rows[-1] >= top // 2:
             curve_source = "cached"
         else:  # the rows this batch's calls take, M to top, doubling; merged with a cached curve's other points
-            rows = [M << i for i in range(max(top // M, 1).bit_length())]
+            rows = sorted({M << i for i in range(max(top // M, 1).bit_length())} | {top})  # and the largest call
             got = measure_call_cost(
                 model,
                 shape,
