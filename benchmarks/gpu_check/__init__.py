@@ -29,12 +29,15 @@ Sections, in order of value:
 3. ``projection``: the digits runs' calls (rows of every call, recorded per arm and batch) priced at
    the CIFAR-10 network's measured call cost, plus the digits runs' non-network time: a *projected*
    wall clock and speedup for EDM's network, assuming its trees accept as the digits network's do.
-4. ``cuda_vs_cpu``: the same seed on the device and on the CPU, for the GMM (float64) and the digits
+4. ``auto``: ``sample_auto`` on the digits network (T = 100), one image and 16: its choice on this device, the
+   first run's set-up (cost curve, host cost, pilot), and its time against the standard sampler and an RMC chain
+   of 14, interleaved (:mod:`~benchmarks.gpu_check.auto_check`; passes when it is at least 0.95x the standard's).
+5. ``cuda_vs_cpu``: the same seed on the device and on the CPU, for the GMM (float64) and the digits
    network (float32, TF32 off): every count equal, samples within a tolerance derived on the CPU
    (:func:`~benchmarks.gpu_check.cuda_vs_cpu.cuda_vs_cpu`).
-5. ``laws``: every registered coupling's law on the device (KS of the output's projections), and
+6. ``laws``: every registered coupling's law on the device (KS of the output's projections), and
    speculative against standard samples of the digits network under bfloat16 autocast (two-sample KS).
-6. ``compile``: the network call under ``torch.compile`` and replayed from a captured CUDA graph,
+7. ``compile``: the network call under ``torch.compile`` and replayed from a captured CUDA graph,
    against eager, at fixed rows (CUDA only); the sampler's round under ``compile=True`` against eager
    (D-GRS (2, 3), batch 16: times, counts, samples' largest difference), on CUDA and on a CPU with a C
    compiler (not in ``--tiny`` on the CPU: a compilation takes tens of seconds).
@@ -43,7 +46,7 @@ Sections, in order of value:
 whose timings measure nothing.
 
 Layout: :mod:`~benchmarks.gpu_check.harness` (the sections' registry, the command line, the budget,
-SIGTERM, the records), one module per section (``call_cost``, ``wallclock``, ``projection``,
+SIGTERM, the records), one module per section (``call_cost``, ``wallclock``, ``projection``, ``auto_check``,
 ``cuda_vs_cpu``, ``laws``, ``compile_check``), :mod:`~benchmarks.gpu_check.support` (the networks and
 one sampling run, which several sections use); timing, peak memory and the environment from
 :mod:`benchmarks.common`, atomic writes from :mod:`specsamp.io`.
@@ -52,7 +55,7 @@ one sampling run, which several sections use); timing, peak memory and the envir
 from __future__ import annotations
 
 # each section module registers its section with the harness as it is imported
-from benchmarks.gpu_check import call_cost, compile_check, cuda_vs_cpu, laws, projection, wallclock  # noqa: F401
+from benchmarks.gpu_check import auto_check, call_cost, compile_check, cuda_vs_cpu, laws, projection, wallclock  # noqa: F401
 from benchmarks.gpu_check.harness import SECTION_FNS, SECTIONS, Context, _on_sigterm, main as _main, parse_args  # noqa: F401
 
 __all__ = ["SECTIONS", "SECTION_FNS", "Context", "main"]
