@@ -306,6 +306,20 @@ def _admitted_budgets(budgets, M, model, schedule, max_batch, max_width) -> tupl
     return tuple(kept)
 
 
+def _pilot_size(trajectories: int, depth: int, model, schedule: Schedule, max_batch) -> tuple[int, int]:
+    """The largest pilot, ``(trajectories, depth)``, no larger than asked, whose chain rounds the memory estimate
+    admits (trajectories halved first, then the depth); ``(0, 0)`` where not even one trajectory's chain of one fits."""
+    depth = max(1, min(depth, schedule.end_speculative - schedule.first_speculative))
+    while depth >= 1:
+        m = trajectories
+        while m >= 1:
+            if _admitted_budgets((depth,), m, model, schedule, max_batch, 1):
+                return m, depth
+            m //= 2
+        depth //= 2
+    return 0, 0
+
+
 def plan_auto(
     model,
     schedule: Schedule,
@@ -353,12 +367,12 @@ def plan_auto(
     n_roots = schedule.end_speculative - schedule.first_speculative
     given_rows = _profile_rows(delta_profile, n_roots) if delta_profile is not None and n_roots > 0 else None
     curve = call_cost_from(call_cost) if call_cost is not None else None
-    if n_roots <= 0:  # no round to plan: the loop, without measuring anything
+    admitted = _admitted_budgets(budgets, M, model, schedule, max_batch, max_width) if n_roots > 0 else ()
+    if not admitted:  # no round to plan, or none that fits in memory: the loop, without measuring anything
         plan = choose([[0.0]], curve or call_cost_from({1: 0.0}), host_cost or HostCost(), batch=M, couplings=())
         return AutoChoice(
             plan, plan_curve(plan, curve), host_cost or HostCost(), "none", "none", None, time.perf_counter() - t0
         )
-    admitted = _admitted_budgets(budgets, M, model, schedule, max_batch, max_width)
     key = model_key(model)
     shape = tuple(model.event_shape)
     dev = _model_device(model)
@@ -389,16 +403,19 @@ def plan_auto(
             curve, curve_source = got, "measured"
             cache.costs.put(ck, curve)
     pilot_cost = None
-    if not admitted:
-        plan = choose([[0.0]], curve, host_cost or HostCost(), batch=M, couplings=(), budgets=budgets)
-        return AutoChoice(plan, curve, host_cost or HostCost(), "none", curve_source, None, time.perf_counter() - t0)
     pk = profile_key(key, schedule, getattr(draft, "name", str(draft)))
     hk = f"{pk}@{hardware(dev)}"  # the round's host cost: this kernel, grid and draft on this machine
     if given_rows is not None:
         rows_by_root, profile_source = given_rows, "given"
     elif pk in cache.profiles:
         rows_by_root, profile_source = cache.profiles[pk], "cached"
-    else:
+    else:  # a pilot the memory estimate admits (fewer trajectories first), else nothing to plan from: the loop
+        pilot, pilot_depth = _pilot_size(pilot, pilot_depth, model, schedule, max_batch)
+        if pilot == 0:
+            plan = choose([[0.0]], curve, host_cost or HostCost(), batch=M, couplings=(), budgets=budgets)
+            return AutoChoice(
+                plan, curve, host_cost or HostCost(), "none", curve_source, None, time.perf_counter() - t0
+            )
         rows_by_root, pilot_cost = pilot_profile(
             model,
             schedule,
@@ -414,10 +431,10 @@ def plan_auto(
     if not host_given:  # one per coupling: D-GRS's round does more host work than RMC's
         host_cost = {}
         for c in couplings:
-            key = f"{hk}|M={M}|{c}"
-            if key not in cache.hosts:
-                cache.put_host(key, measure_host_cost(schedule, shape, model.dtype, dev, M, coupling=c, draft=draft))
-            host_cost[c] = cache.hosts[key]
+            ckey = f"{hk}|M={M}|{c}"
+            if ckey not in cache.hosts:
+                cache.put_host(ckey, measure_host_cost(schedule, shape, model.dtype, dev, M, coupling=c, draft=draft))
+            host_cost[c] = cache.hosts[ckey]
     if profile_source != "given":  # a profile is known to the pilot's depth: rounds much deeper are extrapolation
         admitted = tuple(b for b in admitted if b <= 2 * pilot_depth) or admitted[:1]
     inputs = (

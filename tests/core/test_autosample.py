@@ -155,3 +155,22 @@ def test_bad_arguments_are_refused_by_name_before_any_call(kw, name):
 def test_the_host_cost_is_measured_on_a_network_that_costs_nothing():
     h = measure_host_cost(SCHED, MODEL.event_shape, MODEL.dtype, "cpu", 2, events=4)
     assert h.fixed >= 0 and h.per_row >= 0 and h.loop_step > 0 and h(32) >= h(4)
+
+
+def test_a_model_too_large_for_any_round_runs_the_loop_without_measuring():
+    from specsamp.memory import available_bytes
+
+    model = Counted(MODEL)
+    model.row_bytes = int(0.3 * available_bytes("cpu"))  # the loop's 2 rows fit, a round's 4 do not
+    res = sample_auto(model, SCHED, 2, seed=0, cache=AutoCache())
+    assert res.extra["auto"]["choice"] == "loop" and res.extra["auto"]["curve_source"] == "none"
+    assert model.calls == SCHED.steps  # the loop's calls alone
+
+
+def test_the_pilot_shrinks_to_what_the_memory_admits():
+    from specsamp.autosample import _pilot_size
+
+    model = Counted(MODEL)
+    assert _pilot_size(4, 32, model, SCHED, None) == (4, 6)  # the chain is cut at T - 2 = 6
+    model.row_bytes = 2**40
+    assert _pilot_size(4, 32, model, SCHED, None) == (0, 0)
