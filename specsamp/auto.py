@@ -244,7 +244,7 @@ def choose(
     budgets: Sequence[int] = BUDGETS,
     max_width: int = 4,
     margin: float = 0.05,
-    segments: int = 8,
+    segments: int = 4,
     resolution: float = 0.02,
 ) -> Plan:
     """For each coupling, the fastest option at each root step ``n = 1 .. T - 2`` (``deltas_by_root[n - 1]``, with
