@@ -443,6 +443,7 @@ CSV_FIELDS = (
     "grid_s",
     "paradigms_s",
     "paradigms_sequential_calls",
+    "paradigms_rows_per_image",
     "auto_s",
     "auto_vs_loop",
     "auto_vs_loop_min",
@@ -481,6 +482,7 @@ def csv_rows(doc: dict) -> list[dict]:
                 "grid_s": arms["grid"]["median_s"],
                 "paradigms_s": p.get("median_s"),
                 "paradigms_sequential_calls": p.get("sequential_calls"),
+                "paradigms_rows_per_image": p.get("rows_per_image"),
                 "auto_s": arms["auto"]["median_s"],
                 "auto_vs_loop": r["auto_vs_loop"]["median"],
                 "auto_vs_loop_min": r["auto_vs_loop"]["min"],
@@ -505,18 +507,30 @@ def csv_rows(doc: dict) -> list[dict]:
     return rows
 
 
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """:func:`csv_rows` as a CSV at ``path`` (floats to 6 significant digits), written atomically."""
+    from specsamp.io import atomic_write
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v)) for k, v in r.items()})
+    atomic_write(path, lambda f: f.write(buf.getvalue()), mode="w")
+
+
 def markdown(doc: dict) -> str:
     """The README's table: one line per cell."""
     head = (
         "| target | sampler | n | regime | loop ms | auto ms | auto/loop [range] | grid's best | auto/grid [range] "
-        "| ParaDiGMS ms (seq. calls) | auto/ParaDiGMS | auto's plan (first root) | calls loop / grid / auto "
+        "| ParaDiGMS ms (seq. calls, rows/image) | auto/ParaDiGMS | auto's plan (first root) | calls loop / grid / auto "
         "| auto setup s (pilot calls) |\n|" + "---|" * 14
     )
     lines = [head]
     for c in doc["cells"]:
         arms, r, a = c["arms"], c["ratios"], c["auto"]
         p = arms.get("paradigms")
-        para = f"{1e3 * p['median_s']:.0f} ({p['sequential_calls']:.0f})" if p else "-"
+        para = f"{1e3 * p['median_s']:.0f} ({p['sequential_calls']:.0f}, {p['rows_per_image']:,.0f})" if p else "-"
         para_ratio = f"{r['auto_vs_paradigms']['median']:.2f}x" if p else "-"
         rng = lambda k, r=r: f"{r[k]['median']:.2f}x [{r[k]['min']:.2f}-{r[k]['max']:.2f}]"  # noqa: E731
         lines.append(
@@ -596,16 +610,11 @@ def main(argv=None) -> int:
         )
     )
     if a.out:
-        from specsamp.io import atomic_write, write_json_atomic
+        from specsamp.io import write_json_atomic
 
         out = Path(a.out)
         write_json_atomic(out, doc)
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v)) for k, v in r.items()})
-        atomic_write(out.with_suffix(".csv"), lambda f: f.write(buf.getvalue()), mode="w")
+        write_csv(out.with_suffix(".csv"), rows)
         print(f"wrote {out} and {out.with_suffix('.csv')}")
     return 0
 
