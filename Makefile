@@ -1,7 +1,7 @@
 # specsamp make targets. `make help` lists them.
 PYTHON ?= python
 
-.PHONY: help install lint format test test-all bench bench-latency bench-rev bench-samplers bench-presets gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits train-digits-cfg digits bench-digits train-patches patches
+.PHONY: help install lint format test test-all bench bench-latency bench-rev bench-samplers bench-presets bench-auto gpu-check bench-gpu gmm beyond figures tables sweep-local clean train-digits train-digits-cfg digits bench-digits train-patches patches
 
 help:  ## list targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -40,6 +40,9 @@ bench-samplers:  ## DDPM (1000, 100 steps), Euler ancestral (50) and stochastic 
 
 bench-presets:  ## the samplers people run at 20-30 steps (Euler a and DPM++ 2M SDE on Karras levels, flow Euler a at 28) against their original loops on digits, patches32 and the mixture: calls, acceptance per depth, one-image wall clock real and padded to 5 and 20 ms (about 12 min)
 	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.presets --out results/presets.json $(ARGS)
+
+bench-auto:  ## auto against the loop, the grid's best setting and ParaDiGMS (DDPM), interleaved per cell: results/auto.json, .csv (the committed cells, about 35 min; others: ARGS="--cells digits/ddpm:100/1/pad5")
+	OMP_NUM_THREADS=1 $(PYTHON) -m benchmarks.auto --cells committed --out results/auto.json $(ARGS)
 
 gpu-check:  ## GPU check from the working tree with python3 (< 5 min on one large GPU): one JSON per section and summary.txt in $OUT or ./gpu_check/ (rehearsal: ARGS="--device cpu --tiny")
 	python3 -m benchmarks.gpu_check $(ARGS)

@@ -262,3 +262,55 @@ def test_presets_counts_and_timings_run_every_sampler_at_a_tiny_size():
         rows.append(row)
     text = presets.markdown({"rows": rows})
     assert "ddim 6" in text and "wall 0ms" in text
+
+
+def test_bench_auto_runs_every_arm_at_a_tiny_size_and_refuses_bad_cells(tmp_path, capsys):
+    # the mixture at d = 8, DDPM at 8 steps, one image, real calls, one repeat: every arm is timed, the ratios and
+    # auto's plan and first-run setup are recorded, the CSV has the cell; a bad cell is refused before any run
+    import csv
+
+    from benchmarks import auto
+
+    out = tmp_path / "auto.json"
+    argv = ["--tiny", "--cells", "gmm/ddpm:8/1/real", "--repeats", "1", "--search-repeats", "1", "--out", str(out)]
+    assert auto.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["threads"] == 1 and doc["cpu"] and len(doc["cells"]) == 1
+    cell = doc["cells"][0]
+    assert list(cell["arms"]) == ["loop", "paradigms", "grid", "auto"]
+    assert cell["arms"]["loop"]["calls"] == 8 and cell["arms"]["paradigms"]["sequential_calls"] >= 1
+    assert cell["grid"]["best"] in doc["grid"] and set(cell["ratios"]) == {
+        "auto_vs_loop",
+        "auto_vs_paradigms",
+        "auto_vs_grid",
+    }
+    assert cell["setup"]["curve_source"] == "measured" and cell["auto"]["sources"] == ["cached/cached"]
+    with open(out.with_suffix(".csv"), newline="") as f:
+        assert len(list(csv.DictReader(f))) == 1
+    assert "| gmm | ddpm 8 | 1 | real |" in auto.markdown(doc)
+    assert auto.main(["--cells", "gmm/ddpm:8/1/gpu"]) == 2 and "invalid" in capsys.readouterr().err
+    assert ("digits", "ddpm:1000", 1, "pad20") in auto.COMMITTED and make_target_runs("bench-auto", "benchmarks.auto")
+
+
+def make_target_runs(target: str, module: str) -> bool:
+    out = subprocess.run(["make", "-n", target], capture_output=True, text=True, check=True).stdout
+    return module in out
+
+
+def test_bench_auto_paradigms_with_a_tight_tolerance_is_the_sequential_chain():
+    # ParaDiGMS' Picard windows converge to the chain on the same noise: at tolerance 1e-9 the window of 64 ends
+    # where the window of one (the sequential chain) does; at the pipeline's tolerance, in fewer sequential calls
+    from diffusers import DDPMParallelScheduler
+
+    from benchmarks import auto
+    from benchmarks.samplers import make_target, plan_of
+
+    target = make_target("gmm", tiny=True)
+    plan = plan_of("ddpm", 20, target)
+    net = auto.BatchedSchedulerNetwork(target.model, plan)
+    kw = dict(net=net, event_shape=(8,), dtype=torch.float64, seed=3, batch=2)
+    seq, calls1 = auto.paradigms(DDPMParallelScheduler(), 20, window=1, **kw)
+    par, calls64 = auto.paradigms(DDPMParallelScheduler(), 20, tolerance=1e-9, **kw)
+    _, calls_default = auto.paradigms(DDPMParallelScheduler(), 20, **kw)
+    assert calls1 == 20 and calls64 <= 20 and calls_default < 20
+    torch.testing.assert_close(par, seq, rtol=1e-6, atol=1e-6)
