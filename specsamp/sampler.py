@@ -332,7 +332,7 @@ def sample_speculative(
     )
     st = first_step(ctx, model, seed, warmup, tally, init)
     if execution == "tree":
-        layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)
+        layout = DenseLayout(ctx, st, tally, tree, compiled_round(st.x.device) if ctx.compiled else None)
     else:
         layout = SparseLayout(ctx, st, tally, tree)
     samples = run_rounds(ctx, st, tally, warmup, callback, layout)
