@@ -21,7 +21,7 @@ from ..drafts import DraftHistory, DraftRoot
 from .context import Chains, Commit, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling
 from .draws import dense_noise, dense_uniforms, keyed_rows, outside
 from .sparse import Nodes
-from .split import output_split
+from .split import closed_draft, output_split
 from .tables import DenseTables
 
 
@@ -132,6 +132,9 @@ class DenseRound:
             )
         # the velocity draft's output term for every depth in one operation, each depth then the rest of the kernel
         # mean (specsamp.round.split: the same operations, so the same bits); other drafts their table form per depth
+        if ctx.draft_form == "closed":
+            closed_draft(self, states[1:])
+            return
         split = output_split(kern, draft) if self.frozen_col is not None else None
         terms = None if split is None else split[0](self.frozen_col, kern.named(coefs.unbind(1))).unbind(0)
         # a layer whose parents all have K children adds the mean of the parent layer (no gather); others gather parents

@@ -53,3 +53,75 @@ def output_split(kern: Kernel, draft) -> tuple[Callable, Callable] | None:
 
         return _dp_term, rest
     return None
+
+
+DRAFT_FORMS = ("loop", "closed")
+
+
+def check_draft_form(form, kern: Kernel, draft, execution: str) -> str:
+    """``draft_form`` of :func:`specsamp.sampler.sample_speculative`, checked: ``"loop"`` (the default: layer by layer,
+    the sparse round's operations) or ``"closed"`` (:func:`closed_tables`: the tree execution, the velocity draft and
+    a kernel split here with no clip or threshold, so that the drafted means are affine in the root's state).
+
+    Raises:
+        ConfigError: another value, or ``"closed"`` where the draft's means are not affine or the execution is path.
+    """
+    from ..arguments import choice
+    from ..errors import ConfigError
+
+    form = choice("draft_form", form, DRAFT_FORMS)
+    if form == "closed":
+        affine = output_split(kern, draft) is not None
+        affine = affine and getattr(kern, "clip", None) is None and getattr(kern, "threshold", None) is None
+        if execution != "tree" or not affine:
+            why = (
+                f"execution={execution} drafts node by node"
+                if execution != "tree"
+                else f"draft={draft.name!r} with kernel {type(kern).__name__} is not affine in the root's state"
+            )
+            raise ConfigError(
+                f"draft_form='closed' is invalid here: {why}; it needs execution=tree, draft=velocity and an "
+                "Euler-Maruyama or data-prediction kernel without clip or threshold. Use draft_form='loop'."
+            )
+    return form
+
+
+def closed_tables(lt, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The closed form of the velocity draft over ``lt``'s tree, per root index (``draft_form="closed"``).
+
+    Each drafted state is ``x_v = alpha x_u + beta v_0 + std xi_v`` with ``u`` its parent and ``alpha``, ``beta`` the
+    kernel mean's coefficients of ``x`` and of the output at the parent's step, so ``x_v = A_d x_0 + B_d v_0 +
+    sum_e W_{d, d(e)} std xi_e`` over the nodes ``e`` on the path from the root to ``v`` (``v`` included), ``d`` the
+    depth of ``v``: ``A_d`` the product of the ``alpha`` above depth ``d``, ``W_{d, j}`` the product from depth ``j + 1``
+    to ``d``, ``B_d = alpha_d B_{d-1} + beta_d``. Computed once in float64 and stored in the states' dtype.
+
+    Returns:
+        ``A``, ``B`` ``[N-1, T, 1]`` (non-root nodes, root index) and ``mix [T, N-1, N-1]`` (node, its path's nodes).
+    """
+    kern, T, L, dev, dtype = ctx.schedule.kernel, ctx.schedule.steps, lt.L, lt.depth.device, ctx.coef_table.dtype
+    step = (torch.arange(T, device=dev)[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
+    c = kern.named(kern.table(dev, torch.float64)[step].unbind(-1))  # [T, L] each: depth l's parent step
+    one, zero = (torch.full((T, L), v, dtype=torch.float64, device=dev) for v in (1.0, 0.0))
+    base = kern.mean(zero, zero, c)
+    alpha, beta = kern.mean(one, zero, c) - base, kern.mean(zero, one, c) - base
+    # W[:, d, j] = prod of alpha over depths j+1..d (1 at j = d, 0 above the diagonal): a cumulative product down
+    # the depth axis of alpha where i > j, else 1; A = W[:, :, 0], B = W[:, :, 1:] beta
+    i = torch.arange(L + 1, device=dev)
+    a_at = torch.cat([one[:, :1], alpha], 1)[:, :, None]  # [T, L+1, 1]: depth i's alpha (unused at i = 0)
+    W = torch.where(i[:, None] > i[None], a_at, 1.0).cumprod(1) * (i[:, None] >= i[None])
+    A, B = W[:, :, 0], W[:, :, 1:] @ beta[..., None]
+    d = lt.depth[1:]
+    on_path = lt.anc_t[:, 1:].T.to(torch.float64)  # [v, e]: e on the path from the root to v
+    mix = W[:, d][:, :, d] * on_path[None]
+    return (A[:, d].T[..., None].to(dtype), B[:, d, 0].T[..., None].to(dtype), mix.to(dtype).contiguous())
+
+
+def closed_draft(r, noise: torch.Tensor) -> None:
+    """Every drafted state of the round ``r`` (a :class:`specsamp.round.dense.DenseRound`) in closed form
+    (:func:`closed_tables`), written into ``noise`` (``r.states[1:]``, ``[N-1, M, D]``, holding ``std xi`` on entry):
+    one product by each node's path noise, over every row at once."""
+    lt, n, M = r.lt, r.n, r.n.shape[0]
+    A, B, mix = lt.closed
+    x = r.states[:1]  # [1, M, D]: the roots
+    mixed = torch.bmm(mix.index_select(0, n), noise.transpose(0, 1)).transpose(0, 1)  # [N-1, M, D]
+    noise.copy_(A.index_select(1, n) * x + B.index_select(1, n) * r.frozen.reshape(1, M, -1) + mixed)
