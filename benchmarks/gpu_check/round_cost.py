@@ -54,7 +54,7 @@ class NetworkClock:
         self.module.Velocity.__call__ = timed
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *_exc):
         self.module.Velocity.__call__ = self.call
 
 
