@@ -6,9 +6,10 @@ so a round's cost beside the call is host time. Under ``compile=True`` the round
 CUDA replayed from captured CUDA graphs (:mod:`specsamp.round.compiled`), which is the lever this section measures.
 
 Target: the Gaussian mixture (``dim=64``, 8 components, float32 on the device: its exact velocity is a few small
-tensor operations, so the network's share is small and known). Arms: RMC on a chain of 14 (``--tiny``: 4) and D-GRS
-on the uniform (2, 3) tree, ``execution="tree"``, batches 1 and 16 (``--tiny``: 1), seed ``--seed``; each eager and
-compiled: one untimed run (compiles), then ``repeats`` timed runs. Per round: the wall clock (device synchronised at
+tensor operations, so the network's share is small and known). Arms: RMC on a chain of 14 (``--tiny``: 4), drafted
+layer by layer and in closed form (``draft_form="closed"``), and D-GRS on the uniform (2, 3) tree,
+``execution="tree"``, batches 1 and 16 (``--tiny``: 1), seed ``--seed``; each eager and compiled: one untimed run
+(compiles), then ``repeats`` timed runs. Per round: the wall clock (device synchronised at
 the end of the run only) over the rounds, the host seconds inside the network calls (``Velocity.__call__``, not
 synchronised: the time to issue them), and their difference, the round's own host cost. Counts of eager and compiled
 must agree (``counts_equal``). On the CPU (a compilation takes tens of seconds there) ``--tiny`` compiles the chain
@@ -58,16 +59,25 @@ class NetworkClock:
         self.module.Velocity.__call__ = self.call
 
 
-def _arms(tiny: bool) -> list[tuple[str, str, DraftTree]]:
-    chain = 4 if tiny else 14
-    return [(f"rmc chain {chain}", "rmc", DraftTree.uniform(1, chain)), ("dgrs (2,3)", "dgrs", DraftTree.uniform(2, 3))]
+def _arms(tiny: bool) -> list[tuple[str, str, DraftTree, str]]:
+    chain = DraftTree.uniform(1, 4 if tiny else 14)
+    name = f"rmc chain {len(chain) - 1}"
+    return [
+        (name, "rmc", chain, "loop"),
+        (f"{name} closed", "rmc", chain, "closed"),
+        ("dgrs (2,3)", "dgrs", DraftTree.uniform(2, 3), "loop"),
+    ]
 
 
-def _measure(ctx: Context, model, sched, coupling: str, tree: DraftTree, n: int, compiled: bool) -> tuple[dict, object]:
-    """One untimed run, then ``ctx.repeats`` timed ones: ``(row, result)``."""
+def _measure(ctx: Context, model, sched, arm: tuple, n: int, compiled: bool) -> tuple[dict, object]:
+    """One untimed run of ``arm`` (``(name, coupling, tree, draft_form)``), then ``ctx.repeats`` timed ones:
+    ``(row, result)``."""
+    _, coupling, tree, form = arm
 
     def go():
-        return sample_speculative(model, sched, tree, coupling, n, execution="tree", seed=ctx.seed, compile=compiled)
+        return sample_speculative(
+            model, sched, tree, coupling, n, execution="tree", seed=ctx.seed, compile=compiled, draft_form=form
+        )
 
     t = time.perf_counter()
     res = go()
@@ -105,20 +115,21 @@ def round_cost(ctx: Context) -> dict:
     sched = Schedule.make(ctx.steps, EPS)
     why = unavailable(dev)
     out, skipped, lines = [], [] if why is None else [f"compiled rounds: {why}"], []
-    for arm, coupling, tree in _arms(ctx.tiny):
+    for spec in _arms(ctx.tiny):
+        arm, coupling = spec[:2]
         for n in [1] if ctx.tiny else [1, 16]:
             if ctx.over_share(0.25):
                 skipped.append(f"{arm} at batch {n}: this section's share of the budget is spent")
                 continue
-            eager, ref = _measure(ctx, model, sched, coupling, tree, n, False)
+            eager, ref = _measure(ctx, model, sched, spec, n, False)
             out.append({"arm": arm, "batch": n, "compile": False, **eager})
             if why is not None:
                 continue
-            if dev.type == "cpu" and ctx.tiny and (coupling != "rmc" or n != 1):
+            if dev.type == "cpu" and ctx.tiny and (spec[3] != "loop" or coupling != "rmc" or n != 1):
                 skipped.append(f"{arm} compiled at batch {n} on the CPU: not in --tiny (tens of seconds to compile)")
                 continue
             try:
-                row, res = _measure(ctx, model, sched, coupling, tree, n, True)
+                row, res = _measure(ctx, model, sched, spec, n, True)
             except Exception as e:  # noqa: BLE001  (recorded: a compile may fail on this image)
                 out.append({"arm": arm, "batch": n, "compile": True, "error": f"{type(e).__name__}: {e}"[:2000]})
                 continue
@@ -129,7 +140,7 @@ def round_cost(ctx: Context) -> dict:
             row["max_abs_diff"] = float((ref.samples.float() - res.samples.float()).abs().max())
             out.append({"arm": arm, "batch": n, "compile": True, **row})
     for r in out:
-        head = f"round_cost {r['arm']:<12} batch {r['batch']:>2} compile={str(r['compile']):<5}"
+        head = f"round_cost {r['arm']:<18} batch {r['batch']:>2} compile={str(r['compile']):<5}"
         if "error" in r:
             lines.append(f"{head}: {r['error'][:120]}")
             continue

@@ -14,6 +14,7 @@ draft's table form per depth.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,10 @@ def check_draft_form(form, kern: Kernel, draft, execution: str) -> str:
     return form
 
 
+CLOSED_LIMIT = 1 << 24  # most elements T * (N - 1)^2 of a closed form's path-mixing table
+CLOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernel -> {(tree, dtype, device): tables}
+
+
 def closed_tables(lt, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The closed form of the velocity draft over ``lt``'s tree, per root index (``draft_form="closed"``).
 
@@ -96,9 +101,29 @@ def closed_tables(lt, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     to ``d``, ``B_d = alpha_d B_{d-1} + beta_d``. Computed once in float64 and stored in the states' dtype.
 
     Returns:
-        ``A``, ``B`` ``[N-1, T, 1]`` (non-root nodes, root index) and ``mix [T, N-1, N-1]`` (node, its path's nodes).
+        ``A``, ``B`` ``[N-1, T, 1]`` (non-root nodes, root index) and ``mix [T, N-1, N-1]`` (node, its path's nodes),
+        kept per kernel, tree, dtype and device for the process (:data:`CLOSED`): the runs of a sweep build them once.
+
+    Raises:
+        ConfigError: ``mix`` would hold more than :data:`CLOSED_LIMIT` elements.
     """
-    kern, T, L, dev, dtype = ctx.schedule.kernel, ctx.schedule.steps, lt.L, lt.depth.device, ctx.coef_table.dtype
+    kern, T, dev, dtype = ctx.schedule.kernel, ctx.schedule.steps, lt.depth.device, ctx.coef_table.dtype
+    if T * (lt.N - 1) ** 2 > CLOSED_LIMIT:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"draft_form='closed' is invalid for a tree of {lt.N} nodes over {T} steps: its path-mixing table would "
+            f"hold {T * (lt.N - 1) ** 2:,} numbers (at most {CLOSED_LIMIT:,}). Use draft_form='loop'."
+        )
+    key = (lt.tree.parent.tobytes(), dtype, str(dev))
+    per_kernel = CLOSED.setdefault(kern, {})
+    if key not in per_kernel:
+        per_kernel[key] = _closed_tables(lt, kern, T, dev, dtype)
+    return per_kernel[key]
+
+
+def _closed_tables(lt, kern: Kernel, T: int, dev, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    L = lt.L
     step = (torch.arange(T, device=dev)[:, None] + torch.arange(L, device=dev)[None]).clamp(max=T - 1)
     c = kern.named(kern.table(dev, torch.float64)[step].unbind(-1))  # [T, L] each: depth l's parent step
     one, zero = (torch.full((T, L), v, dtype=torch.float64, device=dev) for v in (1.0, 0.0))
@@ -112,7 +137,7 @@ def closed_tables(lt, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     A, B = W[:, :, 0], W[:, :, 1:] @ beta[..., None]
     d = lt.depth[1:]
     on_path = lt.anc_t[:, 1:].T.to(torch.float64)  # [v, e]: e on the path from the root to v
-    mix = W[:, d][:, :, d] * on_path[None]
+    mix = W.index_select(1, d).index_select(2, d) * on_path[None]
     return (A[:, d].T[..., None].to(dtype), B[:, d, 0].T[..., None].to(dtype), mix.to(dtype).contiguous())
 
 

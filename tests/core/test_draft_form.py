@@ -14,7 +14,8 @@ layout_seed=1)`` and ``Schedule.make(8, 1.0)`` (Euler-Maruyama; :data:`helpers.M
   every p above ``1e-3``;
 - power: the same statistic sees a closed form with a wrong noise scale, and a closed-form run at eps = 0.5
   (p < 1e-6);
-- refusals: another value, the path execution, a draft or kernel whose means are not affine.
+- refusals: another value, the path execution, a draft or kernel whose means are not affine, a tree whose
+  path-mixing table is too large.
 """
 
 from __future__ import annotations
@@ -97,10 +98,15 @@ def test_the_statistic_sees_a_wrong_closed_form_and_a_wrong_churn(reference, mon
     assert min(law_pvalues(r.samples, reference)) < 1e-6
 
 
-def test_closed_form_refusals():
+def test_closed_form_refusals(monkeypatch):
     with pytest.raises(ConfigError, match="draft_form='sideways' is invalid"):
         _run(TREES["rmc"], "rmc", 2, 0, form="sideways")
     with pytest.raises(ConfigError, match="execution=path drafts node by node"):
         _run(TREES["rmc"], "rmc", 2, 0, execution="path")
     with pytest.raises(ConfigError, match="draft='x0' .* is not affine"):
         _run(TREES["rmc"], "rmc", 2, 0, draft="x0")
+    from specsamp.round import split
+
+    monkeypatch.setattr(split, "CLOSED_LIMIT", 10)  # the chain of 6 over 8 steps: 8 * 6^2 = 288 numbers
+    with pytest.raises(ConfigError, match="path-mixing table would hold 288 numbers"):
+        _run(TREES["rmc"], "rmc", 2, 0)
