@@ -34,6 +34,7 @@ from .round import (
     initial_state,
     run_rounds,
 )
+from .round.split import check_draft_form
 from .schedule import Schedule, per_row
 from .trees import DraftTree
 
@@ -207,6 +208,7 @@ def sample_speculative(
     refine: int = 0,
     compile: bool = False,
     init: torch.Tensor | None = None,
+    draft_form: str = "loop",
     **unknown,
 ) -> SampleResult:
     """Speculative sampling on a draft tree (Algorithm 1), any registered coupling; rounds cover steps ``1..T-2``.
@@ -241,6 +243,9 @@ def sample_speculative(
         compile: the dense round under ``torch.compile`` (:mod:`specsamp.round.compiled`; tree execution, table-form drafts,
             ``refine=0``). Same law; samples equal the eager ones to rounding, counts wherever no verdict flips.
         init: as in :func:`sample_standard`.
+        draft_form: ``loop`` (layer by layer) or ``closed``: the whole tree's drafted states in one product per round
+            (:func:`specsamp.round.split.closed_draft`; tree execution, velocity draft, an affine kernel). Same law;
+            samples equal the loop's to rounding, counts wherever no verdict flips.
 
     Returns:
         :class:`SampleResult`.
@@ -278,6 +283,7 @@ def sample_speculative(
         refine=refine,
     )
     draft = get_draft(draft)
+    draft_form = check_draft_form(draft_form, schedule.kernel, draft, opts["execution"])
     arguments.function("callback", callback, optional=True)
     dev = _model_device(model)
     compiled = check_compile(compile, execution, dev)
@@ -322,6 +328,7 @@ def sample_speculative(
         evaluate_leaves=opts["evaluate_leaves"],
         refine=opts["refine"],
         compiled=compiled,
+        draft_form=draft_form,
         check_contract=_contract_default(coupling) if check_contract is None else opts["check_contract"],
     )
     ctx = build_context(
@@ -334,7 +341,7 @@ def sample_speculative(
     )
     st = first_step(ctx, model, seed, warmup, tally, init)
     if execution == "tree":
-        layout = DenseLayout(ctx, st, tally, tree, compiled_round() if ctx.compiled else None)
+        layout = DenseLayout(ctx, st, tally, tree, compiled_round(st.x.device) if ctx.compiled else None)
     else:
         layout = SparseLayout(ctx, st, tally, tree)
     samples = run_rounds(ctx, st, tally, warmup, callback, layout)

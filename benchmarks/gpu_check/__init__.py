@@ -41,13 +41,16 @@ Sections, in order of value:
    against eager, at fixed rows (CUDA only); the sampler's round under ``compile=True`` against eager
    (D-GRS (2, 3), batch 16: times, counts, samples' largest difference), on CUDA and on a CPU with a C
    compiler (not in ``--tiny`` on the CPU: a compilation takes tens of seconds).
+8. ``round_cost``: a speculative round's host cost beside its network call, per round, eager against
+   ``compile=True`` (on CUDA: the round's pieces replayed from captured CUDA graphs), RMC on a chain and D-GRS on
+   the (2, 3) tree over a float32 Gaussian mixture (:mod:`~benchmarks.gpu_check.round_cost`).
 
 ``--tiny`` shrinks every size (T = 8, two batches, the DDPM++ layout at 16 channels): a smoke run
 whose timings measure nothing.
 
 Layout: :mod:`~benchmarks.gpu_check.harness` (the sections' registry, the command line, the budget,
 SIGTERM, the records), one module per section (``call_cost``, ``wallclock``, ``projection``, ``auto_check``,
-``cuda_vs_cpu``, ``laws``, ``compile_check``), :mod:`~benchmarks.gpu_check.support` (the networks and
+``cuda_vs_cpu``, ``laws``, ``compile_check``, ``round_cost``), :mod:`~benchmarks.gpu_check.support` (the networks and
 one sampling run, which several sections use); timing, peak memory and the environment from
 :mod:`benchmarks.common`, atomic writes from :mod:`specsamp.io`.
 """
@@ -55,7 +58,16 @@ one sampling run, which several sections use); timing, peak memory and the envir
 from __future__ import annotations
 
 # each section module registers its section with the harness as it is imported
-from benchmarks.gpu_check import auto_check, call_cost, compile_check, cuda_vs_cpu, laws, projection, wallclock  # noqa: F401
+from benchmarks.gpu_check import (  # noqa: F401
+    auto_check,
+    call_cost,
+    compile_check,
+    cuda_vs_cpu,
+    laws,
+    projection,
+    round_cost,
+    wallclock,
+)
 from benchmarks.gpu_check.harness import SECTION_FNS, SECTIONS, Context, _on_sigterm, main as _main, parse_args  # noqa: F401
 
 __all__ = ["SECTIONS", "SECTION_FNS", "Context", "main"]

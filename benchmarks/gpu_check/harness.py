@@ -24,7 +24,7 @@ from benchmarks.common import environment
 from specsamp.io import atomic_write
 
 # the sections, in the order they run (and their order of value: an early one is worth more)
-SECTIONS = ("call_cost", "wallclock", "projection", "auto", "cuda_vs_cpu", "laws", "compile")
+SECTIONS = ("call_cost", "wallclock", "projection", "auto", "cuda_vs_cpu", "laws", "compile", "round_cost")
 SECTION_FNS: dict[str, Callable[[Context], dict]] = {}  # name -> section function, filled by :func:`section`
 
 

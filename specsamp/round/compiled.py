@@ -116,7 +116,16 @@ class Stages:
         r.bad = r.bad | self.finish(r)
 
 
-ROUND: list[Callable] = []
+ROUND: dict[str, Callable] = {}  # device type -> the compiled dense round, built once per process
+# On CUDA the pieces are also captured as CUDA graphs (inductor's cudagraph trees: one replay per piece, no kernel
+# launches from Python); their shapes are static and they ask the host nothing, which the capture needs.
+CUDA_OPTIONS = (("triton.cudagraphs", True),)
+
+
+def inductor_options(device_type: str) -> dict:
+    """``torch.compile``'s inductor options for the round's pieces on ``device_type``: :data:`INDUCTOR_OPTIONS`, and
+    on CUDA :data:`CUDA_OPTIONS` (CUDA-graph capture) too."""
+    return dict(INDUCTOR_OPTIONS + (CUDA_OPTIONS if device_type == "cuda" else ()))
 
 
 class QuietCudaHome:
@@ -127,19 +136,36 @@ class QuietCudaHome:
         return not str(record.msg).startswith("No CUDA runtime is found")
 
 
-def compiled_round() -> Callable:
+def new_step(round_fn: Callable) -> Callable:
+    """``round_fn`` that first tells the CUDA-graph trees a new step begins
+    (``torch.compiler.cudagraph_mark_step_begin``): a round's pieces may overwrite the previous round's graph
+    outputs, which its commit has copied into the run's state by then."""
+
+    def call(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return round_fn(*args, **kwargs)
+
+    return call
+
+
+def compiled_round(device="cpu") -> Callable:
     """:func:`specsamp.round.dense.dense_round` with its pieces (:class:`Stages`: the drafting, one
-    verification chunk, the walk and commit) each under ``torch.compile(dynamic=False)`` (inductor), built once per
-    process; TorchDynamo caches by code, so a process's runs share the graphs (per tree or chunk shape, batch size,
-    dtype, device), and the chunks of one shape share one graph, so that the compile does not grow with the number
-    of chunks. The recompile limit is raised to :data:`RECOMPILE_LIMIT` (torch's: 8) so that a sweep over trees keeps
-    compiling."""
-    if not ROUND:
+    verification chunk, the walk and commit) each under ``torch.compile(dynamic=False)`` (inductor, options
+    :func:`inductor_options`: on CUDA, CUDA-graph capture), built once per process and device type; TorchDynamo
+    caches by code, so a process's runs share the graphs (per tree or chunk shape, batch size, dtype, device), and the
+    chunks of one shape share one graph, so that the compile does not grow with the number of chunks. The recompile
+    limit is raised to :data:`RECOMPILE_LIMIT` (torch's: 8) so that a sweep over trees keeps compiling.
+
+    Args:
+        device: the run's device (a ``torch.device`` or its name); its type picks the options.
+    """
+    kind = torch.device(device).type
+    if kind not in ROUND:
         import functools
 
-        import torch._dynamo
+        from torch import _dynamo
 
-        cfg = torch._dynamo.config
+        cfg = _dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
@@ -152,9 +178,11 @@ def compiled_round() -> Callable:
         outside(rng.draft_noise)
         stages = Stages(
             *(
-                torch.compile(fn, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+                torch.compile(fn, dynamic=False, options=inductor_options(kind))
                 for fn in (DenseRound.draft, DenseRound.verify_chunk, finish)
             )
         )
-        ROUND.append(functools.partial(dense_round, stages=stages))
-    return guarded(ROUND[0])
+        ROUND[kind] = functools.partial(dense_round, stages=stages)
+        if kind == "cuda":
+            ROUND[kind] = new_step(ROUND[kind])
+    return guarded(ROUND[kind])

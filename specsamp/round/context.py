@@ -47,6 +47,7 @@ class Context:
     check_contract: bool = False  # check every verdict against the coupling contract
     refine: int = 0  # Picard sweeps over the drafted tree before verification (tree execution only)
     compiled: bool = False  # the dense round runs under torch.compile (specsamp.round.compiled)
+    draft_form: str = "loop"  # the dense round drafts layer by layer, or "closed" (specsamp.round.split.closed_draft)
     x_event: tuple = ()  # event shape of the states
     coef_table: torch.Tensor | None = None  # [T, C] the kernel's coefficient table in the states' dtype (dense round)
     key_tables: tuple | None = None  # (draft, verify) keys folded with every root index: [M, T] each (dense round)

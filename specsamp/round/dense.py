@@ -21,6 +21,7 @@ from ..drafts import DraftHistory, DraftRoot
 from .context import Chains, Commit, Context, Tally, commit_round, count_verifications, leaf_prefetch, nearest_sibling
 from .draws import dense_noise, dense_uniforms, keyed_rows, outside
 from .sparse import Nodes
+from .split import closed_draft, output_split
 from .tables import DenseTables
 
 
@@ -129,10 +130,18 @@ class DenseRound:
             self.frozen_col = draft.table_frozen(
                 frozen.reshape(M, -1, D).permute(1, 0, 2)[:, None], kern.named(coefs.unbind(1))
             )
+        # the velocity draft's output term for every depth in one operation, each depth then the rest of the kernel
+        # mean (specsamp.round.split: the same operations, so the same bits); other drafts their table form per depth
+        if ctx.draft_form == "closed":
+            closed_draft(self, states[1:])
+            return
+        split = output_split(kern, draft) if self.frozen_col is not None else None
+        terms = None if split is None else split[0](self.frozen_col, kern.named(coefs.unbind(1))).unbind(0)
         # a layer whose parents all have K children adds the mean of the parent layer (no gather); others gather parents
         for l, (parents, parent_view, out_view) in enumerate(lt.buffers.layers, start=1):
             x_par = parent_view if parents is None else states[parents]
-            out_view += self.proposal_mean(x_par, kern.named(per_depth[NC * (l - 1) : NC * l]), l - 1)
+            c = kern.named(per_depth[NC * (l - 1) : NC * l])
+            out_view += self.proposal_mean(x_par, c, l - 1) if split is None else split[1](x_par, terms[l - 1], c)
 
     def call(self, plans: list) -> None:
         """The batched target calls over the planned rows (what the sparse round evaluates; :func:`target_call`): each

@@ -14,6 +14,7 @@ import torch
 from ..trees import DraftTree
 from .context import round_masks
 from .draws import run_tables
+from .split import closed_tables
 
 if TYPE_CHECKING:
     from .context import Context
@@ -117,6 +118,7 @@ class DenseTables:
             for _, u, _, _, _, du, _, _ in chunks
         ]
         self.even_chunks = even_chunks(chunks, self.sigma_by_root) if ctx.compiled else None
+        self.closed = closed_tables(self, ctx) if ctx.draft_form == "closed" else None  # (A, B, mix)
         # the run's keyed tables (keys, draft noise, verification uniforms), where small
         self.key_cache, self.noise_cache, self.noise_scaled, self.uniform_cache = run_tables(
             self, ctx, M, shared, pool is not None

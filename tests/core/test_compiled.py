@@ -87,10 +87,15 @@ def test_compiled_round_is_built_without_inductor_buffer_reuse(monkeypatch):
     from specsamp.round import dense
 
     seen = []
-    monkeypatch.setattr(compiled, "ROUND", [])
+    monkeypatch.setattr(compiled, "ROUND", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append((fn, kw)) or fn)
     compiled.compiled_round()
     kw = dict(dynamic=False, options={"allow_buffer_reuse": False, "inplace_buffers": False})
+    assert seen == [(dense.DenseRound.draft, kw), (dense.DenseRound.verify_chunk, kw), (compiled.finish, kw)]
+    # on CUDA the same pieces with the same options, and CUDA-graph capture (the CPU's graphs stay as they were)
+    seen.clear()
+    compiled.compiled_round("cuda")
+    kw["options"] = {**kw["options"], "triton.cudagraphs": True}
     assert seen == [(dense.DenseRound.draft, kw), (dense.DenseRound.verify_chunk, kw), (compiled.finish, kw)]
 
 
@@ -124,7 +129,7 @@ def test_compiled_round_hands_every_chunk_the_same_constants(monkeypatch, floor,
             calls.append([a[1][1].numel(), *(x for x in a[1] if not isinstance(x, torch.Tensor))]) or fn(*a)
         )
 
-    monkeypatch.setattr(compiled, "ROUND", [])
+    monkeypatch.setattr(compiled, "ROUND", {})
     monkeypatch.setattr(torch, "compile", spy)
     monkeypatch.setattr(tables, "VERIFY_FLOOR", floor)
     monkeypatch.setattr(tables, "VERIFY_MEMORY", 0.0)
@@ -401,7 +406,7 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
     cache = tmp_path / "cache"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     monkeypatch.setattr(inductor, "unavailable", lambda device: None)
-    monkeypatch.setattr(compiled, "ROUND", [_fake_round_failing(_dlopen_failure(cache))])
+    monkeypatch.setattr(compiled, "ROUND", {"cpu": _fake_round_failing(_dlopen_failure(cache))})
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         run_task(compose(["model.dim=4", "steps=6", "n_samples=2", "execution=tree", "compile=true", "progress=false"]))
@@ -418,7 +423,7 @@ def test_a_kernel_that_cannot_be_loaded_exits_3_naming_the_cache(tmp_path, monke
     assert "No space left on device [errno 28]" in str(inductor.classify_compile_error(OSError(errno.ENOSPC, "full")))
     assert str(cache) in str(inductor.classify_compile_error(OSError(errno.EROFS, "ro", str(cache / "ab" / "k.cpp"))))
     assert inductor.classify_compile_error(OSError(errno.EROFS, "ro", str(tmp_path / "elsewhere"))) is None
-    monkeypatch.setattr(compiled, "ROUND", [_fake_round_failing(ValueError("a bug of the round"))])
+    monkeypatch.setattr(compiled, "ROUND", {"cpu": _fake_round_failing(ValueError("a bug of the round"))})
     with pytest.raises(ValueError, match="a bug of the round"):
         sampler.sample_speculative(MODEL, SCHED, DraftTree.uniform(2, 3), "dgrs", 2, execution="tree", compile=True)
 
