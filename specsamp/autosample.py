@@ -261,6 +261,11 @@ def pilot_profile(
     if cond:
         pc = {k: v[torch.arange(trajectories, device=v.device) % v.shape[0]] for k, v in cond.items()}
     timed = Timed(model)
+    stamps: list[tuple[float, float]] = []  # (clock, network seconds so far) after each round
+
+    def stamp(info) -> None:
+        stamps.append((time.perf_counter(), timed.seconds))
+
     t0 = time.perf_counter()
     r = sample_speculative(
         timed,
@@ -273,11 +278,16 @@ def pilot_profile(
         draft=draft,
         max_batch=max_batch,
         execution="tree",
+        callback=stamp,
     )
     seconds = time.perf_counter() - t0
     table = deltas_by_root(r.attempts_by_root.cpu().numpy(), r.accepts_by_root.cpu().numpy(), 1, "dgrs", min_attempts)
     rows = [[float(d) for d in row] for row in table[schedule.first_speculative : schedule.end_speculative]]
+    # a round's own seconds outside the network: the median over consecutive rounds of the time between them less
+    # their network's (the run's fixed work, before the first round and after the last, is left out)
+    gaps = sorted((b[0] - a[0]) - (b[1] - a[1]) for a, b in zip(stamps, stamps[1:]))
     rounds = max(int(r.batch_nfe), 1)
+    host = gaps[len(gaps) // 2] if gaps else max(seconds - timed.seconds, 0.0) / rounds
     cost = {
         "trajectories": trajectories,
         "calls": int(r.batch_nfe) + 2,
@@ -285,7 +295,7 @@ def pilot_profile(
         "seconds": round(seconds, 4),
         "network_seconds": round(timed.seconds, 4),
         # the round's own seconds outside the network, per round, at `depth` drafted states a trajectory
-        "host_ms_per_round": round(1e3 * max(seconds - timed.seconds, 0.0) / rounds, 4),
+        "host_ms_per_round": round(1e3 * max(host, 0.0), 4),
         "depth": min(depth, horizon),
     }
     return rows, cost
@@ -458,8 +468,8 @@ def plan_auto(
                 cache.put_host(ckey, measure_host_cost(schedule, shape, model.dtype, dev, M, coupling=c, draft=draft))
             host_cost[c] = cache.hosts[ckey]
         host_cost = real_rounds(host_cost, cache.pilot_hosts.get(pk))
-    if profile_source != "given":  # a profile is known to the pilot's depth: rounds much deeper are extrapolation
-        admitted = tuple(b for b in admitted if b <= 2 * pilot_depth) or admitted[:1]
+    if profile_source != "given":  # a profile is known to the pilot's depth: deeper rounds would be extrapolation
+        admitted = tuple(b for b in admitted if b <= pilot_depth) or admitted[:1]
     inputs = (
         rows_by_root,
         curve.rows,
@@ -525,8 +535,8 @@ def sample_auto(
             machine per coupling (:func:`specsamp.hostcost.measure_host_cost`), cached.
         delta_profile: per depth, or per root step then per depth; None: cached or piloted.
         cache: an :class:`AutoCache`; None: the process's (:func:`default_cache`).
-        pilot, pilot_depth: the pilot's trajectories and chain length (no round drafts more than twice that from a
-            piloted profile).
+        pilot, pilot_depth: the pilot's trajectories and chain length (no round drafts more than that from a
+            piloted profile: deeper, its acceptance would be extrapolated).
         couplings, budgets, max_width, margin: the candidates (:func:`specsamp.auto.choose`).
         **options: ``prefetch``, ``warmup``, ``evaluate_leaves``, ``check_contract``, ``compile`` for the rounds.
 
