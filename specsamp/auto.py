@@ -253,7 +253,8 @@ def choose(
     The roots are cut into at most ``segments`` contiguous groups, each priced once from its mean profile (rounded to
     ``resolution``; equal profiles are searched once) at the steps its first root has ahead; a later root of the group
     takes that option's tree cut to its own steps ahead, re-priced. So a run of any length is planned in a bounded
-    number of tree searches (at most ``segments x len(budgets)`` per coupling).
+    number of tree searches (at most ``segments x len(budgets)`` per coupling). A root with fewer steps ahead than its
+    tree's depth is priced on the tree cut there, as the sampler cuts it; its option keeps the whole tree.
 
     Raises:
         ValueError: an empty or bad profile (:func:`options_at`).
@@ -291,11 +292,11 @@ def choose(
             pos = profile_positional(mean, coupling)
             for i in seg:
                 o = best
-                if o.tree.max_depth > n_roots - i:
-                    tree = o.tree.restrict(n_roots - i)
-                    rows_i = len(tree) - 1
+                if o.tree.max_depth > n_roots - i:  # priced as the sampler cuts it there (eq. 11); kept whole, so
+                    cut = o.tree.restrict(n_roots - i)  # that the run's rounds share one tree's tables
+                    rows_i = len(cut) - 1
                     seconds = call(batch * rows_i) + host_of(host, coupling)(rows_i)
-                    o = Option(o.name, coupling, tree, expected_steps(tree, pos), seconds)
+                    o = Option(o.name, coupling, o.tree, expected_steps(cut, pos), seconds)
                 plan.append(o)
         plans[coupling] = plan
     rates = {c: plan_rate(p) for c, p in plans.items()}

@@ -170,8 +170,10 @@ TreeRule = DraftTree | Callable[[int], DraftTree]
 
 
 def _trees_by_root(tree: TreeRule, first: int, end: int, coupling: Coupling) -> dict[int, DraftTree]:
-    """``{n: T_n restricted to the steps left}`` for ``first <= n < end``; ``tree(n)`` called once per root,
-    before sampling, so a round's tree is fixed before it drafts (exactness)."""
+    """``{n: T_n}`` for ``first <= n < end``, each cut at the speculative horizon ``end - first``; the round at ``n``
+    is cut at its own steps left by the layout (eq. 11), as a fixed tree's is, so trees that differ only below that
+    share one set of tables. ``tree(n)`` is called once per root, before sampling, so a round's tree is fixed before
+    it drafts (exactness)."""
     out = {}
     for n in range(first, end):
         t = tree(n) if callable(tree) else tree
@@ -182,7 +184,7 @@ def _trees_by_root(tree: TreeRule, first: int, end: int, coupling: Coupling) -> 
             raise ValueError(
                 f"the draft tree{f' of root {n}' if callable(tree) else ''} must draft at least one state (L >= 1)"
             )
-        out[n] = t.restrict(end - n)
+        out[n] = t.restrict(end - first)
     return out
 
 
