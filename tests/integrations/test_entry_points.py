@@ -178,8 +178,13 @@ def test_bad_arguments_are_refused_before_the_first_call(kwargs, needles):
 def test_a_wrong_network_output_is_named_at_the_first_call(out, got):
     model = Denoiser(out)
     with pytest.raises(arguments.ModelOutputError) as e:
-        sample_euler_ancestral(model, X, karras(8), disable=True, seed=0)
+        sample_euler_ancestral(model, X, karras(8), disable=True, seed=0, K=2, L=3)
     _one_paragraph(e.value, got, "expected a floating-point tensor of shape (3, 2, 4, 4)")
+    assert model.calls == 1
+    model = Denoiser(out)  # auto: its first call is its measurement's (or its pilot's), checked alike
+    with pytest.raises(arguments.ModelOutputError) as e:
+        sample_euler_ancestral(model, X, karras(8), disable=True, seed=0)
+    _one_paragraph(e.value, got.split("(")[0], "expected a floating-point tensor of shape (")
     assert model.calls == 1
 
 
