@@ -37,6 +37,7 @@ import math
 import torch
 
 from .. import arguments
+from ..autosample import runs_auto
 from ..coupling import get_coupling
 from ..drafts import get_draft
 from ..errors import ConfigError
@@ -46,7 +47,7 @@ from ..models.pipelines import Conditioning, encode, net_dtype_device, network_c
 from ..rng import MAX_SEED
 from ..schedulers import SchedulerPlan, from_scheduler
 from ..trees import DraftTree
-from .pipeline_args import auto_mode, auto_options, check_call, network_name
+from .pipeline_args import check_call, network_name
 
 KINDS = {
     "DDIMPipeline": "ddim",
@@ -351,7 +352,7 @@ class SpeculativePipeline:
 
         with bar:
             if tree == "auto":
-                from ..autosample import sample_auto
+                from ..autosample import auto_options, sample_auto
 
                 model.cache_key = network_name(self.pipe, self.kind)
                 opts = auto_options(self.options)
@@ -562,7 +563,7 @@ def speculative(
         if not str(e).startswith("num_inference_steps="):
             raise
     tree = options.get("tree")
-    auto = auto_mode(K, L, coupling, tree, options)
+    auto = runs_auto((K, L, coupling, tree) != (None, None, None, None), options)
     named = ("K", "L", "coupling", "draft") + OPTIONS + (AUTO if auto else ())
     arguments.unknown_option("speculative()", options, named)
     options.pop("tree", None)

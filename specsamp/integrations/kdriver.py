@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import arguments
+from ..autosample import runs_auto
 from ..coupling import get_coupling
 from ..drafts import get_draft
 from ..errors import ConfigError
@@ -171,8 +172,8 @@ def sample_with_kernel(
     if coords not in COORDS:
         raise arguments.refuse("coords", coords, f"must be one of {', '.join(COORDS)}")
     named = ("K", "L", "coupling", "draft", "tree", "budget", "execution", "seed", "stats")
-    auto = K is None and L is None and tree is None and budget is None and coupling is None
-    arguments.unknown_option(caller, options, named + PASSED_ON + SEARCH + (AUTO if auto else ()))
+    tree_given = any(v is not None for v in (K, L, tree, budget, coupling))
+    arguments.unknown_option(caller, options, named + PASSED_ON + SEARCH + (() if tree_given else AUTO))
     arguments.function("model", model)
     x = arguments.states("x", x)
     sig = _check_sigmas(sigmas, coords)
@@ -201,7 +202,7 @@ def sample_with_kernel(
         max_batch=passed["max_batch"],
         row_bytes=row_bytes,
     )
-    auto = auto and passed["execution"] == "tree" and not passed["refine"]  # the path or sweeps: the fixed tree
+    auto = runs_auto(tree_given, passed)  # the path or sweeps: the fixed tree
     if auto:
         draft_tree = None
     else:
@@ -237,8 +238,9 @@ def sample_with_kernel(
     report = _Reporter(callback, disable, sigmas, scale, lin, x.dtype, T)
     try:
         if auto:
-            from ..autosample import default_cache, sample_auto
+            from ..autosample import auto_options, sample_auto
 
+            own = {k: v for k, v in options.items() if k in AUTO or k == "delta_profile"}
             res = sample_auto(
                 target,
                 schedule,
@@ -248,10 +250,7 @@ def sample_with_kernel(
                 cond=rows or None,
                 init=init,
                 callback=report.any,
-                max_batch=passed.pop("max_batch"),
-                **{k: v for k, v in passed.items() if k not in ("execution", "refine")},
-                **{k: v for k, v in options.items() if (k in AUTO or k == "delta_profile") and k != "cache"},
-                cache=options.get("cache") or default_cache(persist=True),  # the same seed, the same trees, next time
+                **auto_options({**passed, **own}),
             )
         else:
             res = sample_speculative(

@@ -9,24 +9,6 @@ from .. import arguments
 from ..rng import MAX_SEED
 
 
-def auto_mode(K, L, coupling, tree, options: dict) -> bool:
-    """Whether :func:`~specsamp.integrations.diffusers.speculative` runs ``auto``: no ``K``, ``L``, ``coupling`` or
-    ``tree`` given, and the tree execution without Picard sweeps (what ``auto`` prices)."""
-    given = (K, L, coupling, tree) != (None, None, None, None)
-    return not given and options.get("execution", "tree") == "tree" and not options.get("refine")
-
-
-def auto_options(options: dict) -> dict:
-    """The speculative options as :func:`specsamp.autosample.sample_auto` takes them: without ``execution`` and
-    ``refine`` (it fixes both), with the persistent cache unless one is given (the same seed, the same trees, next
-    time on this machine)."""
-    from ..autosample import default_cache
-
-    opts = {k: v for k, v in options.items() if k not in ("execution", "refine")}
-    opts["cache"] = opts.get("cache") or default_cache(persist=True)
-    return opts
-
-
 def network_name(pipe, kind: str) -> str:
     """The pipeline's network as ``auto`` caches its cost curve and profile: its class and where it was loaded from."""
     net = pipe.unet if kind != "sd3" else pipe.transformer
